@@ -1,0 +1,69 @@
+//! The one place where Rust errors become Python exceptions. The exception classes are defined
+//! in Python (`mori/errors.py`) so users can import and subclass them without the extension.
+
+use pyo3::PyErr;
+
+pyo3::import_exception!(mori.errors, MoriError);
+pyo3::import_exception!(mori.errors, LibraryNotFoundError);
+pyo3::import_exception!(mori.errors, CudaError);
+pyo3::import_exception!(mori.errors, CompileError);
+pyo3::import_exception!(mori.errors, InvalidArgumentError);
+pyo3::import_exception!(mori.errors, BootstrapError);
+pyo3::import_exception!(mori.errors, PeerLostError);
+pyo3::import_exception!(mori.errors, MismatchError);
+pyo3::import_exception!(mori.errors, TimeoutError);
+
+/// Every error a binding can return.
+#[derive(Debug)]
+pub enum Error {
+    Gpu(mori_gpu::Error),
+    Bootstrap(mori_bootstrap::Error),
+    InvalidArgument(String),
+}
+
+impl From<mori_gpu::Error> for Error {
+    fn from(e: mori_gpu::Error) -> Self {
+        Error::Gpu(e)
+    }
+}
+
+impl From<mori_bootstrap::Error> for Error {
+    fn from(e: mori_bootstrap::Error) -> Self {
+        Error::Bootstrap(e)
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<Error> for PyErr {
+    fn from(e: Error) -> PyErr {
+        use mori_bootstrap::Error as B;
+        use mori_gpu::Error as G;
+        match e {
+            Error::Gpu(e) => {
+                let msg = e.to_string();
+                match e {
+                    G::LibraryNotFound { .. } => LibraryNotFoundError::new_err(msg),
+                    G::Driver {
+                        call, code, name, ..
+                    } => CudaError::new_err((msg, call, code, name)),
+                    G::Nvrtc { call, code, .. } => CudaError::new_err((msg, call, code, "NVRTC")),
+                    G::Compile { kernel, log, .. } => CompileError::new_err((msg, kernel, log)),
+                    G::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+                    _ => MoriError::new_err(msg),
+                }
+            }
+            Error::Bootstrap(e) => {
+                let msg = e.to_string();
+                match e {
+                    B::Timeout { .. } => TimeoutError::new_err(msg),
+                    B::PeerLost { .. } | B::RootUnreachable { .. } => PeerLostError::new_err(msg),
+                    B::Mismatch(_) => MismatchError::new_err(msg),
+                    B::InvalidArgument(_) | B::InvalidId(_) => InvalidArgumentError::new_err(msg),
+                    _ => BootstrapError::new_err(msg),
+                }
+            }
+            Error::InvalidArgument(msg) => InvalidArgumentError::new_err(msg),
+        }
+    }
+}

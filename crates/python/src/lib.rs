@@ -1,0 +1,71 @@
+//! `mori._core`: the only crate that sees pyo3. Thin bindings over mori-gpu, mori-bootstrap
+//! and mori-topology; every error crosses into Python through `errors.rs`.
+
+mod bootstrap;
+mod errors;
+mod gpu;
+mod jit;
+
+use pyo3::prelude::*;
+
+/// Routes `tracing` output to stderr, filtered by `MORI_LOG` (default: warnings).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("MORI_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // A host program may already have installed a subscriber; keep theirs then.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Hardware topology as JSON.
+#[pyfunction]
+fn topology_json(py: Python<'_>) -> String {
+    py.detach(|| mori_topology::detect().to_json())
+}
+
+/// Hardware topology as a human-readable report.
+#[pyfunction]
+fn topology_text(py: Python<'_>) -> String {
+    py.detach(|| mori_topology::detect().render_text())
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(bootstrap::get_unique_id, m)?)?;
+    m.add_function(wrap_pyfunction!(bootstrap::unique_id_root_addr, m)?)?;
+    m.add_class::<bootstrap::Bootstrap>()?;
+    m.add_function(wrap_pyfunction!(gpu::driver_version, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::nvrtc_version, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::add_nvrtc_search_dirs, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::device_info, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::can_access_peer, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::enable_peer_access, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::synchronize, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::stream_synchronize, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::memcpy_htod, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::memcpy_dtoh, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::copy_engine_async, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::copy_kernel_async, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::ipc_export, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::stream_write_value32, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::stream_wait_value32, m)?)?;
+    m.add_class::<gpu::DeviceBuffer>()?;
+    m.add_class::<gpu::PinnedBuffer>()?;
+    m.add_class::<gpu::GatherScatter>()?;
+    m.add_class::<gpu::Stream>()?;
+    m.add_class::<gpu::Event>()?;
+    m.add_class::<gpu::IpcMapping>()?;
+    m.add_class::<gpu::VmmAllocation>()?;
+    m.add_function(wrap_pyfunction!(jit::jit_cache_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(jit::kernel_variants, m)?)?;
+    m.add_function(wrap_pyfunction!(jit::compile_variant, m)?)?;
+    m.add_function(wrap_pyfunction!(jit::compile_source, m)?)?;
+    m.add_function(wrap_pyfunction!(topology_json, m)?)?;
+    m.add_function(wrap_pyfunction!(topology_text, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,79 @@
+"""The ``mori`` command: ``check``, ``demo``, ``precompile``, ``bench p2p``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _check(args: argparse.Namespace) -> int:
+    from mori import check
+
+    report = check.gather()
+    print(json.dumps(report, indent=2) if args.json else check.render(report))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from mori import demo
+
+    return demo.main(ranks=args.ranks)
+
+
+def _precompile(args: argparse.Namespace) -> int:
+    from mori import jit
+
+    archs = args.arch or jit.local_archs()
+    results = jit.precompile(archs, cache_dir=args.cache_dir, jobs=args.jobs, progress=not args.quiet)
+    fresh = sum(not r["from_cache"] for r in results)
+    print(f"{len(results)} kernel variants ready for {', '.join(archs)} ({fresh} compiled, {len(results) - fresh} cached) in {args.cache_dir or jit.cache_dir()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mori", description="mori: GPU communication for LLM stacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check", help="show driver, GPUs, NVLink, NICs, NVRTC and the JIT cache")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_check)
+
+    p = sub.add_parser("demo", help="check + JIT + bootstrap between local processes + a P2P copy if GPUs are present")
+    p.add_argument("--ranks", type=int, default=4, help="local processes for the bootstrap demo")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("precompile", help="compile every kernel variant into the JIT cache")
+    p.add_argument("--arch", action="append", help="target such as sm_90 (repeatable; default: local GPUs, else sm_90)")
+    p.add_argument("--cache-dir", help="cache folder (default: MORI_JIT_CACHE_DIR or ~/.cache/mori/jit)")
+    p.add_argument("--jobs", type=int, help="parallel compilations (default: CPU count)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_precompile)
+
+    p = sub.add_parser("bench", help="benchmarks (print mori beside a baseline, write JSON)")
+    bench = p.add_subparsers(dest="bench", required=True)
+    from mori.bench import p2p
+
+    bp = bench.add_parser("p2p", help="GPU0→GPU1 copies: copy engine vs mori's SM copy kernel")
+    p2p.add_arguments(bp)
+    bp.set_defaults(func=p2p.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        from mori.errors import MoriError
+
+        if isinstance(e, MoriError):
+            print(f"mori: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

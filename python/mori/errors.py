@@ -1,0 +1,79 @@
+"""mori's exception hierarchy.
+
+Every error raised by mori is a :class:`MoriError`. The Rust core raises these classes directly
+(one mapping in ``crates/python/src/errors.rs``), so they can be caught without importing the
+extension module.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+
+class MoriError(Exception):
+    """Base class of every mori error."""
+
+
+class LibraryNotFoundError(MoriError):
+    """A shared library mori needs (the NVIDIA driver's libcuda, NVRTC) could not be loaded.
+
+    The message names the library, where it was searched for and how to install it.
+    """
+
+
+class CudaError(MoriError):
+    """A CUDA driver or NVRTC call failed.
+
+    Attributes:
+        call: the API function that failed, e.g. ``"cuMemAlloc"``.
+        code: its numeric status.
+        name: the status name, e.g. ``"CUDA_ERROR_OUT_OF_MEMORY"``.
+    """
+
+    def __init__(self, message: str, call: str | None = None, code: int | None = None, name: str | None = None):
+        super().__init__(message)
+        self.call = call
+        self.code = code
+        self.name = name
+
+
+class CompileError(MoriError):
+    """NVRTC rejected a kernel. ``log`` holds the compiler output, ``kernel`` the kernel name."""
+
+    def __init__(self, message: str, kernel: str | None = None, log: str = ""):
+        super().__init__(message)
+        self.kernel = kernel
+        self.log = log
+
+
+class InvalidArgumentError(MoriError, ValueError):
+    """An argument was out of range or inconsistent (also a ``ValueError``)."""
+
+
+class BootstrapError(MoriError):
+    """Rendezvous or a bootstrap collective failed."""
+
+
+class PeerLostError(BootstrapError):
+    """A rank (or the rendezvous root) disconnected or died."""
+
+
+class MismatchError(BootstrapError):
+    """Ranks disagreed: different operations, roots, world sizes, or a duplicate rank."""
+
+
+class TimeoutError(MoriError, builtins.TimeoutError):  # noqa: A001 - deliberately mirrors the builtin
+    """An operation did not complete within its timeout (also a builtin ``TimeoutError``)."""
+
+
+__all__ = [
+    "MoriError",
+    "LibraryNotFoundError",
+    "CudaError",
+    "CompileError",
+    "InvalidArgumentError",
+    "BootstrapError",
+    "PeerLostError",
+    "MismatchError",
+    "TimeoutError",
+]

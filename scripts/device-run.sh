@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (the device tool), from the repository root:
+#   bash scripts/device-run.sh [step ...]      steps: check tests bench:<name>[:args] precompile
+# Installs the wheel built by scripts/build-wheel.sh (carried in .device/) into a scratch
+# folder, then runs each step, writing logs and JSON under $OUT (or ./device-out).
+# The wheel holds the Python package too: rebuild it after changing python/, not only crates/.
+set -uo pipefail
+# NVLink multicast must never be used on the shared host.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+SITE=/tmp/mori-site
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --upgrade .device/wheels/mori-*.whl \
+  || { echo "wheel install failed (run scripts/build-wheel.sh here and carry .device)"; exit 1; }
+export PYTHONPATH="$SITE:$PWD"
+export MORI_JIT_CACHE_DIR=${MORI_JIT_CACHE_DIR:-/tmp/mori-jit}
+[ $# -gt 0 ] || set -- check tests
+status=0
+for step in "$@"; do
+  echo "=== $step ==="
+  case "$step" in
+    check)
+      nvidia-smi topo -m 2>&1 | tee "$OUT/nvidia-smi-topo.txt"
+      python3 -m mori check 2>&1 | tee "$OUT/check.txt" || status=1 ;;
+    precompile)
+      python3 -m mori precompile 2>&1 | tee "$OUT/precompile.txt" || status=1 ;;
+    tests)
+      python3 -m pytest tests -rs -q -p no:cacheprovider --timeout 90 --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    tests:*)
+      python3 -m pytest -rs -q -p no:cacheprovider --timeout 90 ${step#tests:} 2>&1 | tee -a "$OUT/pytest.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    bench:*)
+      spec=${step#bench:}; name=${spec%%:*}; args=""; [ "$spec" != "$name" ] && args=${spec#*:}
+      python3 -m mori bench "$name" --out "$OUT" ${args//,/ } 2>&1 | tee "$OUT/bench-$name.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+done
+exit $status

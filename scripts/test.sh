@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The test command (README, and CI through .ci/run). On a fresh machine it creates .venv with
+# what the tests need, then runs the Rust tests, builds the extension and runs the Python tests.
+# GPU tests are skipped, with the reason, where no GPU is visible.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=never
+
+step() { printf '\n=== %s ===\n' "$*"; }
+
+step "python environment (.venv)"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# NVRTC from PyPI lets CI compile every kernel without a GPU or a CUDA toolkit.
+.venv/bin/python -m pip install -q "maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "nvidia-cuda-nvrtc==13.0.*"
+
+step "rust: format and lints"
+if cargo fmt --version >/dev/null 2>&1; then cargo fmt --all --check; fi
+if cargo clippy --version >/dev/null 2>&1; then cargo clippy --workspace --all-targets --quiet -- -D warnings; fi
+
+step "rust: unit and integration tests"
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast
+else
+  cargo test --workspace
+fi
+
+step "python: build the extension into .venv"
+VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
+
+step "python: tests"
+# pytest exits 5 when it collected nothing: that is a failure here, like any non-zero status.
+.venv/bin/python -m pytest tests -rs -q -p no:cacheprovider
