@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the device tool), from the repository root:
-#   bash scripts/device-run.sh [step ...]      steps: check tests bench:<name>[:args] precompile
+#   bash scripts/device-run.sh [step ...]      steps: check demo precompile tests tests:<args> bench:<name>[:args]
 # Installs the wheel built by scripts/build-wheel.sh (carried in .device/) into a scratch
 # folder, then runs each step, writing logs and JSON under $OUT (or ./device-out).
 # The wheel holds the Python package too: rebuild it after changing python/, not only crates/.
@@ -23,6 +23,9 @@ for step in "$@"; do
     check)
       nvidia-smi topo -m 2>&1 | tee "$OUT/nvidia-smi-topo.txt"
       python3 -m mori check 2>&1 | tee "$OUT/check.txt" || status=1 ;;
+    demo)
+      python3 -m mori demo 2>&1 | tee "$OUT/demo.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     precompile)
       python3 -m mori precompile 2>&1 | tee "$OUT/precompile.txt" || status=1 ;;
     tests)

@@ -68,6 +68,17 @@ def test_user_source_can_include_the_device_header(tmp_path):
     assert jit.compile_source("user.cu", src, "sm_90", tmp_path)["cubin_bytes"] > 0
 
 
+_USER_KERNELS = sorted((Path(__file__).parent / "kernels").glob("*.cu")) + sorted(
+    (Path(jit.__file__).parent / "bench").glob("*.cu")
+)
+
+
+@pytest.mark.parametrize("path", _USER_KERNELS, ids=lambda p: p.name)
+def test_test_kernels_compile(path, tmp_path):
+    # Kernels compiled at run time by the GPU tests and benchmarks must compile wherever CI runs.
+    assert jit.compile_source(path.name, path.read_text(), "sm_90", tmp_path)["cubin_bytes"] > 0
+
+
 def test_precompile_cli_fills_the_cache(tmp_path):
     cmd = [sys.executable, "-m", "mori", "precompile", "--arch", "sm_90", "--cache-dir", str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ})

@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     bp = bench.add_parser("p2p", help="GPU0→GPU1 copies: copy engine vs mori's SM copy kernel")
     p2p.add_arguments(bp)
     bp.set_defaults(func=p2p.main)
+    from mori.bench import shmem as shmem_bench
+
+    bp = bench.add_parser("shmem", help="GPU-initiated put/get bandwidth, put+signal round trip, get latency")
+    shmem_bench.add_arguments(bp)
+    bp.set_defaults(func=shmem_bench.main)
     return parser
 
 

@@ -58,8 +58,13 @@ class PeerLostError(BootstrapError):
     """A rank (or the rendezvous root) disconnected or died."""
 
 
-class MismatchError(BootstrapError):
-    """Ranks disagreed: different operations, roots, world sizes, or a duplicate rank."""
+class MismatchError(MoriError):
+    """Ranks disagreed: different collective operations or arguments (bootstrap ops and roots,
+    world sizes, a duplicate rank, shmem allocation sizes)."""
+
+
+class OutOfMemoryError(MoriError, MemoryError):
+    """A heap (e.g. the symmetric heap) cannot hold the request; the message gives its sizes."""
 
 
 class TimeoutError(MoriError, builtins.TimeoutError):  # noqa: A001 - deliberately mirrors the builtin
@@ -75,5 +80,6 @@ __all__ = [
     "BootstrapError",
     "PeerLostError",
     "MismatchError",
+    "OutOfMemoryError",
     "TimeoutError",
 ]

@@ -239,7 +239,7 @@ class Event:
 
 def _address(obj: Any, nbytes: int | None, device: int | None) -> tuple[int, int | None, int]:
     """(address, size in bytes or None if unknown, device ordinal) of a memory argument."""
-    if isinstance(obj, _Memory):
+    if isinstance(obj, _Memory) or hasattr(obj, "__mori_memory__"):
         return obj.ptr, obj.nbytes, obj.device
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):

@@ -30,7 +30,8 @@ const ELF_MAGIC: &[u8] = b"\x7fELF";
 /// One compilable configuration of a kernel source file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KernelSpec {
-    /// Variant name, unique among variants, e.g. `copy/unroll4`.
+    /// Variant name, e.g. `copy/unroll4`. Within a process a name stands for one rendered
+    /// source: loaded modules are looked up by name, so different code needs a different name.
     pub name: String,
     /// Source path relative to `kernels/` (e.g. `copy/copy.cu`), or a user-chosen name.
     pub file: Cow<'static, str>,
@@ -288,38 +289,88 @@ impl Function {
     }
 }
 
-/// A loaded module. Modules are never unloaded: the set of variants is small and fixed.
-struct LoadedModule(sys::CUmodule);
-// SAFETY: module handles are process-global.
-unsafe impl Send for LoadedModule {}
+/// A module loaded on one device. Modules are never unloaded: the set of variants is small
+/// and fixed, and user kernels are few.
+#[derive(Debug, Clone, Copy)]
+pub struct Module {
+    device: Device,
+    raw: sys::CUmodule,
+}
+// SAFETY: module handles are process-global and immutable once loaded.
+unsafe impl Send for Module {}
+// SAFETY: as above.
+unsafe impl Sync for Module {}
 
-/// Compiles (or finds) `spec` for `device` and returns its entry point `entry`, loading the
-/// module into the device's context once per process.
-pub fn function(device: Device, spec: &KernelSpec, entry: &str) -> Result<Function> {
-    static MODULES: OnceLock<Mutex<HashMap<(usize, String), LoadedModule>>> = OnceLock::new();
-    let modules = MODULES.get_or_init(|| Mutex::new(HashMap::new()));
-    let arch = device.arch()?;
-    let lookup = (device.ordinal(), format!("{}@{arch}", spec.name));
-    let mut table = modules.lock().map_err(|_| poisoned())?;
-    if !table.contains_key(&lookup) {
-        let compiled = compile(spec, &arch)?;
-        device.bind()?;
-        let mut module = std::ptr::null_mut();
-        // SAFETY: the cubin is a complete ELF image that outlives the call.
-        check("cuModuleLoadData", unsafe {
-            sys::cuModuleLoadData(&mut module, compiled.cubin.as_ptr() as *const c_void)
-        })?;
-        table.insert(lookup.clone(), LoadedModule(module));
+impl PartialEq for Module {
+    fn eq(&self, other: &Self) -> bool {
+        self.raw == other.raw
     }
-    let module = table.get(&lookup).map(|m| m.0).ok_or_else(poisoned)?;
-    let c_entry = std::ffi::CString::new(entry)
-        .map_err(|_| Error::InvalidArgument("entry name contains NUL".into()))?;
+}
+impl Eq for Module {}
+impl std::hash::Hash for Module {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        (self.raw as usize).hash(state);
+    }
+}
+
+impl Module {
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The kernel `entry` (an `extern "C"` name).
+    pub fn function(&self, entry: &str) -> Result<Function> {
+        let c_entry = std::ffi::CString::new(entry)
+            .map_err(|_| Error::InvalidArgument("entry name contains NUL".into()))?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: the module is loaded; writes one function handle.
+        check("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(&mut raw, self.raw, c_entry.as_ptr())
+        })?;
+        Ok(Function {
+            device: self.device,
+            raw,
+        })
+    }
+
+    /// Device address and size of the global variable `name`, or None if the module has none.
+    pub fn global(&self, name: &str) -> Result<Option<(u64, usize)>> {
+        let c_name = std::ffi::CString::new(name)
+            .map_err(|_| Error::InvalidArgument("global name contains NUL".into()))?;
+        let (mut ptr, mut size) = (0u64, 0usize);
+        // SAFETY: the module is loaded; writes an address and a size.
+        match unsafe { sys::cuModuleGetGlobal_v2(&mut ptr, &mut size, self.raw, c_name.as_ptr()) } {
+            sys::CUresult::CUDA_ERROR_NOT_FOUND => Ok(None),
+            status => check("cuModuleGetGlobal", status).map(|()| Some((ptr, size))),
+        }
+    }
+}
+
+/// Compiles (or finds) `spec` for `device` and loads it once per process and device.
+pub fn load(device: Device, spec: &KernelSpec) -> Result<Module> {
+    static MODULES: OnceLock<Mutex<HashMap<(usize, String), Module>>> = OnceLock::new();
+    let modules = MODULES.get_or_init(|| Mutex::new(HashMap::new()));
+    // A variant's name identifies its code (see KernelSpec::name), so launches skip rendering.
+    let lookup = (device.ordinal(), spec.name.clone());
+    let mut table = modules.lock().map_err(|_| poisoned())?;
+    if let Some(module) = table.get(&lookup) {
+        return Ok(*module);
+    }
+    let compiled = compile(spec, &device.arch()?)?;
+    device.bind()?;
     let mut raw = std::ptr::null_mut();
-    // SAFETY: module is loaded; writes one function handle.
-    check("cuModuleGetFunction", unsafe {
-        sys::cuModuleGetFunction(&mut raw, module, c_entry.as_ptr())
+    // SAFETY: the cubin is a complete ELF image that outlives the call.
+    check("cuModuleLoadData", unsafe {
+        sys::cuModuleLoadData(&mut raw, compiled.cubin.as_ptr() as *const c_void)
     })?;
-    Ok(Function { device, raw })
+    let module = Module { device, raw };
+    table.insert(lookup, module);
+    Ok(module)
+}
+
+/// Compiles (or finds) `spec` for `device` and returns its entry point `entry`.
+pub fn function(device: Device, spec: &KernelSpec, entry: &str) -> Result<Function> {
+    load(device, spec)?.function(entry)
 }
 
 #[cfg(test)]

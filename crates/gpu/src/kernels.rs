@@ -1,5 +1,5 @@
 //! mori's own kernels: the embedded sources, every variant the JIT may build, and typed
-//! launchers. New kernel families add their file to [`SOURCES`] and their variants to
+//! launchers. A new kernel file gets a `*_SRC` constant, a spec function, and an entry in
 //! [`variants`].
 
 use std::ffi::c_void;
@@ -15,34 +15,22 @@ use crate::memory::{DeviceBuffer, PinnedBuffer};
 use crate::stream::{Event, StreamHandle};
 
 /// Headers every kernel may include, by include name.
-pub const HEADERS: &[(&str, &str)] = &[(
-    "mori_device.cuh",
-    include_str!("../../../kernels/common/mori_device.cuh"),
-)];
-
-/// Kernel sources by path under `kernels/`.
-pub const SOURCES: &[(&str, &str)] = &[
+pub const HEADERS: &[(&str, &str)] = &[
     (
-        "copy/copy.cu",
-        include_str!("../../../kernels/copy/copy.cu"),
+        "mori_device.cuh",
+        include_str!("../../../kernels/common/mori_device.cuh"),
     ),
     (
-        "copy/copy_bulk.cu",
-        include_str!("../../../kernels/copy/copy_bulk.cu"),
-    ),
-    (
-        "copy/gather_scatter.cu",
-        include_str!("../../../kernels/copy/gather_scatter.cu"),
+        "mori_shmem.cuh",
+        include_str!("../../../kernels/shmem/mori_shmem.cuh"),
     ),
 ];
 
-fn source(file: &'static str) -> &'static str {
-    SOURCES
-        .iter()
-        .find(|(f, _)| *f == file)
-        .map(|(_, s)| *s)
-        .unwrap_or("")
-}
+// Kernel sources, embedded. Each is named once here and used by its spec functions below.
+const COPY_SRC: &str = include_str!("../../../kernels/copy/copy.cu");
+const COPY_BULK_SRC: &str = include_str!("../../../kernels/copy/copy_bulk.cu");
+const GATHER_SCATTER_SRC: &str = include_str!("../../../kernels/copy/gather_scatter.cu");
+const SHMEM_BARRIER_SRC: &str = include_str!("../../../kernels/shmem/barrier.cu");
 
 /// Unroll depths the copy kernel is built with.
 pub const COPY_UNROLLS: [u32; 3] = [2, 4, 8];
@@ -54,7 +42,7 @@ fn copy_spec(unroll: u32) -> KernelSpec {
     KernelSpec {
         name: format!("copy/unroll{unroll}"),
         file: "copy/copy.cu".into(),
-        source: source("copy/copy.cu").into(),
+        source: COPY_SRC.into(),
         defines: vec![("MORI_COPY_UNROLL".into(), unroll.to_string())],
     }
 }
@@ -69,7 +57,7 @@ fn copy_bulk_spec() -> KernelSpec {
     KernelSpec {
         name: "copy/bulk".into(),
         file: "copy/copy_bulk.cu".into(),
-        source: source("copy/copy_bulk.cu").into(),
+        source: COPY_BULK_SRC.into(),
         defines: vec![
             ("MORI_BULK_CHUNK".into(), BULK_CHUNK.to_string()),
             ("MORI_BULK_STAGES".into(), BULK_STAGES.to_string()),
@@ -81,11 +69,21 @@ fn gather_scatter_spec() -> KernelSpec {
     KernelSpec {
         name: "copy/gather_scatter".into(),
         file: "copy/gather_scatter.cu".into(),
-        source: source("copy/gather_scatter.cu").into(),
+        source: GATHER_SCATTER_SRC.into(),
         defines: vec![
             ("MORI_GS_CHUNK".into(), format!("{GATHER_SCATTER_CHUNK}ull")),
             ("MORI_GS_UNROLL".into(), GATHER_SCATTER_UNROLL.to_string()),
         ],
+    }
+}
+
+/// The on-stream barrier of mori.shmem.
+pub fn shmem_barrier_spec() -> KernelSpec {
+    KernelSpec {
+        name: "shmem/barrier".into(),
+        file: "shmem/barrier.cu".into(),
+        source: SHMEM_BARRIER_SRC.into(),
+        defines: Vec::new(),
     }
 }
 
@@ -94,6 +92,7 @@ pub fn variants() -> Vec<KernelSpec> {
     let mut all: Vec<KernelSpec> = COPY_UNROLLS.iter().map(|&u| copy_spec(u)).collect();
     all.push(copy_bulk_spec());
     all.push(gather_scatter_spec());
+    all.push(shmem_barrier_spec());
     all
 }
 
@@ -103,6 +102,63 @@ pub struct LaunchConfig {
     pub grid: u32,
     pub block: u32,
     pub shared_mem_bytes: u32,
+}
+
+/// Shared memory a block gets without opting in through cuFuncSetAttribute.
+const DEFAULT_SHARED_LIMIT: u32 = 48 * 1024;
+
+/// Launches `function` with its parameters packed in `params` (each at its natural alignment,
+/// as the C ABI lays out the parameter list). Raises the function's dynamic shared-memory limit
+/// when the launch asks for more than 48 KiB.
+///
+/// # Safety
+/// `params` must match the kernel's parameter list, and every pointer the kernel dereferences
+/// must stay valid until it has run.
+pub unsafe fn launch_packed(
+    function: Function,
+    cfg: LaunchConfig,
+    stream: StreamHandle,
+    params: &mut [u8],
+) -> Result<()> {
+    if cfg.grid == 0 || cfg.block == 0 || cfg.block > 1024 {
+        return Err(Error::InvalidArgument(format!(
+            "invalid launch shape: grid {} block {}",
+            cfg.grid, cfg.block
+        )));
+    }
+    function.device().bind()?;
+    if cfg.shared_mem_bytes > DEFAULT_SHARED_LIMIT {
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        // SAFETY: valid function handle of the bound context.
+        check("cuFuncSetAttribute", unsafe {
+            sys::cuFuncSetAttribute(function.raw(), attr, cfg.shared_mem_bytes as i32)
+        })?;
+    }
+    let mut size = params.len();
+    let mut extra = [
+        sys::CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT as usize as *mut c_void,
+        params.as_mut_ptr() as *mut c_void,
+        sys::CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT as usize as *mut c_void,
+        &mut size as *mut usize as *mut c_void,
+        sys::CU_LAUNCH_PARAM_END_AS_INT as usize as *mut c_void,
+    ];
+    // SAFETY: the caller guarantees the packed parameters; `extra` follows the driver's format.
+    let status = unsafe {
+        sys::cuLaunchKernel(
+            function.raw(),
+            cfg.grid,
+            1,
+            1,
+            cfg.block,
+            1,
+            1,
+            cfg.shared_mem_bytes,
+            stream.raw() as sys::CUstream,
+            std::ptr::null_mut(),
+            extra.as_mut_ptr(),
+        )
+    };
+    check("cuLaunchKernel", status)
 }
 
 /// Launches `function` with the kernel parameters `args` (pointers to each argument's value).

@@ -27,4 +27,4 @@ pub use memory::{
 pub use stream::{
     Event, Stream, StreamHandle, WaitCondition, stream_wait_value32, stream_write_value32,
 };
-pub use vmm::{VmmAllocation, granularity as vmm_granularity};
+pub use vmm::{Mapping, PhysicalMemory, VaRange, VmmAllocation, granularity as vmm_granularity};

@@ -13,17 +13,6 @@ use crate::driver::check;
 use crate::error::{Error, Result};
 use crate::fdpass;
 
-/// Physical memory mapped at a reserved virtual range, owned or imported; unmapped on drop.
-#[derive(Debug)]
-pub struct VmmAllocation {
-    device: Device,
-    /// Device whose memory holds the bytes.
-    owner_ordinal: usize,
-    handle: sys::CUmemGenericAllocationHandle,
-    va: u64,
-    size: usize,
-}
-
 fn allocation_prop(owner: Device) -> sys::CUmemAllocationProp {
     // SAFETY: CUmemAllocationProp is a plain C struct; all-zero is its documented default.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
@@ -47,31 +36,74 @@ pub fn granularity(device: Device) -> Result<usize> {
     Ok(g)
 }
 
-impl VmmAllocation {
-    /// Allocates at least `len` bytes on `device` (rounded up to the granularity), mapped and
-    /// accessible from `device`.
-    pub fn new(device: Device, len: usize) -> Result<Self> {
-        if len == 0 {
-            return Err(Error::InvalidArgument(
-                "cannot allocate 0 bytes of VMM memory".into(),
-            ));
+/// A reserved range of device virtual addresses (no memory behind it); freed on drop.
+#[derive(Debug)]
+pub struct VaRange {
+    base: u64,
+    size: usize,
+}
+
+impl VaRange {
+    /// Reserves `size` bytes of VA aligned to `alignment` (0 = the driver's default).
+    pub fn reserve(size: usize, alignment: usize) -> Result<Self> {
+        let mut base = 0u64;
+        // SAFETY: writes one address.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut base, size, alignment, 0, 0)
+        })?;
+        Ok(Self { base, size })
+    }
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+    pub fn len(&self) -> usize {
+        self.size
+    }
+    pub fn is_empty(&self) -> bool {
+        self.size == 0
+    }
+}
+
+impl Drop for VaRange {
+    fn drop(&mut self) {
+        // SAFETY: the range was reserved by us and is freed once (mappings inside it drop first).
+        if let Err(e) = check("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(self.base, self.size)
+        }) {
+            tracing::warn!("freeing VA range {:#x}: {e}", self.base);
         }
+    }
+}
+
+/// Physical device memory (exportable as a file descriptor), created here or imported; released
+/// on drop (the memory itself lives until every process that maps it has released it).
+#[derive(Debug)]
+pub struct PhysicalMemory {
+    handle: sys::CUmemGenericAllocationHandle,
+    size: usize,
+    /// Device whose memory holds the bytes, in this process's numbering.
+    owner_ordinal: usize,
+}
+
+impl PhysicalMemory {
+    /// Creates `size` bytes (a multiple of [`granularity`]) on `device`.
+    pub fn create(device: Device, size: usize) -> Result<Self> {
         device.bind()?;
-        let g = granularity(device)?;
-        let size = len.div_ceil(g) * g;
         let prop = allocation_prop(device);
         let mut handle = 0;
         // SAFETY: writes one handle; prop is fully initialised.
         check("cuMemCreate", unsafe {
             sys::cuMemCreate(&mut handle, size, &prop, 0)
         })?;
-        Self::map(device, device.ordinal(), handle, size)
+        Ok(Self {
+            handle,
+            size,
+            owner_ordinal: device.ordinal(),
+        })
     }
 
-    /// Imports memory exported by another process as `fd` (`len` bytes, held on the device with
-    /// ordinal `owner_ordinal` in *this* process's numbering) and maps it for `device`.
-    pub fn import(device: Device, fd: OwnedFd, len: usize, owner_ordinal: usize) -> Result<Self> {
-        device.bind()?;
+    /// Imports memory another process exported as `fd` (`size` bytes on `owner_ordinal`).
+    pub fn import(fd: OwnedFd, size: usize, owner_ordinal: usize) -> Result<Self> {
         let mut handle = 0;
         let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
         // SAFETY: for POSIX FDs the driver takes the descriptor value itself as the handle.
@@ -85,39 +117,75 @@ impl VmmAllocation {
         check("cuMemImportFromShareableHandle", imported)?;
         // The driver holds its own reference now; our copy of the descriptor can close.
         drop(fd);
-        Self::map(device, owner_ordinal, handle, len)
+        Ok(Self {
+            handle,
+            size,
+            owner_ordinal,
+        })
     }
 
-    /// Reserves a VA range, maps `handle` there and grants `device` read/write access.
-    /// Releases the handle on failure.
-    fn map(
-        device: Device,
-        owner_ordinal: usize,
-        handle: sys::CUmemGenericAllocationHandle,
-        size: usize,
-    ) -> Result<Self> {
-        let mut va = 0u64;
-        // SAFETY: writes one address; size is a multiple of the granularity.
-        let reserved = check("cuMemAddressReserve", unsafe {
-            sys::cuMemAddressReserve(&mut va, size, 0, 0, 0)
-        });
-        if let Err(e) = reserved {
-            // SAFETY: handle is ours and unmapped.
-            unsafe { sys::cuMemRelease(handle) };
-            return Err(e);
-        }
-        // Built now so that Drop undoes whatever part of the mapping succeeded.
-        let alloc = Self {
-            device,
-            owner_ordinal,
-            handle,
-            va,
-            size,
+    /// A POSIX file descriptor another process can import.
+    pub fn export_fd(&self) -> Result<OwnedFd> {
+        let mut raw: i32 = -1;
+        let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        // SAFETY: for POSIX FDs the driver writes an int descriptor to the out-pointer.
+        let status = unsafe {
+            sys::cuMemExportToShareableHandle(
+                &mut raw as *mut i32 as *mut c_void,
+                self.handle,
+                kind,
+                0,
+            )
         };
-        // SAFETY: va..va+size is reserved by us and handle covers size bytes.
-        check("cuMemMap", unsafe { sys::cuMemMap(va, size, 0, handle, 0) })?;
-        alloc.grant_access(&[device])?;
-        Ok(alloc)
+        check("cuMemExportToShareableHandle", status)?;
+        // SAFETY: the driver created this descriptor for us; we now own it.
+        Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+    }
+
+    pub fn len(&self) -> usize {
+        self.size
+    }
+    pub fn is_empty(&self) -> bool {
+        self.size == 0
+    }
+    pub fn owner_ordinal(&self) -> usize {
+        self.owner_ordinal
+    }
+}
+
+impl Drop for PhysicalMemory {
+    fn drop(&mut self) {
+        // SAFETY: the handle is ours and released once, after its mappings (which drop first).
+        if let Err(e) = check("cuMemRelease", unsafe { sys::cuMemRelease(self.handle) }) {
+            tracing::warn!("releasing physical memory: {e}");
+        }
+    }
+}
+
+/// `memory` mapped at `va`; unmapped on drop.
+#[derive(Debug)]
+pub struct Mapping {
+    va: u64,
+    size: usize,
+}
+
+impl Mapping {
+    /// Maps all of `memory` at `va` and grants each of `access` read/write access.
+    ///
+    /// # Safety
+    /// `va .. va + memory.len()` must lie inside a [`VaRange`] that outlives the mapping and must
+    /// not be mapped already.
+    pub unsafe fn new(va: u64, memory: &PhysicalMemory, access: &[Device]) -> Result<Self> {
+        // SAFETY: guaranteed by the caller; the handle covers memory.len() bytes.
+        check("cuMemMap", unsafe {
+            sys::cuMemMap(va, memory.size, 0, memory.handle, 0)
+        })?;
+        let mapping = Self {
+            va,
+            size: memory.size,
+        };
+        mapping.grant_access(access)?;
+        Ok(mapping)
     }
 
     /// Grants read/write access to the mapping for each of `devices`.
@@ -139,22 +207,78 @@ impl VmmAllocation {
         })
     }
 
+    pub fn va(&self) -> u64 {
+        self.va
+    }
+    pub fn len(&self) -> usize {
+        self.size
+    }
+    pub fn is_empty(&self) -> bool {
+        self.size == 0
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the range was mapped by Mapping::new and is unmapped once.
+        if let Err(e) = check("cuMemUnmap", unsafe { sys::cuMemUnmap(self.va, self.size) }) {
+            tracing::warn!("unmapping {:#x}: {e}", self.va);
+        }
+    }
+}
+
+/// Exportable device memory at its own VA range: one [`PhysicalMemory`] in one [`Mapping`].
+#[derive(Debug)]
+pub struct VmmAllocation {
+    device: Device,
+    // Drop order matters: unmap, then release the memory, then free the VA.
+    mapping: Mapping,
+    memory: PhysicalMemory,
+    _range: VaRange,
+}
+
+impl VmmAllocation {
+    /// Allocates at least `len` bytes on `device` (rounded up to the granularity), mapped and
+    /// accessible from `device`.
+    pub fn new(device: Device, len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "cannot allocate 0 bytes of VMM memory".into(),
+            ));
+        }
+        device.bind()?;
+        let g = granularity(device)?;
+        Self::map(device, PhysicalMemory::create(device, len.div_ceil(g) * g)?)
+    }
+
+    /// Imports memory exported by another process as `fd` (`len` bytes, held on the device with
+    /// ordinal `owner_ordinal` in *this* process's numbering) and maps it for `device`.
+    pub fn import(device: Device, fd: OwnedFd, len: usize, owner_ordinal: usize) -> Result<Self> {
+        device.bind()?;
+        Self::map(device, PhysicalMemory::import(fd, len, owner_ordinal)?)
+    }
+
+    fn map(device: Device, memory: PhysicalMemory) -> Result<Self> {
+        let range = VaRange::reserve(memory.len(), 0)?;
+        // SAFETY: the range was just reserved for exactly this memory and outlives the mapping
+        // (field order in VmmAllocation).
+        let mapping = unsafe { Mapping::new(range.base(), &memory, &[device])? };
+        Ok(Self {
+            device,
+            mapping,
+            memory,
+            _range: range,
+        })
+    }
+
+    /// Grants read/write access to the mapping for each of `devices`.
+    pub fn grant_access(&self, devices: &[Device]) -> Result<()> {
+        self.mapping.grant_access(devices)
+    }
+
     /// Exports the physical memory as a POSIX file descriptor another process can import.
     pub fn export_fd(&self) -> Result<OwnedFd> {
-        let mut raw: i32 = -1;
-        let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-        // SAFETY: for POSIX FDs the driver writes an int descriptor to the out-pointer.
-        let status = unsafe {
-            sys::cuMemExportToShareableHandle(
-                &mut raw as *mut i32 as *mut c_void,
-                self.handle,
-                kind,
-                0,
-            )
-        };
-        check("cuMemExportToShareableHandle", status)?;
-        // SAFETY: the driver created this descriptor for us; we now own it.
-        Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+        self.memory.export_fd()
     }
 
     /// Sends this allocation to the one process that calls [`receive`](Self::receive) on `path`.
@@ -163,7 +287,7 @@ impl VmmAllocation {
         fdpass::serve_fd(
             path,
             fd.as_raw_fd(),
-            &(self.size as u64).to_le_bytes(),
+            &(self.len() as u64).to_le_bytes(),
             timeout,
         )
     }
@@ -187,38 +311,18 @@ impl VmmAllocation {
     }
 
     pub fn ptr(&self) -> u64 {
-        self.va
+        self.mapping.va()
     }
     pub fn len(&self) -> usize {
-        self.size
+        self.memory.len()
     }
     pub fn is_empty(&self) -> bool {
-        self.size == 0
+        self.len() == 0
     }
     pub fn device(&self) -> Device {
         self.device
     }
     pub fn owner_ordinal(&self) -> usize {
-        self.owner_ordinal
-    }
-}
-
-impl Drop for VmmAllocation {
-    fn drop(&mut self) {
-        // Each step is attempted even if an earlier one failed; failures are logged.
-        // SAFETY: va/size/handle are ours; unmapping an unmapped range only returns an error.
-        let steps = unsafe {
-            [
-                check("cuMemUnmap", sys::cuMemUnmap(self.va, self.size)),
-                check(
-                    "cuMemAddressFree",
-                    sys::cuMemAddressFree(self.va, self.size),
-                ),
-                check("cuMemRelease", sys::cuMemRelease(self.handle)),
-            ]
-        };
-        for e in steps.into_iter().filter_map(|r| r.err()) {
-            tracing::warn!("releasing VMM allocation {:#x}: {e}", self.va);
-        }
+        self.memory.owner_ordinal()
     }
 }

@@ -1,5 +1,6 @@
 //! Bindings of mori-bootstrap.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use pyo3::prelude::*;
@@ -32,7 +33,8 @@ pub fn unique_id_root_addr(unique_id: &[u8]) -> Result<String> {
 
 #[pyclass(frozen, module = "mori._core")]
 pub struct Bootstrap {
-    inner: mori_bootstrap::Bootstrap,
+    /// Shared with a shmem session built on this bootstrap.
+    pub(crate) inner: Arc<mori_bootstrap::Bootstrap>,
 }
 
 #[pymethods]
@@ -50,7 +52,9 @@ impl Bootstrap {
         let timeout = duration(timeout)?;
         let inner =
             py.detach(|| mori_bootstrap::Bootstrap::connect(&id, rank, world_size, timeout))?;
-        Ok(Self { inner })
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
     }
 
     #[getter]

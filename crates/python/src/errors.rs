@@ -12,13 +12,25 @@ pyo3::import_exception!(mori.errors, BootstrapError);
 pyo3::import_exception!(mori.errors, PeerLostError);
 pyo3::import_exception!(mori.errors, MismatchError);
 pyo3::import_exception!(mori.errors, TimeoutError);
+pyo3::import_exception!(mori.errors, OutOfMemoryError);
 
 /// Every error a binding can return.
 #[derive(Debug)]
 pub enum Error {
     Gpu(mori_gpu::Error),
     Bootstrap(mori_bootstrap::Error),
+    Shmem(mori_shmem::Error),
     InvalidArgument(String),
+}
+
+impl From<mori_shmem::Error> for Error {
+    fn from(e: mori_shmem::Error) -> Self {
+        match e {
+            mori_shmem::Error::Gpu(g) => Error::Gpu(g),
+            mori_shmem::Error::Bootstrap(b) => Error::Bootstrap(b),
+            other => Error::Shmem(other),
+        }
+    }
 }
 
 impl From<mori_gpu::Error> for Error {
@@ -61,6 +73,15 @@ impl From<Error> for PyErr {
                     B::Mismatch(_) => MismatchError::new_err(msg),
                     B::InvalidArgument(_) | B::InvalidId(_) => InvalidArgumentError::new_err(msg),
                     _ => BootstrapError::new_err(msg),
+                }
+            }
+            Error::Shmem(e) => {
+                let msg = e.to_string();
+                match e {
+                    mori_shmem::Error::OutOfMemory { .. } => OutOfMemoryError::new_err(msg),
+                    mori_shmem::Error::Mismatch(_) => MismatchError::new_err(msg),
+                    mori_shmem::Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+                    _ => MoriError::new_err(msg),
                 }
             }
             Error::InvalidArgument(msg) => InvalidArgumentError::new_err(msg),

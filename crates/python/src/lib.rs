@@ -5,6 +5,7 @@ mod bootstrap;
 mod errors;
 mod gpu;
 mod jit;
+mod shmem;
 
 use pyo3::prelude::*;
 
@@ -65,6 +66,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(jit::kernel_variants, m)?)?;
     m.add_function(wrap_pyfunction!(jit::compile_variant, m)?)?;
     m.add_function(wrap_pyfunction!(jit::compile_source, m)?)?;
+    m.add_class::<shmem::Shmem>()?;
+    m.add_class::<shmem::ShmemModule>()?;
+    m.add_class::<shmem::Registered>()?;
     m.add_function(wrap_pyfunction!(topology_json, m)?)?;
     m.add_function(wrap_pyfunction!(topology_text, m)?)?;
     Ok(())

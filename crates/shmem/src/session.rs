@@ -1,0 +1,442 @@
+//! A shmem session: this process's PE in a group of PEs sharing symmetric heaps.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use mori_bootstrap::Bootstrap;
+use mori_gpu::jit::{self, Function, KernelSpec, Module};
+use mori_gpu::kernels::{LaunchConfig, launch, shmem_barrier_spec};
+use mori_gpu::{Device, IpcExport, IpcMapping, StreamHandle};
+
+use crate::alloc::SymmetricAllocator;
+use crate::error::{Error, Result};
+use crate::heap::SymmetricHeap;
+use crate::state::{DeviceState, INTERNAL_BYTES, MAX_PES, STATE_SYMBOL};
+
+/// One session per process at a time: modules' `mori_shmem_state` describes a single heap.
+static ACTIVE: AtomicBool = AtomicBool::new(false);
+
+/// Where this PE's team on its node sits among all PEs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeTeam {
+    pub first_pe: usize,
+    pub n_pes: usize,
+    /// This PE's index within the node.
+    pub my_index: usize,
+}
+
+pub struct Shmem {
+    bootstrap: Arc<Bootstrap>,
+    device: Device,
+    heap: Mutex<SymmetricHeap>,
+    allocator: Mutex<SymmetricAllocator>,
+    state: DeviceState,
+    node: NodeTeam,
+    /// Modules whose `mori_shmem_state` holds this session's state.
+    configured: Mutex<HashSet<Module>>,
+    finalized: bool,
+}
+
+fn poisoned() -> Error {
+    Error::InvalidArgument("an earlier panic poisoned the shmem session".into())
+}
+
+/// Identifies the host (kernel boot id + host name): PEs with equal keys share a node.
+fn host_key() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{}|{}", boot.trim(), name.trim())
+}
+
+/// Fixed-width little-endian record exchanged at init: heap size, then two strings.
+fn encode_hello(heap_size: u64, host: &str, bus_id: &str) -> Vec<u8> {
+    let mut out = heap_size.to_le_bytes().to_vec();
+    for s in [host, bus_id] {
+        out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+        out.extend_from_slice(s.as_bytes());
+    }
+    out
+}
+
+fn decode_hello(b: &[u8]) -> Result<(u64, String, String)> {
+    let bad = || Error::InvalidArgument("malformed shmem init record from a peer".into());
+    let heap = u64::from_le_bytes(b.get(..8).ok_or_else(bad)?.try_into().map_err(|_| bad())?);
+    let mut at = 8;
+    let mut strings = Vec::new();
+    for _ in 0..2 {
+        let len = u32::from_le_bytes(
+            b.get(at..at + 4)
+                .ok_or_else(bad)?
+                .try_into()
+                .map_err(|_| bad())?,
+        ) as usize;
+        at += 4;
+        strings.push(String::from_utf8_lossy(b.get(at..at + len).ok_or_else(bad)?).into_owned());
+        at += len;
+    }
+    let bus = strings.pop().unwrap_or_default();
+    let host = strings.pop().unwrap_or_default();
+    Ok((heap, host, bus))
+}
+
+impl Shmem {
+    /// Collective: every PE of `bootstrap` calls it with its GPU and the same `heap_size`.
+    pub fn init(bootstrap: Arc<Bootstrap>, device: Device, heap_size: u64) -> Result<Self> {
+        if ACTIVE.swap(true, Ordering::SeqCst) {
+            return Err(Error::AlreadyInitialized);
+        }
+        Self::init_active(bootstrap, device, heap_size)
+            .inspect_err(|_| ACTIVE.store(false, Ordering::SeqCst))
+    }
+
+    fn init_active(bootstrap: Arc<Bootstrap>, device: Device, heap_size: u64) -> Result<Self> {
+        let (me, n) = (bootstrap.rank(), bootstrap.world_size());
+        if n > MAX_PES {
+            return Err(Error::InvalidArgument(format!(
+                "mori.shmem supports at most {MAX_PES} PEs, got {n}"
+            )));
+        }
+        if heap_size <= INTERNAL_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "heap size {heap_size} is too small (more than {INTERNAL_BYTES} bytes needed)"
+            )));
+        }
+        let my_bus = device.pci_bus_id()?;
+        let hellos = bootstrap
+            .allgather(&encode_hello(heap_size, &host_key(), &my_bus))?
+            .iter()
+            .map(|b| decode_hello(b))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some((pe, (size, _, _))) = hellos.iter().enumerate().find(|(_, h)| h.0 != heap_size)
+        {
+            return Err(Error::Mismatch(format!(
+                "heap size differs between PEs: PE {me} asked for {heap_size} bytes, PE {pe} for {size}"
+            )));
+        }
+        let same_node: Vec<bool> = hellos.iter().map(|h| h.1 == hellos[me].1).collect();
+        let node_pes: Vec<usize> = (0..n).filter(|&pe| same_node[pe]).collect();
+        let node = NodeTeam {
+            first_pe: node_pes[0],
+            n_pes: node_pes.len(),
+            my_index: node_pes.iter().position(|&pe| pe == me).unwrap_or(0),
+        };
+        // Which peers this GPU can reach by load/store; a pair is mapped only if both agree.
+        let mut row = vec![0u8; n];
+        for pe in 0..n {
+            row[pe] =
+                u8::from(pe == me || (same_node[pe] && Self::can_reach(device, &hellos[pe].2)?));
+        }
+        let rows = bootstrap.allgather(&row)?;
+        let reachable: Vec<bool> = (0..n)
+            .map(|pe| row[pe] == 1 && rows[pe].get(me) == Some(&1))
+            .collect();
+
+        // A private folder for the fd-passing sockets, named by PE 0 for everyone.
+        let mut nonce = [0u8; 8];
+        if me == 0 {
+            getrandom::fill(&mut nonce).map_err(|e| {
+                Error::InvalidArgument(format!("drawing a random session name: {e}"))
+            })?;
+        }
+        let nonce = bootstrap.broadcast(&nonce, 0)?;
+        let dir = std::env::temp_dir().join(format!("mori-shmem-{}", hex::encode(&nonce)));
+        std::fs::create_dir_all(&dir).map_err(|e| mori_gpu::Error::Io {
+            context: format!("creating {}", dir.display()),
+            source: e,
+        })?;
+
+        let mut heap =
+            SymmetricHeap::reserve(device, me, heap_size, &reachable, dir, bootstrap.timeout())?;
+        heap.ensure_backed(INTERNAL_BYTES)?;
+        // Barrier flags must read zero before any peer can raise them.
+        // SAFETY: the internal area is mapped on our device.
+        unsafe {
+            mori_gpu::copy_host_to_device(
+                device,
+                heap.local_base(),
+                &vec![0u8; INTERNAL_BYTES as usize],
+            )?
+        };
+        let mut peer_base = [0u64; MAX_PES];
+        for (pe, base) in peer_base.iter_mut().enumerate().take(n) {
+            *base = heap.base_of(pe).unwrap_or(0);
+        }
+        let state = DeviceState {
+            my_pe: me as i32,
+            n_pes: n as i32,
+            node_first_pe: node.first_pe as i32,
+            node_n_pes: node.n_pes as i32,
+            heap_base: heap.local_base(),
+            heap_size: heap.size(),
+            peer_base,
+        };
+        let allocator = SymmetricAllocator::new(INTERNAL_BYTES, heap.size());
+        bootstrap.barrier()?;
+        tracing::debug!(
+            "shmem PE {me}/{n} ready: heap {:#x} ({} bytes), reachable {reachable:?}",
+            state.heap_base,
+            state.heap_size
+        );
+        Ok(Self {
+            bootstrap,
+            device,
+            heap: Mutex::new(heap),
+            allocator: Mutex::new(allocator),
+            state,
+            node,
+            configured: Mutex::new(HashSet::new()),
+            finalized: false,
+        })
+    }
+
+    /// Whether our GPU can load/store the GPU with PCI bus id `bus` (when this process sees it;
+    /// a GPU hidden by CUDA_VISIBLE_DEVICES is assumed reachable and mapping then decides).
+    fn can_reach(device: Device, bus: &str) -> Result<bool> {
+        for ordinal in 0..mori_gpu::device_count()? {
+            let other = Device::get(ordinal)?;
+            if other.pci_bus_id()? == bus {
+                return Ok(device.can_access_peer(&other)?);
+            }
+        }
+        Ok(true)
+    }
+
+    pub fn my_pe(&self) -> usize {
+        self.state.my_pe as usize
+    }
+    pub fn n_pes(&self) -> usize {
+        self.state.n_pes as usize
+    }
+    pub fn node_team(&self) -> NodeTeam {
+        self.node
+    }
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    pub fn heap_base(&self) -> u64 {
+        self.state.heap_base
+    }
+    pub fn heap_size(&self) -> u64 {
+        self.state.heap_size
+    }
+    pub fn state(&self) -> &DeviceState {
+        &self.state
+    }
+    pub fn bootstrap(&self) -> &Bootstrap {
+        &self.bootstrap
+    }
+
+    /// Checks that every PE called the same collective with the same arguments.
+    fn agree(&self, what: &str, args: &[u64]) -> Result<()> {
+        let bytes: Vec<u8> = args.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let all = self.bootstrap.allgather(&bytes)?;
+        if all.iter().all(|b| *b == bytes) {
+            return Ok(());
+        }
+        let shown: Vec<String> = all
+            .iter()
+            .enumerate()
+            .map(|(pe, b)| {
+                let vals: Vec<u64> = b
+                    .chunks(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                    .collect();
+                format!("PE {pe}: {vals:?}")
+            })
+            .collect();
+        Err(Error::Mismatch(format!(
+            "{what} called with different arguments on different PEs ({})",
+            shown.join(", ")
+        )))
+    }
+
+    /// Collective: `size` bytes at an offset aligned to `align`, the same on every PE.
+    pub fn malloc(&self, size: u64, align: u64) -> Result<u64> {
+        self.agree("shmem malloc(size, align)", &[size, align])?;
+        let mut allocator = self.allocator.lock().map_err(|_| poisoned())?;
+        let offset = allocator.alloc(size, align)?;
+        let backed = self
+            .heap
+            .lock()
+            .map_err(|_| poisoned())?
+            .ensure_backed(allocator.high_water());
+        if let Err(e) = backed {
+            allocator.free(offset)?;
+            return Err(e);
+        }
+        Ok(offset)
+    }
+
+    /// Collective: like [`malloc`](Self::malloc), zero-filled on every PE before it returns.
+    pub fn calloc(&self, size: u64, align: u64) -> Result<u64> {
+        let offset = self.malloc(size, align)?;
+        // SAFETY: the allocation is mapped on our device.
+        unsafe {
+            mori_gpu::copy_host_to_device(
+                self.device,
+                self.heap_base() + offset,
+                &vec![0u8; size as usize],
+            )?
+        };
+        self.bootstrap.barrier()?;
+        Ok(offset)
+    }
+
+    /// Collective: releases the allocation at `offset`.
+    pub fn free(&self, offset: u64) -> Result<()> {
+        self.agree("shmem free(offset)", &[offset])?;
+        self.allocator
+            .lock()
+            .map_err(|_| poisoned())?
+            .free(offset)?;
+        Ok(())
+    }
+
+    /// The heap offset of local address `addr`, if it lies in a live allocation, as
+    /// (allocation start, allocation size, offset of addr).
+    pub fn locate(&self, addr: u64) -> Option<(u64, u64, u64)> {
+        let offset = addr.checked_sub(self.heap_base())?;
+        let (start, size) = self.allocator.lock().ok()?.containing(offset)?;
+        Some((start, size, offset))
+    }
+
+    /// Address of heap `offset` on `pe` as seen from this process, or None if `pe` is not
+    /// load/store reachable (an inter-node peer: a proxy transport's job).
+    pub fn peer_addr(&self, offset: u64, pe: usize) -> Option<u64> {
+        let base = *self.state.peer_base.get(pe)?;
+        (base != 0 && pe < self.n_pes() && offset < self.heap_size()).then_some(base + offset)
+    }
+
+    /// Waits for this GPU's work, then for every PE (host-side barrier).
+    pub fn barrier_all(&self) -> Result<()> {
+        self.device.synchronize()?;
+        Ok(self.bootstrap.barrier()?)
+    }
+
+    /// Enqueues a barrier across all PEs on `stream`: later work on the stream starts only when
+    /// every PE's stream has reached its barrier, with earlier puts visible.
+    pub fn barrier_all_on_stream(&self, stream: StreamHandle) -> Result<()> {
+        let f = self.function(&shmem_barrier_spec(), "mori_shmem_barrier_all")?;
+        // SAFETY: the kernel takes no parameters and touches only the heap's internal area.
+        unsafe {
+            launch(
+                f,
+                LaunchConfig {
+                    grid: 1,
+                    block: 32,
+                    shared_mem_bytes: 0,
+                },
+                stream,
+                &mut [],
+            )?
+        };
+        Ok(())
+    }
+
+    /// Loads `spec` on this device with this session's state in its `mori_shmem_state`.
+    pub fn load(&self, spec: &KernelSpec) -> Result<Module> {
+        let module = jit::load(self.device, spec)?;
+        let mut configured = self.configured.lock().map_err(|_| poisoned())?;
+        if configured.contains(&module) {
+            return Ok(module);
+        }
+        if let Some((addr, size)) = module.global(STATE_SYMBOL)? {
+            let bytes = self.state.as_bytes();
+            if size != bytes.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "{} has a {size}-byte {STATE_SYMBOL}, expected {}: it was compiled against another mori_shmem.cuh",
+                    spec.name,
+                    bytes.len()
+                )));
+            }
+            // SAFETY: addr is the module's constant of exactly this size on our device.
+            unsafe { mori_gpu::copy_host_to_device(self.device, addr, bytes)? };
+        }
+        configured.insert(module);
+        Ok(module)
+    }
+
+    /// [`load`](Self::load), then the kernel `entry`.
+    pub fn function(&self, spec: &KernelSpec, entry: &str) -> Result<Function> {
+        Ok(self.load(spec)?.function(entry)?)
+    }
+
+    /// Collective: makes an existing device buffer (e.g. from cudaMalloc or torch) reachable by
+    /// every reachable peer, through legacy IPC handles. `len` may differ between PEs.
+    pub fn register(&self, ptr: u64, len: u64) -> Result<Registered> {
+        let export = IpcExport::new(self.device, ptr)?;
+        let mut mine = export.to_bytes().to_vec();
+        mine.extend_from_slice(&len.to_le_bytes());
+        let all = self.bootstrap.allgather(&mine)?;
+        let mut peers = Vec::with_capacity(all.len());
+        for (pe, bytes) in all.iter().enumerate() {
+            if pe == self.my_pe() || self.state.peer_base[pe] == 0 {
+                peers.push(None);
+                continue;
+            }
+            let (handle, len_bytes) = bytes.split_at(bytes.len().saturating_sub(8));
+            let theirs = IpcExport::from_bytes(handle)?;
+            let peer_len = u64::from_le_bytes(
+                len_bytes
+                    .try_into()
+                    .map_err(|_| Error::InvalidArgument("short register record".into()))?,
+            );
+            peers.push(Some((IpcMapping::open(self.device, &theirs)?, peer_len)));
+        }
+        Ok(Registered {
+            ptr,
+            len,
+            my_pe: self.my_pe(),
+            peers,
+        })
+    }
+
+    /// Collective: waits for every PE to stop using the heaps, then releases everything.
+    pub fn finalize(mut self) -> Result<()> {
+        self.finalized = true;
+        let synced = self.device.synchronize();
+        let barrier = self.bootstrap.barrier();
+        synced?;
+        barrier?;
+        Ok(())
+    }
+
+    /// The folder holding this session's fd-passing sockets.
+    pub fn socket_dir(&self) -> Option<PathBuf> {
+        self.heap.lock().ok().map(|h| h.socket_dir().to_path_buf())
+    }
+}
+
+impl Drop for Shmem {
+    fn drop(&mut self) {
+        if !self.finalized {
+            tracing::warn!(
+                "shmem session dropped without finalize(); peers may still be mapping this heap"
+            );
+        }
+        if let Some(dir) = self.socket_dir() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        ACTIVE.store(false, Ordering::SeqCst);
+    }
+}
+
+/// A buffer registered with [`Shmem::register`]: its peers' copies mapped here.
+pub struct Registered {
+    ptr: u64,
+    len: u64,
+    my_pe: usize,
+    peers: Vec<Option<(IpcMapping, u64)>>,
+}
+
+impl Registered {
+    /// (address, length) of `pe`'s buffer as seen here, or None if unreachable.
+    pub fn peer(&self, pe: usize) -> Option<(u64, u64)> {
+        if pe == self.my_pe {
+            return Some((self.ptr, self.len));
+        }
+        self.peers.get(pe)?.as_ref().map(|(m, len)| (m.ptr(), *len))
+    }
+}

@@ -1,0 +1,178 @@
+"""``mori bench shmem``: GPU-initiated put/get bandwidth by size and scope, 8-byte put+signal
+ping-pong round trip, 8-byte get latency and init time, on two GPUs (one process each), with the
+copy engine measured in the same run.
+
+Bytes counted: the bytes put or got (one direction); GB/s = 1e9 bytes/s. Bandwidth points are
+medians of CUDA-event-timed CUDA-graph replays of back-to-back calls; PE 0 issues, PE 1 is the
+target. Latencies are per round trip / per get inside one kernel (no launch cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+from pathlib import Path
+from typing import Any
+
+from mori.bench._common import environment, human_bytes, median, write_record
+
+SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+SCOPES = {"thread": 0, "warp": 1, "block": 2}
+KERNELS = Path(__file__).with_name("shmem_bench.cu")
+
+
+def _grid(scope: str, nbytes: int, sms: int) -> tuple[int, int]:
+    """(blocks, threads) for a put of ``nbytes`` at ``scope``: enough groups for the size."""
+    if scope == "block":
+        return max(1, min(2 * sms, nbytes // (64 << 10))), 512
+    if scope == "warp":
+        return max(1, min(2 * sms, nbytes // (16 << 10) // 16)), 512
+    return max(1, min(2 * sms, nbytes // 1024 // 256)), 256
+
+
+def _rank(rank: int, uid: bytes, heap: int, trials: int, q) -> None:
+    import numpy as np
+    import torch
+
+    import mori.shmem as shmem
+    from mori import Bootstrap, gpu
+
+    torch.cuda.set_device(rank)
+    bs = Bootstrap(uid, rank, 2, timeout=300)
+    bs.barrier()
+    t0 = time.perf_counter()
+    shmem.init(bootstrap=bs, device=rank, heap_size=heap)
+    init_s = time.perf_counter() - t0
+    mod = shmem.compile(KERNELS.read_text(), "shmem_bench.cu")
+    sms = gpu.device_info(rank)["multiprocessor_count"]
+    big = max(SIZES)
+    src = shmem.tensor((big,), torch.uint8)
+    dst = shmem.tensor((big,), torch.uint8, zero=True)
+    src.copy_(torch.randint(0, 256, (big,), dtype=torch.uint8, device="cuda"))
+    stream = torch.cuda.Stream()
+    rows: list[dict[str, Any]] = []
+
+    def timed(body, reps):
+        with torch.cuda.stream(stream):
+            body()
+        stream.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(reps):
+                body()
+        out = []
+        with torch.cuda.stream(stream):
+            for _ in range(trials + 1):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(stream)
+                g.replay()
+                b.record(stream)
+                b.synchronize()
+                out.append(a.elapsed_time(b) / 1e3 / reps)
+        return median(out[1:])
+
+    shmem.barrier_all()
+    if rank == 0:
+        peer_dst = shmem.peer_tensor(dst, 1)
+        for n in SIZES:
+            reps = max(10, min(1000, (1 << 30) // n))
+            row: dict[str, Any] = {"bytes": n}
+            for scope, code in SCOPES.items():
+                grid, block = _grid(scope, n, sms)
+                for op, get in (("put", 0), ("get", 1)):
+                    # put: local src -> PE 1's dst; get: PE 1's src -> local dst
+                    args = (dst, src, np.uint64(n), np.int32(1), np.int32(code), np.int32(get))
+                    t = timed(lambda a=args, g=grid, b=block: mod.launch("bench_put", g, b, *a, stream=stream), reps)
+                    row[f"{op}_{scope}_gbps"] = n / t / 1e9
+                    row[f"{op}_{scope}_us"] = t * 1e6
+            t = timed(lambda n=n: gpu.copy_engine(peer_dst, src, n, stream=stream, device=0), reps)
+            row["copy_engine_gbps"], row["copy_engine_us"] = n / t / 1e9, t * 1e6
+            rows.append(row)
+    # What was timed moved real bytes: the last put left PE 0's src in PE 1's dst.
+    bs.barrier()
+    torch.cuda.synchronize()
+    sample = (src if rank == 0 else dst)[: 1 << 20].cpu().numpy().tobytes()
+    both = bs.allgather(sample)
+    verified = both[0] == both[1]
+
+    # ping-pong and get latency (both PEs run the ping-pong kernel at once)
+    word = shmem.tensor((1,), torch.int64, zero=True)
+    sig = shmem.tensor((1,), torch.int64, zero=True)
+    iters = 20000
+    shmem.barrier_all()
+    mod.launch("pingpong", 1, 1, word, sig, np.int32(100), np.uint64(0), stream=stream)  # warm-up
+    stream.synchronize()
+    shmem.barrier_all()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(stream)
+    mod.launch("pingpong", 1, 1, word, sig, np.int32(iters), np.uint64(100), stream=stream)
+    b.record(stream)
+    b.synchronize()
+    rtt_us = a.elapsed_time(b) * 1e3 / iters
+    table = shmem.tensor((1,), torch.int64, zero=True)
+    out = torch.zeros(1, dtype=torch.int64, device="cuda")
+    shmem.barrier_all()
+    get_us = None
+    if rank == 0:
+        mod.launch("get_latency", 1, 1, table, np.int32(100), np.int32(1), out, stream=stream)
+        stream.synchronize()
+        a.record(stream)
+        mod.launch("get_latency", 1, 1, table, np.int32(iters), np.int32(1), out, stream=stream)
+        b.record(stream)
+        b.synchronize()
+        get_us = a.elapsed_time(b) * 1e3 / iters
+    shmem.barrier_all()
+    shmem.finalize()
+    q.put((rank, {"init_s": init_s, "rows": rows, "rtt_us": rtt_us, "get_us": get_us, "verified": verified}))
+
+
+def run(trials: int, heap: int, out_dir: str) -> dict[str, Any]:
+    import mori
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    uid = mori.get_unique_id()
+    procs = [ctx.Process(target=_rank, args=(r, uid, heap, trials, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    r0, r1 = got[0], got[1]
+    if not r0["verified"]:
+        raise SystemExit("the benchmarked puts left wrong bytes at the target")
+    print(f"init with a {heap >> 30} GiB heap on 2 PEs: {max(r0['init_s'], r1['init_s']) * 1e3:.0f} ms")
+    print(f"8-byte put+signal round trip: {r0['rtt_us']:.2f} µs;  8-byte get latency: {r0['get_us']:.2f} µs\n")
+    head = f"{'size':>9} | {'put thread':>10} {'put warp':>9} {'put block':>9} | {'get block':>9} | {'copy eng':>9} | {'put block µs':>12}"
+    print(head + "\n" + "-" * len(head))
+    for row in r0["rows"]:
+        print(
+            f"{human_bytes(row['bytes']):>9} | {row['put_thread_gbps']:10.2f} {row['put_warp_gbps']:9.2f} "
+            f"{row['put_block_gbps']:9.2f} | {row['get_block_gbps']:9.2f} | {row['copy_engine_gbps']:9.2f} | "
+            f"{row['put_block_us']:12.2f}"
+        )
+    record = {
+        "benchmark": "shmem",
+        "env": environment(),
+        "method": __doc__.strip(),
+        "config": {"trials": trials, "heap_bytes": heap, "sizes": SIZES},
+        "init_seconds": [r0["init_s"], r1["init_s"]],
+        "put_signal_round_trip_us": r0["rtt_us"],
+        "get_latency_us": r0["get_us"],
+        "results": r0["rows"],
+    }
+    path = write_record("shmem", record, out_dir)
+    print(f"\nwrote {path}")
+    return record
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--heap", type=int, default=4 << 30, help="heap size per PE in bytes (default 4 GiB)")
+    p.add_argument("--out", default="benches/results")
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args.trials, args.heap, args.out)
+    return 0
