@@ -175,7 +175,7 @@ mod tests {
                 let mut live: Vec<(u64, u64)> = Vec::new();
                 let mut offsets = Vec::new();
                 for _ in 0..2000 {
-                    if live.is_empty() || rng.next() % 3 != 0 {
+                    if live.is_empty() || !rng.next().is_multiple_of(3) {
                         let size = 1 + rng.next() % 50_000;
                         let align = 1u64 << (rng.next() % 13);
                         if let Ok(off) = a.alloc(size, align) {
