@@ -327,16 +327,17 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     check("peer_tensor_and_register", t_peer_and_register)
 
     def t_reinit():
+        nonlocal mod
         shmem.finalize()
         assert not shmem.is_initialized()
         shmem.init(bootstrap=bs, device=rank, heap_size=256 << 20)
-        mod2 = shmem.compile(KERNELS.read_text(), "shmem_ops.cu")
+        mod = shmem.compile(KERNELS.read_text(), "shmem_ops.cu")  # loads it with the new state
         dest = shmem.tensor((64,), torch.int64, zero=True)
         src = shmem.tensor((64,), torch.int64)
         sig = shmem.tensor((1,), torch.int64, zero=True)
         src.fill_(me + 100)
         shmem.barrier_all()
-        mod2.launch("put_block_i64", 1, 256, dest, src, np.uint64(64), sig, np.int32(peer), np.int32(0), stream=stream)
+        run("put_block_i64", 256, dest, src, np.uint64(64), sig, np.int32(peer), np.int32(0))
         assert wait_sig(sig, 1, "eq") == 1
         assert bool((dest == peer + 100).all()), "the new session's heap was not used"
         shmem.barrier_all()

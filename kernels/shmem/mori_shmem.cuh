@@ -251,16 +251,22 @@ __device__ __forceinline__ bool compare(T a, int cmp, T b) {
 template <typename T>
 __device__ __forceinline__ T wait_until(T* ivar, int cmp, T value) {
     static_assert(sizeof(T) == 4 || sizeof(T) == 8, "wait_until works on 32- and 64-bit words");
+    // Poll with relaxed system-scope loads (cheap), then one acquire fence once satisfied.
     for (;;) {
         T seen;
         if constexpr (sizeof(T) == 8) {
-            const u64 raw = load_acquire(reinterpret_cast<const u64*>(ivar));
+            u64 raw;
+            asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(raw) : "l"(ivar) : "memory");
             seen = *reinterpret_cast<const T*>(&raw);
         } else {
-            const u32 raw = load_acquire(reinterpret_cast<const u32*>(ivar));
+            u32 raw;
+            asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(raw) : "l"(ivar) : "memory");
             seen = *reinterpret_cast<const T*>(&raw);
         }
-        if (compare(seen, cmp, value)) return seen;
+        if (compare(seen, cmp, value)) {
+            asm volatile("fence.acq_rel.sys;" ::: "memory");
+            return seen;
+        }
     }
 }
 __device__ __forceinline__ u64 signal_wait_until(u64* sig, int cmp, u64 value) { return wait_until(sig, cmp, value); }

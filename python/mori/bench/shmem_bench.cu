@@ -5,8 +5,9 @@ using namespace mori;
 using namespace mori::shmem;
 
 // Each group (thread / warp / block, by `scope` 0/1/2) moves its share of `bytes` to or from `pe`.
+// `iters` back-to-back transfers, one quiet at the end: sustained bandwidth without launch gaps.
 extern "C" __global__ void bench_put(unsigned char* dest, const unsigned char* src, u64 bytes, int pe, int scope,
-                                     int get) {
+                                     int get, int iters) {
     u64 groups, group;
     if (scope == 0) {
         groups = (u64)gridDim.x * blockDim.x;
@@ -23,16 +24,18 @@ extern "C" __global__ void bench_put(unsigned char* dest, const unsigned char* s
     const u64 begin = group * slice;
     if (begin >= bytes && scope == 0) return;
     const u64 len = begin >= bytes ? 0 : (bytes - begin < slice ? bytes - begin : slice);
-    if (get) {
-        if (scope == 0) getmem_nbi(dest + begin, src + begin, len, pe);
-        else if (scope == 1) getmem_nbi_warp(dest + begin, src + begin, len, pe);
-        else getmem_nbi_block(dest + begin, src + begin, len, pe);
-    } else {
-        if (scope == 0) putmem_nbi(dest + begin, src + begin, len, pe);
-        else if (scope == 1) putmem_nbi_warp(dest + begin, src + begin, len, pe);
-        else putmem_nbi_block(dest + begin, src + begin, len, pe);
-        quiet();
+    for (int it = 0; it < iters; ++it) {
+        if (get) {
+            if (scope == 0) getmem_nbi(dest + begin, src + begin, len, pe);
+            else if (scope == 1) getmem_nbi_warp(dest + begin, src + begin, len, pe);
+            else getmem_nbi_block(dest + begin, src + begin, len, pe);
+        } else {
+            if (scope == 0) putmem_nbi(dest + begin, src + begin, len, pe);
+            else if (scope == 1) putmem_nbi_warp(dest + begin, src + begin, len, pe);
+            else putmem_nbi_block(dest + begin, src + begin, len, pe);
+        }
     }
+    quiet();
 }
 
 // `iters` round trips of an 8-byte put-with-signal between PE 0 and PE 1.
