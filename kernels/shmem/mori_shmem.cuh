@@ -251,22 +251,18 @@ __device__ __forceinline__ bool compare(T a, int cmp, T b) {
 template <typename T>
 __device__ __forceinline__ T wait_until(T* ivar, int cmp, T value) {
     static_assert(sizeof(T) == 4 || sizeof(T) == 8, "wait_until works on 32- and 64-bit words");
-    // Poll with relaxed system-scope loads (cheap), then one acquire fence once satisfied.
+    // Every poll is an acquire load. Measured on 2xH200 (benches/NOTES.md): relaxed polling
+    // followed by an acquire fence or an acquire re-load made the put+signal round trip slower.
     for (;;) {
         T seen;
         if constexpr (sizeof(T) == 8) {
-            u64 raw;
-            asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(raw) : "l"(ivar) : "memory");
+            const u64 raw = load_acquire(reinterpret_cast<const u64*>(ivar));
             seen = *reinterpret_cast<const T*>(&raw);
         } else {
-            u32 raw;
-            asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(raw) : "l"(ivar) : "memory");
+            const u32 raw = load_acquire(reinterpret_cast<const u32*>(ivar));
             seen = *reinterpret_cast<const T*>(&raw);
         }
-        if (compare(seen, cmp, value)) {
-            asm volatile("fence.acq_rel.sys;" ::: "memory");
-            return seen;
-        }
+        if (compare(seen, cmp, value)) return seen;
     }
 }
 __device__ __forceinline__ u64 signal_wait_until(u64* sig, int cmp, u64 value) { return wait_until(sig, cmp, value); }
