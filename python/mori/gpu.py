@@ -88,6 +88,11 @@ def synchronize(device: int = 0) -> None:
     _core.synchronize(device)
 
 
+def cuda_array_interface(ptr: int, nbytes: int) -> dict[str, Any]:
+    """The CUDA array interface of ``nbytes`` raw bytes at device address ``ptr``."""
+    return {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
+
+
 class _Memory:
     """Shared behaviour of mori-owned device memory: address, size, CUDA array interface."""
 
@@ -108,7 +113,7 @@ class _Memory:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3, "strides": None}
+        return cuda_array_interface(self.ptr, self.nbytes)
 
     def as_tensor(self):
         """A ``torch.uint8`` CUDA tensor viewing this memory (no copy). Keep ``self`` alive."""

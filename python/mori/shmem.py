@@ -159,7 +159,7 @@ class SymmetricBuffer:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3, "strides": None}
+        return gpu.cuda_array_interface(self.ptr, self.nbytes)
 
     def __repr__(self) -> str:
         return f"SymmetricBuffer(offset={self.offset}, nbytes={self.nbytes})"
@@ -188,7 +188,7 @@ class _View:
 
     def __init__(self, ptr: int, nbytes: int, owner: Any):
         self.owner = owner
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
+        self.__cuda_array_interface__ = gpu.cuda_array_interface(ptr, nbytes)
 
 
 def _as_tensor(ptr: int, nbytes: int, shape: Sequence[int], dtype: Any, dev: int, owner: Any):

@@ -107,18 +107,18 @@ pub struct LaunchConfig {
 /// Shared memory a block gets without opting in through cuFuncSetAttribute.
 const DEFAULT_SHARED_LIMIT: u32 = 48 * 1024;
 
-/// Launches `function` with its parameters packed in `params` (each at its natural alignment,
-/// as the C ABI lays out the parameter list). Raises the function's dynamic shared-memory limit
-/// when the launch asks for more than 48 KiB.
+/// The one place kernels are launched: checks the shape, binds the context, raises the
+/// dynamic shared-memory limit when needed, and passes the parameters either as an array of
+/// pointers (`args`) or as a packed buffer (`extra`).
 ///
 /// # Safety
-/// `params` must match the kernel's parameter list, and every pointer the kernel dereferences
-/// must stay valid until it has run.
-pub unsafe fn launch_packed(
+/// Exactly one of `args`/`extra` is non-null and it matches the kernel's parameter list.
+unsafe fn launch_raw(
     function: Function,
     cfg: LaunchConfig,
     stream: StreamHandle,
-    params: &mut [u8],
+    args: *mut *mut c_void,
+    extra: *mut *mut c_void,
 ) -> Result<()> {
     if cfg.grid == 0 || cfg.block == 0 || cfg.block > 1024 {
         return Err(Error::InvalidArgument(format!(
@@ -130,19 +130,11 @@ pub unsafe fn launch_packed(
     if cfg.shared_mem_bytes > DEFAULT_SHARED_LIMIT {
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         // SAFETY: valid function handle of the bound context.
-        check("cuFuncSetAttribute", unsafe {
-            sys::cuFuncSetAttribute(function.raw(), attr, cfg.shared_mem_bytes as i32)
-        })?;
+        let status =
+            unsafe { sys::cuFuncSetAttribute(function.raw(), attr, cfg.shared_mem_bytes as i32) };
+        check("cuFuncSetAttribute", status)?;
     }
-    let mut size = params.len();
-    let mut extra = [
-        sys::CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT as usize as *mut c_void,
-        params.as_mut_ptr() as *mut c_void,
-        sys::CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT as usize as *mut c_void,
-        &mut size as *mut usize as *mut c_void,
-        sys::CU_LAUNCH_PARAM_END_AS_INT as usize as *mut c_void,
-    ];
-    // SAFETY: the caller guarantees the packed parameters; `extra` follows the driver's format.
+    // SAFETY: the caller guarantees the parameters; the function belongs to the bound context.
     let status = unsafe {
         sys::cuLaunchKernel(
             function.raw(),
@@ -154,11 +146,43 @@ pub unsafe fn launch_packed(
             1,
             cfg.shared_mem_bytes,
             stream.raw() as sys::CUstream,
-            std::ptr::null_mut(),
-            extra.as_mut_ptr(),
+            args,
+            extra,
         )
     };
     check("cuLaunchKernel", status)
+}
+
+/// Launches `function` with its parameters packed in `params` (each at its natural alignment,
+/// as the C ABI lays out the parameter list).
+///
+/// # Safety
+/// `params` must match the kernel's parameter list, and every pointer the kernel dereferences
+/// must stay valid until it has run.
+pub unsafe fn launch_packed(
+    function: Function,
+    cfg: LaunchConfig,
+    stream: StreamHandle,
+    params: &mut [u8],
+) -> Result<()> {
+    let mut size = params.len();
+    let mut extra = [
+        sys::CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT as usize as *mut c_void,
+        params.as_mut_ptr() as *mut c_void,
+        sys::CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT as usize as *mut c_void,
+        &mut size as *mut usize as *mut c_void,
+        sys::CU_LAUNCH_PARAM_END_AS_INT as usize as *mut c_void,
+    ];
+    // SAFETY: `extra` follows the driver's packed-buffer format; the caller guarantees params.
+    unsafe {
+        launch_raw(
+            function,
+            cfg,
+            stream,
+            std::ptr::null_mut(),
+            extra.as_mut_ptr(),
+        )
+    }
 }
 
 /// Launches `function` with the kernel parameters `args` (pointers to each argument's value).
@@ -172,30 +196,16 @@ pub unsafe fn launch(
     stream: StreamHandle,
     args: &mut [*mut c_void],
 ) -> Result<()> {
-    if cfg.grid == 0 || cfg.block == 0 || cfg.block > 1024 {
-        return Err(Error::InvalidArgument(format!(
-            "invalid launch shape: grid {} block {}",
-            cfg.grid, cfg.block
-        )));
-    }
-    function.device().bind()?;
-    // SAFETY: the caller guarantees the argument list; the function belongs to the bound context.
-    let status = unsafe {
-        sys::cuLaunchKernel(
-            function.raw(),
-            cfg.grid,
-            1,
-            1,
-            cfg.block,
-            1,
-            1,
-            cfg.shared_mem_bytes,
-            stream.raw() as sys::CUstream,
+    // SAFETY: forwarded contract.
+    unsafe {
+        launch_raw(
+            function,
+            cfg,
+            stream,
             args.as_mut_ptr(),
             std::ptr::null_mut(),
         )
-    };
-    check("cuLaunchKernel", status)
+    }
 }
 
 /// How an SM copy moves bytes.

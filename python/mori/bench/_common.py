@@ -8,7 +8,7 @@ import os
 import platform
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mori import __version__, gpu
 
@@ -43,6 +43,36 @@ def write_record(kind: str, record: dict[str, Any], out_dir: str | os.PathLike) 
     path = out / f"{kind}-{gpu_tag}-{stamp}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def capture_graph(torch, device: int, stream, body: Callable[[], None], reps: int):
+    """Runs ``body`` once (warm-up: compiles, loads), then captures ``reps`` calls of it on
+    ``stream`` into a CUDA graph."""
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        body()
+    stream.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.device(device), torch.cuda.graph(g, stream=stream):
+        for _ in range(reps):
+            body()
+    return g
+
+
+def graph_time(torch, device: int, stream, body: Callable[[], None], reps: int, trials: int) -> float:
+    """Median seconds per call of ``body``: CUDA-event-timed replays of a graph of ``reps`` calls
+    (the first replay is discarded)."""
+    g = capture_graph(torch, device, stream, body, reps)
+    times = []
+    # replay() launches on the current stream: make it `stream`, where the events are recorded.
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        for _ in range(trials + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            g.replay()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / reps)
+    return median(times[1:])
 
 
 def median(xs: list[float]) -> float:

@@ -14,7 +14,7 @@ import itertools
 from typing import Any, Callable
 
 from mori import gpu
-from mori.bench._common import environment, human_bytes, median, write_record
+from mori.bench._common import capture_graph, environment, graph_time, human_bytes, median, write_record
 
 DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
 SWEEP_SIZE = 256 << 20
@@ -46,34 +46,9 @@ class _Pair:
         return self.bufs[d][1][:n]
 
 
-def _graph(torch, device: int, stream, body: Callable[[], None], reps: int):
-    """Captures ``reps`` calls of ``body`` on ``stream`` into a CUDA graph (after one warm-up)."""
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        body()
-    stream.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.device(device), torch.cuda.graph(g, stream=stream):
-        for _ in range(reps):
-            body()
-    return g
-
-
 def _time_one_way(pair: _Pair, device: int, body: Callable[[], None], reps: int, trials: int) -> float:
     """Median seconds per copy of graph replays on ``device``."""
-    torch = pair.torch
-    stream = pair.streams[device]
-    g = _graph(torch, device, stream, body, reps)
-    times = []
-    # replay() launches on the current stream: make it `stream`, where the events are recorded.
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        for _ in range(trials + 1):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            g.replay()
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / reps)
-    return median(times[1:])
+    return graph_time(pair.torch, device, pair.streams[device], body, reps, trials)
 
 
 def _time_both_ways(pair: _Pair, bodies: dict[int, Callable[[], None]], reps: int, trials: int) -> float:
@@ -82,7 +57,7 @@ def _time_both_ways(pair: _Pair, bodies: dict[int, Callable[[], None]], reps: in
     import time
 
     torch = pair.torch
-    graphs = {d: _graph(torch, d, pair.streams[d], bodies[d], reps) for d in (0, 1)}
+    graphs = {d: capture_graph(torch, d, pair.streams[d], bodies[d], reps) for d in (0, 1)}
     times = []
     for _ in range(trials + 1):
         for d in (0, 1):

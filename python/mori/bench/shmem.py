@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mori.bench._common import environment, human_bytes, median, write_record
+from mori.bench._common import environment, graph_time, human_bytes, write_record
 
 SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 SCOPES = {"thread": 0, "warp": 1, "block": 2}
@@ -56,23 +56,7 @@ def _rank(rank: int, uid: bytes, heap: int, trials: int, q) -> None:
     rows: list[dict[str, Any]] = []
 
     def timed(body, reps):
-        with torch.cuda.stream(stream):
-            body()
-        stream.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            for _ in range(reps):
-                body()
-        out = []
-        with torch.cuda.stream(stream):
-            for _ in range(trials + 1):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record(stream)
-                g.replay()
-                b.record(stream)
-                b.synchronize()
-                out.append(a.elapsed_time(b) / 1e3 / reps)
-        return median(out[1:])
+        return graph_time(torch, rank, stream, body, reps, trials)
 
     shmem.barrier_all()
     if rank == 0:
