@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     bp = bench.add_parser("shmem", help="GPU-initiated put/get bandwidth, put+signal round trip, get latency")
     shmem_bench.add_arguments(bp)
     bp.set_defaults(func=shmem_bench.main)
+    from mori.bench import ep as ep_bench
+
+    bp = bench.add_parser("ep", help="MoE dispatch/combine (normal mode), SM sweep, DeepEP's figures beside")
+    ep_bench.add_arguments(bp)
+    bp.set_defaults(func=ep_bench.main)
     return parser
 
 

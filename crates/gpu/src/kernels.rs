@@ -31,6 +31,7 @@ const COPY_SRC: &str = include_str!("../../../kernels/copy/copy.cu");
 const COPY_BULK_SRC: &str = include_str!("../../../kernels/copy/copy_bulk.cu");
 const GATHER_SCATTER_SRC: &str = include_str!("../../../kernels/copy/gather_scatter.cu");
 const SHMEM_BARRIER_SRC: &str = include_str!("../../../kernels/shmem/barrier.cu");
+const EP_INTRANODE_SRC: &str = include_str!("../../../kernels/ep/intranode.cu");
 
 /// Unroll depths the copy kernel is built with.
 pub const COPY_UNROLLS: [u32; 3] = [2, 4, 8];
@@ -87,12 +88,23 @@ pub fn shmem_barrier_spec() -> KernelSpec {
     }
 }
 
+/// mori.ep's intranode (NVLink) layout/notify/dispatch/combine kernels.
+pub fn ep_intranode_spec() -> KernelSpec {
+    KernelSpec {
+        name: "ep/intranode".into(),
+        file: "ep/intranode.cu".into(),
+        source: EP_INTRANODE_SRC.into(),
+        defines: Vec::new(),
+    }
+}
+
 /// Every kernel variant mori may compile. `mori precompile` and CI build all of them.
 pub fn variants() -> Vec<KernelSpec> {
     let mut all: Vec<KernelSpec> = COPY_UNROLLS.iter().map(|&u| copy_spec(u)).collect();
     all.push(copy_bulk_spec());
     all.push(gather_scatter_spec());
     all.push(shmem_barrier_spec());
+    all.push(ep_intranode_spec());
     all
 }
 

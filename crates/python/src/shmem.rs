@@ -126,6 +126,20 @@ impl Shmem {
         })
     }
 
+    /// Loads one of mori's own kernel variants (e.g. "ep/intranode") for this session.
+    fn load_variant(&self, py: Python<'_>, name: &str) -> Result<ShmemModule> {
+        let spec = mori_gpu::kernels::variants()
+            .into_iter()
+            .find(|v| v.name == name)
+            .ok_or_else(|| Error::InvalidArgument(format!("no kernel variant named {name:?}")))?;
+        let module = py.detach(|| self.with(|s| Ok(s.load(&spec)?)))?;
+        Ok(ShmemModule {
+            session: self.inner.clone(),
+            module,
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
     /// Collective: maps every reachable PE's (ptr, len) buffer here (legacy IPC).
     fn register(&self, py: Python<'_>, ptr: u64, len: u64) -> Result<Registered> {
         let r = py.detach(|| self.with(|s| Ok(s.register(ptr, len)?)))?;
