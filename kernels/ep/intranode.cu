@@ -54,16 +54,19 @@ __device__ __forceinline__ int rank_of_expert(long long e, int experts_per_rank)
     return e < 0 ? -1 : static_cast<int>(e / experts_per_rank);
 }
 
-// Warp-wide copy of `bytes` (a multiple of 16, both sides 16-byte aligned).
+// Warp-wide copy of `bytes` (a multiple of 16, both sides 16-byte aligned), four 16-byte loads
+// in flight per lane before the stores.
 __device__ __forceinline__ void warp_copy16(void* dst, const void* src, u64 bytes) {
     const Vec16* s = static_cast<const Vec16*>(src);
     Vec16* d = static_cast<Vec16*>(dst);
     const u64 n = bytes / 16;
     u64 i = lane_id();
-    for (; i + 32 < n; i += 64) {
-        const Vec16 a = load_streaming(s + i), b = load_streaming(s + i + 32);
-        store_vec(d + i, a);
-        store_vec(d + i + 32, b);
+    for (; i + 96 < n; i += 128) {
+        Vec16 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = load_streaming(s + i + 32 * u);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) store_vec(d + i + 32 * u, v[u]);
     }
     for (; i < n; i += 32) store_vec(d + i, load_streaming(s + i));
 }
@@ -80,18 +83,28 @@ __device__ __forceinline__ unsigned short float_to_bf16(float f) {
 }  // namespace
 
 // Blocks 0..num_ranks-1: scan for destination rank d (one block each). Block num_ranks: counts
-// per expert (tokens_per_expert must be zero on entry).
+// per expert through a shared-memory histogram (num_experts <= 4096), and sets *bad_ids when an
+// id lies outside [-1, num_experts).
 extern "C" __global__ void __launch_bounds__(1024) ep_layout(const long long* __restrict__ topk_idx, int num_tokens,
                                                               int topk, int experts_per_rank, int num_ranks,
-                                                              int* __restrict__ slot, unsigned char* __restrict__ in_rank,
+                                                              int num_experts, int* __restrict__ slot,
+                                                              unsigned char* __restrict__ in_rank,
                                                               int* __restrict__ tokens_per_rank,
-                                                              int* __restrict__ tokens_per_expert) {
+                                                              int* __restrict__ tokens_per_expert, int* bad_ids) {
     const int d = blockIdx.x;
     if (d == num_ranks) {
+        __shared__ int hist[4096];
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) hist[e] = 0;
+        __syncthreads();
+        int bad = 0;
         for (int i = threadIdx.x; i < num_tokens * topk; i += blockDim.x) {
             const long long e = topk_idx[i];
-            if (e >= 0) atomicAdd(tokens_per_expert + e, 1);
+            if (e >= 0 && e < num_experts) atomicAdd(hist + e, 1);
+            else if (e != -1) bad = 1;
         }
+        if (bad) atomicOr(bad_ids, 1);
+        __syncthreads();
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) tokens_per_expert[e] = hist[e];
         return;
     }
     int running = 0;
@@ -116,9 +129,10 @@ extern "C" __global__ void __launch_bounds__(1024) ep_layout(const long long* __
 // receiver's expert matrix (tokens to each of its local experts) into every rank, meets every
 // rank in a barrier, then totals what this rank receives into recv_info:
 // [0] = rows, [1 + e] = rows for local expert e.
+// recv_info[1 + experts_per_rank] receives *bad_ids (set by ep_layout).
 extern "C" __global__ void ep_notify(const int* __restrict__ tokens_per_rank, const int* __restrict__ tokens_per_expert,
                                      int num_ranks, int experts_per_rank, int* rank_matrix, int* expert_matrix,
-                                     int* __restrict__ recv_info) {
+                                     const int* __restrict__ bad_ids, int* __restrict__ recv_info) {
     const int me = my_pe();
     for (int d = 0; d < num_ranks; ++d) {
         for (int j = threadIdx.x; j < num_ranks; j += blockDim.x) p(rank_matrix + me * num_ranks + j, tokens_per_rank[j], d);
@@ -131,6 +145,7 @@ extern "C" __global__ void ep_notify(const int* __restrict__ tokens_per_rank, co
         int rows = 0;
         for (int s = 0; s < num_ranks; ++s) rows += ((volatile int*)rank_matrix)[s * num_ranks + me];
         recv_info[0] = rows;
+        recv_info[1 + experts_per_rank] = *bad_ids;
     }
     for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
         int n = 0;

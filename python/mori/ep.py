@@ -26,6 +26,7 @@ from mori import gpu, shmem
 from mori.errors import InvalidArgumentError
 
 MAX_TOPK = 9
+MAX_EXPERTS = 4096  # the layout kernel's shared-memory histogram
 MAX_RANKS = 8  # EP_MAX_RANKS in kernels/ep/intranode.cu
 SCALE_BLOCK = 128
 
@@ -41,6 +42,8 @@ class EpConfig:
     num_sms: int = 24
 
     def __post_init__(self) -> None:
+        if self.num_experts > MAX_EXPERTS:
+            raise InvalidArgumentError(f"at most {MAX_EXPERTS} experts are supported, got {self.num_experts}")
         if not 1 <= self.topk <= MAX_TOPK:
             raise InvalidArgumentError(f"topk must be in 1..{MAX_TOPK}, got {self.topk}")
         if self.hidden <= 0 or self.hidden % SCALE_BLOCK:
@@ -102,8 +105,36 @@ class Buffer:
         self._expert_matrix = shmem.tensor((2, w, self.experts_per_rank), torch.int32, zero=True)
         self._comb = shmem.tensor((rows * h * 2,), torch.uint8)
         self._module = shmem._s().load_variant("ep/intranode")
+        self._bad_ids = torch.zeros(1, dtype=torch.int32, device=f"cuda:{shmem.device()}")
+        self.profile: list[dict[str, float]] | None = None  # set to [] to record phase timings
         self._calls = 0
         self.device = shmem.device()
+
+    def _marks(self, stream: Any):
+        """When ``self.profile`` is a list, returns a function that records a CUDA event and a
+        host time per phase and appends the phase durations (µs) once the call is done."""
+        if self.profile is None:
+            return lambda name: None
+        import time
+
+        import torch
+
+        s = stream if stream is not None else torch.cuda.current_stream()
+        points: list[tuple[str, Any, float]] = []
+
+        def mark(name: str) -> None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(s)
+            points.append((name, e, time.perf_counter()))
+            if name == "barrier":
+                e.synchronize()
+                self.profile.append(
+                    {f"{b[0]}_gpu_us": a[1].elapsed_time(b[1]) * 1e3 for a, b in zip(points, points[1:])}
+                    | {f"{b[0]}_host_us": (b[2] - a[2]) * 1e6 for a, b in zip(points, points[1:])}
+                )
+
+        mark("start")
+        return mark
 
     def _launch(self, entry: str, grid: int, block: int, *args: Any, stream: Any) -> None:
         self._module.launch(entry, grid, block, shmem._pack(args), 0, gpu._stream_handle(stream, self.device))
@@ -130,12 +161,14 @@ class Buffer:
         slot = torch.empty((n, w), dtype=torch.int32, device=dev)
         in_rank = torch.empty((n, w), dtype=torch.uint8, device=dev)
         per_rank = torch.empty(w, dtype=torch.int32, device=dev)
-        per_expert = torch.zeros(self.config.num_experts, dtype=torch.int32, device=dev)
+        per_expert = torch.empty(self.config.num_experts, dtype=torch.int32, device=dev)
+        self._bad_ids.zero_()
         self._launch(
             "ep_layout", w + 1, 1024, topk_idx, np.int32(n), np.int32(self.config.topk), np.int32(self.experts_per_rank),
-            np.int32(w), slot, in_rank, per_rank, per_expert, stream=stream,
+            np.int32(w), np.int32(self.config.num_experts), slot, in_rank, per_rank, per_expert, self._bad_ids,
+            stream=stream,
         )
-        return per_rank, per_expert, in_rank.bool(), slot
+        return per_rank, per_expert, in_rank.view(torch.bool), slot
 
     def dispatch(
         self, x: Any, topk_idx: Any, topk_weights: Any, *, stream: Any = None, num_sms: int | None = None
@@ -157,17 +190,22 @@ class Buffer:
             raise InvalidArgumentError(f"x must be [{n}, {cfg.hidden}], got {tuple(x.shape)}")
         if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, cfg.topk):
             raise InvalidArgumentError(f"topk_weights must be float32 [{n}, {cfg.topk}]")
-        bad = ((topk_idx < -1) | (topk_idx >= cfg.num_experts)).any()
+        marks = self._marks(stream)
         per_rank, per_expert, in_rank, slot = self.get_dispatch_layout(topk_idx, stream=stream)
         w, el = self.num_ranks, self.experts_per_rank
         parity = self._calls % 2
         self._calls += 1
         rank_matrix = self._rank_matrix[parity]
         expert_matrix = self._expert_matrix[parity]
-        recv_info = torch.empty(1 + el, dtype=torch.int32, device=x.device)
-        self._launch("ep_notify", 1, 128, per_rank, per_expert, np.int32(w), np.int32(el), rank_matrix, expert_matrix, recv_info, stream=stream)
+        recv_info = torch.empty(2 + el, dtype=torch.int32, device=x.device)
+        self._launch(
+            "ep_notify", 1, 128, per_rank, per_expert, np.int32(w), np.int32(el), rank_matrix, expert_matrix,
+            self._bad_ids, recv_info, stream=stream,
+        )
+        marks("notify")
         info = recv_info.cpu().tolist()  # the normal mode's one host synchronisation
-        if bool(bad):
+        marks("host_sync")
+        if info[-1]:
             raise InvalidArgumentError(f"topk_idx holds ids outside [-1, {cfg.num_experts})")
         num_recv = info[0]
         row_bytes = cfg.hidden * (1 if scales is not None else 2)
@@ -179,7 +217,9 @@ class Buffer:
             slot, rank_matrix, self._recv_x, self._recv_scales, self._recv_idx, self._recv_w, self._recv_src,
             stream=stream,
         )
+        marks("dispatch")
         shmem.barrier_all(stream=stream if stream is not None else torch.cuda.current_stream())
+        marks("barrier")
         raw = self._recv_x[: num_recv * row_bytes]
         recv_x = raw.view(torch.float8_e4m3fn if scales is not None else torch.bfloat16).view(num_recv, cfg.hidden)
         handle = Handle(slot, rank_matrix.clone(), in_rank, n, num_recv)
@@ -189,7 +229,7 @@ class Buffer:
             self._recv_idx[:num_recv],
             self._recv_w[:num_recv],
             self._recv_src[:num_recv],
-            info[1:],
+            info[1:-1],
             handle,
         )
 

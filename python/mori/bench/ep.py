@@ -60,8 +60,14 @@ def _rank(rank: int, uid: bytes, sms_list: list[int], iters: int, q) -> None:
         t_fp8 = timed(lambda: buf.dispatch((xq, sc), idx, w, num_sms=sms))
         res = buf.dispatch(x, idx, w, num_sms=sms)
         t_comb = timed(lambda: buf.combine(y, res.handle, num_sms=sms))
+        buf.profile = []
+        for _ in range(iters):
+            buf.dispatch(x, idx, w, num_sms=sms)
+        phases = {k: median([p[k] for p in buf.profile]) for k in buf.profile[0]}
+        buf.profile = None
         rows.append({"sms": sms, "num_recv": num_recv, "remote_rows_sent": remote_rows,
-                     "dispatch_bf16_us": t_bf16 * 1e6, "dispatch_fp8_us": t_fp8 * 1e6, "combine_us": t_comb * 1e6})
+                     "dispatch_bf16_us": t_bf16 * 1e6, "dispatch_fp8_us": t_fp8 * 1e6, "combine_us": t_comb * 1e6,
+                     "dispatch_bf16_phases": phases})
         bs.barrier()
     shmem.finalize()
     q.put((rank, rows))
@@ -92,6 +98,10 @@ def run(sms_list: list[int], iters: int, out_dir: str) -> dict[str, Any]:
         table.append(row)
         print(f"{row['sms']:>4} | {t_b:10.1f} µs {row['dispatch_bf16_recv_gbps']:9.1f} {row['dispatch_bf16_nvlink_gbps']:8.1f} | "
               f"{t_f:9.1f} µs {row['dispatch_fp8_recv_gbps']:9.1f} | {t_c:5.1f} µs {row['combine_send_gbps']:6.1f}")
+    print("dispatch bf16 phases (median µs, GPU time between marks; host time between marks):")
+    for row in table:
+        ph = row["dispatch_bf16_phases"]
+        print(f"  {row['sms']:>4} SMs: " + ", ".join(f"{k} {v:.0f}" for k, v in ph.items()))
     print("DeepEP v1.2.1 on this machine (24 SMs, ../shared/baselines): dispatch bf16 339 µs, fp8 257 µs, combine 396 µs")
     record = {"benchmark": "ep", "env": environment(), "method": __doc__.strip(),
               "config": {"tokens": TOKENS, "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "iters": iters},
