@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     bp = bench.add_parser("ep", help="MoE dispatch/combine (normal mode), SM sweep, DeepEP's figures beside")
     ep_bench.add_arguments(bp)
     bp.set_defaults(func=ep_bench.main)
+    from mori.bench import io as io_bench
+
+    bp = bench.add_parser("io", help="mori.io reads/writes over TCP loopback, batch submission cost")
+    io_bench.add_arguments(bp)
+    bp.set_defaults(func=io_bench.main)
     return parser
 
 

@@ -67,6 +67,10 @@ class OutOfMemoryError(MoriError, MemoryError):
     """A heap (e.g. the symmetric heap) cannot hold the request; the message gives its sizes."""
 
 
+class TransportError(MoriError):
+    """A transfer failed in transport: the peer disconnected or died, or refused the request."""
+
+
 class TimeoutError(MoriError, builtins.TimeoutError):  # noqa: A001 - deliberately mirrors the builtin
     """An operation did not complete within its timeout (also a builtin ``TimeoutError``)."""
 
@@ -82,4 +86,5 @@ __all__ = [
     "MismatchError",
     "OutOfMemoryError",
     "TimeoutError",
+    "TransportError",
 ]

@@ -13,6 +13,7 @@ pyo3::import_exception!(mori.errors, PeerLostError);
 pyo3::import_exception!(mori.errors, MismatchError);
 pyo3::import_exception!(mori.errors, TimeoutError);
 pyo3::import_exception!(mori.errors, OutOfMemoryError);
+pyo3::import_exception!(mori.errors, TransportError);
 
 /// Every error a binding can return.
 #[derive(Debug)]
@@ -20,7 +21,19 @@ pub enum Error {
     Gpu(mori_gpu::Error),
     Bootstrap(mori_bootstrap::Error),
     Shmem(mori_shmem::Error),
+    Io(mori_io::Error),
+    /// A transfer that failed (what every waiter of it sees).
+    TransferFailed(mori_io::Failure),
     InvalidArgument(String),
+}
+
+impl From<mori_io::Error> for Error {
+    fn from(e: mori_io::Error) -> Self {
+        match e {
+            mori_io::Error::Gpu(g) => Error::Gpu(g),
+            other => Error::Io(other),
+        }
+    }
 }
 
 impl From<mori_shmem::Error> for Error {
@@ -84,6 +97,23 @@ impl From<Error> for PyErr {
                     _ => MoriError::new_err(msg),
                 }
             }
+            Error::Io(e) => {
+                let msg = e.to_string();
+                match e {
+                    mori_io::Error::UnknownRegion(_)
+                    | mori_io::Error::OutOfRange(_)
+                    | mori_io::Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+                    mori_io::Error::Timeout { .. } => TimeoutError::new_err(msg),
+                    _ => TransportError::new_err(msg),
+                }
+            }
+            Error::TransferFailed(f) => match f.kind {
+                mori_io::FailureKind::UnknownRegion | mori_io::FailureKind::OutOfRange => {
+                    InvalidArgumentError::new_err(f.message)
+                }
+                mori_io::FailureKind::Timeout => TimeoutError::new_err(f.message),
+                _ => TransportError::new_err(f.message),
+            },
             Error::InvalidArgument(msg) => InvalidArgumentError::new_err(msg),
         }
     }

@@ -216,7 +216,7 @@ pub fn copy_kernel_async(
 ///
 /// # Safety
 /// `ptr` must point to `count` readable, 8-byte aligned u64 values that outlive the slice.
-unsafe fn host_u64s<'a>(ptr: usize, count: usize) -> Result<&'a [u64]> {
+pub(crate) unsafe fn host_u64s<'a>(ptr: usize, count: usize) -> Result<&'a [u64]> {
     if count == 0 {
         return Ok(&[]);
     }

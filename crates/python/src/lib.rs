@@ -4,6 +4,7 @@
 mod bootstrap;
 mod errors;
 mod gpu;
+mod io;
 mod jit;
 mod shmem;
 
@@ -69,6 +70,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<shmem::Shmem>()?;
     m.add_class::<shmem::ShmemModule>()?;
     m.add_class::<shmem::Registered>()?;
+    m.add_class::<io::IoEngine>()?;
+    m.add_class::<io::Transfer>()?;
+    m.add_function(wrap_pyfunction!(io::io_memory_desc_info, m)?)?;
+    m.add_function(wrap_pyfunction!(io::io_engine_desc_info, m)?)?;
     m.add_function(wrap_pyfunction!(topology_json, m)?)?;
     m.add_function(wrap_pyfunction!(topology_text, m)?)?;
     Ok(())

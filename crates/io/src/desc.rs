@@ -1,0 +1,146 @@
+//! Descriptors exchanged out of band: an engine's address, a registered region's identity.
+//! Both pack to a few bytes (little-endian, length-prefixed strings) with a format tag.
+
+use std::net::SocketAddr;
+
+use mori_transport::{Error, Location, Result};
+
+const ENGINE_TAG: &[u8; 4] = b"MIOE";
+const MEMORY_TAG: &[u8; 4] = b"MIOM";
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+struct Cursor<'a>(&'a [u8]);
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.0.len() < n {
+            return Err(Error::InvalidArgument("truncated descriptor".into()));
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().map_err(|_| bad())?,
+        ))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().map_err(|_| bad())?,
+        ))
+    }
+    fn string(&mut self) -> Result<String> {
+        let n = self.u32()? as usize;
+        if n > 4096 {
+            return Err(bad());
+        }
+        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| bad())
+    }
+}
+
+fn bad() -> Error {
+    Error::InvalidArgument("malformed descriptor".into())
+}
+
+/// How to reach an engine. `instance` tells a restarted engine (same name and address) from
+/// the one before it, so peers reconnect instead of reusing dead connections.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineDesc {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub instance: u64,
+}
+
+impl EngineDesc {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = ENGINE_TAG.to_vec();
+        put_str(&mut out, &self.name);
+        put_str(&mut out, &self.addr.to_string());
+        out.extend_from_slice(&self.instance.to_le_bytes());
+        out
+    }
+    pub fn from_bytes(b: &[u8]) -> Result<Self> {
+        let mut c = Cursor(b);
+        if c.take(4)? != ENGINE_TAG {
+            return Err(Error::InvalidArgument("not an engine descriptor".into()));
+        }
+        let name = c.string()?;
+        let addr = c.string()?.parse().map_err(|_| bad())?;
+        let instance = c.u64()?;
+        Ok(Self {
+            name,
+            addr,
+            instance,
+        })
+    }
+}
+
+/// A registered region as another engine names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryDesc {
+    pub engine: String,
+    pub id: u64,
+    pub len: u64,
+    pub location: Location,
+}
+
+impl MemoryDesc {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = MEMORY_TAG.to_vec();
+        put_str(&mut out, &self.engine);
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&self.len.to_le_bytes());
+        out.extend_from_slice(&self.location.encode().to_le_bytes());
+        out
+    }
+    pub fn from_bytes(b: &[u8]) -> Result<Self> {
+        let mut c = Cursor(b);
+        if c.take(4)? != MEMORY_TAG {
+            return Err(Error::InvalidArgument("not a memory descriptor".into()));
+        }
+        let engine = c.string()?;
+        let id = c.u64()?;
+        let len = c.u64()?;
+        let location = Location::decode(c.u32()? as i32);
+        Ok(Self {
+            engine,
+            id,
+            len,
+            location,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptors_round_trip_and_reject_garbage() {
+        let e = EngineDesc {
+            name: "prefill-0".into(),
+            addr: "127.0.0.1:4000".parse().unwrap(),
+            instance: 99,
+        };
+        assert_eq!(EngineDesc::from_bytes(&e.to_bytes()).unwrap(), e);
+        let m = MemoryDesc {
+            engine: "decode".into(),
+            id: 7,
+            len: 1 << 40,
+            location: Location::Cuda(3),
+        };
+        assert_eq!(MemoryDesc::from_bytes(&m.to_bytes()).unwrap(), m);
+        let h = MemoryDesc {
+            location: Location::Host,
+            ..m.clone()
+        };
+        assert_eq!(MemoryDesc::from_bytes(&h.to_bytes()).unwrap(), h);
+        assert!(EngineDesc::from_bytes(b"nope").is_err());
+        assert!(MemoryDesc::from_bytes(&m.to_bytes()[..10]).is_err());
+        assert!(MemoryDesc::from_bytes(&e.to_bytes()).is_err());
+    }
+}

@@ -1,0 +1,356 @@
+//! The IO engine: one per process (or per role). It listens for peers, registers memory once per
+//! region, connects to remote engines by descriptor, and runs batched one-sided reads and
+//! writes whose completion is a [`Transfer`].
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use mori_transport::tcp::{Batch, Connection, Job, Server};
+use mori_transport::wire::Kind;
+use mori_transport::{Error, Location, Registry, Result, Transfer};
+
+use crate::desc::{EngineDesc, MemoryDesc};
+
+/// Settings of an engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Address the engine listens on (and advertises).
+    pub host: IpAddr,
+    /// 0 = any free port.
+    pub port: u16,
+    /// TCP connections opened to each peer (batches are spread over them).
+    pub connections_per_peer: usize,
+    /// A request not answered within this fails with a timeout.
+    pub timeout: Duration,
+    /// Largest payload of one request; bigger batches are split.
+    pub chunk_bytes: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            host: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            port: 0,
+            connections_per_peer: 2,
+            timeout: Duration::from_secs(30),
+            chunk_bytes: 4 << 20,
+        }
+    }
+}
+
+/// A peer's write that asked to be announced has landed here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    pub from: String,
+    pub tag: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+}
+
+struct Peer {
+    desc: EngineDesc,
+    conns: Vec<Arc<Connection>>,
+    next: AtomicUsize,
+}
+
+impl Peer {
+    /// Usable while any connection is up (transfers skip dead ones).
+    fn alive(&self) -> bool {
+        self.conns.iter().any(|c| c.is_alive())
+    }
+    fn fully_alive(&self) -> bool {
+        self.conns.iter().all(|c| c.is_alive())
+    }
+    fn pick(&self) -> Arc<Connection> {
+        let n = self.conns.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        (0..n)
+            .map(|i| &self.conns[(start + i) % n])
+            .find(|c| c.is_alive())
+            .unwrap_or(&self.conns[start % n])
+            .clone()
+    }
+}
+
+pub struct IoEngine {
+    name: String,
+    instance: u64,
+    config: EngineConfig,
+    registry: Arc<Registry>,
+    server: Server,
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    notifications: Arc<Mutex<VecDeque<Notification>>>,
+}
+
+fn poisoned() -> Error {
+    Error::InvalidArgument("an earlier panic poisoned the IO engine".into())
+}
+
+impl IoEngine {
+    pub fn new(name: &str, config: EngineConfig) -> Result<Self> {
+        if name.is_empty() || name.len() > 1024 {
+            return Err(Error::InvalidArgument(
+                "an engine name must be 1..1024 bytes".into(),
+            ));
+        }
+        if config.connections_per_peer == 0 || config.chunk_bytes == 0 {
+            return Err(Error::InvalidArgument(
+                "connections_per_peer and chunk_bytes must be positive".into(),
+            ));
+        }
+        let registry = Arc::new(Registry::new());
+        let notifications = Arc::new(Mutex::new(VecDeque::new()));
+        let sink = notifications.clone();
+        let server = Server::start(
+            SocketAddr::new(config.host, config.port),
+            name.to_string(),
+            registry.clone(),
+            Arc::new(move |from, tag| {
+                if let Ok(mut q) = sink.lock() {
+                    q.push_back(Notification { from, tag });
+                }
+            }),
+        )?;
+        tracing::debug!("mori.io engine {name} listening on {}", server.addr());
+        // Distinguishes this engine from an earlier one with the same name and address.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let instance =
+            now ^ (u64::from(std::process::id()) << 32) ^ (Arc::as_ptr(&registry) as u64);
+        Ok(Self {
+            name: name.to_string(),
+            instance,
+            config,
+            registry,
+            server,
+            peers: Mutex::new(HashMap::new()),
+            notifications,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn desc(&self) -> EngineDesc {
+        EngineDesc {
+            name: self.name.clone(),
+            addr: self.server.addr(),
+            instance: self.instance,
+        }
+    }
+
+    /// Registers `len` bytes at `addr` (host memory, or device memory of CUDA device `ordinal`).
+    /// The memory must stay valid until [`deregister`](Self::deregister).
+    pub fn register(&self, addr: u64, len: u64, location: Location) -> Result<MemoryDesc> {
+        let r = self.registry.register(addr, len, location)?;
+        Ok(MemoryDesc {
+            engine: self.name.clone(),
+            id: r.id,
+            len,
+            location,
+        })
+    }
+
+    /// Stops serving `mem` (new requests fail at once) and waits for transfers using it.
+    pub fn deregister(&self, mem: &MemoryDesc) -> Result<()> {
+        self.own(mem)?;
+        self.registry.deregister(mem.id, self.config.timeout)
+    }
+
+    fn own(&self, mem: &MemoryDesc) -> Result<()> {
+        if mem.engine != self.name {
+            return Err(Error::InvalidArgument(format!(
+                "memory of engine {:?} is not local to engine {:?}",
+                mem.engine, self.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// Opens connections to `peer` (again, if an earlier set broke: a restarted peer reconnects).
+    pub fn connect(&self, peer: &EngineDesc) -> Result<()> {
+        if let Some(p) = self.peers.lock().map_err(|_| poisoned())?.get(&peer.name)
+            && p.fully_alive()
+            && p.desc == *peer
+        {
+            return Ok(());
+        }
+        let conns = (0..self.config.connections_per_peer)
+            .map(|_| Connection::open(peer.addr, &self.name, &peer.name, self.config.timeout))
+            .collect::<Result<Vec<_>>>()?;
+        let old = self.peers.lock().map_err(|_| poisoned())?.insert(
+            peer.name.clone(),
+            Arc::new(Peer {
+                desc: peer.clone(),
+                conns,
+                next: AtomicUsize::new(0),
+            }),
+        );
+        if let Some(old) = old {
+            old.conns.iter().for_each(|c| c.close());
+        }
+        Ok(())
+    }
+
+    /// Closes the connections to engine `name`; its pending transfers fail.
+    pub fn disconnect(&self, name: &str) -> Result<()> {
+        let peer = self
+            .peers
+            .lock()
+            .map_err(|_| poisoned())?
+            .remove(name)
+            .ok_or_else(|| Error::InvalidArgument(format!("not connected to engine {name:?}")))?;
+        peer.conns.iter().for_each(|c| c.close());
+        Ok(())
+    }
+
+    pub fn is_connected(&self, name: &str) -> bool {
+        self.peers
+            .lock()
+            .map(|p| p.get(name).is_some_and(|p| p.alive()))
+            .unwrap_or(false)
+    }
+
+    /// Starts a batched transfer: for every i, `sizes[i]` bytes between `local` at
+    /// `local_offsets[i]` and `remote` at `remote_offsets[i]`. Every range is checked before
+    /// anything moves (the remote side checks again). With `notify`, the remote engine records
+    /// it once the whole write has landed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn transfer(
+        &self,
+        op: Op,
+        local: &MemoryDesc,
+        local_offsets: &[u64],
+        remote: &MemoryDesc,
+        remote_offsets: &[u64],
+        sizes: &[u64],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer> {
+        self.own(local)?;
+        let n = sizes.len();
+        if local_offsets.len() != n || remote_offsets.len() != n {
+            return Err(Error::InvalidArgument(format!(
+                "offset and size arrays differ in length: {} local, {} remote, {n} sizes",
+                local_offsets.len(),
+                remote_offsets.len()
+            )));
+        }
+        if notify.is_some() && op == Op::Read {
+            return Err(Error::InvalidArgument(
+                "notifications are for writes".into(),
+            ));
+        }
+        let guard = Arc::new(self.registry.acquire(local.id)?);
+        let llen = guard.region().len;
+        // One tight pass: every range inside its region (no overflow), and the chunk cuts.
+        let mut chunks: Vec<std::ops::Range<usize>> = Vec::new();
+        let (mut start, mut bytes) = (0usize, 0u64);
+        for i in 0..n {
+            let s = sizes[i];
+            let fits = |off: u64, len: u64| off.checked_add(s).is_some_and(|end| end <= len);
+            if !fits(local_offsets[i], llen) || !fits(remote_offsets[i], remote.len) {
+                let (side, off, len) = if fits(local_offsets[i], llen) {
+                    ("remote", remote_offsets[i], remote.len)
+                } else {
+                    ("local", local_offsets[i], llen)
+                };
+                let shown = if off > i64::MAX as u64 {
+                    "a negative offset".to_string()
+                } else {
+                    format!("[{off}, {off}+{s})")
+                };
+                return Err(Error::OutOfRange(format!(
+                    "item {i}: {side} range {shown} lies outside its {len}-byte region"
+                )));
+            }
+            bytes += s;
+            if bytes >= self.config.chunk_bytes
+                || i + 1 - start >= mori_transport::wire::MAX_ITEMS as usize
+            {
+                chunks.push(start..i + 1);
+                (start, bytes) = (i + 1, 0);
+            }
+        }
+        if start < n {
+            chunks.push(start..n);
+        }
+        let peer = self
+            .peers
+            .lock()
+            .map_err(|_| poisoned())?
+            .get(&remote.engine)
+            .cloned()
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("not connected to engine {:?}", remote.engine))
+            })?;
+        if !peer.alive() {
+            return Err(Error::ConnectionLost {
+                peer: remote.engine.clone(),
+                detail: "every connection is down; connect again".into(),
+            });
+        }
+        let batch = Arc::new(Batch {
+            local_offsets: local_offsets.to_vec(),
+            remote_offsets: remote_offsets.to_vec(),
+            sizes: sizes.to_vec(),
+        });
+        let transfer = Transfer::new(chunks.len());
+        let kind = if op == Op::Read {
+            Kind::Read
+        } else {
+            Kind::Write
+        };
+        // A notified write goes down one connection, in order, so its last request lands last.
+        let fixed = notify.map(|_| peer.pick());
+        let last = chunks.len().saturating_sub(1);
+        for (c, range) in chunks.into_iter().enumerate() {
+            let job = Job {
+                kind,
+                remote_region: remote.id,
+                batch: batch.clone(),
+                range,
+                local: guard.clone(),
+                notify: if c == last {
+                    notify.map(<[u8]>::to_vec).unwrap_or_default()
+                } else {
+                    Vec::new()
+                },
+                transfer: transfer.clone(),
+            };
+            fixed.clone().unwrap_or_else(|| peer.pick()).submit(job);
+        }
+        Ok(transfer)
+    }
+
+    /// Notifications received so far (each returned once).
+    pub fn take_notifications(&self) -> Vec<Notification> {
+        self.notifications
+            .lock()
+            .map(|mut q| q.drain(..).collect())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for IoEngine {
+    fn drop(&mut self) {
+        if let Ok(peers) = self.peers.lock() {
+            for p in peers.values() {
+                p.conns.iter().for_each(|c| c.close());
+            }
+        }
+        // Peers' requests in flight finish (or fail) before the caller may free the memory.
+        if let Err(e) = self.registry.deregister_all(self.config.timeout) {
+            tracing::warn!("closing mori.io engine {}: {e}", self.name);
+        }
+    }
+}

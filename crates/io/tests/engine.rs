@@ -1,0 +1,211 @@
+//! Two engines in one process over loopback TCP.
+
+use std::time::{Duration, Instant};
+
+use mori_io::{EngineConfig, FailureKind, IoEngine, Location, Op, Status};
+
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 29
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+fn engine(name: &str) -> IoEngine {
+    let cfg = EngineConfig {
+        timeout: Duration::from_secs(5),
+        chunk_bytes: 256 << 10,
+        ..Default::default()
+    };
+    IoEngine::new(name, cfg).unwrap()
+}
+
+/// Non-overlapping (offset) layout of `sizes` in a region, with random gaps.
+fn layout(rng: &mut Lcg, sizes: &[u64]) -> (Vec<u64>, u64) {
+    let mut offs = Vec::with_capacity(sizes.len());
+    let mut pos = 0;
+    for s in sizes {
+        pos += rng.next() % 7;
+        offs.push(pos);
+        pos += s;
+    }
+    (offs, pos + 7)
+}
+
+#[test]
+fn random_batches_read_and_write_byte_exact() {
+    let (a, b) = (engine("a"), engine("b"));
+    a.connect(&b.desc()).unwrap();
+    let mut rng = Lcg(42);
+    for &n in &[1usize, 3, 100, 2000] {
+        let sizes: Vec<u64> = (0..n).map(|_| 1 + rng.next() % 5000).collect();
+        let (loff, llen) = layout(&mut rng, &sizes);
+        let (roff, rlen) = layout(&mut rng, &sizes);
+        let mut local = rng.bytes(llen as usize);
+        let mut remote = rng.bytes(rlen as usize);
+        let lm = a
+            .register(local.as_mut_ptr() as u64, llen, Location::Host)
+            .unwrap();
+        let rm = b
+            .register(remote.as_mut_ptr() as u64, rlen, Location::Host)
+            .unwrap();
+        // write local -> remote
+        let before_local = local.clone();
+        a.transfer(Op::Write, &lm, &loff, &rm, &roff, &sizes, None)
+            .unwrap()
+            .wait(None)
+            .unwrap();
+        for i in 0..n {
+            let (l, r, s) = (loff[i] as usize, roff[i] as usize, sizes[i] as usize);
+            assert_eq!(&remote[r..r + s], &before_local[l..l + s], "write item {i}");
+        }
+        // read remote -> local, after changing the remote bytes
+        let fresh = rng.bytes(rlen as usize);
+        remote.copy_from_slice(&fresh);
+        a.transfer(Op::Read, &lm, &loff, &rm, &roff, &sizes, None)
+            .unwrap()
+            .wait(None)
+            .unwrap();
+        for i in 0..n {
+            let (l, r, s) = (loff[i] as usize, roff[i] as usize, sizes[i] as usize);
+            assert_eq!(&local[l..l + s], &fresh[r..r + s], "read item {i}");
+        }
+        a.deregister(&lm).unwrap();
+        b.deregister(&rm).unwrap();
+    }
+}
+
+#[test]
+fn bad_ranges_and_unknown_memory_touch_nothing() {
+    let (a, b) = (engine("a2"), engine("b2"));
+    a.connect(&b.desc()).unwrap();
+    let mut local = vec![1u8; 100];
+    let mut remote = vec![2u8; 100];
+    let lm = a
+        .register(local.as_mut_ptr() as u64, 100, Location::Host)
+        .unwrap();
+    let rm = b
+        .register(remote.as_mut_ptr() as u64, 100, Location::Host)
+        .unwrap();
+    assert!(
+        a.transfer(Op::Write, &lm, &[0], &rm, &[95], &[10], None)
+            .is_err(),
+        "remote overrun caught locally"
+    );
+    assert!(
+        a.transfer(Op::Write, &lm, &[95], &rm, &[0], &[10], None)
+            .is_err(),
+        "local overrun"
+    );
+    // A stale descriptor claiming a bigger region: the remote engine refuses, nothing written.
+    let mut lying = rm.clone();
+    lying.len = 1000;
+    let t = a
+        .transfer(Op::Write, &lm, &[0, 0], &lying, &[0, 200], &[10, 10], None)
+        .unwrap();
+    let err = t.wait(Some(Duration::from_secs(5))).unwrap_err();
+    assert_eq!(err.kind, FailureKind::Remote, "{err}");
+    assert!(
+        remote.iter().all(|&x| x == 2),
+        "a refused request must not touch memory"
+    );
+    // Deregistered memory.
+    b.deregister(&rm).unwrap();
+    let t = a
+        .transfer(Op::Read, &lm, &[0], &rm, &[0], &[10], None)
+        .unwrap();
+    assert!(t.wait(Some(Duration::from_secs(5))).is_err());
+    assert!(local.iter().all(|&x| x == 1));
+    assert!(
+        a.transfer(Op::Read, &rm, &[0], &lm, &[0], &[1], None)
+            .is_err(),
+        "remote memory used as local"
+    );
+}
+
+#[test]
+fn notifications_arrive_after_the_data() {
+    let (a, b) = (engine("a3"), engine("b3"));
+    a.connect(&b.desc()).unwrap();
+    let mut local = vec![7u8; 1 << 20];
+    let mut remote = vec![0u8; 1 << 20];
+    let lm = a
+        .register(local.as_mut_ptr() as u64, 1 << 20, Location::Host)
+        .unwrap();
+    let rm = b
+        .register(remote.as_mut_ptr() as u64, 1 << 20, Location::Host)
+        .unwrap();
+    let offs: Vec<u64> = (0..64).map(|i| i * 16384).collect();
+    let sizes = vec![16384u64; 64];
+    a.transfer(Op::Write, &lm, &offs, &rm, &offs, &sizes, Some(b"req-17"))
+        .unwrap()
+        .wait(None)
+        .unwrap();
+    let notes = b.take_notifications();
+    assert_eq!(notes.len(), 1);
+    assert_eq!(
+        (notes[0].from.as_str(), notes[0].tag.as_slice()),
+        ("a3", &b"req-17"[..])
+    );
+    assert!(remote.iter().all(|&x| x == 7));
+    assert!(b.take_notifications().is_empty());
+    assert!(
+        a.transfer(Op::Read, &lm, &[0], &rm, &[0], &[1], Some(b"x"))
+            .is_err()
+    );
+}
+
+#[test]
+fn dead_peer_fails_pending_transfers_and_a_restarted_peer_reconnects() {
+    let a = engine("a4");
+    let b = engine("b4");
+    a.connect(&b.desc()).unwrap();
+    let size = 64 << 20;
+    let mut local = vec![3u8; size];
+    let mut remote = vec![0u8; size];
+    let lm = a
+        .register(local.as_mut_ptr() as u64, size as u64, Location::Host)
+        .unwrap();
+    let rm = b
+        .register(remote.as_mut_ptr() as u64, size as u64, Location::Host)
+        .unwrap();
+    let offs: Vec<u64> = (0..(size as u64 / 65536)).map(|i| i * 65536).collect();
+    let sizes = vec![65536u64; offs.len()];
+    let t = a
+        .transfer(Op::Write, &lm, &offs, &rm, &offs, &sizes, None)
+        .unwrap();
+    drop(b); // the peer goes away mid-transfer
+    let started = Instant::now();
+    match t.wait(Some(Duration::from_secs(10))) {
+        Err(f) => assert!(
+            matches!(
+                f.kind,
+                FailureKind::ConnectionLost | FailureKind::Remote | FailureKind::Timeout
+            ),
+            "{f}"
+        ),
+        Ok(done) => assert!(done, "the transfer neither finished nor failed"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(8));
+    assert!(!matches!(t.status(), Status::Pending));
+    drop(remote);
+    // The engine stays usable: a new peer with the same name.
+    let b2 = engine("b4");
+    let mut remote2 = vec![0u8; 4096];
+    let rm2 = b2
+        .register(remote2.as_mut_ptr() as u64, 4096, Location::Host)
+        .unwrap();
+    a.connect(&b2.desc()).unwrap();
+    a.transfer(Op::Write, &lm, &[0], &rm2, &[0], &[4096], None)
+        .unwrap()
+        .wait(None)
+        .unwrap();
+    assert!(remote2.iter().all(|&x| x == 3));
+}

@@ -1,0 +1,70 @@
+//! Moving bytes between a socket and registered memory (host memory directly, device memory
+//! through a bounce buffer and the CUDA driver).
+
+use std::io::{Read, Write};
+
+use mori_gpu::Device;
+
+use crate::error::{Error, Result};
+use crate::registry::{Location, Region};
+
+/// Bounce-buffer size for device memory.
+const STAGING: usize = 4 << 20;
+
+/// Reads `len` bytes from `r` into `region` at `offset`. The caller holds the region's use
+/// guard and has checked the range.
+pub fn receive_into(r: &mut impl Read, region: &Region, offset: u64, len: u64) -> Result<()> {
+    region.check(offset, len)?;
+    let addr = region.addr + offset;
+    match region.location {
+        Location::Host => {
+            // SAFETY: the range lies inside a registered region (checked above), which stays
+            // valid while the caller's use guard is held (the registration contract).
+            let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
+            r.read_exact(dst)
+                .map_err(|e| Error::io("receiving payload", e))
+        }
+        Location::Cuda(ordinal) => {
+            let device = Device::get(ordinal as usize)?;
+            let mut staging = vec![0u8; (len as usize).min(STAGING)];
+            let mut done = 0u64;
+            while done < len {
+                let k = ((len - done) as usize).min(STAGING);
+                r.read_exact(&mut staging[..k])
+                    .map_err(|e| Error::io("receiving payload", e))?;
+                // SAFETY: device range inside the registered region, guard held by the caller.
+                unsafe { mori_gpu::copy_host_to_device(device, addr + done, &staging[..k])? };
+                done += k as u64;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Writes `len` bytes of `region` at `offset` to `w`.
+pub fn send_from(w: &mut impl Write, region: &Region, offset: u64, len: u64) -> Result<()> {
+    region.check(offset, len)?;
+    let addr = region.addr + offset;
+    match region.location {
+        Location::Host => {
+            // SAFETY: as in receive_into; the bytes are only read.
+            let src = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+            w.write_all(src)
+                .map_err(|e| Error::io("sending payload", e))
+        }
+        Location::Cuda(ordinal) => {
+            let device = Device::get(ordinal as usize)?;
+            let mut staging = vec![0u8; (len as usize).min(STAGING)];
+            let mut done = 0u64;
+            while done < len {
+                let k = ((len - done) as usize).min(STAGING);
+                // SAFETY: device range inside the registered region, guard held by the caller.
+                unsafe { mori_gpu::copy_device_to_host(device, &mut staging[..k], addr + done)? };
+                w.write_all(&staging[..k])
+                    .map_err(|e| Error::io("sending payload", e))?;
+                done += k as u64;
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! Errors of the data plane.
+
+/// Status codes carried on the wire (and by errors raised from them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Code {
+    Ok = 0,
+    UnknownRegion = 1,
+    OutOfRange = 2,
+    Busy = 3,
+    Internal = 4,
+}
+
+impl Code {
+    pub fn from_u8(v: u8) -> Code {
+        match v {
+            0 => Code::Ok,
+            1 => Code::UnknownRegion,
+            2 => Code::OutOfRange,
+            3 => Code::Busy,
+            _ => Code::Internal,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The memory id is not registered (or was deregistered).
+    #[error("{0}")]
+    UnknownRegion(String),
+    /// An offset/size lies outside its region; nothing was touched.
+    #[error("{0}")]
+    OutOfRange(String),
+    /// The remote side refused or failed a request.
+    #[error("remote engine {peer} failed the transfer: {message}")]
+    Remote {
+        peer: String,
+        code: Code,
+        message: String,
+    },
+    /// The connection to a peer broke; pending transfers on it fail with this.
+    #[error("connection to {peer} lost: {detail}")]
+    ConnectionLost { peer: String, detail: String },
+    /// A transfer did not complete within its deadline.
+    #[error("transfer to {peer} did not complete within {secs:.1}s")]
+    Timeout { peer: String, secs: f64 },
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error(transparent)]
+    Gpu(#[from] mori_gpu::Error),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,556 @@
+//! The TCP transport: a server that applies peers' reads and writes to registered memory, and
+//! client connections that carry this engine's requests. Works between any two hosts.
+//!
+//! Each connection has a sender thread (requests are queued, so submitting costs the caller
+//! almost nothing), a reader thread (responses, scattering read data into local memory), and
+//! a deadline check on the sender's queue timeout. A broken connection fails every pending
+//! request at once with `ConnectionLost`; a late response to a timed-out request is discarded,
+//! never written to memory.
+
+use std::collections::HashMap;
+use std::io::{BufReader, BufWriter, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::access::{receive_into, send_from};
+use crate::error::{Code, Error, Result};
+use crate::registry::{Registry, UseGuard};
+use crate::transfer::Transfer;
+use crate::wire::{self, Item, Kind, RequestHeader, ResponseHeader};
+
+const IO_BUFFER: usize = 256 << 10;
+const POLL: Duration = Duration::from_millis(20);
+
+/// Called with (peer engine name, tag) when a peer's write that asked for it has completed.
+pub type NotifySink = Arc<dyn Fn(String, Vec<u8>) + Send + Sync>;
+
+/// Serves peers' requests against `registry` until dropped.
+pub struct Server {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    streams: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Server {
+    pub fn start(
+        bind: SocketAddr,
+        name: String,
+        registry: Arc<Registry>,
+        notify: NotifySink,
+    ) -> Result<Self> {
+        let listener =
+            TcpListener::bind(bind).map_err(|e| Error::io(format!("listening on {bind}"), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the listen address", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("configuring the listener", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let streams = Arc::new(Mutex::new(Vec::new()));
+        let (stop2, streams2) = (stop.clone(), streams.clone());
+        std::thread::Builder::new()
+            .name(format!("mori-io-accept-{name}"))
+            .spawn(move || {
+                while !stop2.load(Ordering::SeqCst) {
+                    match listener.accept() {
+                        Ok((stream, peer_addr)) => {
+                            if let Ok(clone) = stream.try_clone()
+                                && let Ok(mut list) = streams2.lock()
+                            {
+                                list.push(clone);
+                            }
+                            let (reg, notify, name) =
+                                (registry.clone(), notify.clone(), name.clone());
+                            let spawned = std::thread::Builder::new()
+                                .name(format!("mori-io-serve-{peer_addr}"))
+                                .spawn(move || {
+                                    if let Err(e) = serve(stream, &name, &reg, &notify) {
+                                        tracing::debug!(
+                                            "mori.io connection from {peer_addr} ended: {e}"
+                                        );
+                                    }
+                                });
+                            if let Err(e) = spawned {
+                                tracing::warn!("cannot start a mori.io server thread: {e}");
+                            }
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(POLL)
+                        }
+                        Err(e) => tracing::warn!("mori.io accept failed: {e}"),
+                    }
+                }
+            })
+            .map_err(|e| Error::io("starting the accept thread", e))?;
+        Ok(Self {
+            addr,
+            stop,
+            streams,
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Ok(list) = self.streams.lock() {
+            for s in list.iter() {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+/// One peer connection's request loop.
+fn serve(stream: TcpStream, name: &str, registry: &Registry, notify: &NotifySink) -> Result<()> {
+    stream
+        .set_nodelay(true)
+        .map_err(|e| Error::io("configuring a connection", e))?;
+    stream
+        .set_nonblocking(false)
+        .map_err(|e| Error::io("configuring a connection", e))?;
+    let mut reader = BufReader::with_capacity(
+        IO_BUFFER,
+        stream
+            .try_clone()
+            .map_err(|e| Error::io("cloning a socket", e))?,
+    );
+    let mut writer = BufWriter::with_capacity(IO_BUFFER, stream);
+    let peer = wire::read_hello(&mut reader)?;
+    wire::write_hello(&mut writer, name)?;
+    while let Some(req) = wire::read_request(&mut reader)? {
+        // Check every item before touching any memory.
+        let checked: Result<Vec<UseGuard>> = req
+            .items
+            .iter()
+            .map(|it| {
+                let g = registry.acquire(it.region)?;
+                g.region().check(it.offset, it.len)?;
+                Ok(g)
+            })
+            .collect();
+        let payload_in: u64 = if req.kind == Kind::Write {
+            req.items.iter().map(|i| i.len).sum()
+        } else {
+            0
+        };
+        let guards = match checked {
+            Ok(g) => g,
+            Err(e) => {
+                wire::discard(&mut reader, payload_in)?;
+                let code = match e {
+                    Error::UnknownRegion(_) => Code::UnknownRegion,
+                    Error::OutOfRange(_) => Code::OutOfRange,
+                    _ => Code::Internal,
+                };
+                respond(&mut writer, req.id, code, &e.to_string(), 0)?;
+                continue;
+            }
+        };
+        match req.kind {
+            Kind::Write => {
+                let mut failed = None;
+                for (it, g) in req.items.iter().zip(&guards) {
+                    if failed.is_some() {
+                        wire::discard(&mut reader, it.len)?;
+                    } else if let Err(e) = receive_into(&mut reader, g.region(), it.offset, it.len)
+                    {
+                        // A socket error ends the connection; a device error fails the request.
+                        if matches!(e, Error::Io { .. }) {
+                            return Err(e);
+                        }
+                        failed = Some(e.to_string());
+                    }
+                }
+                drop(guards);
+                match failed {
+                    Some(msg) => respond(&mut writer, req.id, Code::Internal, &msg, 0)?,
+                    None => {
+                        if !req.notify.is_empty() {
+                            notify(peer.clone(), req.notify.clone());
+                        }
+                        respond(&mut writer, req.id, Code::Ok, "", 0)?;
+                    }
+                }
+            }
+            Kind::Read => {
+                let total: u64 = req.items.iter().map(|i| i.len).sum();
+                writer
+                    .write_all(&wire::encode_response(&ResponseHeader {
+                        id: req.id,
+                        code: Code::Ok,
+                        message: String::new(),
+                        payload_len: total,
+                    }))
+                    .map_err(|e| Error::io("sending a response", e))?;
+                for (it, g) in req.items.iter().zip(&guards) {
+                    send_from(&mut writer, g.region(), it.offset, it.len)?;
+                }
+                writer
+                    .flush()
+                    .map_err(|e| Error::io("sending a response", e))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn respond(w: &mut impl Write, id: u64, code: Code, message: &str, payload_len: u64) -> Result<()> {
+    let bytes = wire::encode_response(&ResponseHeader {
+        id,
+        code,
+        message: message.into(),
+        payload_len,
+    });
+    w.write_all(&bytes)
+        .and_then(|()| w.flush())
+        .map_err(|e| Error::io("sending a response", e))
+}
+
+/// One request of a transfer: remote items, the local side of each, the transfer to complete.
+pub struct Job {
+    pub kind: Kind,
+    /// The remote region every item addresses.
+    pub remote_region: u64,
+    /// The whole batch (shared by its requests) and the items this request carries.
+    pub batch: Arc<Batch>,
+    pub range: std::ops::Range<usize>,
+    /// The local region, kept registered until the request completes: the source of a write,
+    /// the destination of a read.
+    pub local: Arc<UseGuard>,
+    pub notify: Vec<u8>,
+    pub transfer: Transfer,
+}
+
+/// A batch's arrays: item i moves `sizes[i]` bytes between local `local_offsets[i]` and
+/// remote `remote_offsets[i]`.
+#[derive(Debug, Default)]
+pub struct Batch {
+    pub local_offsets: Vec<u64>,
+    pub remote_offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+}
+
+struct Pending {
+    job: Job,
+    deadline: Instant,
+}
+
+/// A client connection to one peer engine.
+pub struct Connection {
+    peer: String,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    alive: Arc<AtomicBool>,
+    stream: TcpStream,
+}
+
+impl Connection {
+    /// Connects to `addr` (the peer engine `peer`), giving up after `timeout`.
+    pub fn open(
+        addr: SocketAddr,
+        my_name: &str,
+        peer: &str,
+        timeout: Duration,
+    ) -> Result<Arc<Self>> {
+        let stream =
+            TcpStream::connect_timeout(&addr, timeout).map_err(|e| Error::ConnectionLost {
+                peer: peer.to_string(),
+                detail: format!("cannot connect to {addr}: {e}"),
+            })?;
+        let ctx = |e| Error::io(format!("setting up the connection to {peer}"), e);
+        stream.set_nodelay(true).map_err(ctx)?;
+        stream.set_read_timeout(Some(timeout)).map_err(ctx)?;
+        let mut writer = BufWriter::with_capacity(IO_BUFFER, stream.try_clone().map_err(ctx)?);
+        let mut reader = BufReader::with_capacity(IO_BUFFER, stream.try_clone().map_err(ctx)?);
+        wire::write_hello(&mut writer, my_name)?;
+        let their_name = wire::read_hello(&mut reader)?;
+        if their_name != peer {
+            return Err(Error::InvalidArgument(format!(
+                "{addr} is engine {their_name:?}, not {peer:?}"
+            )));
+        }
+        stream.set_read_timeout(None).map_err(ctx)?;
+        let alive = Arc::new(AtomicBool::new(true));
+        let pending: Arc<Mutex<HashMap<u64, Pending>>> = Arc::new(Mutex::new(HashMap::new()));
+        let (tx, rx) = mpsc::channel::<Job>();
+        let conn = Arc::new(Self {
+            peer: peer.to_string(),
+            jobs: Mutex::new(Some(tx)),
+            alive: alive.clone(),
+            stream: stream.try_clone().map_err(ctx)?,
+        });
+        {
+            let (pending, alive, peer, stream) = (
+                pending.clone(),
+                alive.clone(),
+                peer.to_string(),
+                stream.try_clone().map_err(ctx)?,
+            );
+            std::thread::Builder::new()
+                .name(format!("mori-io-send-{peer}"))
+                .spawn(move || send_loop(rx, writer, pending, alive, peer, timeout, stream))
+                .map_err(|e| Error::io("starting a sender thread", e))?;
+        }
+        {
+            let (pending, alive, peer) = (pending, alive, peer.to_string());
+            std::thread::Builder::new()
+                .name(format!("mori-io-recv-{peer}"))
+                .spawn(move || {
+                    let outcome = receive_loop(&mut reader, &pending, &peer);
+                    alive.store(false, Ordering::SeqCst);
+                    let detail = match outcome {
+                        Ok(()) => "the peer closed the connection".to_string(),
+                        Err(e) => e.to_string(),
+                    };
+                    fail_all(
+                        &pending,
+                        &Error::ConnectionLost {
+                            peer: peer.clone(),
+                            detail,
+                        },
+                    );
+                })
+                .map_err(|e| Error::io("starting a reader thread", e))?;
+        }
+        Ok(conn)
+    }
+
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+
+    /// Queues a request; its transfer completes (or fails) later.
+    pub fn submit(&self, job: Job) {
+        if !self.is_alive() {
+            job.transfer.part_done(Err(&Error::ConnectionLost {
+                peer: self.peer.clone(),
+                detail: "the connection is closed".into(),
+            }));
+            return;
+        }
+        let sent = self
+            .jobs
+            .lock()
+            .ok()
+            .and_then(|g| g.as_ref().map(|tx| tx.send(job)));
+        match sent {
+            Some(Ok(())) => {}
+            Some(Err(mpsc::SendError(job))) => {
+                job.transfer.part_done(Err(&Error::ConnectionLost {
+                    peer: self.peer.clone(),
+                    detail: "the sender stopped".into(),
+                }))
+            }
+            None => tracing::warn!(
+                "mori.io connection to {} is shutting down; request dropped",
+                self.peer
+            ),
+        }
+    }
+
+    /// Closes the connection; pending requests fail with ConnectionLost.
+    pub fn close(&self) {
+        self.alive.store(false, Ordering::SeqCst);
+        if let Ok(mut g) = self.jobs.lock() {
+            g.take();
+        }
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn fail_all(pending: &Mutex<HashMap<u64, Pending>>, e: &Error) {
+    let drained: Vec<Pending> = match pending.lock() {
+        Ok(mut p) => p.drain().map(|(_, v)| v).collect(),
+        Err(_) => Vec::new(),
+    };
+    for p in drained {
+        p.job.transfer.part_done(Err(e));
+    }
+}
+
+fn send_loop(
+    rx: mpsc::Receiver<Job>,
+    mut writer: BufWriter<TcpStream>,
+    pending: Arc<Mutex<HashMap<u64, Pending>>>,
+    alive: Arc<AtomicBool>,
+    peer: String,
+    timeout: Duration,
+    stream: TcpStream,
+) {
+    let next_id = AtomicU64::new(1);
+    loop {
+        match rx.recv_timeout(POLL * 5) {
+            Ok(job) => {
+                if !alive.load(Ordering::SeqCst) {
+                    job.transfer.part_done(Err(&Error::ConnectionLost {
+                        peer: peer.clone(),
+                        detail: "the connection is closed".into(),
+                    }));
+                    continue;
+                }
+                let id = next_id.fetch_add(1, Ordering::Relaxed);
+                if let Err(e) = send_one(&mut writer, &pending, id, job, timeout, &peer) {
+                    alive.store(false, Ordering::SeqCst);
+                    let _ = stream.shutdown(Shutdown::Both); // wakes the reader, which fails the rest
+                    tracing::debug!("mori.io send to {peer} failed: {e}");
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        expire(&pending, &peer, timeout);
+    }
+}
+
+fn send_one(
+    writer: &mut BufWriter<TcpStream>,
+    pending: &Mutex<HashMap<u64, Pending>>,
+    id: u64,
+    job: Job,
+    timeout: Duration,
+    peer: &str,
+) -> Result<()> {
+    let (b, range) = (&job.batch, job.range.clone());
+    let items: Vec<Item> = range
+        .clone()
+        .map(|i| Item {
+            region: job.remote_region,
+            offset: b.remote_offsets[i],
+            len: b.sizes[i],
+        })
+        .collect();
+    let header = wire::encode_request(&RequestHeader {
+        kind: job.kind,
+        id,
+        items,
+        notify: job.notify.clone(),
+    });
+    // Register the request before any byte leaves, so the response always finds it; a write
+    // reads its payload from local memory while it is sent.
+    let write = job.kind == Kind::Write;
+    let (batch, local) = (job.batch.clone(), job.local.clone());
+    let transfer = job.transfer.clone();
+    pending
+        .lock()
+        .map_err(|_| Error::InvalidArgument("poisoned pending table".into()))?
+        .insert(
+            id,
+            Pending {
+                job,
+                deadline: Instant::now() + timeout,
+            },
+        );
+    let result = (|| -> Result<()> {
+        writer
+            .write_all(&header)
+            .map_err(|e| Error::io("sending a request", e))?;
+        if write {
+            for i in range {
+                send_from(
+                    writer,
+                    local.region(),
+                    batch.local_offsets[i],
+                    batch.sizes[i],
+                )?;
+            }
+        }
+        writer
+            .flush()
+            .map_err(|e| Error::io("sending a request", e))
+    })()
+    .map_err(|e| match e {
+        // A socket that fails mid-request means the peer is gone.
+        Error::Io { source, .. } => Error::ConnectionLost {
+            peer: peer.to_string(),
+            detail: source.to_string(),
+        },
+        other => other,
+    });
+    if let Err(e) = &result
+        && let Ok(mut p) = pending.lock()
+        && p.remove(&id).is_some()
+    {
+        transfer.part_done(Err(e));
+    }
+    result
+}
+
+fn expire(pending: &Mutex<HashMap<u64, Pending>>, peer: &str, timeout: Duration) {
+    let now = Instant::now();
+    let expired: Vec<Pending> = match pending.lock() {
+        Ok(mut p) => {
+            let ids: Vec<u64> = p
+                .iter()
+                .filter(|(_, v)| v.deadline <= now)
+                .map(|(k, _)| *k)
+                .collect();
+            ids.into_iter().filter_map(|id| p.remove(&id)).collect()
+        }
+        Err(_) => Vec::new(),
+    };
+    for p in expired {
+        p.job.transfer.part_done(Err(&Error::Timeout {
+            peer: peer.to_string(),
+            secs: timeout.as_secs_f64(),
+        }));
+    }
+}
+
+fn receive_loop(
+    reader: &mut BufReader<TcpStream>,
+    pending: &Mutex<HashMap<u64, Pending>>,
+    peer: &str,
+) -> Result<()> {
+    loop {
+        let resp = match wire::read_response(reader) {
+            Ok(r) => r,
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        let entry = pending
+            .lock()
+            .map_err(|_| Error::InvalidArgument("poisoned pending table".into()))?
+            .remove(&resp.id);
+        let Some(p) = entry else {
+            // Timed out and already failed: drop its bytes, never write them.
+            wire::discard(reader, resp.payload_len)?;
+            continue;
+        };
+        if resp.code != Code::Ok {
+            wire::discard(reader, resp.payload_len)?;
+            p.job.transfer.part_done(Err(&Error::Remote {
+                peer: peer.to_string(),
+                code: resp.code,
+                message: resp.message,
+            }));
+            continue;
+        }
+        if p.job.kind == Kind::Read {
+            let b = &p.job.batch;
+            for i in p.job.range.clone() {
+                receive_into(reader, p.job.local.region(), b.local_offsets[i], b.sizes[i])?;
+            }
+        }
+        p.job.transfer.part_done(Ok(()));
+    }
+}

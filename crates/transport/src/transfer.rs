@@ -1,0 +1,227 @@
+//! A transfer's completion: several requests (a batch is split across connections) complete
+//! it together; the first failure decides its status. Waiters block on a condition variable;
+//! callbacks (e.g. Python awaitables) run once, outside the lock, when it finishes.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::Error;
+
+/// Why a transfer failed (clonable, so every waiter gets it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    UnknownRegion,
+    OutOfRange,
+    Remote,
+    ConnectionLost,
+    Timeout,
+    Other,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<&Error> for Failure {
+    fn from(e: &Error) -> Self {
+        let kind = match e {
+            Error::UnknownRegion(_) => FailureKind::UnknownRegion,
+            Error::OutOfRange(_) => FailureKind::OutOfRange,
+            Error::Remote { .. } => FailureKind::Remote,
+            Error::ConnectionLost { .. } => FailureKind::ConnectionLost,
+            Error::Timeout { .. } => FailureKind::Timeout,
+            _ => FailureKind::Other,
+        };
+        Failure {
+            kind,
+            message: e.to_string(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Status {
+    Pending,
+    Done,
+    Failed(Failure),
+}
+
+type Callback = Box<dyn FnOnce() + Send>;
+
+struct State {
+    remaining: usize,
+    failure: Option<Failure>,
+    callbacks: Vec<Callback>,
+}
+
+/// Shared handle of one transfer.
+#[derive(Clone)]
+pub struct Transfer {
+    inner: Arc<(Mutex<State>, Condvar)>,
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Transfer({:?})", self.status())
+    }
+}
+
+impl Transfer {
+    /// A transfer completed by `parts` calls of [`part_done`](Self::part_done) (0 = done now).
+    pub fn new(parts: usize) -> Self {
+        Self {
+            inner: Arc::new((
+                Mutex::new(State {
+                    remaining: parts,
+                    failure: None,
+                    callbacks: Vec::new(),
+                }),
+                Condvar::new(),
+            )),
+        }
+    }
+
+    /// A transfer that failed before it started.
+    pub fn failed(e: &Error) -> Self {
+        let t = Self::new(1);
+        t.part_done(Err(e));
+        t
+    }
+
+    /// Records one part's outcome; the last part (or the first failure) finishes the transfer.
+    pub fn part_done(&self, result: std::result::Result<(), &Error>) {
+        let callbacks = {
+            let Ok(mut st) = self.inner.0.lock() else {
+                return;
+            };
+            if st.remaining == 0 {
+                return; // already finished (e.g. failed earlier)
+            }
+            match result {
+                Ok(()) => st.remaining -= 1,
+                Err(e) => {
+                    st.failure.get_or_insert_with(|| Failure::from(e));
+                    st.remaining = 0;
+                }
+            }
+            if st.remaining > 0 {
+                return;
+            }
+            self.inner.1.notify_all();
+            std::mem::take(&mut st.callbacks)
+        };
+        for cb in callbacks {
+            cb();
+        }
+    }
+
+    pub fn status(&self) -> Status {
+        match self.inner.0.lock() {
+            Ok(st) if st.remaining > 0 => Status::Pending,
+            Ok(st) => st.failure.clone().map_or(Status::Done, Status::Failed),
+            Err(_) => Status::Failed(Failure {
+                kind: FailureKind::Other,
+                message: "poisoned transfer state".into(),
+            }),
+        }
+    }
+
+    pub fn done(&self) -> bool {
+        !matches!(self.status(), Status::Pending)
+    }
+
+    /// Blocks until the transfer finishes (Ok / its failure), or `timeout` passes (Ok(false)).
+    pub fn wait(&self, timeout: Option<Duration>) -> std::result::Result<bool, Failure> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let other = |m: &str| Failure {
+            kind: FailureKind::Other,
+            message: m.into(),
+        };
+        let mut st = self
+            .inner
+            .0
+            .lock()
+            .map_err(|_| other("poisoned transfer state"))?;
+        while st.remaining > 0 {
+            st = match deadline {
+                None => self
+                    .inner
+                    .1
+                    .wait(st)
+                    .map_err(|_| other("poisoned transfer state"))?,
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Ok(false);
+                    }
+                    self.inner
+                        .1
+                        .wait_timeout(st, left)
+                        .map_err(|_| other("poisoned transfer state"))?
+                        .0
+                }
+            };
+        }
+        match &st.failure {
+            Some(f) => Err(f.clone()),
+            None => Ok(true),
+        }
+    }
+
+    /// Runs `f` once the transfer finishes (at once if it already has).
+    pub fn on_done(&self, f: Callback) {
+        let run_now = match self.inner.0.lock() {
+            Ok(mut st) if st.remaining > 0 => {
+                st.callbacks.push(f);
+                None
+            }
+            _ => Some(f),
+        };
+        if let Some(f) = run_now {
+            f();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn parts_failure_and_callbacks() {
+        let t = Transfer::new(2);
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        t.on_done(Box::new(move || {
+            c.fetch_add(1, Ordering::SeqCst);
+        }));
+        assert_eq!(t.wait(Some(Duration::from_millis(10))), Ok(false));
+        t.part_done(Ok(()));
+        assert!(!t.done());
+        t.part_done(Err(&Error::Timeout {
+            peer: "b".into(),
+            secs: 1.0,
+        }));
+        assert!(matches!(
+            t.status(),
+            Status::Failed(Failure {
+                kind: FailureKind::Timeout,
+                ..
+            })
+        ));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        t.part_done(Ok(())); // late parts change nothing
+        assert!(t.wait(None).is_err());
+        let ok = Transfer::new(0);
+        assert_eq!(ok.status(), Status::Done);
+    }
+}

@@ -1,0 +1,243 @@
+//! Tests of the DRAM page arena: a randomized model test, fragmentation and coalescing,
+//! accounting, NoSpace and LRU order.
+
+use std::collections::HashMap;
+
+use mori_umbp::{DramArena, Error};
+
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn key(i: u64) -> Vec<u8> {
+    format!("blk-{i}").into_bytes()
+}
+
+fn value(i: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (i as usize * 17 + j * 3) as u8).collect()
+}
+
+fn pages(len: usize, page: usize) -> usize {
+    len.div_ceil(page)
+}
+
+fn check(a: &DramArena, model: &HashMap<Vec<u8>, Vec<u8>>) {
+    let page = a.page_bytes();
+    assert_eq!(a.len(), model.len());
+    assert_eq!(a.used_bytes() + a.free_bytes(), a.capacity_bytes());
+    let used: usize = model.values().map(|v| pages(v.len(), page) * page).sum();
+    assert_eq!(a.used_bytes(), used);
+    assert_eq!(a.value_bytes(), model.values().map(Vec::len).sum::<usize>());
+    assert!(a.largest_free_bytes() <= a.free_bytes());
+    for (k, v) in model {
+        assert_eq!(a.get(k), Some(v.as_slice()));
+    }
+    // No two values overlap.
+    let mut runs: Vec<(usize, usize)> = model
+        .iter()
+        .filter(|(_, v)| !v.is_empty())
+        .map(|(k, v)| (a.value_offset(k).unwrap(), pages(v.len(), page) * page))
+        .collect();
+    runs.sort_unstable();
+    for w in runs.windows(2) {
+        assert!(w[0].0 + w[0].1 <= w[1].0, "overlap {w:?}");
+    }
+}
+
+#[test]
+fn model_random_ops() {
+    for seed in 1..=4 {
+        let page = 64;
+        let mut a = DramArena::new(64 * page, page).unwrap();
+        let mut model: HashMap<Vec<u8>, Vec<u8>> = HashMap::new();
+        let mut rng = Lcg(seed);
+        let mut nospace = 0;
+        for step in 0..5000 {
+            let i = rng.below(40);
+            let k = key(i);
+            match rng.below(10) {
+                0..=3 => {
+                    let v = value(rng.next(), rng.below(6 * page as u64) as usize);
+                    match a.put(&k, &v) {
+                        Ok(()) => {
+                            assert!(model.insert(k.clone(), v).is_none(), "step {step}");
+                        }
+                        Err(Error::AlreadyExists) => assert!(model.contains_key(&k)),
+                        Err(Error::NoSpace { needed, available }) => {
+                            assert!(!model.contains_key(&k));
+                            assert_eq!(needed as usize, pages(v.len(), page) * page);
+                            assert_eq!(available as usize, a.largest_free_bytes());
+                            assert!(available < needed);
+                            nospace += 1;
+                        }
+                        Err(e) => panic!("step {step}: {e}"),
+                    }
+                }
+                4..=6 => {
+                    assert_eq!(a.get(&k), model.get(&k).map(Vec::as_slice));
+                    let mut buf = vec![0u8; 6 * page];
+                    let n = a.get_into(&k, &mut buf).unwrap();
+                    assert_eq!(n, model.get(&k).map(Vec::len));
+                    if let Some(n) = n {
+                        assert_eq!(&buf[..n], model[&k].as_slice());
+                    }
+                }
+                7 => {
+                    assert_eq!(a.get_touch(&k), model.get(&k).map(Vec::as_slice));
+                }
+                _ => assert_eq!(a.remove(&k), model.remove(&k).is_some()),
+            }
+            assert_eq!(a.contains(&k), model.contains_key(&k));
+            if step % 25 == 0 {
+                check(&a, &model);
+            }
+        }
+        check(&a, &model);
+        assert!(nospace > 0, "seed {seed}: the arena should fill up");
+        let keys: Vec<_> = model.keys().cloned().collect();
+        for k in keys {
+            assert!(a.remove(&k));
+        }
+        assert_eq!(a.free_bytes(), a.capacity_bytes());
+        assert_eq!(a.free_runs(), 1, "all runs coalesce back into one");
+        assert_eq!(a.largest_free_bytes(), a.capacity_bytes());
+    }
+}
+
+#[test]
+fn fragmentation_and_coalescing() {
+    let page = 4096;
+    let mut a = DramArena::new(16 * page, page).unwrap();
+    // Eight 2-page values fill the arena.
+    for i in 0..8 {
+        a.put(&key(i), &value(i, 2 * page - 1)).unwrap();
+    }
+    assert_eq!(a.free_bytes(), 0);
+    assert!(matches!(
+        a.put(b"x", &[1]),
+        Err(Error::NoSpace {
+            needed: 4096,
+            available: 0
+        })
+    ));
+    // Free every other value: 8 free pages in 4 separate runs of 2.
+    for i in (0..8).step_by(2) {
+        assert!(a.remove(&key(i)));
+    }
+    assert_eq!(a.free_bytes(), 8 * page);
+    assert_eq!(a.free_runs(), 4);
+    assert_eq!(a.largest_free_bytes(), 2 * page);
+    // Enough free bytes in total, but no contiguous run of 3 pages.
+    match a.put(b"big", &vec![7u8; 3 * page]) {
+        Err(Error::NoSpace { needed, available }) => {
+            assert_eq!(needed, 3 * page as u64);
+            assert_eq!(available, 2 * page as u64);
+        }
+        r => panic!("expected NoSpace, got {r:?}"),
+    }
+    // Freeing value 1 merges the runs [0,2) [2,4) [4,6) into one of 6 pages.
+    assert!(a.remove(&key(1)));
+    assert_eq!(a.free_runs(), 3);
+    assert_eq!(a.largest_free_bytes(), 6 * page);
+    // Freeing value 3 merges [0,6) [6,8) [8,10).
+    assert!(a.remove(&key(3)));
+    assert_eq!(a.free_runs(), 2);
+    assert_eq!(a.largest_free_bytes(), 10 * page);
+    // First fit: the big value goes to the start of the arena.
+    let big = vec![7u8; 3 * page];
+    a.put(b"big", &big).unwrap();
+    assert_eq!(a.value_offset(b"big"), Some(0));
+    assert_eq!(a.get(b"big"), Some(big.as_slice()));
+    assert_eq!(a.used_bytes(), 7 * page);
+    assert_eq!(a.free_bytes(), 9 * page);
+    // Remove everything: one run again.
+    for k in [key(5), key(7), b"big".to_vec()] {
+        assert!(a.remove(&k));
+    }
+    assert!(!a.remove(b"big"));
+    assert_eq!(a.free_runs(), 1);
+    assert_eq!(a.free_bytes(), a.capacity_bytes());
+    assert_eq!(a.used_bytes(), 0);
+    assert!(a.is_empty());
+}
+
+#[test]
+fn accounting_and_edge_values() {
+    let mut a = DramArena::new(8 * 100, 100).unwrap();
+    a.put(b"empty", b"").unwrap();
+    assert_eq!(a.get(b"empty"), Some(&b""[..]));
+    assert_eq!(a.used_bytes(), 0);
+    a.put(b"one", &[9u8; 100]).unwrap();
+    a.put(b"onemore", &[8u8; 101]).unwrap();
+    assert_eq!(a.used_bytes(), 300);
+    assert_eq!(a.free_bytes(), 500);
+    assert_eq!(a.value_bytes(), 201);
+    assert!(matches!(a.put(b"one", b"z"), Err(Error::AlreadyExists)));
+    let mut small = [0u8; 50];
+    assert!(matches!(
+        a.get_into(b"one", &mut small),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!(a.get_into(b"nope", &mut small).unwrap(), None);
+    assert!(matches!(
+        a.put(b"huge", &[0u8; 900]),
+        Err(Error::NoSpace { .. })
+    ));
+    assert_eq!(a.len(), 3);
+    assert!(DramArena::new(1000, 300).is_err());
+    assert!(DramArena::new(0, 4096).is_err());
+    assert!(DramArena::new(4096, 0).is_err());
+}
+
+#[test]
+fn region_is_aligned_and_holds_values() {
+    let page = 4096;
+    let mut a = DramArena::new(4 * page, page).unwrap();
+    let (ptr, len) = a.region();
+    assert_eq!(len, 4 * page);
+    assert_eq!(ptr as usize % 4096, 0);
+    a.put(b"a", &[1u8; 10]).unwrap();
+    a.put(b"b", &[2u8; 10]).unwrap();
+    let off = a.value_offset(b"b").unwrap();
+    assert_eq!(off, page);
+    let v = a.get(b"b").unwrap();
+    assert_eq!(v.as_ptr() as usize, ptr as usize + off);
+}
+
+#[test]
+fn lru_order() {
+    let mut a = DramArena::new(16 * 64, 64).unwrap();
+    for i in 0..5 {
+        a.put(&key(i), &value(i, 10)).unwrap();
+    }
+    assert_eq!(a.lru_victims(2), vec![key(0), key(1)]);
+    // contains and get do not count as a use.
+    assert!(a.contains(&key(0)));
+    assert!(a.get(&key(0)).is_some());
+    assert_eq!(a.lru_victims(1), vec![key(0)]);
+    // touch and get_touch do.
+    assert!(a.touch(&key(0)));
+    assert!(a.get_touch(&key(1)).is_some());
+    assert!(!a.touch(b"missing"));
+    assert_eq!(
+        a.lru_victims(10),
+        vec![key(2), key(3), key(4), key(0), key(1)]
+    );
+    assert!(a.remove(&key(3)));
+    assert_eq!(a.lru_victims(2), vec![key(2), key(4)]);
+    // Re-putting a removed key makes it the most recent.
+    a.put(&key(3), &value(3, 5)).unwrap();
+    assert_eq!(a.lru_victims(10).last(), Some(&key(3)));
+    assert_eq!(a.lru_victims(0), Vec::<Vec<u8>>::new());
+}

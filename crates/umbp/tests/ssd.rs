@@ -1,0 +1,629 @@
+//! Tests of the SSD segment log: a randomized model test with restarts and compaction, crash
+//! recovery (torn tails, corrupt records, lost segments), clean shutdown and capacity.
+
+use std::collections::HashMap;
+use std::fs::{self, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use mori_umbp::ssd::HEADER_LEN;
+use mori_umbp::{Error, SsdConfig, SsdLog};
+
+/// Small deterministic generator (64-bit LCG, high bits).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn cfg(dir: &Path, segment_bytes: u64, capacity_bytes: u64) -> SsdConfig {
+    SsdConfig {
+        dir: dir.to_path_buf(),
+        segment_bytes,
+        capacity_bytes,
+        sync_writes: false,
+    }
+}
+
+fn key(i: u64) -> Vec<u8> {
+    format!("key-{i:04}").into_bytes()
+}
+
+/// A value whose bytes depend on the key, a generation and the length.
+fn value(i: u64, generation: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|j| (i as usize * 31 + generation as usize * 7 + j * 13) as u8)
+        .collect()
+}
+
+fn rec_len(k: &[u8], v: &[u8]) -> u64 {
+    (HEADER_LEN + k.len() + v.len()) as u64
+}
+
+fn open(c: &SsdConfig) -> (SsdLog, mori_umbp::RecoveryReport) {
+    match SsdLog::open(c.clone()) {
+        Ok(x) => x,
+        Err(e) => panic!("open failed: {e}"),
+    }
+}
+
+fn files_bytes(dir: &Path) -> u64 {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("seg-"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum()
+}
+
+fn check_all(log: &SsdLog, model: &HashMap<Vec<u8>, Vec<u8>>) {
+    assert_eq!(log.len(), model.len());
+    let live: u64 = model.iter().map(|(k, v)| rec_len(k, v)).sum();
+    assert_eq!(log.live_bytes(), live);
+    for (k, v) in model {
+        assert_eq!(
+            log.get(k).unwrap().as_deref(),
+            Some(v.as_slice()),
+            "key {k:?}"
+        );
+    }
+    let mut keys = log.keys();
+    keys.sort();
+    let mut mkeys: Vec<_> = model.keys().cloned().collect();
+    mkeys.sort();
+    assert_eq!(keys, mkeys);
+}
+
+fn run_model(seed: u64, segment_bytes: u64, capacity: u64, steps: usize) -> (usize, usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), segment_bytes, capacity);
+    let mut rng = Lcg(seed);
+    let mut model: HashMap<Vec<u8>, Vec<u8>> = HashMap::new();
+    let (mut log, rep) = open(&c);
+    assert_eq!(rep.live_keys, 0);
+    let mut generation = 0u64;
+    let mut nospace = 0;
+    let mut restarts = 0;
+    // Whether the clean-shutdown marker should exist (sealed and not modified since).
+    let mut marker = false;
+    for step in 0..steps {
+        let k = key(rng.below(48));
+        match rng.below(100) {
+            0..=39 => {
+                generation += 1;
+                let len = rng.below(400) as usize;
+                let v = value(rng.below(48), generation, len);
+                let r = log.put(&k, &v);
+                if model.contains_key(&k) {
+                    assert!(matches!(r, Err(Error::AlreadyExists)), "step {step}: {r:?}");
+                } else {
+                    marker = false;
+                    match r {
+                        Ok(()) => {
+                            model.insert(k.clone(), v);
+                        }
+                        Err(Error::NoSpace { .. }) => nospace += 1,
+                        Err(e) => panic!("step {step}: put failed: {e}"),
+                    }
+                }
+            }
+            40..=64 => {
+                let got = log.get(&k).unwrap();
+                assert_eq!(got.as_ref(), model.get(&k), "step {step}");
+                if let Some(v) = model.get(&k) {
+                    let mut buf = vec![0xAAu8; v.len() + 3];
+                    assert_eq!(log.get_into(&k, &mut buf).unwrap(), Some(v.len()));
+                    assert_eq!(&buf[..v.len()], v.as_slice());
+                    assert_eq!(log.value_len(&k), Some(v.len() as u64));
+                }
+            }
+            65..=84 => {
+                let removed = log.remove(&k).unwrap();
+                assert_eq!(removed, model.remove(&k).is_some(), "step {step}");
+                marker &= !removed;
+            }
+            85..=88 => {
+                let sealed = rng.below(2) == 0;
+                if sealed {
+                    log.seal().unwrap();
+                    marker = true;
+                }
+                drop(log);
+                let (l, rep) = open(&c);
+                log = l;
+                restarts += 1;
+                assert_eq!(rep.live_keys, model.len(), "step {step}");
+                assert_eq!(rep.clean_shutdown, marker, "step {step}");
+                assert_eq!(rep.torn_tail_bytes_truncated, 0);
+                assert_eq!(rep.corrupt_records_dropped, 0);
+                check_all(&log, &model);
+            }
+            89..=91 => {
+                log.compact().unwrap();
+                marker = false;
+                check_all(&log, &model);
+            }
+            _ => assert_eq!(log.contains(&k), model.contains_key(&k)),
+        }
+        assert_eq!(log.len(), model.len(), "step {step}");
+        assert!(log.disk_bytes() <= capacity, "step {step}: over capacity");
+        if step % 50 == 0 {
+            check_all(&log, &model);
+            assert_eq!(log.disk_bytes(), files_bytes(dir.path()));
+        }
+    }
+    check_all(&log, &model);
+    assert_eq!(log.disk_bytes(), files_bytes(dir.path()));
+    (nospace, restarts)
+}
+
+#[test]
+fn model_unbounded() {
+    for seed in 1..=3 {
+        let (nospace, restarts) = run_model(seed, 4096, u64::MAX / 2, 1500);
+        assert_eq!(nospace, 0);
+        assert!(restarts > 0);
+    }
+}
+
+#[test]
+fn model_with_capacity_pressure() {
+    // ~30 keys of ~230 bytes are live at a time (~7 KiB): compaction runs often and puts hit
+    // NoSpace sometimes.
+    let mut total_nospace = 0;
+    for seed in 10..=12 {
+        let (nospace, _) = run_model(seed, 2048, 8 * 1024, 1500);
+        total_nospace += nospace;
+        run_model(seed + 100, 4096, 64 * 1024, 800);
+    }
+    assert!(
+        total_nospace > 0,
+        "the tight configuration should hit NoSpace"
+    );
+}
+
+fn fill(log: &mut SsdLog, n: u64, len: usize) -> HashMap<Vec<u8>, Vec<u8>> {
+    let mut m = HashMap::new();
+    for i in 0..n {
+        let (k, v) = (key(i), value(i, 0, len));
+        log.put(&k, &v).unwrap();
+        m.insert(k, v);
+    }
+    m
+}
+
+#[test]
+fn torn_tail_is_truncated() {
+    for cut in [5u64, HEADER_LEN as u64 - 3, 100] {
+        let dir = tempfile::tempdir().unwrap();
+        let c = cfg(dir.path(), 1 << 20, 1 << 30);
+        let (mut log, _) = open(&c);
+        let mut model = fill(&mut log, 10, 200);
+        let last = key(9);
+        let (seg, off) = log.location(&last).unwrap();
+        let path = log.segment_path(seg);
+        drop(log);
+        // Cut the last record: keep `cut` of its bytes.
+        let f = OpenOptions::new().write(true).open(&path).unwrap();
+        let full = f.metadata().unwrap().len();
+        f.set_len(off + cut).unwrap();
+        drop(f);
+        let (mut log, rep) = open(&c);
+        assert_eq!(rep.torn_tail_bytes_truncated, cut, "cut {cut}");
+        assert_eq!(rep.corrupt_records_dropped, 0);
+        assert_eq!(rep.records, 9);
+        assert!(!rep.clean_shutdown);
+        assert_eq!(fs::metadata(&path).unwrap().len(), off);
+        assert!(full > off + cut);
+        model.remove(&last);
+        check_all(&log, &model);
+        // Appending after the truncation yields a readable log.
+        let v = value(99, 1, 300);
+        log.put(&last, &v).unwrap();
+        model.insert(last.clone(), v);
+        drop(log);
+        let (log, rep) = open(&c);
+        assert_eq!(rep.torn_tail_bytes_truncated, 0);
+        check_all(&log, &model);
+    }
+}
+
+fn flip_byte(path: &Path, at: u64) {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at).unwrap();
+    b[0] ^= 0x5A;
+    f.write_all_at(&b, at).unwrap();
+}
+
+#[test]
+fn corrupt_record_in_the_middle_is_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 1 << 20, 1 << 30);
+    let (mut log, _) = open(&c);
+    let mut model = fill(&mut log, 8, 300);
+    let victim = key(3);
+    let (seg, off) = log.location(&victim).unwrap();
+    let path = log.segment_path(seg);
+    drop(log);
+    flip_byte(&path, off + (HEADER_LEN + victim.len()) as u64 + 17);
+    let (log, rep) = open(&c);
+    assert_eq!(rep.corrupt_records_dropped, 1);
+    assert_eq!(rep.torn_tail_bytes_truncated, 0);
+    assert_eq!(rep.records, 7);
+    assert_eq!(rep.live_keys, 7);
+    model.remove(&victim);
+    check_all(&log, &model);
+    // The bad record is garbage: compaction removes it and the data stays intact.
+    let mut log = log;
+    let crep = log.compact().unwrap();
+    assert_eq!(crep.segments_compacted, 1);
+    assert_eq!(log.disk_bytes(), log.live_bytes());
+    check_all(&log, &model);
+}
+
+#[test]
+fn corrupt_length_field_is_detected() {
+    // A damaged length makes the CRC fail (lengths are covered) or the header insane.
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 1 << 20, 1 << 30);
+    let (mut log, _) = open(&c);
+    let model = fill(&mut log, 6, 100);
+    let victim = key(2);
+    let (seg, off) = log.location(&victim).unwrap();
+    let path = log.segment_path(seg);
+    drop(log);
+    flip_byte(&path, off + 9); // low byte of the value length
+    let (log, rep) = open(&c);
+    assert!(rep.corrupt_records_dropped >= 1);
+    assert!(!log.contains(&victim));
+    // Everything before the damaged record survives; nothing wrong is ever returned.
+    for (k, v) in &model {
+        match log.get(k).unwrap() {
+            Some(got) => assert_eq!(&got, v),
+            None => assert!(k >= &victim),
+        }
+    }
+}
+
+#[test]
+fn bad_magic_truncates_rest_of_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 1 << 20, 1 << 30);
+    let (mut log, _) = open(&c);
+    let mut model = fill(&mut log, 6, 100);
+    let victim = key(2);
+    let (seg, off) = log.location(&victim).unwrap();
+    let path = log.segment_path(seg);
+    let len = log.disk_bytes();
+    drop(log);
+    flip_byte(&path, off);
+    let (log, rep) = open(&c);
+    assert_eq!(rep.corrupt_records_dropped, 1);
+    assert_eq!(rep.torn_tail_bytes_truncated, len - off);
+    for i in 2..6 {
+        model.remove(&key(i));
+    }
+    check_all(&log, &model);
+}
+
+#[test]
+fn corruption_seen_by_get_drops_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 1 << 20, 1 << 30);
+    let (mut log, _) = open(&c);
+    let mut model = fill(&mut log, 5, 64);
+    let victim = key(1);
+    let (seg, off) = log.location(&victim).unwrap();
+    flip_byte(
+        &log.segment_path(seg),
+        off + (HEADER_LEN + victim.len()) as u64,
+    );
+    assert!(matches!(log.get(&victim), Err(Error::Corrupt { .. })));
+    assert!(!log.contains(&victim));
+    assert_eq!(log.get(&victim).unwrap(), None);
+    model.remove(&victim);
+    check_all(&log, &model);
+    // The key can be written again.
+    let v = value(1, 5, 70);
+    log.put(&victim, &v).unwrap();
+    model.insert(victim.clone(), v);
+    drop(log);
+    let (log, rep) = open(&c);
+    assert_eq!(rep.corrupt_records_dropped, 1);
+    check_all(&log, &model);
+}
+
+#[test]
+fn lost_segment_loses_only_its_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 1024, 1 << 30);
+    let (mut log, _) = open(&c);
+    let mut model = fill(&mut log, 30, 150);
+    let ids = log.segment_ids();
+    assert!(ids.len() >= 4, "{ids:?}");
+    let gone = ids[1];
+    let lost: Vec<Vec<u8>> = model
+        .keys()
+        .filter(|k| log.location(k).unwrap().0 == gone)
+        .cloned()
+        .collect();
+    assert!(!lost.is_empty());
+    let path = log.segment_path(gone);
+    drop(log);
+    fs::remove_file(path).unwrap();
+    let (log, rep) = open(&c);
+    assert_eq!(rep.segments, ids.len() - 1);
+    assert_eq!(rep.torn_tail_bytes_truncated, 0);
+    assert_eq!(rep.corrupt_records_dropped, 0);
+    for k in &lost {
+        assert!(!log.contains(k));
+        model.remove(k);
+    }
+    check_all(&log, &model);
+}
+
+#[test]
+fn tombstones_survive_restart_and_compaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 1024, 1 << 30);
+    let (mut log, _) = open(&c);
+    let mut model = fill(&mut log, 20, 150);
+    // Remove keys from early segments, so their tombstones land in later segments.
+    for i in (0..20).step_by(3) {
+        assert!(log.remove(&key(i)).unwrap());
+        model.remove(&key(i));
+    }
+    assert!(!log.remove(&key(0)).unwrap());
+    drop(log);
+    let (mut log, _) = open(&c);
+    check_all(&log, &model);
+    // Compact only what has garbage, restart, and the removed keys must stay removed.
+    log.compact().unwrap();
+    check_all(&log, &model);
+    drop(log);
+    let (mut log, rep) = open(&c);
+    assert_eq!(rep.live_keys, model.len());
+    check_all(&log, &model);
+    // Re-put after a tombstone is allowed and survives restart.
+    let v = value(3, 9, 99);
+    log.put(&key(3), &v).unwrap();
+    model.insert(key(3), v);
+    log.compact().unwrap();
+    drop(log);
+    let (log, _) = open(&c);
+    check_all(&log, &model);
+}
+
+#[test]
+fn seal_reports_clean_shutdown() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 4096, 1 << 30);
+    let (mut log, rep) = open(&c);
+    assert!(!rep.clean_shutdown);
+    let mut model = fill(&mut log, 4, 10);
+    log.seal().unwrap();
+    drop(log);
+    let (log, rep) = open(&c);
+    assert!(rep.clean_shutdown);
+    check_all(&log, &model);
+    // Opening and closing without writes keeps it clean.
+    drop(log);
+    let (mut log, rep) = open(&c);
+    assert!(rep.clean_shutdown);
+    // A write after the seal makes the next open unclean.
+    log.put(&key(50), b"x").unwrap();
+    model.insert(key(50), b"x".to_vec());
+    drop(log);
+    let (log, rep) = open(&c);
+    assert!(!rep.clean_shutdown);
+    check_all(&log, &model);
+}
+
+#[test]
+fn capacity_is_enforced_with_compaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let seg = 4096u64;
+    let cap = 16 * 1024u64;
+    let c = cfg(dir.path(), seg, cap);
+    let (mut log, _) = open(&c);
+    let mut model = HashMap::new();
+    // Write far more than the capacity, keeping only the last 8 keys live.
+    for i in 0..200u64 {
+        let (k, v) = (key(i), value(i, 0, 500));
+        log.put(&k, &v).unwrap();
+        model.insert(k, v);
+        if i >= 8 {
+            assert!(log.remove(&key(i - 8)).unwrap());
+            model.remove(&key(i - 8));
+        }
+        assert!(log.disk_bytes() <= cap, "i {i}: {}", log.disk_bytes());
+    }
+    check_all(&log, &model);
+    // Now fill without removing until the log refuses.
+    let mut i = 1000;
+    let err = loop {
+        let (k, v) = (key(i), value(i, 0, 500));
+        match log.put(&k, &v) {
+            Ok(()) => {
+                model.insert(k, v);
+            }
+            Err(e) => break e,
+        }
+        assert!(log.disk_bytes() <= cap);
+        i += 1;
+    };
+    match err {
+        Error::NoSpace { needed, available } => {
+            assert_eq!(needed, rec_len(&key(i), &value(i, 0, 500)));
+            assert!(available < needed);
+        }
+        e => panic!("expected NoSpace, got {e}"),
+    }
+    assert!(!log.contains(&key(i)));
+    check_all(&log, &model);
+    // A full log can still delete, and then accepts puts again.
+    let victims: Vec<_> = model.keys().take(3).cloned().collect();
+    for k in &victims {
+        assert!(log.remove(k).unwrap());
+        model.remove(k);
+        assert!(log.disk_bytes() <= cap);
+    }
+    let (k, v) = (key(i), value(i, 0, 500));
+    log.put(&k, &v).unwrap();
+    model.insert(k, v);
+    assert!(log.disk_bytes() <= cap);
+    drop(log);
+    let (log, rep) = open(&c);
+    assert_eq!(rep.live_keys, model.len());
+    check_all(&log, &model);
+}
+
+#[test]
+fn full_log_can_delete_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = 8 * 1024u64;
+    let c = cfg(dir.path(), 2048, cap);
+    let (mut log, _) = open(&c);
+    let mut model = HashMap::new();
+    let mut i = 0;
+    while let Ok(()) = log.put(&key(i), &value(i, 0, 300)) {
+        model.insert(key(i), value(i, 0, 300));
+        i += 1;
+    }
+    assert!(model.len() > 5);
+    let keys: Vec<_> = model.keys().cloned().collect();
+    for k in keys {
+        assert!(log.remove(&k).unwrap());
+        model.remove(&k);
+        assert!(log.disk_bytes() <= cap);
+        check_all(&log, &model);
+    }
+    drop(log);
+    let (log, rep) = open(&c);
+    assert_eq!(rep.live_keys, 0);
+    check_all(&log, &model);
+}
+
+#[test]
+fn interrupted_compaction_duplicates_are_resolved() {
+    // Simulate a crash after compaction copied records but before it deleted the source:
+    // keep a copy of the source segment and put it back after compaction.
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 1024, 1 << 30);
+    let (mut log, _) = open(&c);
+    let mut model = fill(&mut log, 12, 150);
+    let first = log.segment_ids()[0];
+    let first_path = log.segment_path(first);
+    // Make garbage in the first segment so compaction picks it.
+    assert!(log.remove(&key(0)).unwrap());
+    model.remove(&key(0));
+    let saved = fs::read(&first_path).unwrap();
+    log.compact().unwrap();
+    assert!(!first_path.exists());
+    drop(log);
+    fs::write(&first_path, &saved).unwrap();
+    let (mut log, _) = open(&c);
+    check_all(&log, &model);
+    // The stale copies must not come back after the newer copies are removed and compacted.
+    let moved: Vec<_> = model.keys().cloned().collect();
+    for k in &moved {
+        assert!(log.remove(k).unwrap());
+        model.remove(k);
+    }
+    log.compact().unwrap();
+    drop(log);
+    let (log, rep) = open(&c);
+    assert_eq!(rep.live_keys, 0);
+    check_all(&log, &model);
+}
+
+#[test]
+fn invalid_arguments() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(matches!(
+        SsdLog::open(cfg(dir.path(), 10, 1 << 20)),
+        Err(Error::InvalidArgument(_))
+    ));
+    let c = cfg(dir.path(), 256, 1 << 20);
+    let (mut log, _) = open(&c);
+    assert!(matches!(
+        log.put(b"k", &[0u8; 300]),
+        Err(Error::InvalidArgument(_))
+    ));
+    log.put(b"k", b"v").unwrap();
+    assert!(matches!(log.put(b"k", b"w"), Err(Error::AlreadyExists)));
+    let mut small = [0u8; 0];
+    assert!(matches!(
+        log.get_into(b"k", &mut small),
+        Err(Error::InvalidArgument(_))
+    ));
+    log.put(b"", b"").unwrap();
+    assert_eq!(log.get(b"").unwrap(), Some(Vec::new()));
+}
+
+#[test]
+fn sync_writes_mode_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = cfg(dir.path(), 1024, 1 << 20);
+    c.sync_writes = true;
+    let (mut log, _) = open(&c);
+    let mut model = fill(&mut log, 12, 100);
+    log.remove(&key(1)).unwrap();
+    model.remove(&key(1));
+    log.compact().unwrap();
+    log.seal().unwrap();
+    drop(log);
+    let (log, rep) = open(&c);
+    assert!(rep.clean_shutdown);
+    check_all(&log, &model);
+}
+
+#[test]
+fn remove_when_even_a_tombstone_does_not_fit() {
+    // Records of 1021 bytes (1000-byte keys, empty values) and tombstones of 1029 bytes in
+    // 2048-byte segments (two records each) under an 8 KiB capacity (puts stop at 6 KiB).
+    let dir = tempfile::tempdir().unwrap();
+    let cap = 8192;
+    let c = cfg(dir.path(), 2048, cap);
+    let (mut log, _) = open(&c);
+    let big = |i: u8| vec![i; 1000];
+    for i in 0..6 {
+        log.put(&big(i), b"").unwrap();
+    }
+    assert!(matches!(log.put(&big(6), b""), Err(Error::NoSpace { .. })));
+    assert_eq!(log.segment_ids().len(), 3);
+    // Two tombstones fill the reserve; compaction cannot help (no room to copy anything).
+    assert!(log.remove(&big(1)).unwrap());
+    assert!(log.remove(&big(3)).unwrap());
+    let before = log.disk_bytes();
+    assert!(before + 1029 > cap);
+    // No room for a third tombstone: the first segment is rewritten without the key instead.
+    assert!(log.remove(&big(0)).unwrap());
+    assert!(log.disk_bytes() < before);
+    assert!(log.disk_bytes() <= cap);
+    let live = [2u8, 4, 5];
+    assert_eq!(log.len(), live.len());
+    for i in live {
+        assert_eq!(log.get(&big(i)).unwrap(), Some(Vec::new()));
+    }
+    drop(log);
+    let (log, rep) = open(&c);
+    assert_eq!(rep.live_keys, live.len());
+    for i in 0..6 {
+        assert_eq!(log.contains(&big(i)), live.contains(&i), "key {i}");
+    }
+}

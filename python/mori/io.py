@@ -1,0 +1,214 @@
+"""mori.io: one-sided reads and writes between engines, for KV-cache transfer.
+
+Each process (prefill or decode worker) runs an :class:`IOEngine`. Engines exchange their
+``desc`` bytes out of band and :meth:`~IOEngine.connect`; memory is registered once per region
+(:meth:`~IOEngine.register`: numpy arrays, torch tensors on CPU or GPU, or ``(ptr, nbytes,
+device)``) and its :class:`MemoryDesc` is sent to the peers (``pack()`` / ``MemoryDesc.unpack``).
+A batch is arrays of offsets and sizes, so 10 000 blocks are one call::
+
+    t = engine.batch_write(local, local_offsets, remote, remote_offsets, sizes, notify=b"req-7")
+    await t            # or t.wait(timeout=5.0)
+
+Every range is checked before anything moves (on both sides); a failed transfer raises
+:class:`~mori.errors.TransportError`, :class:`~mori.errors.TimeoutError` or
+:class:`~mori.errors.InvalidArgumentError` and is never reported successful. A peer that dies
+fails its pending transfers at once (or at the timeout if it hangs); the engine stays usable and
+reconnects to a restarted peer.
+
+Transport today: TCP (any host). Same-host shared memory and CUDA IPC are not written yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+from mori import _core
+from mori.errors import InvalidArgumentError
+
+__all__ = ["IOEngine", "MemoryDesc", "Session", "Transfer"]
+
+
+class MemoryDesc:
+    """A registered region, local (keeps the registered object alive) or a peer's (unpacked)."""
+
+    def __init__(self, raw: bytes, owner: Any = None):
+        self._raw = bytes(raw)
+        self._owner = owner
+        self.engine, self.id, self.nbytes, device = _core.io_memory_desc_info(self._raw)
+        self.device = None if device < 0 else device
+
+    def pack(self) -> bytes:
+        return self._raw
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> MemoryDesc:
+        return cls(raw)
+
+    def __repr__(self) -> str:
+        where = "host" if self.device is None else f"cuda:{self.device}"
+        return f"MemoryDesc(engine={self.engine!r}, id={self.id}, nbytes={self.nbytes}, {where})"
+
+
+class Transfer:
+    """A transfer in flight: ``wait(timeout)``, ``done()``, ``status``, or ``await`` it."""
+
+    def __init__(self, inner: _core.Transfer):
+        self._inner = inner
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once done, False if ``timeout`` passed first; raises if the transfer failed."""
+        return self._inner.wait(timeout)
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    @property
+    def status(self) -> str:
+        """``"pending"``, ``"done"`` or ``"failed"``."""
+        return self._inner.status
+
+    def __await__(self):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle() -> None:
+            if fut.done():
+                return
+            try:
+                self._inner.raise_if_failed()
+                fut.set_result(None)
+            except BaseException as e:  # the transfer's own error, delivered to the awaiter
+                fut.set_exception(e)
+
+        self._inner.add_done_callback(lambda: loop.call_soon_threadsafe(settle))
+        return fut.__await__()
+
+    def __repr__(self) -> str:
+        return f"Transfer({self.status})"
+
+
+def _int64(values: Any, name: str) -> np.ndarray:
+    """A contiguous int64 array (no copy when it already is one). Negative values are caught by
+    the range checks (they read as offsets past any region)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    arr = np.ascontiguousarray(values, dtype=np.int64)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"{name} must be one-dimensional")
+    return arr
+
+
+def _addr(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]
+
+
+def _region(obj: Any) -> tuple[int, int, int]:
+    """(address, bytes, device or -1) of memory to register."""
+    if isinstance(obj, tuple) and len(obj) == 3:
+        ptr, nbytes, device = obj
+        return int(ptr), int(nbytes), -1 if device is None else int(device)
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise InvalidArgumentError("register needs a C-contiguous numpy array")
+        return obj.ctypes.data, obj.nbytes, -1
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if not obj.is_contiguous():
+            raise InvalidArgumentError("register needs a contiguous tensor")
+        return obj.data_ptr(), obj.numel() * obj.element_size(), obj.device.index if obj.is_cuda else -1
+    raise InvalidArgumentError(f"cannot register {type(obj).__name__}: pass a numpy array, a tensor or (ptr, nbytes, device)")
+
+
+class IOEngine:
+    """An endpoint for one-sided transfers. ``port=0`` picks a free port."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        connections_per_peer: int = 2,
+        timeout: float = 30.0,
+        chunk_bytes: int = 4 << 20,
+    ):
+        self._inner = _core.IoEngine(name, host, port, connections_per_peer, timeout, chunk_bytes)
+
+    @property
+    def name(self) -> str:
+        return self._inner.name
+
+    @property
+    def desc(self) -> bytes:
+        """This engine's descriptor: send it to peers, which pass it to :meth:`connect`."""
+        return self._inner.desc
+
+    def register(self, obj: Any) -> MemoryDesc:
+        ptr, nbytes, device = _region(obj)
+        return MemoryDesc(self._inner.register(ptr, nbytes, device), owner=obj)
+
+    def deregister(self, mem: MemoryDesc) -> None:
+        """Stops serving ``mem`` and waits for transfers using it; the memory may then be freed."""
+        self._inner.deregister(mem.pack())
+
+    def connect(self, desc: bytes) -> str:
+        """Connects to a peer (again, if it restarted); returns its name."""
+        return self._inner.connect(bytes(desc))
+
+    def disconnect(self, name: str) -> None:
+        self._inner.disconnect(name)
+
+    def is_connected(self, name: str) -> bool:
+        return self._inner.is_connected(name)
+
+    def _submit(self, write: bool, local: MemoryDesc, lo: Any, remote: MemoryDesc, ro: Any, sizes: Any, notify: bytes | None) -> Transfer:
+        lo, ro, sz = _int64(lo, "local_offsets"), _int64(ro, "remote_offsets"), _int64(sizes, "sizes")
+        if not (lo.size == ro.size == sz.size):
+            raise InvalidArgumentError(f"offset and size arrays differ in length ({lo.size}, {ro.size}, {sz.size})")
+        inner = self._inner.transfer(
+            write, local._raw, _addr(lo), remote._raw, _addr(ro), _addr(sz), sz.size, None if notify is None else bytes(notify)
+        )
+        return Transfer(inner)
+
+    def read(self, local: MemoryDesc, local_offset: int, remote: MemoryDesc, remote_offset: int, size: int) -> Transfer:
+        """Copies ``size`` bytes of ``remote`` at ``remote_offset`` into ``local`` at ``local_offset``."""
+        return self._submit(False, local, [local_offset], remote, [remote_offset], [size], None)
+
+    def write(self, local: MemoryDesc, local_offset: int, remote: MemoryDesc, remote_offset: int, size: int, *, notify: bytes | None = None) -> Transfer:
+        return self._submit(True, local, [local_offset], remote, [remote_offset], [size], notify)
+
+    def batch_read(self, local: MemoryDesc, local_offsets: Any, remote: MemoryDesc, remote_offsets: Any, sizes: Any) -> Transfer:
+        """Item i: ``sizes[i]`` bytes from ``remote`` at ``remote_offsets[i]`` to ``local`` at
+        ``local_offsets[i]`` (int64 arrays: numpy, torch or sequences)."""
+        return self._submit(False, local, local_offsets, remote, remote_offsets, sizes, None)
+
+    def batch_write(self, local: MemoryDesc, local_offsets: Any, remote: MemoryDesc, remote_offsets: Any, sizes: Any, *, notify: bytes | None = None) -> Transfer:
+        """Item i: ``sizes[i]`` bytes from ``local`` to ``remote``. With ``notify``, the target
+        engine lists ``(this engine's name, notify)`` in its :meth:`notifications` once every
+        item has landed."""
+        return self._submit(True, local, local_offsets, remote, remote_offsets, sizes, notify)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Completed notified writes from peers since the last call."""
+        return self._inner.take_notifications()
+
+    def session(self, local: MemoryDesc, remote: MemoryDesc) -> Session:
+        return Session(self, local, remote)
+
+
+class Session:
+    """A fixed (local, remote) pair: the same calls without repeating the descriptors."""
+
+    def __init__(self, engine: IOEngine, local: MemoryDesc, remote: MemoryDesc):
+        self.engine, self.local, self.remote = engine, local, remote
+
+    def read(self, local_offsets: Sequence[int] | Any, remote_offsets: Sequence[int] | Any, sizes: Sequence[int] | Any) -> Transfer:
+        return self.engine.batch_read(self.local, local_offsets, self.remote, remote_offsets, sizes)
+
+    def write(self, local_offsets: Any, remote_offsets: Any, sizes: Any, *, notify: bytes | None = None) -> Transfer:
+        return self.engine.batch_write(self.local, local_offsets, self.remote, remote_offsets, sizes, notify=notify)
