@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from mori import _core
+from mori._arrays import address, int64_array
 from mori.errors import InvalidArgumentError, MoriError
 
 __all__ = [
@@ -328,18 +329,6 @@ def copy_engine(dst: Any, src: Any, nbytes: int | None = None, *, stream: Any = 
     _core.copy_engine_async(runner, dst_ptr, src_ptr, n, _stream_handle(stream, runner))
 
 
-def _int64_array(values: Any, name: str) -> np.ndarray:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    arr = np.ascontiguousarray(values, dtype=np.int64)
-    if arr.ndim != 1:
-        raise InvalidArgumentError(f"{name} must be one-dimensional")
-    if arr.size and arr.min() < 0:
-        raise InvalidArgumentError(f"{name} holds negative values")
-    return arr
-
-
 class GatherScatter:
     """Batched copies on one device: item i moves ``sizes[i]`` bytes from ``src + src_offsets[i]``
     to ``dst + dst_offsets[i]``; the whole batch is one kernel launch. Every item is checked
@@ -367,9 +356,9 @@ class GatherScatter:
         if dst_len is None or src_len is None:
             raise InvalidArgumentError("raw addresses need dst_nbytes= and src_nbytes=")
         _enable_peers_for(self.device, src_dev, dst_dev)
-        d_off = _int64_array(dst_offsets, "dst_offsets")
-        s_off = _int64_array(src_offsets, "src_offsets")
-        n = _int64_array(sizes, "sizes")
+        d_off = int64_array(dst_offsets, "dst_offsets", nonnegative=True)
+        s_off = int64_array(src_offsets, "src_offsets", nonnegative=True)
+        n = int64_array(sizes, "sizes", nonnegative=True)
         if not (d_off.size == s_off.size == n.size):
             raise InvalidArgumentError(
                 f"dst_offsets, src_offsets and sizes differ in length ({d_off.size}, {s_off.size}, {n.size})"
@@ -378,7 +367,7 @@ class GatherScatter:
             blocks = _core.device_info(self.device)["multiprocessor_count"]
         self._inner.enqueue(
             dst_ptr, dst_len, src_ptr, src_len,
-            d_off.ctypes.data, s_off.ctypes.data, n.ctypes.data, int(n.size),
+            address(d_off), address(s_off), address(n), int(n.size),
             _stream_handle(stream, self.device), blocks,
         )
 

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from mori import _core
+from mori._arrays import address, int64_array
 from mori.errors import InvalidArgumentError
 
 __all__ = ["IOEngine", "MemoryDesc", "Session", "Transfer"]
@@ -91,22 +92,6 @@ class Transfer:
         return f"Transfer({self.status})"
 
 
-def _int64(values: Any, name: str) -> np.ndarray:
-    """A contiguous int64 array (no copy when it already is one). Negative values are caught by
-    the range checks (they read as offsets past any region)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    arr = np.ascontiguousarray(values, dtype=np.int64)
-    if arr.ndim != 1:
-        raise InvalidArgumentError(f"{name} must be one-dimensional")
-    return arr
-
-
-def _addr(arr: np.ndarray) -> int:
-    return arr.__array_interface__["data"][0]
-
-
 def _region(obj: Any) -> tuple[int, int, int]:
     """(address, bytes, device or -1) of memory to register."""
     if isinstance(obj, tuple) and len(obj) == 3:
@@ -167,11 +152,11 @@ class IOEngine:
         return self._inner.is_connected(name)
 
     def _submit(self, write: bool, local: MemoryDesc, lo: Any, remote: MemoryDesc, ro: Any, sizes: Any, notify: bytes | None) -> Transfer:
-        lo, ro, sz = _int64(lo, "local_offsets"), _int64(ro, "remote_offsets"), _int64(sizes, "sizes")
+        lo, ro, sz = int64_array(lo, "local_offsets"), int64_array(ro, "remote_offsets"), int64_array(sizes, "sizes")
         if not (lo.size == ro.size == sz.size):
             raise InvalidArgumentError(f"offset and size arrays differ in length ({lo.size}, {ro.size}, {sz.size})")
         inner = self._inner.transfer(
-            write, local._raw, _addr(lo), remote._raw, _addr(ro), _addr(sz), sz.size, None if notify is None else bytes(notify)
+            write, local._raw, address(lo), remote._raw, address(ro), address(sz), sz.size, None if notify is None else bytes(notify)
         )
         return Transfer(inner)
 
