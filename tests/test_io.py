@@ -60,9 +60,9 @@ class Peer:
         self.proc.join(timeout=10)
 
 
-@pytest.fixture
-def pair():
-    eng = IOEngine("client", timeout=10.0)
+@pytest.fixture(params=[True, False], ids=["same-host-direct", "tcp"])
+def pair(request):
+    eng = IOEngine("client", timeout=10.0, same_host_direct=request.param)
     peer = Peer(f"target-{os.getpid()}-{time.monotonic_ns()}")
     eng.connect(peer.desc)
     yield eng, peer

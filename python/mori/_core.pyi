@@ -181,6 +181,7 @@ class IoEngine:
         connections_per_peer: int = 2,
         timeout: float = 30.0,
         chunk_bytes: int = 4194304,
+        same_host_direct: bool = True,
     ) -> None: ...
     @property
     def name(self) -> str: ...

@@ -15,7 +15,9 @@ Every range is checked before anything moves (on both sides); a failed transfer 
 fails its pending transfers at once (or at the timeout if it hangs); the engine stays usable and
 reconnects to a restarted peer.
 
-Transport today: TCP (any host). Same-host shared memory and CUDA IPC are not written yet.
+Transports today: TCP (any host), and between engines on one host a direct copy between the
+processes for host memory (process_vm_readv/writev, chosen automatically, TCP as fallback).
+CUDA IPC (GPU memory over NVLink) is not written yet; GPU memory goes over TCP, staged.
 """
 
 from __future__ import annotations
@@ -121,8 +123,13 @@ class IOEngine:
         connections_per_peer: int = 2,
         timeout: float = 30.0,
         chunk_bytes: int = 4 << 20,
+        same_host_direct: bool = True,
     ):
-        self._inner = _core.IoEngine(name, host, port, connections_per_peer, timeout, chunk_bytes)
+        """``same_host_direct``: between engines on one host, host memory is copied directly
+        between the processes (one copy, no socket payload; falls back to TCP if the kernel
+        refuses). Enabling it lets other processes of this user read and write this process's
+        memory (``PR_SET_PTRACER_ANY``); pass False to keep everything on TCP."""
+        self._inner = _core.IoEngine(name, host, port, connections_per_peer, timeout, chunk_bytes, same_host_direct)
 
     @property
     def name(self) -> str:

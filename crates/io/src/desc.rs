@@ -53,6 +53,8 @@ pub struct EngineDesc {
     pub name: String,
     pub addr: SocketAddr,
     pub instance: u64,
+    /// Identifies the host (kernel boot id + host name): equal keys can use the same-host path.
+    pub host: String,
 }
 
 impl EngineDesc {
@@ -61,6 +63,7 @@ impl EngineDesc {
         put_str(&mut out, &self.name);
         put_str(&mut out, &self.addr.to_string());
         out.extend_from_slice(&self.instance.to_le_bytes());
+        put_str(&mut out, &self.host);
         out
     }
     pub fn from_bytes(b: &[u8]) -> Result<Self> {
@@ -71,10 +74,12 @@ impl EngineDesc {
         let name = c.string()?;
         let addr = c.string()?.parse().map_err(|_| bad())?;
         let instance = c.u64()?;
+        let host = c.string()?;
         Ok(Self {
             name,
             addr,
             instance,
+            host,
         })
     }
 }
@@ -125,6 +130,7 @@ mod tests {
             name: "prefill-0".into(),
             addr: "127.0.0.1:4000".parse().unwrap(),
             instance: 99,
+            host: "boot|node".into(),
         };
         assert_eq!(EngineDesc::from_bytes(&e.to_bytes()).unwrap(), e);
         let m = MemoryDesc {

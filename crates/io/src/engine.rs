@@ -27,6 +27,11 @@ pub struct EngineConfig {
     pub timeout: Duration,
     /// Largest payload of one request; bigger batches are split.
     pub chunk_bytes: u64,
+    /// Between engines on one host, host memory moves by a direct copy between the processes
+    /// (process_vm_readv/writev) instead of through the socket; falls back to TCP when the
+    /// kernel refuses. Enabling it lets same-user processes access this process's memory
+    /// (PR_SET_PTRACER_ANY).
+    pub same_host_direct: bool,
 }
 
 impl Default for EngineConfig {
@@ -37,6 +42,7 @@ impl Default for EngineConfig {
             connections_per_peer: 2,
             timeout: Duration::from_secs(30),
             chunk_bytes: 4 << 20,
+            same_host_direct: true,
         }
     }
 }
@@ -56,6 +62,7 @@ pub enum Op {
 
 struct Peer {
     desc: EngineDesc,
+    same_host: bool,
     conns: Vec<Arc<Connection>>,
     next: AtomicUsize,
 }
@@ -82,11 +89,26 @@ impl Peer {
 pub struct IoEngine {
     name: String,
     instance: u64,
+    host: String,
     config: EngineConfig,
     registry: Arc<Registry>,
     server: Server,
     peers: Mutex<HashMap<String, Arc<Peer>>>,
     notifications: Arc<Mutex<VecDeque<Notification>>>,
+}
+
+/// Identifies this host: kernel boot id + host name.
+fn host_key() -> String {
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    };
+    format!(
+        "{}|{}",
+        read("/proc/sys/kernel/random/boot_id"),
+        read("/proc/sys/kernel/hostname")
+    )
 }
 
 fn poisoned() -> Error {
@@ -126,9 +148,13 @@ impl IoEngine {
             .unwrap_or(0);
         let instance =
             now ^ (u64::from(std::process::id()) << 32) ^ (Arc::as_ptr(&registry) as u64);
+        if config.same_host_direct {
+            mori_transport::direct::allow_direct_access();
+        }
         Ok(Self {
             name: name.to_string(),
             instance,
+            host: host_key(),
             config,
             registry,
             server,
@@ -146,6 +172,7 @@ impl IoEngine {
             name: self.name.clone(),
             addr: self.server.addr(),
             instance: self.instance,
+            host: self.host.clone(),
         }
     }
 
@@ -192,6 +219,7 @@ impl IoEngine {
             peer.name.clone(),
             Arc::new(Peer {
                 desc: peer.clone(),
+                same_host: peer.host == self.host,
                 conns,
                 next: AtomicUsize::new(0),
             }),
@@ -305,10 +333,17 @@ impl IoEngine {
             sizes: sizes.to_vec(),
         });
         let transfer = Transfer::new(chunks.len());
-        let kind = if op == Op::Read {
-            Kind::Read
-        } else {
-            Kind::Write
+        // Same host, host memory on both sides: the target copies straight from/to us.
+        let direct = self.config.same_host_direct
+            && peer.same_host
+            && guard.region().location == Location::Host
+            && remote.location == Location::Host
+            && peer.conns.iter().all(|c| c.direct_ok());
+        let kind = match (op, direct) {
+            (Op::Read, false) => Kind::Read,
+            (Op::Write, false) => Kind::Write,
+            (Op::Read, true) => Kind::DirectRead,
+            (Op::Write, true) => Kind::DirectWrite,
         };
         // A notified write goes down one connection, in order, so its last request lands last.
         let fixed = notify.map(|_| peer.pick());

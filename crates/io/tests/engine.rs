@@ -19,9 +19,16 @@ impl Lcg {
 }
 
 fn engine(name: &str) -> IoEngine {
+    engine_with(name, true)
+}
+
+/// `direct`: engines in one process are on one host, so with it they use the same-host path;
+/// without it, TCP.
+fn engine_with(name: &str, direct: bool) -> IoEngine {
     let cfg = EngineConfig {
         timeout: Duration::from_secs(5),
         chunk_bytes: 256 << 10,
+        same_host_direct: direct,
         ..Default::default()
     };
     IoEngine::new(name, cfg).unwrap()
@@ -40,8 +47,21 @@ fn layout(rng: &mut Lcg, sizes: &[u64]) -> (Vec<u64>, u64) {
 }
 
 #[test]
-fn random_batches_read_and_write_byte_exact() {
-    let (a, b) = (engine("a"), engine("b"));
+fn random_batches_read_and_write_byte_exact_over_tcp() {
+    random_batches(false);
+}
+
+#[test]
+fn random_batches_read_and_write_byte_exact_same_host() {
+    random_batches(true);
+}
+
+fn random_batches(direct: bool) {
+    let tag = if direct { "d" } else { "t" };
+    let (a, b) = (
+        engine_with(&format!("a{tag}"), direct),
+        engine_with(&format!("b{tag}"), direct),
+    );
     a.connect(&b.desc()).unwrap();
     let mut rng = Lcg(42);
     for &n in &[1usize, 3, 100, 2000] {
@@ -84,7 +104,7 @@ fn random_batches_read_and_write_byte_exact() {
 
 #[test]
 fn bad_ranges_and_unknown_memory_touch_nothing() {
-    let (a, b) = (engine("a2"), engine("b2"));
+    let (a, b) = (engine_with("a2", false), engine_with("b2", false));
     a.connect(&b.desc()).unwrap();
     let mut local = vec![1u8; 100];
     let mut remote = vec![2u8; 100];

@@ -23,7 +23,7 @@ pub struct IoEngine {
 #[pymethods]
 impl IoEngine {
     #[new]
-    #[pyo3(signature = (name, host="127.0.0.1", port=0, connections_per_peer=2, timeout=30.0, chunk_bytes=4194304))]
+    #[pyo3(signature = (name, host="127.0.0.1", port=0, connections_per_peer=2, timeout=30.0, chunk_bytes=4194304, same_host_direct=true))]
     fn new(
         name: &str,
         host: &str,
@@ -31,6 +31,7 @@ impl IoEngine {
         connections_per_peer: usize,
         timeout: f64,
         chunk_bytes: u64,
+        same_host_direct: bool,
     ) -> Result<Self> {
         let host: IpAddr = host
             .parse()
@@ -43,6 +44,7 @@ impl IoEngine {
             connections_per_peer,
             timeout,
             chunk_bytes,
+            same_host_direct,
         };
         Ok(Self {
             inner: Arc::new(mori_io::IoEngine::new(name, cfg)?),

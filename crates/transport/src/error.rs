@@ -9,6 +9,8 @@ pub enum Code {
     OutOfRange = 2,
     Busy = 3,
     Internal = 4,
+    /// The target cannot reach the initiator's memory directly (same-host path); use TCP.
+    DirectUnavailable = 5,
 }
 
 impl Code {
@@ -18,6 +20,7 @@ impl Code {
             1 => Code::UnknownRegion,
             2 => Code::OutOfRange,
             3 => Code::Busy,
+            5 => Code::DirectUnavailable,
             _ => Code::Internal,
         }
     }

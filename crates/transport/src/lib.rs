@@ -1,8 +1,9 @@
 //! mori-transport: the data plane of mori.io. Registered memory regions (host or CUDA), the
-//! wire format, transfer completion, and the TCP transport (any host). Same-host transports
-//! (shared memory, CUDA IPC) plug in beside TCP later.
+//! wire format, transfer completion, the TCP transport (any host) and its same-host direct
+//! path (the target copies straight between processes). CUDA IPC plugs in beside them later.
 
 mod access;
+pub mod direct;
 mod error;
 pub mod registry;
 pub mod tcp;

@@ -16,10 +16,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::access::{receive_into, send_from};
+use crate::direct::{self, Direction};
 use crate::error::{Code, Error, Result};
-use crate::registry::{Registry, UseGuard};
+use crate::registry::{Location, Registry, UseGuard};
 use crate::transfer::Transfer;
-use crate::wire::{self, Item, Kind, RequestHeader, ResponseHeader};
+use crate::wire::{self, Direct, Item, Kind, RequestHeader, ResponseHeader};
 
 const IO_BUFFER: usize = 256 << 10;
 const POLL: Duration = Duration::from_millis(20);
@@ -181,6 +182,19 @@ fn serve(stream: TcpStream, name: &str, registry: &Registry, notify: &NotifySink
                     }
                 }
             }
+            Kind::DirectWrite | Kind::DirectRead => {
+                let outcome = serve_direct(&req, &guards);
+                drop(guards);
+                match outcome {
+                    Ok(()) => {
+                        if req.kind == Kind::DirectWrite && !req.notify.is_empty() {
+                            notify(peer.clone(), req.notify.clone());
+                        }
+                        respond(&mut writer, req.id, Code::Ok, "", 0)?;
+                    }
+                    Err(msg) => respond(&mut writer, req.id, Code::DirectUnavailable, &msg, 0)?,
+                }
+            }
             Kind::Read => {
                 let total: u64 = req.items.iter().map(|i| i.len).sum();
                 writer
@@ -201,6 +215,35 @@ fn serve(stream: TcpStream, name: &str, registry: &Registry, notify: &NotifySink
         }
     }
     Ok(())
+}
+
+/// Copies a same-host request's items straight between the initiator's memory and ours.
+/// Any refusal (GPU memory, kernel permission) is returned as a message for DirectUnavailable.
+fn serve_direct(req: &RequestHeader, guards: &[UseGuard]) -> std::result::Result<(), String> {
+    let d = req
+        .direct
+        .as_ref()
+        .ok_or("a same-host request without initiator addresses")?;
+    if d.addrs.len() != req.items.len() {
+        return Err("initiator addresses do not match the items".into());
+    }
+    let mut pairs = Vec::with_capacity(req.items.len());
+    for ((it, g), &theirs) in req.items.iter().zip(guards).zip(&d.addrs) {
+        let r = g.region();
+        if r.location != Location::Host {
+            return Err(
+                "target memory is on a GPU: the same-host path moves host memory only".into(),
+            );
+        }
+        pairs.push((r.addr + it.offset, theirs, it.len));
+    }
+    let dir = if req.kind == Kind::DirectWrite {
+        Direction::Pull
+    } else {
+        Direction::Push
+    };
+    // SAFETY: every "ours" range lies in a registered host region (checked, guard held).
+    unsafe { direct::copy(d.pid, dir, &pairs) }.map_err(|e| e.to_string())
 }
 
 fn respond(w: &mut impl Write, id: u64, code: Code, message: &str, payload_len: u64) -> Result<()> {
@@ -249,6 +292,8 @@ pub struct Connection {
     peer: String,
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     alive: Arc<AtomicBool>,
+    /// False once the peer refused a same-host request (it then goes over TCP).
+    direct_ok: Arc<AtomicBool>,
     stream: TcpStream,
 }
 
@@ -281,10 +326,13 @@ impl Connection {
         let alive = Arc::new(AtomicBool::new(true));
         let pending: Arc<Mutex<HashMap<u64, Pending>>> = Arc::new(Mutex::new(HashMap::new()));
         let (tx, rx) = mpsc::channel::<Job>();
+        let tx_retry = tx.clone();
+        let direct_ok = Arc::new(AtomicBool::new(true));
         let conn = Arc::new(Self {
             peer: peer.to_string(),
             jobs: Mutex::new(Some(tx)),
             alive: alive.clone(),
+            direct_ok: direct_ok.clone(),
             stream: stream.try_clone().map_err(ctx)?,
         });
         {
@@ -301,10 +349,14 @@ impl Connection {
         }
         {
             let (pending, alive, peer) = (pending, alive, peer.to_string());
+            let retry = Retry {
+                jobs: tx_retry,
+                direct_ok: direct_ok.clone(),
+            };
             std::thread::Builder::new()
                 .name(format!("mori-io-recv-{peer}"))
                 .spawn(move || {
-                    let outcome = receive_loop(&mut reader, &pending, &peer);
+                    let outcome = receive_loop(&mut reader, &pending, &peer, &retry);
                     alive.store(false, Ordering::SeqCst);
                     let detail = match outcome {
                         Ok(()) => "the peer closed the connection".to_string(),
@@ -329,6 +381,11 @@ impl Connection {
 
     pub fn is_alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst)
+    }
+
+    /// Whether same-host requests may still be sent on this connection.
+    pub fn direct_ok(&self) -> bool {
+        self.direct_ok.load(Ordering::SeqCst)
     }
 
     /// Queues a request; its transfer completes (or fails) later.
@@ -437,11 +494,20 @@ fn send_one(
             len: b.sizes[i],
         })
         .collect();
+    // Same-host kinds name where the initiator's bytes are instead of carrying them.
+    let direct = job.kind.is_direct().then(|| Direct {
+        pid: std::process::id(),
+        addrs: range
+            .clone()
+            .map(|i| job.local.region().addr + b.local_offsets[i])
+            .collect(),
+    });
     let header = wire::encode_request(&RequestHeader {
         kind: job.kind,
         id,
         items,
         notify: job.notify.clone(),
+        direct,
     });
     // Register the request before any byte leaves, so the response always finds it; a write
     // reads its payload from local memory while it is sent.
@@ -514,10 +580,17 @@ fn expire(pending: &Mutex<HashMap<u64, Pending>>, peer: &str, timeout: Duration)
     }
 }
 
+/// What the reader needs to send a refused same-host request again over TCP.
+struct Retry {
+    jobs: mpsc::Sender<Job>,
+    direct_ok: Arc<AtomicBool>,
+}
+
 fn receive_loop(
     reader: &mut BufReader<TcpStream>,
     pending: &Mutex<HashMap<u64, Pending>>,
     peer: &str,
+    retry: &Retry,
 ) -> Result<()> {
     loop {
         let resp = match wire::read_response(reader) {
@@ -536,6 +609,25 @@ fn receive_loop(
             wire::discard(reader, resp.payload_len)?;
             continue;
         };
+        if resp.code == Code::DirectUnavailable && p.job.kind.is_direct() {
+            // The peer cannot reach our memory directly: use TCP from now on.
+            wire::discard(reader, resp.payload_len)?;
+            if retry.direct_ok.swap(false, Ordering::SeqCst) {
+                tracing::info!(
+                    "same-host path to {peer} refused ({}); using TCP",
+                    resp.message
+                );
+            }
+            let mut job = p.job;
+            job.kind = job.kind.over_tcp();
+            if let Err(mpsc::SendError(job)) = retry.jobs.send(job) {
+                job.transfer.part_done(Err(&Error::ConnectionLost {
+                    peer: peer.to_string(),
+                    detail: "the sender stopped".into(),
+                }));
+            }
+            continue;
+        }
         if resp.code != Code::Ok {
             wire::discard(reader, resp.payload_len)?;
             p.job.transfer.part_done(Err(&Error::Remote {

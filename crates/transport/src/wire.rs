@@ -1,8 +1,11 @@
 //! Frames of the TCP data plane (little-endian).
 //!
 //! hello:    "MIOH" | name_len u32 | name                      (each side, once)
-//! request:  "MIOQ" | kind u8 (1 write, 2 read) | id u64 | items u32 | notify_len u32
-//!           | items × (region u64, offset u64, len u64) | notify | write payload (items' bytes)
+//! request:  "MIOQ" | kind u8 | id u64 | items u32 | notify_len u32
+//!           | items × (region u64, offset u64, len u64) | notify
+//!           | kinds 1 (write): payload (items' bytes)
+//!           | kinds 3, 4 (same-host write/read): initiator pid u32 | items × initiator address u64
+//!             (the target copies straight from/to the initiator's memory; no payload)
 //! response: "MIOR" | id u64 | code u8 | msg_len u32 | payload_len u64 | msg | read payload
 //! The server checks every item of a request before touching memory; a refused write's payload
 //! is read and discarded so the stream stays in step.
@@ -23,6 +26,31 @@ const MAX_MSG: u32 = 64 << 10;
 pub enum Kind {
     Write = 1,
     Read = 2,
+    /// Same host: the target pulls the bytes from the initiator's memory.
+    DirectWrite = 3,
+    /// Same host: the target pushes the bytes into the initiator's memory.
+    DirectRead = 4,
+}
+
+impl Kind {
+    pub fn is_direct(self) -> bool {
+        matches!(self, Kind::DirectWrite | Kind::DirectRead)
+    }
+    /// The same operation through the TCP payload path.
+    pub fn over_tcp(self) -> Kind {
+        match self {
+            Kind::DirectWrite => Kind::Write,
+            Kind::DirectRead => Kind::Read,
+            k => k,
+        }
+    }
+}
+
+/// Where the initiator's bytes are, for the same-host kinds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Direct {
+    pub pid: u32,
+    pub addrs: Vec<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +66,8 @@ pub struct RequestHeader {
     pub id: u64,
     pub items: Vec<Item>,
     pub notify: Vec<u8>,
+    /// Present exactly for the same-host kinds.
+    pub direct: Option<Direct>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,6 +132,12 @@ pub fn encode_request(h: &RequestHeader) -> Vec<u8> {
         out.extend_from_slice(&it.len.to_le_bytes());
     }
     out.extend_from_slice(&h.notify);
+    if let Some(d) = &h.direct {
+        out.extend_from_slice(&d.pid.to_le_bytes());
+        for a in &d.addrs {
+            out.extend_from_slice(&a.to_le_bytes());
+        }
+    }
     out
 }
 
@@ -120,6 +156,8 @@ pub fn read_request(r: &mut impl Read) -> Result<Option<RequestHeader>> {
     let kind = match fixed[0] {
         1 => Kind::Write,
         2 => Kind::Read,
+        3 => Kind::DirectWrite,
+        4 => Kind::DirectRead,
         _ => return Err(bad("bad request kind")),
     };
     let word =
@@ -146,11 +184,24 @@ pub fn read_request(r: &mut impl Read) -> Result<Option<RequestHeader>> {
     let mut notify = vec![0u8; notify_len as usize];
     r.read_exact(&mut notify)
         .map_err(ioe("reading a request"))?;
+    let direct = if kind.is_direct() {
+        let pid = u32::from_le_bytes(read_array(r).map_err(ioe("reading a request"))?);
+        let mut raw = vec![0u8; n as usize * 8];
+        r.read_exact(&mut raw).map_err(ioe("reading a request"))?;
+        let addrs = raw
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect();
+        Some(Direct { pid, addrs })
+    } else {
+        None
+    };
     Ok(Some(RequestHeader {
         kind,
         id,
         items,
         notify,
+        direct,
     }))
 }
 
@@ -228,9 +279,24 @@ mod tests {
                 },
             ],
             notify: b"done".to_vec(),
+            direct: None,
         };
         let bytes = encode_request(&req);
         assert_eq!(read_request(&mut bytes.as_slice()).unwrap().unwrap(), req);
+        let direct = RequestHeader {
+            kind: Kind::DirectWrite,
+            direct: Some(Direct {
+                pid: 42,
+                addrs: vec![1, 2],
+            }),
+            ..req.clone()
+        };
+        assert_eq!(
+            read_request(&mut encode_request(&direct).as_slice())
+                .unwrap()
+                .unwrap(),
+            direct
+        );
         assert!(read_request(&mut [].as_slice()).unwrap().is_none());
         let resp = ResponseHeader {
             id: 9,

@@ -1,7 +1,7 @@
-//! UMBP (a tiered KV-block pool) — the storage tiers that one peer owns.
+//! UMBP (a tiered KV-block pool): the storage tiers of a peer, the master's metadata index,
+//! and an embedded pool combining them in one process. No networking yet.
 //!
-//! This crate is the storage layer only; it has no networking and no master. A peer keeps
-//! immutable values (KV blocks) under byte-string keys in two tiers:
+//! A peer keeps immutable values (KV blocks) under byte-string keys in two tiers:
 //!
 //! * [`dram::DramArena`] — one contiguous, 4096-byte aligned host allocation (so it can later
 //!   be pinned and registered with the IO engine) carved into fixed-size pages; each value
@@ -10,20 +10,33 @@
 //!   with crash recovery (torn tails, corrupt records), tombstones, capacity enforcement and
 //!   compaction.
 //!
-//! Keys are immutable once written in both tiers: a second `put` of a live key is
-//! [`Error::AlreadyExists`]; a key can be written again after it was removed.
+//! The master knows where every key lives:
 //!
-//! Neither tier does internal locking for writes (`put`/`remove` take `&mut self`); the daemon
-//! wraps each tier in its own lock. Reads take `&self`.
+//! * [`meta::MetadataStore`] — the key → [`meta::Location`] index behind a trait, with the
+//!   in-memory, sharded [`meta::MemoryStore`] and a conformance suite every backend must pass.
+//! * [`pool::LocalPool`] — the embedded pool: the index in front of one DRAM arena and one
+//!   optional SSD log, with watermark eviction, LRU demotion to SSD, promotion on SSD hits and
+//!   restart persistence. What a client with no configuration runs in-process.
+//!
+//! Keys are immutable once written in both tiers: a second `put` of a live key is
+//! [`Error::AlreadyExists`] (in the pool: [`pool::PutOutcome::AlreadyExists`], a success);
+//! a key can be written again after it was removed.
+//!
+//! Neither tier does internal locking for writes (`put`/`remove` take `&mut self`); the pool
+//! (and later the daemon) wraps them in a lock. Reads take `&self`.
 
 #![warn(missing_docs)]
 
 mod crc;
 pub mod dram;
 mod error;
+pub mod meta;
+pub mod pool;
 pub mod ssd;
 
 pub use crc::crc32c;
 pub use dram::DramArena;
 pub use error::{Error, Result};
+pub use meta::{Location, MemoryStore, MetadataStore, Tier};
+pub use pool::{CloseReport, LocalPool, PoolConfig, PoolStats, PutOutcome, Residency};
 pub use ssd::{CompactionReport, RecoveryReport, SsdConfig, SsdLog};

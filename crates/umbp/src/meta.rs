@@ -4,7 +4,7 @@
 //! tier they are in and the value length. The index sits behind the [`MetadataStore`] trait so
 //! that the in-memory [`MemoryStore`] (the default, embedded in the client process or in the
 //! daemon) and a Redis backend (later) are interchangeable. Every backend must pass
-//! [`conformance::conformance_suite`] (compiled for this crate's tests and with the
+//! `conformance::conformance_suite` (compiled for this crate's tests and with the
 //! `conformance` feature).
 //!
 //! Keys are immutable: [`MetadataStore::insert_if_absent`] never overwrites, so when several
@@ -39,7 +39,8 @@ pub struct Location {
 
 /// The master's key → [`Location`] index. Implementations are shared between threads and do
 /// their own locking; every method is atomic on its own (there are no multi-call
-/// transactions). See [`conformance::conformance_suite`] for the full contract.
+/// transactions). `conformance::conformance_suite` (feature `conformance`) checks the full
+/// contract.
 pub trait MetadataStore: Send + Sync {
     /// Inserts `key -> loc` unless `key` is present; `Ok(false)` if the key already exists
     /// (the first put wins; the stored location is left unchanged).
@@ -58,6 +59,10 @@ pub trait MetadataStore: Send + Sync {
     fn remove_peer(&self, peer: u64) -> Result<usize>;
     /// Number of keys.
     fn len(&self) -> Result<usize>;
+    /// Whether there are no keys.
+    fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
 }
 
 /// Number of shards of a [`MemoryStore`].
@@ -223,7 +228,11 @@ pub mod conformance {
     /// calling `insert_if_absent` on the same keys (exactly one wins per key) and `remove` on
     /// the same keys (exactly one gets the location per key).
     pub fn conformance_suite(store: &dyn MetadataStore) {
-        eq(ok(store.len(), "len"), 0, "the store must be empty on entry");
+        eq(
+            ok(store.len(), "len"),
+            0,
+            "the store must be empty on entry",
+        );
         empty_store(store);
         insert_and_get(store);
         binary_keys(store);
@@ -234,45 +243,107 @@ pub mod conformance {
         race_insert(store);
         race_remove(store);
         eq(ok(store.len(), "len"), 0, "len at the end of the suite");
+        eq(
+            ok(store.is_empty(), "is_empty"),
+            true,
+            "is_empty at the end of the suite",
+        );
     }
 
     fn empty_store(store: &dyn MetadataStore) {
         let k = key("missing");
         eq(ok(store.get(&k), "get"), None, "get on an empty store");
-        eq(ok(store.remove(&k), "remove"), None, "remove on an empty store");
+        eq(
+            ok(store.remove(&k), "remove"),
+            None,
+            "remove on an empty store",
+        );
         eq(
             ok(store.update_tier(&k, Tier::Dram, Tier::Ssd), "update_tier"),
             false,
             "update_tier of a missing key",
         );
-        eq(ok(store.remove_peer(1), "remove_peer"), 0, "remove_peer on an empty store");
-        eq(ok(store.batch_get(&[]), "batch_get"), vec![], "batch_get of no keys");
+        eq(
+            ok(store.remove_peer(1), "remove_peer"),
+            0,
+            "remove_peer on an empty store",
+        );
+        eq(
+            ok(store.batch_get(&[]), "batch_get"),
+            vec![],
+            "batch_get of no keys",
+        );
         eq(
             ok(store.batch_get(&[&k, &k]), "batch_get"),
             vec![None, None],
             "batch_get of missing keys",
         );
-        eq(ok(store.get(&k), "get"), None, "a miss must not create the key");
+        eq(
+            ok(store.get(&k), "get"),
+            None,
+            "a miss must not create the key",
+        );
         eq(ok(store.len(), "len"), 0, "len after misses");
     }
 
     fn insert_and_get(store: &dyn MetadataStore) {
         let k = key("first-wins");
         let first = loc(1, Tier::Dram, 100);
-        eq(ok(store.insert_if_absent(&k, first.clone()), "insert"), true, "first insert");
-        eq(ok(store.get(&k), "get"), Some(first.clone()), "get after insert");
+        eq(
+            ok(store.insert_if_absent(&k, first.clone()), "insert"),
+            true,
+            "first insert",
+        );
+        eq(
+            ok(store.get(&k), "get"),
+            Some(first.clone()),
+            "get after insert",
+        );
         eq(ok(store.len(), "len"), 1, "len after one insert");
+        eq(
+            ok(store.is_empty(), "is_empty"),
+            false,
+            "is_empty with one key",
+        );
         let second = loc(2, Tier::Ssd, 200);
-        eq(ok(store.insert_if_absent(&k, second.clone()), "insert"), false, "second insert");
-        eq(ok(store.insert_if_absent(&k, first.clone()), "insert"), false, "same location again");
-        eq(ok(store.get(&k), "get"), Some(first.clone()), "the first insert must win");
+        eq(
+            ok(store.insert_if_absent(&k, second.clone()), "insert"),
+            false,
+            "second insert",
+        );
+        eq(
+            ok(store.insert_if_absent(&k, first.clone()), "insert"),
+            false,
+            "same location again",
+        );
+        eq(
+            ok(store.get(&k), "get"),
+            Some(first.clone()),
+            "the first insert must win",
+        );
         eq(ok(store.len(), "len"), 1, "len after a refused insert");
-        eq(ok(store.remove(&k), "remove"), Some(first), "remove returns the location");
+        eq(
+            ok(store.remove(&k), "remove"),
+            Some(first),
+            "remove returns the location",
+        );
         eq(ok(store.len(), "len"), 0, "len after remove");
         // A removed key can be inserted again, with a new location.
-        eq(ok(store.insert_if_absent(&k, second.clone()), "insert"), true, "insert after remove");
-        eq(ok(store.get(&k), "get"), Some(second.clone()), "get after reinsert");
-        eq(ok(store.remove(&k), "remove"), Some(second), "remove after reinsert");
+        eq(
+            ok(store.insert_if_absent(&k, second.clone()), "insert"),
+            true,
+            "insert after remove",
+        );
+        eq(
+            ok(store.get(&k), "get"),
+            Some(second.clone()),
+            "get after reinsert",
+        );
+        eq(
+            ok(store.remove(&k), "remove"),
+            Some(second),
+            "remove after reinsert",
+        );
     }
 
     fn binary_keys(store: &dyn MetadataStore) {
@@ -289,16 +360,28 @@ pub mod conformance {
         ];
         for (i, k) in keys.iter().enumerate() {
             let l = loc(i as u64, Tier::Dram, i as u64 * 10);
-            eq(ok(store.insert_if_absent(k, l), "insert"), true, "insert of a binary key");
+            eq(
+                ok(store.insert_if_absent(k, l), "insert"),
+                true,
+                "insert of a binary key",
+            );
         }
         eq(ok(store.len(), "len"), keys.len(), "len after binary keys");
         for (i, k) in keys.iter().enumerate() {
             let got = ok(store.get(k), "get");
-            eq(got, Some(loc(i as u64, Tier::Dram, i as u64 * 10)), "binary key lookup");
+            eq(
+                got,
+                Some(loc(i as u64, Tier::Dram, i as u64 * 10)),
+                "binary key lookup",
+            );
         }
         for (i, k) in keys.iter().enumerate() {
             let got = ok(store.remove(k), "remove");
-            eq(got, Some(loc(i as u64, Tier::Dram, i as u64 * 10)), "binary key removal");
+            eq(
+                got,
+                Some(loc(i as u64, Tier::Dram, i as u64 * 10)),
+                "binary key removal",
+            );
         }
         eq(ok(store.len(), "len"), 0, "len after removing binary keys");
     }
@@ -306,13 +389,28 @@ pub mod conformance {
     fn batch_get(store: &dyn MetadataStore) {
         let n = 300u64;
         let keys: Vec<Vec<u8>> = (0..n).map(|i| key(&format!("batch/{i}"))).collect();
-        for (i, k) in keys.iter().enumerate().filter(|(i, _)| i % 3 != 0) {
-            let tier = if i % 2 == 0 { Tier::Dram } else { Tier::Ssd };
-            ok(store.insert_if_absent(k, loc(i as u64 % 5, tier, i as u64)), "insert");
+        for (i, k) in keys
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !i.is_multiple_of(3))
+        {
+            let tier = if i.is_multiple_of(2) {
+                Tier::Dram
+            } else {
+                Tier::Ssd
+            };
+            ok(
+                store.insert_if_absent(k, loc(i as u64 % 5, tier, i as u64)),
+                "insert",
+            );
         }
         let expect = |i: usize| {
-            (i % 3 != 0).then(|| {
-                let tier = if i % 2 == 0 { Tier::Dram } else { Tier::Ssd };
+            (!i.is_multiple_of(3)).then(|| {
+                let tier = if i.is_multiple_of(2) {
+                    Tier::Dram
+                } else {
+                    Tier::Ssd
+                };
                 loc(i as u64 % 5, tier, i as u64)
             })
         };
@@ -324,10 +422,18 @@ pub mod conformance {
         eq(got.len(), order.len(), "batch_get result length");
         for (j, &i) in order.iter().enumerate() {
             eq(got[j].clone(), expect(i), "batch_get entry");
-            eq(ok(store.get(&keys[i]), "get"), expect(i), "get agrees with batch_get");
+            eq(
+                ok(store.get(&keys[i]), "get"),
+                expect(i),
+                "get agrees with batch_get",
+            );
         }
         for (i, k) in keys.iter().enumerate() {
-            eq(ok(store.remove(k), "remove"), expect(i), "remove after batch_get");
+            eq(
+                ok(store.remove(k), "remove"),
+                expect(i),
+                "remove after batch_get",
+            );
         }
     }
 
@@ -343,13 +449,21 @@ pub mod conformance {
             false,
             "update_tier with the wrong `from`",
         );
-        eq(ok(store.get(&k), "get"), Some(loc(3, Tier::Dram, 64)), "after a failed CAS");
+        eq(
+            ok(store.get(&k), "get"),
+            Some(loc(3, Tier::Dram, 64)),
+            "after a failed CAS",
+        );
         eq(
             ok(store.update_tier(&k, Tier::Dram, Tier::Ssd), "update_tier"),
             true,
             "update_tier with the right `from`",
         );
-        eq(ok(store.get(&k), "get"), Some(loc(3, Tier::Ssd, 64)), "after a CAS");
+        eq(
+            ok(store.get(&k), "get"),
+            Some(loc(3, Tier::Ssd, 64)),
+            "after a CAS",
+        );
         eq(
             ok(store.update_tier(&k, Tier::Dram, Tier::Ssd), "update_tier"),
             false,
@@ -365,7 +479,11 @@ pub mod conformance {
             true,
             "CAS back",
         );
-        eq(ok(store.get(&k), "get"), Some(loc(3, Tier::Dram, 64)), "after CAS back");
+        eq(
+            ok(store.get(&k), "get"),
+            Some(loc(3, Tier::Dram, 64)),
+            "after CAS back",
+        );
         eq(ok(store.len(), "len"), 1, "update_tier does not add keys");
         ok(store.remove(&k), "remove");
         eq(
@@ -373,7 +491,11 @@ pub mod conformance {
             false,
             "update_tier of a removed key",
         );
-        eq(ok(store.get(&k), "get"), None, "update_tier must not create the key");
+        eq(
+            ok(store.get(&k), "get"),
+            None,
+            "update_tier must not create the key",
+        );
     }
 
     fn remove(store: &dyn MetadataStore) {
@@ -381,12 +503,24 @@ pub mod conformance {
         let b = key("rm/b");
         ok(store.insert_if_absent(&a, loc(1, Tier::Dram, 1)), "insert");
         ok(store.insert_if_absent(&b, loc(1, Tier::Ssd, 2)), "insert");
-        eq(ok(store.remove(&a), "remove"), Some(loc(1, Tier::Dram, 1)), "remove a");
+        eq(
+            ok(store.remove(&a), "remove"),
+            Some(loc(1, Tier::Dram, 1)),
+            "remove a",
+        );
         eq(ok(store.remove(&a), "remove"), None, "remove a twice");
         eq(ok(store.get(&a), "get"), None, "get a after remove");
-        eq(ok(store.get(&b), "get"), Some(loc(1, Tier::Ssd, 2)), "b is untouched");
+        eq(
+            ok(store.get(&b), "get"),
+            Some(loc(1, Tier::Ssd, 2)),
+            "b is untouched",
+        );
         eq(ok(store.len(), "len"), 1, "len after one remove");
-        eq(ok(store.remove(&b), "remove"), Some(loc(1, Tier::Ssd, 2)), "remove b");
+        eq(
+            ok(store.remove(&b), "remove"),
+            Some(loc(1, Tier::Ssd, 2)),
+            "remove b",
+        );
         eq(ok(store.len(), "len"), 0, "len after removes");
     }
 
@@ -396,14 +530,37 @@ pub mod conformance {
         let keys: Vec<Vec<u8>> = (0..n).map(|i| key(&format!("peer/{i}"))).collect();
         for (i, k) in keys.iter().enumerate() {
             let i = i as u64;
-            let tier = if i % 2 == 0 { Tier::Dram } else { Tier::Ssd };
-            ok(store.insert_if_absent(k, loc(peer_of(i), tier, i)), "insert");
+            let tier = if i.is_multiple_of(2) {
+                Tier::Dram
+            } else {
+                Tier::Ssd
+            };
+            ok(
+                store.insert_if_absent(k, loc(peer_of(i), tier, i)),
+                "insert",
+            );
         }
         let of_8 = (0..n).filter(|&i| peer_of(i) == 8).count();
-        eq(ok(store.remove_peer(8), "remove_peer"), of_8, "remove_peer count");
-        eq(ok(store.remove_peer(8), "remove_peer"), 0, "remove_peer twice");
-        eq(ok(store.remove_peer(1234), "remove_peer"), 0, "remove_peer of an unknown peer");
-        eq(ok(store.len(), "len"), n as usize - of_8, "len after remove_peer");
+        eq(
+            ok(store.remove_peer(8), "remove_peer"),
+            of_8,
+            "remove_peer count",
+        );
+        eq(
+            ok(store.remove_peer(8), "remove_peer"),
+            0,
+            "remove_peer twice",
+        );
+        eq(
+            ok(store.remove_peer(1234), "remove_peer"),
+            0,
+            "remove_peer of an unknown peer",
+        );
+        eq(
+            ok(store.len(), "len"),
+            n as usize - of_8,
+            "len after remove_peer",
+        );
         for (i, k) in keys.iter().enumerate() {
             let i = i as u64;
             let got = ok(store.get(k), "get");
@@ -416,7 +573,11 @@ pub mod conformance {
                     "reinsert after remove_peer",
                 );
             } else {
-                eq(got.map(|l| l.peer), Some(peer_of(i)), "other peers' keys stay");
+                eq(
+                    got.map(|l| l.peer),
+                    Some(peer_of(i)),
+                    "other peers' keys stay",
+                );
             }
         }
         for p in [7, 9, 10] {
@@ -466,11 +627,22 @@ pub mod conformance {
             let winners: Vec<u64> = (0..RACE_THREADS)
                 .filter(|&t| wins[t as usize].contains(&i))
                 .collect();
-            assert!(winners.len() == 1, "key {i}: winners {winners:?}, want exactly one");
+            assert!(
+                winners.len() == 1,
+                "key {i}: winners {winners:?}, want exactly one"
+            );
             let want = loc(100 + winners[0], Tier::Dram, i as u64);
-            eq(ok(store.get(k), "get"), Some(want), "the winner's location is stored");
+            eq(
+                ok(store.get(k), "get"),
+                Some(want),
+                "the winner's location is stored",
+            );
         }
-        eq(ok(store.len(), "len"), RACE_KEYS as usize, "len after the race");
+        eq(
+            ok(store.len(), "len"),
+            RACE_KEYS as usize,
+            "len after the race",
+        );
     }
 
     fn race_remove(store: &dyn MetadataStore) {

@@ -1,5 +1,6 @@
-"""``mori bench io``: mori.io transfers between two processes over TCP on loopback (the CPU
-machine's path; cuda_ipc between GPUs is not written yet). Block size × batch size, reads and
+"""``mori bench io``: mori.io transfers between two processes on one host, over TCP on
+loopback and over the same-host direct path (process_vm_readv/writev), measured in the same run
+(cuda_ipc between GPUs is not written yet). Block size × batch size, reads and
 writes: GB/s (bytes moved / time from submission to completion, median of trials), per-transfer
 latency, and the Python time to submit a 10 000-block batch (the call returning, not the data
 moving).
@@ -40,10 +41,29 @@ def run(trials: int, out_dir: str) -> dict[str, Any]:
     proc.start()
     desc, raw = conn.recv()
     remote = MemoryDesc.unpack(raw)
-    eng = IOEngine("bench-client", timeout=60.0)
-    eng.connect(desc)
     local = np.random.default_rng(0).integers(0, 256, MAX_BATCH_BYTES, dtype=np.uint8)
-    mem = eng.register(local)
+    rows = []
+    for transport in ("tcp", "direct"):
+        eng = IOEngine(f"bench-client-{transport}", timeout=60.0, same_host_direct=transport == "direct")
+        eng.connect(desc)
+        mem = eng.register(local)
+        print(f"\n== {transport} ==")
+        rows += _sweep(eng, mem, remote, trials, transport)
+        if transport == "tcp":
+            submit_us = _submit_cost(eng, mem, remote, trials)
+        eng.deregister(mem)
+    print(f"\nsubmitting a 10000-block batch: {submit_us:.0f} µs of Python time (median)")
+    conn.send("stop")
+    proc.join(timeout=30)
+    record = {"benchmark": "io", "env": environment(), "method": __doc__.strip(), "transports": ["tcp loopback", "same-host direct"],
+              "config": {"trials": trials, "connections_per_peer": 2, "chunk_bytes": 4 << 20},
+              "results": rows, "submit_10000_blocks_us": submit_us}
+    path = write_record("io", record, out_dir)
+    print(f"wrote {path}")
+    return record
+
+
+def _sweep(eng, mem, remote, trials: int, transport: str) -> list[dict[str, Any]]:
     rows = []
     print(f"{'block':>9} {'batch':>6} | {'write GB/s':>10} {'read GB/s':>10} | {'write ms':>9} {'read ms':>9}")
     for block in BLOCKS:
@@ -52,7 +72,7 @@ def run(trials: int, out_dir: str) -> dict[str, Any]:
                 continue
             offs = np.arange(batch, dtype=np.int64) * block
             sizes = np.full(batch, block, dtype=np.int64)
-            row: dict[str, Any] = {"block_bytes": block, "batch": batch}
+            row: dict[str, Any] = {"transport": transport, "block_bytes": block, "batch": batch}
             for op in ("write", "read"):
                 fn = eng.batch_write if op == "write" else eng.batch_read
                 fn(mem, offs, remote, offs, sizes).wait()  # warm-up
@@ -68,7 +88,11 @@ def run(trials: int, out_dir: str) -> dict[str, Any]:
             rows.append(row)
             print(f"{human_bytes(block):>9} {batch:>6} | {row['write_gbps']:10.2f} {row['read_gbps']:10.2f} | "
                   f"{row['write_ms']:9.3f} {row['read_ms']:9.3f}", flush=True)
-    # Python submission cost of a 10 000-block batch (returns before the data moves).
+    return rows
+
+
+def _submit_cost(eng, mem, remote, trials: int) -> float:
+    """Median µs of Python time to submit a 10 000-block batch (returns before the data moves)."""
     n = 10_000
     offs = np.arange(n, dtype=np.int64) * 4096
     sizes = np.full(n, 4096, dtype=np.int64)
@@ -78,16 +102,7 @@ def run(trials: int, out_dir: str) -> dict[str, Any]:
         t = eng.batch_write(mem, offs, remote, offs, sizes)
         submit.append(time.perf_counter() - t0)
         t.wait()
-    submit_us = median(submit) * 1e6
-    print(f"\nsubmitting a {n}-block batch: {submit_us:.0f} µs of Python time (median)")
-    conn.send("stop")
-    proc.join(timeout=30)
-    record = {"benchmark": "io", "env": environment(), "method": __doc__.strip(), "transport": "tcp loopback",
-              "config": {"trials": trials, "connections_per_peer": 2, "chunk_bytes": 4 << 20},
-              "results": rows, "submit_10000_blocks_us": submit_us}
-    path = write_record("io", record, out_dir)
-    print(f"wrote {path}")
-    return record
+    return median(submit) * 1e6
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

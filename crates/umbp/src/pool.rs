@@ -1,0 +1,702 @@
+//! The embedded pool: a master index and one peer's two tiers in one process.
+//!
+//! [`LocalPool`] is what a client with no configuration runs in-process: a
+//! [`MetadataStore`] (the master's key → location index, here a [`MemoryStore`] with this
+//! process as the only peer, id [`LOCAL_PEER`]) in front of a [`DramArena`] and an optional
+//! [`SsdLog`].
+//!
+//! # Placement
+//!
+//! * Puts go to DRAM. Before a value is placed, if it would take DRAM use (allocated pages)
+//!   past the high watermark, least-recently-used values are evicted until use plus the new
+//!   value is at most the low watermark; if the arena is too fragmented for the value even
+//!   then, more LRU values are evicted until it fits.
+//! * Eviction *demotes* a value to the SSD tier when there is one (the metadata tier becomes
+//!   [`Tier::Ssd`]); without an SSD tier, or when the SSD cannot take it (full, or the record
+//!   is larger than a segment), the value is *dropped* and its key becomes a miss. Both are
+//!   counted in [`PoolStats`]. I/O errors while demoting are returned to the caller.
+//! * A value larger than the whole DRAM tier goes straight to SSD, or fails with
+//!   [`Error::NoSpace`] without one.
+//! * A get that hits SSD *promotes* the value back to DRAM (evicting as for a put) when it
+//!   is not larger than DRAM. Promotion is inclusive: the SSD copy stays, so demoting that
+//!   value again costs no write, and the value survives a crash. Promotion is best effort: if
+//!   making room fails, the get still returns the value.
+//! * [`LocalPool::exists`] and [`LocalPool::batch_exists_prefix`] only read the metadata:
+//!   they never renew LRU order, never promote and are not counted as hits or misses.
+//! * Keys are immutable: a put of a present key returns [`PutOutcome::AlreadyExists`] and
+//!   leaves the stored value alone (the first put wins).
+//! * A value on SSD that fails its CRC when read is dropped from the pool (the key becomes a
+//!   miss, counted as `corrupt_dropped`), and the get returns `None`.
+//!
+//! # Restart
+//!
+//! Everything on SSD when the pool is opened is indexed again (as [`Tier::Ssd`]).
+//! [`LocalPool::close`] — and dropping the pool, which does the same and logs failures —
+//! first writes every DRAM value that has no SSD copy yet to the SSD log and seals it, so a
+//! clean shutdown loses nothing that fits on SSD (what does not fit is counted in
+//! [`CloseReport::values_lost`]). After a crash only values that had an SSD copy come back
+//! (values promoted to DRAM keep theirs). [`LocalPool::abandon`] shuts down without the
+//! flush, leaving exactly what a crash leaves. Without an SSD tier nothing survives.
+//!
+//! # Locking
+//!
+//! One coarse mutex guards both tiers and the counters: every put, get, remove, eviction,
+//! demotion and promotion runs under it, so these calls are serialised (SSD reads included).
+//! The metadata store has its own sharded locks, and the tiers only change while the
+//! metadata shows a consistent view (bytes are stored before a key is published, and a key
+//! is unpublished before its bytes are freed), so `exists`, `batch_exists_prefix` and
+//! `location` run without the coarse lock and scale with threads. Finer-grained locking
+//! (per-tier locks, SSD reads outside the lock) is future work.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use tracing::{debug, warn};
+
+use crate::dram::DramArena;
+use crate::error::{Error, Result, key_display};
+use crate::meta::{Location, MemoryStore, MetadataStore, Tier};
+use crate::ssd::{MAX_KEY_LEN, RecoveryReport, SsdConfig, SsdLog};
+
+/// Peer id of the process itself in the metadata of a [`LocalPool`].
+pub const LOCAL_PEER: u64 = 0;
+
+/// Configuration of a [`LocalPool`].
+#[derive(Clone, Debug)]
+pub struct PoolConfig {
+    /// Size of the DRAM tier; a positive multiple of `page_bytes`.
+    pub dram_bytes: usize,
+    /// Page size of the DRAM tier (values occupy whole pages).
+    pub page_bytes: usize,
+    /// The SSD tier, if any.
+    pub ssd: Option<SsdConfig>,
+    /// Fraction of DRAM (in `(0, 1]`) that a put or promotion may fill before eviction runs.
+    pub high_watermark: f64,
+    /// Fraction of DRAM (in `(0, high_watermark]`) that eviction brings use down to.
+    pub low_watermark: f64,
+}
+
+impl PoolConfig {
+    /// DRAM only, with watermarks 0.9 / 0.7.
+    pub fn dram_only(dram_bytes: usize, page_bytes: usize) -> PoolConfig {
+        PoolConfig {
+            dram_bytes,
+            page_bytes,
+            ssd: None,
+            high_watermark: 0.9,
+            low_watermark: 0.7,
+        }
+    }
+
+    /// DRAM and SSD, with watermarks 0.9 / 0.7.
+    pub fn with_ssd(dram_bytes: usize, page_bytes: usize, ssd: SsdConfig) -> PoolConfig {
+        PoolConfig {
+            ssd: Some(ssd),
+            ..PoolConfig::dram_only(dram_bytes, page_bytes)
+        }
+    }
+}
+
+/// Result of a successful put.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PutOutcome {
+    /// The value was stored.
+    Stored,
+    /// The key was already present; the stored value was left unchanged.
+    AlreadyExists,
+}
+
+/// Counters and sizes of a [`LocalPool`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Keys in the pool.
+    pub keys: usize,
+    /// Values in DRAM.
+    pub dram_keys: usize,
+    /// Values on SSD (including SSD copies of values promoted to DRAM).
+    pub ssd_keys: usize,
+    /// Size of the DRAM tier.
+    pub dram_capacity_bytes: usize,
+    /// DRAM bytes in allocated pages.
+    pub dram_used_bytes: usize,
+    /// Sum of the lengths of the values in DRAM.
+    pub dram_value_bytes: usize,
+    /// Bytes of live SSD records (headers, keys and values).
+    pub ssd_live_bytes: u64,
+    /// Total size of the SSD segment files.
+    pub ssd_disk_bytes: u64,
+    /// Gets served from DRAM.
+    pub hits_dram: u64,
+    /// Gets served from SSD.
+    pub hits_ssd: u64,
+    /// Gets of absent keys.
+    pub misses: u64,
+    /// Values dropped from DRAM without being kept on SSD.
+    pub evictions: u64,
+    /// Values moved from DRAM to SSD.
+    pub demotions: u64,
+    /// Values copied from SSD back to DRAM by a get.
+    pub promotions: u64,
+    /// Values dropped because their SSD record failed its CRC.
+    pub corrupt_dropped: u64,
+}
+
+/// Which tiers hold a value ([`LocalPool::residency`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Residency {
+    /// The value is in the DRAM arena.
+    pub dram: bool,
+    /// The value has a record in the SSD log.
+    pub ssd: bool,
+}
+
+/// What [`LocalPool::close`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CloseReport {
+    /// DRAM values written to SSD.
+    pub values_written: usize,
+    /// DRAM values that already had an SSD copy.
+    pub values_already_on_ssd: usize,
+    /// DRAM values that could not be kept (no SSD tier, SSD full, record too large).
+    pub values_lost: usize,
+}
+
+#[derive(Default)]
+struct Counters {
+    hits_dram: u64,
+    hits_ssd: u64,
+    misses: u64,
+    evictions: u64,
+    demotions: u64,
+    promotions: u64,
+    corrupt_dropped: u64,
+}
+
+struct Inner {
+    dram: DramArena,
+    ssd: Option<SsdLog>,
+    /// DRAM use (bytes of pages) above which eviction starts.
+    high_bytes: usize,
+    /// DRAM use eviction brings use (plus the incoming value) down to.
+    low_bytes: usize,
+    counters: Counters,
+    /// `close` or `abandon` ran; `Drop` has nothing left to do.
+    closed: bool,
+}
+
+/// The embedded UMBP pool. See the module docs for placement, restart and locking.
+pub struct LocalPool {
+    meta: Box<dyn MetadataStore>,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for LocalPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalPool")
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+fn inconsistent(key: &[u8], detail: &str) -> Error {
+    Error::Corrupt {
+        key_or_location: key_display(key),
+        detail: format!("pool metadata and tiers disagree: {detail}"),
+    }
+}
+
+fn check_key(key: &[u8]) -> Result<()> {
+    if key.len() > MAX_KEY_LEN {
+        return Err(Error::InvalidArgument(format!(
+            "key of {} bytes exceeds the maximum of {MAX_KEY_LEN}",
+            key.len()
+        )));
+    }
+    Ok(())
+}
+
+fn round_up(len: usize, page: usize) -> usize {
+    len.div_ceil(page).saturating_mul(page)
+}
+
+impl LocalPool {
+    /// Opens the pool: allocates the DRAM tier and, with an SSD tier, opens (recovers) the log
+    /// and indexes every key found there. Returns the SSD recovery report, if there is an SSD
+    /// tier.
+    pub fn open(cfg: PoolConfig) -> Result<(LocalPool, Option<RecoveryReport>)> {
+        let (hi, lo) = (cfg.high_watermark, cfg.low_watermark);
+        if !(hi.is_finite() && lo.is_finite() && 0.0 < lo && lo <= hi && hi <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "watermarks must satisfy 0 < low ({lo}) <= high ({hi}) <= 1"
+            )));
+        }
+        let dram = DramArena::new(cfg.dram_bytes, cfg.page_bytes)?;
+        let cap = dram.capacity_bytes();
+        let meta: Box<dyn MetadataStore> = Box::new(MemoryStore::new());
+        let (ssd, report) = match cfg.ssd {
+            None => (None, None),
+            Some(sc) => {
+                let (log, report) = SsdLog::open(sc)?;
+                for key in log.keys() {
+                    let len = log.value_len(&key).unwrap_or(0);
+                    let loc = Location {
+                        peer: LOCAL_PEER,
+                        tier: Tier::Ssd,
+                        len,
+                    };
+                    meta.insert_if_absent(&key, loc)?;
+                }
+                (Some(log), Some(report))
+            }
+        };
+        let inner = Inner {
+            dram,
+            ssd,
+            high_bytes: (hi * cap as f64) as usize,
+            low_bytes: (lo * cap as f64) as usize,
+            counters: Counters::default(),
+            closed: false,
+        };
+        Ok((
+            LocalPool {
+                meta,
+                inner: Mutex::new(inner),
+            },
+            report,
+        ))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Stores `value` under `key`. A present key is [`PutOutcome::AlreadyExists`] (success;
+    /// the stored value is unchanged). Errors: [`Error::NoSpace`] for a value larger than
+    /// DRAM without an SSD tier (or one the SSD cannot take), [`Error::InvalidArgument`] for
+    /// a key over [`MAX_KEY_LEN`], and I/O errors of the SSD tier.
+    pub fn put(&self, key: &[u8], value: &[u8]) -> Result<PutOutcome> {
+        self.lock().put(&*self.meta, key, value)
+    }
+
+    /// Puts each pair in order under one lock acquisition. Stops at the first error (the
+    /// pairs before it stay stored).
+    pub fn batch_put(&self, items: &[(&[u8], &[u8])]) -> Result<Vec<PutOutcome>> {
+        let mut inner = self.lock();
+        items
+            .iter()
+            .map(|(k, v)| inner.put(&*self.meta, k, v))
+            .collect()
+    }
+
+    /// The value of `key` (a use for LRU; an SSD hit is promoted to DRAM).
+    pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.lock().get(&*self.meta, key)
+    }
+
+    /// Gets each key in order under one lock acquisition. Stops at the first error.
+    pub fn batch_get(&self, keys: &[&[u8]]) -> Result<Vec<Option<Vec<u8>>>> {
+        let mut inner = self.lock();
+        keys.iter().map(|k| inner.get(&*self.meta, k)).collect()
+    }
+
+    /// Copies the value of `key` into the front of `out` and returns its length, as
+    /// [`LocalPool::get`] otherwise. `out` must be at least as long as the value
+    /// ([`Error::InvalidArgument`] otherwise; see [`LocalPool::location`] for the length).
+    pub fn get_into(&self, key: &[u8], out: &mut [u8]) -> Result<Option<usize>> {
+        self.lock().read(&*self.meta, key, Out::Slice(out))
+    }
+
+    /// Whether `key` is present. Reads only the metadata: never renews LRU order, never
+    /// promotes, not counted as a hit or miss.
+    pub fn exists(&self, key: &[u8]) -> Result<bool> {
+        Ok(self.meta.get(key)?.is_some())
+    }
+
+    /// How many leading keys of `keys` are present (a prefix-cache probe): the index of the
+    /// first absent key, or `keys.len()`. Like [`LocalPool::exists`], reads only metadata.
+    pub fn batch_exists_prefix(&self, keys: &[&[u8]]) -> Result<usize> {
+        let found = self.meta.batch_get(keys)?;
+        Ok(found.iter().take_while(|l| l.is_some()).count())
+    }
+
+    /// The location of `key` (its fastest tier and length), from the metadata only.
+    pub fn location(&self, key: &[u8]) -> Result<Option<Location>> {
+        self.meta.get(key)
+    }
+
+    /// Which tiers hold the bytes of `key` now. A value promoted to DRAM is in both; only
+    /// SSD copies survive a crash.
+    pub fn residency(&self, key: &[u8]) -> Residency {
+        let inner = self.lock();
+        Residency {
+            dram: inner.dram.contains(key),
+            ssd: inner.ssd.as_ref().is_some_and(|s| s.contains(key)),
+        }
+    }
+
+    /// Removes `key` from every tier. Returns whether it was present.
+    pub fn remove(&self, key: &[u8]) -> Result<bool> {
+        self.lock().remove(&*self.meta, key)
+    }
+
+    /// Number of keys.
+    pub fn len(&self) -> Result<usize> {
+        self.meta.len()
+    }
+
+    /// Whether the pool holds no key.
+    pub fn is_empty(&self) -> Result<bool> {
+        self.meta.is_empty()
+    }
+
+    /// Counters and sizes.
+    pub fn stats(&self) -> PoolStats {
+        let keys = match self.meta.len() {
+            Ok(n) => n,
+            Err(e) => {
+                warn!(error = %e, "metadata len failed; reporting 0 keys");
+                0
+            }
+        };
+        let inner = self.lock();
+        let c = &inner.counters;
+        PoolStats {
+            keys,
+            dram_keys: inner.dram.len(),
+            ssd_keys: inner.ssd.as_ref().map_or(0, |s| s.len()),
+            dram_capacity_bytes: inner.dram.capacity_bytes(),
+            dram_used_bytes: inner.dram.used_bytes(),
+            dram_value_bytes: inner.dram.value_bytes(),
+            ssd_live_bytes: inner.ssd.as_ref().map_or(0, |s| s.live_bytes()),
+            ssd_disk_bytes: inner.ssd.as_ref().map_or(0, |s| s.disk_bytes()),
+            hits_dram: c.hits_dram,
+            hits_ssd: c.hits_ssd,
+            misses: c.misses,
+            evictions: c.evictions,
+            demotions: c.demotions,
+            promotions: c.promotions,
+            corrupt_dropped: c.corrupt_dropped,
+        }
+    }
+
+    /// Checks that metadata and tiers agree: every DRAM value is indexed as
+    /// [`Tier::Dram`] with its length, every SSD value is indexed (as [`Tier::Ssd`] unless it
+    /// is also in DRAM), and the index holds nothing else. O(keys); a diagnostic for tests.
+    pub fn check_consistency(&self) -> Result<()> {
+        let inner = self.lock();
+        let dram_keys = inner.dram.lru_victims(inner.dram.len());
+        for k in &dram_keys {
+            let want_len = inner.dram.get(k).map_or(0, |v| v.len()) as u64;
+            match self.meta.get(k)? {
+                Some(l) if l.tier == Tier::Dram && l.len == want_len && l.peer == LOCAL_PEER => {}
+                other => return Err(inconsistent(k, &format!("DRAM value indexed as {other:?}"))),
+            }
+        }
+        let mut ssd_only = 0;
+        if let Some(ssd) = &inner.ssd {
+            for k in ssd.keys() {
+                let want_len = ssd.value_len(&k).unwrap_or(0);
+                let in_dram = inner.dram.contains(&k);
+                ssd_only += usize::from(!in_dram);
+                let want_tier = if in_dram { Tier::Dram } else { Tier::Ssd };
+                match self.meta.get(&k)? {
+                    Some(l) if l.tier == want_tier && l.len == want_len => {}
+                    other => {
+                        return Err(inconsistent(&k, &format!("SSD value indexed as {other:?}")));
+                    }
+                }
+            }
+        }
+        let indexed = self.meta.len()?;
+        if indexed != dram_keys.len() + ssd_only {
+            return Err(inconsistent(
+                b"",
+                &format!(
+                    "{indexed} keys indexed, {} in DRAM and {ssd_only} only on SSD",
+                    dram_keys.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Shuts down cleanly: writes every DRAM value without an SSD copy to the SSD log (least
+    /// recently used first) and seals the log, so a reopen finds every value that fit.
+    /// Values that cannot be kept are counted in [`CloseReport::values_lost`]; I/O errors are
+    /// returned (the pool is closed either way).
+    pub fn close(self) -> Result<CloseReport> {
+        let mut inner = self.lock();
+        inner.closed = true;
+        inner.flush_and_seal()
+    }
+
+    /// Shuts down without writing DRAM to SSD: a reopen finds exactly what a crash would
+    /// leave (the values that had an SSD copy).
+    pub fn abandon(self) {
+        self.lock().closed = true;
+    }
+}
+
+impl Drop for LocalPool {
+    fn drop(&mut self) {
+        let inner = self.inner.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if inner.closed {
+            return;
+        }
+        inner.closed = true;
+        match inner.flush_and_seal() {
+            Ok(r) if r.values_lost > 0 => {
+                warn!(report = ?r, "pool dropped: some DRAM values could not be kept on SSD");
+            }
+            Ok(r) => debug!(report = ?r, "pool dropped"),
+            Err(e) => warn!(error = %e, "pool dropped: flushing DRAM to SSD failed"),
+        }
+    }
+}
+
+/// Where a read puts the value.
+enum Out<'a> {
+    Vec(&'a mut Vec<u8>),
+    Slice(&'a mut [u8]),
+}
+
+fn too_small(out: usize, len: u64) -> Error {
+    Error::InvalidArgument(format!(
+        "output buffer of {out} bytes is smaller than the value ({len} bytes)"
+    ))
+}
+
+impl Inner {
+    fn put(&mut self, meta: &dyn MetadataStore, key: &[u8], value: &[u8]) -> Result<PutOutcome> {
+        check_key(key)?;
+        if meta.get(key)?.is_some() {
+            return Ok(PutOutcome::AlreadyExists);
+        }
+        let len = value.len() as u64;
+        if value.len() <= self.dram.capacity_bytes() && self.dram_insert(meta, key, value)? {
+            let loc = Location {
+                peer: LOCAL_PEER,
+                tier: Tier::Dram,
+                len,
+            };
+            if !meta.insert_if_absent(key, loc)? {
+                // Not reachable while every writer holds the pool lock; keep the first value.
+                self.dram.remove(key);
+                return Ok(PutOutcome::AlreadyExists);
+            }
+            return Ok(PutOutcome::Stored);
+        }
+        let Some(ssd) = self.ssd.as_mut() else {
+            return Err(Error::NoSpace {
+                needed: len,
+                available: self.dram.capacity_bytes() as u64,
+            });
+        };
+        ssd.put(key, value)?;
+        let loc = Location {
+            peer: LOCAL_PEER,
+            tier: Tier::Ssd,
+            len,
+        };
+        if !meta.insert_if_absent(key, loc)? {
+            ssd.remove(key)?;
+            return Ok(PutOutcome::AlreadyExists);
+        }
+        Ok(PutOutcome::Stored)
+    }
+
+    fn get(&mut self, meta: &dyn MetadataStore, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let mut v = Vec::new();
+        Ok(self.read(meta, key, Out::Vec(&mut v))?.map(|_| v))
+    }
+
+    /// Reads `key` into `out`, renewing its LRU position or promoting it. Returns its length.
+    fn read(
+        &mut self,
+        meta: &dyn MetadataStore,
+        key: &[u8],
+        mut out: Out<'_>,
+    ) -> Result<Option<usize>> {
+        let Some(loc) = meta.get(key)? else {
+            self.counters.misses += 1;
+            return Ok(None);
+        };
+        if let Out::Slice(s) = &out
+            && (s.len() as u64) < loc.len
+        {
+            return Err(too_small(s.len(), loc.len));
+        }
+        match loc.tier {
+            Tier::Dram => {
+                let Some(bytes) = self.dram.get_touch(key) else {
+                    return Err(inconsistent(key, "indexed in DRAM, not in the arena"));
+                };
+                let n = bytes.len();
+                match out {
+                    Out::Vec(v) => v.extend_from_slice(bytes),
+                    Out::Slice(s) => match s.get_mut(..n) {
+                        Some(dst) => dst.copy_from_slice(bytes),
+                        None => return Err(too_small(s.len(), n as u64)),
+                    },
+                }
+                self.counters.hits_dram += 1;
+                Ok(Some(n))
+            }
+            Tier::Ssd => {
+                let Some(ssd) = self.ssd.as_ref() else {
+                    return Err(inconsistent(
+                        key,
+                        "indexed on SSD, but there is no SSD tier",
+                    ));
+                };
+                let res = match &mut out {
+                    Out::Vec(v) => ssd.get(key).map(|o| {
+                        o.map(|bytes| {
+                            **v = bytes;
+                            v.len()
+                        })
+                    }),
+                    Out::Slice(s) => ssd.get_into(key, s),
+                };
+                let n = match res {
+                    Ok(Some(n)) => n,
+                    Ok(None) => return Err(inconsistent(key, "indexed on SSD, not in the log")),
+                    Err(e @ Error::Corrupt { .. }) => {
+                        // The log has dropped the bad record from its index; make it a miss.
+                        warn!(key = %key_display(key), error = %e, "dropping a corrupt value");
+                        meta.remove(key)?;
+                        self.counters.corrupt_dropped += 1;
+                        self.counters.misses += 1;
+                        return Ok(None);
+                    }
+                    Err(e) => return Err(e),
+                };
+                self.counters.hits_ssd += 1;
+                let bytes = match &out {
+                    Out::Vec(v) => v.as_slice(),
+                    Out::Slice(s) => s.get(..n).unwrap_or_default(),
+                };
+                self.promote(meta, key, bytes);
+                Ok(Some(n))
+            }
+        }
+    }
+
+    /// Copies an SSD value into DRAM (keeping the SSD copy) and marks it as DRAM-resident.
+    /// Best effort: failures are logged, the value stays readable from SSD.
+    fn promote(&mut self, meta: &dyn MetadataStore, key: &[u8], value: &[u8]) {
+        if value.len() > self.dram.capacity_bytes() {
+            return;
+        }
+        match self.dram_insert(meta, key, value) {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                warn!(key = %key_display(key), error = %e, "promotion to DRAM failed");
+                return;
+            }
+        }
+        match meta.update_tier(key, Tier::Ssd, Tier::Dram) {
+            Ok(true) => self.counters.promotions += 1,
+            Ok(false) => {
+                // Not reachable under the pool lock; undo so the index stays right.
+                self.dram.remove(key);
+            }
+            Err(e) => {
+                warn!(key = %key_display(key), error = %e, "promotion: metadata update failed");
+                self.dram.remove(key);
+            }
+        }
+    }
+
+    /// Places `value` in DRAM, evicting LRU values first (see the module docs). Returns
+    /// `Ok(false)` if it does not fit even in an empty arena.
+    fn dram_insert(&mut self, meta: &dyn MetadataStore, key: &[u8], value: &[u8]) -> Result<bool> {
+        let need = round_up(value.len(), self.dram.page_bytes());
+        if self.dram.used_bytes() + need > self.high_bytes {
+            while !self.dram.is_empty() && self.dram.used_bytes() + need > self.low_bytes {
+                self.evict_lru(meta)?;
+            }
+        }
+        loop {
+            match self.dram.put(key, value) {
+                Ok(()) => return Ok(true),
+                // Fragmentation: free more, least recently used first.
+                Err(Error::NoSpace { .. }) if !self.dram.is_empty() => self.evict_lru(meta)?,
+                Err(Error::NoSpace { .. }) => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Demotes (or, failing that, drops) the least recently used DRAM value.
+    fn evict_lru(&mut self, meta: &dyn MetadataStore) -> Result<()> {
+        let Some(victim) = self.dram.lru_victims(1).pop() else {
+            return Ok(());
+        };
+        let kept = match self.ssd.as_mut() {
+            None => false,
+            Some(ssd) if ssd.contains(&victim) => true,
+            Some(ssd) => {
+                let value = self.dram.get(&victim).unwrap_or_default();
+                match ssd.put(&victim, value) {
+                    Ok(()) => true,
+                    Err(e @ (Error::NoSpace { .. } | Error::InvalidArgument(_))) => {
+                        debug!(key = %key_display(&victim), error = %e,
+                               "SSD cannot take an evicted value; dropping it");
+                        false
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        if kept {
+            if !meta.update_tier(&victim, Tier::Dram, Tier::Ssd)? {
+                return Err(inconsistent(&victim, "DRAM value not indexed as DRAM"));
+            }
+            self.counters.demotions += 1;
+        } else {
+            meta.remove(&victim)?;
+            self.counters.evictions += 1;
+        }
+        self.dram.remove(&victim);
+        Ok(())
+    }
+
+    fn remove(&mut self, meta: &dyn MetadataStore, key: &[u8]) -> Result<bool> {
+        if meta.get(key)?.is_none() {
+            return Ok(false);
+        }
+        // SSD first: if it fails, nothing has changed.
+        if let Some(ssd) = self.ssd.as_mut()
+            && ssd.contains(key)
+        {
+            ssd.remove(key)?;
+        }
+        meta.remove(key)?;
+        self.dram.remove(key);
+        Ok(true)
+    }
+
+    fn flush_and_seal(&mut self) -> Result<CloseReport> {
+        let mut report = CloseReport::default();
+        let victims = self.dram.lru_victims(self.dram.len());
+        let Some(ssd) = self.ssd.as_mut() else {
+            report.values_lost = victims.len();
+            return Ok(report);
+        };
+        for key in victims {
+            if ssd.contains(&key) {
+                report.values_already_on_ssd += 1;
+                continue;
+            }
+            let value = self.dram.get(&key).unwrap_or_default();
+            match ssd.put(&key, value) {
+                Ok(()) => report.values_written += 1,
+                Err(Error::NoSpace { .. } | Error::InvalidArgument(_)) => report.values_lost += 1,
+                Err(e) => return Err(e),
+            }
+        }
+        ssd.seal()?;
+        Ok(report)
+    }
+}

@@ -1,0 +1,811 @@
+//! Tests of the embedded pool: a randomized model test with clean and crash restarts, filling
+//! past DRAM, DRAM-only eviction, large values, concurrency, LRU behaviour of `exists`,
+//! corruption handling and argument checks.
+
+use std::collections::btree_map::Entry as BEntry;
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Barrier;
+
+use mori_umbp::{
+    Error, LocalPool, PoolConfig, PoolStats, PutOutcome, RecoveryReport, SsdConfig, Tier,
+};
+
+/// Small deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + self.below((hi - lo) as u64) as usize
+    }
+}
+
+fn ssd_cfg(dir: &Path, segment_bytes: u64, capacity_bytes: u64) -> SsdConfig {
+    SsdConfig {
+        dir: dir.to_path_buf(),
+        segment_bytes,
+        capacity_bytes,
+        sync_writes: false,
+    }
+}
+
+fn key(i: u64) -> Vec<u8> {
+    format!("blk/{i:05}").into_bytes()
+}
+
+/// A value whose bytes depend on the key, a generation and the length.
+fn value(i: u64, generation: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|j| {
+            (i.wrapping_mul(131) ^ generation.wrapping_mul(29) ^ (j as u64 * 7 + j as u64 / 251))
+                as u8
+        })
+        .collect()
+}
+
+fn open(cfg: &PoolConfig) -> (LocalPool, Option<RecoveryReport>) {
+    match LocalPool::open(cfg.clone()) {
+        Ok(x) => x,
+        Err(e) => panic!("open failed: {e}"),
+    }
+}
+
+fn ok<T>(r: mori_umbp::Result<T>, what: &str) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => panic!("{what}: {e}"),
+    }
+}
+
+fn tempdir() -> tempfile::TempDir {
+    match tempfile::tempdir() {
+        Ok(d) => d,
+        Err(e) => panic!("tempdir: {e}"),
+    }
+}
+
+fn get(pool: &LocalPool, k: &[u8]) -> Option<Vec<u8>> {
+    ok(pool.get(k), "get")
+}
+
+fn put(pool: &LocalPool, k: &[u8], v: &[u8]) -> PutOutcome {
+    ok(pool.put(k, v), "put")
+}
+
+// ---------------------------------------------------------------------------------------
+// Model test
+// ---------------------------------------------------------------------------------------
+
+const MODEL_DRAM: usize = 16 * 256;
+
+fn model_run(seed: u64, ops: usize) -> PoolStats {
+    let dir = tempdir();
+    let cfg = PoolConfig {
+        dram_bytes: MODEL_DRAM,
+        page_bytes: 256,
+        ssd: Some(ssd_cfg(dir.path(), 32 << 10, 2 << 20)),
+        high_watermark: 0.9,
+        low_watermark: 0.7,
+    };
+    let mut rng = Rng::new(seed);
+    let (mut pool, _) = open(&cfg);
+    // Ordered maps, so a seed replays exactly.
+    let mut model: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let mut generation: BTreeMap<u64, u64> = BTreeMap::new();
+    let nkeys = 120u64;
+    let mut totals = PoolStats::default();
+    let mut restarts = (0, 0);
+    let accumulate = |t: &mut PoolStats, s: &PoolStats| {
+        t.hits_dram += s.hits_dram;
+        t.hits_ssd += s.hits_ssd;
+        t.misses += s.misses;
+        t.evictions += s.evictions;
+        t.demotions += s.demotions;
+        t.promotions += s.promotions;
+        t.corrupt_dropped += s.corrupt_dropped;
+    };
+    let len_for = |rng: &mut Rng| match rng.below(20) {
+        0 => 0,
+        1 => rng.range(MODEL_DRAM + 1, 3 * MODEL_DRAM), // larger than DRAM: straight to SSD
+        2..=5 => rng.range(600, 2500),
+        _ => rng.range(1, 600),
+    };
+    for step in 0..ops {
+        let i = rng.below(nkeys);
+        let k = key(i);
+        match rng.below(100) {
+            0..=29 => {
+                let g = *generation.entry(i).and_modify(|g| *g += 1).or_insert(0);
+                let v = value(i, g, len_for(&mut rng));
+                let got = put(&pool, &k, &v);
+                let want = match model.entry(i) {
+                    BEntry::Occupied(_) => PutOutcome::AlreadyExists,
+                    BEntry::Vacant(e) => {
+                        e.insert(v);
+                        PutOutcome::Stored
+                    }
+                };
+                assert_eq!(got, want, "step {step}: put of key {i}");
+            }
+            30..=54 => {
+                assert_eq!(
+                    get(&pool, &k),
+                    model.get(&i).cloned(),
+                    "step {step}: get {i}"
+                );
+            }
+            55..=62 => {
+                let mut buf = vec![0xAAu8; 3 * MODEL_DRAM + 8];
+                let got = ok(pool.get_into(&k, &mut buf), "get_into");
+                match model.get(&i) {
+                    Some(v) => {
+                        assert_eq!(got, Some(v.len()), "step {step}: get_into {i}");
+                        assert_eq!(&buf[..v.len()], &v[..], "step {step}: get_into bytes {i}");
+                        assert!(
+                            buf[v.len()..].iter().all(|&b| b == 0xAA),
+                            "wrote past the value"
+                        );
+                    }
+                    None => assert_eq!(got, None, "step {step}: get_into of absent {i}"),
+                }
+            }
+            63..=65 => {
+                // get_into with a buffer that may be too small
+                let mut buf = vec![0u8; 100];
+                let got = pool.get_into(&k, &mut buf);
+                match (model.get(&i), got) {
+                    (None, Ok(None)) => {}
+                    (Some(v), Ok(Some(n))) if v.len() <= 100 => {
+                        assert_eq!(n, v.len());
+                        assert_eq!(&buf[..n], &v[..]);
+                    }
+                    (Some(v), Err(Error::InvalidArgument(_))) if v.len() > 100 => {}
+                    (m, g) => panic!(
+                        "step {step}: small get_into of {i}: model {:?}, got {g:?}",
+                        m.map(|v| v.len())
+                    ),
+                }
+            }
+            66..=74 => {
+                assert_eq!(
+                    ok(pool.exists(&k), "exists"),
+                    model.contains_key(&i),
+                    "step {step}: exists {i}"
+                );
+            }
+            75..=82 => {
+                assert_eq!(
+                    ok(pool.remove(&k), "remove"),
+                    model.remove(&i).is_some(),
+                    "step {step}: remove {i}"
+                );
+            }
+            83..=89 => {
+                // A prefix probe: mostly present keys first, then anything.
+                let mut ids: Vec<u64> = model.keys().copied().take(rng.range(0, 6)).collect();
+                for _ in 0..rng.below(4) {
+                    ids.push(rng.below(nkeys));
+                }
+                let keys: Vec<Vec<u8>> = ids.iter().map(|&j| key(j)).collect();
+                let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+                let want = ids.iter().take_while(|j| model.contains_key(j)).count();
+                assert_eq!(
+                    ok(pool.batch_exists_prefix(&refs), "prefix"),
+                    want,
+                    "step {step}: batch_exists_prefix {ids:?}"
+                );
+            }
+            90..=93 => {
+                // batch_put of 1-3 keys then batch_get of them
+                let ids: Vec<u64> = (0..rng.range(1, 4)).map(|_| rng.below(nkeys)).collect();
+                let vals: Vec<Vec<u8>> = ids
+                    .iter()
+                    .map(|&j| {
+                        let g = *generation.entry(j).and_modify(|g| *g += 1).or_insert(0);
+                        value(j, g, len_for(&mut rng))
+                    })
+                    .collect();
+                let keys: Vec<Vec<u8>> = ids.iter().map(|&j| key(j)).collect();
+                let items: Vec<(&[u8], &[u8])> = keys
+                    .iter()
+                    .zip(&vals)
+                    .map(|(k, v)| (k.as_slice(), v.as_slice()))
+                    .collect();
+                let outcomes = ok(pool.batch_put(&items), "batch_put");
+                for (n, (&j, v)) in ids.iter().zip(&vals).enumerate() {
+                    let want = match model.entry(j) {
+                        BEntry::Occupied(_) => PutOutcome::AlreadyExists,
+                        BEntry::Vacant(e) => {
+                            e.insert(v.clone());
+                            PutOutcome::Stored
+                        }
+                    };
+                    assert_eq!(outcomes[n], want, "step {step}: batch_put of key {j}");
+                }
+                let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+                let got = ok(pool.batch_get(&refs), "batch_get");
+                for (n, j) in ids.iter().enumerate() {
+                    assert_eq!(got[n], model.get(j).cloned(), "step {step}: batch_get {j}");
+                }
+            }
+            94..=96 => {
+                // Clean restart: DRAM is written to SSD, everything comes back.
+                accumulate(&mut totals, &pool.stats());
+                if rng.below(2) == 0 {
+                    let report = ok(pool.close(), "close");
+                    assert_eq!(report.values_lost, 0, "step {step}: close lost values");
+                } else {
+                    drop(pool);
+                }
+                let (p, report) = open(&cfg);
+                pool = p;
+                let report = report.unwrap_or_default();
+                assert!(report.clean_shutdown, "step {step}: not a clean shutdown");
+                assert_eq!(report.live_keys, model.len(), "step {step}: recovered keys");
+                restarts.0 += 1;
+            }
+            _ => {
+                // Crash: only values with an SSD copy come back.
+                accumulate(&mut totals, &pool.stats());
+                let on_ssd: BTreeSet<u64> = model
+                    .keys()
+                    .copied()
+                    .filter(|&j| pool.residency(&key(j)).ssd)
+                    .collect();
+                pool.abandon();
+                model.retain(|j, _| on_ssd.contains(j));
+                let (p, report) = open(&cfg);
+                pool = p;
+                let report = report.unwrap_or_default();
+                assert_eq!(report.live_keys, model.len(), "step {step}: recovered keys");
+                restarts.1 += 1;
+            }
+        }
+        if step % 97 == 0 {
+            ok(pool.check_consistency(), "consistency");
+            assert_eq!(ok(pool.len(), "len"), model.len(), "step {step}: len");
+            let s = pool.stats();
+            assert!(s.dram_used_bytes <= s.dram_capacity_bytes);
+        }
+    }
+    ok(pool.check_consistency(), "consistency");
+    for (&i, v) in &model {
+        assert_eq!(get(&pool, &key(i)).as_ref(), Some(v), "final read of {i}");
+    }
+    for i in 0..nkeys {
+        assert_eq!(ok(pool.exists(&key(i)), "exists"), model.contains_key(&i));
+    }
+    accumulate(&mut totals, &pool.stats());
+    assert!(restarts.0 > 0 && restarts.1 > 0, "restarts {restarts:?}");
+    totals
+}
+
+#[test]
+fn model_with_demotion_promotion_and_restarts() {
+    let mut totals = PoolStats::default();
+    for seed in 1..=3 {
+        let t = model_run(seed, 3000);
+        totals.demotions += t.demotions;
+        totals.promotions += t.promotions;
+        totals.hits_dram += t.hits_dram;
+        totals.hits_ssd += t.hits_ssd;
+        totals.misses += t.misses;
+        totals.evictions += t.evictions;
+    }
+    // The small DRAM must keep both tiers busy.
+    assert!(totals.demotions > 500, "{totals:?}");
+    assert!(totals.promotions > 300, "{totals:?}");
+    assert!(
+        totals.hits_dram > 100 && totals.hits_ssd > 300,
+        "{totals:?}"
+    );
+    assert!(totals.misses > 100, "{totals:?}");
+    assert_eq!(totals.evictions, 0, "the SSD is large enough: {totals:?}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Filling past DRAM
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn fill_to_three_times_dram_and_read_back() {
+    let dir = tempdir();
+    let dram = 64 << 10;
+    let cfg = PoolConfig::with_ssd(dram, 4096, ssd_cfg(dir.path(), 256 << 10, 8 << 20));
+    let (pool, report) = open(&cfg);
+    assert_eq!(report.map(|r| r.live_keys), Some(0));
+    let mut rng = Rng::new(42);
+    let mut stored = Vec::new();
+    let mut total = 0;
+    while total < 3 * dram {
+        let i = stored.len() as u64;
+        let v = value(i, 0, rng.range(1, 10_000));
+        total += v.len();
+        assert_eq!(put(&pool, &key(i), &v), PutOutcome::Stored);
+        stored.push(v);
+    }
+    let s = pool.stats();
+    assert!(s.demotions > 0 && s.evictions == 0, "{s:?}");
+    assert!(s.dram_used_bytes <= (0.9 * dram as f64) as usize, "{s:?}");
+    assert_eq!(s.keys, stored.len());
+    ok(pool.check_consistency(), "consistency");
+    // Oldest first, so most reads hit SSD; every other one through get_into.
+    let mut buf = vec![0u8; 10_000];
+    for (i, v) in stored.iter().enumerate() {
+        let k = key(i as u64);
+        if i % 2 == 0 {
+            assert_eq!(get(&pool, &k).as_ref(), Some(v), "key {i}");
+        } else {
+            assert_eq!(ok(pool.get_into(&k, &mut buf), "get_into"), Some(v.len()));
+            assert_eq!(&buf[..v.len()], &v[..], "key {i}");
+        }
+    }
+    let s = pool.stats();
+    assert!(s.hits_ssd > 0 && s.promotions > 0, "{s:?}");
+    assert_eq!(s.hits_dram + s.hits_ssd, stored.len() as u64);
+    assert_eq!(s.misses, 0);
+    ok(pool.check_consistency(), "consistency");
+}
+
+#[test]
+fn dram_only_pool_drops_lru_values() {
+    let dram = 32 << 10;
+    let (pool, report) = open(&PoolConfig::dram_only(dram, 1024));
+    assert!(report.is_none());
+    let n = 3 * dram / 1000;
+    for i in 0..n as u64 {
+        assert_eq!(put(&pool, &key(i), &value(i, 0, 1000)), PutOutcome::Stored);
+    }
+    let s = pool.stats();
+    assert_eq!(s.demotions, 0);
+    assert_eq!(s.keys as u64 + s.evictions, n as u64, "{s:?}");
+    assert!(s.evictions > 0);
+    // The newest values are the ones kept, and each is intact.
+    let mut present = 0;
+    let mut seen_present = false;
+    for i in 0..n as u64 {
+        match get(&pool, &key(i)) {
+            Some(v) => {
+                assert_eq!(v, value(i, 0, 1000));
+                present += 1;
+                seen_present = true;
+            }
+            None => assert!(!seen_present, "key {i} evicted after a newer one was kept"),
+        }
+    }
+    assert_eq!(present, s.keys);
+    // Larger than DRAM, without an SSD tier.
+    match pool.put(b"huge", &vec![1u8; dram + 1]) {
+        Err(Error::NoSpace { needed, .. }) => assert_eq!(needed, dram as u64 + 1),
+        other => panic!("want NoSpace, got {other:?}"),
+    }
+    assert!(!ok(pool.exists(b"huge"), "exists"));
+    // A value of exactly DRAM size fits (evicting everything else).
+    assert_eq!(put(&pool, b"full", &vec![2u8; dram]), PutOutcome::Stored);
+    assert_eq!(pool.stats().dram_keys, 1);
+    assert_eq!(get(&pool, b"full"), Some(vec![2u8; dram]));
+    ok(pool.check_consistency(), "consistency");
+}
+
+#[test]
+fn value_larger_than_dram_lives_on_ssd() {
+    let dir = tempdir();
+    let dram = 16 << 10;
+    let cfg = PoolConfig::with_ssd(dram, 1024, ssd_cfg(dir.path(), 1 << 20, 8 << 20));
+    let (pool, _) = open(&cfg);
+    assert_eq!(put(&pool, b"small", b"abc"), PutOutcome::Stored);
+    let big = value(7, 0, 3 * dram);
+    assert_eq!(put(&pool, b"big", &big), PutOutcome::Stored);
+    let loc = ok(pool.location(b"big"), "location");
+    assert_eq!(
+        loc.map(|l| (l.tier, l.len)),
+        Some((Tier::Ssd, big.len() as u64))
+    );
+    assert_eq!(get(&pool, b"big"), Some(big.clone()));
+    // Not promoted (it cannot fit), and the small value was not pushed out for it.
+    assert_eq!(
+        ok(pool.location(b"big"), "location").map(|l| l.tier),
+        Some(Tier::Ssd)
+    );
+    assert_eq!(
+        ok(pool.location(b"small"), "location").map(|l| l.tier),
+        Some(Tier::Dram)
+    );
+    let s = pool.stats();
+    assert_eq!((s.promotions, s.demotions, s.hits_ssd), (0, 0, 1), "{s:?}");
+    // Larger than an SSD segment as well: refused.
+    assert!(matches!(
+        pool.put(b"too-big", &vec![0u8; 2 << 20]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!(put(&pool, b"big", b"other"), PutOutcome::AlreadyExists);
+    assert_eq!(get(&pool, b"big"), Some(big));
+    ok(pool.check_consistency(), "consistency");
+}
+
+// ---------------------------------------------------------------------------------------
+// Restart
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn clean_close_keeps_everything_and_crash_keeps_ssd_copies() {
+    let dir = tempdir();
+    let cfg = PoolConfig::with_ssd(8 << 10, 1024, ssd_cfg(dir.path(), 64 << 10, 4 << 20));
+    let n = 40u64;
+    {
+        let (pool, _) = open(&cfg);
+        for i in 0..n {
+            put(&pool, &key(i), &value(i, 1, 700));
+        }
+        // Promote an old value: it then lives in both tiers.
+        assert_eq!(get(&pool, &key(0)), Some(value(0, 1, 700)));
+        let r = pool.residency(&key(0));
+        assert!(r.dram && r.ssd, "{r:?}");
+        let s = pool.stats();
+        let report = ok(pool.close(), "close");
+        assert_eq!(report.values_lost, 0);
+        assert_eq!(report.values_already_on_ssd, 1);
+        assert_eq!(report.values_written, s.dram_keys - 1);
+    }
+    let on_ssd: Vec<u64>;
+    {
+        let (pool, report) = open(&cfg);
+        let report = report.unwrap_or_default();
+        assert!(report.clean_shutdown);
+        assert_eq!(report.live_keys, n as usize);
+        for i in 0..n {
+            assert_eq!(
+                ok(pool.location(&key(i)), "location").map(|l| l.tier),
+                Some(Tier::Ssd)
+            );
+            assert_eq!(get(&pool, &key(i)), Some(value(i, 1, 700)), "key {i}");
+        }
+        // New keys, then a crash: the ones only in DRAM are lost.
+        for i in n..2 * n {
+            put(&pool, &key(i), &value(i, 2, 700));
+        }
+        on_ssd = (0..2 * n)
+            .filter(|&i| pool.residency(&key(i)).ssd)
+            .collect();
+        assert!(on_ssd.len() < 2 * n as usize);
+        pool.abandon();
+    }
+    let (pool, report) = open(&cfg);
+    let report = report.unwrap_or_default();
+    assert!(!report.clean_shutdown);
+    assert_eq!(ok(pool.len(), "len"), on_ssd.len());
+    for i in 0..2 * n {
+        let want = on_ssd
+            .contains(&i)
+            .then(|| value(i, if i < n { 1 } else { 2 }, 700));
+        assert_eq!(get(&pool, &key(i)), want, "key {i}");
+    }
+    ok(pool.check_consistency(), "consistency");
+}
+
+#[test]
+fn dram_only_pool_forgets_on_restart() {
+    let cfg = PoolConfig::dram_only(8 << 10, 1024);
+    let (pool, _) = open(&cfg);
+    put(&pool, b"a", b"1");
+    let report = ok(pool.close(), "close");
+    assert_eq!(report.values_lost, 1);
+    let (pool, _) = open(&cfg);
+    assert!(ok(pool.is_empty(), "is_empty"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Concurrency
+// ---------------------------------------------------------------------------------------
+
+fn thread_value(t: u64, i: u64) -> Vec<u8> {
+    let len = 100 + ((i * 37 + t * 11) % 1900) as usize;
+    let mut v = value(i, 1000 + t, len);
+    v[0] = t as u8;
+    v
+}
+
+#[test]
+fn concurrent_puts_have_one_winner_per_key() {
+    let dir = tempdir();
+    let cfg = PoolConfig::with_ssd(32 << 10, 512, ssd_cfg(dir.path(), 256 << 10, 16 << 20));
+    let (pool, _) = open(&cfg);
+    const THREADS: u64 = 4;
+    const KEYS: u64 = 300;
+    let barrier = Barrier::new(THREADS as usize + 1);
+    type Seen = Vec<(u64, Vec<u8>)>;
+    let (stored, seen): (Vec<HashSet<u64>>, Vec<Seen>) = std::thread::scope(|s| {
+        let writers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (pool, barrier) = (&pool, &barrier);
+                s.spawn(move || {
+                    let mut stored = HashSet::new();
+                    let mut seen = Vec::new();
+                    barrier.wait();
+                    for n in 0..KEYS {
+                        let i = (n + t * KEYS / THREADS) % KEYS;
+                        if put(pool, &key(i), &thread_value(t, i)) == PutOutcome::Stored {
+                            stored.insert(i);
+                        }
+                        match get(pool, &key(i)) {
+                            Some(v) => seen.push((i, v)),
+                            None => panic!("thread {t}: key {i} missing right after put"),
+                        }
+                    }
+                    (stored, seen)
+                })
+            })
+            .collect();
+        let reader = {
+            let (pool, barrier) = (&pool, &barrier);
+            s.spawn(move || {
+                let mut rng = Rng::new(99);
+                let mut seen = Vec::new();
+                barrier.wait();
+                for _ in 0..3000 {
+                    let i = rng.below(KEYS);
+                    if let Some(v) = get(pool, &key(i)) {
+                        seen.push((i, v));
+                    }
+                    let _ = ok(pool.exists(&key(i)), "exists");
+                }
+                seen
+            })
+        };
+        let mut stored = Vec::new();
+        let mut seen = Vec::new();
+        for h in writers {
+            match h.join() {
+                Ok((st, se)) => {
+                    stored.push(st);
+                    seen.push(se);
+                }
+                Err(_) => panic!("writer panicked"),
+            }
+        }
+        match reader.join() {
+            Ok(se) => seen.push(se),
+            Err(_) => panic!("reader panicked"),
+        }
+        (stored, seen)
+    });
+    let mut winner = HashMap::new();
+    for i in 0..KEYS {
+        let w: Vec<u64> = (0..THREADS)
+            .filter(|&t| stored[t as usize].contains(&i))
+            .collect();
+        assert_eq!(w.len(), 1, "key {i}: winners {w:?}");
+        winner.insert(i, thread_value(w[0], i));
+    }
+    for (i, v) in seen.iter().flatten() {
+        assert_eq!(Some(v), winner.get(i), "key {i}: a read saw a losing value");
+    }
+    for i in 0..KEYS {
+        assert_eq!(get(&pool, &key(i)).as_ref(), winner.get(&i), "key {i}");
+    }
+    let s = pool.stats();
+    assert!(s.demotions > 0 && s.promotions > 0, "{s:?}");
+    assert_eq!(s.keys, KEYS as usize);
+    ok(pool.check_consistency(), "consistency");
+}
+
+#[test]
+fn concurrent_mixed_operations_stay_consistent() {
+    let dir = tempdir();
+    let cfg = PoolConfig::with_ssd(16 << 10, 512, ssd_cfg(dir.path(), 128 << 10, 16 << 20));
+    let (pool, _) = open(&cfg);
+    // Each thread owns keys t, t+4, ...: its own model is exact even with the others running.
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let pool = &pool;
+            s.spawn(move || {
+                let mut rng = Rng::new(t + 7);
+                let mut mine: HashMap<u64, Vec<u8>> = HashMap::new();
+                for step in 0..600u64 {
+                    let i = rng.below(50) * 4 + t;
+                    match rng.below(10) {
+                        0..=3 => {
+                            let v = value(i, step, rng.range(1, 1500));
+                            let want = match mine.entry(i) {
+                                Entry::Occupied(_) => PutOutcome::AlreadyExists,
+                                Entry::Vacant(e) => {
+                                    e.insert(v.clone());
+                                    PutOutcome::Stored
+                                }
+                            };
+                            assert_eq!(put(pool, &key(i), &v), want);
+                        }
+                        4..=6 => assert_eq!(get(pool, &key(i)).as_ref(), mine.get(&i)),
+                        7 => assert_eq!(ok(pool.exists(&key(i)), "exists"), mine.contains_key(&i)),
+                        _ => assert_eq!(
+                            ok(pool.remove(&key(i)), "remove"),
+                            mine.remove(&i).is_some()
+                        ),
+                    }
+                }
+            });
+        }
+    });
+    ok(pool.check_consistency(), "consistency");
+}
+
+#[test]
+fn pool_is_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<LocalPool>();
+}
+
+// ---------------------------------------------------------------------------------------
+// LRU and exists
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn exists_does_not_renew_lru_or_promote() {
+    let dir = tempdir();
+    // 20 pages; with equal watermarks, each eviction frees exactly one one-page value.
+    let cfg = PoolConfig {
+        dram_bytes: 20 * 1024,
+        page_bytes: 1024,
+        ssd: Some(ssd_cfg(dir.path(), 256 << 10, 8 << 20)),
+        high_watermark: 0.9,
+        low_watermark: 0.9,
+    };
+    let (pool, _) = open(&cfg);
+    let page = |i: u64| value(i, 0, 1000);
+    let tier = |k: &[u8]| ok(pool.location(k), "location").map(|l| l.tier);
+    put(&pool, b"read", &page(1));
+    put(&pool, b"probed", &page(2));
+    // "probed" is newer; reading "read" and then only probing "probed" must leave "probed"
+    // as the least recently used.
+    assert_eq!(get(&pool, b"read"), Some(page(1)));
+    for _ in 0..5 {
+        assert!(ok(pool.exists(b"probed"), "exists"));
+        assert_eq!(
+            ok(pool.batch_exists_prefix(&[b"probed", b"read"]), "prefix"),
+            2
+        );
+    }
+    let mut f = 100;
+    while pool.stats().demotions == 0 {
+        put(&pool, &key(f), &page(f));
+        f += 1;
+    }
+    assert_eq!(pool.stats().demotions, 1);
+    assert_eq!(
+        tier(b"probed"),
+        Some(Tier::Ssd),
+        "the probed key is demoted first"
+    );
+    assert_eq!(
+        tier(b"read"),
+        Some(Tier::Dram),
+        "the read key stays in DRAM"
+    );
+    // The next eviction takes the read key (it is older than every filler).
+    put(&pool, &key(f), &page(f));
+    assert_eq!(pool.stats().demotions, 2);
+    assert_eq!(tier(b"read"), Some(Tier::Ssd));
+    // exists on an SSD value neither promotes nor counts as a hit.
+    let before = pool.stats();
+    assert!(ok(pool.exists(b"probed"), "exists"));
+    assert_eq!(
+        ok(
+            pool.batch_exists_prefix(&[b"probed", b"nope", b"read"]),
+            "prefix"
+        ),
+        1
+    );
+    assert_eq!(tier(b"probed"), Some(Tier::Ssd));
+    assert_eq!(pool.stats(), before);
+    // A get does promote it.
+    assert_eq!(get(&pool, b"probed"), Some(page(2)));
+    assert_eq!(tier(b"probed"), Some(Tier::Dram));
+    assert_eq!(pool.stats().promotions, 1);
+    assert_eq!(ok(pool.batch_exists_prefix(&[]), "prefix"), 0);
+}
+
+// ---------------------------------------------------------------------------------------
+// Corruption and arguments
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn corrupt_ssd_value_becomes_a_miss() {
+    let dir = tempdir();
+    let dram = 4 << 10;
+    let cfg = PoolConfig::with_ssd(dram, 1024, ssd_cfg(dir.path(), 256 << 10, 8 << 20));
+    let (pool, _) = open(&cfg);
+    let marker = b"0123456789-unique-marker-0123456789";
+    let mut big = vec![7u8; 2 * dram];
+    big[100..100 + marker.len()].copy_from_slice(marker);
+    put(&pool, b"big", &big);
+    put(&pool, b"ok", b"fine");
+    // Flip a byte of the stored value in the segment file.
+    let mut flipped = false;
+    for entry in ok(
+        fs::read_dir(dir.path()).map_err(|e| Error::Io {
+            context: "ls".into(),
+            source: e,
+        }),
+        "ls",
+    ) {
+        let path = match entry {
+            Ok(e) => e.path(),
+            Err(e) => panic!("{e}"),
+        };
+        let Ok(bytes) = fs::read(&path) else { continue };
+        if let Some(pos) = bytes.windows(marker.len()).position(|w| w == marker) {
+            let f = match fs::OpenOptions::new().write(true).open(&path) {
+                Ok(f) => f,
+                Err(e) => panic!("{e}"),
+            };
+            if let Err(e) = f.write_all_at(b"X", pos as u64) {
+                panic!("{e}");
+            }
+            flipped = true;
+        }
+    }
+    assert!(flipped);
+    assert_eq!(get(&pool, b"big"), None);
+    assert!(!ok(pool.exists(b"big"), "exists"));
+    let s = pool.stats();
+    assert_eq!((s.corrupt_dropped, s.misses), (1, 1), "{s:?}");
+    assert_eq!(get(&pool, b"ok"), Some(b"fine".to_vec()));
+    // The key can be written again.
+    assert_eq!(put(&pool, b"big", b"new"), PutOutcome::Stored);
+    assert_eq!(get(&pool, b"big"), Some(b"new".to_vec()));
+    ok(pool.check_consistency(), "consistency");
+}
+
+#[test]
+fn invalid_arguments() {
+    let bad = |hi: f64, lo: f64| PoolConfig {
+        high_watermark: hi,
+        low_watermark: lo,
+        ..PoolConfig::dram_only(4096, 1024)
+    };
+    for (hi, lo) in [
+        (0.5, 0.7),
+        (1.1, 0.5),
+        (0.9, 0.0),
+        (f64::NAN, 0.5),
+        (0.9, -1.0),
+    ] {
+        assert!(
+            matches!(LocalPool::open(bad(hi, lo)), Err(Error::InvalidArgument(_))),
+            "watermarks {hi}/{lo}"
+        );
+    }
+    assert!(matches!(
+        LocalPool::open(PoolConfig::dram_only(4000, 1024)),
+        Err(Error::InvalidArgument(_))
+    ));
+    let (pool, _) = open(&PoolConfig::dram_only(4096, 1024));
+    let long = vec![b'k'; mori_umbp::ssd::MAX_KEY_LEN + 1];
+    assert!(matches!(
+        pool.put(&long, b"v"),
+        Err(Error::InvalidArgument(_))
+    ));
+    // Empty keys and empty values are fine.
+    assert_eq!(put(&pool, b"", b""), PutOutcome::Stored);
+    assert_eq!(get(&pool, b""), Some(Vec::new()));
+    let mut buf = [0u8; 0];
+    assert_eq!(ok(pool.get_into(b"", &mut buf), "get_into"), Some(0));
+    assert!(ok(pool.remove(b""), "remove"));
+    assert!(!ok(pool.remove(b""), "remove"));
+    assert_eq!(get(&pool, b""), None);
+}
