@@ -22,9 +22,16 @@ pub enum Error {
     Bootstrap(mori_bootstrap::Error),
     Shmem(mori_shmem::Error),
     Io(mori_io::Error),
+    Umbp(mori_umbp::Error),
     /// A transfer that failed (what every waiter of it sees).
     TransferFailed(mori_io::Failure),
     InvalidArgument(String),
+}
+
+impl From<mori_umbp::Error> for Error {
+    fn from(e: mori_umbp::Error) -> Self {
+        Error::Umbp(e)
+    }
 }
 
 impl From<mori_io::Error> for Error {
@@ -105,6 +112,14 @@ impl From<Error> for PyErr {
                     | mori_io::Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
                     mori_io::Error::Timeout { .. } => TimeoutError::new_err(msg),
                     _ => TransportError::new_err(msg),
+                }
+            }
+            Error::Umbp(e) => {
+                let msg = e.to_string();
+                match e {
+                    mori_umbp::Error::NoSpace { .. } => OutOfMemoryError::new_err(msg),
+                    mori_umbp::Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+                    _ => MoriError::new_err(msg),
                 }
             }
             Error::TransferFailed(f) => match f.kind {

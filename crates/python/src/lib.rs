@@ -7,6 +7,7 @@ mod gpu;
 mod io;
 mod jit;
 mod shmem;
+mod umbp;
 
 use pyo3::prelude::*;
 
@@ -74,6 +75,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<io::Transfer>()?;
     m.add_function(wrap_pyfunction!(io::io_memory_desc_info, m)?)?;
     m.add_function(wrap_pyfunction!(io::io_engine_desc_info, m)?)?;
+    m.add_class::<umbp::UmbpPool>()?;
     m.add_function(wrap_pyfunction!(topology_json, m)?)?;
     m.add_function(wrap_pyfunction!(topology_text, m)?)?;
     Ok(())

@@ -1,0 +1,195 @@
+//! Bindings of mori-umbp: the embedded pool.
+
+use std::path::PathBuf;
+
+use mori_umbp::{LocalPool, PoolConfig, PutOutcome, SsdConfig};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::errors::{Error, Result};
+
+/// The embedded KV-block pool (DRAM tier, optional SSD tier, in-process index).
+#[pyclass(frozen, module = "mori._core")]
+pub struct UmbpPool {
+    inner: std::sync::Mutex<Option<LocalPool>>,
+}
+
+impl UmbpPool {
+    fn with<T>(&self, f: impl FnOnce(&LocalPool) -> Result<T>) -> Result<T> {
+        let guard = self
+            .inner
+            .lock()
+            .map_err(|_| Error::InvalidArgument("the pool's lock is poisoned".into()))?;
+        f(guard
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("this pool was closed".into()))?)
+    }
+}
+
+/// # Safety
+/// `ptr` must address `len` bytes that stay valid (and, for `mutable`, writable and unaliased)
+/// for the returned slice's use.
+unsafe fn raw_slice<'a>(ptr: usize, len: usize) -> Result<&'a mut [u8]> {
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    if ptr == 0 {
+        return Err(Error::InvalidArgument("null buffer address".into()));
+    }
+    // SAFETY: guaranteed by the caller.
+    Ok(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
+}
+
+#[pymethods]
+impl UmbpPool {
+    #[new]
+    #[pyo3(signature = (dram_bytes, page_bytes, ssd_dir=None, ssd_bytes=0, segment_bytes=0, sync_writes=false, high_watermark=0.9, low_watermark=0.7))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        dram_bytes: usize,
+        page_bytes: usize,
+        ssd_dir: Option<PathBuf>,
+        ssd_bytes: u64,
+        segment_bytes: u64,
+        sync_writes: bool,
+        high_watermark: f64,
+        low_watermark: f64,
+    ) -> Result<Self> {
+        let mut cfg = match ssd_dir {
+            Some(dir) => PoolConfig::with_ssd(
+                dram_bytes,
+                page_bytes,
+                SsdConfig {
+                    dir,
+                    segment_bytes,
+                    capacity_bytes: ssd_bytes,
+                    sync_writes,
+                },
+            ),
+            None => PoolConfig::dram_only(dram_bytes, page_bytes),
+        };
+        cfg.high_watermark = high_watermark;
+        cfg.low_watermark = low_watermark;
+        let (pool, _report) = py.detach(|| LocalPool::open(cfg))?;
+        Ok(Self {
+            inner: std::sync::Mutex::new(Some(pool)),
+        })
+    }
+
+    /// True if stored, False if the key already existed (that is a success: keys are immutable).
+    fn put(&self, py: Python<'_>, key: &[u8], value: &[u8]) -> Result<bool> {
+        py.detach(|| self.with(|p| Ok(p.put(key, value)? == PutOutcome::Stored)))
+    }
+
+    /// `put` from `len` bytes at host address `ptr` (a buffer mori.umbp keeps alive for the call).
+    fn put_from(&self, py: Python<'_>, key: &[u8], ptr: usize, len: usize) -> Result<bool> {
+        py.detach(|| {
+            // SAFETY: mori.umbp passes a live contiguous buffer of len bytes.
+            let value = unsafe { raw_slice(ptr, len)? };
+            self.with(|p| Ok(p.put(key, value)? == PutOutcome::Stored))
+        })
+    }
+
+    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> Result<Option<Bound<'py, PyBytes>>> {
+        let v = py.detach(|| self.with(|p| Ok(p.get(key)?)))?;
+        Ok(v.map(|v| PyBytes::new(py, &v)))
+    }
+
+    /// Copies the value into `len` writable bytes at `ptr`; returns its length, or None.
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        ptr: usize,
+        len: usize,
+    ) -> Result<Option<usize>> {
+        py.detach(|| {
+            // SAFETY: mori.umbp passes a live, writable contiguous buffer of len bytes.
+            let out = unsafe { raw_slice(ptr, len)? };
+            self.with(|p| Ok(p.get_into(key, out)?))
+        })
+    }
+
+    fn exists(&self, key: &[u8]) -> Result<bool> {
+        self.with(|p| Ok(p.exists(key)?))
+    }
+
+    fn batch_put(&self, py: Python<'_>, items: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Vec<bool>> {
+        py.detach(|| {
+            let refs: Vec<(&[u8], &[u8])> = items
+                .iter()
+                .map(|(k, v)| (k.as_slice(), v.as_slice()))
+                .collect();
+            self.with(|p| {
+                Ok(p.batch_put(&refs)?
+                    .into_iter()
+                    .map(|o| o == PutOutcome::Stored)
+                    .collect())
+            })
+        })
+    }
+
+    fn batch_get<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<Vec<u8>>,
+    ) -> Result<Vec<Option<Bound<'py, PyBytes>>>> {
+        let values = py.detach(|| {
+            let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+            self.with(|p| Ok(p.batch_get(&refs)?))
+        })?;
+        Ok(values
+            .into_iter()
+            .map(|v| v.map(|v| PyBytes::new(py, &v)))
+            .collect())
+    }
+
+    /// How many leading keys of `keys` exist (the prefix-cache probe).
+    fn batch_exists_prefix(&self, keys: Vec<Vec<u8>>) -> Result<usize> {
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        self.with(|p| Ok(p.batch_exists_prefix(&refs)?))
+    }
+
+    fn remove(&self, py: Python<'_>, key: &[u8]) -> Result<bool> {
+        py.detach(|| self.with(|p| Ok(p.remove(key)?)))
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with(|p| Ok(p.stats())).map_err(PyErr::from)?;
+        let d = PyDict::new(py);
+        d.set_item("keys", s.keys)?;
+        d.set_item("dram_keys", s.dram_keys)?;
+        d.set_item("ssd_keys", s.ssd_keys)?;
+        d.set_item("dram_capacity_bytes", s.dram_capacity_bytes)?;
+        d.set_item("dram_used_bytes", s.dram_used_bytes)?;
+        d.set_item("dram_value_bytes", s.dram_value_bytes)?;
+        d.set_item("ssd_live_bytes", s.ssd_live_bytes)?;
+        d.set_item("ssd_disk_bytes", s.ssd_disk_bytes)?;
+        d.set_item("hits_dram", s.hits_dram)?;
+        d.set_item("hits_ssd", s.hits_ssd)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("demotions", s.demotions)?;
+        d.set_item("promotions", s.promotions)?;
+        d.set_item("corrupt_dropped", s.corrupt_dropped)?;
+        Ok(d)
+    }
+
+    /// Writes DRAM-only values to SSD (when there is one), seals the log and closes the pool.
+    /// Returns (values written, values already on SSD, values lost).
+    fn close(&self, py: Python<'_>) -> Result<(usize, usize, usize)> {
+        let taken = self
+            .inner
+            .lock()
+            .map_err(|_| Error::InvalidArgument("the pool's lock is poisoned".into()))?
+            .take();
+        match taken {
+            Some(pool) => {
+                let r = py.detach(|| pool.close())?;
+                Ok((r.values_written, r.values_already_on_ssd, r.values_lost))
+            }
+            None => Ok((0, 0, 0)),
+        }
+    }
+}

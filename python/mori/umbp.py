@@ -1,0 +1,124 @@
+"""mori.umbp: a tiered KV-block pool.
+
+``Client()`` with no configuration runs a complete pool in this process: a DRAM tier and, when
+``ssd_dir`` is given, an SSD tier (an append-only, CRC-checked segment log that survives
+restarts). Values are immutable blocks under byte-string keys; when DRAM passes its high
+watermark, least-recently-used blocks are demoted to SSD (or dropped without one) and an SSD hit
+is promoted back. ``exists`` and ``batch_exists_prefix`` never renew LRU order.
+
+Status: embedded mode only. The master/peer cluster (``master=``), the ``umbpd`` daemon, the
+Redis metadata backend's use by a pool, and the GPU tier are not built yet.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+from mori import _core
+from mori._arrays import address
+from mori.errors import InvalidArgumentError, MoriError
+
+__all__ = ["Client"]
+
+
+def _key(key: Any) -> bytes:
+    if isinstance(key, str):
+        return key.encode()
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        return bytes(key)
+    raise InvalidArgumentError(f"keys are str or bytes, got {type(key).__name__}")
+
+
+def _host_buffer(obj: Any, writable: bool) -> np.ndarray:
+    """A contiguous uint8 view of a host buffer (numpy, bytearray, memoryview, CPU tensor)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            raise InvalidArgumentError("the GPU tier is not built yet: pass host memory")
+        obj = obj.detach().contiguous().view(torch.uint8).numpy()
+    arr = np.frombuffer(obj, dtype=np.uint8) if not isinstance(obj, np.ndarray) else obj.reshape(-1).view(np.uint8)
+    if not arr.flags.c_contiguous:
+        raise InvalidArgumentError("buffers must be contiguous")
+    if writable and not arr.flags.writeable:
+        raise InvalidArgumentError("get_into needs a writable buffer")
+    return arr
+
+
+class Client:
+    """A pool client. With no ``master`` it runs an embedded pool in this process."""
+
+    def __init__(
+        self,
+        *,
+        dram_bytes: int = 256 << 20,
+        page_bytes: int = 4096,
+        ssd_dir: str | os.PathLike | None = None,
+        ssd_bytes: int = 16 << 30,
+        segment_bytes: int = 64 << 20,
+        sync_writes: bool = False,
+        high_watermark: float = 0.9,
+        low_watermark: float = 0.7,
+        master: str | None = None,
+    ):
+        if master is not None:
+            raise MoriError("connecting to a UMBP master is not built yet; use the embedded pool (no master=)")
+        self._pool = _core.UmbpPool(
+            dram_bytes, page_bytes, None if ssd_dir is None else os.fspath(ssd_dir), ssd_bytes, segment_bytes,
+            sync_writes, high_watermark, low_watermark,
+        )
+
+    def put(self, key: str | bytes, value: bytes) -> bool:
+        """Stores ``value``; False if the key already existed (keys are immutable; that is a
+        success: the first writer wins)."""
+        return self._pool.put(_key(key), bytes(value) if not isinstance(value, bytes) else value)
+
+    def put_from(self, key: str | bytes, buffer: Any) -> bool:
+        """``put`` without a bytes copy in Python: from a numpy array, bytearray or CPU tensor."""
+        arr = _host_buffer(buffer, writable=False)
+        return self._pool.put_from(_key(key), address(arr) if arr.size else 0, arr.size)
+
+    def get(self, key: str | bytes) -> bytes | None:
+        return self._pool.get(_key(key))
+
+    def get_into(self, key: str | bytes, buffer: Any) -> int | None:
+        """Copies the value into ``buffer`` (writable host memory); returns its length, or None
+        if absent. A buffer smaller than the value raises."""
+        arr = _host_buffer(buffer, writable=True)
+        return self._pool.get_into(_key(key), address(arr) if arr.size else 0, arr.size)
+
+    def exists(self, key: str | bytes) -> bool:
+        return self._pool.exists(_key(key))
+
+    def batch_put(self, keys: Sequence[Any], values: Sequence[bytes]) -> list[bool]:
+        if len(keys) != len(values):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(values)} values")
+        return self._pool.batch_put([(_key(k), bytes(v)) for k, v in zip(keys, values)])
+
+    def batch_get(self, keys: Sequence[Any]) -> list[bytes | None]:
+        return self._pool.batch_get([_key(k) for k in keys])
+
+    def batch_exists_prefix(self, keys: Sequence[Any]) -> int:
+        """How many leading keys exist (for prefix caching: the longest cached prefix)."""
+        return self._pool.batch_exists_prefix([_key(k) for k in keys])
+
+    def remove(self, key: str | bytes) -> bool:
+        return self._pool.remove(_key(key))
+
+    def stats(self) -> dict[str, int]:
+        """Keys and bytes per tier, hits per tier, misses, evictions, demotions, promotions."""
+        return self._pool.stats()
+
+    def close(self) -> dict[str, int]:
+        """Keeps DRAM-only values on SSD (when there is one), seals the log, closes the pool."""
+        written, already, lost = self._pool.close()
+        return {"values_written": written, "values_already_on_ssd": already, "values_lost": lost}
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
