@@ -14,6 +14,19 @@ step "python environment (.venv)"
 # NVRTC from PyPI lets CI compile every kernel without a GPU or a CUDA toolkit.
 .venv/bin/python -m pip install -q "maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "nvidia-cuda-nvrtc==13.0.*"
 
+step "system packages: redis-server, redis-tools"
+# The umbp metadata tests start their own redis-server processes on loopback ports (a single
+# server and a 3-node cluster); they fail instead of skipping when MORI_REQUIRE_REDIS=1.
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null
+  else
+    echo "redis-server/redis-cli missing: sudo apt-get install redis-server redis-tools" >&2
+    exit 1
+  fi
+fi
+export MORI_REQUIRE_REDIS=1
+
 step "rust: format and lints"
 if cargo fmt --version >/dev/null 2>&1; then cargo fmt --all --check; fi
 if cargo clippy --version >/dev/null 2>&1; then cargo clippy --workspace --all-targets --quiet -- -D warnings; fi

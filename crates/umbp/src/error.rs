@@ -33,6 +33,14 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// A metadata backend (Redis) failed or could not be reached.
+    #[error("metadata backend error while {context}: {detail}")]
+    Backend {
+        /// The operation, the backend command and the server (URL, credentials hidden).
+        context: String,
+        /// What the backend (or the client library) reported.
+        detail: String,
+    },
     /// A caller-supplied argument or configuration value is not acceptable.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -14,6 +14,8 @@
 //!
 //! * [`meta::MetadataStore`] — the key → [`meta::Location`] index behind a trait, with the
 //!   in-memory, sharded [`meta::MemoryStore`] and a conformance suite every backend must pass.
+//! * [`meta_redis::RedisStore`] (feature `redis`, on by default) — the same index in Redis or
+//!   a Redis Cluster, shared by several masters.
 //! * [`pool::LocalPool`] — the embedded pool: the index in front of one DRAM arena and one
 //!   optional SSD log, with watermark eviction, LRU demotion to SSD, promotion on SSD hits and
 //!   restart persistence. What a client with no configuration runs in-process.
@@ -31,6 +33,8 @@ mod crc;
 pub mod dram;
 mod error;
 pub mod meta;
+#[cfg(feature = "redis")]
+pub mod meta_redis;
 pub mod pool;
 pub mod ssd;
 
@@ -38,5 +42,7 @@ pub use crc::crc32c;
 pub use dram::DramArena;
 pub use error::{Error, Result};
 pub use meta::{Location, MemoryStore, MetadataStore, Tier};
+#[cfg(feature = "redis")]
+pub use meta_redis::{RedisOptions, RedisStore};
 pub use pool::{CloseReport, LocalPool, PoolConfig, PoolStats, PutOutcome, Residency};
 pub use ssd::{CompactionReport, RecoveryReport, SsdConfig, SsdLog};

@@ -3,7 +3,8 @@
 //! The master of a UMBP pool keeps one [`Location`] per key: the peer holding the bytes, the
 //! tier they are in and the value length. The index sits behind the [`MetadataStore`] trait so
 //! that the in-memory [`MemoryStore`] (the default, embedded in the client process or in the
-//! daemon) and a Redis backend (later) are interchangeable. Every backend must pass
+//! daemon) and the Redis backend (`crate::meta_redis::RedisStore`, feature `redis`) are
+//! interchangeable. Every backend must pass
 //! `conformance::conformance_suite` (compiled for this crate's tests and with the
 //! `conformance` feature).
 //!
