@@ -1,0 +1,685 @@
+//! Configuration of `umbpd`: command-line flags, `UMBP_*` environment variables and a TOML
+//! file, resolved into one [`Config`] that remembers where each setting came from.
+//!
+//! Precedence, lowest to highest: built-in defaults, the TOML file (`--config PATH` or
+//! `UMBP_CONFIG`), environment variables, command-line flags. Every setting has one name
+//! used in all three places:
+//!
+//! | TOML key         | environment variable  | flag                 | default          |
+//! |------------------|-----------------------|----------------------|------------------|
+//! | `role`           | `UMBP_ROLE`           | `--role`             | `standalone`     |
+//! | `listen`         | `UMBP_LISTEN`         | `--listen`           | `127.0.0.1:0`    |
+//! | `dram_bytes`     | `UMBP_DRAM_BYTES`     | `--dram-bytes`       | `1G`             |
+//! | `page_bytes`     | `UMBP_PAGE_BYTES`     | `--page-bytes`       | `4K`             |
+//! | `ssd_dir`        | `UMBP_SSD_DIR`        | `--ssd-dir`          | none (DRAM only) |
+//! | `ssd_bytes`      | `UMBP_SSD_BYTES`      | `--ssd-bytes`        | `64G`            |
+//! | `segment_bytes`  | `UMBP_SEGMENT_BYTES`  | `--segment-bytes`    | `256M`           |
+//! | `high_watermark` | `UMBP_HIGH_WATERMARK` | `--high-watermark`   | `0.9`            |
+//! | `low_watermark`  | `UMBP_LOW_WATERMARK`  | `--low-watermark`    | `0.7`            |
+//! | `sync_writes`    | `UMBP_SYNC_WRITES`    | `--sync-writes`      | `false`          |
+//! | `port_file`      | `UMBP_PORT_FILE`      | `--port-file`        | none             |
+//!
+//! Besides these, `UMBP_CONFIG` (the file) and `UMBP_LOG` (the `tracing` filter) are
+//! recognised. An unknown TOML key, an unknown `UMBP_*` variable or an invalid value is a
+//! [`ConfigError`] that names it.
+//!
+//! Sizes are integers with an optional binary suffix `K`, `M`, `G` or `T` (case-insensitive,
+//! optionally followed by `iB`, e.g. `64M`, `64MiB`, `1g`) or a plain `B`; in TOML they may
+//! also be integers. Booleans are `true`/`false` (`1`/`0`, `yes`/`no`, `on`/`off` in the
+//! environment and on the command line).
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+
+/// Environment variable naming the TOML file (like `--config`).
+pub const ENV_CONFIG: &str = "UMBP_CONFIG";
+/// Environment variable holding the `tracing` filter (default `info`).
+pub const ENV_LOG: &str = "UMBP_LOG";
+
+/// Command-line flags of `umbpd`. Setting values are kept as text here and parsed by
+/// [`resolve`], so that every source is checked the same way.
+#[derive(Parser, Debug, Default, Clone)]
+#[command(
+    name = "umbpd",
+    version,
+    about = "The UMBP daemon: serves a tiered (DRAM + SSD) KV-block pool over gRPC",
+    after_help = "Settings may also come from a TOML file (--config) and UMBP_* environment \
+                  variables; flags win over the environment, which wins over the file."
+)]
+pub struct Cli {
+    /// TOML configuration file (lowest precedence; also UMBP_CONFIG).
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// Print the resolved configuration and exit without serving.
+    #[arg(long)]
+    pub check_config: bool,
+    /// Role: standalone (serves one local pool), master or peer (not built yet).
+    #[arg(long, value_name = "ROLE")]
+    pub role: Option<String>,
+    /// Address to listen on (port 0: any free port).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// Size of the DRAM tier (a multiple of --page-bytes), e.g. 4G.
+    #[arg(long, value_name = "SIZE")]
+    pub dram_bytes: Option<String>,
+    /// Page size of the DRAM tier, e.g. 4K.
+    #[arg(long, value_name = "SIZE")]
+    pub page_bytes: Option<String>,
+    /// Directory of the SSD segment log; without it the pool is DRAM only.
+    #[arg(long, value_name = "DIR")]
+    pub ssd_dir: Option<String>,
+    /// Capacity of the SSD tier, e.g. 100G.
+    #[arg(long, value_name = "SIZE")]
+    pub ssd_bytes: Option<String>,
+    /// Size of one SSD segment file (also the largest value the SSD tier takes).
+    #[arg(long, value_name = "SIZE")]
+    pub segment_bytes: Option<String>,
+    /// Fraction of DRAM a put may fill before eviction runs, in (0, 1].
+    #[arg(long, value_name = "FRACTION")]
+    pub high_watermark: Option<String>,
+    /// Fraction of DRAM eviction brings use down to, in (0, high].
+    #[arg(long, value_name = "FRACTION")]
+    pub low_watermark: Option<String>,
+    /// fdatasync the SSD log after every write.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    pub sync_writes: Option<String>,
+    /// Write the bound address (host:port) to this file once listening.
+    #[arg(long, value_name = "PATH")]
+    pub port_file: Option<String>,
+}
+
+/// The names of every setting, in printing order (TOML keys; see the module docs).
+pub const SETTINGS: [&str; 11] = [
+    "role",
+    "listen",
+    "dram_bytes",
+    "page_bytes",
+    "ssd_dir",
+    "ssd_bytes",
+    "segment_bytes",
+    "high_watermark",
+    "low_watermark",
+    "sync_writes",
+    "port_file",
+];
+
+/// The environment variable of a setting (`UMBP_` + upper case name).
+pub fn env_name(setting: &str) -> String {
+    format!("UMBP_{}", setting.to_ascii_uppercase())
+}
+
+/// The command-line flag of a setting (`--` + name with dashes).
+pub fn flag_name(setting: &str) -> String {
+    format!("--{}", setting.replace('_', "-"))
+}
+
+/// What the daemon does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Serves one local pool (index and tiers in this process).
+    Standalone,
+    /// Keeps the key index of a cluster of peers (not built yet).
+    Master,
+    /// Holds the bytes for a master (not built yet).
+    Peer,
+}
+
+impl Role {
+    /// The name used in configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Standalone => "standalone",
+            Role::Master => "master",
+            Role::Peer => "peer",
+        }
+    }
+}
+
+/// Where a setting's value came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The built-in default.
+    Default,
+    /// A TOML file.
+    File(PathBuf),
+    /// An environment variable (its name).
+    Env(String),
+    /// A command-line flag (its name).
+    Flag(String),
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Default => write!(f, "default"),
+            Source::File(p) => write!(f, "file {}", p.display()),
+            Source::Env(n) => write!(f, "env {n}"),
+            Source::Flag(n) => write!(f, "flag {n}"),
+        }
+    }
+}
+
+/// A resolved value and where it came from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Setting<T> {
+    /// The value.
+    pub value: T,
+    /// Its source.
+    pub source: Source,
+}
+
+impl<T> Setting<T> {
+    fn default(value: T) -> Setting<T> {
+        Setting {
+            value,
+            source: Source::Default,
+        }
+    }
+}
+
+/// A configuration error; the daemon prints it and exits with code 2.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+/// The resolved configuration of the daemon.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// `role`.
+    pub role: Setting<Role>,
+    /// `listen`.
+    pub listen: Setting<SocketAddr>,
+    /// `dram_bytes`.
+    pub dram_bytes: Setting<u64>,
+    /// `page_bytes`.
+    pub page_bytes: Setting<u64>,
+    /// `ssd_dir` (`None`: no SSD tier).
+    pub ssd_dir: Setting<Option<PathBuf>>,
+    /// `ssd_bytes`.
+    pub ssd_bytes: Setting<u64>,
+    /// `segment_bytes`.
+    pub segment_bytes: Setting<u64>,
+    /// `high_watermark`.
+    pub high_watermark: Setting<f64>,
+    /// `low_watermark`.
+    pub low_watermark: Setting<f64>,
+    /// `sync_writes`.
+    pub sync_writes: Setting<bool>,
+    /// `port_file`.
+    pub port_file: Setting<Option<PathBuf>>,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            role: Setting::default(Role::Standalone),
+            listen: Setting::default(SocketAddr::from(([127, 0, 0, 1], 0))),
+            dram_bytes: Setting::default(1 << 30),
+            page_bytes: Setting::default(4 << 10),
+            ssd_dir: Setting::default(None),
+            ssd_bytes: Setting::default(64 << 30),
+            segment_bytes: Setting::default(256 << 20),
+            high_watermark: Setting::default(0.9),
+            low_watermark: Setting::default(0.7),
+            sync_writes: Setting::default(false),
+            port_file: Setting::default(None),
+        }
+    }
+}
+
+/// A raw value before parsing: text (environment, flags) or a TOML value.
+enum Raw<'a> {
+    Text(&'a str),
+    Toml(&'a toml::Value),
+}
+
+impl Raw<'_> {
+    fn text(&self) -> Result<&str, String> {
+        match self {
+            Raw::Text(s) => Ok(s),
+            Raw::Toml(toml::Value::String(s)) => Ok(s),
+            Raw::Toml(v) => Err(format!("expected a string, found {}", v.type_str())),
+        }
+    }
+
+    fn size(&self) -> Result<u64, String> {
+        match self {
+            Raw::Toml(toml::Value::Integer(i)) => {
+                u64::try_from(*i).map_err(|_| format!("size {i} is negative"))
+            }
+            Raw::Toml(toml::Value::String(_)) | Raw::Text(_) => parse_size(self.text()?),
+            Raw::Toml(v) => Err(format!(
+                "expected a size (integer or string), found {}",
+                v.type_str()
+            )),
+        }
+    }
+
+    fn fraction(&self) -> Result<f64, String> {
+        let f = match self {
+            Raw::Toml(toml::Value::Float(f)) => *f,
+            Raw::Toml(toml::Value::Integer(i)) => *i as f64,
+            Raw::Toml(toml::Value::String(_)) | Raw::Text(_) => {
+                let s = self.text()?;
+                s.trim()
+                    .parse::<f64>()
+                    .map_err(|_| format!("`{s}` is not a number"))?
+            }
+            Raw::Toml(v) => return Err(format!("expected a number, found {}", v.type_str())),
+        };
+        if f.is_finite() && f > 0.0 && f <= 1.0 {
+            Ok(f)
+        } else {
+            Err(format!("{f} is not in (0, 1]"))
+        }
+    }
+
+    fn boolean(&self) -> Result<bool, String> {
+        match self {
+            Raw::Toml(toml::Value::Boolean(b)) => Ok(*b),
+            Raw::Text(s) => match s.trim().to_ascii_lowercase().as_str() {
+                "true" | "1" | "yes" | "on" => Ok(true),
+                "false" | "0" | "no" | "off" => Ok(false),
+                _ => Err(format!("`{s}` is not a boolean (true/false)")),
+            },
+            Raw::Toml(v) => Err(format!("expected a boolean, found {}", v.type_str())),
+        }
+    }
+
+    /// A path; empty text means "none".
+    fn opt_path(&self) -> Result<Option<PathBuf>, String> {
+        let s = self.text()?;
+        Ok((!s.is_empty()).then(|| PathBuf::from(s)))
+    }
+}
+
+/// Parses a size: digits with an optional binary suffix (K, M, G, T, optionally followed by
+/// `iB`; or `B`), case-insensitive, e.g. `4096`, `4K`, `64MiB`, `1g`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, suffix) = t.split_at(split);
+    if digits.is_empty() {
+        return Err(format!(
+            "`{s}` is not a size (expected e.g. 4096, 64M, 1GiB)"
+        ));
+    }
+    let n: u64 = digits.parse().map_err(|_| format!("`{s}` is too large"))?;
+    let shift = match suffix.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        "t" | "tib" => 40,
+        _ => {
+            return Err(format!(
+                "`{s}` has an unknown size suffix `{suffix}` (use K, M, G or T, optionally \
+                 followed by iB)"
+            ));
+        }
+    };
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("`{s}` is too large"))
+}
+
+/// Renders a size in bytes with a binary unit when it is a whole number of one.
+pub fn format_size(n: u64) -> String {
+    for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if n >= 1 << shift && n.is_multiple_of(1 << shift) {
+            return format!("{n} ({} {unit})", n >> shift);
+        }
+    }
+    n.to_string()
+}
+
+impl Config {
+    /// Parses `raw` as the value of setting `name` and stores it with `source`. Returns
+    /// `Ok(false)` for an unknown name; `Err` holds the reason a value is invalid.
+    fn apply(&mut self, name: &str, raw: Raw<'_>, source: Source) -> Result<bool, String> {
+        fn set<T>(slot: &mut Setting<T>, value: T, source: Source) {
+            *slot = Setting { value, source };
+        }
+        match name {
+            "role" => {
+                let role = match raw.text()?.trim() {
+                    "standalone" => Role::Standalone,
+                    "master" => Role::Master,
+                    "peer" => Role::Peer,
+                    other => {
+                        return Err(format!(
+                            "unknown role `{other}` (expected standalone, master or peer)"
+                        ));
+                    }
+                };
+                set(&mut self.role, role, source);
+            }
+            "listen" => {
+                let s = raw.text()?;
+                let addr = s.trim().parse::<SocketAddr>().map_err(|_| {
+                    format!("`{s}` is not a socket address (expected e.g. 127.0.0.1:7000)")
+                })?;
+                set(&mut self.listen, addr, source);
+            }
+            "dram_bytes" => set(&mut self.dram_bytes, raw.size()?, source),
+            "page_bytes" => set(&mut self.page_bytes, raw.size()?, source),
+            "ssd_dir" => set(&mut self.ssd_dir, raw.opt_path()?, source),
+            "ssd_bytes" => set(&mut self.ssd_bytes, raw.size()?, source),
+            "segment_bytes" => set(&mut self.segment_bytes, raw.size()?, source),
+            "high_watermark" => set(&mut self.high_watermark, raw.fraction()?, source),
+            "low_watermark" => set(&mut self.low_watermark, raw.fraction()?, source),
+            "sync_writes" => set(&mut self.sync_writes, raw.boolean()?, source),
+            "port_file" => set(&mut self.port_file, raw.opt_path()?, source),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Checks the relations between settings.
+    fn validate(&self) -> Result<(), ConfigError> {
+        let err = |msg: String| Err(ConfigError(msg));
+        let (dram, page) = (&self.dram_bytes, &self.page_bytes);
+        if page.value == 0 {
+            return err(format!("page_bytes ({}) must be positive", page.source));
+        }
+        if dram.value == 0 || !dram.value.is_multiple_of(page.value) {
+            return err(format!(
+                "dram_bytes {} ({}) must be a positive multiple of page_bytes {} ({})",
+                dram.value, dram.source, page.value, page.source
+            ));
+        }
+        if usize::try_from(dram.value).is_err() {
+            return err(format!("dram_bytes {} does not fit in memory", dram.value));
+        }
+        let (hi, lo) = (&self.high_watermark, &self.low_watermark);
+        if lo.value > hi.value {
+            return err(format!(
+                "low_watermark {} ({}) must not exceed high_watermark {} ({})",
+                lo.value, lo.source, hi.value, hi.source
+            ));
+        }
+        if self.ssd_dir.value.is_some() {
+            let (seg, cap) = (&self.segment_bytes, &self.ssd_bytes);
+            if seg.value < 4096 {
+                return err(format!(
+                    "segment_bytes {} ({}) must be at least 4K",
+                    seg.value, seg.source
+                ));
+            }
+            if seg.value > cap.value {
+                return err(format!(
+                    "segment_bytes {} ({}) must not exceed ssd_bytes {} ({})",
+                    seg.value, seg.source, cap.value, cap.source
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The value of a setting as printed, and its source.
+    pub fn describe(&self, name: &str) -> Option<(String, &Source)> {
+        fn path(p: &Option<PathBuf>) -> String {
+            p.as_ref()
+                .map_or_else(|| "none".to_string(), |p| p.display().to_string())
+        }
+        Some(match name {
+            "role" => (self.role.value.as_str().to_string(), &self.role.source),
+            "listen" => (self.listen.value.to_string(), &self.listen.source),
+            "dram_bytes" => (format_size(self.dram_bytes.value), &self.dram_bytes.source),
+            "page_bytes" => (format_size(self.page_bytes.value), &self.page_bytes.source),
+            "ssd_dir" => (path(&self.ssd_dir.value), &self.ssd_dir.source),
+            "ssd_bytes" => (format_size(self.ssd_bytes.value), &self.ssd_bytes.source),
+            "segment_bytes" => (
+                format_size(self.segment_bytes.value),
+                &self.segment_bytes.source,
+            ),
+            "high_watermark" => (
+                self.high_watermark.value.to_string(),
+                &self.high_watermark.source,
+            ),
+            "low_watermark" => (
+                self.low_watermark.value.to_string(),
+                &self.low_watermark.source,
+            ),
+            "sync_writes" => (self.sync_writes.value.to_string(), &self.sync_writes.source),
+            "port_file" => (path(&self.port_file.value), &self.port_file.source),
+            _ => return None,
+        })
+    }
+
+    /// One line per setting: `name = value (source)`.
+    pub fn report_lines(&self) -> Vec<String> {
+        SETTINGS
+            .iter()
+            .filter_map(|name| {
+                self.describe(name)
+                    .map(|(v, src)| format!("{name:<14} = {v} ({src})"))
+            })
+            .collect()
+    }
+
+    /// The pool configuration these settings describe.
+    pub fn pool_config(&self) -> mori_umbp::PoolConfig {
+        let ssd = self.ssd_dir.value.as_ref().map(|dir| mori_umbp::SsdConfig {
+            dir: dir.clone(),
+            segment_bytes: self.segment_bytes.value,
+            capacity_bytes: self.ssd_bytes.value,
+            sync_writes: self.sync_writes.value,
+        });
+        mori_umbp::PoolConfig {
+            // validate() checked that it fits.
+            dram_bytes: usize::try_from(self.dram_bytes.value).unwrap_or(usize::MAX),
+            page_bytes: usize::try_from(self.page_bytes.value).unwrap_or(usize::MAX),
+            ssd,
+            high_watermark: self.high_watermark.value,
+            low_watermark: self.low_watermark.value,
+        }
+    }
+}
+
+/// Resolves the configuration from the flags, the `UMBP_*` environment variables in `env`
+/// (name, value pairs; other names are ignored) and the TOML file they name.
+pub fn resolve(cli: &Cli, env: &[(String, String)]) -> Result<Config, ConfigError> {
+    let mut cfg = Config::default();
+
+    // Check every UMBP_* name first, so a misspelt variable is reported even when the
+    // file fails.
+    let mut env_settings = Vec::new();
+    let mut env_file = None;
+    for (name, value) in env {
+        if !name.starts_with("UMBP_") {
+            continue;
+        }
+        if name == ENV_LOG {
+            continue;
+        }
+        if name == ENV_CONFIG {
+            env_file = Some(PathBuf::from(value));
+            continue;
+        }
+        match SETTINGS.iter().find(|s| env_name(s) == *name) {
+            Some(setting) => env_settings.push((*setting, name, value)),
+            None => {
+                let known: Vec<String> = SETTINGS.iter().map(|s| env_name(s)).collect();
+                return Err(ConfigError(format!(
+                    "unknown environment variable {name} (known: {}, {ENV_CONFIG}, {ENV_LOG})",
+                    known.join(", ")
+                )));
+            }
+        }
+    }
+
+    if let Some(path) = cli.config.clone().or(env_file) {
+        apply_file(&mut cfg, &path)?;
+    }
+    for (setting, name, value) in env_settings {
+        cfg.apply(setting, Raw::Text(value), Source::Env(name.clone()))
+            .map_err(|why| ConfigError(format!("invalid value for {name}: {why}")))?;
+    }
+    let flags: [(&str, &Option<String>); 11] = [
+        ("role", &cli.role),
+        ("listen", &cli.listen),
+        ("dram_bytes", &cli.dram_bytes),
+        ("page_bytes", &cli.page_bytes),
+        ("ssd_dir", &cli.ssd_dir),
+        ("ssd_bytes", &cli.ssd_bytes),
+        ("segment_bytes", &cli.segment_bytes),
+        ("high_watermark", &cli.high_watermark),
+        ("low_watermark", &cli.low_watermark),
+        ("sync_writes", &cli.sync_writes),
+        ("port_file", &cli.port_file),
+    ];
+    for (setting, value) in flags {
+        if let Some(v) = value {
+            let flag = flag_name(setting);
+            cfg.apply(setting, Raw::Text(v), Source::Flag(flag.clone()))
+                .map_err(|why| ConfigError(format!("invalid value for {flag}: {why}")))?;
+        }
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn apply_file(cfg: &mut Config, path: &Path) -> Result<(), ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError(format!("cannot read config file {}: {e}", path.display())))?;
+    let table: toml::Table = text.parse().map_err(|e| {
+        ConfigError(format!(
+            "config file {} is not valid TOML: {e}",
+            path.display()
+        ))
+    })?;
+    for (key, value) in &table {
+        let known = cfg
+            .apply(key, Raw::Toml(value), Source::File(path.to_path_buf()))
+            .map_err(|why| {
+                ConfigError(format!(
+                    "invalid value for key `{key}` in config file {}: {why}",
+                    path.display()
+                ))
+            })?;
+        if !known {
+            return Err(ConfigError(format!(
+                "unknown key `{key}` in config file {} (known keys: {})",
+                path.display(),
+                SETTINGS.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("4kib"), Ok(4096));
+        assert_eq!(parse_size("64MiB"), Ok(64 << 20));
+        assert_eq!(parse_size(" 1G "), Ok(1 << 30));
+        assert_eq!(parse_size("2T"), Ok(2 << 40));
+        assert_eq!(parse_size("12B"), Ok(12));
+        assert!(parse_size("").is_err());
+        assert!(parse_size("M").is_err());
+        assert!(parse_size("1.5G").is_err());
+        assert!(parse_size("4KB").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999T").is_err());
+        assert_eq!(format_size(64 << 20), "67108864 (64 MiB)");
+        assert_eq!(format_size(1000), "1000");
+    }
+
+    #[test]
+    fn defaults_and_precedence() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("u.toml");
+        std::fs::write(
+            &file,
+            "dram_bytes = \"8M\"\npage_bytes = 8192\nhigh_watermark = 0.8\nsync_writes = true\n",
+        )
+        .unwrap();
+        let cli = Cli {
+            config: Some(file.clone()),
+            dram_bytes: Some("2M".into()),
+            ..Cli::default()
+        };
+        let cfg = resolve(
+            &cli,
+            &env(&[
+                ("UMBP_DRAM_BYTES", "4M"),
+                ("UMBP_PAGE_BYTES", "16K"),
+                ("UMBP_LOG", "debug"),
+                ("PATH", "/bin"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(cfg.dram_bytes.value, 2 << 20);
+        assert_eq!(cfg.dram_bytes.source, Source::Flag("--dram-bytes".into()));
+        assert_eq!(cfg.page_bytes.value, 16 << 10);
+        assert_eq!(cfg.page_bytes.source, Source::Env("UMBP_PAGE_BYTES".into()));
+        assert_eq!(cfg.high_watermark.value, 0.8);
+        assert_eq!(cfg.high_watermark.source, Source::File(file));
+        assert!(cfg.sync_writes.value);
+        assert_eq!(cfg.low_watermark, Setting::default(0.7));
+        assert_eq!(cfg.role.value, Role::Standalone);
+        assert_eq!(cfg.report_lines().len(), SETTINGS.len());
+        assert!(cfg.pool_config().ssd.is_none());
+    }
+
+    #[test]
+    fn errors_name_the_culprit() {
+        let bad = |cli: Cli, e: &[(&str, &str)]| resolve(&cli, &env(e)).unwrap_err().0;
+        assert!(bad(Cli::default(), &[("UMBP_DRAM_BYTE", "1G")]).contains("UMBP_DRAM_BYTE"));
+        assert!(bad(Cli::default(), &[("UMBP_DRAM_BYTES", "1Q")]).contains("UMBP_DRAM_BYTES"));
+        let cli = Cli {
+            high_watermark: Some("1.5".into()),
+            ..Cli::default()
+        };
+        assert!(bad(cli, &[]).contains("--high-watermark"));
+        let cli = Cli {
+            low_watermark: Some("0.95".into()),
+            ..Cli::default()
+        };
+        assert!(bad(cli, &[]).contains("low_watermark"));
+        let cli = Cli {
+            dram_bytes: Some("10000".into()),
+            ..Cli::default()
+        };
+        assert!(bad(cli, &[]).contains("multiple of page_bytes"));
+        let cli = Cli {
+            role: Some("boss".into()),
+            ..Cli::default()
+        };
+        assert!(bad(cli, &[]).contains("boss"));
+
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("u.toml");
+        std::fs::write(&file, "dram_bites = 5\n").unwrap();
+        let cli = Cli {
+            config: Some(file.clone()),
+            ..Cli::default()
+        };
+        assert!(bad(cli.clone(), &[]).contains("`dram_bites`"));
+        std::fs::write(&file, "sync_writes = \"yes\"\n").unwrap();
+        assert!(bad(cli.clone(), &[]).contains("`sync_writes`"));
+        std::fs::write(&file, "listen = [1]\n").unwrap();
+        assert!(bad(cli, &[]).contains("`listen`"));
+        let missing = Cli {
+            config: Some(dir.path().join("nope.toml")),
+            ..Cli::default()
+        };
+        assert!(bad(missing, &[]).contains("nope.toml"));
+    }
+}

@@ -1,0 +1,185 @@
+//! The `standalone` role: one [`LocalPool`] served over gRPC until SIGTERM or SIGINT.
+//!
+//! Shutdown: on the first SIGTERM/SIGINT the server stops accepting connections and lets
+//! requests in flight finish (for at most [`SHUTDOWN_GRACE`]); then the pool is closed
+//! (DRAM-only values are written to SSD and the log is sealed) and the close report is
+//! printed to stdout.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use mori_umbp::{CloseReport, LocalPool, RecoveryReport};
+use tokio::net::TcpListener;
+use tokio::signal::unix::{SignalKind, signal};
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::proto::umbp_server::UmbpServer;
+use crate::service::{SharedPool, UmbpService};
+
+/// Largest gRPC message the daemon and the client send or accept: values up to 64 MiB
+/// with room for batches of them.
+pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// How long in-flight requests may run after a shutdown signal before the pool is closed
+/// regardless.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Errors that stop the daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// Opening or closing the pool failed.
+    #[error("pool: {0}")]
+    Pool(#[from] mori_umbp::Error),
+    /// An I/O operation of the daemon itself failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    /// A background task panicked or was cancelled.
+    #[error("task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonError {
+    let context = context.into();
+    move |source| DaemonError::Io { context, source }
+}
+
+/// Prints a line to stdout and flushes it (the daemon's report channel; logs go to stderr).
+pub fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    // A closed stdout must not stop the daemon.
+    let _ = writeln!(out, "umbpd: {line}");
+    let _ = out.flush();
+}
+
+fn recovery_line(r: &RecoveryReport) -> String {
+    format!(
+        "recovered SSD log: segments={} records={} live_keys={} torn_tail_bytes_truncated={} \
+         corrupt_records_dropped={} clean_shutdown={}",
+        r.segments,
+        r.records,
+        r.live_keys,
+        r.torn_tail_bytes_truncated,
+        r.corrupt_records_dropped,
+        r.clean_shutdown
+    )
+}
+
+/// The line printed after a clean close.
+pub fn close_line(r: &CloseReport) -> String {
+    format!(
+        "closed: values_written={} values_already_on_ssd={} values_lost={}",
+        r.values_written, r.values_already_on_ssd, r.values_lost
+    )
+}
+
+/// Writes `addr` to `path` atomically (a temporary file renamed into place).
+fn write_port_file(path: &Path, addr: SocketAddr) -> Result<(), DaemonError> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    std::fs::write(&tmp, format!("{addr}\n"))
+        .map_err(io_err(format!("writing {}", Path::new(&tmp).display())))?;
+    std::fs::rename(&tmp, path).map_err(io_err(format!("renaming to {}", path.display())))
+}
+
+/// Runs the standalone daemon until a shutdown signal; returns the pool's close report.
+pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
+    // Signal handlers first, so a signal right after the address is published is handled.
+    let mut sigterm = signal(SignalKind::terminate()).map_err(io_err("installing SIGTERM"))?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(io_err("installing SIGINT"))?;
+
+    let pool_cfg = cfg.pool_config();
+    let (pool, recovery) = tokio::task::spawn_blocking(move || LocalPool::open(pool_cfg)).await??;
+    if let Some(r) = &recovery {
+        say(&recovery_line(r));
+    }
+    let shared = Arc::new(SharedPool::new(pool));
+
+    let listener = TcpListener::bind(cfg.listen.value)
+        .await
+        .map_err(io_err(format!("binding {}", cfg.listen.value)))?;
+    let addr = listener
+        .local_addr()
+        .map_err(io_err("reading the bound address"))?;
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+
+    let service = UmbpService::new(Arc::clone(&shared), cfg.role.value.as_str());
+    let svc = UmbpServer::new(service)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut server = tokio::spawn(
+        Server::builder()
+            .add_service(svc)
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stop_rx.await;
+            }),
+    );
+
+    if let Some(path) = &cfg.port_file.value {
+        write_port_file(path, addr)?;
+    }
+    say(&format!("listening on {addr}"));
+    info!(%addr, "serving");
+
+    let serve_result = tokio::select! {
+        _ = sigterm.recv() => { say("received SIGTERM, shutting down"); None }
+        _ = sigint.recv() => { say("received SIGINT, shutting down"); None }
+        res = &mut server => Some(res),
+    };
+    match serve_result {
+        // The server stopped by itself: an error, but still close the pool.
+        Some(res) => {
+            let close = close_pool(&shared).await;
+            res??;
+            return close;
+        }
+        None => {
+            let _ = stop_tx.send(());
+            match tokio::time::timeout(SHUTDOWN_GRACE, &mut server).await {
+                Ok(res) => {
+                    if let Err(e) = res? {
+                        warn!(error = %e, "gRPC server ended with an error during shutdown");
+                    }
+                }
+                Err(_) => {
+                    warn!(
+                        grace = ?SHUTDOWN_GRACE,
+                        "requests still in flight after the grace period; closing anyway"
+                    );
+                    server.abort();
+                }
+            }
+        }
+    }
+    let report = close_pool(&shared).await?;
+    if let Some(path) = &cfg.port_file.value
+        && let Err(e) = std::fs::remove_file(path)
+    {
+        warn!(path = %path.display(), error = %e, "could not remove the port file");
+    }
+    Ok(report)
+}
+
+/// Closes the pool on the blocking pool (waits for pool calls in flight).
+async fn close_pool(shared: &Arc<SharedPool>) -> Result<CloseReport, DaemonError> {
+    let shared = Arc::clone(shared);
+    match tokio::task::spawn_blocking(move || shared.close()).await? {
+        Some(res) => Ok(res?),
+        None => Ok(CloseReport::default()),
+    }
+}

@@ -1,0 +1,182 @@
+//! Helpers of the integration tests: start the real `umbpd` binary, read its output, signal
+//! it and wait for its exit.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A command running the daemon with `args` and `envs`, without any UMBP_* variable of the
+/// test process's own environment.
+pub fn command(args: &[&str], envs: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_umbpd"));
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("UMBP_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.args(args).envs(envs.iter().copied());
+    cmd.stdin(Stdio::null());
+    cmd
+}
+
+/// Runs the daemon to completion (for runs that exit by themselves).
+pub fn run(args: &[&str], envs: &[(&str, &str)]) -> (Option<i32>, String, String) {
+    let out = command(args, envs).output().expect("run umbpd");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn pump(r: impl Read + Send + 'static, buf: Arc<Mutex<String>>) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(r).lines() {
+            let Ok(line) = line else { break };
+            let mut b = buf.lock().unwrap();
+            b.push_str(&line);
+            b.push('\n');
+        }
+    })
+}
+
+/// A running daemon.
+pub struct Daemon {
+    child: Child,
+    /// The address it listens on (from its port file).
+    pub addr: String,
+    stdout: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<String>>,
+    pumps: Vec<JoinHandle<()>>,
+}
+
+/// How a daemon ended.
+pub struct Exited {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// The SSD directory of a test directory.
+pub fn ssd_dir(dir: &Path) -> PathBuf {
+    dir.join("ssd")
+}
+
+impl Daemon {
+    /// Starts the daemon with `--port-file DIR/port` plus `args`, and waits until it listens.
+    pub fn start(dir: &Path, args: &[&str], envs: &[(&str, &str)]) -> Daemon {
+        let port_file = dir.join("port");
+        let _ = std::fs::remove_file(&port_file);
+        let pf = port_file.to_str().unwrap();
+        let mut all = vec!["--port-file", pf];
+        all.extend_from_slice(args);
+        let mut child = command(&all, envs)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn umbpd");
+        let stdout = Arc::new(Mutex::new(String::new()));
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let pumps = vec![
+            pump(child.stdout.take().unwrap(), Arc::clone(&stdout)),
+            pump(child.stderr.take().unwrap(), Arc::clone(&stderr)),
+        ];
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let addr = loop {
+            if let Ok(s) = std::fs::read_to_string(&port_file) {
+                break s.trim().to_string();
+            }
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!(
+                    "umbpd exited early ({status}):\n{}\n{}",
+                    stdout.lock().unwrap(),
+                    stderr.lock().unwrap()
+                );
+            }
+            assert!(Instant::now() < deadline, "umbpd did not start in 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Daemon {
+            child,
+            addr,
+            stdout,
+            stderr,
+            pumps,
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// What it printed to stdout so far.
+    pub fn stdout(&self) -> String {
+        self.stdout.lock().unwrap().clone()
+    }
+
+    /// Sends `sig` without waiting.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on the pid of a child we spawned and have not reaped.
+        let rc = unsafe { libc::kill(self.pid(), sig) };
+        assert_eq!(rc, 0, "kill failed");
+    }
+
+    /// Sends `sig` and waits (at most `timeout`) for the process to exit.
+    pub fn stop(mut self, sig: i32, timeout: Duration) -> Exited {
+        self.signal(sig);
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "umbpd did not exit within {timeout:?} after signal {sig}:\n{}\n{}",
+                    self.stdout.lock().unwrap(),
+                    self.stderr.lock().unwrap()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        for p in self.pumps.drain(..) {
+            p.join().unwrap();
+        }
+        Exited {
+            status,
+            stdout: self.stdout.lock().unwrap().clone(),
+            stderr: self.stderr.lock().unwrap().clone(),
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // A test that failed half-way must not leave the daemon running.
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Deterministic pseudo-random bytes (xorshift) for a seed.
+pub fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}

@@ -1,0 +1,330 @@
+//! End-to-end tests of the `umbpd` binary in the standalone role, through the Rust client.
+
+mod common;
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::{Daemon, bytes, ssd_dir};
+use mori_umbpd::Client;
+
+const EXIT_WAIT: Duration = Duration::from_secs(30);
+
+fn key(i: usize) -> Vec<u8> {
+    format!("key-{i:05}").into_bytes()
+}
+
+#[test]
+fn round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = ssd_dir(dir.path());
+    let d = Daemon::start(
+        dir.path(),
+        &["--dram-bytes", "32M", "--ssd-dir", ssd.to_str().unwrap()],
+        &[],
+    );
+    let c = Client::connect(&d.addr).unwrap();
+
+    let h = c.health().unwrap();
+    assert!(h.serving);
+    assert_eq!(h.role, "standalone");
+
+    // Put, immutability, get, exists.
+    assert!(c.put(b"a", b"first").unwrap());
+    assert!(!c.put(b"a", b"second").unwrap());
+    assert_eq!(c.get(b"a").unwrap().as_deref(), Some(&b"first"[..]));
+    assert_eq!(c.get(b"missing").unwrap(), None);
+    assert!(c.exists(b"a").unwrap());
+    assert!(!c.exists(b"missing").unwrap());
+    assert!(c.put(b"empty", b"").unwrap());
+    assert_eq!(c.get(b"empty").unwrap(), Some(Vec::new()));
+
+    // Batches.
+    let keys: Vec<Vec<u8>> = (0..10).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..10).map(|i| bytes(i as u64, 1000 + 777 * i)).collect();
+    let items: Vec<(&[u8], &[u8])> = keys
+        .iter()
+        .zip(&values)
+        .map(|(k, v)| (k.as_slice(), v.as_slice()))
+        .collect();
+    assert_eq!(c.batch_put(&items).unwrap(), vec![true; 10]);
+    assert_eq!(c.batch_put(&items[..2]).unwrap(), vec![false; 2]);
+    let mut want: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    want.insert(3, b"missing");
+    let got = c.batch_get(&want).unwrap();
+    assert_eq!(got.len(), 11);
+    assert_eq!(got[3], None);
+    for (i, v) in got.iter().enumerate().filter(|(i, _)| *i != 3) {
+        let j = if i < 3 { i } else { i - 1 };
+        assert_eq!(
+            v.as_deref(),
+            Some(values[j].as_slice()),
+            "batch_get item {i}"
+        );
+    }
+    assert_eq!(c.batch_exists_prefix(&want).unwrap(), 3);
+    assert_eq!(c.batch_exists_prefix(&want[..3]).unwrap(), 3);
+    assert_eq!(c.batch_exists_prefix(&[]).unwrap(), 0);
+
+    // A 16 MiB value, byte-exact.
+    let big = bytes(42, 16 << 20);
+    assert!(c.put(b"big", &big).unwrap());
+    assert!(c.get(b"big").unwrap().unwrap() == big);
+
+    // Remove.
+    assert!(c.remove(b"a").unwrap());
+    assert!(!c.remove(b"a").unwrap());
+    assert!(!c.exists(b"a").unwrap());
+    assert_eq!(c.get(b"a").unwrap(), None);
+
+    // Errors carry the right code and a message.
+    let long_key = vec![7u8; 65 * 1024];
+    let e = c.put(&long_key, b"v").unwrap_err();
+    assert_eq!(e.code(), Some(tonic::Code::InvalidArgument), "{e}");
+    assert!(e.to_string().contains("exceeds the maximum"), "{e}");
+
+    let s = c.stats().unwrap();
+    assert_eq!(s.keys, 12, "{s:?}"); // empty, key-0..9, big
+    assert_eq!(s.dram_capacity_bytes, 32 << 20);
+    assert!(s.hits_dram >= 12, "{s:?}");
+    assert!(s.misses >= 3, "{s:?}");
+    assert!(s.dram_used_bytes > 16 << 20, "{s:?}");
+
+    drop(c);
+    let out = d.stop(libc::SIGTERM, EXIT_WAIT);
+    assert_eq!(out.status.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("closed: values_written=12"),
+        "{}",
+        out.stdout
+    );
+}
+
+#[test]
+fn no_space_is_resource_exhausted() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), &["--dram-bytes", "1M"], &[]);
+    let c = Client::connect(&d.addr).unwrap();
+    let e = c.put(b"too-big", &bytes(1, 2 << 20)).unwrap_err();
+    assert_eq!(e.code(), Some(tonic::Code::ResourceExhausted), "{e}");
+    assert!(e.to_string().contains("no space"), "{e}");
+    // A connected, idle client does not hold up the shutdown; afterwards its calls fail.
+    let t = Instant::now();
+    let out = d.stop(libc::SIGINT, EXIT_WAIT);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+    assert!(out.stdout.contains("received SIGINT"), "{}", out.stdout);
+    assert!(c.exists(b"x").is_err());
+}
+
+#[test]
+fn restart_persistence() {
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = ssd_dir(dir.path());
+    let args = [
+        "--dram-bytes",
+        "4M",
+        "--ssd-dir",
+        ssd.to_str().unwrap(),
+        "--segment-bytes",
+        "8M",
+        "--ssd-bytes",
+        "1G",
+    ];
+    // Sizes from 1 byte to 3 MiB: more than DRAM holds, so some values are demoted to SSD
+    // before the shutdown and the rest are written by close().
+    let sizes: Vec<usize> = (0..40).map(|i| 1 + (i * 37_813) % 300_000).collect();
+    let n = sizes.len() + 1;
+    let value = |i: usize| {
+        bytes(
+            1000 + i as u64,
+            if i < sizes.len() { sizes[i] } else { 3 << 20 },
+        )
+    };
+
+    let d = Daemon::start(dir.path(), &args, &[]);
+    let c = Client::connect(&d.addr).unwrap();
+    for i in 0..n {
+        assert!(c.put(&key(i), &value(i)).unwrap());
+    }
+    let s = c.stats().unwrap();
+    assert!(s.demotions > 0, "expected demotions: {s:?}");
+    drop(c);
+    let out = d.stop(libc::SIGTERM, EXIT_WAIT);
+    assert_eq!(out.status.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("received SIGTERM"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("closed: values_written="),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("values_lost=0"), "{}", out.stdout);
+
+    let d = Daemon::start(dir.path(), &args, &[]);
+    assert!(
+        d.stdout().contains(&format!("live_keys={n} ")),
+        "{}",
+        d.stdout()
+    );
+    assert!(d.stdout().contains("clean_shutdown=true"), "{}", d.stdout());
+    let c = Client::connect(&d.addr).unwrap();
+    assert_eq!(c.stats().unwrap().keys, n);
+    for i in 0..n {
+        let got = c.get(&key(i)).unwrap();
+        assert!(
+            got == Some(value(i)),
+            "key {i} did not read back byte-exact"
+        );
+    }
+    drop(c);
+    // A second clean restart, this time through SIGINT.
+    let out = d.stop(libc::SIGINT, EXIT_WAIT);
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+    let d = Daemon::start(dir.path(), &args, &[]);
+    let c = Client::connect(&d.addr).unwrap();
+    let all: Vec<Vec<u8>> = (0..n).map(key).collect();
+    let refs: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
+    assert_eq!(c.batch_exists_prefix(&refs).unwrap(), n);
+    drop(c);
+    assert_eq!(d.stop(libc::SIGTERM, EXIT_WAIT).status.code(), Some(0));
+}
+
+#[test]
+fn kill9_mid_put() {
+    const VALUE_LEN: usize = 512 << 10;
+    const DRAM: usize = 4 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = ssd_dir(dir.path());
+    let args = [
+        "--dram-bytes",
+        "4M",
+        "--ssd-dir",
+        ssd.to_str().unwrap(),
+        "--segment-bytes",
+        "4M",
+    ];
+    let d = Daemon::start(dir.path(), &args, &[]);
+    let addr = d.addr.clone();
+
+    // A writer that puts until its first error, reporting each acknowledged put.
+    let (acks, acked) = mpsc::channel::<usize>();
+    let (fail, failed) = mpsc::channel::<(String, Instant)>();
+    let writer = std::thread::spawn(move || {
+        let c = Client::connect(&addr).unwrap();
+        for i in 0..100_000 {
+            match c.put(&key(i), &bytes(i as u64, VALUE_LEN)) {
+                Ok(stored) => {
+                    assert!(stored);
+                    let _ = acks.send(i);
+                }
+                Err(e) => {
+                    let _ = fail.send((e.to_string(), Instant::now()));
+                    return;
+                }
+            }
+        }
+    });
+    let mut done = 0;
+    while done < 40 {
+        acked
+            .recv_timeout(Duration::from_secs(30))
+            .expect("writer stalled");
+        done += 1;
+    }
+    let killed_at = Instant::now();
+    let out = d.stop(libc::SIGKILL, EXIT_WAIT);
+    assert_eq!(out.status.code(), None, "killed by a signal");
+    let (msg, at) = failed
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the client did not fail within 10 s of kill -9");
+    let waited = at.saturating_duration_since(killed_at);
+    assert!(waited < Duration::from_secs(5), "error after {waited:?}");
+    assert!(msg.contains("umbpd call failed"), "{msg}");
+    writer.join().unwrap();
+    let acked_total = done + acked.try_iter().count();
+
+    // Restart on the same SSD directory: what was on SSD is served, byte-exact. Only the
+    // values in DRAM at the kill (at most DRAM / VALUE_LEN) may be lost.
+    let d = Daemon::start(dir.path(), &args, &[]);
+    assert!(
+        d.stdout().contains("clean_shutdown=false"),
+        "{}",
+        d.stdout()
+    );
+    let c = Client::connect(&d.addr).unwrap();
+    let mut present = 0;
+    for i in 0..=acked_total {
+        if let Some(v) = c.get(&key(i)).unwrap() {
+            assert!(
+                v == bytes(i as u64, VALUE_LEN),
+                "key {i} corrupt after restart"
+            );
+            present += 1;
+        }
+    }
+    assert_eq!(c.get(&key(acked_total + 1)).unwrap(), None);
+    assert!(
+        present + DRAM / VALUE_LEN >= acked_total,
+        "only {present} of {acked_total} acknowledged values survived"
+    );
+    assert_eq!(c.stats().unwrap().keys, present);
+    eprintln!(
+        "kill -9: client error after {waited:?}; {present} of {acked_total} acked values survived"
+    );
+    drop(c);
+    assert_eq!(d.stop(libc::SIGTERM, EXIT_WAIT).status.code(), Some(0));
+}
+
+#[test]
+fn sigterm_during_puts_keeps_acknowledged_values() {
+    const VALUE_LEN: usize = 8 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = ssd_dir(dir.path());
+    let args = [
+        "--dram-bytes",
+        "32M",
+        "--ssd-dir",
+        ssd.to_str().unwrap(),
+        "--segment-bytes",
+        "80M",
+    ];
+    let d = Daemon::start(dir.path(), &args, &[]);
+    let c = Client::connect(&d.addr).unwrap();
+    // The largest value the daemon is meant for (64 MiB) goes through in one message.
+    let huge = bytes(64, 64 << 20);
+    assert!(c.put(b"huge", &huge).unwrap());
+    drop(c);
+
+    let addr = d.addr.clone();
+    let (acks, acked) = mpsc::channel::<usize>();
+    let writer = std::thread::spawn(move || {
+        let c = Client::connect(&addr).unwrap();
+        for i in 0..10_000 {
+            if c.put(&key(i), &bytes(i as u64, VALUE_LEN)).is_err() {
+                return;
+            }
+            let _ = acks.send(i);
+        }
+    });
+    for _ in 0..3 {
+        acked
+            .recv_timeout(Duration::from_secs(30))
+            .expect("writer stalled");
+    }
+    let out = d.stop(libc::SIGTERM, EXIT_WAIT);
+    assert_eq!(out.status.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("values_lost=0"), "{}", out.stdout);
+    writer.join().unwrap();
+    let acked_total = 3 + acked.try_iter().count();
+
+    // Every acknowledged put survives a clean shutdown.
+    let d = Daemon::start(dir.path(), &args, &[]);
+    let c = Client::connect(&d.addr).unwrap();
+    assert!(c.get(b"huge").unwrap().unwrap() == huge);
+    for i in 0..acked_total {
+        let got = c.get(&key(i)).unwrap();
+        assert!(got == Some(bytes(i as u64, VALUE_LEN)), "key {i} lost");
+    }
+    drop(c);
+    assert_eq!(d.stop(libc::SIGTERM, EXIT_WAIT).status.code(), Some(0));
+}
