@@ -68,5 +68,52 @@ def test_bad_input_and_limits():
     c.close()
     with pytest.raises(errors.InvalidArgumentError, match="closed"):
         c.get("a")
-    with pytest.raises(errors.MoriError, match="not built yet"):
-        Client(master="127.0.0.1:7000")
+    with pytest.raises(errors.TransportError, match="cannot connect"):
+        Client(master="127.0.0.1:1")
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    """A real umbpd (standalone) on a free loopback port, built by cargo if needed."""
+    import subprocess
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run(["cargo", "build", "-q", "-p", "mori-umbpd"], cwd=root, check=True, timeout=900)
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen(
+        [str(root / "target" / "debug" / "umbpd"), "--dram-bytes", "1M", "--ssd-dir", str(tmp_path / "ssd"),
+         "--segment-bytes", "1M", "--port-file", str(port_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.monotonic() + 30
+    while not port_file.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "umbpd did not start"
+        time.sleep(0.05)
+    yield port_file.read_text().strip()
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "closed:" in out
+
+
+def test_client_against_a_umbpd_daemon(daemon):
+    rng = np.random.default_rng()
+    values = {f"blk-{i}": rng.integers(0, 256, 16 << 10, dtype=np.uint8).tobytes() for i in range(150)}
+    c = Client(master=daemon)
+    for k, v in values.items():
+        assert c.put(k, v)
+    assert c.put("blk-0", b"other") is False
+    for k, v in values.items():
+        assert c.get(k) == v
+    assert c.stats()["demotions"] > 0, "1 MiB of DRAM holds few of 2.4 MiB: blocks went to SSD"
+    buf = np.zeros(16 << 10, dtype=np.uint8)
+    assert c.get_into("blk-3", buf) == 16 << 10 and buf.tobytes() == values["blk-3"]
+    assert c.put_from("np", np.arange(100, dtype=np.uint8)) and c.get("np") == bytes(range(100))
+    assert c.batch_exists_prefix(["blk-0", "blk-1", "nope", "blk-2"]) == 2
+    assert c.batch_get(["blk-1", "nope"]) == [values["blk-1"], None]
+    assert c.remove("blk-1") and not c.exists("blk-1")
+    with pytest.raises(errors.InvalidArgumentError, match="exceeds segment"):
+        c.put("huge", bytes(4 << 20))  # larger than DRAM and than an SSD segment: refused, mapped through gRPC

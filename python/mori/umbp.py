@@ -6,8 +6,9 @@ restarts). Values are immutable blocks under byte-string keys; when DRAM passes 
 watermark, least-recently-used blocks are demoted to SSD (or dropped without one) and an SSD hit
 is promoted back. ``exists`` and ``batch_exists_prefix`` never renew LRU order.
 
-Status: embedded mode only. The master/peer cluster (``master=``), the ``umbpd`` daemon, the
-Redis metadata backend's use by a pool, and the GPU tier are not built yet.
+``Client(master="host:port")`` talks to a ``umbpd`` daemon (standalone role: one pool served
+over gRPC) with the same calls. Not built yet: the master/peer cluster behind that address, and
+the GPU tier; with a daemon, ``put_from``/``get_into`` copy through bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 
 from mori import _core
 from mori._arrays import address
-from mori.errors import InvalidArgumentError, MoriError
+from mori.errors import InvalidArgumentError
 
 __all__ = ["Client"]
 
@@ -64,8 +65,10 @@ class Client:
         low_watermark: float = 0.7,
         master: str | None = None,
     ):
-        if master is not None:
-            raise MoriError("connecting to a UMBP master is not built yet; use the embedded pool (no master=)")
+        self._remote = master is not None
+        if self._remote:
+            self._pool = _core.UmbpRemote(master)
+            return
         self._pool = _core.UmbpPool(
             dram_bytes, page_bytes, None if ssd_dir is None else os.fspath(ssd_dir), ssd_bytes, segment_bytes,
             sync_writes, high_watermark, low_watermark,
@@ -79,6 +82,8 @@ class Client:
     def put_from(self, key: str | bytes, buffer: Any) -> bool:
         """``put`` without a bytes copy in Python: from a numpy array, bytearray or CPU tensor."""
         arr = _host_buffer(buffer, writable=False)
+        if self._remote:
+            return self._pool.put(_key(key), arr.tobytes())
         return self._pool.put_from(_key(key), address(arr) if arr.size else 0, arr.size)
 
     def get(self, key: str | bytes) -> bytes | None:
@@ -88,6 +93,14 @@ class Client:
         """Copies the value into ``buffer`` (writable host memory); returns its length, or None
         if absent. A buffer smaller than the value raises."""
         arr = _host_buffer(buffer, writable=True)
+        if self._remote:
+            value = self._pool.get(_key(key))
+            if value is None:
+                return None
+            if len(value) > arr.size:
+                raise InvalidArgumentError(f"the value has {len(value)} bytes; the buffer holds {arr.size}")
+            arr[: len(value)] = np.frombuffer(value, dtype=np.uint8)
+            return len(value)
         return self._pool.get_into(_key(key), address(arr) if arr.size else 0, arr.size)
 
     def exists(self, key: str | bytes) -> bool:
@@ -113,7 +126,10 @@ class Client:
         return self._pool.stats()
 
     def close(self) -> dict[str, int]:
-        """Keeps DRAM-only values on SSD (when there is one), seals the log, closes the pool."""
+        """Embedded: keeps DRAM-only values on SSD (when there is one), seals the log, closes
+        the pool. With a daemon: nothing to close on this side (the daemon keeps the data)."""
+        if self._remote:
+            return {}
         written, already, lost = self._pool.close()
         return {"values_written": written, "values_already_on_ssd": already, "values_lost": lost}
 

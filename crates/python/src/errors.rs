@@ -23,9 +23,16 @@ pub enum Error {
     Shmem(mori_shmem::Error),
     Io(mori_io::Error),
     Umbp(mori_umbp::Error),
+    UmbpRemote(mori_umbpd::ClientError),
     /// A transfer that failed (what every waiter of it sees).
     TransferFailed(mori_io::Failure),
     InvalidArgument(String),
+}
+
+impl From<mori_umbpd::ClientError> for Error {
+    fn from(e: mori_umbpd::ClientError) -> Self {
+        Error::UmbpRemote(e)
+    }
 }
 
 impl From<mori_umbp::Error> for Error {
@@ -119,6 +126,19 @@ impl From<Error> for PyErr {
                 match e {
                     mori_umbp::Error::NoSpace { .. } => OutOfMemoryError::new_err(msg),
                     mori_umbp::Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+                    _ => MoriError::new_err(msg),
+                }
+            }
+            Error::UmbpRemote(e) => {
+                let msg = e.to_string();
+                // gRPC status codes, by name (the daemon maps NoSpace and bad input to these).
+                match e.code().map(|c| format!("{c:?}")).as_deref() {
+                    Some("ResourceExhausted") => OutOfMemoryError::new_err(msg),
+                    Some("InvalidArgument") => InvalidArgumentError::new_err(msg),
+                    Some("DeadlineExceeded") => TimeoutError::new_err(msg),
+                    Some("Unavailable" | "Cancelled" | "Unknown") | None => {
+                        TransportError::new_err(msg)
+                    }
                     _ => MoriError::new_err(msg),
                 }
             }

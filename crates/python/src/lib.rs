@@ -76,6 +76,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(io::io_memory_desc_info, m)?)?;
     m.add_function(wrap_pyfunction!(io::io_engine_desc_info, m)?)?;
     m.add_class::<umbp::UmbpPool>()?;
+    m.add_class::<umbp::UmbpRemote>()?;
     m.add_function(wrap_pyfunction!(topology_json, m)?)?;
     m.add_function(wrap_pyfunction!(topology_text, m)?)?;
     Ok(())

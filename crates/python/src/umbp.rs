@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use mori_umbp::{LocalPool, PoolConfig, PutOutcome, SsdConfig};
+use mori_umbp::{LocalPool, PoolConfig, PoolStats, PutOutcome, SsdConfig};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -24,6 +24,26 @@ impl UmbpPool {
             .as_ref()
             .ok_or_else(|| Error::InvalidArgument("this pool was closed".into()))?)
     }
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &PoolStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("keys", s.keys)?;
+    d.set_item("dram_keys", s.dram_keys)?;
+    d.set_item("ssd_keys", s.ssd_keys)?;
+    d.set_item("dram_capacity_bytes", s.dram_capacity_bytes)?;
+    d.set_item("dram_used_bytes", s.dram_used_bytes)?;
+    d.set_item("dram_value_bytes", s.dram_value_bytes)?;
+    d.set_item("ssd_live_bytes", s.ssd_live_bytes)?;
+    d.set_item("ssd_disk_bytes", s.ssd_disk_bytes)?;
+    d.set_item("hits_dram", s.hits_dram)?;
+    d.set_item("hits_ssd", s.hits_ssd)?;
+    d.set_item("misses", s.misses)?;
+    d.set_item("evictions", s.evictions)?;
+    d.set_item("demotions", s.demotions)?;
+    d.set_item("promotions", s.promotions)?;
+    d.set_item("corrupt_dropped", s.corrupt_dropped)?;
+    Ok(d)
 }
 
 /// # Safety
@@ -157,23 +177,7 @@ impl UmbpPool {
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with(|p| Ok(p.stats())).map_err(PyErr::from)?;
-        let d = PyDict::new(py);
-        d.set_item("keys", s.keys)?;
-        d.set_item("dram_keys", s.dram_keys)?;
-        d.set_item("ssd_keys", s.ssd_keys)?;
-        d.set_item("dram_capacity_bytes", s.dram_capacity_bytes)?;
-        d.set_item("dram_used_bytes", s.dram_used_bytes)?;
-        d.set_item("dram_value_bytes", s.dram_value_bytes)?;
-        d.set_item("ssd_live_bytes", s.ssd_live_bytes)?;
-        d.set_item("ssd_disk_bytes", s.ssd_disk_bytes)?;
-        d.set_item("hits_dram", s.hits_dram)?;
-        d.set_item("hits_ssd", s.hits_ssd)?;
-        d.set_item("misses", s.misses)?;
-        d.set_item("evictions", s.evictions)?;
-        d.set_item("demotions", s.demotions)?;
-        d.set_item("promotions", s.promotions)?;
-        d.set_item("corrupt_dropped", s.corrupt_dropped)?;
-        Ok(d)
+        stats_dict(py, &s)
     }
 
     /// Writes DRAM-only values to SSD (when there is one), seals the log and closes the pool.
@@ -191,5 +195,69 @@ impl UmbpPool {
             }
             None => Ok((0, 0, 0)),
         }
+    }
+}
+
+/// A client of a `umbpd` daemon (gRPC). Calls release the GIL while they wait.
+#[pyclass(frozen, module = "mori._core")]
+pub struct UmbpRemote {
+    inner: mori_umbpd::Client,
+}
+
+#[pymethods]
+impl UmbpRemote {
+    #[new]
+    fn new(py: Python<'_>, addr: &str) -> Result<Self> {
+        Ok(Self {
+            inner: py.detach(|| mori_umbpd::Client::connect(addr))?,
+        })
+    }
+
+    fn put(&self, py: Python<'_>, key: &[u8], value: &[u8]) -> Result<bool> {
+        Ok(py.detach(|| self.inner.put(key, value))?)
+    }
+
+    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> Result<Option<Bound<'py, PyBytes>>> {
+        let v = py.detach(|| self.inner.get(key))?;
+        Ok(v.map(|v| PyBytes::new(py, &v)))
+    }
+
+    fn exists(&self, py: Python<'_>, key: &[u8]) -> Result<bool> {
+        Ok(py.detach(|| self.inner.exists(key))?)
+    }
+
+    fn batch_put(&self, py: Python<'_>, items: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Vec<bool>> {
+        let refs: Vec<(&[u8], &[u8])> = items
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_slice()))
+            .collect();
+        Ok(py.detach(|| self.inner.batch_put(&refs))?)
+    }
+
+    fn batch_get<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<Vec<u8>>,
+    ) -> Result<Vec<Option<Bound<'py, PyBytes>>>> {
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        let values = py.detach(|| self.inner.batch_get(&refs))?;
+        Ok(values
+            .into_iter()
+            .map(|v| v.map(|v| PyBytes::new(py, &v)))
+            .collect())
+    }
+
+    fn batch_exists_prefix(&self, py: Python<'_>, keys: Vec<Vec<u8>>) -> Result<usize> {
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        Ok(py.detach(|| self.inner.batch_exists_prefix(&refs))?)
+    }
+
+    fn remove(&self, py: Python<'_>, key: &[u8]) -> Result<bool> {
+        Ok(py.detach(|| self.inner.remove(key))?)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.inner.stats()).map_err(Error::from)?;
+        stats_dict(py, &s)
     }
 }
