@@ -1,22 +1,9 @@
 //! Two engines in one process over loopback TCP.
 
+use mori_testutil::Lcg;
 use std::time::{Duration, Instant};
 
 use mori_io::{EngineConfig, FailureKind, IoEngine, Location, Op, Status};
-
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 29
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-}
 
 fn engine(name: &str) -> IoEngine {
     engine_with(name, true)

@@ -118,18 +118,7 @@ impl SymmetricAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A tiny deterministic generator, so the test needs no extra crate.
-    struct Lcg(u64);
-    impl Lcg {
-        fn next(&mut self) -> u64 {
-            self.0 = self
-                .0
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            self.0 >> 33
-        }
-    }
+    use mori_testutil::Lcg;
 
     #[test]
     fn first_fit_with_alignment_and_coalescing() {

@@ -1,24 +1,10 @@
 //! Tests of the DRAM page arena: a randomized model test, fragmentation and coalescing,
 //! accounting, NoSpace and LRU order.
 
+use mori_testutil::Lcg;
 use std::collections::HashMap;
 
 use mori_umbp::{DramArena, Error};
-
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 fn key(i: u64) -> Vec<u8> {
     format!("blk-{i}").into_bytes()

@@ -1,6 +1,7 @@
 //! Tests of the SSD segment log: a randomized model test with restarts and compaction, crash
 //! recovery (torn tails, corrupt records, lost segments), clean shutdown and capacity.
 
+use mori_testutil::Lcg;
 use std::collections::HashMap;
 use std::fs::{self, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -8,22 +9,6 @@ use std::path::Path;
 
 use mori_umbp::ssd::HEADER_LEN;
 use mori_umbp::{Error, SsdConfig, SsdLog};
-
-/// Small deterministic generator (64-bit LCG, high bits).
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 fn cfg(dir: &Path, segment_bytes: u64, capacity_bytes: u64) -> SsdConfig {
     SsdConfig {
