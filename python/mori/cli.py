@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     bp = bench.add_parser("io", help="mori.io reads/writes over TCP loopback, batch submission cost")
     io_bench.add_arguments(bp)
     bp.set_defaults(func=io_bench.main)
+    from mori.bench import umbp as umbp_bench
+
+    bp = bench.add_parser("umbp", help="KV-block pool: embedded and daemon put/get, prefix probe, trace hit rates, Redis baseline")
+    umbp_bench.add_arguments(bp)
+    bp.set_defaults(func=umbp_bench.main)
     return parser
 
 

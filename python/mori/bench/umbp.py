@@ -1,0 +1,213 @@
+"""``mori bench umbp``: the KV-block pool on the CPU machine.
+
+Measured in one run: host memcpy bandwidth (numpy, the bar for embedded gets), the embedded pool
+(put / get / get_into by value size and batch), a ``umbpd`` daemon over loopback gRPC (when the
+binary is built), ``batch_exists_prefix`` of 64 keys (p50/p99), tier hit rates on a synthetic
+multi-turn prefix-cache trace whose working set is larger than DRAM, and Redis SET/GET through
+``redis-benchmark`` with the same value sizes as a baseline (when redis-server is installed).
+
+GB/s counts value bytes moved per second; ops/s counts keys. Medians of repeated timed loops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mori.bench._common import environment, human_bytes, median, percentile, write_record
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20]
+BATCHES = [1, 16, 128]
+
+
+def _memcpy_gbps() -> float:
+    src = np.random.default_rng(0).integers(0, 256, 256 << 20, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return src.nbytes / median(times) / 1e9
+
+
+def _pool_rows(client, label: str, total_bytes: int, zero_copy: bool) -> list[dict[str, Any]]:
+    rows = []
+    rng = np.random.default_rng(1)
+    for size in SIZES:
+        n = max(8, min(4096, total_bytes // size))
+        value = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        out = np.empty(size, dtype=np.uint8)
+        for batch in BATCHES:
+            if batch > n:
+                continue
+            keys = [f"{label}/{size}/{batch}/{i}".encode() for i in range(n - n % batch)]
+            t0 = time.perf_counter()
+            for i in range(0, len(keys), batch):
+                if batch == 1:
+                    client.put(keys[i], value)
+                else:
+                    client.batch_put(keys[i : i + batch], [value] * batch)
+            t_put = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for i in range(0, len(keys), batch):
+                if batch == 1:
+                    got = client.get(keys[i])
+                else:
+                    got = client.batch_get(keys[i : i + batch])
+            t_get = time.perf_counter() - t0
+            assert got is not None
+            row = {"backend": label, "value_bytes": size, "batch": batch, "keys": len(keys),
+                   "put_gbps": len(keys) * size / t_put / 1e9, "put_ops": len(keys) / t_put,
+                   "get_gbps": len(keys) * size / t_get / 1e9, "get_ops": len(keys) / t_get}
+            if zero_copy and batch == 1:
+                t0 = time.perf_counter()
+                for k in keys:
+                    client.get_into(k, out)
+                t_into = time.perf_counter() - t0
+                row["get_into_gbps"] = len(keys) * size / t_into / 1e9
+            for k in keys:
+                client.remove(k)
+            rows.append(row)
+            print(f"  {label:<8} {human_bytes(size):>8} ×{batch:<4} put {row['put_gbps']:6.2f} GB/s {row['put_ops']:9.0f}/s | "
+                  f"get {row['get_gbps']:6.2f} GB/s {row['get_ops']:9.0f}/s"
+                  + (f" | get_into {row['get_into_gbps']:6.2f} GB/s" if "get_into_gbps" in row else ""), flush=True)
+    return rows
+
+
+def _exists_latency(client) -> dict[str, float]:
+    keys = [f"probe/{i}".encode() for i in range(64)]
+    client.batch_put(keys[:48], [b"x" * 64] * 48)
+    times = []
+    for _ in range(2000):
+        t0 = time.perf_counter()
+        client.batch_exists_prefix(keys)
+        times.append(time.perf_counter() - t0)
+    return {"p50_us": median(times) * 1e6, "p99_us": percentile(times, 0.99) * 1e6}
+
+
+def _prefix_trace(ssd_dir: str) -> dict[str, Any]:
+    """Multi-turn conversations: each turn re-reads its conversation's prefix blocks, then adds
+    new ones; 300 conversations of ~40 blocks × 64 KiB ≈ 750 MiB against 256 MiB of DRAM."""
+    from mori.umbp import Client
+
+    rng = np.random.default_rng(2)
+    block = rng.integers(0, 256, 64 << 10, dtype=np.uint8).tobytes()
+    convs = {c: 0 for c in range(300)}
+    with Client(dram_bytes=256 << 20, ssd_dir=ssd_dir, segment_bytes=64 << 20, ssd_bytes=4 << 30) as c:
+        for _ in range(3000):
+            conv = int(rng.zipf(1.3)) % len(convs)
+            n = convs[conv]
+            keys = [f"c{conv}/b{i}".encode() for i in range(n)]
+            have = c.batch_exists_prefix(keys) if keys else 0
+            for k in keys[:have]:
+                c.get(k)
+            for i in range(n, n + 4):
+                c.put(f"c{conv}/b{i}".encode(), block)
+            convs[conv] = n + 4
+        st = c.stats()
+    reads = st["hits_dram"] + st["hits_ssd"] + st["misses"]
+    return {**{k: st[k] for k in ("hits_dram", "hits_ssd", "misses", "demotions", "promotions", "evictions", "keys")},
+            "dram_hit_rate": st["hits_dram"] / max(reads, 1), "ssd_hit_rate": st["hits_ssd"] / max(reads, 1)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _redis_baseline(tmp: str) -> list[dict[str, Any]]:
+    if not (shutil.which("redis-server") and shutil.which("redis-benchmark")):
+        print("  redis-server / redis-benchmark not installed: baseline skipped")
+        return []
+    port = _free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", tmp],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = []
+    try:
+        time.sleep(0.5)
+        for size in SIZES:
+            n = max(200, min(20000, (256 << 20) // size))
+            out = subprocess.run(["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(n),
+                                  "-c", "4", "-q", "--csv"], capture_output=True, text=True, timeout=300).stdout
+            for line in out.splitlines()[1:]:
+                name, rps = [f.strip('"') for f in line.split(",")[:2]]
+                rows.append({"op": name, "value_bytes": size, "ops": float(rps), "gbps": float(rps) * size / 1e9})
+                print(f"  redis    {human_bytes(size):>8} {name:<4} {float(rps):9.0f}/s {float(rps) * size / 1e9:6.2f} GB/s")
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    return rows
+
+
+def _daemon(tmp: str):
+    root = Path(__file__).resolve().parents[3]
+    for profile in ("release", "debug"):
+        exe = root / "target" / profile / "umbpd"
+        if exe.exists():
+            break
+    else:
+        print("  umbpd not built (cargo build --release -p mori-umbpd): daemon rows skipped")
+        return None, None
+    port_file = Path(tmp) / "umbpd.port"
+    proc = subprocess.Popen([str(exe), "--dram-bytes", "2G", "--port-file", str(port_file)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not port_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc, port_file.read_text().strip(), exe.parent.name
+
+
+def run(out_dir: str) -> dict[str, Any]:
+    from mori.umbp import Client
+
+    record: dict[str, Any] = {"benchmark": "umbp", "env": environment(), "method": __doc__.strip()}
+    with tempfile.TemporaryDirectory() as tmp:
+        record["memcpy_gbps"] = _memcpy_gbps()
+        print(f"host memcpy (numpy, 256 MiB): {record['memcpy_gbps']:.2f} GB/s")
+        print("embedded pool (DRAM tier):")
+        with Client(dram_bytes=2 << 30) as c:
+            rows = _pool_rows(c, "embedded", 256 << 20, zero_copy=True)
+            record["exists_prefix_64"] = _exists_latency(c)
+        print(f"batch_exists_prefix(64 keys): p50 {record['exists_prefix_64']['p50_us']:.1f} µs, "
+              f"p99 {record['exists_prefix_64']['p99_us']:.1f} µs")
+        print("umbpd over loopback gRPC:")
+        started = _daemon(tmp)
+        if started[0] is not None:
+            proc, addr, profile = started
+            try:
+                rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, zero_copy=False)
+                record["daemon_build"] = profile
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+        record["results"] = rows
+        print("Redis baseline (redis-benchmark, 4 clients):")
+        record["redis"] = _redis_baseline(tmp)
+        print("prefix-cache trace (working set ≈ 3× DRAM):")
+        record["trace"] = _prefix_trace(os.path.join(tmp, "ssd"))
+        t = record["trace"]
+        print(f"  DRAM hits {t['dram_hit_rate']:.1%}, SSD hits {t['ssd_hit_rate']:.1%}, misses {t['misses']}, "
+              f"demotions {t['demotions']}, promotions {t['promotions']}")
+    path = write_record("umbp", record, out_dir)
+    print(f"wrote {path}")
+    return record
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="benches/results")
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args.out)
+    return 0
