@@ -109,7 +109,7 @@ class Client:
     def batch_put(self, keys: Sequence[Any], values: Sequence[bytes]) -> list[bool]:
         if len(keys) != len(values):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(values)} values")
-        return self._pool.batch_put([(_key(k), bytes(v)) for k, v in zip(keys, values)])
+        return self._pool.batch_put([(_key(k), v if isinstance(v, bytes) else bytes(v)) for k, v in zip(keys, values)])
 
     def batch_get(self, keys: Sequence[Any]) -> list[bytes | None]:
         return self._pool.batch_get([_key(k) for k in keys])

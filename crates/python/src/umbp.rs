@@ -26,6 +26,16 @@ impl UmbpPool {
     }
 }
 
+/// Borrows the bytes of (key, value) pairs (extracting `Vec<u8>` would copy byte by byte).
+fn borrowed_pairs<'a>(
+    items: &'a [(Bound<'_, PyBytes>, Bound<'_, PyBytes>)],
+) -> Vec<(&'a [u8], &'a [u8])> {
+    items
+        .iter()
+        .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
+        .collect()
+}
+
 fn stats_dict<'py>(py: Python<'py>, s: &PoolStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("keys", s.keys)?;
@@ -135,12 +145,14 @@ impl UmbpPool {
         self.with(|p| Ok(p.exists(key)?))
     }
 
-    fn batch_put(&self, py: Python<'_>, items: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Vec<bool>> {
+    /// `items`: (key, value) pairs of `bytes`; values are borrowed, not copied.
+    fn batch_put(
+        &self,
+        py: Python<'_>,
+        items: Vec<(Bound<'_, PyBytes>, Bound<'_, PyBytes>)>,
+    ) -> Result<Vec<bool>> {
+        let refs = borrowed_pairs(&items);
         py.detach(|| {
-            let refs: Vec<(&[u8], &[u8])> = items
-                .iter()
-                .map(|(k, v)| (k.as_slice(), v.as_slice()))
-                .collect();
             self.with(|p| {
                 Ok(p.batch_put(&refs)?
                     .into_iter()
@@ -226,11 +238,12 @@ impl UmbpRemote {
         Ok(py.detach(|| self.inner.exists(key))?)
     }
 
-    fn batch_put(&self, py: Python<'_>, items: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Vec<bool>> {
-        let refs: Vec<(&[u8], &[u8])> = items
-            .iter()
-            .map(|(k, v)| (k.as_slice(), v.as_slice()))
-            .collect();
+    fn batch_put(
+        &self,
+        py: Python<'_>,
+        items: Vec<(Bound<'_, PyBytes>, Bound<'_, PyBytes>)>,
+    ) -> Result<Vec<bool>> {
+        let refs = borrowed_pairs(&items);
         Ok(py.detach(|| self.inner.batch_put(&refs))?)
     }
 

@@ -444,7 +444,8 @@ impl Drop for LocalPool {
         }
         inner.closed = true;
         match inner.flush_and_seal() {
-            Ok(r) if r.values_lost > 0 => {
+            // Without an SSD tier nothing outlives the pool by design: not worth a warning.
+            Ok(r) if r.values_lost > 0 && inner.ssd.is_some() => {
                 warn!(report = ?r, "pool dropped: some DRAM values could not be kept on SSD");
             }
             Ok(r) => debug!(report = ?r, "pool dropped"),
