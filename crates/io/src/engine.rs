@@ -345,8 +345,26 @@ impl IoEngine {
             (Op::Read, true) => Kind::DirectRead,
             (Op::Write, true) => Kind::DirectWrite,
         };
-        // A notified write goes down one connection, in order, so its last request lands last.
-        let fixed = notify.map(|_| peer.pick());
+        // Requests are dealt round-robin over the live connections, one hand-over per
+        // connection; a notified write goes down one connection, in order, so its last request
+        // lands last.
+        let conns: Vec<Arc<Connection>> = match notify {
+            Some(_) => vec![peer.pick()],
+            None => {
+                let live: Vec<_> = peer
+                    .conns
+                    .iter()
+                    .filter(|c| c.is_alive())
+                    .cloned()
+                    .collect();
+                if live.is_empty() {
+                    vec![peer.pick()]
+                } else {
+                    live
+                }
+            }
+        };
+        let mut per_conn: Vec<Vec<Job>> = conns.iter().map(|_| Vec::new()).collect();
         let last = chunks.len().saturating_sub(1);
         for (c, range) in chunks.into_iter().enumerate() {
             let job = Job {
@@ -362,7 +380,12 @@ impl IoEngine {
                 },
                 transfer: transfer.clone(),
             };
-            fixed.clone().unwrap_or_else(|| peer.pick()).submit(job);
+            per_conn[c % conns.len()].push(job);
+        }
+        for (conn, jobs) in conns.iter().zip(per_conn) {
+            if !jobs.is_empty() {
+                conn.submit_all(jobs);
+            }
         }
         Ok(transfer)
     }

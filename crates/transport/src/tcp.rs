@@ -290,7 +290,7 @@ struct Pending {
 /// A client connection to one peer engine.
 pub struct Connection {
     peer: String,
-    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    jobs: Mutex<Option<mpsc::Sender<Vec<Job>>>>,
     alive: Arc<AtomicBool>,
     /// False once the peer refused a same-host request (it then goes over TCP).
     direct_ok: Arc<AtomicBool>,
@@ -325,7 +325,7 @@ impl Connection {
         stream.set_read_timeout(None).map_err(ctx)?;
         let alive = Arc::new(AtomicBool::new(true));
         let pending: Arc<Mutex<HashMap<u64, Pending>>> = Arc::new(Mutex::new(HashMap::new()));
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<Vec<Job>>();
         let tx_retry = tx.clone();
         let direct_ok = Arc::new(AtomicBool::new(true));
         let conn = Arc::new(Self {
@@ -390,28 +390,31 @@ impl Connection {
 
     /// Queues a request; its transfer completes (or fails) later.
     pub fn submit(&self, job: Job) {
-        if !self.is_alive() {
-            job.transfer.part_done(Err(&Error::ConnectionLost {
+        self.submit_all(vec![job]);
+    }
+
+    /// Queues several requests with one wake-up of the sender thread.
+    pub fn submit_all(&self, jobs: Vec<Job>) {
+        let lost = |jobs: Vec<Job>, detail: &str| {
+            let e = Error::ConnectionLost {
                 peer: self.peer.clone(),
-                detail: "the connection is closed".into(),
-            }));
-            return;
+                detail: detail.into(),
+            };
+            jobs.into_iter().for_each(|j| j.transfer.part_done(Err(&e)));
+        };
+        if !self.is_alive() {
+            return lost(jobs, "the connection is closed");
         }
         let sent = self
             .jobs
             .lock()
             .ok()
-            .and_then(|g| g.as_ref().map(|tx| tx.send(job)));
+            .and_then(|g| g.as_ref().map(|tx| tx.send(jobs)));
         match sent {
             Some(Ok(())) => {}
-            Some(Err(mpsc::SendError(job))) => {
-                job.transfer.part_done(Err(&Error::ConnectionLost {
-                    peer: self.peer.clone(),
-                    detail: "the sender stopped".into(),
-                }))
-            }
+            Some(Err(mpsc::SendError(jobs))) => lost(jobs, "the sender stopped"),
             None => tracing::warn!(
-                "mori.io connection to {} is shutting down; request dropped",
+                "mori.io connection to {} is shutting down; requests dropped",
                 self.peer
             ),
         }
@@ -444,7 +447,7 @@ fn fail_all(pending: &Mutex<HashMap<u64, Pending>>, e: &Error) {
 }
 
 fn send_loop(
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<Vec<Job>>,
     mut writer: BufWriter<TcpStream>,
     pending: Arc<Mutex<HashMap<u64, Pending>>>,
     alive: Arc<AtomicBool>,
@@ -455,19 +458,21 @@ fn send_loop(
     let next_id = AtomicU64::new(1);
     loop {
         match rx.recv_timeout(POLL * 5) {
-            Ok(job) => {
-                if !alive.load(Ordering::SeqCst) {
-                    job.transfer.part_done(Err(&Error::ConnectionLost {
-                        peer: peer.clone(),
-                        detail: "the connection is closed".into(),
-                    }));
-                    continue;
-                }
-                let id = next_id.fetch_add(1, Ordering::Relaxed);
-                if let Err(e) = send_one(&mut writer, &pending, id, job, timeout, &peer) {
-                    alive.store(false, Ordering::SeqCst);
-                    let _ = stream.shutdown(Shutdown::Both); // wakes the reader, which fails the rest
-                    tracing::debug!("mori.io send to {peer} failed: {e}");
+            Ok(jobs) => {
+                for job in jobs {
+                    if !alive.load(Ordering::SeqCst) {
+                        job.transfer.part_done(Err(&Error::ConnectionLost {
+                            peer: peer.clone(),
+                            detail: "the connection is closed".into(),
+                        }));
+                        continue;
+                    }
+                    let id = next_id.fetch_add(1, Ordering::Relaxed);
+                    if let Err(e) = send_one(&mut writer, &pending, id, job, timeout, &peer) {
+                        alive.store(false, Ordering::SeqCst);
+                        let _ = stream.shutdown(Shutdown::Both); // wakes the reader, which fails the rest
+                        tracing::debug!("mori.io send to {peer} failed: {e}");
+                    }
                 }
             }
             Err(RecvTimeoutError::Timeout) => {}
@@ -582,7 +587,7 @@ fn expire(pending: &Mutex<HashMap<u64, Pending>>, peer: &str, timeout: Duration)
 
 /// What the reader needs to send a refused same-host request again over TCP.
 struct Retry {
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Vec<Job>>,
     direct_ok: Arc<AtomicBool>,
 }
 
@@ -620,11 +625,12 @@ fn receive_loop(
             }
             let mut job = p.job;
             job.kind = job.kind.over_tcp();
-            if let Err(mpsc::SendError(job)) = retry.jobs.send(job) {
-                job.transfer.part_done(Err(&Error::ConnectionLost {
+            if let Err(mpsc::SendError(jobs)) = retry.jobs.send(vec![job]) {
+                let e = Error::ConnectionLost {
                     peer: peer.to_string(),
                     detail: "the sender stopped".into(),
-                }));
+                };
+                jobs.into_iter().for_each(|j| j.transfer.part_done(Err(&e)));
             }
             continue;
         }
