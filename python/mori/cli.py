@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+
+# `mori bench <name>` runs mori.bench.<name> (each module has add_arguments and main).
+BENCHMARKS = {
+    "p2p": "GPU0→GPU1 copies: copy engine vs mori's SM copy kernel",
+    "shmem": "GPU-initiated put/get bandwidth, put+signal round trip, get latency",
+    "ep": "MoE dispatch/combine (normal mode), SM sweep, DeepEP's figures beside",
+    "io": "mori.io reads/writes over TCP and the same-host path, batch submission cost",
+    "umbp": "KV-block pool: embedded and daemon put/get, prefix probe, trace hit rates, Redis baseline",
+}
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -52,31 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (print mori beside a baseline, write JSON)")
     bench = p.add_subparsers(dest="bench", required=True)
-    from mori.bench import p2p
-
-    bp = bench.add_parser("p2p", help="GPU0→GPU1 copies: copy engine vs mori's SM copy kernel")
-    p2p.add_arguments(bp)
-    bp.set_defaults(func=p2p.main)
-    from mori.bench import shmem as shmem_bench
-
-    bp = bench.add_parser("shmem", help="GPU-initiated put/get bandwidth, put+signal round trip, get latency")
-    shmem_bench.add_arguments(bp)
-    bp.set_defaults(func=shmem_bench.main)
-    from mori.bench import ep as ep_bench
-
-    bp = bench.add_parser("ep", help="MoE dispatch/combine (normal mode), SM sweep, DeepEP's figures beside")
-    ep_bench.add_arguments(bp)
-    bp.set_defaults(func=ep_bench.main)
-    from mori.bench import io as io_bench
-
-    bp = bench.add_parser("io", help="mori.io reads/writes over TCP loopback, batch submission cost")
-    io_bench.add_arguments(bp)
-    bp.set_defaults(func=io_bench.main)
-    from mori.bench import umbp as umbp_bench
-
-    bp = bench.add_parser("umbp", help="KV-block pool: embedded and daemon put/get, prefix probe, trace hit rates, Redis baseline")
-    umbp_bench.add_arguments(bp)
-    bp.set_defaults(func=umbp_bench.main)
+    for name, help_text in BENCHMARKS.items():
+        module = importlib.import_module(f"mori.bench.{name}")
+        bp = bench.add_parser(name, help=help_text)
+        module.add_arguments(bp)
+        bp.set_defaults(func=module.main)
     return parser
 
 
