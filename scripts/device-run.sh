@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the device tool), from the repository root:
-#   bash scripts/device-run.sh [step ...]      steps: check demo precompile tests tests:<args> bench:<name>[:args]
+#   bash scripts/device-run.sh [step ...]      steps: check demo precompile tests tests:<args> bench:<name>[:args] py:<script>
 # Installs the wheel built by scripts/build-wheel.sh (carried in .device/) into a scratch
 # folder, then runs each step, writing logs and JSON under $OUT (or ./device-out).
 # The wheel holds the Python package too: rebuild it after changing python/, not only crates/.
@@ -37,6 +37,10 @@ for step in "$@"; do
     bench:*)
       spec=${step#bench:}; name=${spec%%:*}; args=""; [ "$spec" != "$name" ] && args=${spec#*:}
       python3 -m mori bench "$name" --out "$OUT" ${args//,/ } 2>&1 | tee "$OUT/bench-$name.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    py:*)
+      script=${step#py:}
+      python3 "$script" 2>&1 | tee "$OUT/$(basename "$script" .py).txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac

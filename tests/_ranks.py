@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import traceback
 from typing import Any, Callable
 
 
-def _trampoline(fn: Callable[..., Any], rank: int, args: tuple, results) -> None:
+def _trampoline(fn: Callable[..., Any], rank: int, args: tuple, results, timeout: float) -> None:
+    # A rank that hangs prints every thread's stack shortly before the parent gives up on it.
+    faulthandler.dump_traceback_later(max(1.0, timeout - 10.0), exit=False)
     try:
         results.put((rank, True, fn(rank, *args)))
     except BaseException:  # every failure, assertion or not, goes back to the parent
@@ -22,7 +25,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_trampoline, args=(fn, r, args, results)) for r in range(world_size)]
+    procs = [ctx.Process(target=_trampoline, args=(fn, r, args, results, timeout)) for r in range(world_size)]
     for p in procs:
         p.start()
     outcomes = {}

@@ -19,3 +19,121 @@ def test_config_is_validated():
     assert (c.topk, c.num_sms) == (8, 24)
     with pytest.raises(Exception):
         c.hidden = 1  # frozen
+
+
+# ---- the DeepEP facade: what needs neither a GPU nor torch ----------------------------------------
+
+
+class _FakeGroup:
+    """Stands in for a torch.distributed group: the facade's constructor only asks rank/size
+    (mori.shmem is initialised by the first collective call, which these tests never reach)."""
+
+    def __init__(self, rank: int = 0, size: int = 2):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def _facade(**kw):
+    from mori.ep import deepep
+
+    return deepep.Buffer(_FakeGroup(), **kw)
+
+
+def test_deepep_constructor_validation():
+    from mori.ep import deepep
+
+    with pytest.raises(errors.InvalidArgumentError, match="torch.distributed group"):
+        deepep.Buffer(None)
+    with pytest.raises(errors.InvalidArgumentError, match="mpi4py"):
+        deepep.Buffer(None, comm=object())
+    with pytest.raises(errors.InvalidArgumentError, match="internode"):
+        deepep.Buffer(_FakeGroup(size=16))
+    with pytest.raises(errors.InvalidArgumentError, match="max_tokens_per_rank"):
+        deepep.Buffer(_FakeGroup(), max_tokens_per_rank=0)
+    buf = deepep.Buffer(_FakeGroup(1, 2), 1 << 30, 0, True, 24, True, False, False, True)  # DeepEP's positional order
+    assert (buf.rank, buf.group_size, buf.num_nvl_bytes, buf.low_latency_mode, buf.explicitly_destroy) == (1, 2, 1 << 30, True, True)
+    assert "not built yet" in repr(buf)
+
+
+def test_deepep_unsupported_options_raise():
+    buf = _facade()
+    for kw, word in (({"use_ue8m0": True}, "use_ue8m0"), ({"round_scale": True}, "round_scale"),
+                     ({"use_per_tensor_quantization": True}, "per-tensor"), ({"static_scale": object()}, "per-tensor")):
+        with pytest.raises(errors.InvalidArgumentError, match=word):
+            buf.low_latency_dispatch(None, None, 128, 32, **kw)
+    with pytest.raises(errors.InvalidArgumentError, match="use_logfmt"):
+        buf.low_latency_combine(None, None, None, None, use_logfmt=True)
+    with pytest.raises(errors.InvalidArgumentError, match="expert_alignment"):
+        buf.dispatch(None, expert_alignment=0)
+    with pytest.raises(errors.InvalidArgumentError, match="num_worst_tokens"):
+        buf.dispatch(None, num_worst_tokens=-1)
+    with pytest.raises(errors.InvalidArgumentError, match="get_local_buffer_tensor"):
+        buf.get_local_buffer_tensor(None)
+    with pytest.raises(errors.InvalidArgumentError, match="explicitly_destroy"):
+        buf.destroy()
+    with pytest.raises(errors.InvalidArgumentError, match="positive"):
+        buf.clean_low_latency_buffer(0, 7168, 256)
+    buf.clean_low_latency_buffer(128, 7168, 256)  # a no-op in mori
+
+
+def test_deepep_destroy_without_buffers_and_use_after():
+    buf = _facade(explicitly_destroy=True)
+    buf.destroy()  # nothing was built: nothing collective to do
+    with pytest.raises(errors.MoriError, match="destroyed"):
+        buf.clean_low_latency_buffer(128, 7168, 256)
+    buf.destroy()  # idempotent
+
+
+def test_deepep_static_helpers():
+    from mori.ep.deepep import Buffer, Config
+
+    old = Buffer.num_sms
+    try:
+        with pytest.raises(errors.InvalidArgumentError, match="even"):
+            Buffer.set_num_sms(23)
+        Buffer.set_num_sms(32)
+        assert Buffer.num_sms == 32
+        assert Buffer.get_dispatch_config(2).num_sms == 32 and Buffer.get_combine_config(8).num_sms == 32
+    finally:
+        Buffer.num_sms = old
+    for n in range(1, 9):
+        assert isinstance(Buffer.get_dispatch_config(n), Config) and isinstance(Buffer.get_combine_config(n), Config)
+    with pytest.raises(errors.InvalidArgumentError, match="ranks"):
+        Buffer.get_dispatch_config(16)
+    cfg = Config(24, 6, 256, 6, 128)
+    nvl = cfg.get_nvl_buffer_size_hint(7168 * 2, 2)
+    assert nvl > 0 and nvl % 128 == 0
+    assert cfg.get_nvl_buffer_size_hint(7168 * 2, 8) > nvl
+    assert cfg.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    with pytest.raises(errors.InvalidArgumentError, match="internode"):
+        cfg.get_rdma_buffer_size_hint(7168 * 2, 16)
+    with pytest.raises(errors.InvalidArgumentError):
+        Config(24, 256, 6, 6, 128)  # send chunk must be below the receive chunk
+    a = Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 256)
+    assert a > 2 * 256 * 128 * 7168 and a % (1 << 20) == 0  # at least the double-buffered receive rows
+    assert Buffer.get_low_latency_rdma_size_hint(256, 7168, 2, 256) > a
+    with pytest.raises(errors.InvalidArgumentError, match="hidden"):
+        Buffer.get_low_latency_rdma_size_hint(128, 7000, 2, 256)
+    assert Buffer.is_sm90_compiled()
+
+
+def test_deepep_event_and_handles_without_gpu():
+    from mori.ep import deepep
+
+    ev = deepep.EventOverlap()
+    ev.current_stream_wait()  # no event: nothing to wait for
+    with ev as inner:
+        assert inner is ev
+    h = deepep._LowLatencyHandle(("src", "range", 128, 7168, 256), mori="m", owner=None, generation=1)
+    src_info, layout_range, tokens, hidden, experts = h  # unpacks like DeepEP's tuple
+    assert (tokens, hidden, experts, h.mori) == (128, 7168, 256, "m")
+    buf = _facade()
+    with pytest.raises(errors.InvalidArgumentError, match="handle"):
+        buf._check_handle(("not", "ours"), deepep._LowLatencyHandle)
+    with pytest.raises(errors.InvalidArgumentError, match="another buffer"):
+        buf._check_handle(h, deepep._LowLatencyHandle)

@@ -1,7 +1,12 @@
-"""mori.ep normal mode on two GPUs: every received row checked bit-exact against its source
-(token, scales, top-k ids as local ids, weights, source index); combine with an identity expert
-gives input x (number of ranks the token went to). Routing cases: random, all to one rank, none
-to the remote rank, a rank with zero tokens, -1 ids, one token, the maximum, repeated calls.
+"""mori.ep on two GPUs, normal and low-latency mode, checked against the references in
+tests/_ep_reference.py (every received row bit-exact against its source; combine with an identity
+expert). Routing cases: random top-k with -1 ids, all to one rank, none to the remote rank, a rank
+with zero tokens, one token, the maximum, BF16 and FP8, repeated calls with changing routing; for
+the low-latency mode also the send/receive split (hook) and CUDA-graph capture + replay.
+
+One spawned suite per module (module-scoped fixture); fresh random seeds every run. Each case
+runs every collective call first and checks afterwards, so a failing check on one rank cannot
+leave the other waiting in a collective.
 """
 
 from __future__ import annotations
@@ -13,138 +18,210 @@ from tests._ranks import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.torch]
 
-HIDDEN, EXPERTS, TOPK, MAX_TOKENS = 2048, 32, 8, 1024
+WORLD = 2
+HIDDEN, EXPERTS, TOPK, MAX_TOKENS, LL_MAX = 2048, 32, 8, 1024, 128
 
 
 def _suite(rank: int, uid: bytes) -> dict[str, str]:
     import os
+    import sys
     import traceback
 
-    import numpy as np
     import torch
 
     import mori.shmem as shmem
     from mori import Bootstrap
     from mori.ep import Buffer, EpConfig
+    from tests import _ep_reference as ref
 
     torch.cuda.set_device(rank)
-    world = 2
-    el = EXPERTS // world
     results: dict[str, str] = {}
-    gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
-    bs = Bootstrap(uid, rank, world, timeout=120)
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    bs = Bootstrap(uid, rank, WORLD, timeout=120)
     shmem.init(bootstrap=bs, device=rank, heap_size=2 << 30)
-    buf = Buffer(EpConfig(num_experts=EXPERTS, hidden=HIDDEN, max_tokens_per_rank=MAX_TOKENS, topk=TOPK, num_sms=24))
+    gather = ref.bootstrap_gather(bs)
+    buf = Buffer(
+        EpConfig(num_experts=EXPERTS, hidden=HIDDEN, max_tokens_per_rank=MAX_TOKENS, topk=TOPK, num_sms=24, low_latency_max_tokens=LL_MAX)
+    )
 
     def routing(n, mode):
-        if mode == "random":
-            idx = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOPK] for _ in range(n)]) if n else torch.empty((0, TOPK), dtype=torch.int64, device="cuda")
-            idx[torch.rand(idx.shape, device="cuda", generator=gen) < 0.1] = -1
-            return idx
-        if mode == "to_rank0":
-            return torch.stack([torch.randperm(el, device="cuda", generator=gen)[:TOPK] for _ in range(n)])
-        if mode == "local_only":
-            return torch.stack([torch.randperm(el, device="cuda", generator=gen)[:TOPK] + rank * el for _ in range(n)])
-        raise ValueError(mode)
+        return ref.routing(n, mode, num_experts=EXPERTS, topk=TOPK, world=WORLD, rank=rank, gen=gen)
 
-    def gather(t):
-        torch.cuda.synchronize()
-        return [np.frombuffer(b, dtype=t.cpu().numpy().dtype) for b in bs.allgather(t.cpu().numpy().tobytes())]
-
-    def run_case(n, mode, fp8):
-        idx = routing(n, mode).to(torch.int64)
-        weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
+    def tokens(n):
         x = torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16)
+        if n:
+            x[0, :128] = 0  # one all-zero 128-channel block (FP8 scale 0)
+        return x
+
+    # ---- normal mode ----------------------------------------------------------------------
+
+    def normal_case(n, mode, fp8):
+        idx = routing(n, mode)
+        weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
+        x = tokens(n)
+        scales = None
         if fp8:
-            xq = (torch.randn((n, HIDDEN), device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
+            sent = (torch.randn((n, HIDDEN), device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
             scales = torch.rand((n, HIDDEN // 128), device="cuda", generator=gen, dtype=torch.float32)
-            res = buf.dispatch((xq, scales), idx, weights)
-            rows_src = xq.view(torch.uint8)
+            res = buf.dispatch((sent, scales), idx, weights)
         else:
+            sent = x
             res = buf.dispatch(x, idx, weights)
-            rows_src = x.view(torch.uint8)
-        # Every rank's inputs, to build what this rank should have received.
-        all_idx = [a.reshape(-1, TOPK) for a in gather(idx)]
-        all_w = [a.reshape(-1, TOPK) for a in gather(weights)]
-        all_rows = [a.reshape(-1, rows_src.shape[1] if n else (HIDDEN if fp8 else 2 * HIDDEN)) for a in gather(rows_src)]
-        all_scales = [a.reshape(-1, HIDDEN // 128) for a in gather(scales)] if fp8 else None
-        exp_src, exp_rows, exp_idx, exp_w, exp_scales = [], [], [], [], []
-        for s in range(world):
-            for t in range(all_idx[s].shape[0]):
-                ids = all_idx[s][t]
-                on_me = (ids >= 0) & (ids // el == rank)
-                if not on_me.any():
-                    continue
-                exp_src.append(t)
-                exp_rows.append(all_rows[s][t])
-                exp_idx.append(np.where(on_me, ids - rank * el, -1))
-                exp_w.append(all_w[s][t])
-                if fp8:
-                    exp_scales.append(all_scales[s][t])
-        got_n = res.recv_x.shape[0]
-        assert got_n == len(exp_src), f"received {got_n} rows, expected {len(exp_src)}"
-        if got_n:
-            torch.cuda.synchronize()
-            assert np.array_equal(res.recv_src_idx.cpu().numpy(), np.array(exp_src)), "source indices"
-            assert np.array_equal(res.recv_x.view(torch.uint8).cpu().numpy(), np.stack(exp_rows)), "token bytes"
-            assert np.array_equal(res.recv_topk_idx.cpu().numpy(), np.stack(exp_idx)), "top-k ids"
-            assert np.array_equal(res.recv_topk_weights.cpu().numpy(), np.stack(exp_w)), "weights"
-            if fp8:
-                assert np.array_equal(res.recv_x_scales.cpu().numpy(), np.stack(exp_scales)), "scales"
-        per_expert = np.zeros(el, dtype=np.int64)
-        for row in exp_idx:
-            for e in row:
-                if e >= 0:
-                    per_expert[e] += 1
-        assert list(res.num_recv_tokens_per_expert) == per_expert.tolist(), "tokens per local expert"
-        if not fp8:
-            out = buf.combine(res.recv_x.clone(), res.handle)  # identity expert
-            ranks_hit = torch.zeros(n, device="cuda", dtype=torch.float32)
-            for d in range(world):
-                ranks_hit += ((idx >= 0) & (idx // el == d)).any(dim=1).float()
-            expected = (x.float() * ranks_hit[:, None]).to(torch.bfloat16)
-            assert torch.equal(out, expected), "combine != x * (ranks the token went to)"
+        got = dict(
+            recv_x=res.recv_x.clone(), recv_x_scales=res.recv_x_scales.clone() if fp8 else None,
+            recv_topk_idx=res.recv_topk_idx.clone(), recv_topk_weights=res.recv_topk_weights.clone(),
+            recv_src_idx=res.recv_src_idx.clone(), num_recv_tokens_per_expert=list(res.num_recv_tokens_per_expert),
+        )
+        out = None if fp8 else buf.combine(res.recv_x.clone(), res.handle)  # identity expert
+        all_idx, all_w, all_x = gather(idx), gather(weights), gather(sent)
+        all_scales = gather(scales) if fp8 else None
         shmem.barrier_all()
+        exp = ref.expected_normal_dispatch(rank, WORLD, EXPERTS, all_idx, all_w, all_x, all_scales)
+        ref.check_normal_dispatch(exp, **got)
+        if out is not None:
+            ref.check_normal_combine(out, x, idx, EXPERTS, WORLD)
+
+    # ---- low-latency mode -----------------------------------------------------------------
+
+    def ll_run(x, idx, weights, fp8, hook):
+        """Dispatch, identity expert, combine; returns what the checks need (copies)."""
+        res = buf.low_latency_dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook)
+        hook_ok = (res.hook is not None) == hook
+        if hook:
+            torch.mm(torch.randn((256, 256), device="cuda"), torch.randn((256, 256), device="cuda"))  # overlapped work
+            res.hook()
+        snap = dict(
+            recv_x=res.recv_x.clone(), recv_x_scales=res.recv_x_scales.clone() if fp8 else None, recv_count=res.recv_count.clone(),
+            recv_src_info=res.recv_src_info.clone(), recv_layout_range=res.recv_layout_range.clone(),
+        )
+        y = ref.ll_identity_expert(snap["recv_x"], snap["recv_x_scales"])
+        out, chook = buf.low_latency_combine(y, idx, weights, res.handle, return_recv_hook=hook)
+        hook_ok = hook_ok and (chook is not None) == hook
+        if hook:
+            chook()
+        torch.cuda.synchronize()
+        return snap, out, hook_ok
+
+    def ll_check(x, idx, weights, fp8, snap, out, hook_ok, hook):
+        all_x, all_idx = gather(x), gather(idx)
+        shmem.barrier_all()
+        assert hook_ok, f"hook returned {'None' if hook else 'a callable'} with return_recv_hook={hook}"
+        ref.check_ll_dispatch(rank=rank, world=WORLD, num_experts=EXPERTS, max_tokens=LL_MAX, all_x=all_x, all_idx=all_idx, **snap)
+        ref.check_ll_combine(out, ref.expected_ll_combine(x, idx, weights, fp8))
+
+    def ll_case(n, mode, fp8, hook=False):
+        idx = routing(n, mode)
+        weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
+        x = tokens(n)
+        snap, out, hook_ok = ll_run(x, idx, weights, fp8, hook)
+        ll_check(x, idx, weights, fp8, snap, out, hook_ok, hook)
+
+    def ll_repeated():
+        for i in range(6):
+            ll_case((17 + 37 * i + 11 * rank) % (LL_MAX + 1), "random", i % 2 == 1, hook=i % 3 == 2)
+
+    def ll_graph(fp8):
+        n = 64 + 13 * rank
+        x_s = tokens(n)
+        idx_s = routing(n, "random")
+        w_s = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph, on a side stream
+            for _ in range(2):
+                r = buf.low_latency_dispatch(x_s, idx_s, use_fp8=fp8)
+                buf.low_latency_combine(ref.ll_identity_expert(r.recv_x, r.recv_x_scales), idx_s, w_s, r.handle)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            r = buf.low_latency_dispatch(x_s, idx_s, use_fp8=fp8)
+            out, _ = buf.low_latency_combine(ref.ll_identity_expert(r.recv_x, r.recv_x_scales), idx_s, w_s, r.handle)
+        torch.cuda.synchronize()
+        shmem.barrier_all()
+        failures = []
+        for replay in range(4):
+            x_s.copy_(tokens(n))
+            idx_s.copy_(ref.routing(n, "random", num_experts=EXPERTS, topk=TOPK, world=WORLD, rank=rank, gen=gen, drop=0.05 * replay))
+            w_s.copy_(torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32))
+            graph.replay()
+            torch.cuda.synchronize()
+            snap = dict(
+                recv_x=r.recv_x.clone(), recv_x_scales=r.recv_x_scales.clone() if fp8 else None, recv_count=r.recv_count.clone(),
+                recv_src_info=r.recv_src_info.clone(), recv_layout_range=r.recv_layout_range.clone(),
+            )
+            got = out.clone()
+            x, idx, w = x_s.clone(), idx_s.clone(), w_s.clone()
+            try:
+                ll_check(x, idx, w, fp8, snap, got, True, False)
+            except AssertionError as e:
+                failures.append(f"replay {replay}: {e}")
+        del graph
+        assert not failures, "\n".join(failures)
 
     cases = {
-        "random": (1000, "random", False),
-        "random_fp8": (1000, "random", True),
-        "all_to_rank0": (600, "to_rank0", False),
-        "no_remote": (500, "local_only", False),
-        "zero_tokens_on_rank1": (300 if rank == 0 else 0, "random", False),
-        "one_token": (1, "random", False),
-        "max_tokens": (MAX_TOKENS, "random", False),
-        "max_tokens_fp8": (MAX_TOKENS, "random", True),
+        "random": lambda: normal_case(1000, "random", False),
+        "random_fp8": lambda: normal_case(1000, "random", True),
+        "all_to_rank0": lambda: normal_case(600, "to_rank0", False),
+        "no_remote": lambda: normal_case(500, "local_only", False),
+        "zero_tokens_on_rank1": lambda: normal_case(300 if rank == 0 else 0, "random", False),
+        "one_token": lambda: normal_case(1, "random", False),
+        "max_tokens": lambda: normal_case(MAX_TOKENS, "random", False),
+        "max_tokens_fp8": lambda: normal_case(MAX_TOKENS, "random", True),
+        "repeated": lambda: [normal_case(100 + 150 * i + rank * 7, "random", i % 2 == 1) for i in range(6)],
+        "ll_random": lambda: ll_case(100, "random", False),
+        "ll_random_fp8": lambda: ll_case(100, "random", True),
+        "ll_all_to_rank0": lambda: ll_case(90, "to_rank0", False),
+        "ll_all_to_rank0_fp8": lambda: ll_case(90, "to_rank0", True),
+        "ll_no_remote": lambda: ll_case(70, "local_only", True),
+        "ll_zero_tokens_on_rank1": lambda: ll_case(50 if rank == 0 else 0, "random", False),
+        "ll_zero_tokens_on_rank1_fp8": lambda: ll_case(50 if rank == 0 else 0, "random", True),
+        "ll_one_token": lambda: ll_case(1, "random", False),
+        "ll_one_token_fp8": lambda: ll_case(1, "random", True),
+        "ll_max_tokens": lambda: ll_case(LL_MAX, "random", False),
+        "ll_max_tokens_fp8": lambda: ll_case(LL_MAX, "random", True),
+        "ll_repeated": ll_repeated,
+        "ll_hook": lambda: ll_case(100, "random", False, hook=True),
+        "ll_hook_fp8": lambda: ll_case(100, "random", True, hook=True),
+        "ll_graph": lambda: ll_graph(False),
+        "ll_graph_fp8": lambda: ll_graph(True),
+        "normal_after_ll": lambda: normal_case(700, "random", False),
     }
-    for name, args in cases.items():
+    for name, fn in cases.items():
+        print(f"[rank {rank}] ep case {name}", file=sys.stderr, flush=True)
         try:
-            run_case(*args)
+            fn()
             results[name] = "ok"
         except Exception:
-            results[name] = traceback.format_exc()
-    try:
-        for i in range(6):  # repeated calls, changing routing and sizes
-            run_case(100 + 150 * i + rank * 7, "random", i % 2 == 1)
-        results["repeated"] = "ok"
-    except Exception:
-        results["repeated"] = traceback.format_exc()
+            results[name] = f"(seed {seed})\n" + traceback.format_exc()
+            print(f"[rank {rank}] {name} failed:\n{results[name]}", file=sys.stderr, flush=True)
+        try:
+            torch.cuda.synchronize()
+            shmem.barrier_all()
+        except Exception:
+            results[name] = results.get(name, "") + "\nafter the case:\n" + traceback.format_exc()
+            break
     shmem.finalize()
     return results
 
 
+CASES = [
+    "random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_token", "max_tokens", "max_tokens_fp8",
+    "repeated", "ll_random", "ll_random_fp8", "ll_all_to_rank0", "ll_all_to_rank0_fp8", "ll_no_remote", "ll_zero_tokens_on_rank1",
+    "ll_zero_tokens_on_rank1_fp8", "ll_one_token", "ll_one_token_fp8", "ll_max_tokens", "ll_max_tokens_fp8", "ll_repeated",
+    "ll_hook", "ll_hook_fp8", "ll_graph", "ll_graph_fp8", "normal_after_ll",
+]
+
+
 @pytest.fixture(scope="module")
 def suite():
-    results = run_ranks(_suite, 2, mori.get_unique_id(), timeout=540)
-    return {name: (results[0][name], results[1].get(name)) for name in results[0]}
+    results = run_ranks(_suite, WORLD, mori.get_unique_id(), timeout=150)
+    return {name: (results[0].get(name, "not run"), results[1].get(name, "not run")) for name in CASES}
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "case",
-    ["random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_token", "max_tokens",
-     "max_tokens_fp8", "repeated"],
-)
-def test_ep_dispatch_combine(suite, case):
+@pytest.mark.parametrize("case", CASES)
+def test_ep(suite, case):
     a, b = suite[case]
     assert (a, b) == ("ok", "ok"), f"PE0:\n{a}\nPE1:\n{b}"
-

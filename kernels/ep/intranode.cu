@@ -1,96 +1,66 @@
 // mori.ep normal (high-throughput) mode inside one node: every rank reaches every other rank's
 // symmetric heap by load/store over NVLink.
 //
-// One dispatch:  ep_layout (which token goes to which rank, its slot there)
-//             -> ep_notify (counts to every rank; a barrier; the receiver's totals)
+// One dispatch:  ep_prepare (which token goes to which rank and its slot there; then, in the
+//                grid's last block, the counts go to every rank, a barrier, and the receiver's
+//                totals are written to host-mapped memory the host polls: the one host wait)
 //             -> ep_dispatch (each token's row, top-k ids/weights, scales and source index are
-//                stored straight into its final row at every destination rank)
-//             -> barrier (on stream)
-// One combine:   ep_combine_send (every received row goes back to its source rank's combine
-//                buffer, in the slot it came from) -> barrier -> ep_combine_reduce (fp32 sum per
-//                token over the ranks it went to, written as bf16).
+//                stored straight into its final row at every destination; the last block to
+//                finish runs the barrier that publishes them)
+// One combine:   ep_combine_send (received rows that came from other ranks go back to their
+//                source's combine buffer; last block: barrier) -> ep_combine_reduce (fp32 sum per
+//                token over the ranks it went to, the rank's own rows read straight from y).
+//                With y on the symmetric heap the send is skipped and the reduce reads the
+//                peers' rows over NVLink (between two barriers).
 //
 // Rows at a receiver are grouped by source rank (ascending), in each source's token order, so a
 // row's position is base(src -> me) + slot, where base = tokens all lower ranks sent to me.
-#include "mori_shmem.cuh"
+//
+// Work is handed out row by row through a grid-wide counter so warps that finish cheap local
+// rows take remote ones: NVLink stays busy until the end (benches/NOTES.md, ep).
+#include "mori_ep.cuh"
 
 using namespace mori;
 using namespace mori::shmem;
+using namespace mori::ep;
 
-constexpr int EP_MAX_RANKS = 8;
+// Grid-wide counters a launch uses and its last block resets (a per-buffer int32[4], zeroed once).
+struct Counters {
+    unsigned int ticket;
+    unsigned int work;
+    int bad_ids;
+    unsigned int unused;
+};
 
 namespace {
 
-// Exclusive scan of `v` over the block (blockDim.x a multiple of 32, at most 1024).
-// Returns the prefix; *total gets the block's sum.
-__device__ int block_exclusive_scan(int v, int* total) {
-    __shared__ int warp_sums[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    int incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += n;
-    }
-    if (lane == 31) warp_sums[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < nwarps ? warp_sums[lane] : 0;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int n = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += n;
-        }
-        if (lane < nwarps) warp_sums[lane] = w;  // inclusive over warps
-    }
-    __syncthreads();
-    const int before = warp == 0 ? 0 : warp_sums[warp - 1];
-    *total = warp_sums[nwarps - 1];
-    __syncthreads();
-    return before + incl - v;
+// Σ over source ranks s < me of rank_matrix[s][d]: where this rank's rows start at rank d.
+__device__ __forceinline__ int rows_before(const int* rank_matrix, int num_ranks, int me, int d) {
+    int b = 0;
+    for (int s = 0; s < me; ++s) b += rank_matrix[s * num_ranks + d];
+    return b;
 }
 
-__device__ __forceinline__ int rank_of_expert(long long e, int experts_per_rank) {
-    return e < 0 ? -1 : static_cast<int>(e / experts_per_rank);
-}
-
-// Warp-wide copy of `bytes` (a multiple of 16, both sides 16-byte aligned), four 16-byte loads
-// in flight per lane before the stores.
-__device__ __forceinline__ void warp_copy16(void* dst, const void* src, u64 bytes) {
-    const Vec16* s = static_cast<const Vec16*>(src);
-    Vec16* d = static_cast<Vec16*>(dst);
-    const u64 n = bytes / 16;
-    u64 i = lane_id();
-    for (; i + 96 < n; i += 128) {
-        Vec16 v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) v[u] = load_streaming(s + i + 32 * u);
-#pragma unroll
-        for (int u = 0; u < 4; ++u) store_vec(d + i + 32 * u, v[u]);
-    }
-    for (; i < n; i += 32) store_vec(d + i, load_streaming(s + i));
-}
-
-__device__ __forceinline__ float bf16_to_float(unsigned short h) { return __uint_as_float(static_cast<u32>(h) << 16); }
-
-__device__ __forceinline__ unsigned short float_to_bf16(float f) {
-    u32 b = __float_as_uint(f);
-    if ((b & 0x7f800000u) == 0x7f800000u && (b & 0x007fffffu)) return static_cast<unsigned short>((b >> 16) | 0x40);  // NaN stays NaN
-    b += 0x7fffu + ((b >> 16) & 1u);  // round to nearest even
-    return static_cast<unsigned short>(b >> 16);
+// The next work item for the calling warp.
+__device__ __forceinline__ unsigned int next_item(unsigned int* work) {
+    unsigned int item = 0;
+    if (lane_id() == 0) item = atomicAdd(work, 1u);
+    return __shfl_sync(0xffffffffu, item, 0);
 }
 
 }  // namespace
 
-// Blocks 0..num_ranks-1: scan for destination rank d (one block each). Block num_ranks: counts
-// per expert through a shared-memory histogram (num_experts <= 4096), and sets *bad_ids when an
-// id lies outside [-1, num_experts).
-extern "C" __global__ void __launch_bounds__(1024) ep_layout(const long long* __restrict__ topk_idx, int num_tokens,
-                                                              int topk, int experts_per_rank, int num_ranks,
-                                                              int num_experts, int* __restrict__ slot,
-                                                              unsigned char* __restrict__ in_rank,
-                                                              int* __restrict__ tokens_per_rank,
-                                                              int* __restrict__ tokens_per_expert, int* bad_ids) {
+// Blocks 0..num_ranks-1: the scan for destination rank d (slot[t][d], send_list[d][slot] = t,
+// tokens_per_rank[d]). Block num_ranks: counts per expert (num_experts <= 4096) and the
+// out-of-range id check. The grid's last block, when `notify`, then writes this rank's counts into
+// every rank's rank/expert matrices, meets every rank in a barrier, copies the rank matrix into
+// `rank_matrix_out` and publishes host_info = [seq, rows received, rows per local expert...,
+// bad ids] with host_info[0] written last.
+extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
+    const long long* __restrict__ topk_idx, int num_tokens, int topk, int experts_per_rank, int num_ranks,
+    int num_experts, int* __restrict__ slot, int* __restrict__ send_list, int* tokens_per_rank,
+    int* tokens_per_expert, int* __restrict__ rank_matrix_out, Counters* counters, int notify, int* rank_matrix,
+    int* expert_matrix, volatile int* host_info, int seq) {
     const int d = blockIdx.x;
     if (d == num_ranks) {
         __shared__ int hist[4096];
@@ -102,105 +72,126 @@ extern "C" __global__ void __launch_bounds__(1024) ep_layout(const long long* __
             if (e >= 0 && e < num_experts) atomicAdd(hist + e, 1);
             else if (e != -1) bad = 1;
         }
-        if (bad) atomicOr(bad_ids, 1);
+        if (bad) atomicOr(&counters->bad_ids, 1);
         __syncthreads();
         for (int e = threadIdx.x; e < num_experts; e += blockDim.x) tokens_per_expert[e] = hist[e];
-        return;
-    }
-    int running = 0;
-    for (int base = 0; base < num_tokens; base += blockDim.x) {
-        const int t = base + threadIdx.x;
-        int f = 0;
-        if (t < num_tokens) {
-            for (int k = 0; k < topk; ++k) f |= rank_of_expert(topk_idx[(u64)t * topk + k], experts_per_rank) == d;
+    } else {
+        int running = 0;
+        for (int base = 0; base < num_tokens; base += blockDim.x) {
+            const int t = base + threadIdx.x;
+            int f = 0;
+            if (t < num_tokens) {
+                for (int k = 0; k < topk; ++k) f |= rank_of_expert(topk_idx[(u64)t * topk + k], experts_per_rank) == d;
+            }
+            int chunk_total;
+            const int prefix = block_exclusive_scan(f, &chunk_total);
+            if (t < num_tokens) {
+                slot[(u64)t * num_ranks + d] = f ? running + prefix : -1;
+                if (f) send_list[(u64)d * num_tokens + running + prefix] = t;
+            }
+            running += chunk_total;
         }
-        int chunk_total;
-        const int prefix = block_exclusive_scan(f, &chunk_total);
-        if (t < num_tokens) {
-            slot[(u64)t * num_ranks + d] = f ? running + prefix : -1;
-            in_rank[(u64)t * num_ranks + d] = static_cast<unsigned char>(f);
-        }
-        running += chunk_total;
+        if (threadIdx.x == 0) tokens_per_rank[d] = running;
     }
-    if (threadIdx.x == 0) tokens_per_rank[d] = running;
-}
+    if (!last_block_done(&counters->ticket)) return;
 
-// One block. Writes this rank's row of the rank matrix (tokens to each rank) and of each
-// receiver's expert matrix (tokens to each of its local experts) into every rank, meets every
-// rank in a barrier, then totals what this rank receives into recv_info:
-// [0] = rows, [1 + e] = rows for local expert e.
-// recv_info[1 + experts_per_rank] receives *bad_ids (set by ep_layout).
-extern "C" __global__ void ep_notify(const int* __restrict__ tokens_per_rank, const int* __restrict__ tokens_per_expert,
-                                     int num_ranks, int experts_per_rank, int* rank_matrix, int* expert_matrix,
-                                     const int* __restrict__ bad_ids, int* __restrict__ recv_info) {
     const int me = my_pe();
-    for (int d = 0; d < num_ranks; ++d) {
-        for (int j = threadIdx.x; j < num_ranks; j += blockDim.x) p(rank_matrix + me * num_ranks + j, tokens_per_rank[j], d);
+    __shared__ int bad_seen;
+    if (threadIdx.x == 0) {
+        bad_seen = atomicExch(&counters->bad_ids, 0);
+    }
+    __syncthreads();
+    if (!notify) return;
+    for (int dst = 0; dst < num_ranks; ++dst) {
+        for (int j = threadIdx.x; j < num_ranks; j += blockDim.x) {
+            p(rank_matrix + me * num_ranks + j, __ldcg(tokens_per_rank + j), dst);
+        }
         for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
-            p(expert_matrix + me * experts_per_rank + e, tokens_per_expert[d * experts_per_rank + e], d);
+            p(expert_matrix + me * experts_per_rank + e, __ldcg(tokens_per_expert + dst * experts_per_rank + e), dst);
         }
     }
     barrier_all_block();
-    if (threadIdx.x == 0) {
-        int rows = 0;
-        for (int s = 0; s < num_ranks; ++s) rows += ((volatile int*)rank_matrix)[s * num_ranks + me];
-        recv_info[0] = rows;
-        recv_info[1 + experts_per_rank] = *bad_ids;
+    for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
+        rank_matrix_out[i] = ((volatile int*)rank_matrix)[i];
     }
     for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
         int n = 0;
         for (int s = 0; s < num_ranks; ++s) n += ((volatile int*)expert_matrix)[s * experts_per_rank + e];
-        recv_info[1 + e] = n;
+        host_info[2 + e] = n;
+    }
+    if (threadIdx.x == 0) {
+        int rows = 0;
+        for (int s = 0; s < num_ranks; ++s) rows += ((volatile int*)rank_matrix)[s * num_ranks + me];
+        host_info[1] = rows;
+        host_info[2 + experts_per_rank] = bad_seen;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        host_info[0] = seq;
     }
 }
 
-// Each warp takes tokens; for every destination rank the token goes to, it stores the row
-// (row_bytes, a multiple of 16), the scales (scale_cols floats, may be 0), the top-k ids as the
-// destination's local expert ids (-1 when the expert lives elsewhere), the weights and the
-// source token index into the destination's receive buffers.
+// Each warp takes rows from a grid-wide counter, interleaving destinations (remote first), and
+// stores the token's row (row_bytes, a multiple of 16), its scales (scale_cols floats, may be 0),
+// its top-k ids as the destination's local expert ids (-1 for experts elsewhere), its weights and
+// its source index into the destination's receive buffers. The last block to finish meets every
+// rank in a barrier, so the rows are complete everywhere when the kernel ends.
 extern "C" __global__ void __launch_bounds__(512) ep_dispatch(
     const unsigned char* __restrict__ x, u64 row_bytes, const float* __restrict__ scales, int scale_cols,
     const long long* __restrict__ topk_idx, const float* __restrict__ topk_w, int num_tokens, int topk,
-    int experts_per_rank, int num_ranks, const int* __restrict__ slot, const int* rank_matrix,
-    unsigned char* recv_x, float* recv_scales, long long* recv_idx, float* recv_w, int* recv_src) {
-    __shared__ int base[EP_MAX_RANKS];
+    int experts_per_rank, int num_ranks, const int* __restrict__ send_list, const int* __restrict__ tokens_per_rank,
+    const int* __restrict__ rank_matrix, unsigned char* recv_x, float* recv_scales, long long* recv_idx, float* recv_w,
+    int* recv_src, Counters* counters) {
+    __shared__ int base[MAX_RANKS], count[MAX_RANKS], max_count;
     const int me = my_pe();
     if (threadIdx.x < num_ranks) {
-        int b = 0;
-        for (int s = 0; s < me; ++s) b += rank_matrix[s * num_ranks + threadIdx.x];
-        base[threadIdx.x] = b;
+        base[threadIdx.x] = rows_before(rank_matrix, num_ranks, me, threadIdx.x);
+        count[threadIdx.x] = tokens_per_rank[threadIdx.x];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int m = 0;
+        for (int d = 0; d < num_ranks; ++d) m = max(m, count[d]);
+        max_count = m;
     }
     __syncthreads();
     const int lane = lane_id();
-    const u64 warps = (u64)gridDim.x * warps_per_block();
-    for (u64 t = (u64)blockIdx.x * warps_per_block() + warp_id(); t < (u64)num_tokens; t += warps) {
-        for (int d = 0; d < num_ranks; ++d) {
-            const int s = slot[t * num_ranks + d];
-            if (s < 0) continue;
-            const u64 row = (u64)(base[d] + s);
-            warp_copy16(ptr(recv_x + row * row_bytes, d), x + t * row_bytes, row_bytes);
-            for (int c = lane; c < scale_cols; c += 32) {
-                *ptr(recv_scales + row * scale_cols + c, d) = scales[t * scale_cols + c];
-            }
-            if (lane < topk) {
-                const long long e = topk_idx[t * topk + lane];
-                const long long local = rank_of_expert(e, experts_per_rank) == d ? e - (long long)d * experts_per_rank : -1;
-                *ptr(recv_idx + row * topk + lane, d) = local;
-                *ptr(recv_w + row * topk + lane, d) = topk_w[t * topk + lane];
-            }
-            if (lane == 0) *ptr(recv_src + row, d) = static_cast<int>(t);
+    for (;;) {
+        const unsigned int item = next_item(&counters->work);
+        const int k = static_cast<int>(item / num_ranks);
+        if (k >= max_count) break;
+        const int d = (me + 1 + static_cast<int>(item % num_ranks)) % num_ranks;
+        if (k >= count[d]) continue;
+        const u64 t = static_cast<u64>(send_list[(u64)d * num_tokens + k]);
+        const u64 row = static_cast<u64>(base[d] + k);
+        warp_copy16(ptr(recv_x + row * row_bytes, d), x + t * row_bytes, row_bytes);
+        for (int c = lane; c < scale_cols; c += 32) {
+            *ptr(recv_scales + row * scale_cols + c, d) = scales[t * scale_cols + c];
         }
+        if (lane < topk) {
+            const long long e = topk_idx[t * topk + lane];
+            const long long local = rank_of_expert(e, experts_per_rank) == d ? e - (long long)d * experts_per_rank : -1;
+            *ptr(recv_idx + row * topk + lane, d) = local;
+            *ptr(recv_w + row * topk + lane, d) = topk_w[t * topk + lane];
+        }
+        if (lane == 0) *ptr(recv_src + row, d) = static_cast<int>(t);
     }
-    quiet();
+    if (last_block_done(&counters->ticket)) {
+        if (threadIdx.x == 0) counters->work = 0;
+        barrier_all_block();
+    }
 }
 
-// On a receiver: every received row (num_recv of them, grouped by source) goes back to its
-// source's combine buffer at [me][slot]. rank_matrix is the dispatch's (the handle's copy).
+// On a receiver: every received row that came from another rank (rows are grouped by source)
+// goes back to its source's combine buffer at [me][slot]; this rank's own rows stay in y for the
+// reduce. rank_matrix is the dispatch's (the handle's copy). Last block: barrier.
 extern "C" __global__ void __launch_bounds__(512) ep_combine_send(const unsigned char* __restrict__ y, u64 row_bytes,
                                                                    int num_recv, int num_ranks,
                                                                    const int* __restrict__ rank_matrix,
-                                                                   unsigned char* comb_buf, u64 max_tokens) {
-    __shared__ int seg_base[EP_MAX_RANKS + 1];
+                                                                   unsigned char* comb_buf, u64 max_tokens,
+                                                                   Counters* counters) {
+    __shared__ int seg_base[MAX_RANKS + 1];
     const int me = my_pe();
     if (threadIdx.x == 0) {
         int b = 0;
@@ -211,44 +202,73 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_send(const unsigned
         seg_base[num_ranks] = b;
     }
     __syncthreads();
-    const u64 warps = (u64)gridDim.x * warps_per_block();
-    for (u64 j = (u64)blockIdx.x * warps_per_block() + warp_id(); j < (u64)num_recv; j += warps) {
+    const unsigned int own = static_cast<unsigned int>(seg_base[me + 1] - seg_base[me]);
+    const unsigned int remote = static_cast<unsigned int>(num_recv) - own;
+    for (;;) {
+        const unsigned int item = next_item(&counters->work);
+        if (item >= remote) break;
+        const int j = static_cast<int>(item < (unsigned int)seg_base[me] ? item : item + own);
         int s = 0;
-        while (s + 1 < num_ranks && (int)j >= seg_base[s + 1]) ++s;
-        const u64 slot = j - seg_base[s];
-        warp_copy16(ptr(comb_buf + ((u64)me * max_tokens + slot) * row_bytes, s), y + j * row_bytes, row_bytes);
+        while (s + 1 < num_ranks && j >= seg_base[s + 1]) ++s;
+        const u64 slot = static_cast<u64>(j - seg_base[s]);
+        warp_copy16(ptr(comb_buf + ((u64)me * max_tokens + slot) * row_bytes, s), y + (u64)j * row_bytes, row_bytes);
     }
-    quiet();
+    if (last_block_done(&counters->ticket)) {
+        if (threadIdx.x == 0) counters->work = 0;
+        barrier_all_block();
+    }
 }
 
-// On a source: out[t] = sum over ranks d that received t of comb_buf[d][slot[t][d]], in fp32,
-// stored as bf16. Tokens routed nowhere get zeros. hidden % 8 == 0.
-extern "C" __global__ void __launch_bounds__(512) ep_combine_reduce(const unsigned char* __restrict__ comb_buf,
-                                                                     u64 max_tokens, int hidden, int num_tokens,
-                                                                     int num_ranks, const int* __restrict__ slot,
-                                                                     unsigned short* __restrict__ out) {
+// On a source: out[t] = Σ over ranks d that received t of that rank's row for t, in fp32, stored
+// as bf16. The rank's own row is read from y (its own receive order); other ranks' rows from
+// comb_buf[d][slot] (after ep_combine_send), or, when `y_on_heap`, straight from rank d's y over
+// NVLink. Tokens routed nowhere get zeros. hidden % 8 == 0.
+extern "C" __global__ void __launch_bounds__(512) ep_combine_reduce(
+    const unsigned char* __restrict__ y, int y_on_heap, const unsigned char* __restrict__ comb_buf, u64 max_tokens,
+    int hidden, int num_tokens, int num_ranks, const int* __restrict__ slot, const int* __restrict__ rank_matrix,
+    unsigned short* __restrict__ out) {
+    constexpr int U = 4;
+    __shared__ int base[MAX_RANKS];
+    const int me = my_pe();
+    if (threadIdx.x < num_ranks) base[threadIdx.x] = rows_before(rank_matrix, num_ranks, me, threadIdx.x);
+    __syncthreads();
     const u64 row_bytes = (u64)hidden * 2;
     const int vecs = hidden / 8;
+    const int lane = lane_id();
     const u64 warps = (u64)gridDim.x * warps_per_block();
     for (u64 t = (u64)blockIdx.x * warps_per_block() + warp_id(); t < (u64)num_tokens; t += warps) {
-        for (int v = lane_id(); v < vecs; v += 32) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int d = 0; d < num_ranks; ++d) {
-                const int s = slot[t * num_ranks + d];
-                if (s < 0) continue;
-                const Vec16 w = *reinterpret_cast<const Vec16*>(comb_buf + ((u64)d * max_tokens + s) * row_bytes + (u64)v * 16);
-                const u32 words[4] = {w.x, w.y, w.z, w.w};
+        const Vec16* rows[MAX_RANKS];
+        int nrows = 0;
+        for (int d = 0; d < num_ranks; ++d) {
+            const int s = slot[t * num_ranks + d];
+            if (s < 0) continue;
+            const unsigned char* r;
+            if (d == me) r = y + (u64)(base[me] + s) * row_bytes;
+            else if (y_on_heap) r = ptr(y + (u64)(base[d] + s) * row_bytes, d);
+            else r = comb_buf + ((u64)d * max_tokens + s) * row_bytes;
+            rows[nrows++] = reinterpret_cast<const Vec16*>(r);
+        }
+        for (int v0 = lane; v0 < vecs; v0 += 32 * U) {
+            float acc[U][8];
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    acc[2 * i] += bf16_to_float(static_cast<unsigned short>(words[i] & 0xffffu));
-                    acc[2 * i + 1] += bf16_to_float(static_cast<unsigned short>(words[i] >> 16));
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
+            for (int r = 0; r < nrows; ++r) {
+                Vec16 w[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    if (v0 + 32 * u < vecs) w[u] = load_streaming(rows[r] + v0 + 32 * u);
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    if (v0 + 32 * u < vecs) accumulate_bf16x8(acc[u], w[u], 1.f);
                 }
             }
-            Vec16 o;
-            u32* ow = &o.x;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) ow[i] = (u32)float_to_bf16(acc[2 * i]) | ((u32)float_to_bf16(acc[2 * i + 1]) << 16);
-            *reinterpret_cast<Vec16*>(out + t * hidden + (u64)v * 8) = o;
+            for (int u = 0; u < U; ++u) {
+                if (v0 + 32 * u < vecs) store_vec(reinterpret_cast<Vec16*>(out + t * hidden) + v0 + 32 * u, pack_bf16x8(acc[u]));
+            }
         }
     }
 }

@@ -24,6 +24,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         "mori_shmem.cuh",
         include_str!("../../../kernels/shmem/mori_shmem.cuh"),
     ),
+    (
+        "mori_ep.cuh",
+        include_str!("../../../kernels/ep/mori_ep.cuh"),
+    ),
 ];
 
 // Kernel sources, embedded. Each is named once here and used by its spec functions below.
@@ -32,6 +36,7 @@ const COPY_BULK_SRC: &str = include_str!("../../../kernels/copy/copy_bulk.cu");
 const GATHER_SCATTER_SRC: &str = include_str!("../../../kernels/copy/gather_scatter.cu");
 const SHMEM_BARRIER_SRC: &str = include_str!("../../../kernels/shmem/barrier.cu");
 const EP_INTRANODE_SRC: &str = include_str!("../../../kernels/ep/intranode.cu");
+const EP_LOW_LATENCY_SRC: &str = include_str!("../../../kernels/ep/low_latency.cu");
 
 /// Unroll depths the copy kernel is built with.
 pub const COPY_UNROLLS: [u32; 3] = [2, 4, 8];
@@ -98,6 +103,16 @@ pub fn ep_intranode_spec() -> KernelSpec {
     }
 }
 
+/// mori.ep's low-latency (decode) dispatch/combine kernels.
+pub fn ep_low_latency_spec() -> KernelSpec {
+    KernelSpec {
+        name: "ep/low_latency".into(),
+        file: "ep/low_latency.cu".into(),
+        source: EP_LOW_LATENCY_SRC.into(),
+        defines: Vec::new(),
+    }
+}
+
 /// Every kernel variant mori may compile. `mori precompile` and CI build all of them.
 pub fn variants() -> Vec<KernelSpec> {
     let mut all: Vec<KernelSpec> = COPY_UNROLLS.iter().map(|&u| copy_spec(u)).collect();
@@ -105,6 +120,7 @@ pub fn variants() -> Vec<KernelSpec> {
     all.push(gather_scatter_spec());
     all.push(shmem_barrier_spec());
     all.push(ep_intranode_spec());
+    all.push(ep_low_latency_spec());
     all
 }
 

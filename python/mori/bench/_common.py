@@ -58,14 +58,20 @@ def capture_graph(torch, device: int, stream, body: Callable[[], None], reps: in
     return g
 
 
-def graph_time(torch, device: int, stream, body: Callable[[], None], reps: int, trials: int) -> float:
+def graph_time(
+    torch, device: int, stream, body: Callable[[], None], reps: int, trials: int,
+    before_trial: Callable[[], None] | None = None,
+) -> float:
     """Median seconds per call of ``body``: CUDA-event-timed replays of a graph of ``reps`` calls
-    (the first replay is discarded)."""
+    (the first replay is discarded). ``before_trial`` runs on the host before each replay (e.g. a
+    barrier, so ranks that wait on each other start together)."""
     g = capture_graph(torch, device, stream, body, reps)
     times = []
     # replay() launches on the current stream: make it `stream`, where the events are recorded.
     with torch.cuda.device(device), torch.cuda.stream(stream):
         for _ in range(trials + 1):
+            if before_trial is not None:
+                before_trial()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             g.replay()

@@ -1,10 +1,19 @@
-"""``mori bench ep``: MoE dispatch/combine, normal mode, on two GPUs (one process each).
+"""``mori bench ep``: MoE dispatch/combine on two GPUs (one process each).
 
-Workload (DeepSeek-V3-like, the ep issue's): 4096 tokens per rank, hidden 7168, 256 experts,
-top-8, random routing. Times are medians of CUDA-event-timed whole calls (layout, notify with
-its host synchronisation, dispatch/combine kernels and barriers). Bytes: "recv GB/s" counts the
-bytes a rank receives including its own tokens (DeepEP's convention; rows × row bytes, + scales
-for FP8); "NVLink GB/s" counts only rows that crossed from the other rank.
+Normal mode, the ep issue's workload (DeepSeek-V3-like): 4096 tokens per rank, hidden 7168, 256
+experts, top-8, random routing, swept over the SM budget. Times are medians of CUDA-event-timed
+whole calls (layout + counts exchange, the host wait for the received row count, the dispatch
+kernel with its closing barrier; combine: send + barrier + reduce), the slower rank's. "combine
+zero-copy" passes the expert outputs in the buffer's combine input (get_combine_input), so the
+reduce reads the peer's rows over NVLink instead of the peer pushing them first. Bytes: "recv
+GB/s" counts the bytes a rank receives including its own tokens (DeepEP's convention; rows × row
+bytes, + scales for FP8); "NVLink GB/s" counts only rows that crossed from the other rank.
+
+Low-latency mode: 128 tokens per rank, same model shape, timed by CUDA-graph replay (each rank
+replays a graph of `reps` calls; median over trials; both ranks start together). Bytes: "NVLink
+GB/s" counts the bytes that crossed (one row per token and destination rank, + scales for FP8);
+"DeepEP-style GB/s" counts one row per received (token, expert) pair, as DeepEP's low-latency test
+does.
 """
 
 from __future__ import annotations
@@ -13,25 +22,20 @@ import argparse
 import multiprocessing as mp
 from typing import Any
 
-from mori.bench._common import environment, median, write_record
+from mori.bench._common import environment, graph_time, median, write_record
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 4096, 7168, 256, 8
+LL_TOKENS = 128
 
 
-def _rank(rank: int, uid: bytes, sms_list: list[int], iters: int, q) -> None:
-    import torch
+def _routing(torch, n: int, g):
+    scores = torch.rand((n, EXPERTS), device="cuda", generator=g)
+    return scores.topk(TOPK, dim=1).indices.to(torch.int64)
 
-    import mori.shmem as shmem
-    from mori import Bootstrap
-    from mori.ep import Buffer, EpConfig
 
-    torch.cuda.set_device(rank)
-    bs = Bootstrap(uid, rank, 2, timeout=300)
-    shmem.init(bootstrap=bs, device=rank, heap_size=8 << 30)
-    buf = Buffer(EpConfig(num_experts=EXPERTS, hidden=HIDDEN, max_tokens_per_rank=TOKENS, topk=TOPK))
+def _normal(torch, buf, bs, rank: int, sms_list: list[int], iters: int) -> list[dict[str, Any]]:
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    scores = torch.rand((TOKENS, EXPERTS), device="cuda", generator=g)
-    idx = scores.topk(TOPK, dim=1).indices.to(torch.int64)
+    idx = _routing(torch, TOKENS, g)
     w = torch.rand((TOKENS, TOPK), device="cuda", generator=g)
     x = torch.randn((TOKENS, HIDDEN), device="cuda", generator=g).to(torch.bfloat16)
     xq = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -41,6 +45,7 @@ def _rank(rank: int, uid: bytes, sms_list: list[int], iters: int, q) -> None:
     def timed(fn):
         fn()
         torch.cuda.synchronize()
+        bs.barrier()
         out = []
         for _ in range(iters):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -60,6 +65,9 @@ def _rank(rank: int, uid: bytes, sms_list: list[int], iters: int, q) -> None:
         t_fp8 = timed(lambda: buf.dispatch((xq, sc), idx, w, num_sms=sms))
         res = buf.dispatch(x, idx, w, num_sms=sms)
         t_comb = timed(lambda: buf.combine(y, res.handle, num_sms=sms))
+        y_heap = buf.get_combine_input(res.handle)
+        y_heap.copy_(y)
+        t_comb_zc = timed(lambda: buf.combine(y_heap, res.handle, num_sms=sms))
         buf.profile = []
         for _ in range(iters):
             buf.dispatch(x, idx, w, num_sms=sms)
@@ -67,57 +75,122 @@ def _rank(rank: int, uid: bytes, sms_list: list[int], iters: int, q) -> None:
         buf.profile = None
         rows.append({"sms": sms, "num_recv": num_recv, "remote_rows_sent": remote_rows,
                      "dispatch_bf16_us": t_bf16 * 1e6, "dispatch_fp8_us": t_fp8 * 1e6, "combine_us": t_comb * 1e6,
-                     "dispatch_bf16_phases": phases})
+                     "combine_zero_copy_us": t_comb_zc * 1e6, "dispatch_bf16_phases": phases})
         bs.barrier()
+    return rows
+
+
+def _low_latency(torch, buf, bs, rank: int, reps: int, trials: int) -> dict[str, Any]:
+    g = torch.Generator(device="cuda").manual_seed(99 + rank)
+    idx = _routing(torch, LL_TOKENS, g)
+    w = torch.rand((LL_TOKENS, TOPK), device="cuda", generator=g)
+    x = torch.randn((LL_TOKENS, HIDDEN), device="cuda", generator=g).to(torch.bfloat16)
+    el = EXPERTS // 2
+    y = torch.randn((el, 2 * LL_TOKENS, HIDDEN), device="cuda", generator=g).to(torch.bfloat16)
+    handle = buf.low_latency_dispatch(x, idx, use_fp8=False).handle
+    stream = torch.cuda.Stream()
+    out: dict[str, Any] = {
+        "tokens": LL_TOKENS,
+        "dest_ranks_per_token": float(((idx // el)[:, :, None] == torch.arange(2, device="cuda")).any(dim=1).sum(dim=1).float().mean()),
+        "experts_per_token": TOPK,
+    }
+    cases = {
+        "dispatch_bf16": lambda: buf.low_latency_dispatch(x, idx, use_fp8=False),
+        "dispatch_fp8": lambda: buf.low_latency_dispatch(x, idx, use_fp8=True),
+        "combine": lambda: buf.low_latency_combine(y, idx, w, handle),
+    }
+    for name, body in cases.items():
+        torch.cuda.synchronize()
+        bs.barrier()
+        out[f"{name}_us"] = graph_time(torch, rank, stream, body, reps, trials, before_trial=bs.barrier) * 1e6
+    return out
+
+
+def _rank(rank: int, uid: bytes, sms_list: list[int], iters: int, reps: int, q) -> None:
+    import torch
+
+    import mori.shmem as shmem
+    from mori import Bootstrap
+    from mori.ep import Buffer, EpConfig
+
+    torch.cuda.set_device(rank)
+    bs = Bootstrap(uid, rank, 2, timeout=300)
+    shmem.init(bootstrap=bs, device=rank, heap_size=8 << 30)
+    buf = Buffer(EpConfig(num_experts=EXPERTS, hidden=HIDDEN, max_tokens_per_rank=TOKENS, topk=TOPK,
+                          low_latency_max_tokens=LL_TOKENS))
+    normal = _normal(torch, buf, bs, rank, sms_list, iters) if sms_list else []
+    ll = _low_latency(torch, buf, bs, rank, reps, trials=max(5, iters))
+    bs.barrier()
     shmem.finalize()
-    q.put((rank, rows))
+    q.put((rank, (normal, ll)))
 
 
-def run(sms_list: list[int], iters: int, out_dir: str) -> dict[str, Any]:
+def run(sms_list: list[int], iters: int, reps: int, out_dir: str) -> dict[str, Any]:
     import mori
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     uid = mori.get_unique_id()
-    procs = [ctx.Process(target=_rank, args=(r, uid, sms_list, iters, q)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, uid, sms_list, iters, reps, q)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=900) for _ in procs)
     for p in procs:
         p.join(timeout=60)
     bf16_row, fp8_row = HIDDEN * 2, HIDDEN + HIDDEN // 128 * 4
-    print(f"{'SMs':>4} | {'dispatch bf16':>13} {'recv GB/s':>9} {'NVL GB/s':>8} | {'dispatch fp8':>12} {'recv GB/s':>9} | {'combine':>8} {'GB/s':>6}")
+    print(f"{'SMs':>4} | {'dispatch bf16':>13} {'recv GB/s':>9} {'NVL GB/s':>8} | {'dispatch fp8':>12} {'recv GB/s':>9} | "
+          f"{'combine':>8} {'GB/s':>6} | {'zero-copy':>9}")
     table = []
-    for r0, r1 in zip(got[0], got[1]):
+    for r0, r1 in zip(got[0][0], got[1][0]):
         # the slower rank decides
-        t_b, t_f, t_c = (max(r0[k], r1[k]) for k in ("dispatch_bf16_us", "dispatch_fp8_us", "combine_us"))
+        t_b, t_f, t_c, t_z = (max(r0[k], r1[k]) for k in ("dispatch_bf16_us", "dispatch_fp8_us", "combine_us", "combine_zero_copy_us"))
         recv, remote = r0["num_recv"], r1["remote_rows_sent"]
-        row = {**r0, "dispatch_bf16_us": t_b, "dispatch_fp8_us": t_f, "combine_us": t_c,
+        row = {**r0, "dispatch_bf16_us": t_b, "dispatch_fp8_us": t_f, "combine_us": t_c, "combine_zero_copy_us": t_z,
                "dispatch_bf16_recv_gbps": recv * bf16_row / t_b / 1e3, "dispatch_bf16_nvlink_gbps": remote * bf16_row / t_b / 1e3,
-               "dispatch_fp8_recv_gbps": recv * fp8_row / t_f / 1e3, "combine_send_gbps": recv * bf16_row / t_c / 1e3}
+               "dispatch_fp8_recv_gbps": recv * fp8_row / t_f / 1e3, "combine_send_gbps": recv * bf16_row / t_c / 1e3,
+               "combine_zero_copy_gbps": recv * bf16_row / t_z / 1e3}
         table.append(row)
         print(f"{row['sms']:>4} | {t_b:10.1f} µs {row['dispatch_bf16_recv_gbps']:9.1f} {row['dispatch_bf16_nvlink_gbps']:8.1f} | "
-              f"{t_f:9.1f} µs {row['dispatch_fp8_recv_gbps']:9.1f} | {t_c:5.1f} µs {row['combine_send_gbps']:6.1f}")
-    print("dispatch bf16 phases (median µs, GPU time between marks; host time between marks):")
-    for row in table:
-        ph = row["dispatch_bf16_phases"]
-        print(f"  {row['sms']:>4} SMs: " + ", ".join(f"{k} {v:.0f}" for k, v in ph.items()))
-    print("DeepEP v1.2.1 on this machine (24 SMs, ../shared/baselines): dispatch bf16 339 µs, fp8 257 µs, combine 396 µs")
+              f"{t_f:9.1f} µs {row['dispatch_fp8_recv_gbps']:9.1f} | {t_c:5.1f} µs {row['combine_send_gbps']:6.1f} | {t_z:6.1f} µs")
+    if table:
+        print("dispatch bf16 phases (median µs; GPU time between marks, host time between marks):")
+        for row in table:
+            ph = row["dispatch_bf16_phases"]
+            print(f"  {row['sms']:>4} SMs: " + ", ".join(f"{k} {v:.0f}" for k, v in ph.items()))
+        print("DeepEP v1.2.1 on this machine (24 SMs, ../shared/baselines): dispatch bf16 339 µs, fp8 257 µs, combine 396 µs")
+    l0, l1 = got[0][1], got[1][1]
+    ll = {k: max(l0[k], l1[k]) if k.endswith("_us") else l0[k] for k in l0}
+    dest = ll["dest_ranks_per_token"]
+    rows_nvl = LL_TOKENS * (dest - 1) if dest > 1 else 0.0  # rows per rank that crossed, on average
+    pairs = LL_TOKENS * TOPK  # (token, expert) pairs a rank's tokens make = pairs received on average
+    ll["dispatch_bf16_nvlink_gbps"] = rows_nvl * bf16_row / ll["dispatch_bf16_us"] / 1e3
+    ll["dispatch_fp8_nvlink_gbps"] = rows_nvl * fp8_row / ll["dispatch_fp8_us"] / 1e3
+    ll["combine_nvlink_gbps"] = rows_nvl * bf16_row / ll["combine_us"] / 1e3
+    ll["dispatch_bf16_deepep_gbps"] = pairs * bf16_row / ll["dispatch_bf16_us"] / 1e3
+    ll["dispatch_fp8_deepep_gbps"] = pairs * fp8_row / ll["dispatch_fp8_us"] / 1e3
+    ll["combine_deepep_gbps"] = pairs * bf16_row / ll["combine_us"] / 1e3
+    print(f"low-latency, {LL_TOKENS} tokens/rank (graph replay, {reps} calls per graph):")
+    for k in ("dispatch_bf16", "dispatch_fp8", "combine"):
+        print(f"  {k:>14}: {ll[k + '_us']:6.1f} µs   NVLink {ll[k + '_nvlink_gbps']:6.1f} GB/s   DeepEP-style {ll[k + '_deepep_gbps']:6.1f} GB/s")
+    print("targets: low-latency dispatch <= 20 µs, combine <= 25 µs at 128 tokens")
     record = {"benchmark": "ep", "env": environment(), "method": __doc__.strip(),
-              "config": {"tokens": TOKENS, "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "iters": iters},
+              "config": {"tokens": TOKENS, "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "iters": iters,
+                         "low_latency_tokens": LL_TOKENS, "graph_reps": reps},
               "deepep_baseline_us": {"dispatch_bf16": 339, "dispatch_fp8": 257, "combine_bf16": 396, "sms": 24},
-              "results": table}
+              "results": table, "low_latency": ll}
     path = write_record("ep", record, out_dir)
     print(f"wrote {path}")
     return record
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sms", type=lambda s: [int(v) for v in s.split(",")], default=[8, 16, 24, 32, 48, 64, 132])
+    p.add_argument("--sms", type=lambda s: [int(v) for v in s.split(":") if v], default=[8, 16, 24, 32, 48, 64, 96, 132],
+                   help="SM budgets to sweep, colon-separated (e.g. 24:132); empty: low-latency only")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--reps", type=int, default=20, help="calls per captured graph (low-latency)")
     p.add_argument("--out", default="benches/results")
 
 
 def main(args: argparse.Namespace) -> int:
-    run(args.sms, args.iters, args.out)
+    run(args.sms, args.iters, args.reps, args.out)
     return 0

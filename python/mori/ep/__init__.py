@@ -1,0 +1,490 @@
+"""mori.ep: MoE expert-parallel dispatch and combine inside one node.
+
+Two modes on one :class:`Buffer` (see docs/ep.md):
+
+- **normal** (high-throughput, prefill/training): :meth:`Buffer.dispatch` sends each token once
+  to every rank that hosts one of its top-k experts, with its top-k ids (as that rank's local
+  expert ids, -1 for experts elsewhere), weights and, for FP8, its per-128-channel scales;
+  :meth:`Buffer.combine` sums every token's copies back on its source rank in fp32 and returns
+  bf16. Normal combine does **not** apply the top-k weights (apply them in the expert computation,
+  as DeepEP users do). One host synchronisation per dispatch (the received row count).
+- **low-latency** (decode): :meth:`Buffer.low_latency_dispatch` returns per-local-expert packed
+  rows ``[experts, ranks * max_tokens, hidden]`` (BF16, or FP8 quantised on the fly) with counts;
+  :meth:`Buffer.low_latency_combine` returns ``Σ_k w_k · y_k`` per token. No host
+  synchronisation: CUDA-graph capturable; ``return_recv_hook=True`` splits each call into a send
+  half (launched now) and a receive half (launched by the returned hook).
+
+Built on :mod:`mori.shmem`: every rank stores straight into the other ranks' receive buffers over
+NVLink. Rules (as with DeepEP): every rank calls the same operations in the same order, each on
+one stream; the tensors a normal dispatch returns are views into the buffer, valid until the next
+dispatch on this buffer.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mori import gpu, shmem
+from mori.errors import InvalidArgumentError, TimeoutError
+
+MAX_TOPK = 9
+MAX_EXPERTS = 4096  # ep_prepare's shared-memory histogram
+MAX_RANKS = 8  # ep::MAX_RANKS in kernels/ep/mori_ep.cuh
+SCALE_BLOCK = 128
+LL_META_STRIDE = 16  # META_STRIDE in kernels/ep/low_latency.cu
+LL_SEND_BLOCKS = 32  # grid of the low-latency send halves (part of the completion count)
+LL_MAX_ENTRIES = 48 * 1024  # ranks * low_latency_max_tokens: the receive half's shared memory
+HOST_WAIT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpConfig:
+    """Sizes a :class:`Buffer` is built for. Inputs beyond them are rejected, not truncated.
+
+    ``low_latency_max_tokens`` > 0 also allocates the low-latency mode's buffers, for up to that
+    many tokens per rank and call."""
+
+    num_experts: int
+    hidden: int
+    max_tokens_per_rank: int
+    topk: int = 8
+    num_sms: int = 24
+    low_latency_max_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_experts > MAX_EXPERTS:
+            raise InvalidArgumentError(f"at most {MAX_EXPERTS} experts are supported, got {self.num_experts}")
+        if not 1 <= self.topk <= MAX_TOPK:
+            raise InvalidArgumentError(f"topk must be in 1..{MAX_TOPK}, got {self.topk}")
+        if self.hidden <= 0 or self.hidden % SCALE_BLOCK:
+            raise InvalidArgumentError(f"hidden must be a positive multiple of {SCALE_BLOCK}, got {self.hidden}")
+        if self.max_tokens_per_rank <= 0 or self.num_experts <= 0 or self.num_sms <= 0:
+            raise InvalidArgumentError("num_experts, max_tokens_per_rank and num_sms must be positive")
+        if self.low_latency_max_tokens < 0:
+            raise InvalidArgumentError("low_latency_max_tokens must be >= 0 (0: no low-latency buffers)")
+
+
+class _Kernel:
+    """One kernel entry point with its C parameter layout (struct codes: P pointer, i int32,
+    Q uint64), so a launch packs its arguments in one struct.pack call."""
+
+    __slots__ = ("_module", "_entry", "_layout")
+
+    def __init__(self, module: Any, entry: str, layout: str):
+        self._module, self._entry, self._layout = module, entry, struct.Struct("@" + layout)
+
+    def __call__(self, stream: int, grid: int, block: int, *args: int, shared: int = 0) -> None:
+        self._module.launch(self._entry, grid, block, self._layout.pack(*args), shared, stream)
+
+
+def _ptr(t: Any) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+@dataclass(frozen=True)
+class Handle:
+    """What combine needs from a normal dispatch."""
+
+    meta: Any  # the per-call int32 area: slot | send list | per-rank | per-expert | rank matrix
+    slot: Any  # [T, ranks] int32: the token's row among those sent to each rank, or -1
+    rank_matrix: Any  # [ranks, ranks] int32: tokens each rank sent to each rank
+    num_tokens: int
+    num_recv: int
+
+    @property
+    def is_token_in_rank(self) -> Any:  # [T, ranks] bool
+        return self.slot >= 0
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    recv_x: Any  # [num_recv, hidden] bf16 or float8_e4m3fn
+    recv_x_scales: Any  # [num_recv, hidden / 128] float32, or None for bf16
+    recv_topk_idx: Any  # [num_recv, topk] int64: local expert ids, -1 where not on this rank
+    recv_topk_weights: Any  # [num_recv, topk] float32
+    recv_src_idx: Any  # [num_recv] int32: token index on its source rank
+    num_recv_tokens_per_expert: list[int]
+    handle: Handle
+
+
+@dataclass(frozen=True)
+class LowLatencyHandle:
+    """What low_latency_combine needs from a low-latency dispatch."""
+
+    ids_pos: Any  # [2, ranks, max_tokens, topk] int32: local expert id / packed position per slot
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class LowLatencyDispatchResult:
+    recv_x: Any  # [local experts, ranks * max_tokens, hidden] bf16 or float8_e4m3fn
+    recv_x_scales: Any  # [local experts, ranks * max_tokens, hidden / 128] float32, or None
+    recv_count: Any  # [local experts] int32: valid rows per expert
+    recv_src_info: Any  # [local experts, ranks * max_tokens] int32: source token index per row
+    recv_layout_range: Any  # [local experts, ranks] int64: (begin << 32) | count per source rank
+    handle: LowLatencyHandle
+    hook: Callable[[], None] | None  # launches the receive half (return_recv_hook=True)
+
+
+class Buffer:
+    """Symmetric buffers and kernels for dispatch/combine on one node.
+
+    Collective: every rank constructs it with the same config. Initialises :mod:`mori.shmem`
+    from the torch group (``group``) if it is not initialised yet.
+    """
+
+    def __init__(self, config: EpConfig, *, group: Any = None):
+        import torch
+
+        if not shmem.is_initialized():
+            shmem.init_from_torch(group)
+        self.config = config
+        self.rank, self.num_ranks = shmem.my_pe(), shmem.n_pes()
+        if self.num_ranks > MAX_RANKS:
+            raise InvalidArgumentError(f"intranode EP supports up to {MAX_RANKS} ranks, got {self.num_ranks}")
+        if config.num_experts % self.num_ranks:
+            raise InvalidArgumentError(f"{config.num_experts} experts do not divide over {self.num_ranks} ranks")
+        self.device = shmem.device()
+        self.experts_per_rank = config.num_experts // self.num_ranks
+        w, t, h, k = self.num_ranks, config.max_tokens_per_rank, config.hidden, config.topk
+        rows = w * t
+        dev = f"cuda:{self.device}"
+        self._recv_x = shmem.tensor((rows * h * 2,), torch.uint8)
+        self._recv_scales = shmem.tensor((rows, h // SCALE_BLOCK), torch.float32)
+        self._recv_idx = shmem.tensor((rows, k), torch.int64)
+        self._recv_w = shmem.tensor((rows, k), torch.float32)
+        self._recv_src = shmem.tensor((rows,), torch.int32)
+        # Double-buffered by call parity: a rank one dispatch ahead writes the other half.
+        self._rank_matrix = shmem.tensor((2, w, w), torch.int32, zero=True)
+        self._expert_matrix = shmem.tensor((2, w, self.experts_per_rank), torch.int32, zero=True)
+        self._comb = shmem.tensor((rows * h * 2,), torch.uint8)
+        self._comb_in = shmem.tensor((rows, h), torch.bfloat16)
+        self._counters = torch.zeros(4, dtype=torch.int32, device=dev)  # Counters in intranode.cu
+        # The receiver's totals, written by the GPU into pinned host memory the host polls.
+        self._host_info = torch.zeros(3 + self.experts_per_rank, dtype=torch.int32, pin_memory=True)
+        self._host_info_np = self._host_info.numpy()
+        self._seq = 0
+        self._calls = 0
+        self.profile: list[dict[str, float]] | None = None  # set to [] to record phase timings
+
+        m = shmem._s().load_variant("ep/intranode")
+        self._k_prepare = _Kernel(m, "ep_prepare", "PiiiiiPPPPPPiPPPi")
+        self._k_dispatch = _Kernel(m, "ep_dispatch", "PQPiPPiiiiPPPPPPPPP")
+        self._k_combine_send = _Kernel(m, "ep_combine_send", "PQiiPPQP")
+        self._k_combine_reduce = _Kernel(m, "ep_combine_reduce", "PiPQiiiPPP")
+        self._ll = _LowLatency(self) if config.low_latency_max_tokens else None
+
+    # ---- shared plumbing ------------------------------------------------------------------
+
+    def _stream(self, stream: Any) -> int:
+        return gpu._stream_handle(stream, self.device)
+
+    def _marks(self, stream: Any):
+        """When ``self.profile`` is a list, returns a function that records a CUDA event and a
+        host time per phase and appends the phase durations (µs) once the call is done."""
+        if self.profile is None:
+            return lambda name: None
+        import torch
+
+        s = stream if stream is not None else torch.cuda.current_stream()
+        points: list[tuple[str, Any, float]] = []
+
+        def mark(name: str) -> None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(s)
+            points.append((name, e, time.perf_counter()))
+            if name == "end":
+                e.synchronize()
+                self.profile.append(
+                    {f"{b[0]}_gpu_us": a[1].elapsed_time(b[1]) * 1e3 for a, b in zip(points, points[1:])}
+                    | {f"{b[0]}_host_us": (b[2] - a[2]) * 1e6 for a, b in zip(points, points[1:])}
+                )
+
+        mark("start")
+        return mark
+
+    def _check_topk(self, topk_idx: Any, limit: int) -> tuple[Any, int]:
+        """(topk_idx made contiguous, tokens). Every check here is local: a rank that raises
+        leaves its peers waiting in the collective, so inputs are fixed up where possible."""
+        import torch
+
+        if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[1] != self.config.topk:
+            raise InvalidArgumentError(f"topk_idx must be int64 [tokens, {self.config.topk}], got {topk_idx.dtype} {tuple(topk_idx.shape)}")
+        n = topk_idx.shape[0]
+        if n > limit:
+            raise InvalidArgumentError(f"{n} tokens exceed the buffer's limit of {limit} per rank")
+        return topk_idx.contiguous(), n
+
+    # ---- normal mode ----------------------------------------------------------------------
+
+    def _prepare(self, topk_idx: Any, n: int, stream: int, notify: bool) -> tuple[Any, Handle | None]:
+        """Launches ep_prepare; returns the per-call int32 area and, when notifying, a handle
+        whose num_recv is filled in by the caller after the host wait."""
+        import torch
+
+        w, e = self.num_ranks, self.config.num_experts
+        meta = torch.empty(2 * n * w + w + e + w * w, dtype=torch.int32, device=topk_idx.device)
+        slot, send_list = meta[: n * w], meta[n * w : 2 * n * w]
+        per_rank = meta[2 * n * w : 2 * n * w + w]
+        per_expert = meta[2 * n * w + w : 2 * n * w + w + e]
+        rank_matrix = meta[2 * n * w + w + e :]
+        parity = self._calls % 2
+        if notify:
+            self._calls += 1
+            self._seq = self._seq % 0x7FFFFFFF + 1
+        self._k_prepare(
+            stream, w + 1, 1024,
+            topk_idx.data_ptr(), n, self.config.topk, self.experts_per_rank, w, e,
+            slot.data_ptr(), send_list.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), rank_matrix.data_ptr(),
+            self._counters.data_ptr(), int(notify), self._rank_matrix[parity].data_ptr(),
+            self._expert_matrix[parity].data_ptr(), self._host_info.data_ptr(), self._seq,
+        )
+        return meta, Handle(meta, slot.view(n, w), rank_matrix.view(w, w), n, -1)
+
+    def _wait_host_info(self) -> list[int]:
+        """Spins until the GPU has published this dispatch's totals (the normal mode's one host
+        synchronisation); returns [rows received, rows per local expert..., bad ids]."""
+        info, seq = self._host_info_np, self._seq
+        if info[0] != seq:
+            deadline = time.monotonic() + HOST_WAIT_TIMEOUT_S
+            spins = 0
+            while info[0] != seq:
+                spins += 1
+                if spins % 4096 == 0 and time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"mori.ep dispatch: no counts from the GPU after {HOST_WAIT_TIMEOUT_S:.0f} s; "
+                        "did every rank call dispatch?"
+                    )
+        return info[1:].tolist()
+
+    def get_dispatch_layout(self, topk_idx: Any, *, stream: Any = None):
+        """(num_tokens_per_rank [ranks] int32, num_tokens_per_expert [experts] int32,
+        is_token_in_rank [T, ranks] bool, slot [T, ranks] int32), computed on the GPU."""
+        topk_idx, n = self._check_topk(topk_idx, self.config.max_tokens_per_rank)
+        w, e = self.num_ranks, self.config.num_experts
+        meta, handle = self._prepare(topk_idx, n, self._stream(stream), notify=False)
+        return meta[2 * n * w : 2 * n * w + w], meta[2 * n * w + w : 2 * n * w + w + e], handle.is_token_in_rank, handle.slot
+
+    def dispatch(
+        self, x: Any, topk_idx: Any, topk_weights: Any, *, stream: Any = None, num_sms: int | None = None
+    ) -> DispatchResult:
+        """``x``: bf16 [T, hidden], or (float8_e4m3fn [T, hidden], float32 scales [T, hidden/128]).
+        ``num_sms`` overrides the config's SM budget for this call."""
+        import torch
+
+        cfg = self.config
+        topk_idx, n = self._check_topk(topk_idx, cfg.max_tokens_per_rank)
+        scales = None
+        if isinstance(x, tuple):
+            x, scales = x
+            if x.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or tuple(scales.shape) != (n, cfg.hidden // SCALE_BLOCK):
+                raise InvalidArgumentError("FP8 input is (float8_e4m3fn [T, hidden], float32 [T, hidden/128])")
+            scales = scales.contiguous()
+        elif x.dtype != torch.bfloat16:
+            raise InvalidArgumentError(f"x must be bfloat16 or an FP8 (data, scales) tuple, got {x.dtype}")
+        if tuple(x.shape) != (n, cfg.hidden):
+            raise InvalidArgumentError(f"x must be [{n}, {cfg.hidden}], got {tuple(x.shape)}")
+        if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, cfg.topk):
+            raise InvalidArgumentError(f"topk_weights must be float32 [{n}, {cfg.topk}]")
+        x, topk_weights = x.contiguous(), topk_weights.contiguous()
+        marks = self._marks(stream)
+        s = self._stream(stream)
+        w, el = self.num_ranks, self.experts_per_rank
+        meta, handle = self._prepare(topk_idx, n, s, notify=True)
+        marks("prepare")
+        info = self._wait_host_info()
+        marks("host_wait")
+        if info[-1]:
+            raise InvalidArgumentError(f"topk_idx holds ids outside [-1, {cfg.num_experts})")
+        num_recv = info[0]
+        row_bytes = cfg.hidden * (1 if scales is not None else 2)
+        scale_cols = cfg.hidden // SCALE_BLOCK if scales is not None else 0
+        self._k_dispatch(
+            s, num_sms or cfg.num_sms, 512,
+            x.data_ptr(), row_bytes, _ptr(scales), scale_cols, topk_idx.data_ptr(), topk_weights.data_ptr(), n,
+            cfg.topk, el, w, meta.data_ptr() + 4 * n * w, meta.data_ptr() + 8 * n * w, handle.rank_matrix.data_ptr(),
+            self._recv_x.data_ptr(), self._recv_scales.data_ptr(), self._recv_idx.data_ptr(), self._recv_w.data_ptr(),
+            self._recv_src.data_ptr(), self._counters.data_ptr(),
+        )
+        marks("end")
+        raw = self._recv_x[: num_recv * row_bytes]
+        recv_x = raw.view(torch.float8_e4m3fn if scales is not None else torch.bfloat16).view(num_recv, cfg.hidden)
+        return DispatchResult(
+            recv_x,
+            self._recv_scales[:num_recv, :] if scales is not None else None,
+            self._recv_idx[:num_recv],
+            self._recv_w[:num_recv],
+            self._recv_src[:num_recv],
+            info[1:-1],
+            Handle(meta, handle.slot, handle.rank_matrix, n, num_recv),
+        )
+
+    def get_combine_input(self, handle: Handle) -> Any:
+        """A bf16 [num_recv, hidden] tensor on the symmetric heap to write expert outputs into.
+        Passing it to :meth:`combine` skips the copy of the outputs into the peers' combine
+        buffers: the reduce reads them over NVLink. Every rank must then pass its combine input
+        (the choice is collective); valid until the next combine on this buffer."""
+        return self._comb_in[: handle.num_recv]
+
+    def combine(self, y: Any, handle: Handle, *, stream: Any = None, num_sms: int | None = None):
+        """Sums every token's rows back on its source rank: returns bf16 [T, hidden] (fp32 sums,
+        weights not applied). ``y``: bf16 [num_recv, hidden], the expert outputs in received-row
+        order; see :meth:`get_combine_input` for the zero-copy form."""
+        import torch
+
+        cfg = self.config
+        if y.dtype != torch.bfloat16 or tuple(y.shape) != (handle.num_recv, cfg.hidden):
+            raise InvalidArgumentError(f"y must be bfloat16 [{handle.num_recv}, {cfg.hidden}], got {y.dtype} {tuple(y.shape)}")
+        y = y.contiguous()
+        s = self._stream(stream)
+        sms = num_sms or cfg.num_sms
+        row_bytes = cfg.hidden * 2
+        zero_copy = handle.num_recv > 0 and y.data_ptr() == self._comb_in.data_ptr()
+        if zero_copy:
+            shmem.barrier_all(stream=s)  # every rank's expert outputs are complete
+        else:
+            self._k_combine_send(
+                s, sms, 512, y.data_ptr(), row_bytes, handle.num_recv, self.num_ranks, handle.rank_matrix.data_ptr(),
+                self._comb.data_ptr(), cfg.max_tokens_per_rank, self._counters.data_ptr(),
+            )
+        out = torch.empty((handle.num_tokens, cfg.hidden), dtype=torch.bfloat16, device=y.device)
+        if handle.num_tokens:
+            self._k_combine_reduce(
+                s, sms, 512, y.data_ptr(), int(zero_copy), self._comb.data_ptr(), cfg.max_tokens_per_rank, cfg.hidden,
+                handle.num_tokens, self.num_ranks, handle.slot.data_ptr(), handle.rank_matrix.data_ptr(), out.data_ptr(),
+            )
+        if zero_copy:
+            shmem.barrier_all(stream=s)  # peers are done reading this rank's outputs
+        return out
+
+    # ---- low-latency mode -----------------------------------------------------------------
+
+    def low_latency_dispatch(
+        self, x: Any, topk_idx: Any, *, use_fp8: bool = True, stream: Any = None, return_recv_hook: bool = False
+    ) -> LowLatencyDispatchResult:
+        """``x``: bf16 [T, hidden] with T <= low_latency_max_tokens; ``topk_idx`` int64 [T, topk]
+        (-1: no expert). FP8: e4m3 data with one fp32 scale per 128 channels (x ≈ data · scale,
+        scale = amax / 448). Returns packed per-expert rows; see :class:`LowLatencyDispatchResult`."""
+        return self._low_latency().dispatch(x, topk_idx, use_fp8, stream, return_recv_hook)
+
+    def low_latency_combine(
+        self, y: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle, *, stream: Any = None,
+        return_recv_hook: bool = False, out: Any = None,
+    ) -> tuple[Any, Callable[[], None] | None]:
+        """``y``: bf16 [local experts, ranks * max_tokens, hidden], the expert outputs at the
+        dispatch's packed positions; ``topk_idx``/``topk_weights`` the dispatch's ids and their
+        float32 weights. Returns (bf16 [T, hidden] = Σ_k w_k · y_k, hook or None)."""
+        return self._low_latency().combine(y, topk_idx, topk_weights, handle, stream, return_recv_hook, out)
+
+    def _low_latency(self) -> _LowLatency:
+        if self._ll is None:
+            raise InvalidArgumentError("this Buffer has no low-latency buffers: set EpConfig(low_latency_max_tokens=...)")
+        return self._ll
+
+
+class _LowLatency:
+    """The low-latency mode's symmetric buffers, device-side sequence counters and launches."""
+
+    def __init__(self, buf: Buffer):
+        import torch
+
+        cfg = buf.config
+        self.buf = buf
+        w, t, h, k = buf.num_ranks, cfg.low_latency_max_tokens, cfg.hidden, cfg.topk
+        self.entries = w * t
+        if self.entries > LL_MAX_ENTRIES:
+            raise InvalidArgumentError(f"ranks x low_latency_max_tokens must be <= {LL_MAX_ENTRIES}, got {self.entries}")
+        self._rows = shmem.tensor((2 * w * t * h * 2,), torch.uint8)
+        self._meta = shmem.tensor((2 * w * t * LL_META_STRIDE,), torch.int32, zero=True)
+        self._wts = shmem.tensor((2 * w * t * k,), torch.float32)
+        self._comb = shmem.tensor((2 * w * t * h * 2,), torch.uint8)
+        self._sent = shmem.tensor((3, w), torch.int64, zero=True)  # dispatch rows, weights, combine rows
+        # [dispatch seq, combine seq, dispatch-recv ticket, combine-recv ticket]
+        self._state = torch.zeros(4, dtype=torch.int32, device=f"cuda:{buf.device}")
+        # Row chunks per warp: a multiple of 32 vectors each (whole warps for the FP8 shuffles).
+        vecs = h // 8
+        self.chunks = next(c for c in (4, 2, 1) if vecs % (32 * c) == 0) if vecs % 32 == 0 else 1
+        m = shmem._s().load_variant("ep/low_latency")
+        self._k_dispatch_send = _Kernel(m, "ep_ll_dispatch_send", "PPiiiiiiiiPPPP")
+        self._k_dispatch_recv = _Kernel(m, "ep_ll_dispatch_recv", "iiiiiiiPPPPPPPPPPPP")
+        self._k_combine_send = _Kernel(m, "ep_ll_combine_send", "PPPiiiiiiiPPPPPPP")
+        self._k_combine_recv = _Kernel(m, "ep_ll_combine_recv", "PiiiiiiiiPPPPP")
+
+    def dispatch(self, x: Any, topk_idx: Any, use_fp8: bool, stream: Any, return_recv_hook: bool) -> LowLatencyDispatchResult:
+        import torch
+
+        buf, cfg = self.buf, self.buf.config
+        w, el, h, k, tm = buf.num_ranks, buf.experts_per_rank, cfg.hidden, cfg.topk, cfg.low_latency_max_tokens
+        topk_idx, n = buf._check_topk(topk_idx, tm)
+        if x.dtype != torch.bfloat16 or tuple(x.shape) != (n, h):
+            raise InvalidArgumentError(f"x must be bfloat16 [{n}, {h}], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        if use_fp8 and (h // 8) % 32:
+            raise InvalidArgumentError(f"FP8 low-latency dispatch needs hidden % 256 == 0, got {h}")
+        s = buf._stream(stream)
+        dev = x.device
+        recv_x = torch.empty((el, self.entries, h), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=dev)
+        recv_scales = torch.empty((el, self.entries, h // SCALE_BLOCK), dtype=torch.float32, device=dev) if use_fp8 else None
+        recv_count = torch.empty(el, dtype=torch.int32, device=dev)
+        src_info = torch.empty((el, self.entries), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((el, w), dtype=torch.int64, device=dev)
+        ids_pos = torch.empty((2, w, tm, k), dtype=torch.int32, device=dev)
+        self._k_dispatch_send(
+            s, LL_SEND_BLOCKS, 512, x.data_ptr(), topk_idx.data_ptr(), n, k, h, el, w, tm, int(use_fp8), self.chunks,
+            self._rows.data_ptr(), self._meta.data_ptr(), self._sent[0].data_ptr(), self._state.data_ptr(),
+        )
+        state = self._state.data_ptr()
+
+        def receive() -> None:
+            self._k_dispatch_recv(
+                s, el, 1024, k, h, el, w, tm, int(use_fp8), LL_SEND_BLOCKS, self._rows.data_ptr(), self._meta.data_ptr(),
+                self._sent[0].data_ptr(), recv_x.data_ptr(), _ptr(recv_scales), recv_count.data_ptr(), src_info.data_ptr(),
+                layout_range.data_ptr(), ids_pos[0].data_ptr(), ids_pos[1].data_ptr(), state, state + 8,
+                shared=4 * self.entries,
+            )
+
+        if not return_recv_hook:
+            receive()
+        return LowLatencyDispatchResult(
+            recv_x, recv_scales, recv_count, src_info, layout_range, LowLatencyHandle(ids_pos, n),
+            receive if return_recv_hook else None,
+        )
+
+    def combine(self, y: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle, stream: Any,
+                return_recv_hook: bool, out: Any) -> tuple[Any, Callable[[], None] | None]:
+        import torch
+
+        buf, cfg = self.buf, self.buf.config
+        w, el, h, k, tm = buf.num_ranks, buf.experts_per_rank, cfg.hidden, cfg.topk, cfg.low_latency_max_tokens
+        topk_idx, n = buf._check_topk(topk_idx, tm)
+        if n != handle.num_tokens:
+            raise InvalidArgumentError(f"topk_idx has {n} tokens, the dispatch had {handle.num_tokens}")
+        if y.dtype != torch.bfloat16 or tuple(y.shape) != (el, self.entries, h):
+            raise InvalidArgumentError(f"y must be bfloat16 [{el}, {self.entries}, {h}], got {y.dtype} {tuple(y.shape)}")
+        if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, k):
+            raise InvalidArgumentError(f"topk_weights must be float32 [{n}, {k}]")
+        y, topk_weights = y.contiguous(), topk_weights.contiguous()
+        if out is None:
+            out = torch.empty((n, h), dtype=torch.bfloat16, device=y.device)
+        elif out.dtype != torch.bfloat16 or tuple(out.shape) != (n, h) or not out.is_contiguous():
+            raise InvalidArgumentError(f"out must be contiguous bfloat16 [{n}, {h}]")
+        s = buf._stream(stream)
+        state = self._state.data_ptr()
+        self._k_combine_send(
+            s, LL_SEND_BLOCKS, 512, y.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), n, k, h, el, w, tm,
+            self.chunks, handle.ids_pos[0].data_ptr(), handle.ids_pos[1].data_ptr(), self._wts.data_ptr(),
+            self._sent[1].data_ptr(), self._comb.data_ptr(), self._sent[2].data_ptr(), state,
+        )
+
+        def receive() -> None:
+            self._k_combine_recv(
+                s, LL_SEND_BLOCKS, 512, topk_idx.data_ptr(), n, k, h, el, w, tm, self.chunks, LL_SEND_BLOCKS,
+                self._comb.data_ptr(), self._sent[2].data_ptr(), out.data_ptr(), state, state + 12,
+            )
+
+        if not return_recv_hook:
+            receive()
+        return out, receive if return_recv_hook else None

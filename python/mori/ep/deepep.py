@@ -1,0 +1,805 @@
+"""mori.ep.deepep: a DeepEP-compatible facade over :mod:`mori.ep`.
+
+``mori.ep.deepep.Buffer`` has the constructor, method names, arguments and return values of
+``deep_ep.Buffer`` (DeepEP v1.2.x) for intranode normal and low-latency use, so a program
+written for DeepEP runs by changing its import::
+
+    from mori.ep.deepep import Buffer, EventOverlap, Config     # was: from deep_ep import ...
+
+Everything runs on top of one :class:`mori.ep.Buffer`. What differs from DeepEP (docs/ep.md,
+"DeepEP facade", has the full table):
+
+* **Sizing.** mori sizes its buffers from an :class:`mori.ep.EpConfig` (experts, hidden, top-k,
+  max tokens per rank, low-latency max tokens), not from byte counts. The facade builds the mori
+  buffer lazily on the first collective call and rebuilds it (collectively) when a call needs more:
+
+  - low-latency calls take ``num_experts``, ``num_max_dispatch_tokens_per_rank``, ``hidden``
+    (``x.shape[1]``) and top-k (``topk_idx.shape[1]``) from their arguments, which DeepEP already
+    requires to be equal on every rank, so every rank decides identically without communicating;
+  - normal dispatch takes experts (``num_tokens_per_expert.numel()``), hidden and top-k from its
+    arguments, and the token capacity from an all-reduce (max) over ``group`` of every rank's
+    token count, done on every dispatch. The capacity grows to at least 1.5x the old one, in
+    multiples of 256 tokens. Pass ``max_tokens_per_rank=`` (a mori-only keyword) to fix the
+    capacity instead: no per-dispatch all-reduce, and a dispatch with more tokens raises;
+  - ``num_nvl_bytes`` / ``num_rdma_bytes`` are accepted and not used for sizing.
+
+  A rebuild invalidates handles from before it (using one raises ``InvalidArgumentError``), and
+  is refused during CUDA-graph capture: run one call with the captured shapes first.
+* **Streams.** mori runs every operation on the caller's current stream; there is no separate
+  communication stream. ``async_finish=True`` returns an :class:`EventOverlap` holding a
+  ``torch.cuda.Event`` recorded after the operation (waiting on it is then free);
+  ``previous_event`` makes the current stream wait for that event first;
+  ``allocate_on_comm_stream`` is ignored.
+* **Initialisation.** The constructor only records the group. :mod:`mori.shmem` is initialised
+  from ``group`` (unless it already is) by the first dispatch/combine, which every rank calls.
+* **Not supported** (raise :class:`mori.errors.InvalidArgumentError`): internode groups, an
+  mpi4py ``comm`` instead of a group, ``use_ue8m0`` / ``round_scale`` / per-tensor quantisation
+  in low-latency dispatch, ``use_logfmt`` in low-latency combine, dispatch without ``topk_idx``,
+  and ``get_local_buffer_tensor`` (mori's buffers have no raw byte layout to hand out).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from mori.errors import InvalidArgumentError, MoriError
+
+__all__ = ["Buffer", "Config", "EventOverlap"]
+
+NUM_MAX_NVL_PEERS = 8  # intranode limit, as mori.ep.MAX_RANKS
+_CAPACITY_STEP = 256  # normal-mode token capacity grows in multiples of this
+_SCALE_BLOCK = 128
+
+
+def _round_up(n: int, step: int) -> int:
+    return (n + step - 1) // step * step
+
+
+class Config:
+    """DeepEP's performance-tuning config. mori uses ``num_sms`` (the SM budget of the normal-mode
+    kernels); the chunk sizes are kept for compatibility and do not affect mori."""
+
+    def __init__(
+        self,
+        num_sms: int = 20,
+        num_max_nvl_chunked_send_tokens: int = 6,
+        num_max_nvl_chunked_recv_tokens: int = 256,
+        num_max_rdma_chunked_send_tokens: int = 6,
+        num_max_rdma_chunked_recv_tokens: int = 256,
+    ) -> None:
+        if num_sms < 0:
+            raise InvalidArgumentError(f"num_sms must be >= 0, got {num_sms}")
+        if not 0 < num_max_nvl_chunked_send_tokens < num_max_nvl_chunked_recv_tokens:
+            raise InvalidArgumentError("need 0 < num_max_nvl_chunked_send_tokens < num_max_nvl_chunked_recv_tokens")
+        if num_max_rdma_chunked_send_tokens <= 0 or num_max_rdma_chunked_recv_tokens <= 0:
+            raise InvalidArgumentError("the RDMA chunk sizes must be positive")
+        self.num_sms = int(num_sms)
+        self.num_max_nvl_chunked_send_tokens = int(num_max_nvl_chunked_send_tokens)
+        self.num_max_nvl_chunked_recv_tokens = int(num_max_nvl_chunked_recv_tokens)
+        self.num_max_rdma_chunked_send_tokens = int(num_max_rdma_chunked_send_tokens)
+        self.num_max_rdma_chunked_recv_tokens = _round_up(int(num_max_rdma_chunked_recv_tokens), self.num_max_rdma_chunked_send_tokens)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of a chunked receive area for ``num_ranks`` peers (informational: mori sizes its
+        buffers from the shapes of the calls, see the module docstring)."""
+        if not 1 <= num_ranks <= NUM_MAX_NVL_PEERS:
+            raise InvalidArgumentError(f"intranode only: 1..{NUM_MAX_NVL_PEERS} ranks, got {num_ranks}")
+        channels = max(self.num_sms // 2, 1)
+        # per received row: the row, 128 top-k ids (int64) and weights (fp32), 128 scales (fp32)
+        per_row = hidden_bytes + 128 * 8 + 128 * 4 + 128 * 4
+        total = channels * num_ranks * (5 * 4 + self.num_max_nvl_chunked_recv_tokens * per_row)
+        return _round_up(total, 128)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0: intranode groups need no RDMA buffer (the only kind the facade supports)."""
+        if num_ranks > NUM_MAX_NVL_PEERS:
+            raise InvalidArgumentError(f"internode EP (more than {NUM_MAX_NVL_PEERS} ranks) is not supported by mori yet")
+        return 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Config(num_sms={self.num_sms}, nvl_send={self.num_max_nvl_chunked_send_tokens}, "
+            f"nvl_recv={self.num_max_nvl_chunked_recv_tokens}, rdma_send={self.num_max_rdma_chunked_send_tokens}, "
+            f"rdma_recv={self.num_max_rdma_chunked_recv_tokens})"
+        )
+
+
+class EventOverlap:
+    """DeepEP's event wrapper: ``event`` is a ``torch.cuda.Event`` (or None when the operation was
+    not asked for ``async_finish``; waiting is then a no-op, because mori already ran it on the
+    current stream). ``extra_tensors`` keeps tensors alive until the event is dropped."""
+
+    def __init__(self, event: Any = None, extra_tensors: Optional[tuple] = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        """Makes ``torch.cuda.current_stream()`` wait for the event."""
+        if self.event is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self) -> EventOverlap:
+        return self
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        if self.event is not None:
+            self.current_stream_wait()
+
+    def __repr__(self) -> str:
+        return f"EventOverlap({'pending event' if self.event is not None else 'no event'})"
+
+
+class _NormalHandle(tuple):
+    """DeepEP's intranode handle shape: (rank_prefix_matrix, channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head). Entries 0, 3 and 4
+    carry DeepEP's meaning; 1, 2 and 5 (channel bookkeeping mori does not have) are None.
+    The mori handle and what a cached dispatch needs ride along as attributes."""
+
+    def __new__(cls, entries: tuple, **attrs: Any) -> _NormalHandle:
+        self = super().__new__(cls, entries)
+        self.__dict__.update(attrs)
+        return self
+
+
+class _LowLatencyHandle(tuple):
+    """DeepEP's low-latency handle shape: (recv_src_info, recv_layout_range,
+    num_max_dispatch_tokens_per_rank, hidden, num_experts), plus the mori handle as an attribute."""
+
+    def __new__(cls, entries: tuple, **attrs: Any) -> _LowLatencyHandle:
+        self = super().__new__(cls, entries)
+        self.__dict__.update(attrs)
+        return self
+
+
+# Facade buffers that rely on a mori.shmem session they initialised (finalised with the last).
+_shmem_users = 0
+
+
+def _release_mori_buffer(buf: Any) -> None:
+    """Collectively frees what a mori.ep.Buffer holds on the symmetric heap: through its own
+    close/destroy when it has one, else every heap tensor it references (deterministic order:
+    attribute names sorted, one free per allocation)."""
+    from mori import shmem
+
+    for name in ("close", "destroy", "free", "release"):
+        fn = getattr(buf, name, None)
+        if callable(fn):
+            fn()
+            return
+    torch = __import__("torch")
+
+    def tensors(obj: Any, depth: int) -> list:
+        out = []
+        for name in sorted(vars(obj)):
+            v = vars(obj)[name]
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif depth and v is not buf and hasattr(v, "__dict__") and not isinstance(v, type):
+                out.extend(tensors(v, depth - 1))  # e.g. the low-latency part's own buffers
+        return out
+
+    seen: set[int] = set()
+    for t in tensors(buf, 1):
+        if not t.is_cuda:
+            continue
+        found = shmem._s().locate(t.data_ptr())
+        if found is None or found[0] in seen:
+            continue
+        seen.add(found[0])
+        shmem.free(t)
+
+
+class Buffer:
+    """DeepEP's ``Buffer`` for one node, on :class:`mori.ep.Buffer` (see the module docstring for
+    the sizing policy and the differences).
+
+    Accepted and ignored: ``num_nvl_bytes``, ``num_rdma_bytes`` (sizing comes from the calls),
+    ``low_latency_mode`` (both modes always work; no ``clean_low_latency_buffer`` is needed
+    between them), ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode`` (always NVLink),
+    ``allow_mnnvl``, ``use_fabric``, ``enable_shrink``.
+    ``explicitly_destroy``: as in DeepEP, :meth:`destroy` is allowed only when it is set; without
+    it the heap memory is released when :mod:`mori.shmem` is finalised (never in a destructor,
+    which would make garbage collection collective).
+    mori-only keyword: ``max_tokens_per_rank`` fixes the normal-mode token capacity (no
+    per-dispatch all-reduce).
+    """
+
+    num_sms: int = 20
+
+    def __init__(
+        self,
+        group: Any,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm: Any = None,
+        *,
+        max_tokens_per_rank: Optional[int] = None,
+    ) -> None:
+        if group is None:
+            if comm is not None:
+                raise InvalidArgumentError("mori.ep.deepep.Buffer needs a torch.distributed group; an mpi4py comm is not supported")
+            raise InvalidArgumentError("mori.ep.deepep.Buffer needs a torch.distributed group")
+        if num_nvl_bytes < 0 or num_rdma_bytes < 0:
+            raise InvalidArgumentError("num_nvl_bytes and num_rdma_bytes must be >= 0")
+        if max_tokens_per_rank is not None and max_tokens_per_rank <= 0:
+            raise InvalidArgumentError(f"max_tokens_per_rank must be positive, got {max_tokens_per_rank}")
+        self.group = group
+        self.rank = group.rank()
+        self.group_size = group.size()
+        if self.group_size > NUM_MAX_NVL_PEERS:
+            raise InvalidArgumentError(
+                f"internode EP is not supported by mori yet: the group has {self.group_size} ranks, at most {NUM_MAX_NVL_PEERS} fit one node"
+            )
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self._fixed_capacity = max_tokens_per_rank
+        self._mori: Any = None  # mori.ep.Buffer, built by the first collective call
+        self._wbuf: Any = None  # [2, ranks, capacity + 1, topk] fp32 heap tensor for combined top-k weights
+        self._wpeers: list[Any] = []
+        self._wcalls = 0
+        self._generation = 0
+        self._zero_copy: Any = None
+        self._shmem_ready = False
+        self._owns_shmem = False
+        self._destroyed = False
+
+    # ---- static helpers (as DeepEP) ---------------------------------------------------------
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: mori compiles its kernels at run time for the GPU it runs on."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets the SM budget of normal-mode kernels (the default configs' ``num_sms``)."""
+        if new_num_sms <= 0 or new_num_sms % 2:
+            raise InvalidArgumentError(f"the SM count must be a positive even number, got {new_num_sms}")
+        Buffer.num_sms = int(new_num_sms)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An :class:`EventOverlap` with an event recorded on the current stream."""
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return EventOverlap(event)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+        """Bytes mori's low-latency buffers take on each rank for these sizes (BF16; FP8 needs
+        less). Informational: pass it as ``num_rdma_bytes`` as with DeepEP; mori sizes from the
+        calls."""
+        for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
+            if v <= 0:
+                raise InvalidArgumentError(f"{name} must be positive, got {v}")
+        if hidden % _SCALE_BLOCK:
+            raise InvalidArgumentError(f"hidden must be a multiple of {_SCALE_BLOCK}, got {hidden}")
+        rows = num_experts * num_max_dispatch_tokens_per_rank  # local experts x ranks x tokens
+        # receive rows (data + scales + source index) and combine rows, both double-buffered
+        per_row = hidden * 2 + hidden // _SCALE_BLOCK * 4 + 16
+        recv = rows * per_row * 2
+        combine = num_ranks * num_max_dispatch_tokens_per_rank * (hidden * 2 + 16) * 2
+        return _round_up(recv + combine + num_ranks * 4096, 1 << 20)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """The default dispatch config (``num_sms`` = ``Buffer.num_sms``) for 1..8 ranks."""
+        if not 1 <= num_ranks <= NUM_MAX_NVL_PEERS:
+            raise InvalidArgumentError(f"unsupported number of EP ranks: {num_ranks} (intranode: 1..{NUM_MAX_NVL_PEERS})")
+        return Config(Buffer.num_sms, 24 if num_ranks <= 2 else 6, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """The default combine config (``num_sms`` = ``Buffer.num_sms``) for 1..8 ranks."""
+        if not 1 <= num_ranks <= NUM_MAX_NVL_PEERS:
+            raise InvalidArgumentError(f"unsupported number of EP ranks: {num_ranks} (intranode: 1..{NUM_MAX_NVL_PEERS})")
+        return Config(Buffer.num_sms, 10 if num_ranks <= 2 else 4, 256, 6, 128)
+
+    # ---- lifetime -----------------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        """Collective: frees the mori buffer (and finalises :mod:`mori.shmem` when this facade
+        initialised it and no other facade buffer uses it). Needs ``explicitly_destroy=True``."""
+        global _shmem_users
+        if not self.explicitly_destroy:
+            raise InvalidArgumentError("`explicitly_destroy` must be set to call destroy()")
+        if self._destroyed:
+            return
+        self._free_buffers()
+        self._destroyed = True
+        if self._owns_shmem:
+            from mori import shmem
+
+            _shmem_users -= 1
+            self._owns_shmem = False
+            if _shmem_users == 0:
+                shmem.finalize()
+
+    def get_comm_stream(self) -> Any:
+        """mori has no communication stream: returns the current stream, where it runs."""
+        import torch
+
+        return torch.cuda.current_stream()
+
+    def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0, use_rdma_buffer: bool = False) -> Any:
+        raise InvalidArgumentError(
+            "get_local_buffer_tensor is not supported: mori's buffers are typed per use and have no raw byte layout to hand out"
+        )
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """No-op: mori's low-latency buffers need no cleaning (sequence-numbered flags), also
+        not after normal-mode calls."""
+        if num_max_dispatch_tokens_per_rank <= 0 or hidden <= 0 or num_experts <= 0:
+            raise InvalidArgumentError("num_max_dispatch_tokens_per_rank, hidden and num_experts must be positive")
+        self._check_alive()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise MoriError("this mori.ep.deepep.Buffer was destroyed")
+
+    def _init_shmem(self) -> None:
+        global _shmem_users
+        if self._shmem_ready:
+            return
+        from mori import shmem
+
+        if not shmem.is_initialized():
+            shmem.init_from_torch(self.group)
+            self._owns_shmem = True
+            _shmem_users += 1
+        elif shmem.n_pes() != self.group_size or shmem.my_pe() != self.rank:
+            raise InvalidArgumentError(
+                f"mori.shmem is initialised with PE {shmem.my_pe()}/{shmem.n_pes()} but the group gives rank {self.rank}/{self.group_size}: "
+                "the EP group must be the whole shmem world"
+            )
+        if shmem.node_team()[1] != shmem.n_pes():
+            raise InvalidArgumentError("internode EP is not supported by mori yet: every rank of the group must be on this node")
+        self._shmem_ready = True
+
+    def _free_buffers(self) -> None:
+        from mori import shmem
+
+        if self._wbuf is not None:
+            shmem.free(self._wbuf)
+            self._wbuf, self._wpeers = None, []
+        if self._mori is not None:
+            _release_mori_buffer(self._mori)
+            self._mori = None
+
+    def _build(self, *, num_experts: int, hidden: int, topk: int, capacity: int, ll_tokens: int) -> None:
+        """Collective: (re)builds the mori buffer for these sizes."""
+        import torch
+
+        from mori import shmem
+        from mori.ep import Buffer as MoriBuffer
+        from mori.ep import EpConfig
+
+        if torch.cuda.is_current_stream_capturing():
+            raise MoriError(
+                "the mori EP buffer must be (re)sized, which cannot happen during CUDA-graph capture: run one call with these shapes before capturing"
+            )
+        if num_experts % self.group_size:
+            raise InvalidArgumentError(f"{num_experts} experts do not divide over {self.group_size} ranks")
+        config = EpConfig(
+            num_experts=num_experts, hidden=hidden, max_tokens_per_rank=capacity, topk=topk,
+            num_sms=max(Buffer.num_sms, 1), low_latency_max_tokens=ll_tokens,
+        )
+        self._free_buffers()
+        self._mori = MoriBuffer(config, group=self.group)
+        self._wbuf = shmem.tensor((2, self.group_size, capacity + 1, topk), torch.float32, zero=True)
+        self._wpeers = [self._wbuf if s == self.rank else shmem.peer_tensor(self._wbuf, s) for s in range(self.group_size)]
+        self._generation += 1
+
+    def _ensure(self, *, num_experts: int, hidden: int, topk: int, tokens: int = 0, ll_tokens: int | None = None) -> None:
+        """Builds or rebuilds when the current buffer does not fit. Every argument must be equal
+        on every rank (callers reduce ``tokens`` over the group first)."""
+        self._init_shmem()
+        cfg = self._mori.config if self._mori is not None else None
+        have_cap = cfg.max_tokens_per_rank if cfg is not None else 0
+        have_ll = cfg.low_latency_max_tokens if cfg is not None else 0
+        want_ll = have_ll if ll_tokens is None else ll_tokens
+        if self._fixed_capacity is not None:
+            capacity = self._fixed_capacity
+            if tokens > capacity:
+                raise InvalidArgumentError(f"{tokens} tokens exceed max_tokens_per_rank={capacity} given to the facade")
+        elif tokens > have_cap:
+            capacity = max(_round_up(max(tokens, 1), _CAPACITY_STEP), _round_up(have_cap + have_cap // 2, _CAPACITY_STEP))
+        else:
+            capacity = max(have_cap, ll_tokens or 0, 1)
+        same = cfg is not None and (cfg.num_experts, cfg.hidden, cfg.topk) == (num_experts, hidden, topk)
+        if same and capacity == have_cap and want_ll == have_ll:
+            return
+        self._build(num_experts=num_experts, hidden=hidden, topk=topk, capacity=capacity, ll_tokens=want_ll)
+
+    def _allreduce_max(self, values: list[int]) -> list[int]:
+        import torch
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend(self.group))
+        on_gpu = "nccl" in backend and "gloo" not in backend
+        t = torch.tensor(values, dtype=torch.int64, device="cuda" if on_gpu else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def _ensure_normal(self, tokens: int, hidden: int, topk: int, num_experts: int) -> None:
+        """Collective sizing for normal mode (see the module docstring)."""
+        if self._fixed_capacity is None:
+            r = self._allreduce_max([tokens, hidden, topk, num_experts, -hidden, -topk, -num_experts])
+            if (r[1], r[2], r[3]) != (-r[4], -r[5], -r[6]):
+                raise InvalidArgumentError(
+                    f"ranks disagree on hidden / top-k / experts: max {(r[1], r[2], r[3])}, min {(-r[4], -r[5], -r[6])}"
+                )
+            tokens = r[0]
+        self._ensure(num_experts=num_experts, hidden=hidden, topk=topk, tokens=tokens)
+
+    @staticmethod
+    def _wait_previous(previous_event: Any) -> None:
+        if previous_event is None:
+            return
+        event = getattr(previous_event, "event", previous_event)
+        if event is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(event)
+
+    @staticmethod
+    def _event(async_finish: bool, extra: Optional[tuple] = None) -> EventOverlap:
+        if not async_finish:
+            return EventOverlap(None)
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return EventOverlap(event, extra)
+
+    def _check_handle(self, handle: Any, kind: type) -> Any:
+        if not isinstance(handle, kind):
+            what = "dispatch" if kind is _NormalHandle else "low_latency_dispatch"
+            raise InvalidArgumentError(f"handle must be the one this facade's {what} returned, got {type(handle).__name__}")
+        if handle.owner is not self or handle.generation != self._generation:
+            raise InvalidArgumentError("this handle belongs to another buffer, or to this one before it was resized")
+        return handle
+
+    @staticmethod
+    def _check_topk_idx(topk_idx: Any, tokens: int | None = None) -> tuple[int, int]:
+        import torch
+
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != torch.int64 or topk_idx.dim() != 2:
+            raise InvalidArgumentError("topk_idx must be an int64 tensor [num_tokens, num_topk]")
+        if tokens is not None and topk_idx.shape[0] != tokens:
+            raise InvalidArgumentError(f"topk_idx has {topk_idx.shape[0]} rows, x has {tokens}")
+        return int(topk_idx.shape[0]), int(topk_idx.shape[1])
+
+    # ---- normal mode --------------------------------------------------------------------------
+
+    def get_dispatch_layout(
+        self, topk_idx: Any, num_experts: int, previous_event: Any = None, async_finish: bool = False, allocate_on_comm_stream: bool = False
+    ) -> tuple[Any, None, Any, Any, EventOverlap]:
+        """(num_tokens_per_rank [ranks] int32, None (intranode), num_tokens_per_expert [experts]
+        int32, is_token_in_rank [tokens, ranks] bool, event). Local (not collective): uses mori's
+        layout kernel when the current buffer fits, else the same counts computed with torch."""
+        import torch
+
+        self._check_alive()
+        n, k = self._check_topk_idx(topk_idx)
+        if num_experts <= 0 or num_experts % self.group_size:
+            raise InvalidArgumentError(f"num_experts={num_experts} must be a positive multiple of the group size {self.group_size}")
+        self._wait_previous(previous_event)
+        cfg = self._mori.config if self._mori is not None else None
+        if cfg is not None and cfg.num_experts == num_experts and cfg.topk == k and n <= cfg.max_tokens_per_rank:
+            per_rank, per_expert, in_rank, _ = self._mori.get_dispatch_layout(topk_idx.contiguous())
+        else:
+            w = self.group_size
+            valid = (topk_idx >= 0) & (topk_idx < num_experts)
+            ids = torch.where(valid, topk_idx, num_experts).reshape(-1)
+            per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_idx.device)
+            per_expert.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+            per_expert = per_expert[:num_experts].contiguous()
+            ranks = torch.where(valid, topk_idx // (num_experts // w), w)
+            in_rank = torch.zeros((n, w + 1), dtype=torch.bool, device=topk_idx.device)
+            in_rank.scatter_(1, ranks, True)
+            in_rank = in_rank[:, :w].contiguous()
+            per_rank = in_rank.sum(dim=0, dtype=torch.int32)
+        return per_rank, None, per_expert, in_rank, self._event(async_finish)
+
+    def dispatch(
+        self,
+        x: Any,
+        handle: Any = None,
+        num_tokens_per_rank: Any = None,
+        num_tokens_per_rdma_rank: Any = None,
+        is_token_in_rank: Any = None,
+        num_tokens_per_expert: Any = None,
+        topk_idx: Any = None,
+        topk_weights: Any = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Optional[Config] = None,
+        previous_event: Any = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[Any, Any, Any, Any, Any, EventOverlap]:
+        """Collective. Returns (recv_x (a tensor, or (fp8, scales) as ``x``), recv_topk_idx,
+        recv_topk_weights, num_recv_tokens_per_expert_list, handle, event); with ``handle=`` (the
+        cached form, same routing as that dispatch) it returns (recv_x, None, None, None, None,
+        event). As DeepEP: recv_topk_idx holds local expert ids (-1 elsewhere) and
+        recv_topk_weights is 0 where recv_topk_idx is -1; the lists are aligned up to
+        ``expert_alignment``; ``num_worst_tokens > 0`` pads every returned tensor to that many rows
+        (ids -1, weights 0, data 0) and returns an empty list (the host still synchronises once:
+        mori's normal mode always does). The layout tensors are accepted and checked for shape;
+        mori recomputes the layout from ``topk_idx`` inside the dispatch (the same values).
+        ``config.num_sms`` is the SM budget; ``num_tokens_per_rdma_rank`` and
+        ``allocate_on_comm_stream`` are ignored. Returned tensors are the caller's (copies), as
+        with DeepEP."""
+        self._check_alive()
+        if expert_alignment < 1:
+            raise InvalidArgumentError(f"expert_alignment must be >= 1, got {expert_alignment}")
+        if num_worst_tokens < 0:
+            raise InvalidArgumentError(f"num_worst_tokens must be >= 0, got {num_worst_tokens}")
+        import torch
+
+        x_data, x_scales = x if isinstance(x, tuple) else (x, None)
+        if not isinstance(x_data, torch.Tensor) or x_data.dim() != 2:
+            raise InvalidArgumentError("x must be a [num_tokens, hidden] tensor or an (fp8 data, scales) tuple")
+        n, hidden = int(x_data.shape[0]), int(x_data.shape[1])
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise InvalidArgumentError("a cached dispatch (handle=...) takes no topk_idx / topk_weights")
+            h = self._check_handle(handle, _NormalHandle)
+            if n != h.num_tokens:
+                raise InvalidArgumentError(f"x has {n} tokens, the handle's dispatch had {h.num_tokens}")
+            topk_idx = h.topk_idx
+            topk_weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+            num_experts = h.num_experts
+        else:
+            if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+                raise InvalidArgumentError("dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert")
+            if topk_idx is None or topk_weights is None:
+                raise InvalidArgumentError("mori routes by expert: dispatch needs topk_idx and topk_weights (or a handle)")
+            num_experts = int(num_tokens_per_expert.numel())
+            if tuple(num_tokens_per_rank.shape) != (self.group_size,) or tuple(is_token_in_rank.shape) != (n, self.group_size):
+                raise InvalidArgumentError("num_tokens_per_rank / is_token_in_rank do not match the group size and token count")
+        _, k = self._check_topk_idx(topk_idx, n)
+        if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, k):
+            raise InvalidArgumentError(f"topk_weights must be float32 [{n}, {k}]")
+        self._wait_previous(previous_event)
+        self._ensure_normal(n, hidden, k, num_experts)
+        num_sms = (config if config is not None else self.get_dispatch_config(self.group_size)).num_sms
+        xin = x_data.contiguous() if x_scales is None else (x_data.contiguous(), x_scales.contiguous())
+        res = self._mori.dispatch(xin, topk_idx.contiguous(), topk_weights.contiguous(), num_sms=num_sms or None)
+        num_recv = int(res.recv_x.shape[0])
+        rows = max(num_recv, num_worst_tokens)
+        if num_worst_tokens and num_recv > num_worst_tokens:
+            raise InvalidArgumentError(f"received {num_recv} tokens, more than num_worst_tokens={num_worst_tokens}")
+
+        def padded(t: Any, fill: int) -> Any:
+            # A copy (the buffer's rows are overwritten by the next dispatch), padded to `rows`.
+            out = torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            out[:num_recv].copy_(t)
+            if rows > num_recv:
+                tail = out[num_recv:]
+                (tail.view(torch.uint8) if fill == 0 else tail).fill_(fill)  # bytes: fp8 has no fill
+            return out
+
+        recv_x = padded(res.recv_x, 0)
+        recv_x = (recv_x, padded(res.recv_x_scales, 0)) if x_scales is not None else recv_x
+        event = self._event(async_finish, (x_data, topk_idx))
+        if handle is not None:
+            return recv_x, None, None, None, None, event
+        recv_idx = padded(res.recv_topk_idx, -1)
+        recv_w = torch.zeros((rows, k), dtype=torch.float32, device=recv_idx.device)
+        recv_w[:num_recv] = torch.where(res.recv_topk_idx >= 0, res.recv_topk_weights, 0.0)
+        per_expert = [] if num_worst_tokens else [_round_up(int(c), expert_alignment) for c in res.num_recv_tokens_per_expert]
+        mh = res.handle
+        new_handle = _NormalHandle(
+            (torch.cumsum(mh.rank_matrix, dim=0, dtype=torch.int32), None, None, res.recv_src_idx.clone(), mh.is_token_in_rank, None),
+            mori=mh, owner=self, generation=self._generation, topk_idx=topk_idx.clone(), num_experts=num_experts,
+            num_tokens=n, num_recv=num_recv, hidden=hidden,
+        )
+        return recv_x, recv_idx, recv_w, per_expert, new_handle, event
+
+    def _combine_weights(self, topk_weights: Any, h: _NormalHandle) -> Any:
+        """DeepEP's combined top-k weights: per token, the sum over the ranks it went to of the
+        weight rows those ranks pass back. Each rank stores its rows straight into the source
+        rank's heap buffer (slot [receiver][token]); after a barrier every rank sums its own."""
+        import torch
+
+        from mori import shmem
+
+        k = self._mori.config.topk
+        if topk_weights.dtype != torch.float32 or topk_weights.dim() != 2 or topk_weights.shape[1] != k or topk_weights.shape[0] < h.num_recv:
+            raise InvalidArgumentError(f"topk_weights must be float32 [{h.num_recv}, {k}]")
+        w_rows = topk_weights[: h.num_recv].contiguous()
+        parity = self._wcalls % 2
+        self._wcalls += 1
+        world, me, dummy = self.group_size, self.rank, self._wbuf.shape[2] - 1
+        dev = w_rows.device
+        counts = h.mori.rank_matrix[:, me].to(torch.int64)
+        src_rank = torch.repeat_interleave(torch.arange(world, device=dev), counts, output_size=h.num_recv)
+        src_idx = h[3].to(torch.int64)
+        for s in range(world):
+            rows = torch.where(src_rank == s, src_idx, dummy)
+            self._wpeers[s][parity, me].index_copy_(0, rows, w_rows)
+        shmem.barrier_all(stream=torch.cuda.current_stream())
+        mine = self._wbuf[parity, :, : h.num_tokens]  # [ranks, tokens, k]
+        mask = h.mori.is_token_in_rank.t().unsqueeze(-1)
+        return torch.where(mask, mine, 0.0).sum(dim=0)
+
+    def combine(
+        self,
+        x: Any,
+        handle: Any,
+        topk_weights: Any = None,
+        bias: Any = None,
+        config: Optional[Config] = None,
+        previous_event: Any = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[Any, Any, EventOverlap]:
+        """Collective. Returns (combined_x bf16 [tokens, hidden], combined_topk_weights or None,
+        event): every token's rows summed (fp32, **without** weights, as DeepEP) over the ranks
+        it went to. ``bias`` (a tensor or a pair, [tokens, hidden]) is added after mori's bf16
+        rounding (so the result may differ from DeepEP's in the last bf16 bit). With
+        ``topk_weights`` ([received, topk] fp32) the combined weights are their per-token sum over
+        ranks. ``config.num_sms`` is the SM budget; ``allocate_on_comm_stream`` is ignored."""
+        import torch
+
+        self._check_alive()
+        h = self._check_handle(handle, _NormalHandle)
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] < h.num_recv:
+            raise InvalidArgumentError(f"x must be bfloat16 [{h.num_recv}, hidden] (the received rows)")
+        self._wait_previous(previous_event)
+        num_sms = (config if config is not None else self.get_combine_config(self.group_size)).num_sms
+        y = x[: h.num_recv]
+        out = self._mori.combine(y if y.is_contiguous() else y.contiguous(), h.mori, num_sms=num_sms or None)
+        if bias is not None:
+            b0, b1 = bias if isinstance(bias, tuple) else (bias, None)
+            acc = out.float()
+            for b in (b0, b1):
+                if b is not None:
+                    if tuple(b.shape) != tuple(out.shape):
+                        raise InvalidArgumentError(f"bias must be [{out.shape[0]}, {out.shape[1]}]")
+                    acc = acc + b.float()
+            out = acc.to(torch.bfloat16)
+        combined_w = self._combine_weights(topk_weights, h) if topk_weights is not None else None
+        return out, combined_w, self._event(async_finish, (x,))
+
+    # ---- low-latency mode ---------------------------------------------------------------------
+
+    def low_latency_dispatch(
+        self,
+        x: Any,
+        topk_idx: Any,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: Any = None,
+        dispatch_wait_recv_cost_stats: Any = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        use_per_tensor_quantization: bool = False,
+        static_scale: Any = None,
+    ) -> tuple[Any, Any, Any, EventOverlap, Optional[Callable[[], None]]]:
+        """Collective, no host synchronisation, CUDA-graph capturable (once the buffer is sized).
+        Returns (recv_x, recv_count, handle, event, hook): recv_x is bf16
+        [local experts, ranks * num_max_dispatch_tokens_per_rank, hidden], or with ``use_fp8`` a
+        tuple (float8_e4m3fn data, fp32 scales [.., hidden / 128]) whose scales are column-major
+        in the last two dimensions, as DeepEP's (scale = amax / 448 per 128 channels; an all-zero
+        block has scale 0 where DeepEP clamps amax to 1e-4: the dequantised values agree).
+        recv_count [local experts] int32. ``cumulative_local_expert_recv_stats`` (int32 [local
+        experts]) gets recv_count added. ``dispatch_wait_recv_cost_stats`` is accepted and left
+        unchanged. With ``return_recv_hook`` only the send half runs; call ``hook()`` before
+        reading the results. The results are new tensors (mori allocates them per call); as with
+        DeepEP, at most two low-latency dispatches may be in flight."""
+        self._check_alive()
+        if round_scale:
+            raise InvalidArgumentError("round_scale=True (power-of-two scales) is not supported by mori")
+        if use_ue8m0:
+            raise InvalidArgumentError("use_ue8m0=True (UE8M0 scale format) is not supported by mori")
+        if use_per_tensor_quantization or static_scale is not None:
+            raise InvalidArgumentError("per-tensor quantisation (use_per_tensor_quantization / static_scale) is not supported by mori")
+        import torch
+
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
+            raise InvalidArgumentError("x must be a bfloat16 tensor [num_tokens, hidden]")
+        n, k = self._check_topk_idx(topk_idx, int(x.shape[0]))
+        if n > num_max_dispatch_tokens_per_rank:
+            raise InvalidArgumentError(f"{n} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
+        hidden = int(x.shape[1])
+        self._ensure(num_experts=num_experts, hidden=hidden, topk=k, ll_tokens=num_max_dispatch_tokens_per_rank)
+        res = self._mori.low_latency_dispatch(x.contiguous(), topk_idx.contiguous(), use_fp8=use_fp8, return_recv_hook=return_recv_hook)
+        scales = None
+        if use_fp8:
+            e, rows, cols = res.recv_x_scales.shape
+            scales = torch.empty((e, cols, rows), dtype=torch.float32, device=x.device).transpose(1, 2)
+        stats = cumulative_local_expert_recv_stats
+
+        def finish() -> None:
+            if scales is not None:
+                scales.copy_(res.recv_x_scales)
+            if stats is not None:
+                stats.add_(res.recv_count)
+
+        hook: Optional[Callable[[], None]] = None
+        if return_recv_hook:
+            mori_hook = res.hook
+
+            def recv_hook() -> None:
+                mori_hook()
+                finish()
+
+            hook = recv_hook
+        else:
+            finish()
+        handle = _LowLatencyHandle(
+            (res.recv_src_info, res.recv_layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts),
+            mori=res.handle, owner=self, generation=self._generation,
+        )
+        recv_x = (res.recv_x, scales) if use_fp8 else res.recv_x
+        event = self._event(async_finish, (x, topk_idx, res.recv_x, scales, res.recv_count, res.recv_src_info, res.recv_layout_range))
+        return recv_x, res.recv_count, handle, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: Any) -> Any:
+        """A bf16 [local experts, ranks * max tokens, hidden] tensor for ``zero_copy`` combine:
+        fill it with the expert outputs and call ``low_latency_combine(..., zero_copy=True)``.
+        (mori reads it like ``x``; it is the facade's own tensor, not the buffer itself.)"""
+        import torch
+
+        h = self._check_handle(handle, _LowLatencyHandle)
+        shape = (self._mori.experts_per_rank, self.group_size * h[2], h[3])
+        if self._zero_copy is None or tuple(self._zero_copy.shape) != shape:
+            self._zero_copy = torch.empty(shape, dtype=torch.bfloat16, device=f"cuda:{torch.cuda.current_device()}")
+        return self._zero_copy
+
+    def low_latency_combine(
+        self,
+        x: Any,
+        topk_idx: Any,
+        topk_weights: Any,
+        handle: Any,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: Any = None,
+        combine_wait_recv_cost_stats: Any = None,
+    ) -> tuple[Any, EventOverlap, Optional[Callable[[], None]]]:
+        """Collective, no host synchronisation. Returns (combined_x bf16 [tokens, hidden], event,
+        hook): per token sum_k w_k * expert_output over its valid top-k (weights applied, as
+        DeepEP). ``out`` receives the result in place. ``zero_copy`` reads the tensor from
+        :meth:`get_next_low_latency_combine_buffer` instead of ``x``.
+        ``combine_wait_recv_cost_stats`` is accepted and left unchanged."""
+        self._check_alive()
+        if use_logfmt:
+            raise InvalidArgumentError("use_logfmt=True (LogFMT combine format) is not supported by mori")
+        h = self._check_handle(handle, _LowLatencyHandle)
+        if zero_copy:
+            if self._zero_copy is None:
+                raise InvalidArgumentError("zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled first")
+            x = self._zero_copy
+        combined, hook = self._mori.low_latency_combine(
+            x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), h.mori, return_recv_hook=return_recv_hook, out=out
+        )
+        event = self._event(async_finish, (x, topk_idx, topk_weights, h[0], h[1], combined))
+        return combined, event, hook
+
+    def __repr__(self) -> str:
+        cfg = self._mori.config if self._mori is not None else None
+        return f"mori.ep.deepep.Buffer(rank {self.rank}/{self.group_size}, {cfg if cfg is not None else 'not built yet'})"

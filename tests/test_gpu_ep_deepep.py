@@ -1,0 +1,300 @@
+"""The DeepEP facade (mori.ep.deepep.Buffer) on two GPUs, driven exactly as a DeepEP program
+drives deep_ep.Buffer (a torch.distributed group, get_dispatch_layout -> dispatch -> combine,
+low_latency_dispatch -> low_latency_combine), checked with the same references as
+test_gpu_ep.py (tests/_ep_reference.py) plus DeepEP's conventions: weights masked to 0 where the
+local id is -1, the handle's rank_prefix_matrix / recv_src_idx / is_token_in_rank, combined
+top-k weights, expert_alignment, num_worst_tokens padding, the cached dispatch, events, column-major
+FP8 scales, cumulative receive statistics, zero-copy combine, the hook split and CUDA-graph replay.
+The buffer is sized lazily and grows collectively (a case sends more tokens than any before).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._ranks import run_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.torch]
+
+WORLD = 2
+HIDDEN, EXPERTS, TOPK, LL_MAX = 2048, 32, 8, 128
+
+
+def _suite(rank: int, store_path: str) -> dict[str, str]:
+    import os
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    from mori.ep.deepep import Buffer, EventOverlap
+    from tests import _ep_reference as ref
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    group = dist.group.WORLD
+    results: dict[str, str] = {}
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gather = ref.torch_gather(group)
+    el = EXPERTS // WORLD
+    Buffer.set_num_sms(24)
+    num_nvl_bytes = Buffer.get_dispatch_config(WORLD).get_nvl_buffer_size_hint(HIDDEN * 2, WORLD)
+    num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(LL_MAX, HIDDEN, WORLD, EXPERTS)
+    buf = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=True, num_qps_per_rank=el, explicitly_destroy=True)
+    stats = torch.zeros(el, dtype=torch.int32, device="cuda")
+
+    def routing(n, mode, drop=0.1):
+        return ref.routing(n, mode, num_experts=EXPERTS, topk=TOPK, world=WORLD, rank=rank, gen=gen, drop=drop)
+
+    def tokens(n):
+        x = torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16)
+        if n:
+            x[0, :128] = 0
+        return x
+
+    def barrier():
+        torch.cuda.synchronize()
+        dist.barrier(group)
+
+    # ---- normal mode ----------------------------------------------------------------------
+
+    def normal_case(n, mode, fp8, *, alignment=1, worst=0, async_finish=False, cached=False, bias=False):
+        idx = routing(n, mode)
+        weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
+        x = tokens(n)
+        per_rank, per_rdma, per_expert, in_rank, event = buf.get_dispatch_layout(idx, EXPERTS, async_finish=async_finish)
+        layout = (per_rank.clone(), per_rdma, per_expert.clone(), in_rank.clone())
+        scales = None
+        if fp8:
+            sent = (torch.randn((n, HIDDEN), device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
+            scales = torch.rand((n, HIDDEN // 128), device="cuda", generator=gen, dtype=torch.float32)
+            xin = (sent, scales)
+        else:
+            sent = xin = x
+        recv_x, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
+            xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+            topk_weights=weights, expert_alignment=alignment, num_worst_tokens=worst,
+            previous_event=event if async_finish else None, async_finish=async_finish,
+        )
+        event_ok = isinstance(event, EventOverlap) and (event.event is not None) == async_finish
+        if async_finish:
+            event.current_stream_wait()
+        recv_data, recv_scales = recv_x if fp8 else (recv_x, None)
+        recv_data_copy = recv_data.clone()
+        combined = combined_w = None
+        if not fp8:
+            out_bias = None
+            if bias:
+                out_bias = (torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16),
+                            torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16))
+            combined, combined_w, cevent = buf.combine(recv_data, handle, topk_weights=recv_w, bias=out_bias, async_finish=async_finish)
+            with cevent:
+                pass
+        cached_x = None
+        if cached:
+            again = buf.dispatch(xin, handle=handle)
+            cached_x = again[0]
+            cached_rest = again[1:5]
+        all_idx, all_w, all_x, all_rank = gather(idx), gather(weights), gather(sent), gather(layout[0])
+        all_scales = gather(scales) if fp8 else None
+        barrier()
+        # checks (every collective call is done)
+        assert event_ok, f"event {event!r} with async_finish={async_finish}"
+        want_rank, want_expert, want_in = ref.expected_layout(idx, EXPERTS, WORLD)
+        assert layout[1] is None, "num_tokens_per_rdma_rank must be None intranode"
+        assert torch.equal(layout[0].cpu(), want_rank), "num_tokens_per_rank"
+        assert torch.equal(layout[2].cpu(), want_expert), "num_tokens_per_expert"
+        assert torch.equal(layout[3].cpu(), want_in), "is_token_in_rank"
+        exp = ref.expected_normal_dispatch(rank, WORLD, EXPERTS, all_idx, all_w, all_x, all_scales)
+        ref.check_normal_dispatch(
+            exp, recv_x=recv_data_copy, recv_x_scales=recv_scales, recv_topk_idx=recv_idx, recv_topk_weights=recv_w,
+            num_recv_tokens_per_expert=per_expert_list, recv_src_idx=handle[3][: exp.src_idx.numel()], weights_masked=True,
+            expert_alignment=alignment, num_worst_tokens=worst,
+        )
+        assert isinstance(handle, tuple) and len(handle) == 6, "the handle is DeepEP's 6-tuple"
+        sent_matrix = torch.stack([r.to(torch.int32) for r in all_rank])  # [src, dst]
+        assert torch.equal(handle[0].cpu(), torch.cumsum(sent_matrix, dim=0, dtype=torch.int32)), "rank_prefix_matrix"
+        assert torch.equal(handle[4].cpu(), want_in), "handle's is_token_in_rank"
+        if combined is not None:
+            if bias:
+                base = (x.float() * ref.ranks_hit(idx, EXPERTS, WORLD)[:, None]).to(torch.bfloat16)
+                want = (base.float() + out_bias[0].float() + out_bias[1].float()).to(torch.bfloat16)
+                assert torch.equal(combined, want), "combine with bias"
+            else:
+                ref.check_normal_combine(combined, x, idx, EXPERTS, WORLD)
+            want_w = torch.where(idx >= 0, weights, torch.zeros_like(weights))
+            assert torch.equal(combined_w, want_w), "combined top-k weights != weights of the token's valid experts"
+        if cached:
+            assert cached_rest == (None, None, None, None), "a cached dispatch returns (recv_x, None, None, None, None, event)"
+            got_cached = cached_x[0] if fp8 else cached_x
+            assert torch.equal(got_cached.contiguous().view(torch.uint8), recv_data_copy.contiguous().view(torch.uint8)), "cached dispatch rows"
+            if fp8:
+                assert torch.equal(cached_x[1], recv_scales), "cached dispatch scales"
+
+    # ---- low-latency mode -----------------------------------------------------------------
+
+    def ll_call(x, idx, weights, fp8, *, hook=False, zero_copy=False, out=None):
+        before = stats.clone()
+        recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
+            x, idx, LL_MAX, EXPERTS, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, async_finish=not hook,
+            return_recv_hook=hook,
+        )
+        ok = [(recv_hook is not None) == hook, isinstance(handle, tuple) and len(handle) == 5 and tuple(handle[2:]) == (LL_MAX, HIDDEN, EXPERTS)]
+        if hook:
+            torch.mm(torch.randn((256, 256), device="cuda"), torch.randn((256, 256), device="cuda"))
+            recv_hook()
+        else:
+            ok.append(event.event is not None)
+            event.current_stream_wait()
+        data, scales = recv if fp8 else (recv, None)
+        if fp8:
+            ok.append(scales.stride(1) == 1)  # column-major in the last two dims, as DeepEP's
+        snap = dict(
+            recv_x=data.clone(), recv_x_scales=scales.clone() if fp8 else None, recv_count=count.clone(),
+            recv_src_info=handle[0].clone(), recv_layout_range=handle[1].clone(),
+        )
+        ok.append(torch.equal(stats - before, count))
+        y = ref.ll_identity_expert(snap["recv_x"], snap["recv_x_scales"])
+        if zero_copy:
+            buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+        combined, cevent, chook = buf.low_latency_combine(y, idx, weights, handle, zero_copy=zero_copy, return_recv_hook=hook, out=out)
+        ok.append((chook is not None) == hook)
+        if hook:
+            chook()
+        if out is not None:
+            ok.append(combined.data_ptr() == out.data_ptr())
+        torch.cuda.synchronize()
+        return snap, combined, ok
+
+    def ll_check(x, idx, weights, fp8, snap, combined, ok):
+        all_x, all_idx = gather(x), gather(idx)
+        barrier()
+        assert all(ok), f"DeepEP conventions (hook / handle / event / scale layout / stats / out): {ok}"
+        ref.check_ll_dispatch(rank=rank, world=WORLD, num_experts=EXPERTS, max_tokens=LL_MAX, all_x=all_x, all_idx=all_idx, **snap)
+        ref.check_ll_combine(combined, ref.expected_ll_combine(x, idx, weights, fp8))
+
+    def ll_case(n, mode, fp8, **kw):
+        idx = routing(n, mode)
+        weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
+        x = tokens(n)
+        if kw.pop("with_out", False):
+            kw["out"] = torch.empty((n, HIDDEN), dtype=torch.bfloat16, device="cuda")
+        snap, combined, ok = ll_call(x, idx, weights, fp8, **kw)
+        ll_check(x, idx, weights, fp8, snap, combined, ok)
+
+    def ll_graph(fp8):
+        n = 64 + 13 * rank
+        x_s, idx_s = tokens(n), routing(n, "random")
+        w_s = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
+
+        def step():
+            recv, count, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, LL_MAX, EXPERTS, use_fp8=fp8)
+            data, scales = recv if fp8 else (recv, None)
+            combined, _, _ = buf.low_latency_combine(ref.ll_identity_expert(data, scales), idx_s, w_s, handle)
+            return data, scales, count, handle, combined
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            data, scales, count, handle, combined = step()
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        failures = []
+        for replay in range(4):
+            x_s.copy_(tokens(n))
+            idx_s.copy_(routing(n, "random", drop=0.05 * replay))
+            w_s.copy_(torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32))
+            graph.replay()
+            torch.cuda.synchronize()
+            snap = dict(
+                recv_x=data.clone(), recv_x_scales=scales.clone() if fp8 else None, recv_count=count.clone(),
+                recv_src_info=handle[0].clone(), recv_layout_range=handle[1].clone(),
+            )
+            try:
+                ll_check(x_s.clone(), idx_s.clone(), w_s.clone(), fp8, snap, combined.clone(), [True])
+            except AssertionError as e:
+                failures.append(f"replay {replay}: {e}")
+        del graph
+        assert not failures, "\n".join(failures)
+
+    cases = {
+        "random": lambda: normal_case(1000, "random", False),
+        "random_fp8": lambda: normal_case(1000, "random", True),
+        "all_to_rank0": lambda: normal_case(600, "to_rank0", False),
+        "no_remote": lambda: normal_case(500, "local_only", False),
+        "zero_tokens_on_rank1": lambda: normal_case(300 if rank == 0 else 0, "random", False),
+        "one_token": lambda: normal_case(1, "random", False),
+        "max_tokens": lambda: normal_case(1024, "random", False),
+        "max_tokens_fp8": lambda: normal_case(1024, "random", True),
+        "repeated": lambda: [normal_case(100 + 150 * i + rank * 7, "random", i % 2 == 1) for i in range(6)],
+        "grow": lambda: normal_case(1500 if rank == 0 else 10, "random", False),
+        "alignment_worst_tokens": lambda: normal_case(400, "random", False, alignment=4, worst=WORLD * 400),
+        "alignment_worst_tokens_fp8": lambda: normal_case(400, "random", True, alignment=8, worst=WORLD * 400 + 3),
+        "cached_async": lambda: normal_case(700, "random", False, async_finish=True, cached=True),
+        "cached_fp8": lambda: normal_case(700, "random", True, cached=True),
+        "bias": lambda: normal_case(300, "random", False, bias=True),
+        "ll_random": lambda: ll_case(100, "random", False),
+        "ll_random_fp8": lambda: ll_case(100, "random", True),
+        "ll_all_to_rank0": lambda: ll_case(90, "to_rank0", True),
+        "ll_no_remote": lambda: ll_case(70, "local_only", False),
+        "ll_zero_tokens_on_rank1": lambda: ll_case(50 if rank == 0 else 0, "random", True),
+        "ll_one_token": lambda: ll_case(1, "random", False),
+        "ll_max_tokens": lambda: ll_case(LL_MAX, "random", False),
+        "ll_max_tokens_fp8": lambda: ll_case(LL_MAX, "random", True),
+        "ll_repeated": lambda: [ll_case((17 + 37 * i + 11 * rank) % (LL_MAX + 1), "random", i % 2 == 1) for i in range(6)],
+        "ll_hook": lambda: ll_case(100, "random", False, hook=True),
+        "ll_hook_fp8": lambda: ll_case(100, "random", True, hook=True),
+        "ll_zero_copy_out": lambda: ll_case(100, "random", False, zero_copy=True, with_out=True),
+        "ll_graph": lambda: ll_graph(False),
+        "ll_graph_fp8": lambda: ll_graph(True),
+        "normal_after_ll": lambda: normal_case(800, "random", False),
+    }
+    for name, fn in cases.items():
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:
+            results[name] = f"(seed {seed})\n" + traceback.format_exc()
+        try:
+            barrier()
+        except Exception:
+            results[name] = results.get(name, "") + "\nafter the case:\n" + traceback.format_exc()
+            break
+    try:
+        buf.destroy()
+    except Exception:
+        results["destroy"] = traceback.format_exc()
+    else:
+        results["destroy"] = "ok"
+    dist.destroy_process_group()
+    return results
+
+
+CASES = [
+    "random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_token", "max_tokens", "max_tokens_fp8",
+    "repeated", "grow", "alignment_worst_tokens", "alignment_worst_tokens_fp8", "cached_async", "cached_fp8", "bias",
+    "ll_random", "ll_random_fp8", "ll_all_to_rank0", "ll_no_remote", "ll_zero_tokens_on_rank1", "ll_one_token", "ll_max_tokens",
+    "ll_max_tokens_fp8", "ll_repeated", "ll_hook", "ll_hook_fp8", "ll_zero_copy_out", "ll_graph", "ll_graph_fp8",
+    "normal_after_ll", "destroy",
+]
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    store = tmp_path_factory.mktemp("deepep") / "store"
+    results = run_ranks(_suite, WORLD, str(store), timeout=240)
+    return {name: (results[0].get(name, "not run"), results[1].get(name, "not run")) for name in CASES}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", CASES)
+def test_deepep_facade(suite, case):
+    a, b = suite[case]
+    assert (a, b) == ("ok", "ok"), f"PE0:\n{a}\nPE1:\n{b}"
