@@ -1,4 +1,4 @@
-"""mori.ep on two GPUs, normal and low-latency mode, checked against the references in
+"""mori.ep on two GPUs (and on one, EP1), normal and low-latency mode, checked against the references in
 tests/_ep_reference.py (every received row bit-exact against its source; combine with an identity
 expert). Routing cases: random top-k with -1 ids, all to one rank, none to the remote rank, a rank
 with zero tokens, one token, the maximum, BF16 and FP8, repeated calls with changing routing; for
@@ -16,13 +16,12 @@ import pytest
 import mori
 from tests._ranks import run_ranks
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.torch]
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
-WORLD = 2
 HIDDEN, EXPERTS, TOPK, MAX_TOKENS, LL_MAX = 2048, 32, 8, 1024, 128
 
 
-def _suite(rank: int, uid: bytes) -> dict[str, str]:
+def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
     import os
     import sys
     import traceback
@@ -38,7 +37,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     results: dict[str, str] = {}
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    bs = Bootstrap(uid, rank, WORLD, timeout=120)
+    bs = Bootstrap(uid, rank, world, timeout=120)
     shmem.init(bootstrap=bs, device=rank, heap_size=2 << 30)
     gather = ref.bootstrap_gather(bs)
     buf = Buffer(
@@ -46,7 +45,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     )
 
     def routing(n, mode):
-        return ref.routing(n, mode, num_experts=EXPERTS, topk=TOPK, world=WORLD, rank=rank, gen=gen)
+        return ref.routing(n, mode, num_experts=EXPERTS, topk=TOPK, world=world, rank=rank, gen=gen)
 
     def tokens(n):
         x = torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16)
@@ -77,10 +76,10 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         all_idx, all_w, all_x = gather(idx), gather(weights), gather(sent)
         all_scales = gather(scales) if fp8 else None
         shmem.barrier_all()
-        exp = ref.expected_normal_dispatch(rank, WORLD, EXPERTS, all_idx, all_w, all_x, all_scales)
+        exp = ref.expected_normal_dispatch(rank, world, EXPERTS, all_idx, all_w, all_x, all_scales)
         ref.check_normal_dispatch(exp, **got)
         if out is not None:
-            ref.check_normal_combine(out, x, idx, EXPERTS, WORLD)
+            ref.check_normal_combine(out, x, idx, EXPERTS, world)
 
     # ---- low-latency mode -----------------------------------------------------------------
 
@@ -107,7 +106,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         all_x, all_idx = gather(x), gather(idx)
         shmem.barrier_all()
         assert hook_ok, f"hook returned {'None' if hook else 'a callable'} with return_recv_hook={hook}"
-        ref.check_ll_dispatch(rank=rank, world=WORLD, num_experts=EXPERTS, max_tokens=LL_MAX, all_x=all_x, all_idx=all_idx, **snap)
+        ref.check_ll_dispatch(rank=rank, world=world, num_experts=EXPERTS, max_tokens=LL_MAX, all_x=all_x, all_idx=all_idx, **snap)
         ref.check_ll_combine(out, ref.expected_ll_combine(x, idx, weights, fp8))
 
     def ll_case(n, mode, fp8, hook=False):
@@ -143,7 +142,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         failures = []
         for replay in range(4):
             x_s.copy_(tokens(n))
-            idx_s.copy_(ref.routing(n, "random", num_experts=EXPERTS, topk=TOPK, world=WORLD, rank=rank, gen=gen, drop=0.05 * replay))
+            idx_s.copy_(ref.routing(n, "random", num_experts=EXPERTS, topk=TOPK, world=world, rank=rank, gen=gen, drop=0.05 * replay))
             w_s.copy_(torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32))
             graph.replay()
             torch.cuda.synchronize()
@@ -216,12 +215,26 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def suite():
-    results = run_ranks(_suite, WORLD, mori.get_unique_id(), timeout=150)
+    results = run_ranks(_suite, 2, mori.get_unique_id(), 2, timeout=150)
     return {name: (results[0].get(name, "not run"), results[1].get(name, "not run")) for name in CASES}
 
 
+@pytest.fixture(scope="module")
+def suite_one_rank():
+    """The same cases with one rank (EP1: every token stays on its GPU)."""
+    results = run_ranks(_suite, 1, mori.get_unique_id(), 1, timeout=150)
+    return {name: results[0].get(name, "not run") for name in CASES}
+
+
+@pytest.mark.multigpu
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES)
 def test_ep(suite, case):
     a, b = suite[case]
     assert (a, b) == ("ok", "ok"), f"PE0:\n{a}\nPE1:\n{b}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", CASES)
+def test_ep_one_rank(suite_one_rank, case):
+    assert suite_one_rank[case] == "ok", suite_one_rank[case]

@@ -208,12 +208,17 @@ extern "C" __global__ void __launch_bounds__(1024) ep_ll_dispatch_recv(
             const long long b = begin[threadIdx.x], c = begin[threadIdx.x + 1] - begin[threadIdx.x];
             layout_range[(u64)e * num_ranks + threadIdx.x] = (b << 32) | c;
         }
-        const u64 nwarps = warps_per_block();
-        for (int i = warp_id(); i < running; i += nwarps) {
+        // A row is copied by ROW_PARTS warps (a quarter each): an expert has few rows at decode
+        // sizes, and more warps per row means more loads in flight.
+        constexpr int ROW_PARTS = 4;  // data_bytes / 4 stays a multiple of 16 (hidden % 128 == 0)
+        const u64 part_bytes = data_bytes / ROW_PARTS;
+        const int nwarps = static_cast<int>(warps_per_block());
+        for (int item = warp_id(); item < running * ROW_PARTS; item += nwarps) {
+            const int i = item / ROW_PARTS, part = item % ROW_PARTS;
             const u64 j = static_cast<u64>(picked[i]);
             const unsigned char* src = rows + ((u64)parity * entries + j) * in_stride;
-            warp_copy16(recv_x + ((u64)e * entries + i) * data_bytes, src, data_bytes);
-            if (use_fp8) {
+            warp_copy16(recv_x + ((u64)e * entries + i) * data_bytes + part * part_bytes, src + part * part_bytes, part_bytes);
+            if (use_fp8 && part == 0) {
                 const float* s = reinterpret_cast<const float*>(src + hidden);
                 for (int c = lane_id(); c < scale_cols; c += 32) recv_scales[((u64)e * entries + i) * scale_cols + c] = s[c];
             }
@@ -233,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(
     int num_tokens, int topk, int hidden, int experts_per_rank, int num_ranks, int max_tokens, int chunks,
     const int* __restrict__ handle_ids, const int* __restrict__ handle_pos, float* wts, u64* wts_sent,
     unsigned char* comb, u64* comb_sent, const int* __restrict__ state) {
-    constexpr int U = 4;
+    constexpr int U = 2;
     const int me = my_pe();
     const int seq = state[1] + 1, parity = seq & 1;
     const int lane = lane_id();
@@ -265,26 +270,36 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(
         const float w = id >= 0 ? ((volatile const float*)wts)[((u64)parity * entries + j) * topk + lane] : 0.f;
         const int s = static_cast<int>(j / max_tokens), t = static_cast<int>(j % max_tokens);
         Vec16* out = reinterpret_cast<Vec16*>(ptr(comb + (((u64)parity * num_ranks + me) * max_tokens + t) * row_bytes, s));
+        // Every top-k slot's row is loaded before any is summed: up to MAX_TOPK x U loads in
+        // flight per lane instead of U (the rows are independent HBM reads).
+        const Vec16* rows[MAX_TOPK];
+        float wk[MAX_TOPK];
+#pragma unroll
+        for (int k = 0; k < MAX_TOPK; ++k) {
+            const int idk = __shfl_sync(0xffffffffu, id, k);
+            const int posk = __shfl_sync(0xffffffffu, pos, k);
+            wk[k] = __shfl_sync(0xffffffffu, w, k);
+            rows[k] = k < topk && idk >= 0 ? reinterpret_cast<const Vec16*>(y + ((u64)idk * entries + posk) * hidden) : nullptr;
+        }
         for (int v0 = first + lane; v0 < end; v0 += 32 * U) {
+            Vec16 v[MAX_TOPK][U];
+#pragma unroll
+            for (int k = 0; k < MAX_TOPK; ++k) {
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    if (rows[k] && v0 + 32 * u < end) v[k][u] = load_streaming(rows[k] + v0 + 32 * u);
+                }
+            }
             float acc[U][8];
 #pragma unroll
             for (int u = 0; u < U; ++u)
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
-            for (int k = 0; k < topk; ++k) {
-                const int idk = __shfl_sync(0xffffffffu, id, k);
-                if (idk < 0) continue;
-                const int posk = __shfl_sync(0xffffffffu, pos, k);
-                const float wk = __shfl_sync(0xffffffffu, w, k);
-                const Vec16* row = reinterpret_cast<const Vec16*>(y + ((u64)idk * entries + posk) * hidden);
-                Vec16 v[U];
+#pragma unroll
+            for (int k = 0; k < MAX_TOPK; ++k) {
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    if (v0 + 32 * u < end) v[u] = load_streaming(row + v0 + 32 * u);
-                }
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    if (v0 + 32 * u < end) accumulate_bf16x8(acc[u], v[u], wk);
+                    if (rows[k] && v0 + 32 * u < end) accumulate_bf16x8(acc[u], v[k][u], wk[k]);
                 }
             }
 #pragma unroll

@@ -9,6 +9,7 @@ namespace ep {
 
 constexpr int MAX_RANKS = 8;
 constexpr int SCALE_BLOCK = 128;  // FP8 channels per scale
+constexpr int MAX_TOPK = 9;       // mori.ep.MAX_TOPK
 
 // Exclusive scan of `v` over the block (blockDim.x a multiple of 32, at most 1024).
 // Returns the prefix; *total gets the block's sum.

@@ -178,7 +178,7 @@ impl ShmemModule {
         entry: &str,
         grid: u32,
         block: u32,
-        params: Vec<u8>,
+        params: &[u8],
         shared_mem: u32,
         stream: usize,
     ) -> Result<()> {

@@ -3,7 +3,8 @@
 Normal mode, the ep issue's workload (DeepSeek-V3-like): 4096 tokens per rank, hidden 7168, 256
 experts, top-8, random routing, swept over the SM budget. Times are medians of CUDA-event-timed
 whole calls (layout + counts exchange, the host wait for the received row count, the dispatch
-kernel with its closing barrier; combine: send + barrier + reduce), the slower rank's. "combine
+kernel with its closing barrier; combine: send + barrier + reduce), the slower rank's; calls run
+back to back with L2 flushed before each, as DeepEP's test times its calls. "combine
 zero-copy" passes the expert outputs in the buffer's combine input (get_combine_input), so the
 reduce reads the peer's rows over NVLink instead of the peer pushing them first. Bytes: "recv
 GB/s" counts the bytes a rank receives including its own tokens (DeepEP's convention; rows × row
@@ -42,19 +43,24 @@ def _normal(torch, buf, bs, rank: int, sms_list: list[int], iters: int) -> list[
     sc = torch.rand((TOKENS, HIDDEN // 128), device="cuda", generator=g)
     remote_rows = int(((idx // (EXPERTS // 2)) == (1 - rank)).any(dim=1).sum())
 
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # larger than L2 (50 MiB)
+
     def timed(fn):
+        # As DeepEP's test times its calls: back to back without a host synchronisation between
+        # them (the calls' own host waits keep the ranks in step), L2 flushed before each.
         fn()
         torch.cuda.synchronize()
         bs.barrier()
-        out = []
+        events = []
         for _ in range(iters):
+            flush.zero_()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
             b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        return median(out)
+            events.append((a, b))
+        torch.cuda.synchronize()
+        return median([a.elapsed_time(b) / 1e3 for a, b in events])
 
     rows = []
     for sms in sms_list:

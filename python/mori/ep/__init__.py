@@ -30,12 +30,12 @@ from typing import Any, Callable
 from mori import gpu, shmem
 from mori.errors import InvalidArgumentError, TimeoutError
 
-MAX_TOPK = 9
+MAX_TOPK = 9  # ep::MAX_TOPK in kernels/ep/mori_ep.cuh
 MAX_EXPERTS = 4096  # ep_prepare's shared-memory histogram
 MAX_RANKS = 8  # ep::MAX_RANKS in kernels/ep/mori_ep.cuh
 SCALE_BLOCK = 128
 LL_META_STRIDE = 16  # META_STRIDE in kernels/ep/low_latency.cu
-LL_SEND_BLOCKS = 32  # grid of the low-latency send halves (part of the completion count)
+LL_SEND_BLOCKS = 64  # grid of the low-latency send halves (part of the completion count)
 LL_MAX_ENTRIES = 48 * 1024  # ranks * low_latency_max_tokens: the receive half's shared memory
 HOST_WAIT_TIMEOUT_S = 60.0
 
@@ -84,15 +84,42 @@ def _ptr(t: Any) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-@dataclass(frozen=True)
 class Handle:
-    """What combine needs from a normal dispatch."""
+    """What combine needs from a normal dispatch: one per-call int32 area on the GPU holding
+    slot [T, ranks] | send list [ranks, T] | tokens per rank | tokens per expert | rank matrix."""
 
-    meta: Any  # the per-call int32 area: slot | send list | per-rank | per-expert | rank matrix
-    slot: Any  # [T, ranks] int32: the token's row among those sent to each rank, or -1
-    rank_matrix: Any  # [ranks, ranks] int32: tokens each rank sent to each rank
-    num_tokens: int
-    num_recv: int
+    __slots__ = ("meta", "num_tokens", "num_ranks", "num_experts", "num_recv")
+
+    def __init__(self, meta: Any, num_tokens: int, num_ranks: int, num_experts: int, num_recv: int = -1):
+        self.meta, self.num_tokens, self.num_ranks, self.num_experts, self.num_recv = meta, num_tokens, num_ranks, num_experts, num_recv
+
+    def _offset(self, part: str) -> int:  # in int32 elements
+        n, w, e = self.num_tokens, self.num_ranks, self.num_experts
+        return {"slot": 0, "send_list": n * w, "per_rank": 2 * n * w, "per_expert": 2 * n * w + w,
+                "rank_matrix": 2 * n * w + w + e}[part]
+
+    def _ptr(self, part: str) -> int:
+        return self.meta.data_ptr() + 4 * self._offset(part)
+
+    @property
+    def slot(self) -> Any:  # [T, ranks] int32: the token's row among those sent to each rank, or -1
+        n, w = self.num_tokens, self.num_ranks
+        return self.meta[: n * w].view(n, w)
+
+    @property
+    def rank_matrix(self) -> Any:  # [ranks, ranks] int32: tokens each rank sent to each rank
+        o = self._offset("rank_matrix")
+        return self.meta[o : o + self.num_ranks**2].view(self.num_ranks, self.num_ranks)
+
+    @property
+    def num_tokens_per_rank(self) -> Any:  # [ranks] int32
+        o = self._offset("per_rank")
+        return self.meta[o : o + self.num_ranks]
+
+    @property
+    def num_tokens_per_expert(self) -> Any:  # [experts] int32
+        o = self._offset("per_expert")
+        return self.meta[o : o + self.num_experts]
 
     @property
     def is_token_in_rank(self) -> Any:  # [T, ranks] bool
@@ -166,6 +193,11 @@ class Buffer:
         # The receiver's totals, written by the GPU into pinned host memory the host polls.
         self._host_info = torch.zeros(3 + self.experts_per_rank, dtype=torch.int32, pin_memory=True)
         self._host_info_np = self._host_info.numpy()
+        # Addresses used on every call, read once.
+        self._counters_ptr, self._host_info_ptr = self._counters.data_ptr(), self._host_info.data_ptr()
+        self._rank_matrix_ptrs = [self._rank_matrix[i].data_ptr() for i in range(2)]
+        self._expert_matrix_ptrs = [self._expert_matrix[i].data_ptr() for i in range(2)]
+        self._recv_ptrs = tuple(t.data_ptr() for t in (self._recv_x, self._recv_scales, self._recv_idx, self._recv_w, self._recv_src))
         self._seq = 0
         self._calls = 0
         self.profile: list[dict[str, float]] | None = None  # set to [] to record phase timings
@@ -220,17 +252,14 @@ class Buffer:
 
     # ---- normal mode ----------------------------------------------------------------------
 
-    def _prepare(self, topk_idx: Any, n: int, stream: int, notify: bool) -> tuple[Any, Handle | None]:
-        """Launches ep_prepare; returns the per-call int32 area and, when notifying, a handle
-        whose num_recv is filled in by the caller after the host wait."""
+    def _prepare(self, topk_idx: Any, n: int, stream: int, notify: bool) -> Handle:
+        """Launches ep_prepare into a new per-call area; returns its handle (num_recv is filled
+        in by dispatch after the host wait)."""
         import torch
 
         w, e = self.num_ranks, self.config.num_experts
-        meta = torch.empty(2 * n * w + w + e + w * w, dtype=torch.int32, device=topk_idx.device)
-        slot, send_list = meta[: n * w], meta[n * w : 2 * n * w]
-        per_rank = meta[2 * n * w : 2 * n * w + w]
-        per_expert = meta[2 * n * w + w : 2 * n * w + w + e]
-        rank_matrix = meta[2 * n * w + w + e :]
+        h = Handle(torch.empty(2 * n * w + w + e + w * w, dtype=torch.int32, device=topk_idx.device), n, w, e)
+        base = h.meta.data_ptr()
         parity = self._calls % 2
         if notify:
             self._calls += 1
@@ -238,11 +267,11 @@ class Buffer:
         self._k_prepare(
             stream, w + 1, 1024,
             topk_idx.data_ptr(), n, self.config.topk, self.experts_per_rank, w, e,
-            slot.data_ptr(), send_list.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), rank_matrix.data_ptr(),
-            self._counters.data_ptr(), int(notify), self._rank_matrix[parity].data_ptr(),
-            self._expert_matrix[parity].data_ptr(), self._host_info.data_ptr(), self._seq,
+            base, base + 4 * n * w, base + 8 * n * w, base + 4 * (2 * n * w + w), base + 4 * (2 * n * w + w + e),
+            self._counters_ptr, int(notify), self._rank_matrix_ptrs[parity], self._expert_matrix_ptrs[parity],
+            self._host_info_ptr, self._seq,
         )
-        return meta, Handle(meta, slot.view(n, w), rank_matrix.view(w, w), n, -1)
+        return h
 
     def _wait_host_info(self) -> list[int]:
         """Spins until the GPU has published this dispatch's totals (the normal mode's one host
@@ -264,9 +293,8 @@ class Buffer:
         """(num_tokens_per_rank [ranks] int32, num_tokens_per_expert [experts] int32,
         is_token_in_rank [T, ranks] bool, slot [T, ranks] int32), computed on the GPU."""
         topk_idx, n = self._check_topk(topk_idx, self.config.max_tokens_per_rank)
-        w, e = self.num_ranks, self.config.num_experts
-        meta, handle = self._prepare(topk_idx, n, self._stream(stream), notify=False)
-        return meta[2 * n * w : 2 * n * w + w], meta[2 * n * w + w : 2 * n * w + w + e], handle.is_token_in_rank, handle.slot
+        h = self._prepare(topk_idx, n, self._stream(stream), notify=False)
+        return h.num_tokens_per_rank, h.num_tokens_per_expert, h.is_token_in_rank, h.slot
 
     def dispatch(
         self, x: Any, topk_idx: Any, topk_weights: Any, *, stream: Any = None, num_sms: int | None = None
@@ -293,23 +321,26 @@ class Buffer:
         marks = self._marks(stream)
         s = self._stream(stream)
         w, el = self.num_ranks, self.experts_per_rank
-        meta, handle = self._prepare(topk_idx, n, s, notify=True)
+        handle = self._prepare(topk_idx, n, s, notify=True)
         marks("prepare")
-        info = self._wait_host_info()
-        marks("host_wait")
-        if info[-1]:
-            raise InvalidArgumentError(f"topk_idx holds ids outside [-1, {cfg.num_experts})")
-        num_recv = info[0]
+        # The dispatch kernel needs only what ep_prepare leaves on the GPU, so it is queued at
+        # once and the host waits for the received count (for the output shapes) meanwhile.
         row_bytes = cfg.hidden * (1 if scales is not None else 2)
         scale_cols = cfg.hidden // SCALE_BLOCK if scales is not None else 0
         self._k_dispatch(
             s, num_sms or cfg.num_sms, 512,
             x.data_ptr(), row_bytes, _ptr(scales), scale_cols, topk_idx.data_ptr(), topk_weights.data_ptr(), n,
-            cfg.topk, el, w, meta.data_ptr() + 4 * n * w, meta.data_ptr() + 8 * n * w, handle.rank_matrix.data_ptr(),
-            self._recv_x.data_ptr(), self._recv_scales.data_ptr(), self._recv_idx.data_ptr(), self._recv_w.data_ptr(),
-            self._recv_src.data_ptr(), self._counters.data_ptr(),
+            cfg.topk, el, w, handle._ptr("send_list"), handle._ptr("per_rank"), handle._ptr("rank_matrix"),
+            *self._recv_ptrs, self._counters_ptr,
         )
+        marks("dispatch")
+        info = self._wait_host_info()
         marks("end")
+        if info[-1]:
+            # Out-of-range ids were skipped on the GPU like -1, so every rank's kernels still
+            # matched; the error is this rank's alone.
+            raise InvalidArgumentError(f"topk_idx holds ids outside [-1, {cfg.num_experts})")
+        num_recv = info[0]
         raw = self._recv_x[: num_recv * row_bytes]
         recv_x = raw.view(torch.float8_e4m3fn if scales is not None else torch.bfloat16).view(num_recv, cfg.hidden)
         return DispatchResult(
@@ -319,7 +350,7 @@ class Buffer:
             self._recv_w[:num_recv],
             self._recv_src[:num_recv],
             info[1:-1],
-            Handle(meta, handle.slot, handle.rank_matrix, n, num_recv),
+            Handle(handle.meta, n, w, cfg.num_experts, num_recv),
         )
 
     def get_combine_input(self, handle: Handle) -> Any:
@@ -347,14 +378,14 @@ class Buffer:
             shmem.barrier_all(stream=s)  # every rank's expert outputs are complete
         else:
             self._k_combine_send(
-                s, sms, 512, y.data_ptr(), row_bytes, handle.num_recv, self.num_ranks, handle.rank_matrix.data_ptr(),
-                self._comb.data_ptr(), cfg.max_tokens_per_rank, self._counters.data_ptr(),
+                s, sms, 512, y.data_ptr(), row_bytes, handle.num_recv, self.num_ranks, handle._ptr("rank_matrix"),
+                self._comb.data_ptr(), cfg.max_tokens_per_rank, self._counters_ptr,
             )
         out = torch.empty((handle.num_tokens, cfg.hidden), dtype=torch.bfloat16, device=y.device)
         if handle.num_tokens:
             self._k_combine_reduce(
                 s, sms, 512, y.data_ptr(), int(zero_copy), self._comb.data_ptr(), cfg.max_tokens_per_rank, cfg.hidden,
-                handle.num_tokens, self.num_ranks, handle.slot.data_ptr(), handle.rank_matrix.data_ptr(), out.data_ptr(),
+                handle.num_tokens, self.num_ranks, handle._ptr("slot"), handle._ptr("rank_matrix"), out.data_ptr(),
             )
         if zero_copy:
             shmem.barrier_all(stream=s)  # peers are done reading this rank's outputs
