@@ -11,8 +11,9 @@ step() { printf '\n=== %s ===\n' "$*"; }
 step "python environment (.venv)"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-# NVRTC from PyPI lets CI compile every kernel without a GPU or a CUDA toolkit.
-.venv/bin/python -m pip install -q "maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "nvidia-cuda-nvrtc==13.0.*"
+# NVRTC from PyPI lets CI compile every kernel without a GPU or a CUDA toolkit; Triton (no torch
+# needed, ptxas bundled) lets it compile the mori.ir Triton kernels to sm_90 PTX the same way.
+.venv/bin/python -m pip install -q "maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "nvidia-cuda-nvrtc==13.0.*" "triton==3.6.*"
 
 step "system packages: redis-server, redis-tools"
 # The umbp metadata tests start their own redis-server processes on loopback ports (a single

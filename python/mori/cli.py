@@ -14,6 +14,8 @@ BENCHMARKS = {
     "ep": "MoE dispatch/combine (normal mode), SM sweep, DeepEP's figures beside",
     "io": "mori.io reads/writes over TCP and the same-host path, batch submission cost",
     "umbp": "KV-block pool: embedded and daemon put/get, prefix probe, trace hit rates, Redis baseline",
+    "ir": "Triton kernels on mori.ir.triton: put bandwidth vs CUDA block put, one-shot all-reduce vs mori.ccl/NCCL",
+    "ccl": "all-reduce / all-gather / reduce-scatter / all-to-all latency and bus bandwidth, NCCL and torch symm-mem beside",
 }
 
 

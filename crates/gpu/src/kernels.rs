@@ -36,6 +36,7 @@ const COPY_BULK_SRC: &str = include_str!("../../../kernels/copy/copy_bulk.cu");
 const GATHER_SCATTER_SRC: &str = include_str!("../../../kernels/copy/gather_scatter.cu");
 const SHMEM_BARRIER_SRC: &str = include_str!("../../../kernels/shmem/barrier.cu");
 const EP_INTRANODE_SRC: &str = include_str!("../../../kernels/ep/intranode.cu");
+const CCL_SRC: &str = include_str!("../../../kernels/collective/ccl.cu");
 const EP_LOW_LATENCY_SRC: &str = include_str!("../../../kernels/ep/low_latency.cu");
 
 /// Unroll depths the copy kernel is built with.
@@ -113,6 +114,16 @@ pub fn ep_low_latency_spec() -> KernelSpec {
     }
 }
 
+/// mori.ccl's collectives (all-reduce, reduce-scatter, all-gather, all-to-all, broadcast).
+pub fn ccl_spec() -> KernelSpec {
+    KernelSpec {
+        name: "collective/ccl".into(),
+        file: "collective/ccl.cu".into(),
+        source: CCL_SRC.into(),
+        defines: Vec::new(),
+    }
+}
+
 /// Every kernel variant mori may compile. `mori precompile` and CI build all of them.
 pub fn variants() -> Vec<KernelSpec> {
     let mut all: Vec<KernelSpec> = COPY_UNROLLS.iter().map(|&u| copy_spec(u)).collect();
@@ -121,6 +132,7 @@ pub fn variants() -> Vec<KernelSpec> {
     all.push(shmem_barrier_spec());
     all.push(ep_intranode_spec());
     all.push(ep_low_latency_spec());
+    all.push(ccl_spec());
     all
 }
 

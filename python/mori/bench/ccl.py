@@ -1,0 +1,202 @@
+"""``mori bench ccl``: all-reduce, all-gather, reduce-scatter and all-to-all on two GPUs (one
+process each), mori.ccl beside NCCL (torch.distributed, nccl backend) and torch symmetric memory's
+one-shot / two-shot all-reduce, all measured in the same run.
+
+Time: median per call over CUDA-event-timed replays of a CUDA graph of `reps` calls (no launch
+gaps), bf16, inputs in ordinary torch tensors (not on the symmetric heap). Sizes: bytes per rank
+of the input for all-reduce, reduce-scatter and all-to-all, of the output for all-gather (as in
+the baseline table). Bus bandwidth (GB/s = 1e9 B/s): size / time x 2(n-1)/n for all-reduce,
+x (n-1)/n for the others (NCCL's convention). mori's all-reduce is timed with its default
+algorithm choice and with one-shot and two-shot forced. NVLink multicast stays off
+(TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+from typing import Any
+
+from mori.bench._common import environment, graph_time, human_bytes, write_record
+
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+WORLD = 2
+
+
+def _reps(nbytes: int) -> int:
+    return max(3, min(50, (64 << 20) // nbytes))
+
+
+def _rank(rank: int, uid: bytes, port: int, trials: int, sizes: list[int], q) -> None:
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import torch
+    import torch.distributed as dist
+
+    import mori.shmem as shmem
+    from mori import Bootstrap, ccl
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            device_id=torch.device("cuda", rank))
+    bs = Bootstrap(uid, rank, WORLD, timeout=300)
+    shmem.init(bootstrap=bs, device=rank, heap_size=2 << 30)
+    comm = ccl.Communicator()
+    stream = torch.cuda.Stream()
+    dt = torch.bfloat16
+    big = max(sizes) // 2
+    x = torch.randn(big * WORLD, device="cuda").to(dt)
+    out = torch.empty(big * WORLD, dtype=dt, device="cuda")
+    rows: list[dict[str, Any]] = []
+
+    symm = None
+    try:  # torch symmetric memory: one buffer of the largest size, rendezvoused once
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group_name = dist.group.WORLD.group_name
+        symm_buf = symm_mem.empty(big, dtype=dt, device=f"cuda:{rank}")
+        symm_mem.rendezvous(symm_buf, group_name)
+        symm = (symm_buf, group_name)
+    except Exception as e:  # an older torch, or no symmetric memory on this build
+        symm_error = f"{type(e).__name__}: {e}"
+    else:
+        symm_error = None
+
+    def timed(body, nbytes):
+        try:
+            return graph_time(torch, rank, stream, body, _reps(nbytes), trials)
+        except Exception as e:
+            print(f"rank {rank}: {type(e).__name__}: {e}", flush=True)
+            torch.cuda.synchronize()
+            return None
+
+    for nbytes in sizes:
+        n = nbytes // 2  # bf16 elements
+        inp = x[:n]
+        row: dict[str, Any] = {"bytes": nbytes}
+        # all-reduce
+        row["all_reduce_mori"] = timed(lambda: comm.all_reduce(inp, out=out[:n], stream=stream), nbytes)
+        for algo in ccl.ALGORITHMS:
+            row[f"all_reduce_mori_{algo}"] = timed(lambda a=algo: comm.all_reduce(inp, out=out[:n], algorithm=a, stream=stream), nbytes)
+        row["all_reduce_nccl"] = timed(lambda: dist.all_reduce(out[:n]), nbytes)
+        if symm is not None and n <= big:
+            buf, name = symm
+            for algo in ("one_shot", "two_shot"):
+                fn = getattr(torch.ops.symm_mem, f"{algo}_all_reduce", None)
+                row[f"all_reduce_symm_{algo}"] = timed(lambda f=fn: f(buf[:n], "sum", name), nbytes) if fn else None
+        # all-gather: nbytes of output
+        per = n // WORLD
+        row["all_gather_mori"] = timed(lambda: comm.all_gather(out[:per * WORLD], inp[:per], stream=stream), nbytes)
+        row["all_gather_nccl"] = timed(lambda: dist.all_gather_into_tensor(out[:per * WORLD], inp[:per]), nbytes)
+        # reduce-scatter and all-to-all: nbytes of input
+        row["reduce_scatter_mori"] = timed(lambda: comm.reduce_scatter(out[:per], inp[:per * WORLD], stream=stream), nbytes)
+        row["reduce_scatter_nccl"] = timed(lambda: dist.reduce_scatter_tensor(out[:per], inp[:per * WORLD]), nbytes)
+        row["all_to_all_mori"] = timed(lambda: comm.all_to_all(out[:n], inp, stream=stream), nbytes)
+        row["all_to_all_nccl"] = timed(lambda: dist.all_to_all_single(out[:n], inp), nbytes)
+        rows.append(row)
+
+    # The timed kernels computed the right thing: mori's all-reduce equals NCCL's (two ranks:
+    # a + b in either order is the same float).
+    verify = x[: 1 << 20]
+    mine = comm.all_reduce(verify, out=torch.empty_like(verify))
+    ref = verify.clone()
+    dist.all_reduce(ref)
+    torch.cuda.synchronize()
+    verified = bool(torch.equal(mine, ref))
+    comm.check()
+    comm.close()
+    shmem.finalize()
+    dist.destroy_process_group()
+    q.put((rank, {"rows": rows, "verified": verified, "symm_error": symm_error}))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bus_factor(op: str) -> float:
+    return 2 * (WORLD - 1) / WORLD if op == "all_reduce" else (WORLD - 1) / WORLD
+
+
+def run(trials: int, sizes: list[int], out_dir: str) -> dict[str, Any]:
+    import mori
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    uid = mori.get_unique_id()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, uid, port, trials, sizes, q)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=560) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    r0 = got[0]
+    if not (r0["verified"] and got[1]["verified"]):
+        raise SystemExit("mori.ccl's all-reduce differs from NCCL's")
+    if r0["symm_error"]:
+        print(f"torch symmetric memory unavailable: {r0['symm_error']}")
+    # Per call, the slower rank decides.
+    rows = []
+    for a, b in zip(r0["rows"], got[1]["rows"]):
+        row = {"bytes": a["bytes"]}
+        for key in a:
+            if key != "bytes":
+                row[f"{key}_us"] = None if a[key] is None or b.get(key) is None else max(a[key], b[key]) * 1e6
+        for op in OPS:
+            for who in ("mori", "nccl"):
+                t = row.get(f"{op}_{who}_us")
+                row[f"{op}_{who}_busbw_gbps"] = None if not t else a["bytes"] / (t * 1e-6) * _bus_factor(op) / 1e9
+        rows.append(row)
+
+    def fmt(v: float | None, width: int = 8) -> str:
+        return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}}"
+
+    head = f"{'size':>9} | {'mori':>8} {'1-shot':>8} {'2-shot':>8} {'NCCL':>8} {'symm 1':>8} {'symm 2':>8} | {'mori GB/s':>9} {'NCCL GB/s':>9}"
+    print("all-reduce (bf16), µs per call\n" + head + "\n" + "-" * len(head))
+    for row in rows:
+        print(
+            f"{human_bytes(row['bytes']):>9} | {fmt(row['all_reduce_mori_us'])} {fmt(row['all_reduce_mori_one_shot_us'])} "
+            f"{fmt(row['all_reduce_mori_two_shot_us'])} {fmt(row['all_reduce_nccl_us'])} {fmt(row.get('all_reduce_symm_one_shot_us'))} "
+            f"{fmt(row.get('all_reduce_symm_two_shot_us'))} | {fmt(row['all_reduce_mori_busbw_gbps'], 9)} {fmt(row['all_reduce_nccl_busbw_gbps'], 9)}"
+        )
+    for op in OPS[1:]:
+        head = f"{'size':>9} | {'mori µs':>8} {'NCCL µs':>8} | {'mori GB/s':>9} {'NCCL GB/s':>9}"
+        print(f"\n{op.replace('_', '-')} (bf16)\n" + head + "\n" + "-" * len(head))
+        for row in rows:
+            print(
+                f"{human_bytes(row['bytes']):>9} | {fmt(row[f'{op}_mori_us'])} {fmt(row[f'{op}_nccl_us'])} | "
+                f"{fmt(row[f'{op}_mori_busbw_gbps'], 9)} {fmt(row[f'{op}_nccl_busbw_gbps'], 9)}"
+            )
+    record = {
+        "benchmark": "ccl",
+        "env": environment(),
+        "method": __doc__.strip(),
+        "config": {"trials": trials, "sizes": sizes, "dtype": "bfloat16", "world_size": WORLD},
+        "symm_mem_error": r0["symm_error"],
+        "rows": rows,
+    }
+    path = write_record("ccl", record, out_dir)
+    print(f"\nwrote {path}")
+    return record
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trials", type=int, default=20, help="timed graph replays per measurement")
+    p.add_argument("--max-bytes", type=int, default=max(SIZES), help="largest size measured")
+    p.add_argument("--out", default="benches/results", help="folder for the JSON record")
+
+
+def main(args: argparse.Namespace) -> int:
+    from mori import gpu
+
+    if not gpu.is_available() or gpu.device_count() < WORLD:
+        print("mori bench ccl needs 2 GPUs")
+        return 1
+    run(args.trials, [s for s in SIZES if s <= args.max_bytes], args.out)
+    return 0
