@@ -1,7 +1,18 @@
-"""mori.umbp's embedded pool through Python: tiers, demotion/promotion, restart persistence,
-zero-copy calls, bad input (embedded mode; the cluster mode is not built yet)."""
+"""mori.umbp through Python: the embedded pool (tiers, demotion/promotion, restart persistence,
+zero-copy calls, bad input), a standalone umbpd, and a cluster of real umbpd processes (a master
+and two peers on loopback: routing, a peer killed, the master killed mid-batch, a peer restarted
+with its SSD directory)."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,30 +83,79 @@ def test_bad_input_and_limits():
         Client(master="127.0.0.1:1")
 
 
-@pytest.fixture
-def daemon(tmp_path):
-    """A real umbpd (standalone) on a free loopback port, built by cargo if needed."""
-    import subprocess
-    import time
-    from pathlib import Path
+ROOT = Path(__file__).resolve().parent.parent
 
-    root = Path(__file__).resolve().parent.parent
-    subprocess.run(["cargo", "build", "-q", "-p", "mori-umbpd"], cwd=root, check=True, timeout=900)
-    port_file = tmp_path / "port"
-    proc = subprocess.Popen(
-        [str(root / "target" / "debug" / "umbpd"), "--dram-bytes", "1M", "--ssd-dir", str(tmp_path / "ssd"),
-         "--segment-bytes", "1M", "--port-file", str(port_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    deadline = time.monotonic() + 30
-    while not port_file.exists():
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "umbpd did not start"
-        time.sleep(0.05)
-    yield port_file.read_text().strip()
-    proc.terminate()
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
+
+@pytest.fixture(scope="session")
+def umbpd_bin():
+    """The umbpd binary, built by cargo if needed."""
+    subprocess.run(["cargo", "build", "-q", "-p", "mori-umbpd"], cwd=ROOT, check=True, timeout=900)
+    return ROOT / "target" / "debug" / "umbpd"
+
+
+class Umbpd:
+    """A real umbpd process on a free loopback port (its --port-file is DIR/port)."""
+
+    def __init__(self, binary: Path, directory: Path, *args: str):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.dir, self.args, self.binary = directory, args, binary
+        port_file = directory / "port"
+        port_file.unlink(missing_ok=True)
+        self.log = open(directory / "log", "w+")  # noqa: SIM115 (closed in wait())
+        self.proc = subprocess.Popen(
+            [str(binary), "--port-file", str(port_file), *args], stdout=self.log, stderr=subprocess.STDOUT, text=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("UMBP_")},
+        )
+        deadline = time.monotonic() + 30
+        while not port_file.exists():
+            assert self.proc.poll() is None, self.output()
+            assert time.monotonic() < deadline, "umbpd did not start:\n" + self.output()
+            time.sleep(0.02)
+        self.addr = port_file.read_text().strip()
+
+    def output(self) -> str:
+        self.log.flush()
+        return (self.dir / "log").read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return code, (self.dir / "log").read_text()
+
+
+@pytest.fixture
+def start_umbpd(umbpd_bin, tmp_path):
+    """start_umbpd(name, *args): a running umbpd in tmp_path/name, killed at the end of the test."""
+    started: list[Umbpd] = []
+
+    def start(name: str, *args: str) -> Umbpd:
+        d = Umbpd(umbpd_bin, tmp_path / name, *args)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
+        if not d.log.closed:
+            d.log.close()
+
+
+@pytest.fixture
+def daemon(start_umbpd, tmp_path):
+    """A standalone umbpd with 1 MiB of DRAM and an SSD tier."""
+    d = start_umbpd("standalone", "--dram-bytes", "1M", "--ssd-dir", str(tmp_path / "ssd"), "--segment-bytes", "1M")
+    yield d.addr
+    code, out = d.stop()
+    assert code == 0, out
     assert "closed:" in out
 
 
@@ -117,3 +177,187 @@ def test_client_against_a_umbpd_daemon(daemon):
     assert c.remove("blk-1") and not c.exists("blk-1")
     with pytest.raises(errors.InvalidArgumentError, match="exceeds segment"):
         c.put("huge", bytes(4 << 20))  # larger than DRAM and than an SSD segment: refused, mapped through gRPC
+
+
+# --------------------------------------------------------------------------------------------
+# Cluster: a master and two peers
+# --------------------------------------------------------------------------------------------
+
+PEER_TIMEOUT_S = 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(params=["memory", "redis"])
+def metadata(request, tmp_path):
+    """The master's index backend: in memory, or a redis-server of this test."""
+    if request.param == "memory":
+        yield "memory"
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("MORI_REQUIRE_REDIS") == "1":
+            pytest.fail("MORI_REQUIRE_REDIS=1 but redis-server is not on PATH")
+        pytest.skip("redis-server not found")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/"
+    proc.kill()
+    proc.wait()
+
+
+def _cluster(start_umbpd, tmp_path, metadata="memory", ssd=False, dram="8M"):
+    master = start_umbpd("master", "--role", "master", "--peer-timeout", f"{int(PEER_TIMEOUT_S * 1000)}ms",
+                         "--metadata", metadata)
+    peers = []
+    for i in range(2):
+        args = ["--role", "peer", "--master", master.addr, "--heartbeat-interval", "100ms", "--dram-bytes", dram]
+        if ssd:
+            args += ["--ssd-dir", str(tmp_path / f"peer{i}-ssd"), "--segment-bytes", "1M"]
+        peers.append(start_umbpd(f"peer{i}", *args))
+    return master, peers
+
+
+def test_cluster_put_get_byte_exact_with_embedded_semantics(start_umbpd, tmp_path, metadata):
+    master, peers = _cluster(start_umbpd, tmp_path, metadata)
+    assert "= master (flag --role)" in master.output(), master.output()
+    rng = np.random.default_rng(7)
+    values = {f"k{i}": rng.integers(0, 256, int(rng.integers(1, 40_000)), dtype=np.uint8).tobytes() for i in range(400)}
+    keys = list(values)
+    c = Client(master=master.addr)
+    assert c.batch_put(keys[:300], [values[k] for k in keys[:300]]) == [True] * 300
+    for k in keys[300:]:
+        assert c.put(k, values[k])
+    assert c.put(keys[0], b"other") is False, "first writer wins"
+    assert c.batch_put([keys[1], "fresh"], [b"x", b"y"]) == [False, True]
+    for k in keys:
+        assert c.get(k) == values[k], k
+    assert c.batch_get(keys) == [values[k] for k in keys]
+    assert c.get("missing") is None and c.batch_get(["missing", keys[5]]) == [None, values[keys[5]]]
+    buf = np.zeros(40_000, dtype=np.uint8)
+    n = c.get_into(keys[9], buf)
+    assert buf[:n].tobytes() == values[keys[9]]
+    assert c.put_from("np", np.arange(256, dtype=np.uint8)) and c.get("np") == bytes(range(256))
+    assert c.exists(keys[3]) and not c.exists("missing")
+    assert c.batch_exists_prefix([keys[0], keys[1], "missing", keys[2]]) == 2
+    # Both peers hold a share of the keys (each peer answers for its own pool).
+    shares = [Client(master=p.addr).stats()["keys"] for p in peers]
+    assert sum(shares) == len(keys) + 2 and min(shares) > len(keys) // 4, shares
+    assert c.remove(keys[4]) and not c.exists(keys[4]) and c.get(keys[4]) is None
+    assert not c.remove(keys[4])
+    assert c.put(keys[4], b"again") and c.get(keys[4]) == b"again"
+    # Concurrent puts of one key from two clients: exactly one wins.
+    barrier = threading.Barrier(4)
+    results = [None] * 4
+
+    def racer(t):
+        cc = Client(master=master.addr)
+        barrier.wait()
+        results[t] = cc.put("contended", bytes([t]) * 1000)
+
+    threads = [threading.Thread(target=racer, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count(True) == 1, results
+    assert c.get("contended") == bytes([results.index(True)]) * 1000
+    with pytest.raises(errors.InvalidArgumentError):
+        c.put(b"k" * 70_000, b"v")  # key over 64 KiB, refused by the peer
+    time.sleep(0.3)  # peers report their counters with their heartbeats
+    st = c.stats()
+    assert st["keys"] == len(keys) + 3 and st["hits_dram"] >= 2 * len(keys), st
+
+
+def test_cluster_peer_killed_keys_become_misses_within_the_deadline(start_umbpd, tmp_path):
+    master, peers = _cluster(start_umbpd, tmp_path)
+    c = Client(master=master.addr)
+    keys = [f"blk{i}" for i in range(200)]
+    values = [os.urandom(5000) for _ in keys]
+    assert all(c.batch_put(keys, values))
+    victim = Client(master=peers[0].addr)
+    on_victim = [k for k in keys if victim.exists(k)]
+    on_other = [(k, v) for k, v in zip(keys, values) if not victim.exists(k)]
+    assert on_victim and on_other
+    peers[0].stop(signal.SIGKILL)
+    killed = time.monotonic()
+    while True:
+        t = time.monotonic()
+        assert c.batch_get(on_victim) == [None] * len(on_victim), "a dead peer's key was served"
+        assert time.monotonic() - t < 2, "a get hung"
+        if c.batch_exists_prefix(on_victim[:1]) == 0:
+            break
+        assert time.monotonic() - killed < PEER_TIMEOUT_S + 2, "the dead peer's keys are still indexed"
+        time.sleep(0.05)
+    assert not any(c.exists(k) for k in on_victim)
+    for k, v in on_other:
+        assert c.get(k) == v
+    assert c.put("after-kill", b"v") and c.get("after-kill") == b"v"
+
+
+def test_cluster_master_killed_mid_batch_is_a_clear_error(start_umbpd, tmp_path):
+    master, _ = _cluster(start_umbpd, tmp_path)
+    c = Client(master=master.addr)
+    failure: list[BaseException] = []
+    stopped_at: list[float] = []
+
+    def writer():
+        i = 0
+        try:
+            while i < 100_000:
+                c.batch_put([f"b{i}-{j}" for j in range(64)], [os.urandom(1024)] * 64)
+                i += 1
+        except errors.MoriError as e:
+            failure.append(e)
+            stopped_at.append(time.monotonic())
+
+    t = threading.Thread(target=writer)
+    t.start()
+    time.sleep(0.5)
+    master.stop(signal.SIGKILL)
+    killed = time.monotonic()
+    t.join(timeout=20)
+    assert not t.is_alive(), "the client hung after the master died"
+    assert failure, "the batch loop finished without noticing the master died"
+    assert isinstance(failure[0], errors.TransportError), repr(failure[0])
+    assert stopped_at[0] - killed < 10, stopped_at[0] - killed
+    with pytest.raises(errors.TransportError):
+        c.get("b0-0")
+
+
+def test_cluster_peer_restarted_with_its_ssd_dir_reregisters_and_keys_come_back(start_umbpd, tmp_path):
+    master, peers = _cluster(start_umbpd, tmp_path, ssd=True, dram="1M")
+    c = Client(master=master.addr)
+    keys = [f"p{i}" for i in range(120)]
+    values = [os.urandom(16 << 10) for _ in keys]  # 1.9 MiB over 2 MiB of DRAM: some go to SSD
+    assert all(c.batch_put(keys, values))
+    restarted = Client(master=peers[0].addr)
+    held = [(k, v) for k, v in zip(keys, values) if restarted.exists(k)]
+    assert held
+    code, out = peers[0].stop(signal.SIGTERM)
+    assert code == 0 and "closed:" in out, out
+    # Down: its keys become misses once the master notices.
+    deadline = time.monotonic() + PEER_TIMEOUT_S + 3
+    while c.exists(held[0][0]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    again = start_umbpd("peer0-again", *peers[0].args)
+    assert f"published {len(held)} keys" in again.output(), again.output()
+    for k, v in held:
+        assert c.get(k) == v, k
+    assert c.batch_exists_prefix([k for k, _ in held]) == len(held)

@@ -6,9 +6,11 @@ restarts). Values are immutable blocks under byte-string keys; when DRAM passes 
 watermark, least-recently-used blocks are demoted to SSD (or dropped without one) and an SSD hit
 is promoted back. ``exists`` and ``batch_exists_prefix`` never renew LRU order.
 
-``Client(master="host:port")`` talks to a ``umbpd`` daemon (standalone role: one pool served
-over gRPC) with the same calls. Not built yet: the master/peer cluster behind that address, and
-the GPU tier; with a daemon, ``put_from``/``get_into`` copy through bytes.
+``Client(master="host:port")`` talks to a ``umbpd`` daemon with the same calls: a standalone
+daemon (one pool served over gRPC) or the master of a cluster, in which case puts and gets are
+routed to the peers that hold the bytes (the master keeps the index, peer liveness, read leases
+and eviction; see docs/umbp.md). A cluster key whose peer died is a miss. With a daemon,
+``put_from``/``get_into`` copy through bytes; the GPU tier is not built yet.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class Client:
 
     def close(self) -> dict[str, int]:
         """Embedded: keeps DRAM-only values on SSD (when there is one), seals the log, closes
-        the pool. With a daemon: nothing to close on this side (the daemon keeps the data)."""
+        the pool. With a daemon or cluster: nothing to close on this side (it keeps the data)."""
         if self._remote:
             return {}
         written, already, lost = self._pool.close()

@@ -181,6 +181,9 @@ struct Inner {
     counters: Counters,
     /// `close` or `abandon` ran; `Drop` has nothing left to do.
     closed: bool,
+    /// Keys that left the pool without a `remove` call (dropped by eviction, or corrupt),
+    /// kept for [`LocalPool::take_dropped`] once [`LocalPool::enable_drop_log`] ran.
+    drop_log: Option<Vec<Vec<u8>>>,
 }
 
 /// The embedded UMBP pool. See the module docs for placement, restart and locking.
@@ -255,6 +258,7 @@ impl LocalPool {
             low_bytes: (lo * cap as f64) as usize,
             counters: Counters::default(),
             closed: false,
+            drop_log: None,
         };
         Ok((
             LocalPool {
@@ -336,6 +340,61 @@ impl LocalPool {
     /// Removes `key` from every tier. Returns whether it was present.
     pub fn remove(&self, key: &[u8]) -> Result<bool> {
         self.lock().remove(&*self.meta, key)
+    }
+
+    /// Moves `key` out of DRAM as LRU eviction would: demoted to SSD (kept) when there is
+    /// an SSD tier that takes it, dropped otherwise. `Ok(None)` if the value is not in DRAM
+    /// (absent, or only on SSD); `Ok(Some(true))` kept on SSD; `Ok(Some(false))` dropped
+    /// (the key is a miss now). Used by a cluster peer on its master's direction.
+    pub fn evict(&self, key: &[u8]) -> Result<Option<bool>> {
+        let mut inner = self.lock();
+        if !inner.dram.contains(key) {
+            return Ok(None);
+        }
+        inner.evict_key(&*self.meta, key.to_vec()).map(Some)
+    }
+
+    /// Every key with its location (fastest tier, length), DRAM values first in LRU order,
+    /// then values only on SSD. O(keys); what a cluster peer announces to its master.
+    pub fn entries(&self) -> Result<Vec<(Vec<u8>, Location)>> {
+        let inner = self.lock();
+        let mut out = Vec::with_capacity(inner.dram.len());
+        for k in inner.dram.lru_victims(inner.dram.len()) {
+            if let Some(loc) = self.meta.get(&k)? {
+                out.push((k, loc));
+            }
+        }
+        if let Some(ssd) = &inner.ssd {
+            for k in ssd.keys() {
+                if inner.dram.contains(&k) {
+                    continue;
+                }
+                if let Some(loc) = self.meta.get(&k)? {
+                    out.push((k, loc));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// From now on, remember every key that leaves the pool without a [`LocalPool::remove`]
+    /// (dropped by eviction, dropped as corrupt) until [`LocalPool::take_dropped`] collects
+    /// it. A cluster peer reports these to its master so the index forgets them.
+    pub fn enable_drop_log(&self) {
+        let mut inner = self.lock();
+        if inner.drop_log.is_none() {
+            inner.drop_log = Some(Vec::new());
+        }
+    }
+
+    /// The keys dropped since the last call (see [`LocalPool::enable_drop_log`]; empty when
+    /// it is not enabled).
+    pub fn take_dropped(&self) -> Vec<Vec<u8>> {
+        self.lock()
+            .drop_log
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Number of keys.
@@ -565,6 +624,7 @@ impl Inner {
                         // The log has dropped the bad record from its index; make it a miss.
                         warn!(key = %key_display(key), error = %e, "dropping a corrupt value");
                         meta.remove(key)?;
+                        self.log_drop(key);
                         self.counters.corrupt_dropped += 1;
                         self.counters.misses += 1;
                         return Ok(None);
@@ -629,11 +689,22 @@ impl Inner {
         }
     }
 
+    fn log_drop(&mut self, key: &[u8]) {
+        if let Some(log) = self.drop_log.as_mut() {
+            log.push(key.to_vec());
+        }
+    }
+
     /// Demotes (or, failing that, drops) the least recently used DRAM value.
     fn evict_lru(&mut self, meta: &dyn MetadataStore) -> Result<()> {
         let Some(victim) = self.dram.lru_victims(1).pop() else {
             return Ok(());
         };
+        self.evict_key(meta, victim).map(|_| ())
+    }
+
+    /// Demotes (or, failing that, drops) one DRAM value; returns whether it was kept on SSD.
+    fn evict_key(&mut self, meta: &dyn MetadataStore, victim: Vec<u8>) -> Result<bool> {
         let kept = match self.ssd.as_mut() {
             None => false,
             Some(ssd) if ssd.contains(&victim) => true,
@@ -658,9 +729,10 @@ impl Inner {
         } else {
             meta.remove(&victim)?;
             self.counters.evictions += 1;
+            self.log_drop(&victim);
         }
         self.dram.remove(&victim);
-        Ok(())
+        Ok(kept)
     }
 
     fn remove(&mut self, meta: &dyn MetadataStore, key: &[u8]) -> Result<bool> {

@@ -809,3 +809,57 @@ fn invalid_arguments() {
     assert!(!ok(pool.remove(b""), "remove"));
     assert_eq!(get(&pool, b""), None);
 }
+
+#[test]
+fn evict_entries_and_drop_log() {
+    // DRAM only: an evicted value is dropped and logged once the log is enabled.
+    let (pool, _) = open(&PoolConfig::dram_only(16 << 12, 4096));
+    put(&pool, b"a", &[1; 100]);
+    assert_eq!(
+        pool.take_dropped(),
+        Vec::<Vec<u8>>::new(),
+        "log is off by default"
+    );
+    pool.enable_drop_log();
+    assert_eq!(
+        ok(pool.evict(b"a"), "evict"),
+        Some(false),
+        "no SSD: dropped"
+    );
+    assert_eq!(ok(pool.evict(b"a"), "evict"), None, "not in DRAM any more");
+    assert_eq!(get(&pool, b"a"), None);
+    for i in 0..40 {
+        put(&pool, &key(i), &value(i, 0, 4000)); // 16 pages: LRU drops
+    }
+    let dropped = pool.take_dropped();
+    assert_eq!(dropped.first().map(Vec::as_slice), Some(&b"a"[..]));
+    assert!(dropped.len() > 20, "{}", dropped.len());
+    assert!(dropped[1..].iter().all(|k| get(&pool, k).is_none()));
+    assert!(pool.take_dropped().is_empty(), "taken once");
+    let entries = ok(pool.entries(), "entries");
+    assert_eq!(entries.len(), ok(pool.len(), "len"));
+    assert!(
+        entries
+            .iter()
+            .all(|(_, l)| l.tier == Tier::Dram && l.len == 4000)
+    );
+
+    // With SSD: evict demotes, entries lists SSD-only values too.
+    let dir = tempdir();
+    let cfg = PoolConfig::with_ssd(16 << 12, 4096, ssd_cfg(dir.path(), 1 << 20, 8 << 20));
+    let (pool, _) = open(&cfg);
+    put(&pool, b"x", &[7; 5000]);
+    put(&pool, b"y", &[8; 10]);
+    assert_eq!(ok(pool.evict(b"x"), "evict"), Some(true), "demoted");
+    assert_eq!(pool.location(b"x").unwrap().unwrap().tier, Tier::Ssd);
+    let mut entries = ok(pool.entries(), "entries");
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(entries.len(), 2);
+    assert_eq!(
+        (entries[0].0.as_slice(), entries[0].1.tier),
+        (&b"x"[..], Tier::Ssd)
+    );
+    assert_eq!((entries[1].0.as_slice(), entries[1].1.len), (&b"y"[..], 10));
+    assert_eq!(get(&pool, b"x"), Some(vec![7; 5000]));
+    ok(pool.check_consistency(), "consistency");
+}

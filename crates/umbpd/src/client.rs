@@ -10,16 +10,33 @@
 //! exited or was killed) fails calls in flight at once, HTTP/2 keep-alive pings detect a
 //! peer that stopped answering, and every call has a deadline
 //! ([`ClientOptions::request_timeout`]).
+//!
+//! # Against a master
+//!
+//! [`Client::connect`] asks the daemon its role. A master holds no data, so the client
+//! routes: a put asks the master where each key goes (`RoutePut`), sends each peer its keys
+//! in one `BatchPut` (the groups in parallel; the peer publishes them to the master before
+//! answering), and when a peer cannot be reached asks again excluding it (at most
+//! [`MAX_PUT_ATTEMPTS`] rounds). A get asks the master where the keys are under a read lease
+//! (`RouteGet`), reads each peer's keys in one `BatchGet` (in parallel) and releases the lease
+//! without waiting for the answer. A key whose peer cannot be reached is a miss (the peer
+//! died; the master forgets its keys once its heartbeats stop). Exists, prefix probes,
+//! removes and stats go to the master. A batch put across peers is not ordered: on an error,
+//! any subset of the batch may be stored.
 
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use mori_umbp::PoolStats;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::proto::master_client::MasterClient;
 use crate::proto::umbp_client::UmbpClient;
 use crate::proto::{
-    BatchExistsPrefixRequest, BatchGetRequest, BatchPutRequest, ExistsRequest, GetRequest,
-    GetResponse, HealthRequest, KeyValue, PutRequest, RemoveRequest, StatsRequest,
+    BatchExistsPrefixRequest, BatchGetRequest, BatchPutRequest, ClusterInfoRequest,
+    ClusterInfoResponse, ExistsRequest, GetRequest, GetResponse, HealthRequest, KeyValue,
+    PutRequest, ReleaseLeaseRequest, RemoveRequest, RouteGetRequest, RoutePutRequest, StatsRequest,
 };
 use crate::server::MAX_MESSAGE_BYTES;
 
@@ -105,12 +122,84 @@ pub struct Health {
     pub uptime_ms: u64,
 }
 
+/// Most rounds of routing a put (each round excludes the peers that failed before).
+pub const MAX_PUT_ATTEMPTS: usize = 4;
+
 /// A blocking client of one `umbpd` (see the module docs).
 #[derive(Debug)]
 pub struct Client {
-    // Field order: the gRPC client (and its channel) is dropped before the runtime.
+    // Field order: the gRPC clients (and their channels) are dropped before the runtime.
     inner: UmbpClient<Channel>,
+    cluster: Option<Cluster>,
     rt: tokio::runtime::Runtime,
+}
+
+/// The routing state of a client connected to a master.
+#[derive(Debug)]
+struct Cluster {
+    master: MasterClient<Channel>,
+    opts: ClientOptions,
+    /// Connections to peers, by peer id (with the address they were made for).
+    peers: Mutex<HashMap<u64, (String, UmbpClient<Channel>)>>,
+}
+
+impl Cluster {
+    fn peer(&self, id: u64, addr: &str) -> Result<UmbpClient<Channel>> {
+        let mut map = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((a, c)) = map.get(&id)
+            && a == addr
+        {
+            return Ok(c.clone());
+        }
+        let c = UmbpClient::new(lazy_channel(addr, &self.opts)?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        map.insert(id, (addr.to_string(), c.clone()));
+        Ok(c)
+    }
+
+    fn forget(&self, id: u64) {
+        self.peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&id);
+    }
+}
+
+/// Whether a failed call means "could not talk to that daemon" (rather than an answer).
+fn is_transport(s: &tonic::Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+    )
+}
+
+fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
+    let uri = if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
+    let mut endpoint = Endpoint::from_shared(uri).map_err(|e| ClientError::InvalidAddress {
+        addr: addr.to_string(),
+        detail: e.to_string(),
+    })?;
+    endpoint = endpoint
+        .connect_timeout(opts.connect_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(opts.keepalive_interval)
+        .keep_alive_timeout(opts.keepalive_timeout)
+        .keep_alive_while_idle(true);
+    if let Some(t) = opts.request_timeout {
+        endpoint = endpoint.timeout(t);
+    }
+    Ok(endpoint)
+}
+
+/// A channel to `addr` that connects on first use (and reconnects after a failure), with
+/// the timeouts and keep-alive of `opts`. Must be called inside a tokio runtime.
+pub(crate) fn lazy_channel(addr: &str, opts: &ClientOptions) -> Result<Channel> {
+    Ok(endpoint(addr, opts)?.connect_lazy())
 }
 
 fn usize_of(n: u64) -> usize {
@@ -136,39 +225,206 @@ impl Client {
             .enable_all()
             .build()
             .map_err(ClientError::Runtime)?;
-        let uri = if addr.contains("://") {
-            addr.to_string()
-        } else {
-            format!("http://{addr}")
-        };
-        let mut endpoint = Endpoint::from_shared(uri).map_err(|e| ClientError::InvalidAddress {
-            addr: addr.to_string(),
-            detail: e.to_string(),
-        })?;
-        endpoint = endpoint
-            .connect_timeout(opts.connect_timeout)
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(opts.keepalive_interval)
-            .keep_alive_timeout(opts.keepalive_timeout)
-            .keep_alive_while_idle(true);
-        if let Some(t) = opts.request_timeout {
-            endpoint = endpoint.timeout(t);
-        }
+        let endpoint = endpoint(addr, opts)?;
         let channel = rt
             .block_on(endpoint.connect())
             .map_err(|source| ClientError::Connect {
                 addr: addr.to_string(),
                 source,
             })?;
-        let inner = UmbpClient::new(channel)
+        let inner = UmbpClient::new(channel.clone())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        Ok(Client { inner, rt })
+        let role = rt
+            .block_on(inner.clone().health(HealthRequest {}))?
+            .into_inner()
+            .role;
+        let cluster = (role == "master").then(|| Cluster {
+            master: MasterClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            opts: opts.clone(),
+            peers: Mutex::new(HashMap::new()),
+        });
+        Ok(Client { inner, cluster, rt })
+    }
+
+    /// Whether the daemon is a master (puts and gets are routed to its peers).
+    pub fn is_cluster(&self) -> bool {
+        self.cluster.is_some()
+    }
+
+    /// The master's view of the cluster (its live peers and counters); `None` when the
+    /// daemon is not a master.
+    pub fn cluster_info(&self) -> Result<Option<ClusterInfoResponse>> {
+        let Some(c) = &self.cluster else {
+            return Ok(None);
+        };
+        let mut m = c.master.clone();
+        Ok(Some(
+            self.rt
+                .block_on(m.cluster_info(ClusterInfoRequest {}))?
+                .into_inner(),
+        ))
+    }
+
+    /// Routed batch put (see the module docs).
+    fn cluster_put(&self, c: &Cluster, items: &[(&[u8], &[u8])]) -> Result<Vec<bool>> {
+        self.rt.block_on(async {
+            let mut out = vec![false; items.len()];
+            let mut pending: Vec<usize> = (0..items.len()).collect();
+            let mut exclude: Vec<u64> = Vec::new();
+            for attempt in 1.. {
+                let req = RoutePutRequest {
+                    keys: pending.iter().map(|&i| items[i].0.to_vec()).collect(),
+                    lens: pending.iter().map(|&i| items[i].1.len() as u64).collect(),
+                    exclude: exclude.clone(),
+                };
+                let routes = c.master.clone().route_put(req).await?.into_inner().routes;
+                if routes.len() != pending.len() {
+                    return Err(tonic::Status::internal(
+                        "master answered a wrong number of routes",
+                    )
+                    .into());
+                }
+                let mut groups: BTreeMap<u64, (String, Vec<usize>)> = BTreeMap::new();
+                for (&i, r) in pending.iter().zip(routes) {
+                    if r.peer_id == 0 {
+                        out[i] = false; // exists already: first writer wins
+                    } else {
+                        groups
+                            .entry(r.peer_id)
+                            .or_insert_with(|| (r.addr, Vec::new()))
+                            .1
+                            .push(i);
+                    }
+                }
+                let mut tasks = tokio::task::JoinSet::new();
+                for (peer, (addr, idxs)) in groups {
+                    let mut pc = c.peer(peer, &addr)?;
+                    let req = BatchPutRequest {
+                        items: idxs
+                            .iter()
+                            .map(|&i| KeyValue {
+                                key: items[i].0.to_vec(),
+                                value: items[i].1.to_vec(),
+                            })
+                            .collect(),
+                    };
+                    tasks.spawn(async move { (peer, idxs, pc.batch_put(req).await) });
+                }
+                let mut retry = Vec::new();
+                let mut failure: Option<tonic::Status> = None;
+                let mut last_transport = None;
+                while let Some(done) = tasks.join_next().await {
+                    let (peer, idxs, res) = done
+                        .map_err(|e| tonic::Status::internal(format!("client task failed: {e}")))?;
+                    match res {
+                        Ok(r) => {
+                            for (i, s) in idxs.into_iter().zip(r.into_inner().stored) {
+                                out[i] = s;
+                            }
+                        }
+                        Err(s) if is_transport(&s) => {
+                            c.forget(peer);
+                            exclude.push(peer);
+                            retry.extend(idxs);
+                            last_transport = Some(s);
+                        }
+                        Err(s) => failure = failure.or(Some(s)),
+                    }
+                }
+                if let Some(s) = failure {
+                    return Err(s.into());
+                }
+                if retry.is_empty() {
+                    return Ok(out);
+                }
+                if attempt >= MAX_PUT_ATTEMPTS {
+                    let s = last_transport.unwrap_or_else(|| tonic::Status::unavailable("no peer"));
+                    return Err(tonic::Status::unavailable(format!(
+                        "put failed on {attempt} rounds of peers; last: {}",
+                        s.message()
+                    ))
+                    .into());
+                }
+                retry.sort_unstable();
+                pending = retry;
+            }
+            Ok(out)
+        })
+    }
+
+    /// Routed batch get (see the module docs).
+    fn cluster_get(&self, c: &Cluster, keys: &[&[u8]]) -> Result<Vec<Option<Vec<u8>>>> {
+        self.rt.block_on(async {
+            let req = RouteGetRequest {
+                keys: keys.iter().map(|k| k.to_vec()).collect(),
+            };
+            let resp = c.master.clone().route_get(req).await?.into_inner();
+            if resp.routes.len() != keys.len() {
+                return Err(
+                    tonic::Status::internal("master answered a wrong number of routes").into(),
+                );
+            }
+            let mut groups: BTreeMap<u64, (String, Vec<usize>)> = BTreeMap::new();
+            for (i, r) in resp.routes.into_iter().enumerate() {
+                if r.peer_id != 0 {
+                    groups
+                        .entry(r.peer_id)
+                        .or_insert_with(|| (r.addr, Vec::new()))
+                        .1
+                        .push(i);
+                }
+            }
+            let mut out: Vec<Option<Vec<u8>>> = vec![None; keys.len()];
+            let mut tasks = tokio::task::JoinSet::new();
+            for (peer, (addr, idxs)) in groups {
+                let mut pc = c.peer(peer, &addr)?;
+                let req = BatchGetRequest {
+                    keys: idxs.iter().map(|&i| keys[i].to_vec()).collect(),
+                };
+                tasks.spawn(async move { (peer, idxs, pc.batch_get(req).await) });
+            }
+            let mut failure: Option<tonic::Status> = None;
+            while let Some(done) = tasks.join_next().await {
+                let (peer, idxs, res) =
+                    done.map_err(|e| tonic::Status::internal(format!("client task failed: {e}")))?;
+                match res {
+                    Ok(r) => {
+                        for (i, v) in idxs.into_iter().zip(r.into_inner().values) {
+                            out[i] = value_of(v);
+                        }
+                    }
+                    // The peer is gone: its keys are misses.
+                    Err(s) if is_transport(&s) => c.forget(peer),
+                    Err(s) => failure = failure.or(Some(s)),
+                }
+            }
+            if resp.lease_id != 0 {
+                let mut m = c.master.clone();
+                let lease_id = resp.lease_id;
+                tokio::spawn(async move {
+                    let _ = m.release_lease(ReleaseLeaseRequest { lease_id }).await;
+                });
+            }
+            match failure {
+                Some(s) => Err(s.into()),
+                None => Ok(out),
+            }
+        })
     }
 
     /// Stores `value` under `key`. Returns `false` when the key was already present (the
     /// stored value is unchanged; keys are immutable).
     pub fn put(&self, key: &[u8], value: &[u8]) -> Result<bool> {
+        if let Some(c) = &self.cluster {
+            return Ok(self
+                .cluster_put(c, &[(key, value)])?
+                .first()
+                .copied()
+                .unwrap_or(false));
+        }
         let req = PutRequest {
             key: key.to_vec(),
             value: value.to_vec(),
@@ -179,6 +435,9 @@ impl Client {
 
     /// The value of `key`, if present.
     pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        if let Some(c) = &self.cluster {
+            return Ok(self.cluster_get(c, &[key])?.pop().flatten());
+        }
         let req = GetRequest { key: key.to_vec() };
         let mut c = self.inner.clone();
         Ok(value_of(self.rt.block_on(c.get(req))?.into_inner()))
@@ -206,8 +465,11 @@ impl Client {
     }
 
     /// Puts each pair in order (one `stored` flag each, as [`Client::put`]). On an error the
-    /// pairs before the failing one stay stored.
+    /// pairs before the failing one stay stored (against a master: any subset may be).
     pub fn batch_put(&self, items: &[(&[u8], &[u8])]) -> Result<Vec<bool>> {
+        if let Some(c) = &self.cluster {
+            return self.cluster_put(c, items);
+        }
         let req = BatchPutRequest {
             items: items
                 .iter()
@@ -223,6 +485,9 @@ impl Client {
 
     /// The values of `keys`, in order.
     pub fn batch_get(&self, keys: &[&[u8]]) -> Result<Vec<Option<Vec<u8>>>> {
+        if let Some(c) = &self.cluster {
+            return self.cluster_get(c, keys);
+        }
         let req = BatchGetRequest {
             keys: keys.iter().map(|k| k.to_vec()).collect(),
         };

@@ -18,6 +18,18 @@
 //! | `low_watermark`  | `UMBP_LOW_WATERMARK`  | `--low-watermark`    | `0.7`            |
 //! | `sync_writes`    | `UMBP_SYNC_WRITES`    | `--sync-writes`      | `false`          |
 //! | `port_file`      | `UMBP_PORT_FILE`      | `--port-file`        | none             |
+//! | `master`         | `UMBP_MASTER`         | `--master`           | none (peer: required) |
+//! | `advertise`      | `UMBP_ADVERTISE`      | `--advertise`        | the bound address |
+//! | `heartbeat_interval` | `UMBP_HEARTBEAT_INTERVAL` | `--heartbeat-interval` | `1s`   |
+//! | `peer_timeout`   | `UMBP_PEER_TIMEOUT`   | `--peer-timeout`     | `5s`             |
+//! | `lease_timeout`  | `UMBP_LEASE_TIMEOUT`  | `--lease-timeout`    | `5s`             |
+//! | `metadata`       | `UMBP_METADATA`       | `--metadata`         | `memory`         |
+//! | `metadata_namespace` | `UMBP_METADATA_NAMESPACE` | `--metadata-namespace` | `umbp` |
+//!
+//! The pool settings (`dram_bytes` … `sync_writes`) apply to the standalone and peer roles;
+//! `master`, `advertise` and `heartbeat_interval` to peers; `peer_timeout`, `lease_timeout`,
+//! `metadata` and `metadata_namespace` to masters. A setting a role does not use is
+//! accepted and ignored (one file can serve every role).
 //!
 //! Besides these, `UMBP_CONFIG` (the file) and `UMBP_LOG` (the `tracing` filter) are
 //! recognised. An unknown TOML key, an unknown `UMBP_*` variable or an invalid value is a
@@ -25,12 +37,14 @@
 //!
 //! Sizes are integers with an optional binary suffix `K`, `M`, `G` or `T` (case-insensitive,
 //! optionally followed by `iB`, e.g. `64M`, `64MiB`, `1g`) or a plain `B`; in TOML they may
-//! also be integers. Booleans are `true`/`false` (`1`/`0`, `yes`/`no`, `on`/`off` in the
+//! also be integers. Durations are integers with a suffix `ms`, `s` or `m` (a bare integer is
+//! milliseconds). Booleans are `true`/`false` (`1`/`0`, `yes`/`no`, `on`/`off` in the
 //! environment and on the command line).
 
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use clap::Parser;
 
@@ -56,7 +70,8 @@ pub struct Cli {
     /// Print the resolved configuration and exit without serving.
     #[arg(long)]
     pub check_config: bool,
-    /// Role: standalone (serves one local pool), master or peer (not built yet).
+    /// Role: standalone (serves one local pool), master (the cluster index) or peer (holds
+    /// bytes for a master).
     #[arg(long, value_name = "ROLE")]
     pub role: Option<String>,
     /// Address to listen on (port 0: any free port).
@@ -86,13 +101,35 @@ pub struct Cli {
     /// fdatasync the SSD log after every write.
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     pub sync_writes: Option<String>,
-    /// Write the bound address (host:port) to this file once listening.
+    /// Write the bound address (host:port) to this file once listening (a peer: once
+    /// registered with its master too).
     #[arg(long, value_name = "PATH")]
     pub port_file: Option<String>,
+    /// Peer: the master's address (host:port).
+    #[arg(long, value_name = "ADDR")]
+    pub master: Option<String>,
+    /// Peer: the address clients and the master use to reach it (default: the bound one).
+    #[arg(long, value_name = "ADDR")]
+    pub advertise: Option<String>,
+    /// Peer: interval between heartbeats, e.g. 1s, 200ms.
+    #[arg(long, value_name = "DURATION")]
+    pub heartbeat_interval: Option<String>,
+    /// Master: a peer without a heartbeat for this long is declared dead, e.g. 5s.
+    #[arg(long, value_name = "DURATION")]
+    pub peer_timeout: Option<String>,
+    /// Master: how long a read lease protects a key from removal and eviction, e.g. 5s.
+    #[arg(long, value_name = "DURATION")]
+    pub lease_timeout: Option<String>,
+    /// Master: `memory`, or a Redis URL (redis://host:port/) holding the key index.
+    #[arg(long, value_name = "BACKEND")]
+    pub metadata: Option<String>,
+    /// Master: key prefix of the index in Redis.
+    #[arg(long, value_name = "NAME")]
+    pub metadata_namespace: Option<String>,
 }
 
 /// The names of every setting, in printing order (TOML keys; see the module docs).
-pub const SETTINGS: [&str; 11] = [
+pub const SETTINGS: [&str; 18] = [
     "role",
     "listen",
     "dram_bytes",
@@ -104,7 +141,36 @@ pub const SETTINGS: [&str; 11] = [
     "low_watermark",
     "sync_writes",
     "port_file",
+    "master",
+    "advertise",
+    "heartbeat_interval",
+    "peer_timeout",
+    "lease_timeout",
+    "metadata",
+    "metadata_namespace",
 ];
+
+/// Upper bound of `lease_timeout` (a remove waits at most this long for leases).
+const SHUTDOWN_BOUND: Duration = Duration::from_secs(60);
+
+/// A Redis URL with any password replaced by `***`.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let creds = &url[scheme + 3..at];
+            match creds.find(':') {
+                Some(colon) => format!(
+                    "{}{}:***{}",
+                    &url[..scheme + 3],
+                    &creds[..colon],
+                    &url[at..]
+                ),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
 
 /// The environment variable of a setting (`UMBP_` + upper case name).
 pub fn env_name(setting: &str) -> String {
@@ -121,9 +187,9 @@ pub fn flag_name(setting: &str) -> String {
 pub enum Role {
     /// Serves one local pool (index and tiers in this process).
     Standalone,
-    /// Keeps the key index of a cluster of peers (not built yet).
+    /// Keeps the key index of a cluster of peers and routes clients to them.
     Master,
-    /// Holds the bytes for a master (not built yet).
+    /// Holds the bytes for a master.
     Peer,
 }
 
@@ -210,6 +276,20 @@ pub struct Config {
     pub sync_writes: Setting<bool>,
     /// `port_file`.
     pub port_file: Setting<Option<PathBuf>>,
+    /// `master` (peer role).
+    pub master: Setting<Option<String>>,
+    /// `advertise` (peer role; `None`: the bound address).
+    pub advertise: Setting<Option<SocketAddr>>,
+    /// `heartbeat_interval` (peer role).
+    pub heartbeat_interval: Setting<Duration>,
+    /// `peer_timeout` (master role).
+    pub peer_timeout: Setting<Duration>,
+    /// `lease_timeout` (master role).
+    pub lease_timeout: Setting<Duration>,
+    /// `metadata` (master role): `memory` or a Redis URL.
+    pub metadata: Setting<String>,
+    /// `metadata_namespace` (master role).
+    pub metadata_namespace: Setting<String>,
 }
 
 impl Default for Config {
@@ -226,6 +306,13 @@ impl Default for Config {
             low_watermark: Setting::default(0.7),
             sync_writes: Setting::default(false),
             port_file: Setting::default(None),
+            master: Setting::default(None),
+            advertise: Setting::default(None),
+            heartbeat_interval: Setting::default(Duration::from_secs(1)),
+            peer_timeout: Setting::default(Duration::from_secs(5)),
+            lease_timeout: Setting::default(Duration::from_secs(5)),
+            metadata: Setting::default("memory".to_string()),
+            metadata_namespace: Setting::default("umbp".to_string()),
         }
     }
 }
@@ -277,6 +364,25 @@ impl Raw<'_> {
         }
     }
 
+    fn duration(&self) -> Result<Duration, String> {
+        let d = match self {
+            Raw::Toml(toml::Value::Integer(i)) => Duration::from_millis(
+                u64::try_from(*i).map_err(|_| format!("duration {i} is negative"))?,
+            ),
+            Raw::Toml(toml::Value::String(_)) | Raw::Text(_) => parse_duration(self.text()?)?,
+            Raw::Toml(v) => {
+                return Err(format!(
+                    "expected a duration (e.g. \"500ms\", \"2s\"), found {}",
+                    v.type_str()
+                ));
+            }
+        };
+        if d.is_zero() {
+            return Err("a duration must be positive".to_string());
+        }
+        Ok(d)
+    }
+
     fn boolean(&self) -> Result<bool, String> {
         match self {
             Raw::Toml(toml::Value::Boolean(b)) => Ok(*b),
@@ -323,6 +429,34 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     };
     n.checked_mul(1u64 << shift)
         .ok_or_else(|| format!("`{s}` is too large"))
+}
+
+/// Parses a duration: digits with a suffix `ms`, `s` or `m` (a bare integer is
+/// milliseconds), e.g. `500ms`, `2s`, `1m`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, suffix) = t.split_at(split);
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("`{s}` is not a duration (expected e.g. 500ms, 2s, 1m)"))?;
+    let ms = match suffix.to_ascii_lowercase().as_str() {
+        "" | "ms" => Some(n),
+        "s" => n.checked_mul(1000),
+        "m" => n.checked_mul(60_000),
+        _ => {
+            return Err(format!(
+                "`{s}` has an unknown duration unit `{suffix}` (use ms, s or m)"
+            ));
+        }
+    };
+    ms.map(Duration::from_millis)
+        .ok_or_else(|| format!("`{s}` is too large"))
+}
+
+/// Renders a duration as milliseconds.
+pub fn format_duration(d: Duration) -> String {
+    format!("{}ms", d.as_millis())
 }
 
 /// Renders a size in bytes with a binary unit when it is a whole number of one.
@@ -372,6 +506,40 @@ impl Config {
             "low_watermark" => set(&mut self.low_watermark, raw.fraction()?, source),
             "sync_writes" => set(&mut self.sync_writes, raw.boolean()?, source),
             "port_file" => set(&mut self.port_file, raw.opt_path()?, source),
+            "master" => {
+                let s = raw.text()?.trim().to_string();
+                set(&mut self.master, (!s.is_empty()).then_some(s), source);
+            }
+            "advertise" => {
+                let s = raw.text()?;
+                let addr = if s.trim().is_empty() {
+                    None
+                } else {
+                    Some(s.trim().parse::<SocketAddr>().map_err(|_| {
+                        format!("`{s}` is not a socket address (expected e.g. 10.0.0.5:7000)")
+                    })?)
+                };
+                set(&mut self.advertise, addr, source);
+            }
+            "heartbeat_interval" => set(&mut self.heartbeat_interval, raw.duration()?, source),
+            "peer_timeout" => set(&mut self.peer_timeout, raw.duration()?, source),
+            "lease_timeout" => set(&mut self.lease_timeout, raw.duration()?, source),
+            "metadata" => {
+                let s = raw.text()?.trim().to_string();
+                if s != "memory" && !s.starts_with("redis://") && !s.starts_with("rediss://") {
+                    return Err(format!(
+                        "`{s}` is not a metadata backend (expected memory or redis://host:port/)"
+                    ));
+                }
+                set(&mut self.metadata, s, source);
+            }
+            "metadata_namespace" => {
+                let s = raw.text()?.trim().to_string();
+                if s.is_empty() {
+                    return Err("the namespace must not be empty".to_string());
+                }
+                set(&mut self.metadata_namespace, s, source);
+            }
             _ => return Ok(false),
         }
         Ok(true)
@@ -398,6 +566,37 @@ impl Config {
             return err(format!(
                 "low_watermark {} ({}) must not exceed high_watermark {} ({})",
                 lo.value, lo.source, hi.value, hi.source
+            ));
+        }
+        if self.role.value == Role::Peer {
+            if self.master.value.is_none() {
+                return err(format!(
+                    "the peer role needs the master's address: set master (UMBP_MASTER, --master) \
+                     (role from {})",
+                    self.role.source
+                ));
+            }
+            let adv = self.advertise.value.unwrap_or(self.listen.value);
+            if adv.ip().is_unspecified() && self.advertise.value.is_some() {
+                return err(format!(
+                    "advertise {} ({}) must be an address others can reach, not a wildcard",
+                    adv, self.advertise.source
+                ));
+            }
+            if adv.ip().is_unspecified() {
+                return err(format!(
+                    "listen {} ({}) is a wildcard: a peer needs advertise (UMBP_ADVERTISE, \
+                     --advertise) naming the address others reach it at",
+                    self.listen.value, self.listen.source
+                ));
+            }
+        }
+        if self.role.value == Role::Master && self.lease_timeout.value >= SHUTDOWN_BOUND {
+            return err(format!(
+                "lease_timeout {} ({}) must be below {}s",
+                format_duration(self.lease_timeout.value),
+                self.lease_timeout.source,
+                SHUTDOWN_BOUND.as_secs()
             ));
         }
         if self.ssd_dir.value.is_some() {
@@ -445,6 +644,33 @@ impl Config {
             ),
             "sync_writes" => (self.sync_writes.value.to_string(), &self.sync_writes.source),
             "port_file" => (path(&self.port_file.value), &self.port_file.source),
+            "master" => (
+                self.master.value.clone().unwrap_or_else(|| "none".into()),
+                &self.master.source,
+            ),
+            "advertise" => (
+                self.advertise
+                    .value
+                    .map_or_else(|| "the bound address".into(), |a| a.to_string()),
+                &self.advertise.source,
+            ),
+            "heartbeat_interval" => (
+                format_duration(self.heartbeat_interval.value),
+                &self.heartbeat_interval.source,
+            ),
+            "peer_timeout" => (
+                format_duration(self.peer_timeout.value),
+                &self.peer_timeout.source,
+            ),
+            "lease_timeout" => (
+                format_duration(self.lease_timeout.value),
+                &self.lease_timeout.source,
+            ),
+            "metadata" => (redact(&self.metadata.value), &self.metadata.source),
+            "metadata_namespace" => (
+                self.metadata_namespace.value.clone(),
+                &self.metadata_namespace.source,
+            ),
             _ => return None,
         })
     }
@@ -455,7 +681,7 @@ impl Config {
             .iter()
             .filter_map(|name| {
                 self.describe(name)
-                    .map(|(v, src)| format!("{name:<14} = {v} ({src})"))
+                    .map(|(v, src)| format!("{name:<18} = {v} ({src})"))
             })
             .collect()
     }
@@ -518,7 +744,7 @@ pub fn resolve(cli: &Cli, env: &[(String, String)]) -> Result<Config, ConfigErro
         cfg.apply(setting, Raw::Text(value), Source::Env(name.clone()))
             .map_err(|why| ConfigError(format!("invalid value for {name}: {why}")))?;
     }
-    let flags: [(&str, &Option<String>); 11] = [
+    let flags: [(&str, &Option<String>); 18] = [
         ("role", &cli.role),
         ("listen", &cli.listen),
         ("dram_bytes", &cli.dram_bytes),
@@ -530,6 +756,13 @@ pub fn resolve(cli: &Cli, env: &[(String, String)]) -> Result<Config, ConfigErro
         ("low_watermark", &cli.low_watermark),
         ("sync_writes", &cli.sync_writes),
         ("port_file", &cli.port_file),
+        ("master", &cli.master),
+        ("advertise", &cli.advertise),
+        ("heartbeat_interval", &cli.heartbeat_interval),
+        ("peer_timeout", &cli.peer_timeout),
+        ("lease_timeout", &cli.lease_timeout),
+        ("metadata", &cli.metadata),
+        ("metadata_namespace", &cli.metadata_namespace),
     ];
     for (setting, value) in flags {
         if let Some(v) = value {

@@ -4,15 +4,20 @@
 //! * [`service`] — the gRPC service `umbp.v1.Umbp` (see `proto/umbp.proto`) over a
 //!   [`mori_umbp::LocalPool`].
 //! * [`server`] — the `standalone` role: serve until SIGTERM/SIGINT, then close the pool.
-//! * [`client`] — a blocking client with the same calls.
+//! * [`master`] — the master's logic (index, liveness, routing, leases, eviction) with an
+//!   injectable clock; [`master_server`] — the `master` role serving it over gRPC.
+//! * [`peer`] — the `peer` role: a pool that registers, heartbeats and publishes its keys.
+//! * [`client`] — a blocking client with the same calls; against a master it routes puts
+//!   and gets to the peers.
 //! * [`proto`] — the generated prost messages and tonic client/server.
-//!
-//! The roles `master` and `peer` are accepted by the configuration but not built yet.
 
 #![warn(missing_docs)]
 
 pub mod client;
 pub mod config;
+pub mod master;
+pub mod master_server;
+pub mod peer;
 pub mod server;
 pub mod service;
 

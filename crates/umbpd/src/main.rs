@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use mori_umbpd::config::{self, Cli, ConfigError, ENV_LOG, Role};
 use mori_umbpd::server::{self, say};
+use mori_umbpd::{master_server, peer};
 use tracing_subscriber::EnvFilter;
 
 /// Exit code of configuration errors (as clap uses for usage errors).
@@ -61,16 +62,6 @@ fn main() -> ExitCode {
     if cli.check_config {
         return ExitCode::SUCCESS;
     }
-    match cfg.role.value {
-        Role::Standalone => {}
-        role @ (Role::Master | Role::Peer) => {
-            eprintln!(
-                "umbpd: error: role {} is not built yet (only standalone is available)",
-                role.as_str()
-            );
-            return ExitCode::from(EXIT_CONFIG);
-        }
-    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .thread_name("umbpd")
         .enable_all()
@@ -82,9 +73,20 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_FAILURE);
         }
     };
-    match rt.block_on(server::run_standalone(&cfg)) {
-        Ok(report) => {
+    let result = rt.block_on(async {
+        match cfg.role.value {
+            Role::Standalone => server::run_standalone(&cfg).await.map(Some),
+            Role::Peer => peer::run_peer(&cfg).await.map(Some),
+            Role::Master => master_server::run_master(&cfg).await.map(|()| None),
+        }
+    });
+    match result {
+        Ok(Some(report)) => {
             say(&server::close_line(&report));
+            ExitCode::SUCCESS
+        }
+        Ok(None) => {
+            say("stopped");
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -96,87 +96,155 @@ fn write_port_file(path: &Path, addr: SocketAddr) -> Result<(), DaemonError> {
     std::fs::rename(&tmp, path).map_err(io_err(format!("renaming to {}", path.display())))
 }
 
-/// Runs the standalone daemon until a shutdown signal; returns the pool's close report.
-pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
-    // Signal handlers first, so a signal right after the address is published is handled.
-    let mut sigterm = signal(SignalKind::terminate()).map_err(io_err("installing SIGTERM"))?;
-    let mut sigint = signal(SignalKind::interrupt()).map_err(io_err("installing SIGINT"))?;
+/// SIGTERM and SIGINT, installed before anything is published.
+pub(crate) struct Signals {
+    sigterm: tokio::signal::unix::Signal,
+    sigint: tokio::signal::unix::Signal,
+}
 
-    let pool_cfg = cfg.pool_config();
-    let (pool, recovery) = tokio::task::spawn_blocking(move || LocalPool::open(pool_cfg)).await??;
-    if let Some(r) = &recovery {
-        say(&recovery_line(r));
+impl Signals {
+    /// Installs the handlers.
+    pub(crate) fn install() -> Result<Signals, DaemonError> {
+        Ok(Signals {
+            sigterm: signal(SignalKind::terminate()).map_err(io_err("installing SIGTERM"))?,
+            sigint: signal(SignalKind::interrupt()).map_err(io_err("installing SIGINT"))?,
+        })
     }
-    let shared = Arc::new(SharedPool::new(pool));
+}
 
-    let listener = TcpListener::bind(cfg.listen.value)
+/// A gRPC server running in the background.
+pub(crate) struct Serving {
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    /// The bound address.
+    pub(crate) addr: SocketAddr,
+}
+
+/// Binds `listen` and serves `routes` in the background (message size limits applied by
+/// the caller on each service).
+pub(crate) async fn start_serving(
+    listen: SocketAddr,
+    routes: tonic::service::Routes,
+) -> Result<Serving, DaemonError> {
+    let listener = TcpListener::bind(listen)
         .await
-        .map_err(io_err(format!("binding {}", cfg.listen.value)))?;
+        .map_err(io_err(format!("binding {listen}")))?;
     let addr = listener
         .local_addr()
         .map_err(io_err("reading the bound address"))?;
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-
-    let service = UmbpService::new(Arc::clone(&shared), cfg.role.value.as_str());
-    let svc = UmbpServer::new(service)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut server = tokio::spawn(
+    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(
         Server::builder()
-            .add_service(svc)
+            .add_routes(routes)
             .serve_with_incoming_shutdown(incoming, async {
                 let _ = stop_rx.await;
             }),
     );
+    Ok(Serving { server, stop, addr })
+}
 
+/// Publishes the address (port file, stdout line).
+pub(crate) fn announce(cfg: &Config, addr: SocketAddr) -> Result<(), DaemonError> {
     if let Some(path) = &cfg.port_file.value {
         write_port_file(path, addr)?;
     }
     say(&format!("listening on {addr}"));
-    info!(%addr, "serving");
+    info!(%addr, role = cfg.role.value.as_str(), "serving");
+    Ok(())
+}
 
-    let serve_result = tokio::select! {
-        _ = sigterm.recv() => { say("received SIGTERM, shutting down"); None }
-        _ = sigint.recv() => { say("received SIGINT, shutting down"); None }
-        res = &mut server => Some(res),
-    };
-    match serve_result {
-        // The server stopped by itself: an error, but still close the pool.
-        Some(res) => {
-            let close = close_pool(&shared).await;
-            res??;
-            return close;
-        }
-        None => {
-            let _ = stop_tx.send(());
-            match tokio::time::timeout(SHUTDOWN_GRACE, &mut server).await {
-                Ok(res) => {
-                    if let Err(e) = res? {
-                        warn!(error = %e, "gRPC server ended with an error during shutdown");
-                    }
-                }
-                Err(_) => {
-                    warn!(
-                        grace = ?SHUTDOWN_GRACE,
-                        "requests still in flight after the grace period; closing anyway"
-                    );
-                    server.abort();
-                }
-            }
+impl Signals {
+    /// Waits for SIGTERM or SIGINT (and says which arrived).
+    pub(crate) async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.sigterm.recv() => say("received SIGTERM, shutting down"),
+            _ = self.sigint.recv() => say("received SIGINT, shutting down"),
         }
     }
-    let report = close_pool(&shared).await?;
+}
+
+impl Serving {
+    /// Serves until SIGTERM/SIGINT (then stops accepting and lets requests in flight finish
+    /// for at most [`SHUTDOWN_GRACE`]) or until the server fails. `Ok(())` after a signal.
+    pub(crate) async fn until_signal(mut self, signals: &mut Signals) -> Result<(), DaemonError> {
+        let serve_result = tokio::select! {
+            _ = signals.recv() => None,
+            res = &mut self.server => Some(res),
+        };
+        if let Some(res) = serve_result {
+            res??;
+            return Ok(());
+        }
+        let _ = self.stop.send(());
+        match tokio::time::timeout(SHUTDOWN_GRACE, &mut self.server).await {
+            Ok(res) => {
+                if let Err(e) = res? {
+                    warn!(error = %e, "gRPC server ended with an error during shutdown");
+                }
+            }
+            Err(_) => {
+                warn!(
+                    grace = ?SHUTDOWN_GRACE,
+                    "requests still in flight after the grace period; closing anyway"
+                );
+                self.server.abort();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Removes the port file after a clean shutdown.
+pub(crate) fn remove_port_file(cfg: &Config) {
     if let Some(path) = &cfg.port_file.value
         && let Err(e) = std::fs::remove_file(path)
     {
         warn!(path = %path.display(), error = %e, "could not remove the port file");
     }
+}
+
+/// Opens the pool of the standalone and peer roles (printing the SSD recovery report).
+pub(crate) async fn open_pool(
+    pool_cfg: mori_umbp::PoolConfig,
+) -> Result<Arc<SharedPool>, DaemonError> {
+    let (pool, recovery) = tokio::task::spawn_blocking(move || LocalPool::open(pool_cfg)).await??;
+    if let Some(r) = &recovery {
+        say(&recovery_line(r));
+    }
+    Ok(Arc::new(SharedPool::new(pool)))
+}
+
+/// The `Umbp` service with the daemon's message size limits.
+pub(crate) fn umbp_server<T: crate::proto::umbp_server::Umbp>(svc: T) -> UmbpServer<T> {
+    UmbpServer::new(svc)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// Runs the standalone daemon until a shutdown signal; returns the pool's close report.
+pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
+    // Signal handlers first, so a signal right after the address is published is handled.
+    let mut signals = Signals::install()?;
+    let shared = open_pool(cfg.pool_config()).await?;
+    let service = UmbpService::new(Arc::clone(&shared), cfg.role.value.as_str());
+    let serving = start_serving(
+        cfg.listen.value,
+        tonic::service::Routes::new(umbp_server(service)),
+    )
+    .await?;
+    announce(cfg, serving.addr)?;
+    let served = serving.until_signal(&mut signals).await;
+    // Close the pool even when the server failed by itself.
+    let close = close_pool(&shared).await;
+    served?;
+    let report = close?;
+    remove_port_file(cfg);
     Ok(report)
 }
 
 /// Closes the pool on the blocking pool (waits for pool calls in flight).
-async fn close_pool(shared: &Arc<SharedPool>) -> Result<CloseReport, DaemonError> {
+pub(crate) async fn close_pool(shared: &Arc<SharedPool>) -> Result<CloseReport, DaemonError> {
     let shared = Arc::clone(shared);
     match tokio::task::spawn_blocking(move || shared.close()).await? {
         Some(res) => Ok(res?),

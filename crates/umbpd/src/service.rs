@@ -8,12 +8,13 @@ use mori_umbp::{CloseReport, LocalPool, PoolStats, PutOutcome};
 use tonic::{Request, Response, Status};
 use tracing::warn;
 
+use crate::peer::PeerLink;
 use crate::proto::umbp_server::Umbp;
 use crate::proto::{
     BatchExistsPrefixRequest, BatchExistsPrefixResponse, BatchGetRequest, BatchGetResponse,
-    BatchPutRequest, BatchPutResponse, ExistsRequest, ExistsResponse, GetRequest, GetResponse,
-    HealthRequest, HealthResponse, PutRequest, PutResponse, RemoveRequest, RemoveResponse,
-    StatsRequest, StatsResponse,
+    BatchPutRequest, BatchPutResponse, CommitEntry, ExistsRequest, ExistsResponse, GetRequest,
+    GetResponse, HealthRequest, HealthResponse, KeyValue, PutRequest, PutResponse, RemoveRequest,
+    RemoveResponse, StatsRequest, StatsResponse,
 };
 
 /// Maps a pool error to a gRPC status: no space → `RESOURCE_EXHAUSTED`, invalid argument →
@@ -72,6 +73,8 @@ pub struct UmbpService {
     pool: Arc<SharedPool>,
     role: &'static str,
     started: Instant,
+    /// A peer's connection to its master: puts are published there.
+    link: Option<Arc<PeerLink>>,
 }
 
 impl UmbpService {
@@ -81,6 +84,102 @@ impl UmbpService {
             pool,
             role,
             started: Instant::now(),
+            link: None,
+        }
+    }
+
+    /// The service of a cluster peer: every put is published to the master through `link`
+    /// before it is acknowledged (see [`UmbpService::put_items`]).
+    pub fn with_link(mut self, link: Arc<PeerLink>) -> UmbpService {
+        self.link = Some(link);
+        self
+    }
+
+    /// Puts `items` into the pool; on a peer, publishes them to the master. A key the master
+    /// places at another peer (a concurrent writer won) is dropped here and reported as not
+    /// stored; a key already in this pool but not in the index (e.g. kept across a master
+    /// restart) is published and reported as not stored (the earlier value stays). If the
+    /// master cannot be reached, the values this call stored are removed again and the call
+    /// fails with `UNAVAILABLE`.
+    async fn put_items(&self, items: Vec<KeyValue>) -> Result<Vec<bool>, Status> {
+        let Some(link) = self.link.clone() else {
+            return self
+                .call(move |p| {
+                    let pairs: Vec<(&[u8], &[u8])> = items
+                        .iter()
+                        .map(|kv| (kv.key.as_slice(), kv.value.as_slice()))
+                        .collect();
+                    Ok(p.batch_put(&pairs)?
+                        .iter()
+                        .map(|o| *o == PutOutcome::Stored)
+                        .collect())
+                })
+                .await;
+        };
+        // Store, then read back where each key landed (a later value of the same batch may
+        // already have evicted an earlier one).
+        let (keys, stored, entries) = self
+            .call(move |p| {
+                let pairs: Vec<(&[u8], &[u8])> = items
+                    .iter()
+                    .map(|kv| (kv.key.as_slice(), kv.value.as_slice()))
+                    .collect();
+                let outcomes = p.batch_put(&pairs)?;
+                let mut entries = Vec::with_capacity(items.len());
+                for kv in &items {
+                    entries.push(p.location(&kv.key)?.map(|loc| CommitEntry {
+                        key: kv.key.clone(),
+                        len: loc.len,
+                        on_ssd: loc.tier == mori_umbp::Tier::Ssd,
+                    }));
+                }
+                let stored: Vec<bool> = outcomes.iter().map(|o| *o == PutOutcome::Stored).collect();
+                let keys: Vec<Vec<u8>> = items.into_iter().map(|kv| kv.key).collect();
+                Ok((keys, stored, entries))
+            })
+            .await?;
+        let idx: Vec<usize> = (0..entries.len())
+            .filter(|&i| entries[i].is_some())
+            .collect();
+        let commit: Vec<CommitEntry> = entries.into_iter().flatten().collect();
+        let published = match link.commit(commit).await {
+            Ok(p) => p,
+            Err(e) => {
+                let undo: Vec<Vec<u8>> = (0..keys.len())
+                    .filter(|&i| stored[i])
+                    .map(|i| keys[i].clone())
+                    .collect();
+                self.remove_keys(undo).await;
+                return Err(e);
+            }
+        };
+        let mut result = stored;
+        let mut lost = Vec::new();
+        for (j, &i) in idx.iter().enumerate() {
+            if !published.get(j).copied().unwrap_or(false) {
+                result[i] = false;
+                lost.push(keys[i].clone());
+            }
+        }
+        self.remove_keys(lost).await;
+        Ok(result)
+    }
+
+    /// Removes keys from the pool, logging failures (best effort clean-up).
+    async fn remove_keys(&self, keys: Vec<Vec<u8>>) {
+        if keys.is_empty() {
+            return;
+        }
+        let res = self
+            .call(move |p| {
+                for k in &keys {
+                    p.remove(k)?;
+                }
+                Ok(())
+            })
+            .await;
+        if let Err(e) = res {
+            warn!(error = %e, "could not drop unpublished values");
         }
     }
 
@@ -96,7 +195,8 @@ impl UmbpService {
     }
 }
 
-fn stats_response(s: PoolStats) -> StatsResponse {
+/// The `Stats` answer of a pool's counters.
+pub fn stats_response(s: PoolStats) -> StatsResponse {
     StatsResponse {
         keys: s.keys as u64,
         dram_keys: s.dram_keys as u64,
@@ -127,9 +227,9 @@ fn get_response(value: Option<Vec<u8>>) -> GetResponse {
 impl Umbp for UmbpService {
     async fn put(&self, req: Request<PutRequest>) -> Result<Response<PutResponse>, Status> {
         let PutRequest { key, value } = req.into_inner();
-        let outcome = self.call(move |p| p.put(&key, &value)).await?;
+        let stored = self.put_items(vec![KeyValue { key, value }]).await?;
         Ok(Response::new(PutResponse {
-            stored: outcome == PutOutcome::Stored,
+            stored: stored.first().copied().unwrap_or(false),
         }))
     }
 
@@ -169,18 +269,8 @@ impl Umbp for UmbpService {
         req: Request<BatchPutRequest>,
     ) -> Result<Response<BatchPutResponse>, Status> {
         let BatchPutRequest { items } = req.into_inner();
-        let outcomes = self
-            .call(move |p| {
-                let pairs: Vec<(&[u8], &[u8])> = items
-                    .iter()
-                    .map(|kv| (kv.key.as_slice(), kv.value.as_slice()))
-                    .collect();
-                p.batch_put(&pairs)
-            })
-            .await?;
-        Ok(Response::new(BatchPutResponse {
-            stored: outcomes.iter().map(|o| *o == PutOutcome::Stored).collect(),
-        }))
+        let stored = self.put_items(items).await?;
+        Ok(Response::new(BatchPutResponse { stored }))
     }
 
     async fn batch_get(

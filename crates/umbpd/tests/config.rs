@@ -72,18 +72,69 @@ fn invalid_values_are_errors() {
 }
 
 #[test]
-fn master_and_peer_are_not_built_yet() {
-    for role in ["master", "peer"] {
-        let (code, _, err) = run(&["--role", role], &[]);
-        assert_eq!(code, Some(2), "{err}");
-        assert!(
-            err.contains(&format!("role {role} is not built yet")),
-            "{err}"
-        );
+fn cluster_settings_are_checked_and_printed() {
+    // A peer needs its master, and an address others can reach.
+    let (code, _, err) = run(&["--check-config", "--role", "peer"], &[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("UMBP_MASTER"), "{err}");
+    let (code, _, err) = run(
+        &["--check-config", "--listen", "0.0.0.0:7000"],
+        &[("UMBP_ROLE", "peer"), ("UMBP_MASTER", "10.0.0.1:7070")],
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("advertise"), "{err}");
+    let bad: [(&str, &str); 4] = [
+        ("UMBP_HEARTBEAT_INTERVAL", "1h"),
+        ("UMBP_PEER_TIMEOUT", "0s"),
+        ("UMBP_LEASE_TIMEOUT", "soon"),
+        ("UMBP_METADATA", "etcd://x"),
+    ];
+    for (name, value) in bad {
+        let (code, _, err) = run(&["--check-config", "--role", "master"], &[(name, value)]);
+        assert_eq!(code, Some(2), "{name}: {err}");
+        assert!(err.contains(name), "{name}: {err}");
     }
-    let (code, _, err) = run(&[], &[("UMBP_ROLE", "peer")]);
+    let (code, _, err) = run(
+        &["--check-config", "--role", "master"],
+        &[("UMBP_PEER_TIMEOUTS", "1s")],
+    );
     assert_eq!(code, Some(2));
-    assert!(err.contains("role peer is not built yet"), "{err}");
+    assert!(err.contains("UMBP_PEER_TIMEOUTS"), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("peer.toml");
+    std::fs::write(
+        &file,
+        "role = \"peer\"\nheartbeat_interval = 250\nmaster = \"127.0.0.1:9\"\n",
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    let (code, out, err) = run(
+        &[
+            "--check-config",
+            "--config",
+            f,
+            "--advertise",
+            "127.0.0.2:7001",
+        ],
+        &[("UMBP_METADATA", "redis://user:secret@127.0.0.1:6379/")],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        line(&out, "heartbeat_interval").contains(&format!("250ms (file {f})")),
+        "{out}"
+    );
+    assert!(line(&out, "master ").contains("127.0.0.1:9"), "{out}");
+    assert!(
+        line(&out, "advertise").contains("127.0.0.2:7001 (flag --advertise)"),
+        "{out}"
+    );
+    assert!(
+        line(&out, "peer_timeout").contains("5000ms (default)"),
+        "{out}"
+    );
+    let l = line(&out, "metadata ");
+    assert!(l.contains("user:***@") && !l.contains("secret"), "{l}");
 }
 
 #[test]

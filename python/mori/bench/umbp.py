@@ -1,8 +1,8 @@
 """``mori bench umbp``: the KV-block pool on the CPU machine.
 
 Measured in one run: host memcpy bandwidth (numpy, the bar for embedded gets), the embedded pool
-(put / get / get_into by value size and batch), a ``umbpd`` daemon over loopback gRPC (when the
-binary is built), ``batch_exists_prefix`` of 64 keys (p50/p99), tier hit rates on a synthetic
+(put / get / get_into by value size and batch), a standalone ``umbpd`` daemon and a cluster (a
+master and 2 peers; values travel as gRPC bytes) over loopback gRPC (when the binary is built), ``batch_exists_prefix`` of 64 keys (p50/p99), tier hit rates on a synthetic
 multi-turn prefix-cache trace whose working set is larger than DRAM, and Redis SET/GET through
 ``redis-benchmark`` with the same value sizes as a baseline (when redis-server is installed).
 
@@ -150,22 +150,34 @@ def _redis_baseline(tmp: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _daemon(tmp: str):
+def _umbpd_exe() -> Path | None:
     root = Path(__file__).resolve().parents[3]
     for profile in ("release", "debug"):
         exe = root / "target" / profile / "umbpd"
         if exe.exists():
-            break
-    else:
-        print("  umbpd not built (cargo build --release -p mori-umbpd): daemon rows skipped")
-        return None, None
-    port_file = Path(tmp) / "umbpd.port"
-    proc = subprocess.Popen([str(exe), "--dram-bytes", "2G", "--port-file", str(port_file)],
+            return exe
+    print("  umbpd not built (cargo build --release -p mori-umbpd): daemon rows skipped")
+    return None
+
+
+def _umbpd(exe: Path, tmp: str, name: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """Starts umbpd with ``args`` and waits for its port file (a peer writes it once registered)."""
+    port_file = Path(tmp) / f"{name}.port"
+    proc = subprocess.Popen([str(exe), "--port-file", str(port_file), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
-    while not port_file.exists() and time.monotonic() < deadline:
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"umbpd {name} did not start")
         time.sleep(0.05)
-    return proc, port_file.read_text().strip(), exe.parent.name
+    return proc, port_file.read_text().strip()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in reversed(procs):
+        p.terminate()
+        p.wait(timeout=30)
 
 
 def run(out_dir: str) -> dict[str, Any]:
@@ -181,16 +193,31 @@ def run(out_dir: str) -> dict[str, Any]:
             record["exists_prefix_64"] = _exists_latency(c)
         print(f"batch_exists_prefix(64 keys): p50 {record['exists_prefix_64']['p50_us']:.1f} µs, "
               f"p99 {record['exists_prefix_64']['p99_us']:.1f} µs")
-        print("umbpd over loopback gRPC:")
-        started = _daemon(tmp)
-        if started[0] is not None:
-            proc, addr, profile = started
+        exe = _umbpd_exe()
+        if exe is not None:
+            record["daemon_build"] = exe.parent.name
+            print("umbpd standalone over loopback gRPC:")
+            proc, addr = _umbpd(exe, tmp, "standalone", "--dram-bytes", "2G")
             try:
                 rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, zero_copy=False)
-                record["daemon_build"] = profile
             finally:
-                proc.terminate()
-                proc.wait(timeout=30)
+                _stop([proc])
+            print("umbpd cluster, master + 2 peers over loopback gRPC (data as gRPC bytes):")
+            procs = []
+            try:
+                procs.append(_umbpd(exe, tmp, "master", "--role", "master")[0])
+                master = Path(tmp, "master.port").read_text().strip()
+                for i in range(2):
+                    procs.append(_umbpd(exe, tmp, f"peer{i}", "--role", "peer", "--master", master,
+                                        "--dram-bytes", "1G")[0])
+                c = Client(master=master)
+                rows += _pool_rows(c, "2peers", 64 << 20, zero_copy=False)
+                record["cluster_exists_prefix_64"] = _exists_latency(c)
+                print(f"  batch_exists_prefix(64 keys) via the master: "
+                      f"p50 {record['cluster_exists_prefix_64']['p50_us']:.1f} µs, "
+                      f"p99 {record['cluster_exists_prefix_64']['p99_us']:.1f} µs")
+            finally:
+                _stop(procs)
         record["results"] = rows
         print("Redis baseline (redis-benchmark, 4 clients):")
         record["redis"] = _redis_baseline(tmp)

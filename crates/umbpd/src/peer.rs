@@ -1,0 +1,389 @@
+//! The `peer` role: a [`mori_umbp::LocalPool`] served over gRPC (`umbp.v1.Umbp`, the data
+//! path: values travel as gRPC bytes for now) that registers with a master, heartbeats and
+//! publishes every key it stores.
+//!
+//! * **Start.** The pool is opened (an SSD directory is recovered), the server starts, then
+//!   the peer registers and publishes every key it holds — so a peer restarted with its SSD
+//!   directory brings back the values it had on SSD (after `kill -9`: those with an SSD
+//!   copy; after SIGTERM: everything, since closing writes DRAM to SSD). The port file is
+//!   written once registered. If the master cannot be reached the peer keeps trying.
+//! * **Puts** are published before they are acknowledged ([`PeerLink::commit`]); see
+//!   [`crate::service::UmbpService`].
+//! * **Heartbeats** every `heartbeat_interval` carry the pool's counters and the keys it
+//!   dropped by itself; the answer names keys to evict (the master's LRU eviction) or says
+//!   the master does not know this peer (it was declared dead, or the master restarted):
+//!   then the peer registers again and republishes its keys.
+//! * The pool keeps its own eviction as a safety net: it evicts only when a put would not
+//!   fit (high watermark 1.0), down to the configured high watermark; the master's direction
+//!   keeps use between the low and high watermarks otherwise.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use mori_umbp::CloseReport;
+use tonic::Status;
+use tonic::transport::Channel;
+use tracing::{info, warn};
+
+use crate::client::lazy_channel;
+use crate::config::Config;
+use crate::proto::master_client::MasterClient;
+use crate::proto::{CommitEntry, CommitRequest, HeartbeatRequest, PeerReport, RegisterRequest};
+use crate::server::{
+    DaemonError, MAX_MESSAGE_BYTES, Signals, announce, close_pool, open_pool, remove_port_file,
+    start_serving, umbp_server,
+};
+use crate::service::{SharedPool, UmbpService, stats_response};
+
+/// Keys per `Commit` when a peer publishes what it holds at registration.
+const ANNOUNCE_CHUNK: usize = 4096;
+
+/// A peer's connection to its master and its current id (0: not registered).
+#[derive(Debug)]
+pub struct PeerLink {
+    master: MasterClient<Channel>,
+    master_addr: String,
+    id: AtomicU64,
+}
+
+impl PeerLink {
+    /// A link to the master at `addr` (connected lazily; calls time out after `timeout`).
+    pub fn new(addr: &str, timeout: Duration) -> Result<PeerLink, crate::ClientError> {
+        let opts = crate::ClientOptions {
+            connect_timeout: timeout,
+            request_timeout: Some(timeout),
+            ..crate::ClientOptions::default()
+        };
+        let master = MasterClient::new(lazy_channel(addr, &opts)?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        Ok(PeerLink {
+            master,
+            master_addr: addr.to_string(),
+            id: AtomicU64::new(0),
+        })
+    }
+
+    /// The id the master gave this peer (0: not registered).
+    pub fn id(&self) -> u64 {
+        self.id.load(Ordering::Acquire)
+    }
+
+    fn unavailable(&self, what: &str, e: &Status) -> Status {
+        Status::unavailable(format!(
+            "peer cannot {what} at its master {}: {}",
+            self.master_addr,
+            e.message()
+        ))
+    }
+
+    /// Publishes `entries` (one flag each: published at this peer, or held by another).
+    /// Fails with `UNAVAILABLE` when the peer is not registered or the master cannot be
+    /// reached.
+    pub async fn commit(&self, entries: Vec<CommitEntry>) -> Result<Vec<bool>, Status> {
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let id = self.id();
+        if id == 0 {
+            return Err(Status::unavailable(
+                "peer is not registered with its master (yet)",
+            ));
+        }
+        let n = entries.len();
+        let resp = self
+            .master
+            .clone()
+            .commit(CommitRequest {
+                peer_id: id,
+                entries,
+            })
+            .await
+            .map_err(|e| self.unavailable("publish keys", &e))?
+            .into_inner();
+        if !resp.known {
+            // Declared dead: the heartbeat task registers again.
+            let _ = self
+                .id
+                .compare_exchange(id, 0, Ordering::AcqRel, Ordering::Acquire);
+            return Err(Status::unavailable(
+                "the master does not know this peer (declared dead); registering again",
+            ));
+        }
+        if resp.published.len() != n {
+            return Err(Status::internal(format!(
+                "master answered {} flags for {n} keys",
+                resp.published.len()
+            )));
+        }
+        Ok(resp.published)
+    }
+}
+
+fn report(pool: &SharedPool, ssd_capacity: u64) -> Result<PeerReport, Status> {
+    let stats = pool.with(|p| Ok(p.stats()))?;
+    Ok(PeerReport {
+        stats: Some(stats_response(stats)),
+        ssd_capacity_bytes: ssd_capacity,
+    })
+}
+
+/// Registers with the master and publishes every key of the pool; keys another peer holds
+/// are dropped here.
+async fn register(
+    link: &PeerLink,
+    pool: &Arc<SharedPool>,
+    advertise: &str,
+    ssd_capacity: u64,
+) -> Result<(), Status> {
+    let rep = report(pool, ssd_capacity)?;
+    let resp = link
+        .master
+        .clone()
+        .register(RegisterRequest {
+            addr: advertise.to_string(),
+            report: Some(rep),
+        })
+        .await
+        .map_err(|e| link.unavailable("register", &e))?
+        .into_inner();
+    link.id.store(resp.peer_id, Ordering::Release);
+    let p = Arc::clone(pool);
+    let entries = tokio::task::spawn_blocking(move || p.with(|p| p.entries()))
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
+    let total = entries.len();
+    let mut duplicates = Vec::new();
+    for chunk in entries.chunks(ANNOUNCE_CHUNK) {
+        let commit: Vec<CommitEntry> = chunk
+            .iter()
+            .map(|(k, loc)| CommitEntry {
+                key: k.clone(),
+                len: loc.len,
+                on_ssd: loc.tier == mori_umbp::Tier::Ssd,
+            })
+            .collect();
+        let published = link.commit(commit).await?;
+        for ((k, _), ok) in chunk.iter().zip(published) {
+            if !ok {
+                duplicates.push(k.clone());
+            }
+        }
+    }
+    let dups = duplicates.len();
+    if dups > 0 {
+        let p = Arc::clone(pool);
+        tokio::task::spawn_blocking(move || {
+            p.with(|p| {
+                for k in &duplicates {
+                    p.remove(k)?;
+                }
+                Ok(())
+            })
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
+    }
+    info!(
+        peer = resp.peer_id,
+        keys = total,
+        duplicates_dropped = dups,
+        "registered"
+    );
+    crate::server::say(&format!(
+        "registered with master {} as peer {}: published {} keys ({} held elsewhere, dropped)",
+        link.master_addr,
+        resp.peer_id,
+        total - dups,
+        dups
+    ));
+    Ok(())
+}
+
+/// One heartbeat: report, then evict what the master names. Returns the keys to report as
+/// dropped next time (if the heartbeat failed).
+async fn heartbeat(
+    link: &PeerLink,
+    pool: &Arc<SharedPool>,
+    ssd_capacity: u64,
+    mut dropped: Vec<Vec<u8>>,
+) -> Result<(), (Status, Vec<Vec<u8>>)> {
+    let p = Arc::clone(pool);
+    let gathered = tokio::task::spawn_blocking(move || {
+        let new = p.with(|p| Ok(p.take_dropped()))?;
+        dropped.extend(new);
+        // A dropped key stored again since (by a later put) is live: do not report it.
+        let mut live = Vec::new();
+        for k in &dropped {
+            live.push(p.with(|p| p.exists(k))?);
+        }
+        let dropped: Vec<Vec<u8>> = dropped
+            .into_iter()
+            .zip(live)
+            .filter(|(_, l)| !l)
+            .map(|(k, _)| k)
+            .collect();
+        Ok::<_, Status>((report(&p, ssd_capacity)?, dropped))
+    })
+    .await;
+    let (rep, dropped) = match gathered {
+        Ok(Ok(x)) => x,
+        Ok(Err(e)) => return Err((e, Vec::new())),
+        Err(e) => return Err((Status::internal(e.to_string()), Vec::new())),
+    };
+    let req = HeartbeatRequest {
+        peer_id: link.id(),
+        report: Some(rep),
+        dropped: dropped.clone(),
+    };
+    let resp = match link.master.clone().heartbeat(req).await {
+        Ok(r) => r.into_inner(),
+        Err(e) => return Err((link.unavailable("heartbeat", &e), dropped)),
+    };
+    if !resp.known {
+        link.id.store(0, Ordering::Release);
+        return Ok(());
+    }
+    if !resp.evict.is_empty() {
+        let p = Arc::clone(pool);
+        let evict = resp.evict;
+        let res = tokio::task::spawn_blocking(move || {
+            p.with(|p| {
+                for k in &evict {
+                    p.evict(k)?;
+                }
+                Ok(())
+            })
+        })
+        .await;
+        match res {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %e, "directed eviction failed"),
+            Err(e) => warn!(error = %e, "directed eviction task failed"),
+        }
+    }
+    Ok(())
+}
+
+/// Registers (again) and heartbeats forever.
+async fn heartbeat_loop(
+    link: Arc<PeerLink>,
+    pool: Arc<SharedPool>,
+    advertise: String,
+    ssd_capacity: u64,
+    interval: Duration,
+) {
+    let mut carry = Vec::new();
+    let mut failing = false;
+    loop {
+        tokio::time::sleep(interval).await;
+        if link.id() == 0 {
+            match register(&link, &pool, &advertise, ssd_capacity).await {
+                Ok(()) => failing = false,
+                Err(e) => {
+                    if !failing {
+                        warn!(error = %e, "registering with the master failed; retrying");
+                    }
+                    failing = true;
+                }
+            }
+            continue;
+        }
+        match heartbeat(&link, &pool, ssd_capacity, std::mem::take(&mut carry)).await {
+            Ok(()) => {
+                if failing {
+                    info!("heartbeats reach the master again");
+                }
+                failing = false;
+            }
+            Err((e, back)) => {
+                carry = back;
+                if !failing {
+                    warn!(error = %e, "heartbeat failed; retrying");
+                }
+                failing = true;
+            }
+        }
+    }
+}
+
+/// Runs a peer until a shutdown signal; returns the pool's close report.
+pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
+    let mut signals = Signals::install()?;
+    let master_addr = cfg.master.value.clone().unwrap_or_default();
+    let interval = cfg.heartbeat_interval.value;
+    let mut pool_cfg = cfg.pool_config();
+    // The pool evicts by itself only when a put would not fit (see the module docs).
+    pool_cfg.high_watermark = 1.0;
+    pool_cfg.low_watermark = cfg.high_watermark.value;
+    let ssd_capacity = pool_cfg.ssd.as_ref().map_or(0, |s| s.capacity_bytes);
+    let shared = open_pool(pool_cfg).await?;
+    shared
+        .with(|p| {
+            p.enable_drop_log();
+            Ok(())
+        })
+        .map_err(|e| DaemonError::Io {
+            context: "enabling the drop log".into(),
+            source: std::io::Error::other(e.message().to_string()),
+        })?;
+    // Calls to the master time out well before it would declare this peer dead.
+    let timeout = interval.max(Duration::from_millis(500)) * 2;
+    let link = Arc::new(
+        PeerLink::new(&master_addr, timeout).map_err(|e| DaemonError::Io {
+            context: format!("master address {master_addr}"),
+            source: std::io::Error::other(e.to_string()),
+        })?,
+    );
+    let service = UmbpService::new(Arc::clone(&shared), "peer").with_link(Arc::clone(&link));
+    let serving = start_serving(
+        cfg.listen.value,
+        tonic::service::Routes::new(umbp_server(service)),
+    )
+    .await?;
+    let advertise = cfg.advertise.value.unwrap_or(serving.addr).to_string();
+
+    // Register before publishing the address, retrying until the master answers.
+    let mut warned = false;
+    loop {
+        let attempt = register(&link, &shared, &advertise, ssd_capacity);
+        tokio::select! {
+            res = attempt => match res {
+                Ok(()) => break,
+                Err(e) => {
+                    if !warned {
+                        warn!(error = %e, "registering with the master failed; retrying");
+                        warned = true;
+                    }
+                }
+            },
+            _ = signals.recv() => {
+                let report = close_pool(&shared).await?;
+                return Ok(report);
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = signals.recv() => {
+                let report = close_pool(&shared).await?;
+                return Ok(report);
+            }
+        }
+    }
+    announce(cfg, serving.addr)?;
+    let beats = tokio::spawn(heartbeat_loop(
+        Arc::clone(&link),
+        Arc::clone(&shared),
+        advertise,
+        ssd_capacity,
+        interval,
+    ));
+    let served = serving.until_signal(&mut signals).await;
+    beats.abort();
+    let close = close_pool(&shared).await;
+    served?;
+    let report = close?;
+    remove_port_file(cfg);
+    Ok(report)
+}
