@@ -63,6 +63,7 @@ class Peer:
 @pytest.fixture(params=[True, False], ids=["same-host-direct", "tcp"])
 def pair(request):
     eng = IOEngine("client", timeout=10.0, same_host_direct=request.param)
+    eng.test_direct = request.param  # which routes a test may expect
     peer = Peer(f"target-{os.getpid()}-{time.monotonic_ns()}")
     eng.connect(peer.desc)
     yield eng, peer
@@ -121,6 +122,10 @@ def test_single_ops_sessions_notifications_and_await(pair):
     mem = eng.register(src)
     t = eng.write(mem, 10, peer.mem, 1000, 500, notify=b"kv-ready:42")
     assert t.wait(timeout=30) and t.done() and t.status == "done"
+    # Host memory on one host: the direct path when enabled (where the kernel allows it), else TCP.
+    assert t.route in (("direct", "tcp") if eng.test_direct else ("tcp",)), t.route
+    assert not mem.cuda_ipc and not peer.mem.cuda_ipc, "host memory is never exported for CUDA IPC"
+    assert repr(t).startswith("Transfer(done, ")
     remote = np.frombuffer(peer.ask("dump"), dtype=np.uint8)
     np.testing.assert_array_equal(remote[1000:1500], src[10:510])
     assert peer.ask("notes") == [("client", b"kv-ready:42")]

@@ -15,9 +15,13 @@ Every range is checked before anything moves (on both sides); a failed transfer 
 fails its pending transfers at once (or at the timeout if it hangs); the engine stays usable and
 reconnects to a restarted peer.
 
-Transports today: TCP (any host), and between engines on one host a direct copy between the
-processes for host memory (process_vm_readv/writev, chosen automatically, TCP as fallback).
-CUDA IPC (GPU memory over NVLink) is not written yet; GPU memory goes over TCP, staged.
+Routes, chosen per transfer by memory location (``Transfer.route`` says which ran): between
+engines on one host, **cuda_ipc** when the remote region is GPU memory (this engine's GPU copies
+through a CUDA IPC mapping of the peer's region, opened once: one gather/scatter kernel launch
+per batch, the copy engine for items of ``copy_engine_threshold`` bytes or more; the local side
+may be GPU or host memory), **direct** when both regions are host memory (process_vm_readv/
+writev); **tcp** otherwise and whenever a faster route is unavailable (no P2P path, memory not
+shareable through CUDA IPC, ...).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ class MemoryDesc:
     def __init__(self, raw: bytes, owner: Any = None):
         self._raw = bytes(raw)
         self._owner = owner
-        self.engine, self.id, self.nbytes, device = _core.io_memory_desc_info(self._raw)
+        self.engine, self.id, self.nbytes, device, self.cuda_ipc = _core.io_memory_desc_info(self._raw)
         self.device = None if device < 0 else device
 
     def pack(self) -> bytes:
@@ -52,7 +56,7 @@ class MemoryDesc:
         return cls(raw)
 
     def __repr__(self) -> str:
-        where = "host" if self.device is None else f"cuda:{self.device}"
+        where = "host" if self.device is None else f"cuda:{self.device}" + (", cuda_ipc" if self.cuda_ipc else "")
         return f"MemoryDesc(engine={self.engine!r}, id={self.id}, nbytes={self.nbytes}, {where})"
 
 
@@ -74,6 +78,11 @@ class Transfer:
         """``"pending"``, ``"done"`` or ``"failed"``."""
         return self._inner.status
 
+    @property
+    def route(self) -> str:
+        """The path the bytes take: ``"cuda_ipc"``, ``"direct"`` or ``"tcp"``."""
+        return self._inner.route
+
     def __await__(self):
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -91,7 +100,7 @@ class Transfer:
         return fut.__await__()
 
     def __repr__(self) -> str:
-        return f"Transfer({self.status})"
+        return f"Transfer({self.status}, {self.route})"
 
 
 def _region(obj: Any) -> tuple[int, int, int]:
@@ -124,12 +133,24 @@ class IOEngine:
         timeout: float = 30.0,
         chunk_bytes: int = 4 << 20,
         same_host_direct: bool = True,
+        cuda_ipc: bool = False,
+        copy_engine_threshold: int | None = None,
+        ipc_blocks: int = 0,
     ):
         """``same_host_direct``: between engines on one host, host memory is copied directly
         between the processes (one copy, no socket payload; falls back to TCP if the kernel
         refuses). Enabling it lets other processes of this user read and write this process's
-        memory (``PR_SET_PTRACER_ANY``); pass False to keep everything on TCP."""
-        self._inner = _core.IoEngine(name, host, port, connections_per_peer, timeout, chunk_bytes, same_host_direct)
+        memory (``PR_SET_PTRACER_ANY``); pass False to keep everything on TCP.
+
+        ``cuda_ipc``: export registered GPU memory for CUDA IPC and use peers' exported GPU
+        memory through IPC mappings (same host). Opt-in until its GPU tests have run (see
+        docs/io.md); off, GPU memory goes over TCP.
+        ``copy_engine_threshold``: cuda_ipc items of at least this many bytes go through the copy
+        engine instead of the gather/scatter kernel (None: ``MORI_IO_CE_THRESHOLD``, else 2 MiB).
+        ``ipc_blocks``: thread blocks of a gather/scatter launch (0: one per SM)."""
+        self._inner = _core.IoEngine(
+            name, host, port, connections_per_peer, timeout, chunk_bytes, same_host_direct, cuda_ipc, copy_engine_threshold, ipc_blocks
+        )
 
     @property
     def name(self) -> str:

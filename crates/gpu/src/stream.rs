@@ -45,9 +45,18 @@ pub struct Stream {
 
 impl Stream {
     pub fn new(device: Device) -> Result<Self> {
+        Self::create(device, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+    }
+
+    /// A stream ordered with the legacy default stream (the one torch uses unless told
+    /// otherwise): its work starts after work queued there earlier, and the reverse.
+    pub fn new_blocking(device: Device) -> Result<Self> {
+        Self::create(device, sys::CUstream_flags::CU_STREAM_DEFAULT as u32)
+    }
+
+    fn create(device: Device, flags: u32) -> Result<Self> {
         device.bind()?;
         let mut raw = std::ptr::null_mut();
-        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
         // SAFETY: writes one stream handle; the context is current.
         check("cuStreamCreate", unsafe {
             sys::cuStreamCreate(&mut raw, flags)

@@ -91,6 +91,9 @@ pub struct MemoryDesc {
     pub id: u64,
     pub len: u64,
     pub location: Location,
+    /// GPU regions exported for CUDA IPC at registration: what a same-host peer needs to map
+    /// the region (IPC handle, device, lease slot). Absent: peers use TCP.
+    pub ipc: Option<Vec<u8>>,
 }
 
 impl MemoryDesc {
@@ -100,6 +103,10 @@ impl MemoryDesc {
         out.extend_from_slice(&self.id.to_le_bytes());
         out.extend_from_slice(&self.len.to_le_bytes());
         out.extend_from_slice(&self.location.encode().to_le_bytes());
+        if let Some(ipc) = &self.ipc {
+            out.extend_from_slice(&(ipc.len() as u32).to_le_bytes());
+            out.extend_from_slice(ipc);
+        }
         out
     }
     pub fn from_bytes(b: &[u8]) -> Result<Self> {
@@ -111,11 +118,25 @@ impl MemoryDesc {
         let id = c.u64()?;
         let len = c.u64()?;
         let location = Location::decode(c.u32()? as i32);
+        // Optional trailer: the CUDA IPC export.
+        let ipc = if c.0.is_empty() {
+            None
+        } else {
+            let n = c.u32()? as usize;
+            if n > 16 << 10 {
+                return Err(bad());
+            }
+            Some(c.take(n)?.to_vec())
+        };
+        if !c.0.is_empty() {
+            return Err(bad());
+        }
         Ok(Self {
             engine,
             id,
             len,
             location,
+            ipc,
         })
     }
 }
@@ -138,6 +159,7 @@ mod tests {
             id: 7,
             len: 1 << 40,
             location: Location::Cuda(3),
+            ipc: None,
         };
         assert_eq!(MemoryDesc::from_bytes(&m.to_bytes()).unwrap(), m);
         let h = MemoryDesc {
@@ -145,6 +167,16 @@ mod tests {
             ..m.clone()
         };
         assert_eq!(MemoryDesc::from_bytes(&h.to_bytes()).unwrap(), h);
+        let g = MemoryDesc {
+            ipc: Some(b"MIOC-blob".to_vec()),
+            ..m.clone()
+        };
+        assert_eq!(MemoryDesc::from_bytes(&g.to_bytes()).unwrap(), g);
+        let mut trailing = g.to_bytes();
+        trailing.push(0);
+        assert!(MemoryDesc::from_bytes(&trailing).is_err());
+        let full = g.to_bytes();
+        assert!(MemoryDesc::from_bytes(&full[..full.len() - 1]).is_err());
         assert!(EngineDesc::from_bytes(b"nope").is_err());
         assert!(MemoryDesc::from_bytes(&m.to_bytes()[..10]).is_err());
         assert!(MemoryDesc::from_bytes(&e.to_bytes()).is_err());

@@ -8,9 +8,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use mori_transport::cuda_ipc::{self, Exporter, Importer, IpcConfig, Prepared};
 use mori_transport::tcp::{Batch, Connection, Job, Server};
 use mori_transport::wire::Kind;
-use mori_transport::{Error, Location, Registry, Result, Transfer};
+use mori_transport::{Error, Location, Registry, Result, Route, Transfer, UseGuard};
 
 use crate::desc::{EngineDesc, MemoryDesc};
 
@@ -32,6 +33,15 @@ pub struct EngineConfig {
     /// kernel refuses. Enabling it lets same-user processes access this process's memory
     /// (PR_SET_PTRACER_ANY).
     pub same_host_direct: bool,
+    /// Between engines on one host, transfers whose remote region is GPU memory (exported for
+    /// CUDA IPC) are copied by this engine's GPU through an IPC mapping of the peer's region
+    /// (one gather/scatter launch per batch, the copy engine for large items); TCP otherwise.
+    pub cuda_ipc: bool,
+    /// cuda_ipc: items of at least this many bytes go through the copy engine
+    /// (`MORI_IO_CE_THRESHOLD`, default 2 MiB).
+    pub ce_threshold: u64,
+    /// cuda_ipc: thread blocks of a gather/scatter launch (0 = one per SM).
+    pub ipc_blocks: u32,
 }
 
 impl Default for EngineConfig {
@@ -43,6 +53,9 @@ impl Default for EngineConfig {
             timeout: Duration::from_secs(30),
             chunk_bytes: 4 << 20,
             same_host_direct: true,
+            cuda_ipc: false,
+            ce_threshold: cuda_ipc::ce_threshold_from_env(),
+            ipc_blocks: 0,
         }
     }
 }
@@ -95,6 +108,8 @@ pub struct IoEngine {
     server: Server,
     peers: Mutex<HashMap<String, Arc<Peer>>>,
     notifications: Arc<Mutex<VecDeque<Notification>>>,
+    exporter: Exporter,
+    importer: Importer,
 }
 
 /// Identifies this host: kernel boot id + host name.
@@ -155,11 +170,16 @@ impl IoEngine {
             name: name.to_string(),
             instance,
             host: host_key(),
-            config,
             registry,
             server,
             peers: Mutex::new(HashMap::new()),
             notifications,
+            exporter: Exporter::new(),
+            importer: Importer::new(IpcConfig {
+                ce_threshold: config.ce_threshold,
+                blocks: config.ipc_blocks,
+            }),
+            config,
         })
     }
 
@@ -180,18 +200,28 @@ impl IoEngine {
     /// The memory must stay valid until [`deregister`](Self::deregister).
     pub fn register(&self, addr: u64, len: u64, location: Location) -> Result<MemoryDesc> {
         let r = self.registry.register(addr, len, location)?;
+        // GPU memory is exported for CUDA IPC once, here (None when it cannot be: peers then
+        // use TCP).
+        let ipc = match location {
+            Location::Cuda(_) if self.config.cuda_ipc => self.exporter.export(&r),
+            _ => None,
+        };
         Ok(MemoryDesc {
             engine: self.name.clone(),
             id: r.id,
             len,
             location,
+            ipc,
         })
     }
 
     /// Stops serving `mem` (new requests fail at once) and waits for transfers using it.
     pub fn deregister(&self, mem: &MemoryDesc) -> Result<()> {
         self.own(mem)?;
-        self.registry.deregister(mem.id, self.config.timeout)
+        // Peers' CUDA IPC copies first (new ones fail at once), then requests served here.
+        let revoked = self.exporter.revoke(mem.id, self.config.timeout);
+        let deregistered = self.registry.deregister(mem.id, self.config.timeout);
+        deregistered.and(revoked)
     }
 
     fn own(&self, mem: &MemoryDesc) -> Result<()> {
@@ -226,6 +256,9 @@ impl IoEngine {
         );
         if let Some(old) = old {
             old.conns.iter().for_each(|c| c.close());
+            if old.desc.instance != peer.instance {
+                self.importer.forget(&peer.name);
+            }
         }
         Ok(())
     }
@@ -239,6 +272,7 @@ impl IoEngine {
             .remove(name)
             .ok_or_else(|| Error::InvalidArgument(format!("not connected to engine {name:?}")))?;
         peer.conns.iter().for_each(|c| c.close());
+        self.importer.forget(name);
         Ok(())
     }
 
@@ -327,18 +361,41 @@ impl IoEngine {
                 detail: "every connection is down; connect again".into(),
             });
         }
+        // Same host and a peer GPU region exported for CUDA IPC: this engine's GPU copies.
+        if self.config.cuda_ipc
+            && peer.same_host
+            && let Some(blob) = &remote.ipc
+            && let Some(prepared) =
+                self.importer
+                    .prepare(&remote.engine, guard.region(), blob, remote.len)?
+        {
+            return self.launch_ipc(
+                prepared,
+                op,
+                guard,
+                local_offsets,
+                remote,
+                remote_offsets,
+                sizes,
+                notify,
+                peer,
+            );
+        }
         let batch = Arc::new(Batch {
             local_offsets: local_offsets.to_vec(),
             remote_offsets: remote_offsets.to_vec(),
             sizes: sizes.to_vec(),
         });
-        let transfer = Transfer::new(chunks.len());
         // Same host, host memory on both sides: the target copies straight from/to us.
         let direct = self.config.same_host_direct
             && peer.same_host
             && guard.region().location == Location::Host
             && remote.location == Location::Host
             && peer.conns.iter().all(|c| c.direct_ok());
+        let transfer = Transfer::on_route(
+            chunks.len(),
+            if direct { Route::Direct } else { Route::Tcp },
+        );
         let kind = match (op, direct) {
             (Op::Read, false) => Kind::Read,
             (Op::Write, false) => Kind::Write,
@@ -390,6 +447,61 @@ impl IoEngine {
         Ok(transfer)
     }
 
+    /// Hands a prepared batch to the cuda_ipc executor. The transfer completes when the GPU is
+    /// done and the peer is still connected; a notified write then sends the tag (an empty
+    /// write request) and completes when the peer has recorded it.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_ipc(
+        &self,
+        prepared: Prepared,
+        op: Op,
+        guard: Arc<UseGuard>,
+        local_offsets: &[u64],
+        remote: &MemoryDesc,
+        remote_offsets: &[u64],
+        sizes: &[u64],
+        notify: Option<&[u8]>,
+        peer: Arc<Peer>,
+    ) -> Result<Transfer> {
+        let transfer = Transfer::on_route(1, Route::CudaIpc);
+        let done = transfer.clone();
+        let tag = notify.map(<[u8]>::to_vec);
+        let (remote_id, name, local) = (remote.id, remote.engine.clone(), guard.clone());
+        let finish: cuda_ipc::Finish = Box::new(move |outcome| match outcome {
+            Err(e) => done.part_done(Err(&e)),
+            Ok(()) if !peer.alive() => done.part_done(Err(&Error::ConnectionLost {
+                peer: name,
+                detail: "the peer's connections closed during a cuda_ipc transfer".into(),
+            })),
+            Ok(()) => match tag {
+                Some(tag) => peer.pick().submit(Job {
+                    kind: Kind::Write,
+                    remote_region: remote_id,
+                    batch: Arc::new(Batch::default()),
+                    range: 0..0,
+                    local,
+                    notify: tag,
+                    transfer: done,
+                }),
+                None => done.part_done(Ok(())),
+            },
+        });
+        let region = *guard.region();
+        self.importer.launch(
+            prepared,
+            op == Op::Write,
+            &region,
+            local_offsets,
+            remote_offsets,
+            sizes,
+            &remote.engine,
+            self.config.timeout,
+            Box::new(guard),
+            finish,
+        )?;
+        Ok(transfer)
+    }
+
     /// Notifications received so far (each returned once).
     pub fn take_notifications(&self) -> Vec<Notification> {
         self.notifications
@@ -407,6 +519,9 @@ impl Drop for IoEngine {
             }
         }
         // Peers' requests in flight finish (or fail) before the caller may free the memory.
+        if let Err(e) = self.exporter.revoke_all(self.config.timeout) {
+            tracing::warn!("closing mori.io engine {}: {e}", self.name);
+        }
         if let Err(e) = self.registry.deregister_all(self.config.timeout) {
             tracing::warn!("closing mori.io engine {}: {e}", self.name);
         }

@@ -2,12 +2,15 @@
 //! [`MemoryDesc`]s out of band, register memory once per region, and move batches of blocks
 //! (arrays of offsets and sizes) with reads and writes that complete as [`Transfer`]s.
 //!
-//! Transports: TCP (any host) today; shared memory and CUDA IPC for same-host peers are the
-//! next pieces (routing by memory location will choose among them, falling back to TCP).
+//! Routes, chosen per transfer by memory location: cuda_ipc (same host, the peer region is GPU
+//! memory: this engine's GPU copies through an IPC mapping), the same-host direct path (host
+//! memory on both sides), and TCP (anything else, and the fallback when a faster route is
+//! unavailable).
 
 mod desc;
 mod engine;
 
 pub use desc::{EngineDesc, MemoryDesc};
 pub use engine::{EngineConfig, IoEngine, Notification, Op};
-pub use mori_transport::{Error, Failure, FailureKind, Location, Result, Status, Transfer};
+pub use mori_transport::cuda_ipc::{DEFAULT_CE_THRESHOLD, ce_threshold_from_env};
+pub use mori_transport::{Error, Failure, FailureKind, Location, Result, Route, Status, Transfer};

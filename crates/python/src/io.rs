@@ -23,7 +23,8 @@ pub struct IoEngine {
 #[pymethods]
 impl IoEngine {
     #[new]
-    #[pyo3(signature = (name, host="127.0.0.1", port=0, connections_per_peer=2, timeout=30.0, chunk_bytes=4194304, same_host_direct=true))]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (name, host="127.0.0.1", port=0, connections_per_peer=2, timeout=30.0, chunk_bytes=4194304, same_host_direct=true, cuda_ipc=true, ce_threshold=None, ipc_blocks=0))]
     fn new(
         name: &str,
         host: &str,
@@ -32,6 +33,9 @@ impl IoEngine {
         timeout: f64,
         chunk_bytes: u64,
         same_host_direct: bool,
+        cuda_ipc: bool,
+        ce_threshold: Option<u64>,
+        ipc_blocks: u32,
     ) -> Result<Self> {
         let host: IpAddr = host
             .parse()
@@ -45,6 +49,9 @@ impl IoEngine {
             timeout,
             chunk_bytes,
             same_host_direct,
+            cuda_ipc,
+            ce_threshold: ce_threshold.unwrap_or_else(mori_io::ce_threshold_from_env),
+            ipc_blocks,
         };
         Ok(Self {
             inner: Arc::new(mori_io::IoEngine::new(name, cfg)?),
@@ -145,11 +152,11 @@ impl IoEngine {
     }
 }
 
-/// Parses a memory descriptor into (engine, id, nbytes, device).
+/// Parses a memory descriptor into (engine, id, nbytes, device, exported for CUDA IPC).
 #[pyfunction]
-pub fn io_memory_desc_info(mem: &[u8]) -> Result<(String, u64, u64, i32)> {
+pub fn io_memory_desc_info(mem: &[u8]) -> Result<(String, u64, u64, i32, bool)> {
     let m = MemoryDesc::from_bytes(mem)?;
-    Ok((m.engine, m.id, m.len, m.location.encode()))
+    Ok((m.engine, m.id, m.len, m.location.encode(), m.ipc.is_some()))
 }
 
 /// Parses an engine descriptor into (name, "host:port").
@@ -186,6 +193,12 @@ impl Transfer {
             Status::Done => "done",
             Status::Failed(_) => "failed",
         }
+    }
+
+    /// The path the bytes take: "tcp", "direct" (same-host process_vm copy) or "cuda_ipc".
+    #[getter]
+    fn route(&self) -> &'static str {
+        self.inner.route().name()
     }
 
     /// Raises the failure if the transfer failed; None otherwise.

@@ -1,8 +1,10 @@
 //! mori-transport: the data plane of mori.io. Registered memory regions (host or CUDA), the
 //! wire format, transfer completion, the TCP transport (any host) and its same-host direct
-//! path (the target copies straight between processes). CUDA IPC plugs in beside them later.
+//! path (the target copies straight between processes), and the cuda_ipc path (same host, GPU
+//! memory: the initiator's GPU copies through a CUDA IPC mapping of the peer's region).
 
 mod access;
+pub mod cuda_ipc;
 pub mod direct;
 mod error;
 pub mod registry;
@@ -12,4 +14,4 @@ pub mod wire;
 
 pub use error::{Code, Error, Result};
 pub use registry::{Location, Region, Registry, UseGuard};
-pub use transfer::{Failure, FailureKind, Status, Transfer};
+pub use transfer::{Failure, FailureKind, Route, Status, Transfer};

@@ -625,6 +625,7 @@ fn receive_loop(
             }
             let mut job = p.job;
             job.kind = job.kind.over_tcp();
+            job.transfer.set_route(crate::transfer::Route::Tcp);
             if let Err(mpsc::SendError(jobs)) = retry.jobs.send(vec![job]) {
                 let e = Error::ConnectionLost {
                     peer: peer.to_string(),

@@ -2,6 +2,7 @@
 //! it together; the first failure decides its status. Waiters block on a condition variable;
 //! callbacks (e.g. Python awaitables) run once, outside the lock, when it finishes.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -54,6 +55,35 @@ pub enum Status {
     Failed(Failure),
 }
 
+/// Which path moved (or is moving) a transfer's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Route {
+    /// TCP payloads (any host; device memory staged through host buffers).
+    Tcp = 0,
+    /// Same host, host memory: the target copies between the processes (process_vm_*).
+    Direct = 1,
+    /// Same host, GPU memory: the initiator's GPU copies through a CUDA IPC mapping.
+    CudaIpc = 2,
+}
+
+impl Route {
+    pub fn name(self) -> &'static str {
+        match self {
+            Route::Tcp => "tcp",
+            Route::Direct => "direct",
+            Route::CudaIpc => "cuda_ipc",
+        }
+    }
+    fn from_u8(v: u8) -> Route {
+        match v {
+            1 => Route::Direct,
+            2 => Route::CudaIpc,
+            _ => Route::Tcp,
+        }
+    }
+}
+
 type Callback = Box<dyn FnOnce() + Send>;
 
 struct State {
@@ -62,10 +92,16 @@ struct State {
     callbacks: Vec<Callback>,
 }
 
+struct Inner {
+    state: Mutex<State>,
+    cond: Condvar,
+    route: AtomicU8,
+}
+
 /// Shared handle of one transfer.
 #[derive(Clone)]
 pub struct Transfer {
-    inner: Arc<(Mutex<State>, Condvar)>,
+    inner: Arc<Inner>,
 }
 
 impl std::fmt::Debug for Transfer {
@@ -77,16 +113,31 @@ impl std::fmt::Debug for Transfer {
 impl Transfer {
     /// A transfer completed by `parts` calls of [`part_done`](Self::part_done) (0 = done now).
     pub fn new(parts: usize) -> Self {
+        Self::on_route(parts, Route::Tcp)
+    }
+
+    /// A transfer of `parts` parts that starts on `route`.
+    pub fn on_route(parts: usize, route: Route) -> Self {
         Self {
-            inner: Arc::new((
-                Mutex::new(State {
+            inner: Arc::new(Inner {
+                state: Mutex::new(State {
                     remaining: parts,
                     failure: None,
                     callbacks: Vec::new(),
                 }),
-                Condvar::new(),
-            )),
+                cond: Condvar::new(),
+                route: AtomicU8::new(route as u8),
+            }),
         }
+    }
+
+    /// The path the bytes take (a refused same-host request moves to TCP).
+    pub fn route(&self) -> Route {
+        Route::from_u8(self.inner.route.load(Ordering::Relaxed))
+    }
+
+    pub fn set_route(&self, route: Route) {
+        self.inner.route.store(route as u8, Ordering::Relaxed);
     }
 
     /// A transfer that failed before it started.
@@ -99,7 +150,7 @@ impl Transfer {
     /// Records one part's outcome; the last part (or the first failure) finishes the transfer.
     pub fn part_done(&self, result: std::result::Result<(), &Error>) {
         let callbacks = {
-            let Ok(mut st) = self.inner.0.lock() else {
+            let Ok(mut st) = self.inner.state.lock() else {
                 return;
             };
             if st.remaining == 0 {
@@ -115,7 +166,7 @@ impl Transfer {
             if st.remaining > 0 {
                 return;
             }
-            self.inner.1.notify_all();
+            self.inner.cond.notify_all();
             std::mem::take(&mut st.callbacks)
         };
         for cb in callbacks {
@@ -124,7 +175,7 @@ impl Transfer {
     }
 
     pub fn status(&self) -> Status {
-        match self.inner.0.lock() {
+        match self.inner.state.lock() {
             Ok(st) if st.remaining > 0 => Status::Pending,
             Ok(st) => st.failure.clone().map_or(Status::Done, Status::Failed),
             Err(_) => Status::Failed(Failure {
@@ -147,14 +198,14 @@ impl Transfer {
         };
         let mut st = self
             .inner
-            .0
+            .state
             .lock()
             .map_err(|_| other("poisoned transfer state"))?;
         while st.remaining > 0 {
             st = match deadline {
                 None => self
                     .inner
-                    .1
+                    .cond
                     .wait(st)
                     .map_err(|_| other("poisoned transfer state"))?,
                 Some(d) => {
@@ -163,7 +214,7 @@ impl Transfer {
                         return Ok(false);
                     }
                     self.inner
-                        .1
+                        .cond
                         .wait_timeout(st, left)
                         .map_err(|_| other("poisoned transfer state"))?
                         .0
@@ -178,7 +229,7 @@ impl Transfer {
 
     /// Runs `f` once the transfer finishes (at once if it already has).
     pub fn on_done(&self, f: Callback) {
-        let run_now = match self.inner.0.lock() {
+        let run_now = match self.inner.state.lock() {
             Ok(mut st) if st.remaining > 0 => {
                 st.callbacks.push(f);
                 None
@@ -223,5 +274,10 @@ mod tests {
         assert!(t.wait(None).is_err());
         let ok = Transfer::new(0);
         assert_eq!(ok.status(), Status::Done);
+        assert_eq!(ok.route(), Route::Tcp);
+        let ipc = Transfer::on_route(1, Route::CudaIpc);
+        assert_eq!(ipc.route().name(), "cuda_ipc");
+        ipc.set_route(Route::Direct);
+        assert_eq!(ipc.route(), Route::Direct);
     }
 }

@@ -1,9 +1,11 @@
 """``mori bench io``: mori.io transfers between two processes on one host, over TCP on
-loopback and over the same-host direct path (process_vm_readv/writev), measured in the same run
-(cuda_ipc between GPUs is not written yet). Block size × batch size, reads and
-writes: GB/s (bytes moved / time from submission to completion, median of trials), per-transfer
-latency, and the Python time to submit a 10 000-block batch (the call returning, not the data
-moving).
+loopback and over the same-host direct path (process_vm_readv/writev), measured in the same run;
+with two GPUs (and torch), also cuda_ipc GPU0 <-> GPU1: the default route (one gather/scatter
+launch per batch, the copy engine for items >= the threshold) beside the copy engine for every
+item (``copy_engine_threshold=0``), in the same run. Block size × batch size, reads and writes:
+GB/s (bytes moved / time from submission to completion, median of trials; for cuda_ipc also
+with 4 transfers in flight), per-transfer latency, and the Python time to submit a batch (the
+call returning, not the data moving).
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ def run(trials: int, out_dir: str) -> dict[str, Any]:
     print(f"\nsubmitting a 10000-block batch: {submit_us:.0f} µs of Python time (median)")
     conn.send("stop")
     proc.join(timeout=30)
+    gpu = _gpu_cases(trials)
     record = {"benchmark": "io", "env": environment(), "method": __doc__.strip(), "transports": ["tcp loopback", "same-host direct"],
               "config": {"trials": trials, "connections_per_peer": 2, "chunk_bytes": 4 << 20},
-              "results": rows, "submit_10000_blocks_us": submit_us}
+              "results": rows, "submit_10000_blocks_us": submit_us, "cuda_ipc": gpu}
     path = write_record("io", record, out_dir)
     print(f"wrote {path}")
     return record
@@ -103,6 +106,116 @@ def _submit_cost(eng, mem, remote, trials: int) -> float:
         submit.append(time.perf_counter() - t0)
         t.wait()
     return median(submit) * 1e6
+
+
+GPU_BLOCKS = [4 << 10, 16 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+GPU_BATCHES = [1, 8, 128, 1024, 8192]
+GPU_REGION = 1 << 30
+GPU_MAX_BATCH_BYTES = 512 << 20
+# (block, batch, GB/s target) from the issue, measured in addition to the sweep.
+GPU_TARGETS = [(64 << 10, 128, 250.0), (16 << 10, 1024, 150.0), (1 << 20, 128, 340.0), (1 << 30, 1, 370.0)]
+
+
+def _gpu_target(conn) -> None:
+    import torch
+
+    from mori.io import IOEngine
+
+    torch.cuda.set_device(1)
+    eng = IOEngine("bench-gpu-target", timeout=60.0)
+    buf = torch.zeros(GPU_REGION, dtype=torch.uint8, device="cuda:1")
+    torch.cuda.synchronize()
+    mem = eng.register(buf)
+    conn.send((eng.desc, mem.pack()))
+    conn.recv()  # stop
+
+
+def _gpu_cases(trials: int) -> dict[str, Any] | None:
+    """cuda_ipc GPU0 <-> GPU1 (None, with the reason printed, where that is not possible)."""
+    import importlib.util
+
+    from mori import gpu
+
+    if importlib.util.find_spec("torch") is None or not gpu.is_available() or gpu.device_count() < 2:
+        print("\ncuda_ipc: skipped (needs torch and 2 GPUs)")
+        return None
+    if not gpu.can_access_peer(0, 1):
+        print("\ncuda_ipc: skipped (GPU0 and GPU1 have no P2P path)")
+        return None
+    import torch
+
+    from mori.io import IOEngine, MemoryDesc
+
+    torch.cuda.set_device(0)
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_gpu_target, args=(child,))
+    proc.start()
+    try:
+        desc, raw = conn.recv()
+        remote = MemoryDesc.unpack(raw)
+        local = torch.randint(0, 256, (GPU_REGION,), dtype=torch.uint8, device="cuda:0")
+        torch.cuda.synchronize()
+        engines = {"kernel": IOEngine("bench-gpu-kernel", timeout=60.0), "copy engine": IOEngine("bench-gpu-ce", timeout=60.0, copy_engine_threshold=0)}
+        mems = {}
+        for name, eng in engines.items():
+            eng.connect(desc)
+            mems[name] = eng.register(local)
+        shapes = [(b, n) for b in GPU_BLOCKS for n in GPU_BATCHES if b * n <= GPU_MAX_BATCH_BYTES]
+        shapes += [(b, n) for b, n, _ in GPU_TARGETS if (b, n) not in shapes]
+        print("\n== cuda_ipc GPU0 -> GPU1 (write) / GPU0 <- GPU1 (read); route default vs copy engine per item ==")
+        print(f"{'block':>9} {'batch':>6} {'op':>5} | {'GB/s':>7} {'GB/s x4':>8} {'lat µs':>8} {'submit µs':>9} | {'CE GB/s':>7} {'CE x4':>7} {'CE lat µs':>9}")
+        rows = []
+        started = time.perf_counter()
+        for block, batch in shapes:
+            offs = np.arange(batch, dtype=np.int64) * block
+            sizes = np.full(batch, block, dtype=np.int64)
+            for op in ("write", "read"):
+                row: dict[str, Any] = {"block_bytes": block, "batch": batch, "op": op}
+                for name, eng in engines.items():
+                    fn = eng.batch_write if op == "write" else eng.batch_read
+                    t = fn(mems[name], offs, remote, offs, sizes)
+                    if t.route != "cuda_ipc":
+                        raise RuntimeError(f"expected the cuda_ipc route, got {t.route}")
+                    t.wait()
+                    lat, sub = [], []
+                    reps = max(trials, 10 if block * batch < (64 << 20) else 3)
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        t = fn(mems[name], offs, remote, offs, sizes)
+                        t1 = time.perf_counter()
+                        t.wait()
+                        lat.append(time.perf_counter() - t0)
+                        sub.append(t1 - t0)
+                    pipe = []
+                    for _ in range(max(3, trials // 2)):
+                        t0 = time.perf_counter()
+                        ts = [fn(mems[name], offs, remote, offs, sizes) for _ in range(4)]
+                        for t in ts:
+                            t.wait()
+                        pipe.append((time.perf_counter() - t0) / 4)
+                    key = "kernel" if name == "kernel" else "ce"
+                    row[f"{key}_gbps"] = block * batch / median(lat) / 1e9
+                    row[f"{key}_gbps_x4"] = block * batch / median(pipe) / 1e9
+                    row[f"{key}_latency_us"] = median(lat) * 1e6
+                    row[f"{key}_latency_p99_us"] = percentile(lat, 0.99) * 1e6
+                    row[f"{key}_submit_us"] = median(sub) * 1e6
+                target = next((g for b, n, g in GPU_TARGETS if (b, n) == (block, batch)), None)
+                if target is not None:
+                    row["target_gbps"] = target
+                rows.append(row)
+                mark = "" if target is None else f"  target {target:.0f}: {'met' if max(row['kernel_gbps_x4'], row['kernel_gbps']) >= target else 'NOT met'}"
+                print(f"{human_bytes(block):>9} {batch:>6} {op:>5} | {row['kernel_gbps']:7.1f} {row['kernel_gbps_x4']:8.1f} {row['kernel_latency_us']:8.1f} "
+                      f"{row['kernel_submit_us']:9.1f} | {row['ce_gbps']:7.1f} {row['ce_gbps_x4']:7.1f} {row['ce_latency_us']:9.1f}{mark}", flush=True)
+        print(f"cuda_ipc sweep: {time.perf_counter() - started:.1f} s")
+        for name, eng in engines.items():
+            eng.deregister(mems[name])
+        return {"rows": rows, "region_bytes": GPU_REGION, "pipelined_depth": 4}
+    finally:
+        conn.send("stop")
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
