@@ -5,11 +5,13 @@ with its SSD directory)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -361,3 +363,138 @@ def test_cluster_peer_restarted_with_its_ssd_dir_reregisters_and_keys_come_back(
     for k, v in held:
         assert c.get(k) == v, k
     assert c.batch_exists_prefix([k for k, _ in held]) == len(held)
+
+
+# --------------------------------------------------------------------------------------------
+# Data plane (registered buffers over mori.io) and crashes of writers, with real processes
+# --------------------------------------------------------------------------------------------
+
+def _value(i: int, size: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+_WRITER = r"""
+import sys, numpy as np
+from mori.umbp import Client
+master, size = sys.argv[1], int(sys.argv[2])
+c = Client(master=master)
+buf = np.zeros(8 * size, dtype=np.uint8)
+c.register(buf)
+i = 0
+while True:
+    keys = [f"w-{i + j}" for j in range(8)]
+    vals = [np.random.default_rng(i + j).integers(0, 256, size, dtype=np.uint8) for j in range(8)]
+    print(i + 8, flush=True)  # keys below this may have been attempted
+    if (i // 8) % 2 == 0:
+        for j, v in enumerate(vals):
+            buf[j * size:(j + 1) * size] = v
+        c.batch_put_from(keys, buf, [j * size for j in range(8)], [size] * 8)
+    else:
+        c.batch_put(keys, [v.tobytes() for v in vals])
+    i += 8
+"""
+
+
+def test_cluster_writer_killed_mid_put_leaves_no_half_value_and_no_leak(start_umbpd, tmp_path):
+    master, peers = _cluster(start_umbpd, tmp_path, ssd=True, dram="2M")
+    size = 256 << 10
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, master.addr, str(size)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    writer.send_signal(signal.SIGKILL)
+    out, err = writer.communicate(timeout=10)
+    attempted = max((int(x) for x in out.split()), default=0)
+    assert attempted >= 16, (out, err)
+    time.sleep(0.5)  # heartbeats report the peers' counters
+    c = Client(master=master.addr)
+    keys = [f"w-{i}" for i in range(attempted)]
+    got = c.batch_get(keys)
+    stored = 0
+    for i, v in enumerate(got):
+        if v is not None:
+            assert v == _value(i, size), f"w-{i} is not the value written"
+            stored += 1
+    assert stored >= 8
+    # A value buffered into a rejected or interrupted put is never readable; the index and the
+    # peers agree (no entry names bytes a peer lacks, no peer keeps unindexed bytes).
+    buf = np.zeros(size, dtype=np.uint8)
+    c.register(buf)
+    for i, v in enumerate(got):
+        n = c.get_into(f"w-{i}", buf)
+        assert (n is None) == (v is None) and (n is None or buf.tobytes() == v), i
+    held = sum(Client(master=p.addr).stats()["keys"] for p in peers)
+    assert c.stats()["keys"] == held == stored, (c.stats()["keys"], held, stored)
+    # The survivors take new puts (nothing reserved was left behind).
+    assert c.put_from("after", buf) and c.get("after") == buf.tobytes()
+
+
+_RACER = r"""
+import sys, json, numpy as np
+from mori.umbp import Client
+master, me, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = Client(master=master)
+buf = np.zeros(n * 4096, dtype=np.uint8)
+c.register(buf)
+order = np.random.default_rng(me).permutation(n)
+won = []
+for k in order:
+    v = np.full(4096, me, dtype=np.uint8); v[:8] = np.frombuffer(int(k).to_bytes(8, "little"), np.uint8)
+    if k % 2:
+        buf[k * 4096:(k + 1) * 4096] = v
+        ok = c.put_from(f"race-{k}", buf[k * 4096:(k + 1) * 4096])
+    else:
+        ok = c.put(f"race-{k}", v.tobytes())
+    if ok:
+        won.append(int(k))
+print(json.dumps(won))
+"""
+
+
+def test_cluster_concurrent_processes_on_overlapping_keys_first_writer_wins(start_umbpd, tmp_path):
+    master, _ = _cluster(start_umbpd, tmp_path)
+    n, procs = 120, 4
+    racers = [subprocess.Popen([sys.executable, "-c", _RACER, master.addr, str(p), str(n)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for p in range(procs)]
+    won = []
+    for r in racers:
+        out, err = r.communicate(timeout=60)
+        assert r.returncode == 0, err
+        won.append(set(json.loads(out)))
+    c = Client(master=master.addr)
+    out = np.zeros(4096, dtype=np.uint8)
+    c.register(out)
+    for k in range(n):
+        winners = [p for p in range(procs) if k in won[p]]
+        assert len(winners) == 1, (k, winners)
+        want = np.full(4096, winners[0], dtype=np.uint8)
+        want[:8] = np.frombuffer(k.to_bytes(8, "little"), np.uint8)
+        assert c.get(f"race-{k}") == want.tobytes()
+        assert c.get_into(f"race-{k}", out) == 4096 and out.tobytes() == want.tobytes()
+    assert c.stats()["keys"] == n
+
+
+def test_cluster_registered_buffers_batch_calls_and_three_times_dram(start_umbpd, tmp_path):
+    master, _ = _cluster(start_umbpd, tmp_path, ssd=True, dram="1M")
+    c = Client(master=master.addr)
+    size, n = 32 << 10, 200  # 6.25 MiB over 2 MiB of DRAM: most values are demoted to SSD
+    src = np.frombuffer(b"".join(_value(i, size) for i in range(n)), dtype=np.uint8).copy()
+    dst = np.zeros_like(src)
+    c.register(src)
+    c.register(dst)
+    keys = [f"r-{i}" for i in range(n)]
+    for i in range(0, n, 20):
+        assert c.batch_put_from(keys[i:i + 20], src, [j * size for j in range(i, i + 20)], [size] * 20) == [True] * 20
+        time.sleep(0.03)  # heartbeats direct eviction
+    assert c.batch_put_from(keys[:1], src, [0], [size]) == [False]
+    lens = c.batch_get_into(keys + ["missing"], dst, [j * size for j in range(n)] + [0], [size] * (n + 1))
+    assert lens == [size] * n + [None]
+    assert dst.tobytes() == src.tobytes()
+    time.sleep(0.3)
+    st = c.stats()
+    assert st["demotions"] > 0 and st["hits_ssd"] > 0, st
+    with pytest.raises(errors.InvalidArgumentError):
+        c.batch_get_into(keys[:1], dst, [0], [10])  # the value does not fit its slot
+    c.unregister(dst)
+    assert c.get_into(keys[5], dst[:size]) == size and dst[:size].tobytes() == _value(5, size)  # byte path
+    with pytest.raises(errors.InvalidArgumentError):
+        c.unregister(dst)

@@ -10,7 +10,10 @@ is promoted back. ``exists`` and ``batch_exists_prefix`` never renew LRU order.
 daemon (one pool served over gRPC) or the master of a cluster, in which case puts and gets are
 routed to the peers that hold the bytes (the master keeps the index, peer liveness, read leases
 and eviction; see docs/umbp.md). A cluster key whose peer died is a miss. With a daemon,
-``put_from``/``get_into`` copy through bytes; the GPU tier is not built yet.
+``put_from``/``get_into``/``batch_put_from``/``batch_get_into`` on a buffer passed to
+``register`` move the values over mori.io (the daemon copies straight between its DRAM and your
+buffer; gRPC carries only control); on other buffers they copy through bytes. The GPU tier is
+not built yet.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class Client:
         master: str | None = None,
     ):
         self._remote = master is not None
+        self._registered: list[tuple[int, int, int, np.ndarray]] = []  # (address, size, handle, keep-alive)
         if self._remote:
             self._pool = _core.UmbpRemote(master)
             return
@@ -75,6 +79,66 @@ class Client:
             dram_bytes, page_bytes, None if ssd_dir is None else os.fspath(ssd_dir), ssd_bytes, segment_bytes,
             sync_writes, high_watermark, low_watermark,
         )
+
+    def register(self, buffer: Any) -> None:
+        """Registers a host buffer (numpy array, bytearray, CPU tensor) for zero-copy calls: with
+        a daemon, values then move between its DRAM and this buffer over mori.io. The buffer is
+        kept alive until ``unregister`` (or ``close``). Embedded pools need no registration."""
+        arr = _host_buffer(buffer, writable=True)
+        if not self._remote or arr.size == 0:
+            return
+        addr = address(arr)
+        handle = self._pool.register(addr, arr.size)
+        self._registered.append((addr, arr.size, handle, arr))
+
+    def unregister(self, buffer: Any) -> None:
+        arr = _host_buffer(buffer, writable=False)
+        addr = address(arr) if arr.size else 0
+        for i, (a, n, handle, _) in enumerate(self._registered):
+            if a == addr and n == arr.size:
+                self._pool.deregister(handle)
+                del self._registered[i]
+                return
+        if self._remote and arr.size:
+            raise InvalidArgumentError("this buffer is not registered")
+
+    def _region(self, arr: np.ndarray) -> tuple[int, int] | None:
+        """(handle, offset of arr) when arr lies inside a registered buffer."""
+        if not self._registered or arr.size == 0:
+            return None
+        addr = address(arr)
+        for a, n, handle, _ in self._registered:
+            if a <= addr and addr + arr.size <= a + n:
+                return handle, addr - a
+        return None
+
+    def batch_get_into(self, keys: Sequence[Any], buffer: Any, offsets: Sequence[int], sizes: Sequence[int]) -> list[int | None]:
+        """Reads key ``i`` into ``buffer[offsets[i] : offsets[i] + sizes[i]]``; returns each value's
+        length (None: absent). One call per batch; with a registered buffer and a daemon the
+        values move over mori.io."""
+        if not (len(keys) == len(offsets) == len(sizes)):
+            raise InvalidArgumentError("keys, offsets and sizes differ in length")
+        arr = _host_buffer(buffer, writable=True)
+        if any(o < 0 or s < 0 or o + s > arr.size for o, s in zip(offsets, sizes)):
+            raise InvalidArgumentError("a range lies outside the buffer")
+        region = self._region(arr) if self._remote else None
+        if region is not None:
+            handle, base = region
+            return self._pool.batch_get_into([_key(k) for k in keys], handle, [base + o for o in offsets], list(sizes))
+        return [self.get_into(k, arr[o : o + s]) for k, o, s in zip(keys, offsets, sizes)]
+
+    def batch_put_from(self, keys: Sequence[Any], buffer: Any, offsets: Sequence[int], sizes: Sequence[int]) -> list[bool]:
+        """Stores key ``i`` with the value ``buffer[offsets[i] : offsets[i] + sizes[i]]``."""
+        if not (len(keys) == len(offsets) == len(sizes)):
+            raise InvalidArgumentError("keys, offsets and sizes differ in length")
+        arr = _host_buffer(buffer, writable=False)
+        if any(o < 0 or s < 0 or o + s > arr.size for o, s in zip(offsets, sizes)):
+            raise InvalidArgumentError("a range lies outside the buffer")
+        region = self._region(arr) if self._remote else None
+        if region is not None:
+            handle, base = region
+            return self._pool.batch_put_from([_key(k) for k in keys], handle, [base + o for o in offsets], list(sizes))
+        return [self.put_from(k, arr[o : o + s]) for k, o, s in zip(keys, offsets, sizes)]
 
     def put(self, key: str | bytes, value: bytes) -> bool:
         """Stores ``value``; False if the key already existed (keys are immutable; that is a
@@ -85,6 +149,9 @@ class Client:
         """``put`` without a bytes copy in Python: from a numpy array, bytearray or CPU tensor."""
         arr = _host_buffer(buffer, writable=False)
         if self._remote:
+            region = self._region(arr)
+            if region is not None:
+                return self._pool.batch_put_from([_key(key)], region[0], [region[1]], [arr.size])[0]
             return self._pool.put(_key(key), arr.tobytes())
         return self._pool.put_from(_key(key), address(arr) if arr.size else 0, arr.size)
 
@@ -96,6 +163,9 @@ class Client:
         if absent. A buffer smaller than the value raises."""
         arr = _host_buffer(buffer, writable=True)
         if self._remote:
+            region = self._region(arr)
+            if region is not None:
+                return self._pool.batch_get_into([_key(key)], region[0], [region[1]], [arr.size])[0]
             value = self._pool.get(_key(key))
             if value is None:
                 return None
@@ -131,6 +201,9 @@ class Client:
         """Embedded: keeps DRAM-only values on SSD (when there is one), seals the log, closes
         the pool. With a daemon or cluster: nothing to close on this side (it keeps the data)."""
         if self._remote:
+            for _, _, handle, _ in self._registered:
+                self._pool.deregister(handle)
+            self._registered.clear()
             return {}
         written, already, lost = self._pool.close()
         return {"values_written": written, "values_already_on_ssd": already, "values_lost": lost}

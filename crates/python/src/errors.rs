@@ -31,7 +31,11 @@ pub enum Error {
 
 impl From<mori_umbpd::ClientError> for Error {
     fn from(e: mori_umbpd::ClientError) -> Self {
-        Error::UmbpRemote(e)
+        match e {
+            // The client's own IO engine (registering memory, starting the engine).
+            mori_umbpd::ClientError::Io(e) => Error::Io(e),
+            e => Error::UmbpRemote(e),
+        }
     }
 }
 

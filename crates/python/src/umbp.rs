@@ -214,6 +214,19 @@ impl UmbpPool {
 #[pyclass(frozen, module = "mori._core")]
 pub struct UmbpRemote {
     inner: mori_umbpd::Client,
+    /// Buffers registered with the client's IO engine, by handle (the region id).
+    registered: std::sync::Mutex<std::collections::HashMap<u64, mori_io::MemoryDesc>>,
+}
+
+impl UmbpRemote {
+    fn mem(&self, handle: u64) -> Result<mori_io::MemoryDesc> {
+        self.registered
+            .lock()
+            .map_err(|_| Error::InvalidArgument("the client's lock is poisoned".into()))?
+            .get(&handle)
+            .cloned()
+            .ok_or_else(|| Error::InvalidArgument(format!("no registered buffer {handle}")))
+    }
 }
 
 #[pymethods]
@@ -222,7 +235,68 @@ impl UmbpRemote {
     fn new(py: Python<'_>, addr: &str) -> Result<Self> {
         Ok(Self {
             inner: py.detach(|| mori_umbpd::Client::connect(addr))?,
+            registered: std::sync::Mutex::new(std::collections::HashMap::new()),
         })
+    }
+
+    /// Registers `len` bytes of host memory at `ptr` (kept alive by mori.umbp until
+    /// `deregister`) with the client's IO engine; returns a handle.
+    fn register(&self, py: Python<'_>, ptr: usize, len: usize) -> Result<u64> {
+        if ptr == 0 || len == 0 {
+            return Err(Error::InvalidArgument(
+                "cannot register an empty buffer".into(),
+            ));
+        }
+        // SAFETY: mori.umbp keeps the buffer (a live, writable, contiguous array of len bytes)
+        // referenced until it calls deregister with the returned handle.
+        let mem = py.detach(|| unsafe { self.inner.register(ptr as u64, len as u64) })?;
+        let id = mem.id;
+        self.registered
+            .lock()
+            .map_err(|_| Error::InvalidArgument("the client's lock is poisoned".into()))?
+            .insert(id, mem);
+        Ok(id)
+    }
+
+    fn deregister(&self, py: Python<'_>, handle: u64) -> Result<()> {
+        let mem = self.mem(handle)?;
+        py.detach(|| self.inner.deregister(&mem))?;
+        self.registered
+            .lock()
+            .map_err(|_| Error::InvalidArgument("the client's lock is poisoned".into()))?
+            .remove(&handle);
+        Ok(())
+    }
+
+    /// Reads keys into a registered buffer; per key its length, or None.
+    fn batch_get_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Vec<u8>>,
+        handle: u64,
+        offsets: Vec<u64>,
+        capacities: Vec<u64>,
+    ) -> Result<Vec<Option<u64>>> {
+        let mem = self.mem(handle)?;
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        Ok(py.detach(|| {
+            self.inner
+                .batch_get_into(&refs, &mem, &offsets, &capacities)
+        })?)
+    }
+
+    /// Stores keys with values read from a registered buffer.
+    fn batch_put_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Vec<u8>>,
+        handle: u64,
+        offsets: Vec<u64>,
+        lens: Vec<u64>,
+    ) -> Result<Vec<bool>> {
+        let mem = self.mem(handle)?;
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        Ok(py.detach(|| self.inner.batch_put_from(&refs, &mem, &offsets, &lens))?)
     }
 
     fn put(&self, py: Python<'_>, key: &[u8], value: &[u8]) -> Result<bool> {

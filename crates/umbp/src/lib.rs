@@ -44,5 +44,5 @@ pub use error::{Error, Result};
 pub use meta::{Location, MemoryStore, MetadataStore, Tier};
 #[cfg(feature = "redis")]
 pub use meta_redis::{RedisOptions, RedisStore};
-pub use pool::{CloseReport, LocalPool, PoolConfig, PoolStats, PutOutcome, Residency};
+pub use pool::{CloseReport, LocalPool, PoolConfig, PoolStats, PutOutcome, ReadSlot, Residency};
 pub use ssd::{CompactionReport, RecoveryReport, SsdConfig, SsdLog};

@@ -105,6 +105,23 @@ pub enum PutOutcome {
     AlreadyExists,
 }
 
+/// Where [`LocalPool::batch_read_with`] found one value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReadSlot {
+    /// The key is absent.
+    Miss,
+    /// The value lies in the DRAM arena at `offset` (from [`LocalPool::dram_region`]) and
+    /// stays there while the callback runs.
+    Arena {
+        /// Byte offset within the arena.
+        offset: usize,
+        /// Value length.
+        len: usize,
+    },
+    /// The value was read from SSD (it may have been promoted to DRAM too).
+    Bytes(Vec<u8>),
+}
+
 /// Counters and sizes of a [`LocalPool`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
@@ -307,6 +324,82 @@ impl LocalPool {
     /// ([`Error::InvalidArgument`] otherwise; see [`LocalPool::location`] for the length).
     pub fn get_into(&self, key: &[u8], out: &mut [u8]) -> Result<Option<usize>> {
         self.lock().read(&*self.meta, key, Out::Slice(out))
+    }
+
+    /// Start address and length of the DRAM arena (4096-byte aligned; fixed for the life
+    /// of the pool), for registration with the IO engine. Its bytes may only be read by
+    /// others inside a [`LocalPool::batch_read_with`] callback, at the offsets it gives.
+    pub fn dram_region(&self) -> (usize, usize) {
+        let (p, len) = self.lock().dram.region();
+        (p as usize, len)
+    }
+
+    /// Reads `keys` as [`LocalPool::batch_get`] does (hits, misses, LRU renewal, promotion
+    /// of SSD hits), but instead of copying DRAM values out, runs `f` with each value's
+    /// place: its run in the arena, or its bytes when it came from SSD. The pool lock is
+    /// held while `f` runs, so no arena value named in the slots moves or is freed until `f`
+    /// returns (`f` typically copies them out over the IO engine).
+    pub fn batch_read_with<R>(
+        &self,
+        keys: &[&[u8]],
+        f: impl FnOnce(&[ReadSlot]) -> R,
+    ) -> Result<R> {
+        let mut inner = self.lock();
+        let meta = &*self.meta;
+        // Pass 1: SSD values are read (and promoted, which may evict DRAM values); pass 2
+        // places DRAM values, so no later step of this call moves them.
+        let mut slots = Vec::with_capacity(keys.len());
+        let mut pending = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            match meta.get(key)? {
+                None => {
+                    inner.counters.misses += 1;
+                    slots.push(ReadSlot::Miss);
+                }
+                Some(loc) if loc.tier == Tier::Dram => {
+                    pending.push(i);
+                    slots.push(ReadSlot::Miss);
+                }
+                Some(_) => {
+                    let mut v = Vec::new();
+                    slots.push(match inner.read(meta, key, Out::Vec(&mut v))? {
+                        Some(_) => ReadSlot::Bytes(v),
+                        None => ReadSlot::Miss,
+                    });
+                }
+            }
+        }
+        for i in pending {
+            let key = keys[i];
+            if inner.dram.touch(key) {
+                let offset = inner.dram.value_offset(key).unwrap_or(0);
+                let len = inner.dram.get(key).map_or(0, <[u8]>::len);
+                inner.counters.hits_dram += 1;
+                slots[i] = ReadSlot::Arena { offset, len };
+                continue;
+            }
+            // Demoted by a promotion of pass 1: read its SSD copy without promoting it.
+            let from_ssd = match inner.ssd.as_ref() {
+                Some(ssd) => ssd.get(key),
+                None => Ok(None),
+            };
+            slots[i] = match from_ssd {
+                Ok(Some(v)) => {
+                    inner.counters.hits_ssd += 1;
+                    ReadSlot::Bytes(v)
+                }
+                Ok(None) => {
+                    inner.counters.misses += 1;
+                    ReadSlot::Miss
+                }
+                Err(e) => {
+                    warn!(key = %key_display(key), error = %e, "reading a demoted value failed");
+                    inner.counters.misses += 1;
+                    ReadSlot::Miss
+                }
+            };
+        }
+        Ok(f(&slots))
     }
 
     /// Whether `key` is present. Reads only the metadata: never renews LRU order, never

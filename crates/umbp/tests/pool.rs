@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::Barrier;
 
 use mori_umbp::{
-    Error, LocalPool, PoolConfig, PoolStats, PutOutcome, RecoveryReport, SsdConfig, Tier,
+    Error, LocalPool, PoolConfig, PoolStats, PutOutcome, ReadSlot, RecoveryReport, SsdConfig, Tier,
 };
 
 /// Small deterministic generator (xorshift64*).
@@ -862,4 +862,68 @@ fn evict_entries_and_drop_log() {
     assert_eq!((entries[1].0.as_slice(), entries[1].1.len), (&b"y"[..], 10));
     assert_eq!(get(&pool, b"x"), Some(vec![7; 5000]));
     ok(pool.check_consistency(), "consistency");
+}
+
+/// `batch_read_with` names DRAM values by their place in the arena (stable while the
+/// callback runs), hands SSD values over as bytes (promoting them), and counts hits and misses
+/// as `batch_get` does.
+#[test]
+fn batch_read_with_places_dram_values_and_reads_ssd_values() {
+    let dir = tempdir();
+    let mut cfg = PoolConfig::with_ssd(64 << 10, 4096, ssd_cfg(dir.path(), 1 << 20, 8 << 20));
+    cfg.high_watermark = 1.0;
+    cfg.low_watermark = 0.5;
+    let (pool, _) = LocalPool::open(cfg).unwrap();
+    let value = |i: u8| vec![i; 10_000 + usize::from(i)];
+    for i in 0..12u8 {
+        assert_eq!(pool.put(&[b'k', i], &value(i)).unwrap(), PutOutcome::Stored);
+    }
+    let (base, len) = pool.dram_region();
+    assert_eq!(len, 64 << 10);
+    // The newest keys are in DRAM, the oldest on SSD (promoting k0 demotes one DRAM value).
+    let ids: Vec<u8> = vec![0, 8, 9, 10, 11];
+    let keys: Vec<Vec<u8>> = ids
+        .iter()
+        .map(|&i| vec![b'k', i])
+        .chain([b"zz".to_vec()])
+        .collect();
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let before = pool.stats();
+    let got = pool
+        .batch_read_with(&refs, |slots| {
+            slots
+                .iter()
+                .map(|s| match s {
+                    ReadSlot::Miss => None,
+                    ReadSlot::Bytes(v) => Some((false, v.clone())),
+                    ReadSlot::Arena { offset, len } => {
+                        assert!(offset + len <= 64 << 10);
+                        // SAFETY: the arena is `len` bytes at `base`, alive while the pool is,
+                        // and the pool lock (held during this callback) keeps the run in place.
+                        let bytes = unsafe {
+                            std::slice::from_raw_parts((base + offset) as *const u8, *len)
+                        };
+                        Some((true, bytes.to_vec()))
+                    }
+                })
+                .collect::<Vec<_>>()
+        })
+        .unwrap();
+    assert_eq!(got[5], None);
+    let mut in_arena = 0;
+    for (j, &i) in ids.iter().enumerate() {
+        let (arena, bytes) = got[j].clone().unwrap();
+        assert_eq!(bytes, value(i), "key {i}");
+        in_arena += usize::from(arena);
+    }
+    assert!(!got[0].as_ref().unwrap().0, "k0 came from SSD");
+    assert!(in_arena >= 3, "{in_arena} of 5 in the arena");
+    let after = pool.stats();
+    assert_eq!(after.misses, before.misses + 1);
+    assert_eq!(
+        after.hits_dram + after.hits_ssd,
+        before.hits_dram + before.hits_ssd + 5
+    );
+    assert!(after.hits_ssd > before.hits_ssd && after.promotions > before.promotions);
+    pool.check_consistency().unwrap();
 }

@@ -25,18 +25,23 @@
 //! any subset of the batch may be stored.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Mutex, PoisonError};
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs, UdpSocket};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use mori_io::{EngineConfig, IoEngine, Location, MemoryDesc};
 use mori_umbp::PoolStats;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::proto::master_client::MasterClient;
 use crate::proto::umbp_client::UmbpClient;
 use crate::proto::{
-    BatchExistsPrefixRequest, BatchGetRequest, BatchPutRequest, ClusterInfoRequest,
-    ClusterInfoResponse, ExistsRequest, GetRequest, GetResponse, HealthRequest, KeyValue,
-    PutRequest, ReleaseLeaseRequest, RemoveRequest, RouteGetRequest, RoutePutRequest, StatsRequest,
+    BatchExistsPrefixRequest, BatchGetIntoRequest, BatchGetRequest, BatchPutFromRequest,
+    BatchPutRequest, ClusterInfoRequest, ClusterInfoResponse, ExistsRequest, GetIntoResult,
+    GetRequest, GetResponse, HealthRequest, KeyValue, PutRequest, ReleaseLeaseRequest,
+    RemoveRequest, RouteGetRequest, RoutePutRequest, StatsRequest,
 };
 use crate::server::MAX_MESSAGE_BYTES;
 
@@ -67,6 +72,12 @@ pub enum ClientError {
     /// code is `UNAVAILABLE`, `CANCELLED`, `DEADLINE_EXCEEDED` or `UNKNOWN`).
     #[error("umbpd call failed: {0}")]
     Rpc(#[from] tonic::Status),
+    /// The client's IO engine (data plane) failed: starting it, or registering memory.
+    #[error("umbp data plane: {0}")]
+    Io(#[from] mori_io::Error),
+    /// A bad argument to a data-plane call (caught before anything is sent).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
 }
 
 impl ClientError {
@@ -75,6 +86,7 @@ impl ClientError {
     pub fn code(&self) -> Option<tonic::Code> {
         match self {
             ClientError::Rpc(s) => Some(s.code()),
+            ClientError::InvalidArgument(_) => Some(tonic::Code::InvalidArgument),
             _ => None,
         }
     }
@@ -131,7 +143,43 @@ pub struct Client {
     // Field order: the gRPC clients (and their channels) are dropped before the runtime.
     inner: UmbpClient<Channel>,
     cluster: Option<Cluster>,
+    /// The data plane, started by the first [`Client::register`].
+    data: Mutex<Option<Arc<DataEngine>>>,
+    /// The address the data plane listens on (this host's side of the daemon connection).
+    data_host: IpAddr,
     rt: tokio::runtime::Runtime,
+}
+
+/// The client's IO engine and the buffers registered with it.
+struct DataEngine {
+    engine: IoEngine,
+    desc: Vec<u8>,
+    /// Region id → (address, length).
+    regions: Mutex<HashMap<u64, (u64, u64)>>,
+}
+
+impl std::fmt::Debug for DataEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataEngine")
+            .field("engine", &self.engine.name())
+            .finish()
+    }
+}
+
+type PutFuture =
+    Pin<Box<dyn Future<Output = std::result::Result<Vec<bool>, tonic::Status>> + Send>>;
+
+/// The local IP this host uses to reach `addr` (no packet is sent), or loopback.
+fn local_ip_towards(addr: &str) -> IpAddr {
+    let hostport = addr.split("://").last().unwrap_or(addr);
+    let target = hostport.to_socket_addrs().ok().and_then(|mut a| a.next());
+    let found = target.and_then(|t| {
+        let bind = if t.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+        let sock = UdpSocket::bind(bind).ok()?;
+        sock.connect(t).ok()?;
+        sock.local_addr().ok().map(|a| a.ip())
+    });
+    found.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
 }
 
 /// The routing state of a client connected to a master.
@@ -246,7 +294,13 @@ impl Client {
             opts: opts.clone(),
             peers: Mutex::new(HashMap::new()),
         });
-        Ok(Client { inner, cluster, rt })
+        Ok(Client {
+            inner,
+            cluster,
+            data: Mutex::new(None),
+            data_host: local_ip_towards(addr),
+            rt,
+        })
     }
 
     /// Whether the daemon is a master (puts and gets are routed to its peers).
@@ -270,14 +324,40 @@ impl Client {
 
     /// Routed batch put (see the module docs).
     fn cluster_put(&self, c: &Cluster, items: &[(&[u8], &[u8])]) -> Result<Vec<bool>> {
+        let keys: Vec<&[u8]> = items.iter().map(|(k, _)| *k).collect();
+        let lens: Vec<u64> = items.iter().map(|(_, v)| v.len() as u64).collect();
+        self.cluster_put_with(c, &keys, &lens, |mut pc, idxs| {
+            let req = BatchPutRequest {
+                items: idxs
+                    .iter()
+                    .map(|&i| KeyValue {
+                        key: items[i].0.to_vec(),
+                        value: items[i].1.to_vec(),
+                    })
+                    .collect(),
+            };
+            Box::pin(async move { Ok(pc.batch_put(req).await?.into_inner().stored) })
+        })
+    }
+
+    /// Routes puts of `keys` (values of `lens` bytes); `send(peer, indices)` builds the call
+    /// storing those keys at one peer. A peer that cannot be reached is excluded and its keys
+    /// routed again, at most [`MAX_PUT_ATTEMPTS`] rounds.
+    fn cluster_put_with(
+        &self,
+        c: &Cluster,
+        keys: &[&[u8]],
+        lens: &[u64],
+        send: impl Fn(UmbpClient<Channel>, &[usize]) -> PutFuture,
+    ) -> Result<Vec<bool>> {
         self.rt.block_on(async {
-            let mut out = vec![false; items.len()];
-            let mut pending: Vec<usize> = (0..items.len()).collect();
+            let mut out = vec![false; keys.len()];
+            let mut pending: Vec<usize> = (0..keys.len()).collect();
             let mut exclude: Vec<u64> = Vec::new();
             for attempt in 1.. {
                 let req = RoutePutRequest {
-                    keys: pending.iter().map(|&i| items[i].0.to_vec()).collect(),
-                    lens: pending.iter().map(|&i| items[i].1.len() as u64).collect(),
+                    keys: pending.iter().map(|&i| keys[i].to_vec()).collect(),
+                    lens: pending.iter().map(|&i| lens[i]).collect(),
                     exclude: exclude.clone(),
                 };
                 let routes = c.master.clone().route_put(req).await?.into_inner().routes;
@@ -301,17 +381,8 @@ impl Client {
                 }
                 let mut tasks = tokio::task::JoinSet::new();
                 for (peer, (addr, idxs)) in groups {
-                    let mut pc = c.peer(peer, &addr)?;
-                    let req = BatchPutRequest {
-                        items: idxs
-                            .iter()
-                            .map(|&i| KeyValue {
-                                key: items[i].0.to_vec(),
-                                value: items[i].1.to_vec(),
-                            })
-                            .collect(),
-                    };
-                    tasks.spawn(async move { (peer, idxs, pc.batch_put(req).await) });
+                    let call = send(c.peer(peer, &addr)?, &idxs);
+                    tasks.spawn(async move { (peer, idxs, call.await) });
                 }
                 let mut retry = Vec::new();
                 let mut failure: Option<tonic::Status> = None;
@@ -320,8 +391,8 @@ impl Client {
                     let (peer, idxs, res) = done
                         .map_err(|e| tonic::Status::internal(format!("client task failed: {e}")))?;
                     match res {
-                        Ok(r) => {
-                            for (i, s) in idxs.into_iter().zip(r.into_inner().stored) {
+                        Ok(stored) => {
+                            for (i, s) in idxs.into_iter().zip(stored) {
                                 out[i] = s;
                             }
                         }
@@ -526,6 +597,215 @@ impl Client {
         })
     }
 
+    /// The data plane, started on first use.
+    fn data_engine(&self) -> Result<Arc<DataEngine>> {
+        let mut slot = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(d) = slot.as_ref() {
+            return Ok(Arc::clone(d));
+        }
+        let name = format!(
+            "umbp-client-{}-{:x}",
+            std::process::id(),
+            std::ptr::from_ref(self) as usize
+        );
+        let cfg = EngineConfig {
+            host: self.data_host,
+            ..EngineConfig::default()
+        };
+        let engine = IoEngine::new(&name, cfg)?;
+        let d = Arc::new(DataEngine {
+            desc: engine.desc().to_bytes(),
+            engine,
+            regions: Mutex::new(HashMap::new()),
+        });
+        *slot = Some(Arc::clone(&d));
+        Ok(d)
+    }
+
+    /// Registers `len` bytes of host memory at `addr` with this client's IO engine (started
+    /// on the first call), for [`Client::batch_get_into`] and [`Client::batch_put_from`]:
+    /// the daemon then moves values straight to and from this memory (same host: one copy
+    /// between the processes; other hosts: TCP), and gRPC carries only control.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr + len` must be valid, writable host memory until
+    /// [`Client::deregister`] returns (or the client is dropped); other processes of the same
+    /// user (the daemons) write into it during calls that name it.
+    pub unsafe fn register(&self, addr: u64, len: u64) -> Result<MemoryDesc> {
+        let d = self.data_engine()?;
+        let mem = d.engine.register(addr, len, Location::Host)?;
+        d.regions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(mem.id, (addr, len));
+        Ok(mem)
+    }
+
+    /// Stops using registered memory (waits for transfers in flight into it).
+    pub fn deregister(&self, mem: &MemoryDesc) -> Result<()> {
+        let d = self.data_engine()?;
+        d.regions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&mem.id);
+        Ok(d.engine.deregister(mem)?)
+    }
+
+    /// Checks that `mem` is registered here and every `[offsets[i], + sizes[i])` lies in it;
+    /// returns the engine and the region's address.
+    fn check_ranges(
+        &self,
+        n: usize,
+        mem: &MemoryDesc,
+        offsets: &[u64],
+        sizes: &[u64],
+    ) -> Result<(Arc<DataEngine>, u64)> {
+        if offsets.len() != n || sizes.len() != n {
+            return Err(ClientError::InvalidArgument(format!(
+                "{n} keys but {} offsets and {} sizes",
+                offsets.len(),
+                sizes.len()
+            )));
+        }
+        let d = self.data_engine()?;
+        let region = d
+            .regions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&mem.id)
+            .copied();
+        let Some((addr, len)) = region.filter(|_| mem.engine == d.engine.name()) else {
+            return Err(ClientError::InvalidArgument(
+                "the memory is not registered with this client".into(),
+            ));
+        };
+        for (i, (&o, &s)) in offsets.iter().zip(sizes).enumerate() {
+            if o.checked_add(s).is_none_or(|end| end > len) {
+                return Err(ClientError::InvalidArgument(format!(
+                    "item {i}: range [{o}, {o}+{s}) lies outside the {len}-byte buffer"
+                )));
+            }
+        }
+        Ok((d, addr))
+    }
+
+    /// Reads `keys` into registered memory `mem`: key `i` at `offsets[i]`, at most
+    /// `capacities[i]` bytes (a larger value fails the call with `INVALID_ARGUMENT`).
+    /// Returns each value's length (`None`: absent). DRAM values are written by the daemon
+    /// straight into the buffer over the IO engine; values read from SSD come back in the
+    /// answer and are copied here. A daemon without a data plane is served over the byte
+    /// path (then copied). Against a master, as [`Client::batch_get`]: routed under a
+    /// lease, a key whose peer cannot be reached is a miss.
+    pub fn batch_get_into(
+        &self,
+        keys: &[&[u8]],
+        mem: &MemoryDesc,
+        offsets: &[u64],
+        capacities: &[u64],
+    ) -> Result<Vec<Option<u64>>> {
+        let (d, base) = self.check_ranges(keys.len(), mem, offsets, capacities)?;
+        let all: Vec<usize> = (0..keys.len()).collect();
+        let Some(c) = &self.cluster else {
+            let res = self.rt.block_on(get_into_at(
+                self.inner.clone(),
+                &d,
+                mem,
+                keys,
+                offsets,
+                capacities,
+                &all,
+            ))?;
+            return Ok(place(base, offsets, res));
+        };
+        self.rt.block_on(async {
+            let req = RouteGetRequest {
+                keys: keys.iter().map(|k| k.to_vec()).collect(),
+            };
+            let resp = c.master.clone().route_get(req).await?.into_inner();
+            if resp.routes.len() != keys.len() {
+                return Err(
+                    tonic::Status::internal("master answered a wrong number of routes").into(),
+                );
+            }
+            let mut groups: BTreeMap<u64, (String, Vec<usize>)> = BTreeMap::new();
+            for (i, r) in resp.routes.into_iter().enumerate() {
+                if r.peer_id != 0 {
+                    groups
+                        .entry(r.peer_id)
+                        .or_insert_with(|| (r.addr, Vec::new()))
+                        .1
+                        .push(i);
+                }
+            }
+            let mut results: Vec<GetIntoResult> = vec![GetIntoResult::default(); keys.len()];
+            let mut failure: Option<tonic::Status> = None;
+            let mut calls = Vec::new();
+            for (peer, (addr, idxs)) in groups {
+                let pc = c.peer(peer, &addr)?;
+                calls.push((peer, idxs, pc));
+            }
+            let futures = calls.iter().map(|(_, idxs, pc)| {
+                get_into_at(pc.clone(), &d, mem, keys, offsets, capacities, idxs)
+            });
+            let done = futures_join(futures).await;
+            for ((peer, idxs, _), res) in calls.iter().zip(done) {
+                match res {
+                    Ok(r) => {
+                        for (&i, v) in idxs.iter().zip(r) {
+                            results[i] = v;
+                        }
+                    }
+                    Err(s) if is_transport(&s) => c.forget(*peer),
+                    Err(s) => failure = failure.or(Some(s)),
+                }
+            }
+            if resp.lease_id != 0 {
+                let mut m = c.master.clone();
+                let lease_id = resp.lease_id;
+                tokio::spawn(async move {
+                    let _ = m.release_lease(ReleaseLeaseRequest { lease_id }).await;
+                });
+            }
+            match failure {
+                Some(s) => Err(s.into()),
+                None => Ok(place(base, offsets, results)),
+            }
+        })
+    }
+
+    /// Stores `keys` with values read from registered memory `mem` (key `i`: `lens[i]`
+    /// bytes at `offsets[i]`), as [`Client::batch_put`] (one `stored` flag each). The daemon
+    /// reads the values straight from the buffer over the IO engine; the buffer must not
+    /// change until the call returns. A daemon without a data plane gets them over the byte
+    /// path.
+    pub fn batch_put_from(
+        &self,
+        keys: &[&[u8]],
+        mem: &MemoryDesc,
+        offsets: &[u64],
+        lens: &[u64],
+    ) -> Result<Vec<bool>> {
+        let (d, base) = self.check_ranges(keys.len(), mem, offsets, lens)?;
+        let send = |pc: UmbpClient<Channel>, idxs: &[usize]| -> PutFuture {
+            let req = BatchPutFromRequest {
+                engine: d.desc.clone(),
+                memory: mem.to_bytes(),
+                keys: idxs.iter().map(|&i| keys[i].to_vec()).collect(),
+                offsets: idxs.iter().map(|&i| offsets[i]).collect(),
+                lens: idxs.iter().map(|&i| lens[i]).collect(),
+            };
+            Box::pin(put_from_at(pc, req, base))
+        };
+        match &self.cluster {
+            Some(c) => self.cluster_put_with(c, keys, lens, send),
+            None => {
+                let all: Vec<usize> = (0..keys.len()).collect();
+                Ok(self.rt.block_on(send(self.inner.clone(), &all))?)
+            }
+        }
+    }
+
     /// Liveness and identity of the daemon.
     pub fn health(&self) -> Result<Health> {
         let mut c = self.inner.clone();
@@ -536,5 +816,160 @@ impl Client {
             version: h.version,
             uptime_ms: h.uptime_ms,
         })
+    }
+}
+
+/// Awaits every future, in order (they run concurrently).
+async fn futures_join<F: Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let pinned: Vec<Pin<Box<F>>> = futures.map(Box::pin).collect();
+    let mut out = Vec::with_capacity(pinned.len());
+    let mut pending: Vec<Option<Pin<Box<F>>>> = pinned.into_iter().map(Some).collect();
+    let mut results: Vec<Option<F::Output>> = (0..pending.len()).map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut left = 0;
+        for (slot, res) in pending.iter_mut().zip(results.iter_mut()) {
+            if let Some(f) = slot {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => {
+                        *res = Some(v);
+                        *slot = None;
+                    }
+                    std::task::Poll::Pending => left += 1,
+                }
+            }
+        }
+        if left == 0 {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    out.extend(results.into_iter().flatten());
+    out
+}
+
+/// `BatchGetInto` of keys `idxs` at one daemon; a daemon without a data plane is read over
+/// the byte path (the values come back inline).
+async fn get_into_at(
+    mut pc: UmbpClient<Channel>,
+    d: &DataEngine,
+    mem: &MemoryDesc,
+    keys: &[&[u8]],
+    offsets: &[u64],
+    capacities: &[u64],
+    idxs: &[usize],
+) -> std::result::Result<Vec<GetIntoResult>, tonic::Status> {
+    let req = BatchGetIntoRequest {
+        engine: d.desc.clone(),
+        memory: mem.to_bytes(),
+        keys: idxs.iter().map(|&i| keys[i].to_vec()).collect(),
+        offsets: idxs.iter().map(|&i| offsets[i]).collect(),
+        capacities: idxs.iter().map(|&i| capacities[i]).collect(),
+    };
+    let results = match pc.batch_get_into(req).await {
+        Ok(r) => r.into_inner().results,
+        Err(s) if s.code() == tonic::Code::Unimplemented => {
+            let req = BatchGetRequest {
+                keys: idxs.iter().map(|&i| keys[i].to_vec()).collect(),
+            };
+            let values = pc.batch_get(req).await?.into_inner().values;
+            let mut out = Vec::with_capacity(values.len());
+            for (&i, v) in idxs.iter().zip(values) {
+                if v.found && v.value.len() as u64 > capacities[i] {
+                    return Err(tonic::Status::invalid_argument(format!(
+                        "output buffer of {} bytes is smaller than the value ({} bytes)",
+                        capacities[i],
+                        v.value.len()
+                    )));
+                }
+                out.push(GetIntoResult {
+                    found: v.found,
+                    len: v.value.len() as u64,
+                    inline: v.found,
+                    value: v.value,
+                });
+            }
+            out
+        }
+        Err(s) => return Err(s),
+    };
+    if results.len() != idxs.len() {
+        return Err(tonic::Status::internal(
+            "daemon answered a wrong number of results",
+        ));
+    }
+    for (&i, r) in idxs.iter().zip(&results) {
+        let bad = r.found && (r.len > capacities[i] || (r.inline && r.value.len() as u64 != r.len));
+        if bad {
+            return Err(tonic::Status::internal(format!(
+                "daemon answered a {}-byte value for a {}-byte slot",
+                r.len, capacities[i]
+            )));
+        }
+    }
+    Ok(results)
+}
+
+/// Copies inline values into the registered buffer at `base` and returns the lengths.
+fn place(base: u64, offsets: &[u64], results: Vec<GetIntoResult>) -> Vec<Option<u64>> {
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            if r.found && r.inline && !r.value.is_empty() {
+                // SAFETY: `check_ranges` verified [offsets[i], + capacity) lies in the
+                // registered buffer at `base`, and `get_into_at` that the value fits its
+                // capacity; `Client::register`'s contract keeps the buffer valid and writable.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        r.value.as_ptr(),
+                        (base + offsets[i]) as *mut u8,
+                        r.value.len(),
+                    );
+                }
+            }
+            r.found.then_some(r.len)
+        })
+        .collect()
+}
+
+/// `BatchPutFrom` at one daemon; a daemon without a data plane gets the bytes.
+async fn put_from_at(
+    mut pc: UmbpClient<Channel>,
+    req: BatchPutFromRequest,
+    base: u64,
+) -> std::result::Result<Vec<bool>, tonic::Status> {
+    let fallback: Vec<(Vec<u8>, u64, u64)> = req
+        .keys
+        .iter()
+        .cloned()
+        .zip(req.offsets.iter().copied().zip(req.lens.iter().copied()))
+        .map(|(k, (o, l))| (k, o, l))
+        .collect();
+    match pc.batch_put_from(req).await {
+        Ok(r) => Ok(r.into_inner().stored),
+        Err(s) if s.code() == tonic::Code::Unimplemented => {
+            let items = fallback
+                .into_iter()
+                .map(|(key, o, l)| {
+                    let value = if l == 0 {
+                        Vec::new()
+                    } else {
+                        // SAFETY: `check_ranges` verified [o, o + l) lies in the registered
+                        // buffer at `base`, which `Client::register`'s contract keeps valid.
+                        unsafe { std::slice::from_raw_parts((base + o) as *const u8, l as usize) }
+                            .to_vec()
+                    };
+                    KeyValue { key, value }
+                })
+                .collect();
+            Ok(pc
+                .batch_put(BatchPutRequest { items })
+                .await?
+                .into_inner()
+                .stored)
+        }
+        Err(s) => Err(s),
     }
 }

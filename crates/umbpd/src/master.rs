@@ -226,6 +226,8 @@ pub struct PeerSummary {
     pub since_heartbeat: Duration,
     /// What it last reported.
     pub load: PeerLoad,
+    /// Bytes routed to it since its last report (reset by each heartbeat).
+    pub reserved: u64,
 }
 
 /// The master's state. Not thread-safe by itself: the server keeps it behind a mutex.
@@ -716,6 +718,7 @@ impl MasterCore {
                 addr: p.addr.clone(),
                 since_heartbeat: now.saturating_sub(p.last_seen),
                 load: p.load.clone(),
+                reserved: p.reserved,
             })
             .collect())
     }
@@ -1085,6 +1088,7 @@ mod tests {
             id: 1,
             addr: String::new(),
             since_heartbeat: Duration::ZERO,
+            reserved: 0,
             load: PeerLoad {
                 stats: StatsResponse {
                     hits_dram: hits,

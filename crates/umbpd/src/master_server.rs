@@ -27,13 +27,14 @@ use crate::proto::master_server::{Master, MasterServer};
 use crate::proto::umbp_client::UmbpClient;
 use crate::proto::umbp_server::Umbp;
 use crate::proto::{
-    BatchExistsPrefixRequest, BatchExistsPrefixResponse, BatchGetRequest, BatchGetResponse,
-    BatchPutRequest, BatchPutResponse, ClusterInfoRequest, ClusterInfoResponse, CommitRequest,
-    CommitResponse, ExistsRequest, ExistsResponse, GetRequest, GetResponse, HealthRequest,
-    HealthResponse, HeartbeatRequest, HeartbeatResponse, PeerInfo, PeerReport, PutRequest,
-    PutResponse, RegisterRequest, RegisterResponse, ReleaseLeaseRequest, ReleaseLeaseResponse,
-    RemoveRequest, RemoveResponse, Route, RouteGetRequest, RouteGetResponse, RoutePutRequest,
-    RoutePutResponse, StatsRequest, StatsResponse,
+    BatchExistsPrefixRequest, BatchExistsPrefixResponse, BatchGetIntoRequest, BatchGetIntoResponse,
+    BatchGetRequest, BatchGetResponse, BatchPutFromRequest, BatchPutRequest, BatchPutResponse,
+    ClusterInfoRequest, ClusterInfoResponse, CommitRequest, CommitResponse, ExistsRequest,
+    ExistsResponse, GetRequest, GetResponse, HealthRequest, HealthResponse, HeartbeatRequest,
+    HeartbeatResponse, PeerInfo, PeerReport, PutRequest, PutResponse, RegisterRequest,
+    RegisterResponse, ReleaseLeaseRequest, ReleaseLeaseResponse, RemoveRequest, RemoveResponse,
+    Route, RouteGetRequest, RouteGetResponse, RoutePutRequest, RoutePutResponse, StatsRequest,
+    StatsResponse,
 };
 use crate::server::{
     DaemonError, MAX_MESSAGE_BYTES, Signals, announce, remove_port_file, start_serving, umbp_server,
@@ -181,6 +182,20 @@ impl Umbp for MasterService {
         &self,
         _req: Request<BatchGetRequest>,
     ) -> Result<Response<BatchGetResponse>, Status> {
+        Err(data_refused())
+    }
+
+    async fn batch_get_into(
+        &self,
+        _req: Request<BatchGetIntoRequest>,
+    ) -> Result<Response<BatchGetIntoResponse>, Status> {
+        Err(data_refused())
+    }
+
+    async fn batch_put_from(
+        &self,
+        _req: Request<BatchPutFromRequest>,
+    ) -> Result<Response<BatchPutResponse>, Status> {
         Err(data_refused())
     }
 
@@ -393,6 +408,7 @@ impl Master for MasterService {
                     keys: p.load.stats.keys,
                     dram_used_bytes: p.load.stats.dram_used_bytes,
                     dram_capacity_bytes: p.load.stats.dram_capacity_bytes,
+                    routed_unreported_bytes: p.reserved,
                 })
                 .collect(),
             keys: keys as u64,

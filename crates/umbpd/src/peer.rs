@@ -1,6 +1,7 @@
-//! The `peer` role: a [`mori_umbp::LocalPool`] served over gRPC (`umbp.v1.Umbp`, the data
-//! path: values travel as gRPC bytes for now) that registers with a master, heartbeats and
-//! publishes every key it stores.
+//! The `peer` role: a [`mori_umbp::LocalPool`] served over gRPC (`umbp.v1.Umbp`; values
+//! travel over the IO engine for clients with registered buffers — `BatchGetInto`,
+//! `BatchPutFrom` — and as gRPC bytes otherwise) that registers with a master, heartbeats
+//! and publishes every key it stores.
 //!
 //! * **Start.** The pool is opened (an SSD directory is recovered), the server starts, then
 //!   the peer registers and publishes every key it holds — so a peer restarted with its SSD
@@ -336,7 +337,10 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
             source: std::io::Error::other(e.to_string()),
         })?,
     );
-    let service = UmbpService::new(Arc::clone(&shared), "peer").with_link(Arc::clone(&link));
+    let data = crate::server::start_data_plane(&shared, cfg);
+    let service = UmbpService::new(Arc::clone(&shared), "peer")
+        .with_link(Arc::clone(&link))
+        .with_data_plane(data.clone());
     let serving = start_serving(
         cfg.listen.value,
         tonic::service::Routes::new(umbp_server(service)),
@@ -359,6 +363,7 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
                 }
             },
             _ = signals.recv() => {
+                crate::server::stop_data_plane(data).await;
                 let report = close_pool(&shared).await?;
                 return Ok(report);
             }
@@ -366,6 +371,7 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
             _ = signals.recv() => {
+                crate::server::stop_data_plane(data).await;
                 let report = close_pool(&shared).await?;
                 return Ok(report);
             }
@@ -381,6 +387,7 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
     ));
     let served = serving.until_signal(&mut signals).await;
     beats.abort();
+    crate::server::stop_data_plane(data).await;
     let close = close_pool(&shared).await;
     served?;
     let report = close?;

@@ -20,7 +20,7 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::proto::umbp_server::UmbpServer;
-use crate::service::{SharedPool, UmbpService};
+use crate::service::{DataPlane, SharedPool, UmbpService};
 
 /// Largest gRPC message the daemon and the client send or accept: values up to 64 MiB
 /// with room for batches of them.
@@ -227,7 +227,9 @@ pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
     // Signal handlers first, so a signal right after the address is published is handled.
     let mut signals = Signals::install()?;
     let shared = open_pool(cfg.pool_config()).await?;
-    let service = UmbpService::new(Arc::clone(&shared), cfg.role.value.as_str());
+    let data = start_data_plane(&shared, cfg);
+    let service = UmbpService::new(Arc::clone(&shared), cfg.role.value.as_str())
+        .with_data_plane(data.clone());
     let serving = start_serving(
         cfg.listen.value,
         tonic::service::Routes::new(umbp_server(service)),
@@ -235,12 +237,32 @@ pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
     .await?;
     announce(cfg, serving.addr)?;
     let served = serving.until_signal(&mut signals).await;
+    stop_data_plane(data).await;
     // Close the pool even when the server failed by itself.
     let close = close_pool(&shared).await;
     served?;
     let report = close?;
     remove_port_file(cfg);
     Ok(report)
+}
+
+/// Starts the data plane of a pool (an IO engine with the DRAM arena registered) on the
+/// listen address's IP; without it the daemon still serves the byte path.
+pub(crate) fn start_data_plane(shared: &SharedPool, cfg: &Config) -> Option<Arc<DataPlane>> {
+    match DataPlane::start(shared, cfg.listen.value.ip()) {
+        Ok(d) => Some(Arc::new(d)),
+        Err(e) => {
+            warn!(error = %e, "the IO engine did not start: serving the byte path only");
+            None
+        }
+    }
+}
+
+/// Deregisters the arena (waiting for transfers in flight) before the pool closes.
+pub(crate) async fn stop_data_plane(data: Option<Arc<DataPlane>>) {
+    if let Some(d) = data {
+        let _ = tokio::task::spawn_blocking(move || d.close()).await;
+    }
 }
 
 /// Closes the pool on the blocking pool (waits for pool calls in flight).

@@ -1,19 +1,23 @@
 //! The gRPC service: each RPC of `umbp.v1.Umbp` runs the matching [`LocalPool`] call on
 //! tokio's blocking pool (the pool takes a mutex and may do SSD I/O).
 
+use std::net::IpAddr;
+use std::ops::Range;
 use std::sync::{Arc, PoisonError, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use mori_umbp::{CloseReport, LocalPool, PoolStats, PutOutcome};
+use mori_io::{EngineConfig, EngineDesc, IoEngine, Location, MemoryDesc, Op};
+use mori_umbp::{CloseReport, LocalPool, PoolStats, PutOutcome, ReadSlot};
 use tonic::{Request, Response, Status};
 use tracing::warn;
 
 use crate::peer::PeerLink;
 use crate::proto::umbp_server::Umbp;
 use crate::proto::{
-    BatchExistsPrefixRequest, BatchExistsPrefixResponse, BatchGetRequest, BatchGetResponse,
-    BatchPutRequest, BatchPutResponse, CommitEntry, ExistsRequest, ExistsResponse, GetRequest,
-    GetResponse, HealthRequest, HealthResponse, KeyValue, PutRequest, PutResponse, RemoveRequest,
+    BatchExistsPrefixRequest, BatchExistsPrefixResponse, BatchGetIntoRequest, BatchGetIntoResponse,
+    BatchGetRequest, BatchGetResponse, BatchPutFromRequest, BatchPutRequest, BatchPutResponse,
+    CommitEntry, ExistsRequest, ExistsResponse, GetIntoResult, GetRequest, GetResponse,
+    HealthRequest, HealthResponse, KeyValue, PutRequest, PutResponse, RemoveRequest,
     RemoveResponse, StatsRequest, StatsResponse,
 };
 
@@ -67,6 +71,232 @@ impl SharedPool {
     }
 }
 
+/// Maps an IO engine error to a gRPC status.
+pub fn status_of_io(e: mori_io::Error) -> Status {
+    let msg = format!("data plane: {e}");
+    match e {
+        mori_io::Error::InvalidArgument(_)
+        | mori_io::Error::OutOfRange(_)
+        | mori_io::Error::UnknownRegion(_) => Status::invalid_argument(msg),
+        mori_io::Error::Timeout { .. } => Status::deadline_exceeded(msg),
+        _ => Status::unavailable(msg),
+    }
+}
+
+fn status_of_failure(f: mori_io::Failure) -> Status {
+    let msg = format!("data plane transfer failed: {}", f.message);
+    match f.kind {
+        mori_io::FailureKind::UnknownRegion | mori_io::FailureKind::OutOfRange => {
+            Status::invalid_argument(msg)
+        }
+        mori_io::FailureKind::Timeout => Status::deadline_exceeded(msg),
+        _ => Status::unavailable(msg),
+    }
+}
+
+/// The daemon's side of the data plane: a mori.io engine with the pool's DRAM arena
+/// registered. The daemon drives every transfer itself (it writes values into a client's
+/// registered buffer for `BatchGetInto`, under the pool lock so the values cannot move; it
+/// reads values out of it for `BatchPutFrom`), so clients never address the arena and no
+/// pinning protocol is needed.
+pub struct DataPlane {
+    engine: IoEngine,
+    arena: MemoryDesc,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for DataPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataPlane")
+            .field("engine", &self.engine.name())
+            .field("arena_bytes", &self.arena.len)
+            .finish()
+    }
+}
+
+/// A transfer that has not finished after this long fails the call.
+pub const DATA_TIMEOUT: Duration = Duration::from_secs(20);
+
+impl DataPlane {
+    /// Starts an engine listening on `host` and registers the pool's arena with it.
+    pub fn start(pool: &SharedPool, host: IpAddr) -> Result<DataPlane, String> {
+        let (addr, len) = pool
+            .with(|p| Ok(p.dram_region()))
+            .map_err(|s| s.message().to_string())?;
+        let name = format!("umbpd-{}-{:x}", std::process::id(), addr);
+        let cfg = EngineConfig {
+            host,
+            timeout: DATA_TIMEOUT,
+            ..EngineConfig::default()
+        };
+        let engine = IoEngine::new(&name, cfg).map_err(|e| e.to_string())?;
+        let arena = engine
+            .register(addr as u64, len as u64, Location::Host)
+            .map_err(|e| e.to_string())?;
+        Ok(DataPlane {
+            engine,
+            arena,
+            timeout: DATA_TIMEOUT,
+        })
+    }
+
+    /// Stops serving the arena (waits for transfers in flight): call before the pool closes.
+    pub fn close(&self) {
+        if let Err(e) = self.engine.deregister(&self.arena) {
+            warn!(error = %e, "deregistering the DRAM arena");
+        }
+    }
+
+    /// Parses a client's descriptors and connects to its engine.
+    fn client(&self, engine: &[u8], memory: &[u8]) -> Result<MemoryDesc, Status> {
+        let desc = EngineDesc::from_bytes(engine).map_err(status_of_io)?;
+        let mem = MemoryDesc::from_bytes(memory).map_err(status_of_io)?;
+        if mem.engine != desc.name {
+            return Err(Status::invalid_argument(
+                "the memory descriptor belongs to another engine",
+            ));
+        }
+        self.engine.connect(&desc).map_err(status_of_io)?;
+        Ok(mem)
+    }
+
+    fn run(
+        &self,
+        op: Op,
+        local: &MemoryDesc,
+        local_offsets: &[u64],
+        remote: &MemoryDesc,
+        remote_offsets: &[u64],
+        sizes: &[u64],
+    ) -> Result<(), Status> {
+        if sizes.is_empty() {
+            return Ok(());
+        }
+        let t = self
+            .engine
+            .transfer(
+                op,
+                local,
+                local_offsets,
+                remote,
+                remote_offsets,
+                sizes,
+                None,
+            )
+            .map_err(status_of_io)?;
+        match t.wait(Some(self.timeout)) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Status::deadline_exceeded(format!(
+                "data plane transfer unfinished after {:?}",
+                self.timeout
+            ))),
+            Err(f) => Err(status_of_failure(f)),
+        }
+    }
+
+    /// Writes each found value into the client's buffer (DRAM values straight from the
+    /// arena; SSD values are answered inline).
+    fn write_slots(
+        &self,
+        slots: &[ReadSlot],
+        remote: &MemoryDesc,
+        offsets: &[u64],
+        capacities: &[u64],
+    ) -> Result<Vec<GetIntoResult>, Status> {
+        let mut out = Vec::with_capacity(slots.len());
+        let (mut loc, mut rem, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, slot) in slots.iter().enumerate() {
+            let len = match slot {
+                ReadSlot::Miss => {
+                    out.push(GetIntoResult::default());
+                    continue;
+                }
+                ReadSlot::Arena { len, .. } => *len as u64,
+                ReadSlot::Bytes(v) => v.len() as u64,
+            };
+            if len > capacities[i] {
+                return Err(Status::invalid_argument(format!(
+                    "output buffer of {} bytes is smaller than the value ({len} bytes)",
+                    capacities[i]
+                )));
+            }
+            match slot {
+                ReadSlot::Arena { offset, len } => {
+                    loc.push(*offset as u64);
+                    rem.push(offsets[i]);
+                    sizes.push(*len as u64);
+                    out.push(GetIntoResult {
+                        found: true,
+                        len: *len as u64,
+                        inline: false,
+                        value: Vec::new(),
+                    });
+                }
+                ReadSlot::Bytes(v) => out.push(GetIntoResult {
+                    found: true,
+                    len,
+                    inline: true,
+                    value: v.clone(),
+                }),
+                ReadSlot::Miss => {}
+            }
+        }
+        self.run(Op::Write, &self.arena, &loc, remote, &rem, &sizes)?;
+        Ok(out)
+    }
+
+    /// Reads the values out of the client's buffer into one staging buffer.
+    fn read_values(
+        &self,
+        remote: &MemoryDesc,
+        offsets: &[u64],
+        lens: &[u64],
+    ) -> Result<(Vec<u8>, Vec<Range<usize>>), Status> {
+        let mut ranges = Vec::with_capacity(lens.len());
+        let mut total = 0usize;
+        for &l in lens {
+            let l = usize::try_from(l).map_err(|_| Status::invalid_argument("value too large"))?;
+            ranges.push(total..total + l);
+            total = total
+                .checked_add(l)
+                .ok_or_else(|| Status::invalid_argument("values too large"))?;
+        }
+        let mut buf = vec![0u8; total];
+        if total == 0 {
+            return Ok((buf, ranges));
+        }
+        let local = self
+            .engine
+            .register(buf.as_mut_ptr() as u64, total as u64, Location::Host)
+            .map_err(status_of_io)?;
+        let local_offsets: Vec<u64> = ranges.iter().map(|r| r.start as u64).collect();
+        let moved = self.run(Op::Read, &local, &local_offsets, remote, offsets, lens);
+        if let Err(e) = self.engine.deregister(&local) {
+            // A request may still write into it: never free it.
+            warn!(error = %e, "a staging buffer stays registered; leaking it");
+            std::mem::forget(buf);
+            return Err(Status::unavailable(format!("data plane: {e}")));
+        }
+        moved?;
+        Ok((buf, ranges))
+    }
+}
+
+/// Values of a batch put: one buffer each, or slices of one staging buffer.
+enum Values {
+    Each(Vec<Vec<u8>>),
+    Packed(Vec<u8>, Vec<Range<usize>>),
+}
+
+impl Values {
+    fn get(&self, i: usize) -> &[u8] {
+        match self {
+            Values::Each(v) => &v[i],
+            Values::Packed(buf, ranges) => &buf[ranges[i].clone()],
+        }
+    }
+}
+
 /// The `umbp.v1.Umbp` service over one [`SharedPool`].
 #[derive(Debug, Clone)]
 pub struct UmbpService {
@@ -75,6 +305,8 @@ pub struct UmbpService {
     started: Instant,
     /// A peer's connection to its master: puts are published there.
     link: Option<Arc<PeerLink>>,
+    /// The data plane (`BatchGetInto`, `BatchPutFrom`), if the IO engine started.
+    data: Option<Arc<DataPlane>>,
 }
 
 impl UmbpService {
@@ -85,7 +317,25 @@ impl UmbpService {
             role,
             started: Instant::now(),
             link: None,
+            data: None,
         }
+    }
+
+    /// Serves the data plane through `data`.
+    pub fn with_data_plane(mut self, data: Option<Arc<DataPlane>>) -> UmbpService {
+        self.data = data;
+        self
+    }
+
+    /// Runs [`UmbpService::put_items`] as a task of its own: once a put's request has
+    /// arrived whole, it runs to the end (stored and published, or undone) even if the
+    /// client goes away meanwhile (a dropped handler would otherwise stop it between storing
+    /// and publishing, leaving bytes the index does not know).
+    async fn put_detached(&self, keys: Vec<Vec<u8>>, values: Values) -> Result<Vec<bool>, Status> {
+        let me = self.clone();
+        tokio::spawn(async move { me.put_items(keys, values).await })
+            .await
+            .map_err(|e| Status::internal(format!("put task failed: {e}")))?
     }
 
     /// The service of a cluster peer: every put is published to the master through `link`
@@ -101,13 +351,14 @@ impl UmbpService {
     /// restart) is published and reported as not stored (the earlier value stays). If the
     /// master cannot be reached, the values this call stored are removed again and the call
     /// fails with `UNAVAILABLE`.
-    async fn put_items(&self, items: Vec<KeyValue>) -> Result<Vec<bool>, Status> {
+    async fn put_items(&self, keys: Vec<Vec<u8>>, values: Values) -> Result<Vec<bool>, Status> {
         let Some(link) = self.link.clone() else {
             return self
                 .call(move |p| {
-                    let pairs: Vec<(&[u8], &[u8])> = items
+                    let pairs: Vec<(&[u8], &[u8])> = keys
                         .iter()
-                        .map(|kv| (kv.key.as_slice(), kv.value.as_slice()))
+                        .enumerate()
+                        .map(|(i, k)| (k.as_slice(), values.get(i)))
                         .collect();
                     Ok(p.batch_put(&pairs)?
                         .iter()
@@ -120,21 +371,21 @@ impl UmbpService {
         // already have evicted an earlier one).
         let (keys, stored, entries) = self
             .call(move |p| {
-                let pairs: Vec<(&[u8], &[u8])> = items
+                let pairs: Vec<(&[u8], &[u8])> = keys
                     .iter()
-                    .map(|kv| (kv.key.as_slice(), kv.value.as_slice()))
+                    .enumerate()
+                    .map(|(i, k)| (k.as_slice(), values.get(i)))
                     .collect();
                 let outcomes = p.batch_put(&pairs)?;
-                let mut entries = Vec::with_capacity(items.len());
-                for kv in &items {
-                    entries.push(p.location(&kv.key)?.map(|loc| CommitEntry {
-                        key: kv.key.clone(),
+                let mut entries = Vec::with_capacity(keys.len());
+                for k in &keys {
+                    entries.push(p.location(k)?.map(|loc| CommitEntry {
+                        key: k.clone(),
                         len: loc.len,
                         on_ssd: loc.tier == mori_umbp::Tier::Ssd,
                     }));
                 }
                 let stored: Vec<bool> = outcomes.iter().map(|o| *o == PutOutcome::Stored).collect();
-                let keys: Vec<Vec<u8>> = items.into_iter().map(|kv| kv.key).collect();
                 Ok((keys, stored, entries))
             })
             .await?;
@@ -216,6 +467,10 @@ pub fn stats_response(s: PoolStats) -> StatsResponse {
     }
 }
 
+fn no_data_plane() -> Status {
+    Status::unimplemented("this umbpd serves no data plane (its IO engine did not start)")
+}
+
 fn get_response(value: Option<Vec<u8>>) -> GetResponse {
     GetResponse {
         found: value.is_some(),
@@ -227,7 +482,9 @@ fn get_response(value: Option<Vec<u8>>) -> GetResponse {
 impl Umbp for UmbpService {
     async fn put(&self, req: Request<PutRequest>) -> Result<Response<PutResponse>, Status> {
         let PutRequest { key, value } = req.into_inner();
-        let stored = self.put_items(vec![KeyValue { key, value }]).await?;
+        let stored = self
+            .put_detached(vec![key], Values::Each(vec![value]))
+            .await?;
         Ok(Response::new(PutResponse {
             stored: stored.first().copied().unwrap_or(false),
         }))
@@ -269,7 +526,73 @@ impl Umbp for UmbpService {
         req: Request<BatchPutRequest>,
     ) -> Result<Response<BatchPutResponse>, Status> {
         let BatchPutRequest { items } = req.into_inner();
-        let stored = self.put_items(items).await?;
+        let (keys, values): (Vec<Vec<u8>>, Vec<Vec<u8>>) = items
+            .into_iter()
+            .map(|KeyValue { key, value }| (key, value))
+            .unzip();
+        let stored = self.put_detached(keys, Values::Each(values)).await?;
+        Ok(Response::new(BatchPutResponse { stored }))
+    }
+
+    async fn batch_get_into(
+        &self,
+        req: Request<BatchGetIntoRequest>,
+    ) -> Result<Response<BatchGetIntoResponse>, Status> {
+        let data = self.data.clone().ok_or_else(no_data_plane)?;
+        let r = req.into_inner();
+        let n = r.keys.len();
+        if r.offsets.len() != n || r.capacities.len() != n {
+            return Err(Status::invalid_argument(
+                "keys, offsets and capacities differ in length",
+            ));
+        }
+        let pool = Arc::clone(&self.pool);
+        let results = tokio::task::spawn_blocking(move || {
+            let remote = data.client(&r.engine, &r.memory)?;
+            let refs: Vec<&[u8]> = r.keys.iter().map(Vec::as_slice).collect();
+            pool.with(|p| {
+                p.batch_read_with(&refs, |slots| {
+                    data.write_slots(slots, &remote, &r.offsets, &r.capacities)
+                })
+            })?
+        })
+        .await
+        .map_err(|e| Status::internal(format!("pool worker failed: {e}")))??;
+        Ok(Response::new(BatchGetIntoResponse { results }))
+    }
+
+    async fn batch_put_from(
+        &self,
+        req: Request<BatchPutFromRequest>,
+    ) -> Result<Response<BatchPutResponse>, Status> {
+        let data = self.data.clone().ok_or_else(no_data_plane)?;
+        let r = req.into_inner();
+        if r.offsets.len() != r.keys.len() || r.lens.len() != r.keys.len() {
+            return Err(Status::invalid_argument(
+                "keys, offsets and lengths differ in length",
+            ));
+        }
+        let me = self.clone();
+        // Detached, as put_detached: a client that goes away mid-call cannot stop it half way.
+        let task = tokio::spawn(async move {
+            let BatchPutFromRequest {
+                engine,
+                memory,
+                keys,
+                offsets,
+                lens,
+            } = r;
+            let (buf, ranges) = tokio::task::spawn_blocking(move || {
+                let remote = data.client(&engine, &memory)?;
+                data.read_values(&remote, &offsets, &lens)
+            })
+            .await
+            .map_err(|e| Status::internal(format!("data plane worker failed: {e}")))??;
+            me.put_items(keys, Values::Packed(buf, ranges)).await
+        });
+        let stored = task
+            .await
+            .map_err(|e| Status::internal(format!("put task failed: {e}")))??;
         Ok(Response::new(BatchPutResponse { stored }))
     }
 

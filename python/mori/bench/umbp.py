@@ -2,7 +2,10 @@
 
 Measured in one run: host memcpy bandwidth (numpy, the bar for embedded gets), the embedded pool
 (put / get / get_into by value size and batch), a standalone ``umbpd`` daemon and a cluster (a
-master and 2 peers; values travel as gRPC bytes) over loopback gRPC (when the binary is built), ``batch_exists_prefix`` of 64 keys (p50/p99), tier hit rates on a synthetic
+master and 2 peers; values as gRPC bytes, and over mori.io for registered buffers — rows
+``2peers-io``) over loopback (when the binary is built), master metadata key-ops/s (batched
+``batch_exists_prefix`` of 1024 keys from 1 and 4 threads, p50/p99), ``batch_exists_prefix`` of
+64 keys (p50/p99), tier hit rates on a synthetic
 multi-turn prefix-cache trace whose working set is larger than DRAM, and Redis SET/GET through
 ``redis-benchmark`` with the same value sizes as a baseline (when redis-server is installed).
 
@@ -81,6 +84,83 @@ def _pool_rows(client, label: str, total_bytes: int, zero_copy: bool) -> list[di
             print(f"  {label:<8} {human_bytes(size):>8} ×{batch:<4} put {row['put_gbps']:6.2f} GB/s {row['put_ops']:9.0f}/s | "
                   f"get {row['get_gbps']:6.2f} GB/s {row['get_ops']:9.0f}/s"
                   + (f" | get_into {row['get_into_gbps']:6.2f} GB/s" if "get_into_gbps" in row else ""), flush=True)
+    return rows
+
+
+def _dataplane_rows(client, label: str, total_bytes: int) -> list[dict[str, Any]]:
+    """batch_put_from / batch_get_into on buffers registered with the client's IO engine: the
+    daemon moves the values straight between its DRAM and the buffer (mori.io)."""
+    rows = []
+    for size in SIZES:
+        n = max(8, min(4096, total_bytes // size))
+        for batch in BATCHES:
+            if batch > n:
+                continue
+            src = np.random.default_rng(3).integers(0, 256, batch * size, dtype=np.uint8)
+            dst = np.zeros_like(src)
+            client.register(src)
+            client.register(dst)
+            offs, sizes = [j * size for j in range(batch)], [size] * batch
+            keys = [f"{label}/{size}/{batch}/{i}".encode() for i in range(n - n % batch)]
+            t0 = time.perf_counter()
+            for i in range(0, len(keys), batch):
+                client.batch_put_from(keys[i : i + batch], src, offs, sizes)
+            t_put = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for i in range(0, len(keys), batch):
+                got = client.batch_get_into(keys[i : i + batch], dst, offs, sizes)
+            t_get = time.perf_counter() - t0
+            assert got == sizes and dst.tobytes() == src.tobytes()
+            for k in keys:
+                client.remove(k)
+            client.unregister(src)
+            client.unregister(dst)
+            row = {"backend": label, "value_bytes": size, "batch": batch, "keys": len(keys),
+                   "put_gbps": len(keys) * size / t_put / 1e9, "put_ops": len(keys) / t_put,
+                   "get_gbps": len(keys) * size / t_get / 1e9, "get_ops": len(keys) / t_get}
+            rows.append(row)
+            print(f"  {label:<8} {human_bytes(size):>8} ×{batch:<4} put {row['put_gbps']:6.2f} GB/s {row['put_ops']:9.0f}/s | "
+                  f"get {row['get_gbps']:6.2f} GB/s {row['get_ops']:9.0f}/s", flush=True)
+    return rows
+
+
+def _master_ops(client, master: str, keys_per_call: int = 1024, seconds: float = 2.0) -> list[dict[str, Any]]:
+    """Metadata key-ops through the master's RPC: batch_exists_prefix over keys that all exist
+    (every key is looked up), from 1 and 4 client threads, each with its own connection."""
+    import threading
+
+    from mori.umbp import Client
+
+    keys = [f"meta/{i}".encode() for i in range(keys_per_call)]
+    for i in range(0, len(keys), 256):
+        client.batch_put(keys[i : i + 256], [b"x"] * len(keys[i : i + 256]))
+    rows = []
+    for threads in (1, 4):
+        clients = [Client(master=master) for _ in range(threads)]
+        lat: list[list[float]] = [[] for _ in range(threads)]
+        stop = time.perf_counter() + seconds
+
+        def work(t: int) -> None:
+            c = clients[t]
+            while time.perf_counter() < stop:
+                t0 = time.perf_counter()
+                assert c.batch_exists_prefix(keys) == len(keys)
+                lat[t].append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        ths = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        elapsed = time.perf_counter() - t0
+        all_lat = [x for lt in lat for x in lt]
+        row = {"threads": threads, "keys_per_call": keys_per_call, "calls": len(all_lat),
+               "key_ops_per_s": len(all_lat) * keys_per_call / elapsed,
+               "p50_us": median(all_lat) * 1e6, "p99_us": percentile(all_lat, 0.99) * 1e6}
+        rows.append(row)
+        print(f"  master batch_exists_prefix({keys_per_call}) ×{threads} threads: {row['key_ops_per_s'] / 1e6:.2f} M key-ops/s, "
+              f"p50 {row['p50_us']:.0f} µs, p99 {row['p99_us']:.0f} µs", flush=True)
     return rows
 
 
@@ -212,6 +292,10 @@ def run(out_dir: str) -> dict[str, Any]:
                                         "--dram-bytes", "1G")[0])
                 c = Client(master=master)
                 rows += _pool_rows(c, "2peers", 64 << 20, zero_copy=False)
+                print("  registered buffers (values over mori.io, control over gRPC):")
+                rows += _dataplane_rows(c, "2peers-io", 256 << 20)
+                print("  master metadata throughput:")
+                record["master_ops"] = _master_ops(c, master)
                 record["cluster_exists_prefix_64"] = _exists_latency(c)
                 print(f"  batch_exists_prefix(64 keys) via the master: "
                       f"p50 {record['cluster_exists_prefix_64']['p50_us']:.1f} µs, "
