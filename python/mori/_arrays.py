@@ -9,10 +9,17 @@ import numpy as np
 
 from mori.errors import InvalidArgumentError
 
+_INT64 = np.dtype(np.int64)
+
 
 def int64_array(values: Any, name: str, *, nonnegative: bool = False) -> np.ndarray:
     """A contiguous one-dimensional int64 array (no copy when ``values`` already is one);
     torch tensors are accepted (moved to the CPU)."""
+    if type(values) is np.ndarray and values.dtype == _INT64 and values.ndim == 1 and values.flags.c_contiguous:
+        arr = values  # the common case, without a call into numpy
+        if nonnegative and arr.size and arr.min() < 0:
+            raise InvalidArgumentError(f"{name} holds negative values")
+        return arr
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()

@@ -183,8 +183,9 @@ class IOEngine:
         lo, ro, sz = int64_array(lo, "local_offsets"), int64_array(ro, "remote_offsets"), int64_array(sizes, "sizes")
         if not (lo.size == ro.size == sz.size):
             raise InvalidArgumentError(f"offset and size arrays differ in length ({lo.size}, {ro.size}, {sz.size})")
+        # The arrays are read in place (not copied) and kept alive by the transfer.
         inner = self._inner.transfer(
-            write, local._raw, address(lo), remote._raw, address(ro), address(sz), sz.size, None if notify is None else bytes(notify)
+            write, local._raw, address(lo), remote._raw, address(ro), address(sz), sz.size, None if notify is None else bytes(notify), (lo, ro, sz)
         )
         return Transfer(inner)
 
@@ -197,11 +198,15 @@ class IOEngine:
 
     def batch_read(self, local: MemoryDesc, local_offsets: Any, remote: MemoryDesc, remote_offsets: Any, sizes: Any) -> Transfer:
         """Item i: ``sizes[i]`` bytes from ``remote`` at ``remote_offsets[i]`` to ``local`` at
-        ``local_offsets[i]`` (int64 arrays: numpy, torch or sequences)."""
+        ``local_offsets[i]`` (int64 arrays: numpy, torch or sequences). Contiguous int64 numpy
+        arrays (and CPU int64 tensors) are read in place, not copied: do not write them until
+        the transfer is done (a write in between may move other blocks, or fail the transfer
+        as out of range; it never reaches memory outside the registered regions)."""
         return self._submit(False, local, local_offsets, remote, remote_offsets, sizes, None)
 
     def batch_write(self, local: MemoryDesc, local_offsets: Any, remote: MemoryDesc, remote_offsets: Any, sizes: Any, *, notify: bytes | None = None) -> Transfer:
-        """Item i: ``sizes[i]`` bytes from ``local`` to ``remote``. With ``notify``, the target
+        """Item i: ``sizes[i]`` bytes from ``local`` to ``remote`` (arrays as for
+        :meth:`batch_read`: read in place, do not write them until done). With ``notify``, the target
         engine lists ``(this engine's name, notify)`` in its :meth:`notifications` once every
         item has landed."""
         return self._submit(True, local, local_offsets, remote, remote_offsets, sizes, notify)

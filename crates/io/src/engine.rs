@@ -8,10 +8,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use mori_transport::batch::first_out_of_range;
 use mori_transport::cuda_ipc::{self, Exporter, Importer, IpcConfig, Prepared};
-use mori_transport::tcp::{Batch, Connection, Job, Server};
+use mori_transport::tcp::{Connection, Job, Server};
 use mori_transport::wire::Kind;
-use mori_transport::{Error, Location, Registry, Result, Route, Transfer, UseGuard};
+use mori_transport::{Batch, Error, Location, Registry, Result, Route, Transfer, UseGuard};
 
 use crate::desc::{EngineDesc, MemoryDesc};
 
@@ -286,7 +287,8 @@ impl IoEngine {
     /// Starts a batched transfer: for every i, `sizes[i]` bytes between `local` at
     /// `local_offsets[i]` and `remote` at `remote_offsets[i]`. Every range is checked before
     /// anything moves (the remote side checks again). With `notify`, the remote engine records
-    /// it once the whole write has landed.
+    /// it once the whole write has landed. The arrays are copied; [`transfer_batch`]
+    /// (Self::transfer_batch) takes a [`Batch`] that may borrow them instead.
     #[allow(clippy::too_many_arguments)]
     pub fn transfer(
         &self,
@@ -298,15 +300,25 @@ impl IoEngine {
         sizes: &[u64],
         notify: Option<&[u8]>,
     ) -> Result<Transfer> {
+        let batch = Batch::owned(
+            local_offsets.to_vec(),
+            remote_offsets.to_vec(),
+            sizes.to_vec(),
+        )?;
+        self.transfer_batch(op, local, remote, batch, notify)
+    }
+
+    /// [`transfer`](Self::transfer) of a [`Batch`] (owned, or borrowing the caller's arrays:
+    /// they are then read in place and kept alive until the last request is done).
+    pub fn transfer_batch(
+        &self,
+        op: Op,
+        local: &MemoryDesc,
+        remote: &MemoryDesc,
+        batch: Batch,
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer> {
         self.own(local)?;
-        let n = sizes.len();
-        if local_offsets.len() != n || remote_offsets.len() != n {
-            return Err(Error::InvalidArgument(format!(
-                "offset and size arrays differ in length: {} local, {} remote, {n} sizes",
-                local_offsets.len(),
-                remote_offsets.len()
-            )));
-        }
         if notify.is_some() && op == Op::Read {
             return Err(Error::InvalidArgument(
                 "notifications are for writes".into(),
@@ -314,37 +326,26 @@ impl IoEngine {
         }
         let guard = Arc::new(self.registry.acquire(local.id)?);
         let llen = guard.region().len;
-        // One tight pass: every range inside its region (no overflow), and the chunk cuts.
-        let mut chunks: Vec<std::ops::Range<usize>> = Vec::new();
-        let (mut start, mut bytes) = (0usize, 0u64);
-        for i in 0..n {
+        // SAFETY: this is the submitting call, during which a borrowed batch's arrays are not
+        // written (Batch::borrowed's contract); the slices do not outlive it.
+        let (local_offsets, remote_offsets, sizes) = unsafe { batch.slices() };
+        if let Some(i) = first_out_of_range(local_offsets, remote_offsets, sizes, llen, remote.len)
+        {
             let s = sizes[i];
             let fits = |off: u64, len: u64| off.checked_add(s).is_some_and(|end| end <= len);
-            if !fits(local_offsets[i], llen) || !fits(remote_offsets[i], remote.len) {
-                let (side, off, len) = if fits(local_offsets[i], llen) {
-                    ("remote", remote_offsets[i], remote.len)
-                } else {
-                    ("local", local_offsets[i], llen)
-                };
-                let shown = if off > i64::MAX as u64 {
-                    "a negative offset".to_string()
-                } else {
-                    format!("[{off}, {off}+{s})")
-                };
-                return Err(Error::OutOfRange(format!(
-                    "item {i}: {side} range {shown} lies outside its {len}-byte region"
-                )));
-            }
-            bytes += s;
-            if bytes >= self.config.chunk_bytes
-                || i + 1 - start >= mori_transport::wire::MAX_ITEMS as usize
-            {
-                chunks.push(start..i + 1);
-                (start, bytes) = (i + 1, 0);
-            }
-        }
-        if start < n {
-            chunks.push(start..n);
+            let (side, off, len) = if fits(local_offsets[i], llen) {
+                ("remote", remote_offsets[i], remote.len)
+            } else {
+                ("local", local_offsets[i], llen)
+            };
+            let shown = if off > i64::MAX as u64 {
+                "a negative offset".to_string()
+            } else {
+                format!("[{off}, {off}+{s})")
+            };
+            return Err(Error::OutOfRange(format!(
+                "item {i}: {side} range {shown} lies outside its {len}-byte region"
+            )));
         }
         let peer = self
             .peers
@@ -381,11 +382,22 @@ impl IoEngine {
                 peer,
             );
         }
-        let batch = Arc::new(Batch {
-            local_offsets: local_offsets.to_vec(),
-            remote_offsets: remote_offsets.to_vec(),
-            sizes: sizes.to_vec(),
-        });
+        // Requests of about chunk_bytes (and at most MAX_ITEMS items) each.
+        let mut chunks: Vec<std::ops::Range<usize>> = Vec::new();
+        let (mut start, mut bytes) = (0usize, 0u64);
+        for (i, &s) in sizes.iter().enumerate() {
+            bytes = bytes.saturating_add(s);
+            if bytes >= self.config.chunk_bytes
+                || i + 1 - start >= mori_transport::wire::MAX_ITEMS as usize
+            {
+                chunks.push(start..i + 1);
+                (start, bytes) = (i + 1, 0);
+            }
+        }
+        if start < sizes.len() {
+            chunks.push(start..sizes.len());
+        }
+        let batch = Arc::new(batch);
         // Same host, host memory on both sides: the target copies straight from/to us.
         let direct = self.config.same_host_direct
             && peer.same_host

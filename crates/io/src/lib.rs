@@ -13,4 +13,6 @@ mod engine;
 pub use desc::{EngineDesc, MemoryDesc};
 pub use engine::{EngineConfig, IoEngine, Notification, Op};
 pub use mori_transport::cuda_ipc::{DEFAULT_CE_THRESHOLD, ce_threshold_from_env};
-pub use mori_transport::{Error, Failure, FailureKind, Location, Result, Route, Status, Transfer};
+pub use mori_transport::{
+    Batch, Error, Failure, FailureKind, KeepAlive, Location, Result, Route, Status, Transfer,
+};

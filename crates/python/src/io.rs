@@ -1,10 +1,10 @@
 //! Bindings of mori-io: the engine, descriptors (as bytes) and transfers.
 
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use mori_io::{EngineConfig, EngineDesc, Location, MemoryDesc, Op, Status};
+use mori_io::{Batch, EngineConfig, EngineDesc, Location, MemoryDesc, Op, Status};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -105,9 +105,11 @@ impl IoEngine {
         self.inner.is_connected(name)
     }
 
-    /// `*_ptr` are contiguous int64 arrays of `count` items, kept alive by the caller.
+    /// `*_ptr` are contiguous int64 arrays of `count` items. With `keep` (the arrays, or an
+    /// object holding them), the transfer reads them in place and keeps `keep` alive until it
+    /// is done (the caller must not write them until then); without it they are copied.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (write, local, local_offsets_ptr, remote, remote_offsets_ptr, sizes_ptr, count, notify=None))]
+    #[pyo3(signature = (write, local, local_offsets_ptr, remote, remote_offsets_ptr, sizes_ptr, count, notify=None, keep=None))]
     fn transfer(
         &self,
         py: Python<'_>,
@@ -119,27 +121,47 @@ impl IoEngine {
         sizes_ptr: usize,
         count: usize,
         notify: Option<&[u8]>,
+        keep: Option<Py<PyAny>>,
     ) -> Result<Transfer> {
         let (local, remote) = (
             MemoryDesc::from_bytes(local)?,
             MemoryDesc::from_bytes(remote)?,
         );
         let op = if write { Op::Write } else { Op::Read };
-        py.detach(|| {
-            // SAFETY: mori.io passes contiguous int64 arrays of `count` items that it keeps alive.
-            let (lo, ro, sz) = unsafe {
-                (
-                    host_u64s(local_offsets_ptr, count)?,
-                    host_u64s(remote_offsets_ptr, count)?,
-                    host_u64s(sizes_ptr, count)?,
-                )
-            };
-            Ok(Transfer {
-                inner: self
-                    .inner
-                    .transfer(op, &local, lo, &remote, ro, sz, notify)?,
-            })
-        })
+        let (lo, ro, sz) = (
+            local_offsets_ptr as *const u64,
+            remote_offsets_ptr as *const u64,
+            sizes_ptr as *const u64,
+        );
+        let batch = match keep {
+            // SAFETY: mori.io passes contiguous int64 arrays of `count` items held by `keep`,
+            // and documents that they must not be written until the transfer is done.
+            Some(keep) => unsafe { Batch::borrowed(lo, ro, sz, count, Box::new(keep))? },
+            None => {
+                // SAFETY: contiguous int64 arrays of `count` items, alive during this call.
+                let (lo, ro, sz) = unsafe {
+                    (
+                        host_u64s(local_offsets_ptr, count)?,
+                        host_u64s(remote_offsets_ptr, count)?,
+                        host_u64s(sizes_ptr, count)?,
+                    )
+                };
+                Batch::owned(lo.to_vec(), ro.to_vec(), sz.to_vec())?
+            }
+        };
+        let run = || {
+            self.inner
+                .transfer_batch(op, &local, &remote, batch, notify)
+        };
+        // TCP and same-host submissions only check and queue (tens of µs): keeping the GIL is
+        // cheaper than handing it over and waiting to get it back. A cuda_ipc submission may
+        // open an IPC mapping or compile a kernel on first use: it runs detached.
+        let inner = if remote.ipc.is_some() {
+            py.detach(run)?
+        } else {
+            run()?
+        };
+        Ok(Transfer { inner })
     }
 
     /// Notifications received so far, as (engine name, tag) pairs; each is returned once.
@@ -209,14 +231,40 @@ impl Transfer {
         }
     }
 
-    /// Calls `callback()` (with the GIL) once the transfer finishes, from mori's thread.
-    fn add_done_callback(&self, callback: Py<PyAny>) {
-        self.inner.on_done(Box::new(move || {
-            Python::attach(|py| {
+    /// Calls `callback()` (with the GIL) once the transfer finishes. A task on mori.io's
+    /// completion runtime (tokio) awaits the transfer and runs it, so connection threads never
+    /// wait for the GIL.
+    fn add_done_callback(&self, callback: Py<PyAny>) -> Result<()> {
+        let finished = self.inner.finished();
+        completion_runtime()?.spawn(async move {
+            let _ = finished.await;
+            // At interpreter shutdown there is nobody left to tell.
+            Python::try_attach(|py| {
                 if let Err(e) = callback.call0(py) {
                     e.print(py);
                 }
-            })
-        }));
+            });
+        });
+        Ok(())
     }
+}
+
+/// The tokio runtime that completes Python awaitables and callbacks (one worker: every
+/// callback needs the GIL anyway). Started on first use, kept for the life of the process.
+fn completion_runtime() -> Result<&'static tokio::runtime::Runtime> {
+    static RT: OnceLock<std::result::Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("mori-io-complete")
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|e| {
+        Error::Io(mori_io::Error::Io {
+            context: "starting the mori.io completion runtime".into(),
+            source: std::io::Error::other(e.clone()),
+        })
+    })
 }

@@ -4,6 +4,7 @@
 //! memory: the initiator's GPU copies through a CUDA IPC mapping of the peer's region).
 
 mod access;
+pub mod batch;
 pub mod cuda_ipc;
 pub mod direct;
 mod error;
@@ -12,6 +13,7 @@ pub mod tcp;
 pub mod transfer;
 pub mod wire;
 
+pub use batch::{Batch, KeepAlive};
 pub use error::{Code, Error, Result};
 pub use registry::{Location, Region, Registry, UseGuard};
-pub use transfer::{Failure, FailureKind, Route, Status, Transfer};
+pub use transfer::{Failure, FailureKind, Finished, Route, Status, Transfer};

@@ -1,9 +1,13 @@
 //! A transfer's completion: several requests (a batch is split across connections) complete
 //! it together; the first failure decides its status. Waiters block on a condition variable;
-//! callbacks (e.g. Python awaitables) run once, outside the lock, when it finishes.
+//! callbacks run once, outside the lock, when it finishes; [`Transfer::finished`] is a future
+//! (any executor: mori's Python awaitables are driven by a tokio runtime).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::error::Error;
@@ -90,6 +94,7 @@ struct State {
     remaining: usize,
     failure: Option<Failure>,
     callbacks: Vec<Callback>,
+    wakers: Vec<Waker>,
 }
 
 struct Inner {
@@ -124,6 +129,7 @@ impl Transfer {
                     remaining: parts,
                     failure: None,
                     callbacks: Vec::new(),
+                    wakers: Vec::new(),
                 }),
                 cond: Condvar::new(),
                 route: AtomicU8::new(route as u8),
@@ -149,7 +155,7 @@ impl Transfer {
 
     /// Records one part's outcome; the last part (or the first failure) finishes the transfer.
     pub fn part_done(&self, result: std::result::Result<(), &Error>) {
-        let callbacks = {
+        let (callbacks, wakers) = {
             let Ok(mut st) = self.inner.state.lock() else {
                 return;
             };
@@ -167,8 +173,12 @@ impl Transfer {
                 return;
             }
             self.inner.cond.notify_all();
-            std::mem::take(&mut st.callbacks)
+            (
+                std::mem::take(&mut st.callbacks),
+                std::mem::take(&mut st.wakers),
+            )
         };
+        wakers.into_iter().for_each(Waker::wake);
         for cb in callbacks {
             cb();
         }
@@ -227,6 +237,13 @@ impl Transfer {
         }
     }
 
+    /// A future that resolves when the transfer finishes (Ok, or its failure).
+    pub fn finished(&self) -> Finished {
+        Finished {
+            transfer: self.clone(),
+        }
+    }
+
     /// Runs `f` once the transfer finishes (at once if it already has).
     pub fn on_done(&self, f: Callback) {
         let run_now = match self.inner.state.lock() {
@@ -239,6 +256,35 @@ impl Transfer {
         if let Some(f) = run_now {
             f();
         }
+    }
+}
+
+/// The future of [`Transfer::finished`].
+pub struct Finished {
+    transfer: Transfer,
+}
+
+impl Future for Finished {
+    type Output = std::result::Result<(), Failure>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut st = match self.transfer.inner.state.lock() {
+            Ok(st) => st,
+            Err(_) => {
+                return Poll::Ready(Err(Failure {
+                    kind: FailureKind::Other,
+                    message: "poisoned transfer state".into(),
+                }));
+            }
+        };
+        if st.remaining == 0 {
+            return Poll::Ready(st.failure.clone().map_or(Ok(()), Err));
+        }
+        // A task polled again is registered once.
+        if !st.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            st.wakers.push(cx.waker().clone());
+        }
+        Poll::Pending
     }
 }
 
@@ -279,5 +325,58 @@ mod tests {
         assert_eq!(ipc.route().name(), "cuda_ipc");
         ipc.set_route(Route::Direct);
         assert_eq!(ipc.route(), Route::Direct);
+    }
+
+    /// Drives a future on this thread (a waker that unparks it).
+    fn block_on<F: Future>(f: F) -> F::Output {
+        struct Unpark(std::thread::Thread);
+        impl std::task::Wake for Unpark {
+            fn wake(self: Arc<Self>) {
+                self.0.unpark();
+            }
+        }
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        let mut f = std::pin::pin!(f);
+        loop {
+            if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+                return v;
+            }
+            std::thread::park_timeout(Duration::from_secs(5));
+        }
+    }
+
+    #[test]
+    fn finished_future_wakes_on_completion_and_failure() {
+        let t = Transfer::new(2);
+        let t2 = t.clone();
+        let th = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            t2.part_done(Ok(()));
+            std::thread::sleep(Duration::from_millis(30));
+            t2.part_done(Ok(()));
+        });
+        let started = Instant::now();
+        assert_eq!(block_on(t.finished()), Ok(()));
+        assert!(
+            started.elapsed() >= Duration::from_millis(50),
+            "waited for both parts"
+        );
+        th.join().unwrap();
+        assert_eq!(
+            block_on(t.finished()),
+            Ok(()),
+            "ready at once when already done"
+        );
+
+        let f = Transfer::new(1);
+        let f2 = f.clone();
+        let th = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            f2.part_done(Err(&Error::OutOfRange("item 3".into())));
+        });
+        let failure = block_on(f.finished()).unwrap_err();
+        assert_eq!(failure.kind, FailureKind::OutOfRange);
+        th.join().unwrap();
     }
 }
