@@ -205,6 +205,7 @@ class IoEngine:
         sizes_ptr: int,
         count: int,
         notify: bytes | None = None,
+        keep: Any = None,
     ) -> Transfer: ...
     def take_notifications(self) -> list[tuple[str, bytes]]: ...
 

@@ -6,6 +6,18 @@
 //! empty value). Runs are allocated first-fit by address from a free list of runs, and freed
 //! runs are coalesced with their free neighbours, so the free list always holds maximal runs.
 //!
+//! # Pins and reservations
+//!
+//! For an IO engine that moves bytes while the pool lock is not held:
+//! [`DramArena::pin`] holds a value's run (count per run) — [`DramArena::remove`] of a pinned
+//! value drops the key at once and frees the run with the last [`DramArena::unpin`], and
+//! [`DramArena::lru_unpinned_victim`] passes pinned values over; [`DramArena::reserve`]
+//! allocates a run for a value that is written in place and becomes readable only with
+//! [`DramArena::commit_reserved`] (or is freed by [`DramArena::release_reserved`]). Only the
+//! ranges of stored values are ever borrowed as Rust slices, so an engine writing a reserved
+//! run (or reading a pinned one) through the raw [`DramArena::region`] pointer never aliases
+//! a borrow.
+//!
 //! Accounting is in pages: [`DramArena::used_bytes`] + [`DramArena::free_bytes`] ==
 //! [`DramArena::capacity_bytes`] at all times; [`DramArena::value_bytes`] is the sum of the
 //! stored value lengths.
@@ -57,15 +69,34 @@ impl AlignedBuf {
         Ok(AlignedBuf { ptr, layout })
     }
 
-    fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr points to layout.size() initialised (zeroed) bytes owned by self, and
-        // the returned borrow is tied to &self.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+    fn len(&self) -> usize {
+        self.layout.size()
     }
 
-    fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in as_slice, and &mut self guarantees exclusive access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+    /// The bytes `start..start + len`, or `None` when out of bounds. Only this range is
+    /// borrowed: other ranges may meanwhile be written by another thread through the raw
+    /// region pointer (an IO engine landing a put in reserved pages).
+    fn range(&self, start: usize, len: usize) -> Option<&[u8]> {
+        let end = start.checked_add(len)?;
+        if end > self.len() {
+            return None;
+        }
+        // SAFETY: start..end lies inside the allocation (checked above), whose bytes are
+        // initialised (zeroed at allocation); the borrow is tied to &self, and the arena never
+        // hands out a range that the pool lets someone else write while it is borrowed.
+        Some(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) })
+    }
+
+    /// Mutable form of [`AlignedBuf::range`].
+    fn range_mut(&mut self, start: usize, len: usize) -> Option<&mut [u8]> {
+        let end = start.checked_add(len)?;
+        if end > self.len() {
+            return None;
+        }
+        // SAFETY: as in `range`; &mut self makes this the only Rust borrow of the arena, and
+        // the range is an allocated run that no transfer writes or reads (pinned runs are never
+        // written, reserved runs are written only through `write_reserved` or the engine).
+        Some(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(start), len) })
     }
 }
 
@@ -88,6 +119,50 @@ struct Entry {
     stamp: u64,
 }
 
+/// A run of pages allocated by [`DramArena::reserve`] for a value that is still being
+/// written: not readable, not evictable, until [`DramArena::commit_reserved`] (or freed by
+/// [`DramArena::release_reserved`]).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Reserved {
+    page: usize,
+    pages: usize,
+    len: usize,
+}
+
+impl Reserved {
+    /// Byte offset of the run within [`DramArena::region`].
+    pub fn offset(&self, page_bytes: usize) -> usize {
+        self.page * page_bytes
+    }
+
+    /// Length of the value the run was reserved for.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the value is empty (no pages).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A hold on a value's pages taken by [`DramArena::pin`]: until [`DramArena::unpin`], the
+/// pages are neither freed nor reused (a `remove` of the key unindexes it at once and frees
+/// the pages with the last unpin).
+#[derive(Debug, PartialEq, Eq)]
+pub struct PinToken {
+    page: usize,
+    pages: usize,
+}
+
+#[derive(Debug)]
+struct PinState {
+    pages: usize,
+    count: usize,
+    /// The value was removed while pinned: free the run with the last unpin.
+    orphan: bool,
+}
+
 /// Host-memory page arena: the DRAM tier of a UMBP peer. See the module docs.
 pub struct DramArena {
     buf: AlignedBuf,
@@ -101,6 +176,12 @@ pub struct DramArena {
     lru: BTreeMap<u64, Vec<u8>>,
     next_stamp: u64,
     value_bytes: usize,
+    /// Pinned runs, by first page (runs never overlap, so the first page names one).
+    pinned: HashMap<usize, PinState>,
+    /// Pages reserved for values being written (not yet committed).
+    reserved_pages: usize,
+    /// Pages given up for good ([`DramArena::leak_reserved`]).
+    leaked_pages: usize,
 }
 
 impl std::fmt::Debug for DramArena {
@@ -139,6 +220,9 @@ impl DramArena {
             lru: BTreeMap::new(),
             next_stamp: 0,
             value_bytes: 0,
+            pinned: HashMap::new(),
+            reserved_pages: 0,
+            leaked_pages: 0,
         })
     }
 
@@ -152,7 +236,7 @@ impl DramArena {
         let pages = value.len().div_ceil(self.page_bytes);
         let page = if pages == 0 { 0 } else { self.alloc(pages)? };
         let start = page * self.page_bytes;
-        if let Some(dst) = self.buf.as_mut_slice().get_mut(start..start + value.len()) {
+        if let Some(dst) = self.buf.range_mut(start, value.len()) {
             dst.copy_from_slice(value);
         } else {
             self.free_run(page, pages);
@@ -178,8 +262,7 @@ impl DramArena {
     /// The value of `key`, borrowed from the arena. Does not count as a use.
     pub fn get(&self, key: &[u8]) -> Option<&[u8]> {
         let e = self.entries.get(key)?;
-        let start = e.page * self.page_bytes;
-        self.buf.as_slice().get(start..start + e.len)
+        self.buf.range(e.page * self.page_bytes, e.len)
     }
 
     /// Like [`DramArena::get`], and records a use of `key`.
@@ -218,15 +301,149 @@ impl DramArena {
         true
     }
 
-    /// Frees the pages of `key`. Returns whether it was stored.
+    /// Removes `key` and frees its pages — or, while they are pinned, frees them with the
+    /// last [`DramArena::unpin`] (the key is gone at once either way). Returns whether it
+    /// was stored.
     pub fn remove(&mut self, key: &[u8]) -> bool {
         let Some(e) = self.entries.remove(key) else {
             return false;
         };
         self.lru.remove(&e.stamp);
-        self.free_run(e.page, e.pages);
         self.value_bytes -= e.len;
+        match self.pinned.get_mut(&e.page) {
+            Some(p) if e.pages > 0 => p.orphan = true,
+            _ => self.free_run(e.page, e.pages),
+        }
         true
+    }
+
+    /// Pins the pages of `key` (see [`PinToken`]); returns the value's byte offset within
+    /// [`DramArena::region`], its length and the token. Not a use. An empty value has no
+    /// pages: its token holds nothing.
+    pub fn pin(&mut self, key: &[u8]) -> Option<(usize, usize, PinToken)> {
+        let e = *self.entries.get(key)?;
+        if e.pages > 0 {
+            self.pinned
+                .entry(e.page)
+                .or_insert(PinState {
+                    pages: e.pages,
+                    count: 0,
+                    orphan: false,
+                })
+                .count += 1;
+        }
+        let token = PinToken {
+            page: e.page,
+            pages: e.pages,
+        };
+        Some((e.page * self.page_bytes, e.len, token))
+    }
+
+    /// Releases a pin; the last pin of a removed value frees its pages.
+    pub fn unpin(&mut self, token: PinToken) {
+        if token.pages == 0 {
+            return;
+        }
+        let Some(p) = self.pinned.get_mut(&token.page) else {
+            debug_assert!(false, "unpin of a run that is not pinned");
+            return;
+        };
+        p.count -= 1;
+        if p.count == 0 {
+            let (pages, orphan) = (p.pages, p.orphan);
+            self.pinned.remove(&token.page);
+            if orphan {
+                self.free_run(token.page, pages);
+            }
+        }
+    }
+
+    /// Whether the pages of `key` are pinned.
+    pub fn is_pinned(&self, key: &[u8]) -> bool {
+        self.entries
+            .get(key)
+            .is_some_and(|e| e.pages > 0 && self.pinned.contains_key(&e.page))
+    }
+
+    /// Number of pinned runs (of stored or removed values).
+    pub fn pinned_runs(&self) -> usize {
+        self.pinned.len()
+    }
+
+    /// Allocates a run for a value of `len` bytes that will be written in place (by
+    /// [`DramArena::write_reserved`] or by an IO engine at [`Reserved::offset`]). The run
+    /// counts as used; nobody reads it until [`DramArena::commit_reserved`].
+    pub fn reserve(&mut self, len: usize) -> Result<Reserved> {
+        let pages = len.div_ceil(self.page_bytes);
+        let page = if pages == 0 { 0 } else { self.alloc(pages)? };
+        self.reserved_pages += pages;
+        Ok(Reserved { page, pages, len })
+    }
+
+    /// Copies `data` into a reserved run at `at` (bounds-checked against the reservation).
+    pub fn write_reserved(&mut self, r: &Reserved, at: usize, data: &[u8]) -> Result<()> {
+        if at.checked_add(data.len()).is_none_or(|end| end > r.len) {
+            return Err(Error::InvalidArgument(format!(
+                "{} bytes at {at} exceed the reserved {} bytes",
+                data.len(),
+                r.len
+            )));
+        }
+        let dst = self
+            .buf
+            .range_mut(r.page * self.page_bytes + at, data.len())
+            .ok_or_else(|| Error::InvalidArgument("reserved run outside the arena".into()))?;
+        dst.copy_from_slice(data);
+        Ok(())
+    }
+
+    /// Makes a reserved run the value of `key` (counts as a use). A stored key gives
+    /// [`Error::AlreadyExists`] and hands the reservation back.
+    pub fn commit_reserved(
+        &mut self,
+        key: &[u8],
+        r: Reserved,
+    ) -> std::result::Result<(), (Error, Reserved)> {
+        if self.entries.contains_key(key) {
+            return Err((Error::AlreadyExists, r));
+        }
+        self.reserved_pages -= r.pages;
+        let stamp = self.bump();
+        self.lru.insert(stamp, key.to_vec());
+        self.entries.insert(
+            key.to_vec(),
+            Entry {
+                page: r.page,
+                pages: r.pages,
+                len: r.len,
+                stamp,
+            },
+        );
+        self.value_bytes += r.len;
+        Ok(())
+    }
+
+    /// Frees a reserved run (an aborted or refused put).
+    pub fn release_reserved(&mut self, r: Reserved) {
+        self.reserved_pages -= r.pages;
+        self.free_run(r.page, r.pages);
+    }
+
+    /// Gives a reserved run up for good: for a put whose transfer may still write into it
+    /// (it timed out), so the pages are never reused. Counted in [`DramArena::leaked_bytes`].
+    pub fn leak_reserved(&mut self, r: Reserved) {
+        self.reserved_pages -= r.pages;
+        self.leaked_pages += r.pages;
+    }
+
+    /// Bytes of runs reserved for values being written.
+    pub fn reserved_bytes(&self) -> usize {
+        self.reserved_pages * self.page_bytes
+    }
+
+    /// Bytes given up by [`DramArena::leak_reserved`].
+    pub fn leaked_bytes(&self) -> usize {
+        self.leaked_pages * self.page_bytes
     }
 
     /// Whether `key` is stored. Not a use.
@@ -289,11 +506,19 @@ impl DramArena {
         self.lru.values().take(n).cloned().collect()
     }
 
+    /// The least recently used key whose pages are not pinned (evicting a pinned value
+    /// would free nothing until its transfers finish).
+    pub fn lru_unpinned_victim(&self) -> Option<Vec<u8>> {
+        self.lru
+            .values()
+            .find(|k| !self.is_pinned(k))
+            .map(|k| k.to_vec())
+    }
+
     /// Start and length of the arena allocation (4096-byte aligned), for registration with
     /// the IO engine. The pointer is valid for the lifetime of the arena.
     pub fn region(&self) -> (*const u8, usize) {
-        let s = self.buf.as_slice();
-        (s.as_ptr(), s.len())
+        (self.buf.ptr.as_ptr().cast_const(), self.buf.len())
     }
 
     fn bump(&mut self) -> u64 {

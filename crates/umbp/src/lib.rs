@@ -39,10 +39,13 @@ pub mod pool;
 pub mod ssd;
 
 pub use crc::crc32c;
-pub use dram::DramArena;
+pub use dram::{DramArena, PinToken, Reserved};
 pub use error::{Error, Result};
 pub use meta::{Location, MemoryStore, MetadataStore, Tier};
 #[cfg(feature = "redis")]
 pub use meta_redis::{RedisOptions, RedisStore};
-pub use pool::{CloseReport, LocalPool, PoolConfig, PoolStats, PutOutcome, ReadSlot, Residency};
+pub use pool::{
+    CloseReport, DramHolds, LocalPool, PoolConfig, PoolStats, PutOutcome, PutReservation, ReadSlot,
+    ReserveSlot, Residency,
+};
 pub use ssd::{CompactionReport, RecoveryReport, SsdConfig, SsdLog};

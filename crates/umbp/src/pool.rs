@@ -47,12 +47,24 @@
 //! is unpublished before its bytes are freed), so `exists`, `batch_exists_prefix` and
 //! `location` run without the coarse lock and scale with threads. Finer-grained locking
 //! (per-tier locks, SSD reads outside the lock) is future work.
+//!
+//! Two calls hand arena pages to someone else *outside* the lock, for an IO engine to move
+//! bytes without serialising on it:
+//!
+//! * [`LocalPool::batch_read_with`] **pins** the DRAM values it names while its callback
+//!   runs (a pin count per run): eviction passes over pinned values; a remove, a demotion
+//!   or a directed eviction of a pinned value unindexes it at once and frees its pages with
+//!   the last unpin. Pins are released when the callback returns or unwinds.
+//! * [`LocalPool::reserve_puts`] **reserves** pages for values written in place; they are
+//!   neither indexed nor evictable until [`PutReservation::commit`] publishes them (first
+//!   writer wins there), and an abort (or drop) frees them, so a half-written value is
+//!   never readable.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use tracing::{debug, warn};
 
-use crate::dram::DramArena;
+use crate::dram::{DramArena, PinToken, Reserved};
 use crate::error::{Error, Result, key_display};
 use crate::meta::{Location, MemoryStore, MetadataStore, Tier};
 use crate::ssd::{MAX_KEY_LEN, RecoveryReport, SsdConfig, SsdLog};
@@ -120,6 +132,163 @@ pub enum ReadSlot {
     },
     /// The value was read from SSD (it may have been promoted to DRAM too).
     Bytes(Vec<u8>),
+}
+
+/// Where [`LocalPool::reserve_puts`] placed one value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReserveSlot {
+    /// The key is already present: nothing to write (the put will be
+    /// [`PutOutcome::AlreadyExists`]).
+    Exists,
+    /// Write the value's `len` bytes at `offset` in the arena ([`LocalPool::dram_region`]).
+    Arena {
+        /// Byte offset within the arena.
+        offset: usize,
+        /// Value length.
+        len: usize,
+    },
+}
+
+/// DRAM held outside the stored values ([`LocalPool::dram_holds`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DramHolds {
+    /// Runs pinned by reads in flight (of stored or already removed values).
+    pub pinned_runs: usize,
+    /// Bytes reserved for puts being written.
+    pub reserved_bytes: usize,
+    /// Bytes given up by [`PutReservation::leak`].
+    pub leaked_bytes: usize,
+}
+
+/// Pages reserved by [`LocalPool::reserve_puts`]. Exactly one of [`PutReservation::commit`],
+/// [`PutReservation::abort`] or [`PutReservation::leak`] ends it; dropping it aborts.
+#[derive(Debug)]
+pub struct PutReservation<'a> {
+    pool: &'a LocalPool,
+    keys: Vec<Vec<u8>>,
+    runs: Vec<Option<Reserved>>,
+    slots: Vec<ReserveSlot>,
+}
+
+impl PutReservation<'_> {
+    /// Where each value goes, in the order of the items.
+    pub fn slots(&self) -> &[ReserveSlot] {
+        &self.slots
+    }
+
+    /// Copies `value` into the pages reserved for item `i` (what an IO engine does when it
+    /// lands the bytes itself). Fails for an [`ReserveSlot::Exists`] item or a value longer
+    /// than the reservation.
+    pub fn write(&mut self, i: usize, value: &[u8]) -> Result<()> {
+        let Some(Some(run)) = self.runs.get(i) else {
+            return Err(Error::InvalidArgument(format!(
+                "item {i} has no reserved pages"
+            )));
+        };
+        self.pool.lock().dram.write_reserved(run, 0, value)
+    }
+
+    /// Publishes the values (their bytes must all be in place): each reserved run becomes
+    /// its key's DRAM value and is indexed — unless the key was stored meanwhile (another
+    /// writer won), in which case its pages are freed and it is
+    /// [`PutOutcome::AlreadyExists`]. On a metadata error the uncommitted rest is freed.
+    pub fn commit(mut self) -> Result<Vec<PutOutcome>> {
+        let pool = self.pool;
+        let mut inner = pool.lock();
+        let meta = &*pool.meta;
+        let mut out = Vec::with_capacity(self.runs.len());
+        for i in 0..self.runs.len() {
+            let Some(run) = self.runs[i].take() else {
+                out.push(PutOutcome::AlreadyExists);
+                continue;
+            };
+            let key = &self.keys[i];
+            let present = match meta.get(key) {
+                Ok(p) => p.is_some(),
+                Err(e) => {
+                    inner.dram.release_reserved(run);
+                    return Err(e);
+                }
+            };
+            if present {
+                inner.dram.release_reserved(run);
+                out.push(PutOutcome::AlreadyExists);
+                continue;
+            }
+            let len = run.len() as u64;
+            if let Err((_, run)) = inner.dram.commit_reserved(key, run) {
+                inner.dram.release_reserved(run);
+                out.push(PutOutcome::AlreadyExists);
+                continue;
+            }
+            let loc = Location {
+                peer: LOCAL_PEER,
+                tier: Tier::Dram,
+                len,
+            };
+            match meta.insert_if_absent(key, loc) {
+                Ok(true) => out.push(PutOutcome::Stored),
+                Ok(false) => {
+                    // Not reachable while every writer holds the pool lock; keep the first.
+                    inner.dram.remove(key);
+                    out.push(PutOutcome::AlreadyExists);
+                }
+                Err(e) => {
+                    inner.dram.remove(key);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Frees every reserved page: nothing of this batch becomes readable.
+    pub fn abort(self) {
+        // Drop does it.
+    }
+
+    /// Gives the reserved pages up for good without publishing anything: for a transfer
+    /// that may still write into them later (it timed out), so they are never reused.
+    pub fn leak(mut self) {
+        let mut inner = self.pool.lock();
+        for run in self.runs.iter_mut().filter_map(Option::take) {
+            warn!(
+                bytes = run.len(),
+                "a put's reserved DRAM pages are given up"
+            );
+            inner.dram.leak_reserved(run);
+        }
+    }
+}
+
+impl Drop for PutReservation<'_> {
+    fn drop(&mut self) {
+        if self.runs.iter().all(Option::is_none) {
+            return;
+        }
+        let mut inner = self.pool.lock();
+        for run in self.runs.iter_mut().filter_map(Option::take) {
+            inner.dram.release_reserved(run);
+        }
+    }
+}
+
+/// Pins taken by [`LocalPool::batch_read_with`], released on drop.
+struct Pins<'a> {
+    pool: &'a LocalPool,
+    tokens: Vec<PinToken>,
+}
+
+impl Drop for Pins<'_> {
+    fn drop(&mut self) {
+        if self.tokens.is_empty() {
+            return;
+        }
+        let mut inner = self.pool.lock();
+        for t in self.tokens.drain(..) {
+            inner.dram.unpin(t);
+        }
+    }
 }
 
 /// Counters and sizes of a [`LocalPool`].
@@ -336,70 +505,78 @@ impl LocalPool {
 
     /// Reads `keys` as [`LocalPool::batch_get`] does (hits, misses, LRU renewal, promotion
     /// of SSD hits), but instead of copying DRAM values out, runs `f` with each value's
-    /// place: its run in the arena, or its bytes when it came from SSD. The pool lock is
-    /// held while `f` runs, so no arena value named in the slots moves or is freed until `f`
-    /// returns (`f` typically copies them out over the IO engine).
+    /// place: its run in the arena, or its bytes when it came from SSD. The DRAM values named
+    /// in the slots are **pinned** while `f` runs — the pool lock is *not* held, so other
+    /// calls (more reads, puts, removes, eviction) proceed meanwhile; a pinned run is never
+    /// freed or reused (eviction passes over it, and a remove or demotion frees it with the
+    /// last unpin) — and unpinned when `f` returns or unwinds. `f` typically copies the values
+    /// out over the IO engine.
     pub fn batch_read_with<R>(
         &self,
         keys: &[&[u8]],
         f: impl FnOnce(&[ReadSlot]) -> R,
     ) -> Result<R> {
+        let mut pins = Pins {
+            pool: self,
+            tokens: Vec::new(),
+        };
+        let slots = self
+            .lock()
+            .place_reads(&*self.meta, keys, &mut pins.tokens)?;
+        Ok(f(&slots))
+        // `pins` drops here (also when `f` unwinds): every pin is released.
+    }
+
+    /// Reserves DRAM pages for a batch of puts that will be written in place (by an IO
+    /// engine landing the bytes straight in the arena, at the offsets of
+    /// [`PutReservation::slots`]), evicting as a put does. Keys already present are
+    /// [`ReserveSlot::Exists`] and get no pages. Returns `Ok(None)` — with nothing reserved —
+    /// when some value cannot be placed in DRAM (larger than the tier, or no room even after
+    /// evicting every unpinned value): the caller then stores the batch with
+    /// [`LocalPool::batch_put`] instead.
+    ///
+    /// Nothing is readable until [`PutReservation::commit`]: reserved pages are not indexed,
+    /// and [`PutReservation::abort`] (or dropping the reservation) frees them.
+    pub fn reserve_puts(&self, items: &[(&[u8], usize)]) -> Result<Option<PutReservation<'_>>> {
+        let mut res = PutReservation {
+            pool: self,
+            keys: Vec::with_capacity(items.len()),
+            runs: Vec::with_capacity(items.len()),
+            slots: Vec::with_capacity(items.len()),
+        };
         let mut inner = self.lock();
-        let meta = &*self.meta;
-        // Pass 1: SSD values are read (and promoted, which may evict DRAM values); pass 2
-        // places DRAM values, so no later step of this call moves them.
-        let mut slots = Vec::with_capacity(keys.len());
-        let mut pending = Vec::new();
-        for (i, key) in keys.iter().enumerate() {
-            match meta.get(key)? {
-                None => {
-                    inner.counters.misses += 1;
-                    slots.push(ReadSlot::Miss);
-                }
-                Some(loc) if loc.tier == Tier::Dram => {
-                    pending.push(i);
-                    slots.push(ReadSlot::Miss);
-                }
-                Some(_) => {
-                    let mut v = Vec::new();
-                    slots.push(match inner.read(meta, key, Out::Vec(&mut v))? {
-                        Some(_) => ReadSlot::Bytes(v),
-                        None => ReadSlot::Miss,
-                    });
-                }
-            }
-        }
-        for i in pending {
-            let key = keys[i];
-            if inner.dram.touch(key) {
-                let offset = inner.dram.value_offset(key).unwrap_or(0);
-                let len = inner.dram.get(key).map_or(0, <[u8]>::len);
-                inner.counters.hits_dram += 1;
-                slots[i] = ReadSlot::Arena { offset, len };
+        for &(key, len) in items {
+            check_key(key)?;
+            res.keys.push(key.to_vec());
+            if self.meta.get(key)?.is_some() {
+                res.runs.push(None);
+                res.slots.push(ReserveSlot::Exists);
                 continue;
             }
-            // Demoted by a promotion of pass 1: read its SSD copy without promoting it.
-            let from_ssd = match inner.ssd.as_ref() {
-                Some(ssd) => ssd.get(key),
-                None => Ok(None),
-            };
-            slots[i] = match from_ssd {
-                Ok(Some(v)) => {
-                    inner.counters.hits_ssd += 1;
-                    ReadSlot::Bytes(v)
+            match inner.dram_reserve(&*self.meta, len)? {
+                Some(run) => {
+                    let offset = run.offset(inner.dram.page_bytes());
+                    res.runs.push(Some(run));
+                    res.slots.push(ReserveSlot::Arena { offset, len });
                 }
-                Ok(None) => {
-                    inner.counters.misses += 1;
-                    ReadSlot::Miss
+                None => {
+                    // Released by `res`'s drop, which takes the lock again.
+                    drop(inner);
+                    return Ok(None);
                 }
-                Err(e) => {
-                    warn!(key = %key_display(key), error = %e, "reading a demoted value failed");
-                    inner.counters.misses += 1;
-                    ReadSlot::Miss
-                }
-            };
+            }
         }
-        Ok(f(&slots))
+        Ok(Some(res))
+    }
+
+    /// Pinned runs, reserved and leaked DRAM bytes (see [`DramHolds`]).
+    pub fn dram_holds(&self) -> DramHolds {
+        let inner = self.lock();
+        DramHolds {
+            pinned_runs: inner.dram.pinned_runs(),
+            reserved_bytes: inner.dram.reserved_bytes(),
+            leaked_bytes: inner.dram.leaked_bytes(),
+        }
     }
 
     /// Whether `key` is present. Reads only the metadata: never renews LRU order, never
@@ -619,6 +796,71 @@ fn too_small(out: usize, len: u64) -> Error {
 }
 
 impl Inner {
+    /// Places `keys` for [`LocalPool::batch_read_with`], pinning each DRAM hit (tokens
+    /// pushed to `pins`).
+    fn place_reads(
+        &mut self,
+        meta: &dyn MetadataStore,
+        keys: &[&[u8]],
+        pins: &mut Vec<PinToken>,
+    ) -> Result<Vec<ReadSlot>> {
+        // Pass 1: SSD values are read (and promoted, which may evict DRAM values); pass 2
+        // places DRAM values, so no later step of this call moves them.
+        let mut slots = Vec::with_capacity(keys.len());
+        let mut pending = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            match meta.get(key)? {
+                None => {
+                    self.counters.misses += 1;
+                    slots.push(ReadSlot::Miss);
+                }
+                Some(loc) if loc.tier == Tier::Dram => {
+                    pending.push(i);
+                    slots.push(ReadSlot::Miss);
+                }
+                Some(_) => {
+                    let mut v = Vec::new();
+                    slots.push(match self.read(meta, key, Out::Vec(&mut v))? {
+                        Some(_) => ReadSlot::Bytes(v),
+                        None => ReadSlot::Miss,
+                    });
+                }
+            }
+        }
+        for i in pending {
+            let key = keys[i];
+            if self.dram.touch(key)
+                && let Some((offset, len, token)) = self.dram.pin(key)
+            {
+                pins.push(token);
+                self.counters.hits_dram += 1;
+                slots[i] = ReadSlot::Arena { offset, len };
+                continue;
+            }
+            // Demoted by a promotion of pass 1: read its SSD copy without promoting it.
+            let from_ssd = match self.ssd.as_ref() {
+                Some(ssd) => ssd.get(key),
+                None => Ok(None),
+            };
+            slots[i] = match from_ssd {
+                Ok(Some(v)) => {
+                    self.counters.hits_ssd += 1;
+                    ReadSlot::Bytes(v)
+                }
+                Ok(None) => {
+                    self.counters.misses += 1;
+                    ReadSlot::Miss
+                }
+                Err(e) => {
+                    warn!(key = %key_display(key), error = %e, "reading a demoted value failed");
+                    self.counters.misses += 1;
+                    ReadSlot::Miss
+                }
+            };
+        }
+        Ok(slots)
+    }
+
     fn put(&mut self, meta: &dyn MetadataStore, key: &[u8], value: &[u8]) -> Result<PutOutcome> {
         check_key(key)?;
         if meta.get(key)?.is_some() {
@@ -762,21 +1004,53 @@ impl Inner {
         }
     }
 
-    /// Places `value` in DRAM, evicting LRU values first (see the module docs). Returns
-    /// `Ok(false)` if it does not fit even in an empty arena.
-    fn dram_insert(&mut self, meta: &dyn MetadataStore, key: &[u8], value: &[u8]) -> Result<bool> {
-        let need = round_up(value.len(), self.dram.page_bytes());
+    /// Evicts LRU values (see the module docs) before `len` bytes are placed in DRAM.
+    fn make_room(&mut self, meta: &dyn MetadataStore, len: usize) -> Result<()> {
+        let need = round_up(len, self.dram.page_bytes());
         if self.dram.used_bytes() + need > self.high_bytes {
-            while !self.dram.is_empty() && self.dram.used_bytes() + need > self.low_bytes {
-                self.evict_lru(meta)?;
+            while self.dram.used_bytes() + need > self.low_bytes {
+                if !self.evict_lru(meta)? {
+                    break;
+                }
             }
         }
+        Ok(())
+    }
+
+    /// Places `value` in DRAM, evicting LRU values first (see the module docs). Returns
+    /// `Ok(false)` if it does not fit even with every unpinned value evicted.
+    fn dram_insert(&mut self, meta: &dyn MetadataStore, key: &[u8], value: &[u8]) -> Result<bool> {
+        self.make_room(meta, value.len())?;
         loop {
             match self.dram.put(key, value) {
                 Ok(()) => return Ok(true),
                 // Fragmentation: free more, least recently used first.
-                Err(Error::NoSpace { .. }) if !self.dram.is_empty() => self.evict_lru(meta)?,
-                Err(Error::NoSpace { .. }) => return Ok(false),
+                Err(Error::NoSpace { .. }) => {
+                    if !self.evict_lru(meta)? {
+                        return Ok(false);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Reserves a run for a value of `len` bytes as [`Inner::dram_insert`] places one.
+    /// `Ok(None)` if it does not fit (larger than DRAM, or no room with every unpinned
+    /// value evicted).
+    fn dram_reserve(&mut self, meta: &dyn MetadataStore, len: usize) -> Result<Option<Reserved>> {
+        if len > self.dram.capacity_bytes() {
+            return Ok(None);
+        }
+        self.make_room(meta, len)?;
+        loop {
+            match self.dram.reserve(len) {
+                Ok(r) => return Ok(Some(r)),
+                Err(Error::NoSpace { .. }) => {
+                    if !self.evict_lru(meta)? {
+                        return Ok(None);
+                    }
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -788,12 +1062,13 @@ impl Inner {
         }
     }
 
-    /// Demotes (or, failing that, drops) the least recently used DRAM value.
-    fn evict_lru(&mut self, meta: &dyn MetadataStore) -> Result<()> {
-        let Some(victim) = self.dram.lru_victims(1).pop() else {
-            return Ok(());
+    /// Demotes (or, failing that, drops) the least recently used DRAM value that is not
+    /// pinned. Returns whether there was one.
+    fn evict_lru(&mut self, meta: &dyn MetadataStore) -> Result<bool> {
+        let Some(victim) = self.dram.lru_unpinned_victim() else {
+            return Ok(false);
         };
-        self.evict_key(meta, victim).map(|_| ())
+        self.evict_key(meta, victim).map(|_| true)
     }
 
     /// Demotes (or, failing that, drops) one DRAM value; returns whether it was kept on SSD.

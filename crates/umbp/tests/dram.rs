@@ -227,3 +227,47 @@ fn lru_order() {
     assert_eq!(a.lru_victims(10).last(), Some(&key(3)));
     assert_eq!(a.lru_victims(0), Vec::<Vec<u8>>::new());
 }
+
+/// A pinned run outlives a remove (freed with the last unpin) and is passed over as an
+/// eviction victim; reserved runs count as used, become values only when committed, and
+/// are freed (or given up) otherwise.
+#[test]
+fn pins_and_reservations_account_pages() {
+    let mut a = DramArena::new(16 * 4096, 4096).unwrap();
+    a.put(b"x", &[1; 5000]).unwrap();
+    a.put(b"y", &[2; 100]).unwrap();
+    let (off, len, t1) = a.pin(b"x").unwrap();
+    let (_, _, t2) = a.pin(b"x").unwrap();
+    assert_eq!((off, len), (0, 5000));
+    assert!(a.is_pinned(b"x") && !a.is_pinned(b"y"));
+    assert_eq!(a.lru_unpinned_victim(), Some(b"y".to_vec()));
+    assert!(a.remove(b"x"));
+    assert!(!a.contains(b"x"));
+    assert_eq!(a.used_bytes(), 3 * 4096, "pinned pages stay allocated");
+    a.unpin(t1);
+    assert_eq!(a.used_bytes(), 3 * 4096);
+    a.unpin(t2);
+    assert_eq!((a.used_bytes(), a.pinned_runs()), (4096, 0));
+    // An empty value pins nothing.
+    a.put(b"e", b"").unwrap();
+    let (_, _, t) = a.pin(b"e").unwrap();
+    assert_eq!(a.pinned_runs(), 0);
+    a.unpin(t);
+
+    let r = a.reserve(9000).unwrap();
+    assert_eq!((a.used_bytes(), a.reserved_bytes()), (4 * 4096, 3 * 4096));
+    a.write_reserved(&r, 0, &[7; 9000]).unwrap();
+    assert!(a.write_reserved(&r, 1, &[7; 9000]).is_err());
+    let Err((_, r)) = a.commit_reserved(b"y", r) else {
+        panic!("y is stored")
+    };
+    a.commit_reserved(b"z", r).unwrap();
+    assert_eq!(a.get(b"z"), Some(&[7u8; 9000][..]));
+    assert_eq!(a.reserved_bytes(), 0);
+    let r = a.reserve(4096).unwrap();
+    a.release_reserved(r);
+    let r = a.reserve(4096).unwrap();
+    a.leak_reserved(r);
+    assert_eq!((a.reserved_bytes(), a.leaked_bytes()), (0, 4096));
+    assert_eq!(a.used_bytes(), 5 * 4096);
+}

@@ -10,8 +10,11 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Barrier;
 
+use std::time::Duration;
+
 use mori_umbp::{
-    Error, LocalPool, PoolConfig, PoolStats, PutOutcome, ReadSlot, RecoveryReport, SsdConfig, Tier,
+    DramHolds, Error, LocalPool, PoolConfig, PoolStats, PutOutcome, ReadSlot, RecoveryReport,
+    ReserveSlot, SsdConfig, Tier,
 };
 
 /// Small deterministic generator (xorshift64*).
@@ -925,5 +928,170 @@ fn batch_read_with_places_dram_values_and_reads_ssd_values() {
         before.hits_dram + before.hits_ssd + 5
     );
     assert!(after.hits_ssd > before.hits_ssd && after.promotions > before.promotions);
+    pool.check_consistency().unwrap();
+}
+
+/// Reads the arena bytes of a slot. Only valid while the value is pinned (inside a
+/// `batch_read_with` callback) or reserved.
+fn arena_bytes(base: usize, offset: usize, len: usize) -> Vec<u8> {
+    // SAFETY: callers pass a run of the arena (`base` from `dram_region`, alive while the
+    // pool is) that is pinned or reserved, so it is neither freed nor written by the pool.
+    unsafe { std::slice::from_raw_parts((base + offset) as *const u8, len) }.to_vec()
+}
+
+/// Reads pin their DRAM values instead of holding the pool lock: two callbacks run at once
+/// (each waits for the other inside), other calls proceed meanwhile, and a pinned value's
+/// pages survive a remove and arena pressure until the read ends — then they are freed,
+/// also when the callback fails (an error, or a panic mid-transfer).
+#[test]
+fn reads_pin_values_without_the_pool_lock_and_always_unpin() {
+    let (pool, _) = LocalPool::open(PoolConfig::dram_only(64 << 10, 4096)).unwrap();
+    let (base, _) = pool.dram_region();
+    let a = vec![0xa5; 9000];
+    let b = vec![0x5a; 9000];
+    pool.put(b"a", &a).unwrap();
+    pool.put(b"b", &b).unwrap();
+
+    // Two readers overlap: each signals from inside its callback and waits for the other.
+    let (tx1, rx1) = std::sync::mpsc::channel();
+    let (tx2, rx2) = std::sync::mpsc::channel();
+    let wait = Duration::from_secs(10);
+    std::thread::scope(|s| {
+        let p = &pool;
+        let t = s.spawn(move || {
+            p.batch_read_with(&[b"a"], |_| {
+                tx1.send(()).unwrap();
+                rx2.recv_timeout(wait)
+                    .expect("the other read ran concurrently");
+            })
+            .unwrap();
+        });
+        pool.batch_read_with(&[b"b"], |_| {
+            rx1.recv_timeout(wait)
+                .expect("the other read ran concurrently");
+            tx2.send(()).unwrap();
+        })
+        .unwrap();
+        t.join().unwrap();
+    });
+    assert_eq!(pool.dram_holds().pinned_runs, 0);
+
+    // A failure injected mid-transfer: the value is removed and the arena refilled while
+    // pinned; its bytes stay intact; the panic unpins and the pages are freed.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        pool.batch_read_with(&[b"a", b"b"], |slots| {
+            let ReadSlot::Arena { offset, len } = slots[0] else {
+                panic!("a is in DRAM: {:?}", slots[0]);
+            };
+            assert_eq!(pool.dram_holds().pinned_runs, 2);
+            assert!(pool.remove(b"a").unwrap());
+            assert!(!pool.exists(b"a").unwrap() && pool.get(b"a").unwrap().is_none());
+            // Fill the arena several times over: eviction passes over pinned b and the
+            // removed a's pages are not reused.
+            for i in 0..20u8 {
+                pool.put(&[b'f', i], &[i; 9000]).unwrap();
+            }
+            assert!(pool.exists(b"b").unwrap(), "pinned b was evicted");
+            assert_eq!(arena_bytes(base, offset, len), a, "a pinned run was reused");
+            panic!("transfer failed");
+        })
+    }));
+    assert!(r.is_err());
+    assert_eq!(pool.dram_holds(), DramHolds::default(), "pins leaked");
+    // a's pages are free again: the arena accounts only for stored values.
+    let st = pool.stats();
+    assert_eq!(st.dram_used_bytes, st.dram_keys * 12288);
+    pool.check_consistency().unwrap();
+
+    // A callback that returns an error (the transfer failed) unpins too.
+    let res: Result<(), &str> = pool
+        .batch_read_with(&[b"b"], |_| Err("transfer failed"))
+        .unwrap();
+    assert!(res.is_err());
+    assert_eq!(pool.dram_holds().pinned_runs, 0);
+    // Eviction may take b now that it is unpinned.
+    for i in 20..40u8 {
+        pool.put(&[b'f', i], &[i; 9000]).unwrap();
+    }
+    assert!(!pool.exists(b"b").unwrap());
+    pool.check_consistency().unwrap();
+}
+
+/// Puts into reserved pages: invisible until committed, first writer wins at commit, an
+/// abort (or a dropped reservation) frees every page and publishes nothing, a half-written
+/// value is never readable, values that cannot go to DRAM are refused up front.
+#[test]
+fn reserved_puts_commit_or_abort_atomically() {
+    let (pool, _) = LocalPool::open(PoolConfig::dram_only(64 << 10, 4096)).unwrap();
+    let (base, _) = pool.dram_region();
+    pool.put(b"old", b"first").unwrap();
+    let v1 = vec![1u8; 10_000];
+    let v2 = vec![2u8; 5_000];
+
+    // Commit: Exists for a present key, Stored for the others; readable only afterwards.
+    let mut res = pool
+        .reserve_puts(&[(b"k1", v1.len()), (b"old", 3), (b"k2", v2.len())])
+        .unwrap()
+        .unwrap();
+    assert_eq!(res.slots()[1], ReserveSlot::Exists);
+    assert_eq!(pool.dram_holds().reserved_bytes, 12288 + 8192);
+    res.write(0, &v1[..4000]).unwrap(); // half written
+    assert!(!pool.exists(b"k1").unwrap() && pool.get(b"k1").unwrap().is_none());
+    res.write(0, &v1).unwrap();
+    res.write(2, &v2).unwrap();
+    assert!(res.write(1, b"x").is_err() && res.write(2, &[0; 5001]).is_err());
+    assert_eq!(
+        res.commit().unwrap(),
+        vec![
+            PutOutcome::Stored,
+            PutOutcome::AlreadyExists,
+            PutOutcome::Stored
+        ]
+    );
+    assert_eq!(get(&pool, b"k1"), Some(v1.clone()));
+    assert_eq!(get(&pool, b"k2"), Some(v2.clone()));
+    assert_eq!(get(&pool, b"old"), Some(b"first".to_vec()));
+    assert_eq!(pool.dram_holds(), DramHolds::default());
+
+    // Abort after a partial write: nothing readable, every page free again.
+    let used = pool.stats().dram_used_bytes;
+    let mut res = pool.reserve_puts(&[(b"k3", 9000)]).unwrap().unwrap();
+    let ReserveSlot::Arena { offset, len } = res.slots()[0] else {
+        panic!("k3 reserved");
+    };
+    res.write(0, &[3; 100]).unwrap();
+    assert_eq!(&arena_bytes(base, offset, len)[..100], &[3; 100]);
+    res.abort();
+    assert!(!pool.exists(b"k3").unwrap());
+    assert_eq!(pool.stats().dram_used_bytes, used);
+    assert_eq!(pool.dram_holds(), DramHolds::default());
+    // Dropped without commit: the same.
+    drop(pool.reserve_puts(&[(b"k3", 9000)]).unwrap().unwrap());
+    assert_eq!(pool.stats().dram_used_bytes, used);
+
+    // First writer wins: a plain put lands while the reservation is open.
+    let mut res = pool.reserve_puts(&[(b"k4", 10)]).unwrap().unwrap();
+    res.write(0, &[4; 10]).unwrap();
+    assert_eq!(pool.put(b"k4", b"winner").unwrap(), PutOutcome::Stored);
+    assert_eq!(res.commit().unwrap(), vec![PutOutcome::AlreadyExists]);
+    assert_eq!(get(&pool, b"k4"), Some(b"winner".to_vec()));
+    assert_eq!(pool.dram_holds(), DramHolds::default());
+
+    // Too large for DRAM: refused, nothing held.
+    assert!(
+        pool.reserve_puts(&[(b"k5", 10), (b"big", 65 << 10)])
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(pool.dram_holds(), DramHolds::default());
+    assert!(!pool.exists(b"k5").unwrap());
+
+    // Reservations make room by eviction like puts; a leaked reservation stays used.
+    let res = pool.reserve_puts(&[(b"k6", 40_000)]).unwrap().unwrap();
+    assert!(pool.stats().evictions > 0);
+    res.leak();
+    let h = pool.dram_holds();
+    assert_eq!((h.reserved_bytes, h.leaked_bytes), (0, 40960));
+    assert!(!pool.exists(b"k6").unwrap());
     pool.check_consistency().unwrap();
 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use mori_io::{EngineConfig, EngineDesc, IoEngine, Location, MemoryDesc, Op};
-use mori_umbp::{CloseReport, LocalPool, PoolStats, PutOutcome, ReadSlot};
+use mori_umbp::{CloseReport, LocalPool, PoolStats, PutOutcome, ReadSlot, ReserveSlot};
 use tonic::{Request, Response, Status};
 use tracing::warn;
 
@@ -52,9 +52,17 @@ impl SharedPool {
 
     /// Runs `f` on the pool, or fails with `UNAVAILABLE` once it is closed.
     pub fn with<R>(&self, f: impl FnOnce(&LocalPool) -> mori_umbp::Result<R>) -> Result<R, Status> {
+        self.with_status(|p| f(p).map_err(status_of))
+    }
+
+    /// [`SharedPool::with`] for a closure that answers gRPC statuses itself.
+    pub fn with_status<R>(
+        &self,
+        f: impl FnOnce(&LocalPool) -> Result<R, Status>,
+    ) -> Result<R, Status> {
         let guard = self.pool.read().unwrap_or_else(PoisonError::into_inner);
         match guard.as_ref() {
-            Some(pool) => f(pool).map_err(status_of),
+            Some(pool) => f(pool),
             None => Err(Status::unavailable("umbpd is shutting down")),
         }
     }
@@ -95,10 +103,11 @@ fn status_of_failure(f: mori_io::Failure) -> Status {
 }
 
 /// The daemon's side of the data plane: a mori.io engine with the pool's DRAM arena
-/// registered. The daemon drives every transfer itself (it writes values into a client's
-/// registered buffer for `BatchGetInto`, under the pool lock so the values cannot move; it
-/// reads values out of it for `BatchPutFrom`), so clients never address the arena and no
-/// pinning protocol is needed.
+/// registered. The daemon drives every transfer itself, so clients never address the arena:
+/// for `BatchGetInto` it writes values from the arena into the client's registered buffer
+/// while the pool keeps them pinned (not under the pool lock: gets at one peer overlap); for
+/// `BatchPutFrom` it reserves arena pages, reads the values out of the client's buffer
+/// straight into them, then commits them (or frees the pages if the transfer failed).
 pub struct DataPlane {
     engine: IoEngine,
     arena: MemoryDesc,
@@ -245,6 +254,58 @@ impl DataPlane {
         Ok(out)
     }
 
+    /// Stores a `BatchPutFrom` batch: reserves arena pages for every value, reads the values
+    /// out of the client's buffer straight into them (one batched mori.io read), then commits
+    /// them (first writer wins). A failed transfer frees the pages, so nothing of the batch
+    /// becomes readable; one still unfinished at the deadline gives its pages up for good (it
+    /// might still land). When some value cannot be placed in DRAM (larger than the tier, or
+    /// no room), the batch goes through a staging buffer and [`LocalPool::batch_put`]
+    /// (which may put it on SSD).
+    fn put_direct(
+        &self,
+        pool: &LocalPool,
+        remote: &MemoryDesc,
+        keys: &[Vec<u8>],
+        offsets: &[u64],
+        lens: &[u64],
+    ) -> Result<Vec<PutOutcome>, Status> {
+        let mut items = Vec::with_capacity(keys.len());
+        for (k, &l) in keys.iter().zip(lens) {
+            let l = usize::try_from(l).map_err(|_| Status::invalid_argument("value too large"))?;
+            items.push((k.as_slice(), l));
+        }
+        let Some(res) = pool.reserve_puts(&items).map_err(status_of)? else {
+            let (buf, ranges) = self.read_values(remote, offsets, lens)?;
+            let pairs: Vec<(&[u8], &[u8])> = keys
+                .iter()
+                .zip(&ranges)
+                .map(|(k, r)| (k.as_slice(), &buf[r.clone()]))
+                .collect();
+            return pool.batch_put(&pairs).map_err(status_of);
+        };
+        let (mut loc, mut rem, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, slot) in res.slots().iter().enumerate() {
+            if let ReserveSlot::Arena { offset, len } = *slot
+                && len > 0
+            {
+                loc.push(offset as u64);
+                rem.push(offsets[i]);
+                sizes.push(len as u64);
+            }
+        }
+        match self.run(Op::Read, &self.arena, &loc, remote, &rem, &sizes) {
+            Ok(()) => res.commit().map_err(status_of),
+            Err(e) if e.code() == tonic::Code::DeadlineExceeded => {
+                res.leak();
+                Err(e)
+            }
+            Err(e) => {
+                res.abort();
+                Err(e)
+            }
+        }
+    }
+
     /// Reads the values out of the client's buffer into one staging buffer.
     fn read_values(
         &self,
@@ -282,21 +343,6 @@ impl DataPlane {
     }
 }
 
-/// Values of a batch put: one buffer each, or slices of one staging buffer.
-enum Values {
-    Each(Vec<Vec<u8>>),
-    Packed(Vec<u8>, Vec<Range<usize>>),
-}
-
-impl Values {
-    fn get(&self, i: usize) -> &[u8] {
-        match self {
-            Values::Each(v) => &v[i],
-            Values::Packed(buf, ranges) => &buf[ranges[i].clone()],
-        }
-    }
-}
-
 /// The `umbp.v1.Umbp` service over one [`SharedPool`].
 #[derive(Debug, Clone)]
 pub struct UmbpService {
@@ -331,7 +377,11 @@ impl UmbpService {
     /// arrived whole, it runs to the end (stored and published, or undone) even if the
     /// client goes away meanwhile (a dropped handler would otherwise stop it between storing
     /// and publishing, leaving bytes the index does not know).
-    async fn put_detached(&self, keys: Vec<Vec<u8>>, values: Values) -> Result<Vec<bool>, Status> {
+    async fn put_detached(
+        &self,
+        keys: Vec<Vec<u8>>,
+        values: Vec<Vec<u8>>,
+    ) -> Result<Vec<bool>, Status> {
         let me = self.clone();
         tokio::spawn(async move { me.put_items(keys, values).await })
             .await
@@ -345,22 +395,39 @@ impl UmbpService {
         self
     }
 
-    /// Puts `items` into the pool; on a peer, publishes them to the master. A key the master
-    /// places at another peer (a concurrent writer won) is dropped here and reported as not
-    /// stored; a key already in this pool but not in the index (e.g. kept across a master
-    /// restart) is published and reported as not stored (the earlier value stays). If the
-    /// master cannot be reached, the values this call stored are removed again and the call
-    /// fails with `UNAVAILABLE`.
-    async fn put_items(&self, keys: Vec<Vec<u8>>, values: Values) -> Result<Vec<bool>, Status> {
+    /// Puts `items` into the pool; on a peer, publishes them to the master (see
+    /// [`UmbpService::store_and_publish`]).
+    async fn put_items(
+        &self,
+        keys: Vec<Vec<u8>>,
+        values: Vec<Vec<u8>>,
+    ) -> Result<Vec<bool>, Status> {
+        self.store_and_publish(keys, move |p, keys| {
+            let pairs: Vec<(&[u8], &[u8])> = keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| (k.as_slice(), values[i].as_slice()))
+                .collect();
+            p.batch_put(&pairs).map_err(status_of)
+        })
+        .await
+    }
+
+    /// Stores `keys` with `store` (on the blocking pool); on a peer, publishes them to the
+    /// master. A key the master places at another peer (a concurrent writer won) is dropped
+    /// here and reported as not stored; a key already in this pool but not in the index (e.g.
+    /// kept across a master restart) is published and reported as not stored (the earlier
+    /// value stays). If the master cannot be reached, the values this call stored are removed
+    /// again and the call fails with `UNAVAILABLE`.
+    async fn store_and_publish(
+        &self,
+        keys: Vec<Vec<u8>>,
+        store: impl FnOnce(&LocalPool, &[Vec<u8>]) -> Result<Vec<PutOutcome>, Status> + Send + 'static,
+    ) -> Result<Vec<bool>, Status> {
         let Some(link) = self.link.clone() else {
             return self
-                .call(move |p| {
-                    let pairs: Vec<(&[u8], &[u8])> = keys
-                        .iter()
-                        .enumerate()
-                        .map(|(i, k)| (k.as_slice(), values.get(i)))
-                        .collect();
-                    Ok(p.batch_put(&pairs)?
+                .call_status(move |p| {
+                    Ok(store(p, &keys)?
                         .iter()
                         .map(|o| *o == PutOutcome::Stored)
                         .collect())
@@ -370,16 +437,11 @@ impl UmbpService {
         // Store, then read back where each key landed (a later value of the same batch may
         // already have evicted an earlier one).
         let (keys, stored, entries) = self
-            .call(move |p| {
-                let pairs: Vec<(&[u8], &[u8])> = keys
-                    .iter()
-                    .enumerate()
-                    .map(|(i, k)| (k.as_slice(), values.get(i)))
-                    .collect();
-                let outcomes = p.batch_put(&pairs)?;
+            .call_status(move |p| {
+                let outcomes = store(p, &keys)?;
                 let mut entries = Vec::with_capacity(keys.len());
                 for k in &keys {
-                    entries.push(p.location(k)?.map(|loc| CommitEntry {
+                    entries.push(p.location(k).map_err(status_of)?.map(|loc| CommitEntry {
                         key: k.clone(),
                         len: loc.len,
                         on_ssd: loc.tier == mori_umbp::Tier::Ssd,
@@ -439,8 +501,16 @@ impl UmbpService {
         &self,
         f: impl FnOnce(&LocalPool) -> mori_umbp::Result<R> + Send + 'static,
     ) -> Result<R, Status> {
+        self.call_status(move |p| f(p).map_err(status_of)).await
+    }
+
+    /// [`UmbpService::call`] for a closure that answers gRPC statuses itself.
+    async fn call_status<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&LocalPool) -> Result<R, Status> + Send + 'static,
+    ) -> Result<R, Status> {
         let pool = Arc::clone(&self.pool);
-        tokio::task::spawn_blocking(move || pool.with(f))
+        tokio::task::spawn_blocking(move || pool.with_status(f))
             .await
             .map_err(|e| Status::internal(format!("pool worker failed: {e}")))?
     }
@@ -482,9 +552,7 @@ fn get_response(value: Option<Vec<u8>>) -> GetResponse {
 impl Umbp for UmbpService {
     async fn put(&self, req: Request<PutRequest>) -> Result<Response<PutResponse>, Status> {
         let PutRequest { key, value } = req.into_inner();
-        let stored = self
-            .put_detached(vec![key], Values::Each(vec![value]))
-            .await?;
+        let stored = self.put_detached(vec![key], vec![value]).await?;
         Ok(Response::new(PutResponse {
             stored: stored.first().copied().unwrap_or(false),
         }))
@@ -530,7 +598,7 @@ impl Umbp for UmbpService {
             .into_iter()
             .map(|KeyValue { key, value }| (key, value))
             .unzip();
-        let stored = self.put_detached(keys, Values::Each(values)).await?;
+        let stored = self.put_detached(keys, values).await?;
         Ok(Response::new(BatchPutResponse { stored }))
     }
 
@@ -582,13 +650,11 @@ impl Umbp for UmbpService {
                 offsets,
                 lens,
             } = r;
-            let (buf, ranges) = tokio::task::spawn_blocking(move || {
+            me.store_and_publish(keys, move |p, keys| {
                 let remote = data.client(&engine, &memory)?;
-                data.read_values(&remote, &offsets, &lens)
+                data.put_direct(p, &remote, keys, &offsets, &lens)
             })
             .await
-            .map_err(|e| Status::internal(format!("data plane worker failed: {e}")))??;
-            me.put_items(keys, Values::Packed(buf, ranges)).await
         });
         let stored = task
             .await
@@ -672,5 +738,84 @@ mod tests {
         assert!(shared.close().is_none());
         let err = shared.with(|p| p.exists(b"k")).unwrap_err();
         assert_eq!(err.code(), tonic::Code::Unavailable);
+    }
+
+    /// The data plane over a real engine pair in this process: a put lands straight in
+    /// reserved arena pages; a put whose transfer fails (the client's buffer is gone)
+    /// publishes nothing and frees its pages; a get whose transfer fails unpins its values.
+    #[test]
+    fn data_plane_put_abort_and_get_failure_release_the_arena() {
+        let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(256 << 10, 4096)).unwrap();
+        let shared = SharedPool::new(pool);
+        let localhost = IpAddr::from([127, 0, 0, 1]);
+        let data = DataPlane::start(&shared, localhost).unwrap();
+        let client = IoEngine::new(
+            "svc-test-client",
+            EngineConfig {
+                host: localhost,
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        let desc = client.desc().to_bytes();
+        let mut src: Vec<u8> = (0..64u32 << 10).map(|i| (i % 251) as u8).collect();
+        let smem = client
+            .register(src.as_mut_ptr() as u64, src.len() as u64, Location::Host)
+            .unwrap();
+        let keys = vec![b"p0".to_vec(), b"p1".to_vec()];
+        let (offs, lens) = ([0u64, 20_000], [10_000u64, 30_000]);
+
+        let remote = data.client(&desc, &smem.to_bytes()).unwrap();
+        let out = shared
+            .with_status(|p| data.put_direct(p, &remote, &keys, &offs, &lens))
+            .unwrap();
+        assert_eq!(out, vec![PutOutcome::Stored; 2]);
+        let got = shared.with(|p| p.get(b"p1")).unwrap().unwrap();
+        assert_eq!(got, &src[20_000..50_000]);
+        // Second writer of the same keys: already there, nothing reserved.
+        let out = shared
+            .with_status(|p| data.put_direct(p, &remote, &keys, &offs, &lens))
+            .unwrap();
+        assert_eq!(out, vec![PutOutcome::AlreadyExists; 2]);
+
+        // Get into a buffer, then fail one: the client's region is gone before the write.
+        let mut dst = vec![0u8; 64 << 10];
+        let dmem = client
+            .register(dst.as_mut_ptr() as u64, dst.len() as u64, Location::Host)
+            .unwrap();
+        let dremote = data.client(&desc, &dmem.to_bytes()).unwrap();
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        let read = |r: &MemoryDesc| {
+            shared.with_status(|p| {
+                p.batch_read_with(&refs, |slots| {
+                    data.write_slots(slots, r, &[0, 10_000], &[10_000, 54_000])
+                })
+                .map_err(status_of)?
+            })
+        };
+        assert_eq!(read(&dremote).unwrap().len(), 2);
+        client.deregister(&dmem).unwrap();
+        assert_eq!(&dst[10_000..40_000], &src[20_000..50_000]);
+        assert!(read(&dremote).is_err(), "write into a deregistered buffer");
+        let holds = shared.with(|p| Ok(p.dram_holds())).unwrap();
+        assert_eq!(holds, mori_umbp::DramHolds::default(), "pins leaked");
+
+        // A put whose transfer fails: nothing published, no page held.
+        let used = shared.with(|p| Ok(p.stats().dram_used_bytes)).unwrap();
+        client.deregister(&smem).unwrap();
+        let fresh = vec![b"q0".to_vec(), b"q1".to_vec()];
+        let err = shared
+            .with_status(|p| data.put_direct(p, &remote, &fresh, &offs, &lens))
+            .unwrap_err();
+        assert_ne!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
+        shared
+            .with(|p| {
+                assert!(!p.exists(b"q0")? && !p.exists(b"q1")?);
+                assert_eq!(p.dram_holds(), mori_umbp::DramHolds::default());
+                assert_eq!(p.stats().dram_used_bytes, used);
+                p.check_consistency()
+            })
+            .unwrap();
+        data.close();
     }
 }

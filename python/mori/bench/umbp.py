@@ -7,7 +7,10 @@ master and 2 peers; values as gRPC bytes, and over mori.io for registered buffer
 ``batch_exists_prefix`` of 1024 keys from 1 and 4 threads, p50/p99), ``batch_exists_prefix`` of
 64 keys (p50/p99), tier hit rates on a synthetic
 multi-turn prefix-cache trace whose working set is larger than DRAM, and Redis SET/GET through
-``redis-benchmark`` with the same value sizes as a baseline (when redis-server is installed).
+``redis-benchmark`` with the same value sizes as a baseline (when redis-server is installed),
+and multi-client registered-buffer gets (1, 2, 4 client threads, each with its own client and
+engine, reading the same 1 MiB values; ``io_concurrent_gets``). ``--only io`` runs just the
+cluster's mori.io rows and the multi-client gets.
 
 GB/s counts value bytes moved per second; ops/s counts keys. Medians of repeated timed loops.
 """
@@ -121,6 +124,71 @@ def _dataplane_rows(client, label: str, total_bytes: int) -> list[dict[str, Any]
             rows.append(row)
             print(f"  {label:<8} {human_bytes(size):>8} ×{batch:<4} put {row['put_gbps']:6.2f} GB/s {row['put_ops']:9.0f}/s | "
                   f"get {row['get_gbps']:6.2f} GB/s {row['get_ops']:9.0f}/s", flush=True)
+    return rows
+
+
+def _concurrent_gets(master: str, size: int = 1 << 20, batch: int = 16, nkeys: int = 128,
+                     seconds: float = 2.0) -> list[dict[str, Any]]:
+    """Several clients (threads, each with its own Client and IO engine) running
+    batch_get_into over the same registered-buffer values at once: how gets at a peer overlap."""
+    import threading
+
+    from mori.umbp import Client
+
+    writer = Client(master=master)
+    src = np.random.default_rng(5).integers(0, 256, batch * size, dtype=np.uint8)
+    writer.register(src)
+    offs, sizes = [j * size for j in range(batch)], [size] * batch
+    keys = [f"mc/{i}".encode() for i in range(nkeys)]
+    for i in range(0, nkeys, batch):
+        writer.batch_put_from(keys[i : i + batch], src, offs, sizes)
+    rows = []
+    for threads in (1, 2, 4):
+        clients = [Client(master=master) for _ in range(threads)]
+        bufs = [np.zeros(batch * size, dtype=np.uint8) for _ in range(threads)]
+        for c, b in zip(clients, bufs):
+            c.register(b)
+        moved = [0] * threads
+        lat: list[list[float]] = [[] for _ in range(threads)]
+        start = threading.Barrier(threads + 1)
+        stop = [0.0]
+
+        def work(t: int) -> None:
+            c, b = clients[t], bufs[t]
+            start.wait()
+            i = (t * batch) % nkeys
+            while time.perf_counter() < stop[0]:
+                t0 = time.perf_counter()
+                got = c.batch_get_into(keys[i : i + batch], b, offs, sizes)
+                lat[t].append(time.perf_counter() - t0)
+                assert got == sizes
+                moved[t] += batch * size
+                i = (i + batch) % nkeys
+            assert b.tobytes() == src.tobytes()
+
+        ths = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        for th in ths:
+            th.start()
+        stop[0] = time.perf_counter() + seconds
+        start.wait()
+        t0 = time.perf_counter()
+        for th in ths:
+            th.join()
+        elapsed = time.perf_counter() - t0
+        for c, b in zip(clients, bufs):
+            c.unregister(b)
+            c.close()
+        all_lat = [x for lt in lat for x in lt]
+        row = {"threads": threads, "value_bytes": size, "batch": batch, "calls": len(all_lat),
+               "get_gbps": sum(moved) / elapsed / 1e9,
+               "p50_ms": median(all_lat) * 1e3, "p99_ms": percentile(all_lat, 0.99) * 1e3}
+        rows.append(row)
+        print(f"  {threads} client(s) batch_get_into {human_bytes(size)} ×{batch}: {row['get_gbps']:.2f} GB/s, "
+              f"p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms", flush=True)
+    for k in keys:
+        writer.remove(k)
+    writer.unregister(src)
+    writer.close()
     return rows
 
 
@@ -260,9 +328,41 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         p.wait(timeout=30)
 
 
-def run(out_dir: str) -> dict[str, Any]:
+def _run_io_only(out_dir: str) -> dict[str, Any]:
+    """``--only io``: master + 2 peers, the ``2peers-io`` rows and the multi-client gets."""
     from mori.umbp import Client
 
+    record: dict[str, Any] = {"benchmark": "umbp", "only": "io", "env": environment(),
+                              "method": __doc__.strip()}
+    exe = _umbpd_exe()
+    if exe is None:
+        raise SystemExit("umbpd is not built: cargo build --release -p mori-umbpd")
+    record["daemon_build"] = exe.parent.name
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        try:
+            procs.append(_umbpd(exe, tmp, "master", "--role", "master")[0])
+            master = Path(tmp, "master.port").read_text().strip()
+            for i in range(2):
+                procs.append(_umbpd(exe, tmp, f"peer{i}", "--role", "peer", "--master", master,
+                                    "--dram-bytes", "1G")[0])
+            c = Client(master=master)
+            print("umbpd cluster, master + 2 peers, registered buffers (values over mori.io):")
+            record["results"] = _dataplane_rows(c, "2peers-io", 256 << 20)
+            print("  multi-client gets:")
+            record["io_concurrent_gets"] = _concurrent_gets(master)
+        finally:
+            _stop(procs)
+    path = write_record("umbp", record, out_dir)
+    print(f"wrote {path}")
+    return record
+
+
+def run(out_dir: str, only: str | None = None) -> dict[str, Any]:
+    from mori.umbp import Client
+
+    if only == "io":
+        return _run_io_only(out_dir)
     record: dict[str, Any] = {"benchmark": "umbp", "env": environment(), "method": __doc__.strip()}
     with tempfile.TemporaryDirectory() as tmp:
         record["memcpy_gbps"] = _memcpy_gbps()
@@ -294,6 +394,8 @@ def run(out_dir: str) -> dict[str, Any]:
                 rows += _pool_rows(c, "2peers", 64 << 20, zero_copy=False)
                 print("  registered buffers (values over mori.io, control over gRPC):")
                 rows += _dataplane_rows(c, "2peers-io", 256 << 20)
+                print("  multi-client gets (registered buffers):")
+                record["io_concurrent_gets"] = _concurrent_gets(master)
                 print("  master metadata throughput:")
                 record["master_ops"] = _master_ops(c, master)
                 record["cluster_exists_prefix_64"] = _exists_latency(c)
@@ -317,8 +419,10 @@ def run(out_dir: str) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="benches/results")
+    p.add_argument("--only", choices=["io"], default=None,
+                   help="io: only the cluster's registered-buffer rows and the multi-client gets")
 
 
 def main(args: argparse.Namespace) -> int:
-    run(args.out)
+    run(args.out, args.only)
     return 0
