@@ -2,7 +2,7 @@
 # mori.jit and mori.topology). Addresses and streams are plain ints.
 from os import PathLike
 from pathlib import Path
-from typing import Any
+from typing import Any, Generator
 
 __version__: str
 
@@ -195,18 +195,16 @@ class IoEngine:
     def connect(self, desc: bytes) -> str: ...
     def disconnect(self, name: str) -> None: ...
     def is_connected(self, name: str) -> bool: ...
-    def transfer(
+    def submit(
         self,
         write: bool,
         local: bytes,
-        local_offsets_ptr: int,
+        local_offsets: Any,
         remote: bytes,
-        remote_offsets_ptr: int,
-        sizes_ptr: int,
-        count: int,
+        remote_offsets: Any,
+        sizes: Any,
         notify: bytes | None = None,
-        keep: Any = None,
-    ) -> Transfer: ...
+    ) -> Transfer | None: ...
     def take_notifications(self) -> list[tuple[str, bytes]]: ...
 
 class Transfer:
@@ -218,6 +216,7 @@ class Transfer:
     def route(self) -> str: ...
     def raise_if_failed(self) -> None: ...
     def add_done_callback(self, callback: Any) -> None: ...
+    def __await__(self) -> Generator[Any, None, None]: ...
 
 def io_memory_desc_info(mem: bytes) -> tuple[str, int, int, int, bool]: ...
 def io_engine_desc_info(desc: bytes) -> tuple[str, str]: ...

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from mori import _core
-from mori._arrays import address, int64_array
+from mori._arrays import int64_array
 from mori.errors import InvalidArgumentError
 
 __all__ = ["IOEngine", "MemoryDesc", "Session", "Transfer"]
@@ -60,47 +60,29 @@ class MemoryDesc:
         return f"MemoryDesc(engine={self.engine!r}, id={self.id}, nbytes={self.nbytes}, {where})"
 
 
-class Transfer:
-    """A transfer in flight: ``wait(timeout)``, ``done()``, ``status``, or ``await`` it."""
+Transfer = _core.Transfer
+"""A transfer in flight: ``wait(timeout)`` (True once done, False if ``timeout`` passed first;
+raises if it failed), ``done()``, ``status`` (``"pending"``, ``"done"`` or ``"failed"``),
+``route`` (``"cuda_ipc"``, ``"direct"`` or ``"tcp"``), or ``await`` it. Submissions return the
+extension's object itself (no wrapper to build on the submission path)."""
 
-    def __init__(self, inner: _core.Transfer):
-        self._inner = inner
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """True once done, False if ``timeout`` passed first; raises if the transfer failed."""
-        return self._inner.wait(timeout)
+def _await(transfer: Transfer):
+    """``Transfer.__await__``: an asyncio future settled when the transfer finishes."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
 
-    def done(self) -> bool:
-        return self._inner.done()
+    def settle() -> None:
+        if fut.done():
+            return
+        try:
+            transfer.raise_if_failed()
+            fut.set_result(None)
+        except BaseException as e:  # the transfer's own error, delivered to the awaiter
+            fut.set_exception(e)
 
-    @property
-    def status(self) -> str:
-        """``"pending"``, ``"done"`` or ``"failed"``."""
-        return self._inner.status
-
-    @property
-    def route(self) -> str:
-        """The path the bytes take: ``"cuda_ipc"``, ``"direct"`` or ``"tcp"``."""
-        return self._inner.route
-
-    def __await__(self):
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def settle() -> None:
-            if fut.done():
-                return
-            try:
-                self._inner.raise_if_failed()
-                fut.set_result(None)
-            except BaseException as e:  # the transfer's own error, delivered to the awaiter
-                fut.set_exception(e)
-
-        self._inner.add_done_callback(lambda: loop.call_soon_threadsafe(settle))
-        return fut.__await__()
-
-    def __repr__(self) -> str:
-        return f"Transfer({self.status}, {self.route})"
+    transfer.add_done_callback(lambda: loop.call_soon_threadsafe(settle))
+    return fut.__await__()
 
 
 def _region(obj: Any) -> tuple[int, int, int]:
@@ -179,15 +161,18 @@ class IOEngine:
     def is_connected(self, name: str) -> bool:
         return self._inner.is_connected(name)
 
-    def _submit(self, write: bool, local: MemoryDesc, lo: Any, remote: MemoryDesc, ro: Any, sizes: Any, notify: bytes | None) -> Transfer:
-        lo, ro, sz = int64_array(lo, "local_offsets"), int64_array(ro, "remote_offsets"), int64_array(sizes, "sizes")
-        if not (lo.size == ro.size == sz.size):
-            raise InvalidArgumentError(f"offset and size arrays differ in length ({lo.size}, {ro.size}, {sz.size})")
-        # The arrays are read in place (not copied) and kept alive by the transfer.
-        inner = self._inner.transfer(
-            write, local._raw, address(lo), remote._raw, address(ro), address(sz), sz.size, None if notify is None else bytes(notify), (lo, ro, sz)
-        )
-        return Transfer(inner)
+    def _submit(self, write: bool, local: MemoryDesc, lo: Any, remote: MemoryDesc, ro: Any, sizes: Any, notify: Any) -> Transfer:
+        # Contiguous int64 numpy arrays are read in place (not copied) and kept alive by the
+        # transfer; anything else is converted first (the extension answers None for it).
+        if notify is not None and type(notify) is not bytes:
+            notify = bytes(notify)
+        t = self._inner.submit(write, local._raw, lo, remote._raw, ro, sizes, notify)
+        if t is None:
+            lo, ro, sz = int64_array(lo, "local_offsets"), int64_array(ro, "remote_offsets"), int64_array(sizes, "sizes")
+            t = self._inner.submit(write, local._raw, lo, remote._raw, ro, sz, notify)
+            if t is None:  # pragma: no cover - int64_array returns exactly what submit takes
+                raise InvalidArgumentError("offset and size arrays must be one-dimensional int64")
+        return t
 
     def read(self, local: MemoryDesc, local_offset: int, remote: MemoryDesc, remote_offset: int, size: int) -> Transfer:
         """Copies ``size`` bytes of ``remote`` at ``remote_offset`` into ``local`` at ``local_offset``."""
@@ -202,13 +187,18 @@ class IOEngine:
         arrays (and CPU int64 tensors) are read in place, not copied: do not write them until
         the transfer is done (a write in between may move other blocks, or fail the transfer
         as out of range; it never reaches memory outside the registered regions)."""
-        return self._submit(False, local, local_offsets, remote, remote_offsets, sizes, None)
+        t = self._inner.submit(False, local._raw, local_offsets, remote._raw, remote_offsets, sizes)
+        return t if t is not None else self._submit(False, local, local_offsets, remote, remote_offsets, sizes, None)
 
     def batch_write(self, local: MemoryDesc, local_offsets: Any, remote: MemoryDesc, remote_offsets: Any, sizes: Any, *, notify: bytes | None = None) -> Transfer:
         """Item i: ``sizes[i]`` bytes from ``local`` to ``remote`` (arrays as for
         :meth:`batch_read`: read in place, do not write them until done). With ``notify``, the target
         engine lists ``(this engine's name, notify)`` in its :meth:`notifications` once every
         item has landed."""
+        if notify is None or type(notify) is bytes:  # straight to the extension
+            t = self._inner.submit(True, local._raw, local_offsets, remote._raw, remote_offsets, sizes, notify)
+            if t is not None:
+                return t
         return self._submit(True, local, local_offsets, remote, remote_offsets, sizes, notify)
 
     def notifications(self) -> list[tuple[str, bytes]]:

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use mori_transport::batch::first_out_of_range;
 use mori_transport::cuda_ipc::{self, Exporter, Importer, IpcConfig, Prepared};
-use mori_transport::tcp::{Connection, Job, Server};
+use mori_transport::tcp::{BatchRequest, Connection, Job, Server};
 use mori_transport::wire::Kind;
 use mori_transport::{Batch, Error, Location, Registry, Result, Route, Transfer, UseGuard};
 
@@ -77,7 +77,7 @@ pub enum Op {
 struct Peer {
     desc: EngineDesc,
     same_host: bool,
-    conns: Vec<Arc<Connection>>,
+    conns: Arc<[Arc<Connection>]>,
     next: AtomicUsize,
 }
 
@@ -245,7 +245,7 @@ impl IoEngine {
         }
         let conns = (0..self.config.connections_per_peer)
             .map(|_| Connection::open(peer.addr, &self.name, &peer.name, self.config.timeout))
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Arc<[_]>>>()?;
         let old = self.peers.lock().map_err(|_| poisoned())?.insert(
             peer.name.clone(),
             Arc::new(Peer {
@@ -382,81 +382,35 @@ impl IoEngine {
                 peer,
             );
         }
-        // Requests of about chunk_bytes (and at most MAX_ITEMS items) each.
-        let mut chunks: Vec<std::ops::Range<usize>> = Vec::new();
-        let (mut start, mut bytes) = (0usize, 0u64);
-        for (i, &s) in sizes.iter().enumerate() {
-            bytes = bytes.saturating_add(s);
-            if bytes >= self.config.chunk_bytes
-                || i + 1 - start >= mori_transport::wire::MAX_ITEMS as usize
-            {
-                chunks.push(start..i + 1);
-                (start, bytes) = (i + 1, 0);
-            }
-        }
-        if start < sizes.len() {
-            chunks.push(start..sizes.len());
-        }
-        let batch = Arc::new(batch);
         // Same host, host memory on both sides: the target copies straight from/to us.
         let direct = self.config.same_host_direct
             && peer.same_host
             && guard.region().location == Location::Host
             && remote.location == Location::Host
             && peer.conns.iter().all(|c| c.direct_ok());
-        let transfer = Transfer::on_route(
-            chunks.len(),
-            if direct { Route::Direct } else { Route::Tcp },
-        );
         let kind = match (op, direct) {
             (Op::Read, false) => Kind::Read,
             (Op::Write, false) => Kind::Write,
             (Op::Read, true) => Kind::DirectRead,
             (Op::Write, true) => Kind::DirectWrite,
         };
-        // Requests are dealt round-robin over the live connections, one hand-over per
-        // connection; a notified write goes down one connection, in order, so its last request
-        // lands last.
-        let conns: Vec<Arc<Connection>> = match notify {
-            Some(_) => vec![peer.pick()],
-            None => {
-                let live: Vec<_> = peer
-                    .conns
-                    .iter()
-                    .filter(|c| c.is_alive())
-                    .cloned()
-                    .collect();
-                if live.is_empty() {
-                    vec![peer.pick()]
-                } else {
-                    live
-                }
-            }
-        };
-        let mut per_conn: Vec<Vec<Job>> = conns.iter().map(|_| Vec::new()).collect();
-        let last = chunks.len().saturating_sub(1);
-        for (c, range) in chunks.into_iter().enumerate() {
-            let job = Job {
+        // One hand-over to one connection: its sender cuts the batch into requests of about
+        // chunk_bytes and deals them round-robin over the live connections (one hand-over to
+        // each, off this thread); a notified write stays on its connection, in order, so its
+        // last request lands last.
+        let share = (notify.is_none() && peer.conns.len() > 1).then(|| peer.conns.clone());
+        Ok(peer.pick().submit_batch(
+            BatchRequest {
                 kind,
                 remote_region: remote.id,
-                batch: batch.clone(),
-                range,
-                local: guard.clone(),
-                notify: if c == last {
-                    notify.map(<[u8]>::to_vec).unwrap_or_default()
-                } else {
-                    Vec::new()
-                },
-                transfer: transfer.clone(),
-            };
-            per_conn[c % conns.len()].push(job);
-        }
-        for (conn, jobs) in conns.iter().zip(per_conn) {
-            if !jobs.is_empty() {
-                conn.submit_all(jobs);
-            }
-        }
-        Ok(transfer)
+                batch,
+                local: guard,
+                notify: notify.map(<[u8]>::to_vec).unwrap_or_default(),
+                chunk_bytes: self.config.chunk_bytes,
+                route: if direct { Route::Direct } else { Route::Tcp },
+            },
+            share,
+        ))
     }
 
     /// Hands a prepared batch to the cuda_ipc executor. The transfer completes when the GPU is

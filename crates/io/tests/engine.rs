@@ -280,3 +280,34 @@ fn borrowed_arrays_rewritten_in_flight_never_escape_the_region() {
         b.deregister(&rm).unwrap();
     }
 }
+
+#[test]
+fn empty_batches_finish_at_once_and_an_empty_notified_write_still_notifies() {
+    for direct in [false, true] {
+        let tag = if direct { "d" } else { "t" };
+        let (a, b) = (
+            engine_with(&format!("a6{tag}"), direct),
+            engine_with(&format!("b6{tag}"), direct),
+        );
+        a.connect(&b.desc()).unwrap();
+        let (local, remote) = (vec![1u8; 64], vec![0u8; 64]);
+        let lm = a
+            .register(local.as_ptr() as u64, 64, Location::Host)
+            .unwrap();
+        let rm = b
+            .register(remote.as_ptr() as u64, 64, Location::Host)
+            .unwrap();
+        for op in [Op::Read, Op::Write] {
+            let t = a.transfer(op, &lm, &[], &rm, &[], &[], None).unwrap();
+            assert_eq!(t.status(), Status::Done);
+        }
+        a.transfer(Op::Write, &lm, &[], &rm, &[], &[], Some(b"none"))
+            .unwrap()
+            .wait(Some(Duration::from_secs(5)))
+            .unwrap();
+        let notes = b.take_notifications();
+        assert_eq!(notes.len(), 1, "direct: {direct}");
+        assert_eq!(notes[0].tag, b"none");
+        assert!(remote.iter().all(|&x| x == 0));
+    }
+}

@@ -6,13 +6,80 @@ use std::time::Duration;
 
 use mori_io::{Batch, EngineConfig, EngineDesc, Location, MemoryDesc, Op, Status};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::PyBytes;
 
 use crate::errors::{Error, Result};
-use crate::gpu::host_u64s;
 
 fn location(device: i32) -> Location {
     Location::decode(device)
+}
+
+/// The buffer protocol, which pyo3 leaves out under `abi3-py310`: `Py_buffer` and
+/// `PyObject_GetBuffer` joined the stable ABI in Python 3.11, but CPython has exported both,
+/// with this layout, since 3.3 (what the 3.11 stable ABI froze).
+mod ffi {
+    use std::ffi::{c_char, c_int, c_void};
+
+    use pyo3::ffi::PyObject;
+
+    #[repr(C)]
+    pub struct Buffer {
+        pub buf: *mut c_void,
+        pub obj: *mut PyObject,
+        pub len: isize,
+        pub itemsize: isize,
+        pub readonly: c_int,
+        pub ndim: c_int,
+        pub format: *mut c_char,
+        pub shape: *mut isize,
+        pub strides: *mut isize,
+        pub suboffsets: *mut isize,
+        pub internal: *mut c_void,
+    }
+
+    /// `PyBUF_C_CONTIGUOUS | PyBUF_FORMAT`: C-contiguous, with shape, strides and format.
+    pub const C_CONTIGUOUS_WITH_FORMAT: c_int = 0x0038 | 0x0004;
+
+    unsafe extern "C" {
+        pub fn PyObject_GetBuffer(obj: *mut PyObject, view: *mut Buffer, flags: c_int) -> c_int;
+        pub fn PyBuffer_Release(view: *mut Buffer);
+    }
+}
+
+/// The address and length of `obj`'s data when it exports a one-dimensional, C-contiguous
+/// buffer of native int64 (format `l` or `q`, 8-byte items: a numpy int64 array), else None
+/// (with no Python error left set). The buffer is released at once: the address stays valid
+/// while `obj` is alive and not resized (the caller keeps a reference).
+fn int64_buffer(obj: &Bound<'_, PyAny>) -> Option<(*const u64, usize)> {
+    let mut view = std::mem::MaybeUninit::<ffi::Buffer>::uninit();
+    // SAFETY: the GIL is held (`obj` is bound); `view` is written by a successful call.
+    let rc = unsafe {
+        ffi::PyObject_GetBuffer(
+            obj.as_ptr(),
+            view.as_mut_ptr(),
+            ffi::C_CONTIGUOUS_WITH_FORMAT,
+        )
+    };
+    if rc != 0 {
+        drop(PyErr::take(obj.py())); // not a usable buffer: the caller converts it
+        return None;
+    }
+    // SAFETY: filled in by the successful PyObject_GetBuffer above.
+    let view = unsafe { view.assume_init_mut() };
+    let format = if view.format.is_null() {
+        &b"B"[..]
+    } else {
+        // SAFETY: a non-null format is a NUL-terminated string owned by the view.
+        unsafe { std::ffi::CStr::from_ptr(view.format) }.to_bytes()
+    };
+    let native_int64 = matches!(format, b"l" | b"q" | b"@l" | b"@q" | b"=q")
+        || (cfg!(target_endian = "little") && format == b"<q");
+    let found = (native_int64 && view.itemsize == 8 && view.ndim == 1)
+        .then_some((view.buf as *const u64, (view.len / 8) as usize));
+    // SAFETY: releases the view obtained above, once, with the GIL held.
+    unsafe { ffi::PyBuffer_Release(view) };
+    found
 }
 
 #[pyclass(frozen, module = "mori._core")]
@@ -105,50 +172,51 @@ impl IoEngine {
         self.inner.is_connected(name)
     }
 
-    /// `*_ptr` are contiguous int64 arrays of `count` items. With `keep` (the arrays, or an
-    /// object holding them), the transfer reads them in place and keeps `keep` alive until it
-    /// is done (the caller must not write them until then); without it they are copied.
+    /// Starts a batch whose three arrays are 1-D, C-contiguous int64 buffers (numpy int64
+    /// arrays): they are read in place and kept alive by the transfer until it is done (the
+    /// caller must not write them until then). Returns None, before doing anything, when an
+    /// array is something else (a list, a tensor, another dtype): the caller converts it and
+    /// calls again.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (write, local, local_offsets_ptr, remote, remote_offsets_ptr, sizes_ptr, count, notify=None, keep=None))]
-    fn transfer(
+    #[pyo3(signature = (write, local, local_offsets, remote, remote_offsets, sizes, notify=None))]
+    fn submit(
         &self,
         py: Python<'_>,
         write: bool,
         local: &[u8],
-        local_offsets_ptr: usize,
+        local_offsets: &Bound<'_, PyAny>,
         remote: &[u8],
-        remote_offsets_ptr: usize,
-        sizes_ptr: usize,
-        count: usize,
+        remote_offsets: &Bound<'_, PyAny>,
+        sizes: &Bound<'_, PyAny>,
         notify: Option<&[u8]>,
-        keep: Option<Py<PyAny>>,
-    ) -> Result<Transfer> {
+    ) -> Result<Option<Transfer>> {
+        let (Some(lo), Some(ro), Some(sz)) = (
+            int64_buffer(local_offsets),
+            int64_buffer(remote_offsets),
+            int64_buffer(sizes),
+        ) else {
+            return Ok(None);
+        };
+        if lo.1 != sz.1 || ro.1 != sz.1 {
+            return Err(Error::InvalidArgument(format!(
+                "offset and size arrays differ in length ({}, {}, {})",
+                lo.1, ro.1, sz.1
+            )));
+        }
         let (local, remote) = (
             MemoryDesc::from_bytes(local)?,
             MemoryDesc::from_bytes(remote)?,
         );
         let op = if write { Op::Write } else { Op::Read };
-        let (lo, ro, sz) = (
-            local_offsets_ptr as *const u64,
-            remote_offsets_ptr as *const u64,
-            sizes_ptr as *const u64,
-        );
-        let batch = match keep {
-            // SAFETY: mori.io passes contiguous int64 arrays of `count` items held by `keep`,
-            // and documents that they must not be written until the transfer is done.
-            Some(keep) => unsafe { Batch::borrowed(lo, ro, sz, count, Box::new(keep))? },
-            None => {
-                // SAFETY: contiguous int64 arrays of `count` items, alive during this call.
-                let (lo, ro, sz) = unsafe {
-                    (
-                        host_u64s(local_offsets_ptr, count)?,
-                        host_u64s(remote_offsets_ptr, count)?,
-                        host_u64s(sizes_ptr, count)?,
-                    )
-                };
-                Batch::owned(lo.to_vec(), ro.to_vec(), sz.to_vec())?
-            }
-        };
+        let keep: Box<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> = Box::new((
+            local_offsets.clone().unbind(),
+            remote_offsets.clone().unbind(),
+            sizes.clone().unbind(),
+        ));
+        // SAFETY: three int64 buffers of `sz.1` items (int64_buffer), kept alive by `keep` (the
+        // objects that export them); mori.io documents that they must not be written until
+        // the transfer is done.
+        let batch = unsafe { Batch::borrowed(lo.0, ro.0, sz.0, sz.1, keep)? };
         let run = || {
             self.inner
                 .transfer_batch(op, &local, &remote, batch, notify)
@@ -161,7 +229,7 @@ impl IoEngine {
         } else {
             run()?
         };
-        Ok(Transfer { inner })
+        Ok(Some(Transfer { inner }))
     }
 
     /// Notifications received so far, as (engine name, tag) pairs; each is returned once.
@@ -188,6 +256,8 @@ pub fn io_engine_desc_info(desc: &[u8]) -> Result<(String, String)> {
     Ok((d.name, d.addr.to_string()))
 }
 
+/// A transfer in flight (`mori.io.Transfer`): `wait(timeout)`, `done()`, `status`, `route`,
+/// or `await` it.
 #[pyclass(frozen, module = "mori._core")]
 pub struct Transfer {
     inner: mori_io::Transfer,
@@ -221,6 +291,17 @@ impl Transfer {
     #[getter]
     fn route(&self) -> &'static str {
         self.inner.route().name()
+    }
+
+    /// `await transfer`: resolves when it is done, raises its failure (mori.io's `_await`
+    /// helper makes the asyncio future; a task on the completion runtime settles it).
+    fn __await__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        static AWAIT: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+        AWAIT.import(slf.py(), "mori.io", "_await")?.call1((slf,))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Transfer({}, {})", self.status(), self.route())
     }
 
     /// Raises the failure if the transfer failed; None otherwise.

@@ -171,9 +171,12 @@ impl Batch {
     }
 }
 
+/// Items checked per block: a block with a bad item is scanned again to find it.
+const BLOCK: usize = 512;
+
 /// The first item whose local or remote range leaves its region (or overflows), if any.
-/// Branch-free over blocks of items (the compiler vectorises it); a block with a bad item is
-/// scanned again to find it.
+/// Branch-free over blocks of items, vectorised (AVX2 where the CPU has it); a block with a
+/// bad item is scanned again, item by item, to find it.
 pub fn first_out_of_range(
     local_offsets: &[u64],
     remote_offsets: &[u64],
@@ -181,33 +184,70 @@ pub fn first_out_of_range(
     local_len: u64,
     remote_len: u64,
 ) -> Option<usize> {
-    const BLOCK: usize = 512;
     let n = sizes
         .len()
         .min(local_offsets.len())
         .min(remote_offsets.len());
-    let bad = |lo: u64, ro: u64, s: u64| {
-        let (le, lc) = lo.overflowing_add(s);
-        let (re, rc) = ro.overflowing_add(s);
+    let (lo, ro, sz) = (&local_offsets[..n], &remote_offsets[..n], &sizes[..n]);
+    let bad = |i: usize| {
+        let s = sz[i];
+        let (le, lc) = lo[i].overflowing_add(s);
+        let (re, rc) = ro[i].overflowing_add(s);
         lc | rc | (le > local_len) | (re > remote_len)
     };
+    // The vector pass compares as i64, exact for regions below 2^63 bytes (all real ones).
+    let (Ok(ll), Ok(rl)) = (i64::try_from(local_len), i64::try_from(remote_len)) else {
+        return (0..n).find(|&i| bad(i));
+    };
+    let mut start = 0;
+    while let Some(block) = first_bad_block(&lo[start..], &ro[start..], &sz[start..], ll, rl) {
+        let (from, to) = (start + block, (start + block + BLOCK).min(n));
+        if let Some(i) = (from..to).find(|&i| bad(i)) {
+            return Some(i);
+        }
+        start = to; // not reached: both tests agree (see blocks_bad)
+    }
+    None
+}
+
+/// The start of the first block holding a bad item, if any.
+fn first_bad_block(lo: &[u64], ro: &[u64], sz: &[u64], ll: i64, rl: i64) -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { first_bad_block_avx2(lo, ro, sz, ll, rl) };
+    }
+    blocks_bad(lo, ro, sz, ll, rl)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn first_bad_block_avx2(lo: &[u64], ro: &[u64], sz: &[u64], ll: i64, rl: i64) -> Option<usize> {
+    blocks_bad(lo, ro, sz, ll, rl)
+}
+
+/// For `ll, rl >= 0`, item (l, r, s) is bad exactly when `l + s` or `r + s` overflows or
+/// exceeds its length: then some value, or an end, is at least 2^63 (sign bit set), or an end
+/// (below 2^63 otherwise, so comparable as i64) exceeds its length. Signed compares and ORs
+/// vectorise.
+#[inline(always)]
+fn blocks_bad(lo: &[u64], ro: &[u64], sz: &[u64], ll: i64, rl: i64) -> Option<usize> {
+    let n = sz.len().min(lo.len()).min(ro.len());
     let mut start = 0;
     while start < n {
         let end = (start + BLOCK).min(n);
-        let (lo, ro, sz) = (
-            &local_offsets[start..end],
-            &remote_offsets[start..end],
-            &sizes[start..end],
-        );
-        let any = lo
+        let (mut signs, mut beyond) = (0u64, false);
+        for ((&l, &r), &s) in lo[start..end]
             .iter()
-            .zip(ro)
-            .zip(sz)
-            .fold(false, |acc, ((&l, &r), &s)| acc | bad(l, r, s));
-        if any {
-            return (0..end - start)
-                .find(|&i| bad(lo[i], ro[i], sz[i]))
-                .map(|i| start + i);
+            .zip(&ro[start..end])
+            .zip(&sz[start..end])
+        {
+            let (le, re) = (l.wrapping_add(s), r.wrapping_add(s));
+            signs |= l | r | s | le | re;
+            beyond |= (le as i64 > ll) | (re as i64 > rl);
+        }
+        if (signs >> 63) != 0 || beyond {
+            return Some(start);
         }
         start = end;
     }
@@ -272,5 +312,66 @@ mod tests {
         ro2[3] = u64::MAX; // a negative int64 offset
         assert_eq!(first_out_of_range(&lo, &ro2, &sz, len, u64::MAX), Some(3));
         assert_eq!(first_out_of_range(&[], &[], &[], 0, 0), None);
+        // Sizes at the sign boundary, ends exactly at the region's end, huge regions.
+        let big = 1u64 << 63;
+        assert_eq!(
+            first_out_of_range(&[0], &[0], &[big], u64::MAX, u64::MAX),
+            None
+        );
+        assert_eq!(
+            first_out_of_range(&[1], &[0], &[big], big, u64::MAX),
+            Some(0)
+        );
+        assert_eq!(first_out_of_range(&[5], &[7], &[3], 8, 10), None);
+        assert_eq!(first_out_of_range(&[5], &[7], &[3], 8, 9), Some(0));
+        assert_eq!(
+            first_out_of_range(&[0], &[0], &[u64::MAX], u64::MAX, u64::MAX),
+            None
+        );
+
+        // Random items against the plain definition, across block boundaries.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for round in 0..200 {
+            let n = 1 + (next() % 1500) as usize;
+            let len = 1 << 20;
+            let pick = |v: u64| match v % 7 {
+                0 => u64::MAX - (v >> 3) % 4,
+                1 => (1 << 63) - (v >> 3) % 4,
+                _ => (v >> 3) % (len + 2),
+            };
+            let mut lo: Vec<u64> = (0..n).map(|_| next() % len).collect();
+            let mut ro: Vec<u64> = (0..n).map(|_| next() % len).collect();
+            let mut sz: Vec<u64> = (0..n).map(|_| next() % 64).collect();
+            for i in 0..n {
+                let a = next();
+                if a % 97 == 0 {
+                    match (a >> 8) % 3 {
+                        0 => lo[i] = pick(next()),
+                        1 => ro[i] = pick(next()),
+                        _ => sz[i] = pick(next()),
+                    }
+                }
+            }
+            let (ll, rl) = if round % 10 == 0 {
+                (u64::MAX, len)
+            } else {
+                (len, len - 1)
+            };
+            let expected = (0..n).find(|&i| {
+                lo[i].checked_add(sz[i]).is_none_or(|e| e > ll)
+                    || ro[i].checked_add(sz[i]).is_none_or(|e| e > rl)
+            });
+            assert_eq!(
+                first_out_of_range(&lo, &ro, &sz, ll, rl),
+                expected,
+                "round {round}"
+            );
+        }
     }
 }

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,7 +19,7 @@ use crate::access::{receive_into, send_from};
 use crate::direct::{self, Direction};
 use crate::error::{Code, Error, Result};
 use crate::registry::{Location, Registry, UseGuard};
-use crate::transfer::Transfer;
+use crate::transfer::{Route, Transfer};
 use crate::wire::{self, Direct, Item, Kind, RequestHeader, ResponseHeader};
 
 const IO_BUFFER: usize = 256 << 10;
@@ -275,6 +275,68 @@ pub struct Job {
     pub transfer: Transfer,
 }
 
+/// A whole batch handed to one connection with one hand-over: that connection's sender cuts
+/// it into requests of about `chunk_bytes` (at most [`wire::MAX_ITEMS`] items), deals them
+/// round-robin over itself and the peer's other live connections (one hand-over to each) and
+/// sends its own, so the submitting thread neither cuts the batch nor builds requests nor
+/// wakes more than one thread. A notified batch stays on its one connection, in order: its
+/// last request (carrying the tag) lands last.
+pub struct BatchRequest {
+    pub kind: Kind,
+    /// The remote region every item addresses.
+    pub remote_region: u64,
+    pub batch: Batch,
+    /// The local region, kept registered until the last request completes.
+    pub local: Arc<UseGuard>,
+    /// Recorded by the peer once the whole (write) batch has landed; empty: none.
+    pub notify: Vec<u8>,
+    /// Largest payload of one request.
+    pub chunk_bytes: u64,
+    pub route: Route,
+}
+
+/// A batch on its way to the sender that deals it.
+struct Whole {
+    req: BatchRequest,
+    /// Holds one part of its own until every request exists (so it cannot finish early).
+    transfer: Transfer,
+    /// The connections to deal requests to (None: only the one it was handed to).
+    share: Option<Arc<[Arc<Connection>]>>,
+}
+
+/// Cuts `batch` into requests: each closes once it carries `chunk_bytes` bytes or
+/// [`wire::MAX_ITEMS`] items (each item read once, atomically: the arrays may be borrowed).
+fn cuts(batch: &Batch, chunk_bytes: u64) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0usize, 0u64);
+    for i in 0..batch.len() {
+        bytes = bytes.saturating_add(batch.size(i));
+        if bytes >= chunk_bytes || i + 1 - start >= wire::MAX_ITEMS as usize {
+            out.push(start..i + 1);
+            (start, bytes) = (i + 1, 0);
+        }
+    }
+    if start < batch.len() {
+        out.push(start..batch.len());
+    }
+    out
+}
+
+/// What a sender thread is handed.
+enum Work {
+    Jobs(Vec<Job>),
+    Batch(Box<Whole>),
+}
+
+impl Work {
+    fn fail(self, e: &Error) {
+        match self {
+            Work::Jobs(jobs) => jobs.into_iter().for_each(|j| j.transfer.part_done(Err(e))),
+            Work::Batch(w) => w.transfer.part_done(Err(e)),
+        }
+    }
+}
+
 struct Pending {
     job: Job,
     /// A read's local side of each item as sent (read once from the batch): where its
@@ -286,7 +348,7 @@ struct Pending {
 /// A client connection to one peer engine.
 pub struct Connection {
     peer: String,
-    jobs: Mutex<Option<mpsc::Sender<Vec<Job>>>>,
+    jobs: Mutex<Option<mpsc::Sender<Work>>>,
     alive: Arc<AtomicBool>,
     /// False once the peer refused a same-host request (it then goes over TCP).
     direct_ok: Arc<AtomicBool>,
@@ -321,7 +383,7 @@ impl Connection {
         stream.set_read_timeout(None).map_err(ctx)?;
         let alive = Arc::new(AtomicBool::new(true));
         let pending: Arc<Mutex<HashMap<u64, Pending>>> = Arc::new(Mutex::new(HashMap::new()));
-        let (tx, rx) = mpsc::channel::<Vec<Job>>();
+        let (tx, rx) = mpsc::channel::<Work>();
         let tx_retry = tx.clone();
         let direct_ok = Arc::new(AtomicBool::new(true));
         let conn = Arc::new(Self {
@@ -342,7 +404,16 @@ impl Connection {
                 .name(format!("mori-io-send-{peer}"))
                 .spawn(move || {
                     batch_scheduling();
-                    send_loop(rx, writer, pending, alive, peer, timeout, stream)
+                    let mut sender = Sender {
+                        writer,
+                        pending,
+                        alive,
+                        peer,
+                        timeout,
+                        stream,
+                        next_id: 1,
+                    };
+                    sender.run(rx)
                 })
                 .map_err(|e| Error::io("starting a sender thread", e))?;
         }
@@ -394,28 +465,68 @@ impl Connection {
 
     /// Queues several requests with one wake-up of the sender thread.
     pub fn submit_all(&self, jobs: Vec<Job>) {
-        let lost = |jobs: Vec<Job>, detail: &str| {
-            let e = Error::ConnectionLost {
+        self.hand_over(Work::Jobs(jobs));
+    }
+
+    /// Hands a whole batch to this connection's sender (one hand-over; see [`BatchRequest`])
+    /// and returns its transfer. Without a notification the sender deals its requests over
+    /// the live connections of `share` (which may include this one).
+    pub fn submit_batch(
+        &self,
+        req: BatchRequest,
+        share: Option<Arc<[Arc<Connection>]>>,
+    ) -> Transfer {
+        if req.batch.is_empty() {
+            // Nothing to move; a notification still travels (an empty request).
+            if req.notify.is_empty() {
+                return Transfer::on_route(0, req.route);
+            }
+            let transfer = Transfer::on_route(1, req.route);
+            self.submit(Job {
+                kind: req.kind,
+                remote_region: req.remote_region,
+                batch: Arc::new(req.batch),
+                range: 0..0,
+                local: req.local,
+                notify: req.notify,
+                transfer: transfer.clone(),
+            });
+            return transfer;
+        }
+        let transfer = Transfer::on_route(1, req.route); // the dealer's own part (send_batch)
+        let share = if req.notify.is_empty() { share } else { None };
+        self.hand_over(Work::Batch(Box::new(Whole {
+            req,
+            transfer: transfer.clone(),
+            share,
+        })));
+        transfer
+    }
+
+    /// Queues work for the sender thread (one wake-up); fails it if the connection is closed.
+    fn hand_over(&self, work: Work) {
+        let lost = |work: Work, detail: &str| {
+            work.fail(&Error::ConnectionLost {
                 peer: self.peer.clone(),
                 detail: detail.into(),
-            };
-            jobs.into_iter().for_each(|j| j.transfer.part_done(Err(&e)));
+            })
         };
         if !self.is_alive() {
-            return lost(jobs, "the connection is closed");
+            return lost(work, "the connection is closed");
         }
-        let sent = self
-            .jobs
-            .lock()
-            .ok()
-            .and_then(|g| g.as_ref().map(|tx| tx.send(jobs)));
+        let mut work = Some(work);
+        let sent = self.jobs.lock().ok().and_then(|g| {
+            g.as_ref()
+                .map(|tx| tx.send(work.take().expect("work is handed over once")))
+        });
         match sent {
             Some(Ok(())) => {}
-            Some(Err(mpsc::SendError(jobs))) => lost(jobs, "the sender stopped"),
-            None => tracing::warn!(
-                "mori.io connection to {} is shutting down; requests dropped",
-                self.peer
-            ),
+            Some(Err(mpsc::SendError(work))) => lost(work, "the sender stopped"),
+            None => {
+                if let Some(work) = work {
+                    lost(work, "the connection is shutting down");
+                }
+            }
         }
     }
 
@@ -467,39 +578,107 @@ fn fail_all(pending: &Mutex<HashMap<u64, Pending>>, e: &Error) {
     }
 }
 
-fn send_loop(
-    rx: mpsc::Receiver<Vec<Job>>,
-    mut writer: BufWriter<TcpStream>,
+/// A connection's sender thread.
+struct Sender {
+    writer: BufWriter<TcpStream>,
     pending: Arc<Mutex<HashMap<u64, Pending>>>,
     alive: Arc<AtomicBool>,
     peer: String,
     timeout: Duration,
     stream: TcpStream,
-) {
-    let next_id = AtomicU64::new(1);
-    loop {
-        match rx.recv_timeout(POLL * 5) {
-            Ok(jobs) => {
-                for job in jobs {
-                    if !alive.load(Ordering::SeqCst) {
-                        job.transfer.part_done(Err(&Error::ConnectionLost {
-                            peer: peer.clone(),
-                            detail: "the connection is closed".into(),
-                        }));
-                        continue;
-                    }
-                    let id = next_id.fetch_add(1, Ordering::Relaxed);
-                    if let Err(e) = send_one(&mut writer, &pending, id, job, timeout, &peer) {
-                        alive.store(false, Ordering::SeqCst);
-                        let _ = stream.shutdown(Shutdown::Both); // wakes the reader, which fails the rest
-                        tracing::debug!("mori.io send to {peer} failed: {e}");
-                    }
-                }
+    next_id: u64,
+}
+
+impl Sender {
+    fn run(&mut self, rx: mpsc::Receiver<Work>) {
+        loop {
+            match rx.recv_timeout(POLL * 5) {
+                Ok(Work::Jobs(jobs)) => jobs.into_iter().for_each(|job| self.send(job)),
+                Ok(Work::Batch(whole)) => self.send_batch(*whole),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
             }
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => return,
+            expire(&self.pending, &self.peer, self.timeout);
         }
-        expire(&pending, &peer, timeout);
+    }
+
+    fn lost(&self) -> Error {
+        Error::ConnectionLost {
+            peer: self.peer.clone(),
+            detail: "the connection is closed".into(),
+        }
+    }
+
+    /// Sends one request (fails it at once when the connection is down).
+    fn send(&mut self, job: Job) {
+        if !self.alive.load(Ordering::SeqCst) {
+            job.transfer.part_done(Err(&self.lost()));
+            return;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        if let Err(e) = send_one(
+            &mut self.writer,
+            &self.pending,
+            id,
+            job,
+            self.timeout,
+            &self.peer,
+        ) {
+            self.alive.store(false, Ordering::SeqCst);
+            let _ = self.stream.shutdown(Shutdown::Both); // wakes the reader, which fails the rest
+            tracing::debug!("mori.io send to {} failed: {e}", self.peer);
+        }
+    }
+
+    /// Cuts a batch into requests, deals them round-robin over this connection and the other
+    /// live connections of `share` (one hand-over to each) and sends this connection's.
+    fn send_batch(&mut self, whole: Whole) {
+        let Whole {
+            req,
+            transfer,
+            share,
+        } = whole;
+        let cuts = cuts(&req.batch, req.chunk_bytes);
+        if !transfer.add_parts(cuts.len()) {
+            return; // already failed
+        }
+        let others: Vec<Arc<Connection>> = share
+            .iter()
+            .flat_map(|conns| conns.iter())
+            .filter(|c| !Arc::ptr_eq(&c.alive, &self.alive) && c.is_alive())
+            .cloned()
+            .collect();
+        let ways = others.len() + 1;
+        let mut dealt: Vec<Vec<Job>> = (0..ways)
+            .map(|_| Vec::with_capacity(cuts.len().div_ceil(ways)))
+            .collect();
+        let last = cuts.len().saturating_sub(1);
+        let batch = Arc::new(req.batch);
+        for (c, range) in cuts.into_iter().enumerate() {
+            dealt[c % ways].push(Job {
+                kind: req.kind,
+                remote_region: req.remote_region,
+                batch: batch.clone(),
+                range,
+                local: req.local.clone(),
+                notify: if c == last {
+                    req.notify.clone()
+                } else {
+                    Vec::new()
+                },
+                transfer: transfer.clone(),
+            });
+        }
+        transfer.part_done(Ok(())); // every request exists: the dealer's own part is done
+        let mut dealt = dealt.into_iter();
+        let mine = dealt.next().unwrap_or_default();
+        for (conn, jobs) in others.iter().zip(dealt) {
+            if !jobs.is_empty() {
+                conn.submit_all(jobs);
+            }
+        }
+        mine.into_iter().for_each(|job| self.send(job));
     }
 }
 
@@ -614,7 +793,7 @@ fn expire(pending: &Mutex<HashMap<u64, Pending>>, peer: &str, timeout: Duration)
 
 /// What the reader needs to send a refused same-host request again over TCP.
 struct Retry {
-    jobs: mpsc::Sender<Vec<Job>>,
+    jobs: mpsc::Sender<Work>,
     direct_ok: Arc<AtomicBool>,
 }
 
@@ -653,12 +832,11 @@ fn receive_loop(
             let mut job = p.job;
             job.kind = job.kind.over_tcp();
             job.transfer.set_route(crate::transfer::Route::Tcp);
-            if let Err(mpsc::SendError(jobs)) = retry.jobs.send(vec![job]) {
-                let e = Error::ConnectionLost {
+            if let Err(mpsc::SendError(work)) = retry.jobs.send(Work::Jobs(vec![job])) {
+                work.fail(&Error::ConnectionLost {
                     peer: peer.to_string(),
                     detail: "the sender stopped".into(),
-                };
-                jobs.into_iter().for_each(|j| j.transfer.part_done(Err(&e)));
+                });
             }
             continue;
         }
@@ -677,5 +855,24 @@ fn receive_loop(
             }
         }
         p.job.transfer.part_done(Ok(()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_are_cut_by_bytes() {
+        let cut = |sizes: Vec<u64>, chunk| {
+            let n = sizes.len();
+            cuts(&Batch::owned(vec![0; n], vec![0; n], sizes).unwrap(), chunk)
+        };
+        // A request closes once it reaches chunk_bytes: [4, 4] [10] [1, 1, 1] (the rest).
+        assert_eq!(cut(vec![4, 4, 10, 1, 1, 1], 8), vec![0..2, 2..3, 3..6]);
+        assert_eq!(cut(vec![8; 3], 8), vec![0..1, 1..2, 2..3]);
+        assert_eq!(cut(vec![0; 3], 8), vec![0..3]);
+        assert!(cut(vec![], 8).is_empty());
+        assert_eq!(cut(vec![u64::MAX, 1], u64::MAX), vec![0..1, 1..2]);
     }
 }

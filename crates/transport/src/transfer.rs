@@ -153,6 +153,19 @@ impl Transfer {
         t
     }
 
+    /// Adds `n` parts (a batch cut into requests after it was submitted; the cutter holds a
+    /// part of its own until every request exists, so the count cannot reach zero early).
+    /// False when the transfer has already finished (it failed): nothing should be sent.
+    pub fn add_parts(&self, n: usize) -> bool {
+        match self.inner.state.lock() {
+            Ok(mut st) if st.remaining > 0 => {
+                st.remaining += n;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Records one part's outcome; the last part (or the first failure) finishes the transfer.
     pub fn part_done(&self, result: std::result::Result<(), &Error>) {
         let (callbacks, wakers) = {
@@ -318,6 +331,13 @@ mod tests {
         assert_eq!(calls.load(Ordering::SeqCst), 1);
         t.part_done(Ok(())); // late parts change nothing
         assert!(t.wait(None).is_err());
+        let grown = Transfer::new(1);
+        assert!(grown.add_parts(1));
+        grown.part_done(Ok(()));
+        assert!(!grown.done(), "one part left");
+        grown.part_done(Ok(()));
+        assert!(grown.done());
+        assert!(!grown.add_parts(1), "finished: no more parts");
         let ok = Transfer::new(0);
         assert_eq!(ok.status(), Status::Done);
         assert_eq!(ok.route(), Route::Tcp);
