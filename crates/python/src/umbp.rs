@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use mori_umbp::{LocalPool, PoolConfig, PoolStats, PutOutcome, SsdConfig};
+use mori_umbp::{LocalPool, PoolConfig, PoolStats, PutOutcome, SsdConfig, SsdIoMode};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -53,6 +53,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &PoolStats) -> PyResult<Bound<'py, PyDict
     d.set_item("demotions", s.demotions)?;
     d.set_item("promotions", s.promotions)?;
     d.set_item("corrupt_dropped", s.corrupt_dropped)?;
+    d.set_item("ssd_io", s.ssd_io.map(|b| b.as_str()))?;
     Ok(d)
 }
 
@@ -95,6 +96,7 @@ impl UmbpPool {
                     segment_bytes,
                     capacity_bytes: ssd_bytes,
                     sync_writes,
+                    io: SsdIoMode::Auto,
                 },
             ),
             None => PoolConfig::dram_only(dram_bytes, page_bytes),

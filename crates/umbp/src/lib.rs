@@ -37,6 +37,8 @@ pub mod meta;
 pub mod meta_redis;
 pub mod pool;
 pub mod ssd;
+pub mod ssd_io;
+mod uring;
 
 pub use crc::crc32c;
 pub use dram::{DramArena, PinToken, Reserved};
@@ -49,3 +51,4 @@ pub use pool::{
     ReserveSlot, Residency,
 };
 pub use ssd::{CompactionReport, RecoveryReport, SsdConfig, SsdLog};
+pub use ssd_io::{SsdIoBackend, SsdIoMode};

@@ -67,7 +67,7 @@ use tracing::{debug, warn};
 use crate::dram::{DramArena, PinToken, Reserved};
 use crate::error::{Error, Result, key_display};
 use crate::meta::{Location, MemoryStore, MetadataStore, Tier};
-use crate::ssd::{MAX_KEY_LEN, RecoveryReport, SsdConfig, SsdLog};
+use crate::ssd::{MAX_KEY_LEN, RecoveryReport, SsdConfig, SsdIoBackend, SsdLog};
 
 /// Peer id of the process itself in the metadata of a [`LocalPool`].
 pub const LOCAL_PEER: u64 = 0;
@@ -324,6 +324,8 @@ pub struct PoolStats {
     pub promotions: u64,
     /// Values dropped because their SSD record failed its CRC.
     pub corrupt_dropped: u64,
+    /// The SSD tier's I/O backend (`None` without an SSD tier).
+    pub ssd_io: Option<SsdIoBackend>,
 }
 
 /// Which tiers hold a value ([`LocalPool::residency`]).
@@ -482,10 +484,20 @@ impl LocalPool {
         self.lock().get(&*self.meta, key)
     }
 
-    /// Gets each key in order under one lock acquisition. Stops at the first error.
+    /// Gets each key in order under one lock acquisition. Stops at the first error. The
+    /// values on SSD are read first, in one batch ([`SsdLog::batch_get`]: with io_uring all
+    /// reads are in flight together), then promoted in key order.
     pub fn batch_get(&self, keys: &[&[u8]]) -> Result<Vec<Option<Vec<u8>>>> {
         let mut inner = self.lock();
-        keys.iter().map(|k| inner.get(&*self.meta, k)).collect()
+        let mut pre = inner.prefetch_ssd(&*self.meta, keys)?;
+        keys.iter()
+            .zip(pre.iter_mut())
+            .map(|(k, p)| {
+                let mut v = Vec::new();
+                let n = inner.read_pre(&*self.meta, k, Out::Vec(&mut v), p.take())?;
+                Ok(n.map(|_| v))
+            })
+            .collect()
     }
 
     /// Copies the value of `key` into the front of `out` and returns its length, as
@@ -704,6 +716,7 @@ impl LocalPool {
             demotions: c.demotions,
             promotions: c.promotions,
             corrupt_dropped: c.corrupt_dropped,
+            ssd_io: inner.ssd.as_ref().map(SsdLog::io_backend),
         }
     }
 
@@ -783,6 +796,9 @@ impl Drop for LocalPool {
     }
 }
 
+/// A value [`Inner::prefetch_ssd`] read from SSD (or why it could not).
+type Prefetched = Result<Option<Vec<u8>>>;
+
 /// Where a read puts the value.
 enum Out<'a> {
     Vec(&'a mut Vec<u8>),
@@ -808,6 +824,7 @@ impl Inner {
         // places DRAM values, so no later step of this call moves them.
         let mut slots = Vec::with_capacity(keys.len());
         let mut pending = Vec::new();
+        let mut pre = self.prefetch_ssd(meta, keys)?;
         for (i, key) in keys.iter().enumerate() {
             match meta.get(key)? {
                 None => {
@@ -820,7 +837,8 @@ impl Inner {
                 }
                 Some(_) => {
                     let mut v = Vec::new();
-                    slots.push(match self.read(meta, key, Out::Vec(&mut v))? {
+                    let p = pre.get_mut(i).and_then(Option::take);
+                    slots.push(match self.read_pre(meta, key, Out::Vec(&mut v), p)? {
                         Some(_) => ReadSlot::Bytes(v),
                         None => ReadSlot::Miss,
                     });
@@ -904,12 +922,57 @@ impl Inner {
         Ok(self.read(meta, key, Out::Vec(&mut v))?.map(|_| v))
     }
 
+    /// Reads the SSD values among `keys` (those indexed as [`Tier::Ssd`] now; each key
+    /// once) in one batch, for [`Inner::read_pre`]. One entry per key: `None` where nothing
+    /// was read. Valid while the lock is held: keys are immutable, and a key the batch
+    /// promotes (or drops as corrupt) is no longer indexed as on SSD, so its entry is unused.
+    fn prefetch_ssd(
+        &self,
+        meta: &dyn MetadataStore,
+        keys: &[&[u8]],
+    ) -> Result<Vec<Option<Prefetched>>> {
+        let mut pre: Vec<Option<Prefetched>> = (0..keys.len()).map(|_| None).collect();
+        let Some(ssd) = self.ssd.as_ref() else {
+            return Ok(pre);
+        };
+        let mut seen = std::collections::HashSet::new();
+        let mut idx = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            if let Some(loc) = meta.get(key)?
+                && loc.tier == Tier::Ssd
+                && seen.insert(*key)
+            {
+                idx.push(i);
+            }
+        }
+        if idx.len() < 2 {
+            return Ok(pre); // a single read gains nothing from batching
+        }
+        let batch: Vec<&[u8]> = idx.iter().map(|&i| keys[i]).collect();
+        for (i, r) in idx.into_iter().zip(ssd.batch_get(&batch)) {
+            pre[i] = Some(r);
+        }
+        Ok(pre)
+    }
+
     /// Reads `key` into `out`, renewing its LRU position or promoting it. Returns its length.
     fn read(
         &mut self,
         meta: &dyn MetadataStore,
         key: &[u8],
+        out: Out<'_>,
+    ) -> Result<Option<usize>> {
+        self.read_pre(meta, key, out, None)
+    }
+
+    /// [`Inner::read`], taking an SSD value already read by [`Inner::prefetch_ssd`] (if the
+    /// key is still on SSD) instead of reading it again.
+    fn read_pre(
+        &mut self,
+        meta: &dyn MetadataStore,
+        key: &[u8],
         mut out: Out<'_>,
+        pre: Option<Prefetched>,
     ) -> Result<Option<usize>> {
         let Some(loc) = meta.get(key)? else {
             self.counters.misses += 1;
@@ -943,14 +1006,20 @@ impl Inner {
                         "indexed on SSD, but there is no SSD tier",
                     ));
                 };
-                let res = match &mut out {
-                    Out::Vec(v) => ssd.get(key).map(|o| {
+                let res = match (&mut out, pre) {
+                    (Out::Vec(v), Some(p)) => p.map(|o| {
                         o.map(|bytes| {
                             **v = bytes;
                             v.len()
                         })
                     }),
-                    Out::Slice(s) => ssd.get_into(key, s),
+                    (Out::Vec(v), None) => ssd.get(key).map(|o| {
+                        o.map(|bytes| {
+                            **v = bytes;
+                            v.len()
+                        })
+                    }),
+                    (Out::Slice(s), _) => ssd.get_into(key, s),
                 };
                 let n = match res {
                     Ok(Some(n)) => n,

@@ -1,5 +1,9 @@
 //! Tests of the SSD segment log: a randomized model test with restarts and compaction, crash
 //! recovery (torn tails, corrupt records, lost segments), clean shutdown and capacity.
+//!
+//! Every test runs once per I/O backend (`<test>::pread` and `<test>::uring`). Where io_uring
+//! is unavailable the `uring` runs print `SKIPPED` with the kernel's reason and pass, unless
+//! `MORI_REQUIRE_URING=1` makes that a failure.
 
 use mori_testutil::Lcg;
 use std::collections::HashMap;
@@ -8,14 +12,48 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use mori_umbp::ssd::HEADER_LEN;
-use mori_umbp::{Error, SsdConfig, SsdLog};
+use mori_umbp::{Error, SsdConfig, SsdIoBackend, SsdIoMode, SsdLog};
 
-fn cfg(dir: &Path, segment_bytes: u64, capacity_bytes: u64) -> SsdConfig {
+/// Whether the `uring` variant of a test can run here; prints why not.
+fn uring_runs(test: &str) -> bool {
+    match mori_umbp::ssd::probe_uring() {
+        Ok(()) => true,
+        Err(e) => {
+            assert!(
+                std::env::var("MORI_REQUIRE_URING").as_deref() != Ok("1"),
+                "MORI_REQUIRE_URING=1 but io_uring is unavailable: {e}"
+            );
+            eprintln!("SKIPPED {test}::uring: io_uring is unavailable here: {e}");
+            false
+        }
+    }
+}
+
+/// Defines `<name>::pread` and `<name>::uring` tests running `name(io)` with that backend.
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn pread() {
+                super::$name(mori_umbp::SsdIoMode::Pread);
+            }
+            #[test]
+            fn uring() {
+                if super::uring_runs(stringify!($name)) {
+                    super::$name(mori_umbp::SsdIoMode::Uring);
+                }
+            }
+        }
+    )*};
+}
+
+fn cfg(io: SsdIoMode, dir: &Path, segment_bytes: u64, capacity_bytes: u64) -> SsdConfig {
     SsdConfig {
         dir: dir.to_path_buf(),
         segment_bytes,
         capacity_bytes,
         sync_writes: false,
+        io,
     }
 }
 
@@ -36,7 +74,18 @@ fn rec_len(k: &[u8], v: &[u8]) -> u64 {
 
 fn open(c: &SsdConfig) -> (SsdLog, mori_umbp::RecoveryReport) {
     match SsdLog::open(c.clone()) {
-        Ok(x) => x,
+        Ok(x) => {
+            // A forced backend is the one in use (no silent fallback).
+            let want = match c.io {
+                SsdIoMode::Pread => Some(SsdIoBackend::Pread),
+                SsdIoMode::Uring => Some(SsdIoBackend::Uring),
+                SsdIoMode::Auto => None,
+            };
+            if let Some(want) = want {
+                assert_eq!(x.0.io_backend(), want);
+            }
+            x
+        }
         Err(e) => panic!("open failed: {e}"),
     }
 }
@@ -66,11 +115,25 @@ fn check_all(log: &SsdLog, model: &HashMap<Vec<u8>, Vec<u8>>) {
     let mut mkeys: Vec<_> = model.keys().cloned().collect();
     mkeys.sort();
     assert_eq!(keys, mkeys);
+    // The same through one batch, with an absent key in the middle.
+    let mut batch: Vec<&[u8]> = mkeys.iter().map(|k| k.as_slice()).collect();
+    batch.insert(batch.len() / 2, b"absent key");
+    let got = log.batch_get(&batch);
+    assert_eq!(got.len(), batch.len());
+    for (k, g) in batch.iter().zip(got) {
+        assert_eq!(g.unwrap().as_ref(), model.get(*k), "batch key {k:?}");
+    }
 }
 
-fn run_model(seed: u64, segment_bytes: u64, capacity: u64, steps: usize) -> (usize, usize) {
+fn run_model(
+    io: SsdIoMode,
+    seed: u64,
+    segment_bytes: u64,
+    capacity: u64,
+    steps: usize,
+) -> (usize, usize) {
     let dir = tempfile::tempdir().unwrap();
-    let c = cfg(dir.path(), segment_bytes, capacity);
+    let c = cfg(io, dir.path(), segment_bytes, capacity);
     let mut rng = Lcg(seed);
     let mut model: HashMap<Vec<u8>, Vec<u8>> = HashMap::new();
     let (mut log, rep) = open(&c);
@@ -137,6 +200,14 @@ fn run_model(seed: u64, segment_bytes: u64, capacity: u64, steps: usize) -> (usi
                 marker = false;
                 check_all(&log, &model);
             }
+            92..=95 => {
+                // A batch of random keys (repeats and absent keys included).
+                let ks: Vec<Vec<u8>> = (0..1 + rng.below(12)).map(|_| key(rng.below(48))).collect();
+                let refs: Vec<&[u8]> = ks.iter().map(|k| k.as_slice()).collect();
+                for (k, got) in refs.iter().zip(log.batch_get(&refs)) {
+                    assert_eq!(got.unwrap().as_ref(), model.get(*k), "step {step}");
+                }
+            }
             _ => assert_eq!(log.contains(&k), model.contains_key(&k)),
         }
         assert_eq!(log.len(), model.len(), "step {step}");
@@ -151,24 +222,22 @@ fn run_model(seed: u64, segment_bytes: u64, capacity: u64, steps: usize) -> (usi
     (nospace, restarts)
 }
 
-#[test]
-fn model_unbounded() {
+fn model_unbounded(io: SsdIoMode) {
     for seed in 1..=3 {
-        let (nospace, restarts) = run_model(seed, 4096, u64::MAX / 2, 1500);
+        let (nospace, restarts) = run_model(io, seed, 4096, u64::MAX / 2, 1500);
         assert_eq!(nospace, 0);
         assert!(restarts > 0);
     }
 }
 
-#[test]
-fn model_with_capacity_pressure() {
+fn model_with_capacity_pressure(io: SsdIoMode) {
     // ~30 keys of ~230 bytes are live at a time (~7 KiB): compaction runs often and puts hit
     // NoSpace sometimes.
     let mut total_nospace = 0;
     for seed in 10..=12 {
-        let (nospace, _) = run_model(seed, 2048, 8 * 1024, 1500);
+        let (nospace, _) = run_model(io, seed, 2048, 8 * 1024, 1500);
         total_nospace += nospace;
-        run_model(seed + 100, 4096, 64 * 1024, 800);
+        run_model(io, seed + 100, 4096, 64 * 1024, 800);
     }
     assert!(
         total_nospace > 0,
@@ -186,11 +255,10 @@ fn fill(log: &mut SsdLog, n: u64, len: usize) -> HashMap<Vec<u8>, Vec<u8>> {
     m
 }
 
-#[test]
-fn torn_tail_is_truncated() {
+fn torn_tail_is_truncated(io: SsdIoMode) {
     for cut in [5u64, HEADER_LEN as u64 - 3, 100] {
         let dir = tempfile::tempdir().unwrap();
-        let c = cfg(dir.path(), 1 << 20, 1 << 30);
+        let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
         let (mut log, _) = open(&c);
         let mut model = fill(&mut log, 10, 200);
         let last = key(9);
@@ -234,10 +302,9 @@ fn flip_byte(path: &Path, at: u64) {
     f.write_all_at(&b, at).unwrap();
 }
 
-#[test]
-fn corrupt_record_in_the_middle_is_skipped() {
+fn corrupt_record_in_the_middle_is_skipped(io: SsdIoMode) {
     let dir = tempfile::tempdir().unwrap();
-    let c = cfg(dir.path(), 1 << 20, 1 << 30);
+    let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
     let (mut log, _) = open(&c);
     let mut model = fill(&mut log, 8, 300);
     let victim = key(3);
@@ -260,11 +327,10 @@ fn corrupt_record_in_the_middle_is_skipped() {
     check_all(&log, &model);
 }
 
-#[test]
-fn corrupt_length_field_is_detected() {
+fn corrupt_length_field_is_detected(io: SsdIoMode) {
     // A damaged length makes the CRC fail (lengths are covered) or the header insane.
     let dir = tempfile::tempdir().unwrap();
-    let c = cfg(dir.path(), 1 << 20, 1 << 30);
+    let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
     let (mut log, _) = open(&c);
     let model = fill(&mut log, 6, 100);
     let victim = key(2);
@@ -284,10 +350,9 @@ fn corrupt_length_field_is_detected() {
     }
 }
 
-#[test]
-fn bad_magic_truncates_rest_of_segment() {
+fn bad_magic_truncates_rest_of_segment(io: SsdIoMode) {
     let dir = tempfile::tempdir().unwrap();
-    let c = cfg(dir.path(), 1 << 20, 1 << 30);
+    let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
     let (mut log, _) = open(&c);
     let mut model = fill(&mut log, 6, 100);
     let victim = key(2);
@@ -305,10 +370,9 @@ fn bad_magic_truncates_rest_of_segment() {
     check_all(&log, &model);
 }
 
-#[test]
-fn corruption_seen_by_get_drops_the_key() {
+fn corruption_seen_by_get_drops_the_key(io: SsdIoMode) {
     let dir = tempfile::tempdir().unwrap();
-    let c = cfg(dir.path(), 1 << 20, 1 << 30);
+    let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
     let (mut log, _) = open(&c);
     let mut model = fill(&mut log, 5, 64);
     let victim = key(1);
@@ -332,10 +396,9 @@ fn corruption_seen_by_get_drops_the_key() {
     check_all(&log, &model);
 }
 
-#[test]
-fn lost_segment_loses_only_its_keys() {
+fn lost_segment_loses_only_its_keys(io: SsdIoMode) {
     let dir = tempfile::tempdir().unwrap();
-    let c = cfg(dir.path(), 1024, 1 << 30);
+    let c = cfg(io, dir.path(), 1024, 1 << 30);
     let (mut log, _) = open(&c);
     let mut model = fill(&mut log, 30, 150);
     let ids = log.segment_ids();
@@ -361,10 +424,9 @@ fn lost_segment_loses_only_its_keys() {
     check_all(&log, &model);
 }
 
-#[test]
-fn tombstones_survive_restart_and_compaction() {
+fn tombstones_survive_restart_and_compaction(io: SsdIoMode) {
     let dir = tempfile::tempdir().unwrap();
-    let c = cfg(dir.path(), 1024, 1 << 30);
+    let c = cfg(io, dir.path(), 1024, 1 << 30);
     let (mut log, _) = open(&c);
     let mut model = fill(&mut log, 20, 150);
     // Remove keys from early segments, so their tombstones land in later segments.
@@ -393,10 +455,9 @@ fn tombstones_survive_restart_and_compaction() {
     check_all(&log, &model);
 }
 
-#[test]
-fn seal_reports_clean_shutdown() {
+fn seal_reports_clean_shutdown(io: SsdIoMode) {
     let dir = tempfile::tempdir().unwrap();
-    let c = cfg(dir.path(), 4096, 1 << 30);
+    let c = cfg(io, dir.path(), 4096, 1 << 30);
     let (mut log, rep) = open(&c);
     assert!(!rep.clean_shutdown);
     let mut model = fill(&mut log, 4, 10);
@@ -418,12 +479,11 @@ fn seal_reports_clean_shutdown() {
     check_all(&log, &model);
 }
 
-#[test]
-fn capacity_is_enforced_with_compaction() {
+fn capacity_is_enforced_with_compaction(io: SsdIoMode) {
     let dir = tempfile::tempdir().unwrap();
     let seg = 4096u64;
     let cap = 16 * 1024u64;
-    let c = cfg(dir.path(), seg, cap);
+    let c = cfg(io, dir.path(), seg, cap);
     let (mut log, _) = open(&c);
     let mut model = HashMap::new();
     // Write far more than the capacity, keeping only the last 8 keys live.
@@ -477,11 +537,10 @@ fn capacity_is_enforced_with_compaction() {
     check_all(&log, &model);
 }
 
-#[test]
-fn full_log_can_delete_everything() {
+fn full_log_can_delete_everything(io: SsdIoMode) {
     let dir = tempfile::tempdir().unwrap();
     let cap = 8 * 1024u64;
-    let c = cfg(dir.path(), 2048, cap);
+    let c = cfg(io, dir.path(), 2048, cap);
     let (mut log, _) = open(&c);
     let mut model = HashMap::new();
     let mut i = 0;
@@ -503,12 +562,11 @@ fn full_log_can_delete_everything() {
     check_all(&log, &model);
 }
 
-#[test]
-fn interrupted_compaction_duplicates_are_resolved() {
+fn interrupted_compaction_duplicates_are_resolved(io: SsdIoMode) {
     // Simulate a crash after compaction copied records but before it deleted the source:
     // keep a copy of the source segment and put it back after compaction.
     let dir = tempfile::tempdir().unwrap();
-    let c = cfg(dir.path(), 1024, 1 << 30);
+    let c = cfg(io, dir.path(), 1024, 1 << 30);
     let (mut log, _) = open(&c);
     let mut model = fill(&mut log, 12, 150);
     let first = log.segment_ids()[0];
@@ -536,14 +594,13 @@ fn interrupted_compaction_duplicates_are_resolved() {
     check_all(&log, &model);
 }
 
-#[test]
-fn invalid_arguments() {
+fn invalid_arguments(io: SsdIoMode) {
     let dir = tempfile::tempdir().unwrap();
     assert!(matches!(
-        SsdLog::open(cfg(dir.path(), 10, 1 << 20)),
+        SsdLog::open(cfg(io, dir.path(), 10, 1 << 20)),
         Err(Error::InvalidArgument(_))
     ));
-    let c = cfg(dir.path(), 256, 1 << 20);
+    let c = cfg(io, dir.path(), 256, 1 << 20);
     let (mut log, _) = open(&c);
     assert!(matches!(
         log.put(b"k", &[0u8; 300]),
@@ -560,10 +617,9 @@ fn invalid_arguments() {
     assert_eq!(log.get(b"").unwrap(), Some(Vec::new()));
 }
 
-#[test]
-fn sync_writes_mode_works() {
+fn sync_writes_mode_works(io: SsdIoMode) {
     let dir = tempfile::tempdir().unwrap();
-    let mut c = cfg(dir.path(), 1024, 1 << 20);
+    let mut c = cfg(io, dir.path(), 1024, 1 << 20);
     c.sync_writes = true;
     let (mut log, _) = open(&c);
     let mut model = fill(&mut log, 12, 100);
@@ -577,13 +633,12 @@ fn sync_writes_mode_works() {
     check_all(&log, &model);
 }
 
-#[test]
-fn remove_when_even_a_tombstone_does_not_fit() {
+fn remove_when_even_a_tombstone_does_not_fit(io: SsdIoMode) {
     // Records of 1021 bytes (1000-byte keys, empty values) and tombstones of 1029 bytes in
     // 2048-byte segments (two records each) under an 8 KiB capacity (puts stop at 6 KiB).
     let dir = tempfile::tempdir().unwrap();
     let cap = 8192;
-    let c = cfg(dir.path(), 2048, cap);
+    let c = cfg(io, dir.path(), 2048, cap);
     let (mut log, _) = open(&c);
     let big = |i: u8| vec![i; 1000];
     for i in 0..6 {
@@ -612,3 +667,93 @@ fn remove_when_even_a_tombstone_does_not_fit() {
         assert_eq!(log.contains(&big(i)), live.contains(&i), "key {i}");
     }
 }
+
+fn corruption_seen_by_batch_get_drops_only_that_key(io: SsdIoMode) {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
+    let (mut log, _) = open(&c);
+    let mut model = fill(&mut log, 8, 3000);
+    // One value byte and one header byte (the magic) of two other records.
+    let (v1, v2) = (key(2), key(5));
+    let (seg, off) = log.location(&v1).unwrap();
+    flip_byte(
+        &log.segment_path(seg),
+        off + (HEADER_LEN + v1.len() + 1000) as u64,
+    );
+    let (seg, off) = log.location(&v2).unwrap();
+    flip_byte(&log.segment_path(seg), off);
+    let keys: Vec<Vec<u8>> = (0..8).map(key).collect();
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+    let got = log.batch_get(&refs);
+    for (k, g) in refs.iter().zip(got) {
+        if *k == v1.as_slice() {
+            match g {
+                Err(Error::Corrupt { detail, .. }) => assert!(detail.contains("CRC"), "{detail}"),
+                other => panic!("expected a CRC error, got {other:?}"),
+            }
+        } else if *k == v2.as_slice() {
+            match g {
+                Err(Error::Corrupt { detail, .. }) => {
+                    assert!(detail.contains("bad header"), "{detail}")
+                }
+                other => panic!("expected a header error, got {other:?}"),
+            }
+        } else {
+            assert_eq!(g.unwrap().as_ref(), model.get(*k));
+        }
+    }
+    assert!(!log.contains(&v1) && !log.contains(&v2));
+    model.remove(&v1);
+    model.remove(&v2);
+    check_all(&log, &model);
+}
+
+fn large_values_in_batches(io: SsdIoMode) {
+    // Values up to 3 MiB across segments, read in batches larger than one io_uring ring
+    // (300 keys: 600 reads in flight over a 128-entry ring), and through get_into.
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(io, dir.path(), 8 << 20, 1 << 34);
+    let (mut log, _) = open(&c);
+    let mut rng = Lcg(77);
+    let mut model = HashMap::new();
+    for i in 0..300u64 {
+        let len = match i % 50 {
+            0 => 3 << 20,
+            1 => (1 << 20) + 17,
+            _ => rng.below(70_000) as usize,
+        };
+        let (k, v) = (key(i), value(i, 1, len));
+        log.put(&k, &v).unwrap();
+        model.insert(k, v);
+    }
+    check_all(&log, &model);
+    let k = key(50);
+    let mut buf = vec![0u8; (3 << 20) + 5];
+    assert_eq!(log.get_into(&k, &mut buf).unwrap(), Some(3 << 20));
+    assert_eq!(&buf[..3 << 20], model[&k].as_slice());
+    drop(log);
+    let (log, rep) = open(&c);
+    assert_eq!(rep.live_keys, 300);
+    check_all(&log, &model);
+}
+
+both_backends!(
+    model_unbounded,
+    model_with_capacity_pressure,
+    torn_tail_is_truncated,
+    corrupt_record_in_the_middle_is_skipped,
+    corrupt_length_field_is_detected,
+    bad_magic_truncates_rest_of_segment,
+    corruption_seen_by_get_drops_the_key,
+    lost_segment_loses_only_its_keys,
+    tombstones_survive_restart_and_compaction,
+    seal_reports_clean_shutdown,
+    capacity_is_enforced_with_compaction,
+    full_log_can_delete_everything,
+    interrupted_compaction_duplicates_are_resolved,
+    invalid_arguments,
+    sync_writes_mode_works,
+    remove_when_even_a_tombstone_does_not_fit,
+    corruption_seen_by_batch_get_drops_only_that_key,
+    large_values_in_batches,
+);

@@ -594,6 +594,7 @@ impl Client {
             demotions: s.demotions,
             promotions: s.promotions,
             corrupt_dropped: s.corrupt_dropped,
+            ssd_io: s.ssd_io.parse().ok(),
         })
     }
 

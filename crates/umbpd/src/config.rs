@@ -17,6 +17,7 @@
 //! | `high_watermark` | `UMBP_HIGH_WATERMARK` | `--high-watermark`   | `0.9`            |
 //! | `low_watermark`  | `UMBP_LOW_WATERMARK`  | `--low-watermark`    | `0.7`            |
 //! | `sync_writes`    | `UMBP_SYNC_WRITES`    | `--sync-writes`      | `false`          |
+//! | `ssd_io`         | `UMBP_SSD_IO`         | `--ssd-io`           | `pread`          |
 //! | `port_file`      | `UMBP_PORT_FILE`      | `--port-file`        | none             |
 //! | `master`         | `UMBP_MASTER`         | `--master`           | none (peer: required) |
 //! | `advertise`      | `UMBP_ADVERTISE`      | `--advertise`        | the bound address |
@@ -26,7 +27,7 @@
 //! | `metadata`       | `UMBP_METADATA`       | `--metadata`         | `memory`         |
 //! | `metadata_namespace` | `UMBP_METADATA_NAMESPACE` | `--metadata-namespace` | `umbp` |
 //!
-//! The pool settings (`dram_bytes` … `sync_writes`) apply to the standalone and peer roles;
+//! The pool settings (`dram_bytes` … `ssd_io`) apply to the standalone and peer roles;
 //! `master`, `advertise` and `heartbeat_interval` to peers; `peer_timeout`, `lease_timeout`,
 //! `metadata` and `metadata_namespace` to masters. A setting a role does not use is
 //! accepted and ignored (one file can serve every role).
@@ -101,6 +102,10 @@ pub struct Cli {
     /// fdatasync the SSD log after every write.
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     pub sync_writes: Option<String>,
+    /// SSD I/O backend: auto (io_uring where the kernel allows it, else pread/pwrite),
+    /// uring (io_uring or fail) or pread.
+    #[arg(long, value_name = "BACKEND")]
+    pub ssd_io: Option<String>,
     /// Write the bound address (host:port) to this file once listening (a peer: once
     /// registered with its master too).
     #[arg(long, value_name = "PATH")]
@@ -129,7 +134,7 @@ pub struct Cli {
 }
 
 /// The names of every setting, in printing order (TOML keys; see the module docs).
-pub const SETTINGS: [&str; 18] = [
+pub const SETTINGS: [&str; 19] = [
     "role",
     "listen",
     "dram_bytes",
@@ -140,6 +145,7 @@ pub const SETTINGS: [&str; 18] = [
     "high_watermark",
     "low_watermark",
     "sync_writes",
+    "ssd_io",
     "port_file",
     "master",
     "advertise",
@@ -274,6 +280,8 @@ pub struct Config {
     pub low_watermark: Setting<f64>,
     /// `sync_writes`.
     pub sync_writes: Setting<bool>,
+    /// `ssd_io`: the SSD tier's I/O backend (the one chosen is printed when the pool opens).
+    pub ssd_io: Setting<mori_umbp::SsdIoMode>,
     /// `port_file`.
     pub port_file: Setting<Option<PathBuf>>,
     /// `master` (peer role).
@@ -305,6 +313,7 @@ impl Default for Config {
             high_watermark: Setting::default(0.9),
             low_watermark: Setting::default(0.7),
             sync_writes: Setting::default(false),
+            ssd_io: Setting::default(mori_umbp::SsdIoMode::Pread),
             port_file: Setting::default(None),
             master: Setting::default(None),
             advertise: Setting::default(None),
@@ -505,6 +514,20 @@ impl Config {
             "high_watermark" => set(&mut self.high_watermark, raw.fraction()?, source),
             "low_watermark" => set(&mut self.low_watermark, raw.fraction()?, source),
             "sync_writes" => set(&mut self.sync_writes, raw.boolean()?, source),
+            "ssd_io" => {
+                let s = raw.text()?;
+                let mode = match s.trim() {
+                    "auto" => mori_umbp::SsdIoMode::Auto,
+                    "uring" => mori_umbp::SsdIoMode::Uring,
+                    "pread" => mori_umbp::SsdIoMode::Pread,
+                    _ => {
+                        return Err(format!(
+                            "unknown SSD I/O backend `{s}` (expected auto, uring or pread)"
+                        ));
+                    }
+                };
+                set(&mut self.ssd_io, mode, source);
+            }
             "port_file" => set(&mut self.port_file, raw.opt_path()?, source),
             "master" => {
                 let s = raw.text()?.trim().to_string();
@@ -643,6 +666,7 @@ impl Config {
                 &self.low_watermark.source,
             ),
             "sync_writes" => (self.sync_writes.value.to_string(), &self.sync_writes.source),
+            "ssd_io" => (self.ssd_io.value.to_string(), &self.ssd_io.source),
             "port_file" => (path(&self.port_file.value), &self.port_file.source),
             "master" => (
                 self.master.value.clone().unwrap_or_else(|| "none".into()),
@@ -693,6 +717,7 @@ impl Config {
             segment_bytes: self.segment_bytes.value,
             capacity_bytes: self.ssd_bytes.value,
             sync_writes: self.sync_writes.value,
+            io: self.ssd_io.value,
         });
         mori_umbp::PoolConfig {
             // validate() checked that it fits.
@@ -744,7 +769,7 @@ pub fn resolve(cli: &Cli, env: &[(String, String)]) -> Result<Config, ConfigErro
         cfg.apply(setting, Raw::Text(value), Source::Env(name.clone()))
             .map_err(|why| ConfigError(format!("invalid value for {name}: {why}")))?;
     }
-    let flags: [(&str, &Option<String>); 18] = [
+    let flags: [(&str, &Option<String>); 19] = [
         ("role", &cli.role),
         ("listen", &cli.listen),
         ("dram_bytes", &cli.dram_bytes),
@@ -755,6 +780,7 @@ pub fn resolve(cli: &Cli, env: &[(String, String)]) -> Result<Config, ConfigErro
         ("high_watermark", &cli.high_watermark),
         ("low_watermark", &cli.low_watermark),
         ("sync_writes", &cli.sync_writes),
+        ("ssd_io", &cli.ssd_io),
         ("port_file", &cli.port_file),
         ("master", &cli.master),
         ("advertise", &cli.advertise),
@@ -869,6 +895,64 @@ mod tests {
         assert_eq!(cfg.role.value, Role::Standalone);
         assert_eq!(cfg.report_lines().len(), SETTINGS.len());
         assert!(cfg.pool_config().ssd.is_none());
+    }
+
+    #[test]
+    fn ssd_io_setting() {
+        use mori_umbp::SsdIoMode;
+        let dir = tempfile::tempdir().unwrap();
+        let ssd = dir.path().to_str().unwrap();
+        let cfg = resolve(&Cli::default(), &env(&[("UMBP_SSD_DIR", ssd)])).unwrap();
+        assert_eq!(cfg.ssd_io, Setting::default(SsdIoMode::Pread));
+        assert_eq!(cfg.pool_config().ssd.unwrap().io, SsdIoMode::Pread);
+        let cfg = resolve(
+            &Cli::default(),
+            &env(&[("UMBP_SSD_DIR", ssd), ("UMBP_SSD_IO", "auto")]),
+        )
+        .unwrap();
+        assert_eq!(cfg.ssd_io.value, SsdIoMode::Auto);
+        assert_eq!(cfg.ssd_io.source, Source::Env("UMBP_SSD_IO".into()));
+        assert_eq!(cfg.pool_config().ssd.unwrap().io, SsdIoMode::Auto);
+        assert!(
+            cfg.report_lines()
+                .iter()
+                .any(|l| l.starts_with("ssd_io") && l.contains("= auto (env UMBP_SSD_IO)")),
+            "{:?}",
+            cfg.report_lines()
+        );
+        let cli = Cli {
+            ssd_io: Some("uring".into()),
+            ..Cli::default()
+        };
+        let cfg = resolve(&cli, &env(&[("UMBP_SSD_IO", "pread")])).unwrap();
+        assert_eq!(cfg.ssd_io.value, SsdIoMode::Uring);
+        assert_eq!(cfg.ssd_io.source, Source::Flag("--ssd-io".into()));
+        let file = dir.path().join("u.toml");
+        std::fs::write(&file, "ssd_io = \"auto\"\n").unwrap();
+        let cli = Cli {
+            config: Some(file.clone()),
+            ..Cli::default()
+        };
+        assert_eq!(resolve(&cli, &[]).unwrap().ssd_io.value, SsdIoMode::Auto);
+        // Unknown values name the setting and list the accepted ones.
+        let e = resolve(&Cli::default(), &env(&[("UMBP_SSD_IO", "aio")]))
+            .unwrap_err()
+            .0;
+        assert!(e.contains("UMBP_SSD_IO") && e.contains("aio"), "{e}");
+        assert!(e.contains("auto, uring or pread"), "{e}");
+        let cli = Cli {
+            ssd_io: Some("libaio".into()),
+            ..Cli::default()
+        };
+        let e = resolve(&cli, &[]).unwrap_err().0;
+        assert!(e.contains("--ssd-io") && e.contains("libaio"), "{e}");
+        std::fs::write(&file, "ssd_io = \"spdk\"\n").unwrap();
+        let cli = Cli {
+            config: Some(file),
+            ..Cli::default()
+        };
+        let e = resolve(&cli, &[]).unwrap_err().0;
+        assert!(e.contains("`ssd_io`") && e.contains("spdk"), "{e}");
     }
 
     #[test]

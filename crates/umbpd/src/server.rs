@@ -208,9 +208,13 @@ pub(crate) fn remove_port_file(cfg: &Config) {
 pub(crate) async fn open_pool(
     pool_cfg: mori_umbp::PoolConfig,
 ) -> Result<Arc<SharedPool>, DaemonError> {
+    let io_mode = pool_cfg.ssd.as_ref().map(|s| s.io);
     let (pool, recovery) = tokio::task::spawn_blocking(move || LocalPool::open(pool_cfg)).await??;
     if let Some(r) = &recovery {
         say(&recovery_line(r));
+    }
+    if let (Some(mode), Some(backend)) = (io_mode, pool.stats().ssd_io) {
+        say(&format!("SSD I/O backend: {backend} (ssd_io = {mode})"));
     }
     Ok(Arc::new(SharedPool::new(pool)))
 }
