@@ -182,6 +182,9 @@ fn local_ip_towards(addr: &str) -> IpAddr {
     found.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
 }
 
+/// Key indices by peer id, with the peer's address.
+type PeerGroups = BTreeMap<u64, (String, Vec<usize>)>;
+
 /// The routing state of a client connected to a master.
 #[derive(Debug)]
 struct Cluster {
@@ -204,6 +207,29 @@ impl Cluster {
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         map.insert(id, (addr.to_string(), c.clone()));
         Ok(c)
+    }
+
+    /// Asks the master where `keys` live: key indices grouped by peer id (with its address;
+    /// keys the master does not know are in no group), and the read lease (0: none).
+    async fn route_get(&self, keys: &[&[u8]]) -> Result<(PeerGroups, u64)> {
+        let req = RouteGetRequest {
+            keys: keys.iter().map(|k| k.to_vec()).collect(),
+        };
+        let resp = self.master.clone().route_get(req).await?.into_inner();
+        if resp.routes.len() != keys.len() {
+            return Err(tonic::Status::internal("master answered a wrong number of routes").into());
+        }
+        let mut groups = PeerGroups::new();
+        for (i, r) in resp.routes.into_iter().enumerate() {
+            if r.peer_id != 0 {
+                groups
+                    .entry(r.peer_id)
+                    .or_insert_with(|| (r.addr, Vec::new()))
+                    .1
+                    .push(i);
+            }
+        }
+        Ok((groups, resp.lease_id))
     }
 
     fn forget(&self, id: u64) {
@@ -429,25 +455,7 @@ impl Client {
     /// Routed batch get (see the module docs).
     fn cluster_get(&self, c: &Cluster, keys: &[&[u8]]) -> Result<Vec<Option<Vec<u8>>>> {
         self.rt.block_on(async {
-            let req = RouteGetRequest {
-                keys: keys.iter().map(|k| k.to_vec()).collect(),
-            };
-            let resp = c.master.clone().route_get(req).await?.into_inner();
-            if resp.routes.len() != keys.len() {
-                return Err(
-                    tonic::Status::internal("master answered a wrong number of routes").into(),
-                );
-            }
-            let mut groups: BTreeMap<u64, (String, Vec<usize>)> = BTreeMap::new();
-            for (i, r) in resp.routes.into_iter().enumerate() {
-                if r.peer_id != 0 {
-                    groups
-                        .entry(r.peer_id)
-                        .or_insert_with(|| (r.addr, Vec::new()))
-                        .1
-                        .push(i);
-                }
-            }
+            let (groups, lease_id) = c.route_get(keys).await?;
             let mut out: Vec<Option<Vec<u8>>> = vec![None; keys.len()];
             let mut tasks = tokio::task::JoinSet::new();
             for (peer, (addr, idxs)) in groups {
@@ -472,9 +480,8 @@ impl Client {
                     Err(s) => failure = failure.or(Some(s)),
                 }
             }
-            if resp.lease_id != 0 {
+            if lease_id != 0 {
                 let mut m = c.master.clone();
-                let lease_id = resp.lease_id;
                 tokio::spawn(async move {
                     let _ = m.release_lease(ReleaseLeaseRequest { lease_id }).await;
                 });
@@ -720,25 +727,7 @@ impl Client {
             return Ok(place(base, offsets, res));
         };
         self.rt.block_on(async {
-            let req = RouteGetRequest {
-                keys: keys.iter().map(|k| k.to_vec()).collect(),
-            };
-            let resp = c.master.clone().route_get(req).await?.into_inner();
-            if resp.routes.len() != keys.len() {
-                return Err(
-                    tonic::Status::internal("master answered a wrong number of routes").into(),
-                );
-            }
-            let mut groups: BTreeMap<u64, (String, Vec<usize>)> = BTreeMap::new();
-            for (i, r) in resp.routes.into_iter().enumerate() {
-                if r.peer_id != 0 {
-                    groups
-                        .entry(r.peer_id)
-                        .or_insert_with(|| (r.addr, Vec::new()))
-                        .1
-                        .push(i);
-                }
-            }
+            let (groups, lease_id) = c.route_get(keys).await?;
             let mut results: Vec<GetIntoResult> = vec![GetIntoResult::default(); keys.len()];
             let mut failure: Option<tonic::Status> = None;
             let mut calls = Vec::new();
@@ -761,9 +750,8 @@ impl Client {
                     Err(s) => failure = failure.or(Some(s)),
                 }
             }
-            if resp.lease_id != 0 {
+            if lease_id != 0 {
                 let mut m = c.master.clone();
-                let lease_id = resp.lease_id;
                 tokio::spawn(async move {
                     let _ = m.release_lease(ReleaseLeaseRequest { lease_id }).await;
                 });
