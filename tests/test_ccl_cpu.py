@@ -23,7 +23,7 @@ def test_config_is_validated():
     with pytest.raises(errors.InvalidArgumentError, match="timeout_s"):
         ccl.CclConfig(timeout_s=0)
     c = ccl.CclConfig()
-    assert c.buffer_bytes == 64 << 20 and c.max_blocks == 32
+    assert c.buffer_bytes == 64 << 20 and c.max_blocks == 64
     with pytest.raises(Exception):
         c.max_blocks = 1  # frozen
 
@@ -100,6 +100,18 @@ def test_argument_layout_matches_the_kernel():
     assert names == list(ccl.ARGS_DTYPE.names)
     assert ccl.ARGS_DTYPE.itemsize == 96 + 6 * 8 * ccl.MAX_RANKS  # the kernel's static_assert
     assert ccl.ARGS_DTYPE.alignment == 8
+
+
+def test_flag_area_and_grids():
+    src = KERNEL.read_text()
+    # One u64 flag (epoch << 32 | signature) per [parity][phase][block][source].
+    assert "u64* flags = reinterpret_cast<u64*>(a.base + FLAGS_OFFSET);" in src
+    assert ccl.FLAGS_BYTES == 2 * 2 * ccl.MAX_BLOCKS * ccl.MAX_RANKS * 8
+    c = ccl.CclConfig()
+    assert ccl._grid(1, ccl.BLOCK_BYTES, c) == 1 and ccl._grid(4096, ccl.BLOCK_BYTES, c) == 1
+    assert ccl._grid(64 << 10, ccl.BLOCK_BYTES, c) == 8
+    assert ccl._grid(4 << 20, ccl.BLOCK_BYTES, c) == c.max_blocks
+    assert ccl._grid(1 << 20, ccl.BLOCK_BYTES, ccl.CclConfig(max_blocks=8)) == 8
 
 
 def test_kernel_entries_exist_for_every_dtype_and_op():

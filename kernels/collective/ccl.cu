@@ -5,37 +5,48 @@
 // per (block, peer), waits for the peers' flags, and finishes from local memory.
 //
 // Synchronisation is by epochs kept on the device: every call bumps a counter in the
-// communicator's state (the last block to finish does it), and a flag holds the epoch of the
+// communicator's state (once every block of the call has read it), and a flag holds the epoch of the
 // call that raised it, so nothing is ever reset and CUDA-graph replays need no host work.
 // Receive areas are double-buffered by epoch parity: a rank can be at most one call ahead of a
 // peer (it cannot finish call k+1 before the peer has started it), so it never overwrites data
 // the peer still reads. Waits give up after a timeout and record an error instead of hanging;
 // a flag also carries a signature of the call so mismatched calls across ranks are detected.
+//
+// Per-call overhead is kept to one flag round trip (docs/ccl.md, "Latency"): a block's signal is
+// a block barrier and one st.release.sys per peer (no per-thread system fence), the flag is one
+// 64-bit word holding both the epoch and the signature (one store, one poll, no second read),
+// and the epoch is published while the blocks wait (no atomic or fence at the kernel's end).
 #include "mori_shmem.cuh"
 
 namespace mori {
 namespace ccl {
 
 constexpr int MAX_RANKS = 8;
-constexpr int MAX_BLOCKS = 64;
+constexpr int MAX_BLOCKS = 128;
 constexpr u64 STATE_BYTES = 256;  // CclState, padded
 constexpr u32 ERROR_TIMEOUT = 1u;
 constexpr u32 ERROR_MISMATCH = 2u;
+constexpr u32 POLLS_PER_CHECK = 1024;  // flag polls between looks at the error word and the clock
 
 enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 enum Op : int { SUM = 0, MAX = 1, MIN = 2 };
 
 // At the start of the communicator's symmetric area; read and written by this rank only.
 struct CclState {
-    u64 epoch;   // calls completed
-    u32 arrive;  // blocks of the running call that have finished
+    u64 epoch;   // calls started by every block (published as soon as all blocks have read it)
+    u32 arrive;  // blocks of the running call that have read the epoch
     u32 error;   // ERROR_* bits; sticky: every later call returns at once
 };
 
-struct Flag {
-    u64 epoch;
-    u64 signature;
-};
+// A flag is one u64 written with one st.release.sys: the call's epoch (low 32 bits) in the high
+// half, its 32-bit signature (always odd, so a raised flag is never 0) in the low half. A flag
+// holds either the current epoch E or an older one of the same parity (E-2, E-4, ...; 0 when never
+// raised): a peer is never two calls ahead. So "raised for this call" is an exact compare of the
+// high half, and the signature arrives with the same load.
+__device__ __forceinline__ u32 fold_signature(u64 s) { return (static_cast<u32>(s) ^ static_cast<u32>(s >> 32)) | 1u; }
+__device__ __forceinline__ u64 flag_word(u64 epoch, u64 sig) {
+    return (static_cast<u64>(static_cast<u32>(epoch)) << 32) | fold_signature(sig);
+}
 
 // Kernel arguments, passed by value (python/mori/ccl.py packs the same layout).
 struct CclArgs {
@@ -95,13 +106,26 @@ struct Call {
     int parity;
     int n;
     int me;
+    u32 ticket;  // the arrival count this block's publishing thread saw (that thread only)
 };
 
+// The thread that takes part in publishing the epoch: never one of the polling threads (those are
+// threads 0..n-1, and blockDim.x >= 32 > MAX_RANKS).
+__device__ __forceinline__ bool is_publisher() { return threadIdx.x == blockDim.x - 1; }
+
 // Reads the call's epoch; false when the communicator is already in error (the call does nothing).
+// Every block then counts itself in (the publishing thread's add on `arrive`): the add is issued
+// only after the barrier that follows thread 0's read of the epoch, whose value had to come back
+// (it went through shared memory) before the barrier. The add is relaxed and its result is used
+// only in publish(), so the publishing thread goes on with its share of the data meanwhile.
 __device__ __forceinline__ bool begin(const CclArgs& a, Call& c) {
     __shared__ u64 epoch_shared;
     __shared__ u32 error_shared;
     c.state = reinterpret_cast<CclState*>(a.base);
+    // Constant-memory reads of the shmem state, started before the barrier (their first use
+    // right after it would otherwise wait for them then).
+    c.n = shmem::n_pes();
+    c.me = shmem::my_pe();
     if (threadIdx.x == 0) {
         error_shared = *reinterpret_cast<volatile u32*>(&c.state->error);
         epoch_shared = *reinterpret_cast<volatile u64*>(&c.state->epoch) + 1;
@@ -109,27 +133,26 @@ __device__ __forceinline__ bool begin(const CclArgs& a, Call& c) {
     __syncthreads();
     c.epoch = epoch_shared;
     c.parity = static_cast<int>(c.epoch & 1);
-    c.n = shmem::n_pes();
-    c.me = shmem::my_pe();
-    return error_shared == 0;
+    c.ticket = 0;
+    if (error_shared != 0) return false;
+    if (is_publisher()) c.ticket = atomicAdd(&c.state->arrive, 1u);
+    return true;
 }
 
-// The last block to finish publishes the call's epoch: the next call (a later kernel on the
-// stream) reads it at its start.
-__device__ __forceinline__ void end(Call& c) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(&c.state->arrive, 1u) == gridDim.x - 1) {
-            c.state->arrive = 0;
-            *reinterpret_cast<volatile u64*>(&c.state->epoch) = c.epoch;
-            __threadfence();
-        }
+// The last block to count itself in stores the call's epoch (and resets the count). Every block
+// has read the epoch by then (its add came after its read had returned, and these stores are
+// issued only once the add's result, which counts every block, is back), and the next call is a
+// later kernel on the stream, which reads it. Called once per kernel while the block waits for its
+// peers, so it costs the call nothing; the kernel ends without a closing atomic or fence.
+__device__ __forceinline__ void publish(const Call& c) {
+    if (is_publisher() && c.ticket == gridDim.x - 1) {
+        *reinterpret_cast<volatile u32*>(&c.state->arrive) = 0;
+        *reinterpret_cast<volatile u64*>(&c.state->epoch) = c.epoch;
     }
 }
 
-__device__ __forceinline__ Flag* flag_at(const CclArgs& a, int parity, int phase, int block, int src) {
-    Flag* flags = reinterpret_cast<Flag*>(a.base + FLAGS_OFFSET);
+__device__ __forceinline__ u64* flag_at(const CclArgs& a, int parity, int phase, int block, int src) {
+    u64* flags = reinterpret_cast<u64*>(a.base + FLAGS_OFFSET);
     return flags + ((parity * 2 + phase) * MAX_BLOCKS + block) * MAX_RANKS + src;
 }
 
@@ -137,60 +160,72 @@ __device__ __forceinline__ unsigned char* area(const CclArgs& a, u64 area_offset
     return reinterpret_cast<unsigned char*>(a.base + area_offset + parity * a.parity_stride + slot * a.slot_bytes);
 }
 
-// After this block's stores to the peers: one flag per peer, a release ordered after every
-// thread's stores. `sig` is indexed by peer.
+// After this block's stores to the peers: a block barrier, then thread p raises the flag at peer p
+// with one st.release.sys. The release is cumulative: every thread's earlier stores precede the
+// barrier, which precedes the release, so a peer that acquires the flag sees them all (PTX memory
+// model: causality order through bar.sync, then release -> acquire; NCCL, NVSHMEM and
+// mori.ir.triton signal the same way). No thread needs a system fence of its own. `sig` is
+// indexed by peer.
 __device__ __forceinline__ void signal_peers(const CclArgs& a, const Call& c, int phase, const u64* sig) {
-    shmem::fence();
     __syncthreads();
     const int p = threadIdx.x;
     if (p < c.n && p != c.me) {
-        Flag* remote = shmem::ptr(flag_at(a, c.parity, phase, blockIdx.x, c.me), p);
-        *reinterpret_cast<volatile u64*>(&remote->signature) = sig[p];
-        shmem::store_release(&remote->epoch, c.epoch);
+        u64* remote = shmem::ptr(flag_at(a, c.parity, phase, blockIdx.x, c.me), p);
+        shmem::store_release(remote, flag_word(c.epoch, sig[p]));
     }
 }
 
-// Waits for every peer's flag of this block and phase (thread p waits for peer p), then the
-// whole block may read what the peers stored before raising them. Returns false on error.
+// Waits for every peer's flag of this block and phase (thread p waits for peer p, polling with
+// ld.acquire.sys), then the whole block may read what the peers stored before raising them (the
+// closing barrier orders the acquire before every thread's reads). Returns false on error, the
+// same on every thread.
 __device__ __forceinline__ bool wait_peers(const CclArgs& a, const Call& c, int phase, const u64* expect) {
-    __shared__ u32 failed;
-    if (threadIdx.x == 0) failed = 0;
-    __syncthreads();
+    int failed = 0;
     const int p = threadIdx.x;
     if (p < c.n && p != c.me) {
-        Flag* flag = flag_at(a, c.parity, phase, blockIdx.x, p);
-        const u64 start = global_timer();
-        u32 polls = 0;
-        while (shmem::load_acquire(&flag->epoch) < c.epoch) {
-            if ((++polls & 1023u) == 0) {
-                // Another block's failure ends this wait too; only a real timeout is reported as one.
-                if (*reinterpret_cast<volatile u32*>(&c.state->error) != 0) {
-                    failed = 1;
-                    break;
-                }
-                if (global_timer() - start > a.timeout_ns) {
-                    atomicOr(&c.state->error, ERROR_TIMEOUT);
-                    failed = 1;
-                    break;
+        const u64* flag = flag_at(a, c.parity, phase, blockIdx.x, p);
+        const u32 want = static_cast<u32>(c.epoch);
+        u64 seen = shmem::load_acquire(flag);
+        if (static_cast<u32>(seen >> 32) != want || seen == 0) {
+            // Slow path: the clock is read only here, and looked at every POLLS_PER_CHECK polls.
+            const u64 start = global_timer();
+            u32 polls = 0;
+            for (;;) {
+                seen = shmem::load_acquire(flag);
+                if (static_cast<u32>(seen >> 32) == want && seen != 0) break;
+                if (++polls == POLLS_PER_CHECK) {
+                    polls = 0;
+                    // Another block's failure ends this wait too; only a real timeout is reported as one.
+                    if (*reinterpret_cast<volatile u32*>(&c.state->error) != 0) {
+                        failed = 1;
+                        break;
+                    }
+                    if (global_timer() - start > a.timeout_ns) {
+                        atomicOr(&c.state->error, ERROR_TIMEOUT);
+                        failed = 1;
+                        break;
+                    }
                 }
             }
         }
-        if (!failed && *reinterpret_cast<volatile u64*>(&flag->signature) != expect[p]) {
+        if (!failed && static_cast<u32>(seen) != fold_signature(expect[p])) {
             atomicOr(&c.state->error, ERROR_MISMATCH);
             failed = 1;
         }
     }
-    __syncthreads();
-    return failed == 0;
+    return __syncthreads_or(failed) == 0;
 }
 
 // ---- byte movement -----------------------------------------------------------------------------
 
+constexpr int COPY_UNROLL = 4;  // 16-byte vectors in flight per thread before its first store
+
 // Copies `n` bytes from `src` to each of `ndst` destinations: 16-byte vectors when every
 // pointer agrees with `src` modulo 16, bytes otherwise. Loads are coherent (L2) loads: the vector
 // path with ld.global.cg, the byte path through a volatile pointer (a receive area written by a
-// peer must never be read from a stale L1 line).
-__device__ __forceinline__ void copy_multi(unsigned char* const* dst, int ndst, const unsigned char* src_, u64 n) {
+// peer must never be read from a stale L1 line). Each thread issues up to COPY_UNROLL loads
+// before its stores, also when it has fewer vectors than that (small messages).
+__device__ __forceinline__ void copy_multi_impl(unsigned char* const* dst, int ndst, const unsigned char* src_, u64 n) {
     if (n == 0 || ndst == 0) return;
     const unsigned char* src = src_;
     const volatile unsigned char* src_bytes = src_;
@@ -201,21 +236,18 @@ __device__ __forceinline__ void copy_multi(unsigned char* const* dst, int ndst, 
     if (aligned) {
         head = min64(n, (16u - (reinterpret_cast<u64>(src) & 15u)) & 15u);
         const u64 nvec = (n - head) / 16u;
-        constexpr int UNROLL = 4;
-        u64 i = tid;
-        for (; i + (UNROLL - 1) * nthreads < nvec; i += UNROLL * nthreads) {
-            Vec16 v[UNROLL];
+        for (u64 i = tid; i < nvec; i += COPY_UNROLL * nthreads) {
+            Vec16 v[COPY_UNROLL];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) v[u] = load_cg(src + head + (i + u * nthreads) * 16);
+            for (int u = 0; u < COPY_UNROLL; ++u) {
+                if (i + u * nthreads < nvec) v[u] = load_cg(src + head + (i + u * nthreads) * 16);
+            }
             for (int d = 0; d < ndst; ++d) {
 #pragma unroll
-                for (int u = 0; u < UNROLL; ++u)
-                    store_vec(reinterpret_cast<Vec16*>(dst[d] + head + (i + u * nthreads) * 16), v[u]);
+                for (int u = 0; u < COPY_UNROLL; ++u) {
+                    if (i + u * nthreads < nvec) store_vec(reinterpret_cast<Vec16*>(dst[d] + head + (i + u * nthreads) * 16), v[u]);
+                }
             }
-        }
-        for (; i < nvec; i += nthreads) {
-            const Vec16 v = load_cg(src + head + i * 16);
-            for (int d = 0; d < ndst; ++d) store_vec(reinterpret_cast<Vec16*>(dst[d] + head + i * 16), v);
         }
         const u64 done = head + nvec * 16u;
         for (u64 j = done + tid; j < n; j += nthreads) {
@@ -228,6 +260,17 @@ __device__ __forceinline__ void copy_multi(unsigned char* const* dst, int ndst, 
     for (u64 j = tid; j < head; j += nthreads) {
         const unsigned char b = src_bytes[j];
         for (int d = 0; d < ndst; ++d) dst[d][j] = b;
+    }
+}
+
+// One destination (every copy on 2 ranks) keeps its pointer in a register instead of reading it
+// from the local array before each store.
+__device__ __forceinline__ void copy_multi(unsigned char* const* dst, int ndst, const unsigned char* src, u64 n) {
+    if (ndst == 1) {
+        unsigned char* const one = dst[0];
+        copy_multi_impl(&one, 1, src, n);
+    } else {
+        copy_multi_impl(dst, ndst, src, n);
     }
 }
 
@@ -296,42 +339,75 @@ __device__ __forceinline__ float combine(float a, float b) {
     else return fminf(a, b);
 }
 
+// Reduction loop shape: REDUCE_GROUP ranks' loads of REDUCE_UNROLL vectors each are all issued
+// before any is combined (up to 8 independent 16-byte loads in flight per thread; 2 ranks: one
+// round of loads per 2 vectors, 8 ranks: two rounds). Registers stay within the 64 per thread
+// that __launch_bounds__(1024) allows.
+constexpr int REDUCE_GROUP = 4;
+constexpr int REDUCE_UNROLL = 2;
+
 // out[i] = reduction over ranks 0..n-1 (in rank order, so every rank rounds identically) of
-// rank r's element i, read from `own` for this rank and from `slot(r) + i` for the others.
-// When `npush` > 0 the result is also stored at `push[d] + i` (the peers' gather areas).
+// rank r's element i, read from `own` for this rank and from `slot0 + r * slot_stride + i` for
+// the others. When `npush` > 0 the result is also stored at `push[d] + i` (the peers' gather
+// areas).
 template <int DT, int OP>
-__device__ void reduce_range(void* out, const void* own, unsigned char* const* slots, int n, int me, u64 count,
-                             unsigned char* const* push, int npush) {
+__device__ void reduce_range(void* out_, const void* own_, const unsigned char* slot0, u64 slot_stride, int n, int me,
+                             u64 count, unsigned char* const* push, int npush) {
     using E = Elem<DT>;
-    using S = typename E::Storage;
     constexpr int V = E::PER_VEC;
-    bool aligned = ((reinterpret_cast<u64>(out) | reinterpret_cast<u64>(own)) & 15u) == 0;
-    for (int r = 0; r < n; ++r) aligned &= (reinterpret_cast<u64>(slots[r]) & 15u) == 0;
+    constexpr int G = REDUCE_GROUP;
+    constexpr int U = REDUCE_UNROLL;
+    unsigned char* out = static_cast<unsigned char*>(out_);
+    const unsigned char* own = static_cast<const unsigned char*>(own_);
+    auto src_of = [&](int r) -> const unsigned char* { return r == me ? own : slot0 + r * slot_stride; };
+    bool aligned = ((reinterpret_cast<u64>(out) | reinterpret_cast<u64>(own) | reinterpret_cast<u64>(slot0) | slot_stride) & 15u) == 0;
     for (int d = 0; d < npush; ++d) aligned &= (reinterpret_cast<u64>(push[d]) & 15u) == 0;
     const u64 nvec = aligned ? count / V : 0;
-    for (u64 i = threadIdx.x; i < nvec; i += blockDim.x) {
-        Vec16 v[MAX_RANKS];
+    const u64 T = blockDim.x;
+    for (u64 i = threadIdx.x; i < nvec; i += U * T) {
+        float acc[U][V];
 #pragma unroll
-        for (int r = 0; r < MAX_RANKS; ++r) {
-            if (r < n) v[r] = load_cg((r == me ? static_cast<const unsigned char*>(own) : slots[r]) + i * 16);
-        }
-        float acc[V], x[V];
-        E::unpack(v[0], acc);
+        for (int r0 = 0; r0 < MAX_RANKS; r0 += G) {
+            if (r0 < n) {
+                Vec16 v[G][U];
 #pragma unroll
-        for (int r = 1; r < MAX_RANKS; ++r) {
-            if (r < n) {
-                E::unpack(v[r], x);
+                for (int g = 0; g < G; ++g) {
 #pragma unroll
-                for (int k = 0; k < V; ++k) acc[k] = combine<OP>(acc[k], x[k]);
+                    for (int u = 0; u < U; ++u) {
+                        v[g][u] = Vec16{0u, 0u, 0u, 0u};
+                        if (r0 + g < n && i + u * T < nvec) v[g][u] = load_cg(src_of(r0 + g) + (i + u * T) * 16);
+                    }
+                }
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    if (r0 + g < n) {
+#pragma unroll
+                        for (int u = 0; u < U; ++u) {
+                            if (r0 + g == 0) {
+                                E::unpack(v[g][u], acc[u]);
+                            } else {
+                                float x[V];
+                                E::unpack(v[g][u], x);
+#pragma unroll
+                                for (int k = 0; k < V; ++k) acc[u][k] = combine<OP>(acc[u][k], x[k]);
+                            }
+                        }
+                    }
+                }
             }
         }
-        const Vec16 result = E::pack(acc);
-        store_vec(reinterpret_cast<Vec16*>(static_cast<unsigned char*>(out) + i * 16), result);
-        for (int d = 0; d < npush; ++d) store_vec(reinterpret_cast<Vec16*>(push[d] + i * 16), result);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (i + u * T < nvec) {
+                const Vec16 result = E::pack(acc[u]);
+                store_vec(reinterpret_cast<Vec16*>(out + (i + u * T) * 16), result);
+                for (int d = 0; d < npush; ++d) store_vec(reinterpret_cast<Vec16*>(push[d] + (i + u * T) * 16), result);
+            }
+        }
     }
     for (u64 i = nvec * V + threadIdx.x; i < count; i += blockDim.x) {
-        float acc = E::load(me == 0 ? own : slots[0], i);
-        for (int r = 1; r < n; ++r) acc = combine<OP>(acc, E::load(r == me ? own : slots[r], i));
+        float acc = E::load(src_of(0), i);
+        for (int r = 1; r < n; ++r) acc = combine<OP>(acc, E::load(src_of(r), i));
         E::store(out, i, acc);
         for (int d = 0; d < npush; ++d) E::store(push[d], i, acc);
     }
@@ -348,18 +424,17 @@ __device__ void all_reduce_one_shot(const CclArgs& a) {
     block_range(a.count, Elem<DT>::PER_VEC, lo, hi);
     const unsigned char* in = reinterpret_cast<const unsigned char*>(a.in) + lo * ES;
     unsigned char* mine_at_peers[MAX_RANKS];
-    unsigned char* slots[MAX_RANKS];
     int npeers = 0;
     for (int r = 0; r < c.n; ++r) {
-        slots[r] = area(a, a.recv_offset, c.parity, r) + lo * ES;
         if (r != c.me) mine_at_peers[npeers++] = shmem::ptr(area(a, a.recv_offset, c.parity, c.me), r) + lo * ES;
     }
     copy_multi(mine_at_peers, npeers, in, (hi - lo) * ES);
     signal_peers(a, c, 0, a.sig_send);
+    publish(c);
     if (wait_peers(a, c, 0, a.sig_expect)) {
-        reduce_range<DT, OP>(reinterpret_cast<unsigned char*>(a.out) + lo * ES, in, slots, c.n, c.me, hi - lo, nullptr, 0);
+        reduce_range<DT, OP>(reinterpret_cast<unsigned char*>(a.out) + lo * ES, in, area(a, a.recv_offset, c.parity, 0) + lo * ES,
+                             a.slot_bytes, c.n, c.me, hi - lo, nullptr, 0);
     }
-    end(c);
 }
 
 // ---- two shot (reduce-scatter, then all-gather of the reduced slices) and reduce-scatter ------
@@ -389,21 +464,19 @@ __device__ void sliced(const CclArgs& a) {
         copy_multi(&dst, 1, in + (p * a.count + from) * ES, (to - from) * ES);
     }
     signal_peers(a, c, 0, a.sig_send);
-    if (!wait_peers(a, c, 0, a.sig_expect)) {
-        end(c);
-        return;
-    }
+    publish(c);
+    if (!wait_peers(a, c, 0, a.sig_expect)) return;
     u64 from, to;
     part(c.me, from, to);
-    unsigned char* slots[MAX_RANKS];
     unsigned char* push[MAX_RANKS];
     int npush = 0;
-    for (int r = 0; r < c.n; ++r) {
-        slots[r] = area(a, a.recv_offset, c.parity, r) + from * ES;
-        if (GATHER && r != c.me) push[npush++] = shmem::ptr(area(a, a.gather_offset, c.parity, c.me), r) + from * ES;
+    if constexpr (GATHER) {
+        for (int r = 0; r < c.n; ++r) {
+            if (r != c.me) push[npush++] = shmem::ptr(area(a, a.gather_offset, c.parity, c.me), r) + from * ES;
+        }
     }
-    reduce_range<DT, OP>(out + (c.me * a.out_stride + from) * ES, in + (c.me * a.count + from) * ES, slots, c.n, c.me,
-                         to - from, push, npush);
+    reduce_range<DT, OP>(out + (c.me * a.out_stride + from) * ES, in + (c.me * a.count + from) * ES,
+                         area(a, a.recv_offset, c.parity, 0) + from * ES, a.slot_bytes, c.n, c.me, to - from, push, npush);
     if constexpr (GATHER) {
         signal_peers(a, c, 1, a.sig_send);
         if (wait_peers(a, c, 1, a.sig_expect)) {
@@ -415,7 +488,6 @@ __device__ void sliced(const CclArgs& a) {
             }
         }
     }
-    end(c);
 }
 
 // ---- data movement: all-gather, all-to-all, broadcast -----------------------------------------
@@ -428,14 +500,35 @@ __device__ void push_exchange(const CclArgs& a) {
     if (!begin(a, c)) return;
     const unsigned char* in = reinterpret_cast<const unsigned char*>(a.in);
     unsigned char* out = reinterpret_cast<unsigned char*>(a.out);
+    // All-gather and broadcast send every peer the same bytes: one pass over them, each vector
+    // stored to every peer. Otherwise (all-to-all) one pass per peer.
+    int first = -1;
+    bool same = true;
     for (int p = 0; p < c.n; ++p) {
         if (p == c.me) continue;
+        if (first < 0) first = p;
+        same &= a.send_offset[p] == a.send_offset[first] && a.send_bytes[p] == a.send_bytes[first];
+    }
+    if (first >= 0 && same) {
         u64 lo, hi;
-        block_range(a.send_bytes[p], 16, lo, hi);
-        unsigned char* dst = shmem::ptr(area(a, a.recv_offset, c.parity, c.me), p) + lo;
-        copy_multi(&dst, 1, in + a.send_offset[p] + lo, hi - lo);
+        block_range(a.send_bytes[first], 16, lo, hi);
+        unsigned char* dsts[MAX_RANKS];
+        int ndst = 0;
+        for (int p = 0; p < c.n; ++p) {
+            if (p != c.me) dsts[ndst++] = shmem::ptr(area(a, a.recv_offset, c.parity, c.me), p) + lo;
+        }
+        copy_multi(dsts, ndst, in + a.send_offset[first] + lo, hi - lo);
+    } else {
+        for (int p = 0; p < c.n; ++p) {
+            if (p == c.me) continue;
+            u64 lo, hi;
+            block_range(a.send_bytes[p], 16, lo, hi);
+            unsigned char* dst = shmem::ptr(area(a, a.recv_offset, c.parity, c.me), p) + lo;
+            copy_multi(&dst, 1, in + a.send_offset[p] + lo, hi - lo);
+        }
     }
     signal_peers(a, c, 0, a.sig_send);
+    publish(c);
     {
         u64 lo, hi;
         block_range(a.recv_bytes[c.me], 16, lo, hi);
@@ -452,7 +545,6 @@ __device__ void push_exchange(const CclArgs& a) {
             copy_multi(&dst, 1, area(a, a.recv_offset, c.parity, r) + lo, hi - lo);
         }
     }
-    end(c);
 }
 
 }  // namespace ccl

@@ -27,11 +27,15 @@ from mori import gpu, shmem
 from mori.errors import InvalidArgumentError, MismatchError, MoriError, TimeoutError
 
 MAX_RANKS = 8  # kernels/collective/ccl.cu: MAX_RANKS
-MAX_BLOCKS = 64  # kernels/collective/ccl.cu: MAX_BLOCKS
+MAX_BLOCKS = 128  # kernels/collective/ccl.cu: MAX_BLOCKS
 STATE_BYTES = 256
-FLAGS_BYTES = 2 * 2 * MAX_BLOCKS * MAX_RANKS * 16  # [parity][phase][block][source] x {epoch, signature}
+FLAGS_BYTES = 2 * 2 * MAX_BLOCKS * MAX_RANKS * 8  # [parity][phase][block][source]: u64 (epoch << 32 | signature)
 ERROR_TIMEOUT, ERROR_MISMATCH = 1, 2
 VECTOR = 16  # bytes per vector access; pieces and slices start on these boundaries
+# Every collective uses one block per BLOCK_BYTES of its per-block-split segment, up to
+# CclConfig.max_blocks: one 16-byte vector per thread of a 512-thread block, so a small call's
+# blocks each move their share in one round of loads and stores (docs/ccl.md, "Latency").
+BLOCK_BYTES = 8 << 10
 
 REDUCE_OPS = ("sum", "max", "min")
 ALGORITHMS = ("one_shot", "two_shot")
@@ -59,13 +63,13 @@ class CclConfig:
     and a gather area). One launch moves at most ``buffer_bytes / ranks`` per peer; larger
     tensors go in several launches. ``one_shot_max_bytes``: all-reduces up to this size use the
     one-shot algorithm (None: 4 MiB on 2 ranks, 256 KiB on more). ``max_blocks``/``threads``:
-    the grid of the large-size kernels. ``timeout_s``: how long a kernel waits for a peer before
-    it records a timeout and returns.
+    the grid of the large-size kernels (smaller calls use one block per ``BLOCK_BYTES``).
+    ``timeout_s``: how long a kernel waits for a peer before it records a timeout and returns.
     """
 
     buffer_bytes: int = 64 << 20
     one_shot_max_bytes: int | None = None
-    max_blocks: int = 32
+    max_blocks: int = 64
     threads: int = 512
     timeout_s: float = 10.0
 
@@ -261,12 +265,12 @@ class Communicator:
             a = self._args(tensor.data_ptr() + start * es, out.data_ptr() + start * es)
             if algo == "one_shot":
                 a["count"] = length
-                grid = _grid(length * es, 32 << 10, self.config)
+                grid = _grid(length * es, BLOCK_BYTES, self.config)
             else:
                 slice_len = -(-length // n)
                 slice_len = -(-slice_len // quantum) * quantum
                 a["count"], a["total"], a["out_stride"], a["slice_count"] = slice_len, length, slice_len, slice_len
-                grid = _grid(slice_len * es, 64 << 10, self.config)
+                grid = _grid(slice_len * es, BLOCK_BYTES, self.config)
             sig = signature(_OP_CODES[f"all_reduce_{algo}"], es, REDUCE_OPS.index(opname), length, grid)
             a["sig_send"] = sig
             a["sig_expect"] = sig
@@ -295,7 +299,7 @@ class Communicator:
             # Slice r of this piece is input[r*M + start : r*M + end]: stride M from the piece start.
             a = self._args(input.data_ptr() + start * es, output.data_ptr() + start * es)
             a["count"], a["total"], a["out_stride"], a["slice_count"] = m, m * (n - 1) + length, 0, length
-            grid = _grid(length * es, 64 << 10, self.config)
+            grid = _grid(length * es, BLOCK_BYTES, self.config)
             sig = signature(_OP_CODES["reduce_scatter"], es, REDUCE_OPS.index(opname), length, m, grid)
             a["sig_send"] = sig
             a["sig_expect"] = sig
@@ -312,7 +316,7 @@ class Communicator:
         longest = max([b for _, b in send] + [b for _, b in recv] + [0])
         if agreed:
             parts = max(1, -(-longest // self.slot_bytes))
-            grid = _grid(max(1, -(-longest // parts)), 32 << 10, self.config)
+            grid = _grid(max(1, -(-longest // parts)), BLOCK_BYTES, self.config)
         else:
             parts, grid = 1, self.config.max_blocks
         for k in range(parts):
