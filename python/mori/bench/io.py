@@ -125,7 +125,7 @@ def _gpu_target(conn) -> None:
     from mori.io import IOEngine
 
     torch.cuda.set_device(1)
-    eng = IOEngine("bench-gpu-target", timeout=60.0)
+    eng = IOEngine("bench-gpu-target", timeout=60.0, cuda_ipc=True)
     buf = torch.zeros(GPU_REGION, dtype=torch.uint8, device="cuda:1")
     torch.cuda.synchronize()
     mem = eng.register(buf)
@@ -159,7 +159,10 @@ def _gpu_cases(trials: int) -> dict[str, Any] | None:
         remote = MemoryDesc.unpack(raw)
         local = torch.randint(0, 256, (GPU_REGION,), dtype=torch.uint8, device="cuda:0")
         torch.cuda.synchronize()
-        engines = {"kernel": IOEngine("bench-gpu-kernel", timeout=60.0), "copy engine": IOEngine("bench-gpu-ce", timeout=60.0, copy_engine_threshold=0)}
+        engines = {
+            "kernel": IOEngine("bench-gpu-kernel", timeout=60.0, cuda_ipc=True),
+            "copy engine": IOEngine("bench-gpu-ce", timeout=60.0, cuda_ipc=True, copy_engine_threshold=0),
+        }
         mems = {}
         for name, eng in engines.items():
             eng.connect(desc)
