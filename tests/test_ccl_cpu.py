@@ -23,7 +23,7 @@ def test_config_is_validated():
     with pytest.raises(errors.InvalidArgumentError, match="timeout_s"):
         ccl.CclConfig(timeout_s=0)
     c = ccl.CclConfig()
-    assert c.buffer_bytes == 64 << 20 and c.max_blocks == 64
+    assert c.buffer_bytes == 64 << 20 and c.max_blocks == 128
     with pytest.raises(Exception):
         c.max_blocks = 1  # frozen
 

@@ -291,6 +291,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         stream = torch.cuda.Stream()
         a = torch.zeros(4099, dtype=torch.bfloat16, device="cuda")
         b = torch.zeros(3 << 20, dtype=torch.float32, device="cuda")
+        c = torch.zeros((1 << 20) + 24, dtype=torch.bfloat16, device="cuda")  # 2 MiB one-shot, in place
         ag_in = torch.zeros(1001, dtype=torch.float16, device="cuda")
         a_out, b_out = torch.empty_like(a), torch.empty_like(b)
         ag_out = torch.empty(WORLD * 1001, dtype=torch.float16, device="cuda")
@@ -298,6 +299,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         def body():
             comm.all_reduce(a, out=a_out, algorithm="one_shot", stream=stream)
             comm.all_reduce(b, out=b_out, algorithm="two_shot", stream=stream)
+            comm.all_reduce(c, algorithm="one_shot", stream=stream)  # in place
             comm.all_gather(ag_out, ag_in, stream=stream)
 
         def warm_up():  # outside capture
@@ -320,26 +322,28 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         case.step("capture", capture)
         before = case.step("calls() before", comm.calls)
         for i in range(20):
-            xa, xb, xg = inputs(a.shape, a.dtype), inputs(b.shape, b.dtype), inputs(ag_in.shape, ag_in.dtype)
-            a.copy_(xa[rank]), b.copy_(xb[rank]), ag_in.copy_(xg[rank])
+            xa, xb, xc, xg = (inputs(t.shape, t.dtype) for t in (a, b, c, ag_in))
+            a.copy_(xa[rank]), b.copy_(xb[rank]), c.copy_(xc[rank]), ag_in.copy_(xg[rank])
             torch.cuda.synchronize()
             case.step(f"replay {i}", replay)  # attempted on every rank even if the capture failed
-            got_a, got_b, got_g = a_out.clone(), b_out.clone(), ag_out.clone()
-            ref_a, ref_b, ref_g = reduce_ref(xa, "sum"), reduce_ref(xb, "sum"), torch.cat(xg)
+            got_a, got_b, got_c, got_g = a_out.clone(), b_out.clone(), c.clone(), ag_out.clone()
+            ref_a, ref_b, ref_c, ref_g = reduce_ref(xa, "sum"), reduce_ref(xb, "sum"), reduce_ref(xc, "sum"), torch.cat(xg)
 
-            def verify(got_a=got_a, got_b=got_b, got_g=got_g, ref_a=ref_a, ref_b=ref_b, ref_g=ref_g):
+            def verify(got_a=got_a, got_b=got_b, got_c=got_c, got_g=got_g, ref_a=ref_a, ref_b=ref_b, ref_c=ref_c, ref_g=ref_g):
                 expect_close(got_a, ref_a, "bfloat16", "sum")
                 expect_close(got_b, ref_b, "float32", "sum")
+                expect_close(got_c, ref_c, "bfloat16", "sum")
                 expect_equal(got_g, ref_g, "all_gather in the graph")
 
             case.later(f"replay {i}", verify)
             case.same_on_all_ranks(f"replay {i} one-shot", got_a)
             case.same_on_all_ranks(f"replay {i} two-shot", got_b)
+            case.same_on_all_ranks(f"replay {i} in-place one-shot", got_c)
         after = case.step("calls() after", comm.calls)
 
         def count():
             assert before is not None and after is not None, "calls() raised"
-            assert after - before == 20 * 3, f"each replay advances the device-side epoch by its launches: {before} -> {after}"
+            assert after - before == 20 * 4, f"each replay advances the device-side epoch by its launches: {before} -> {after}"
 
         case.later("epochs advanced by the replays", count)
 
@@ -350,7 +354,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         # result built from the wrong call's data.
         comm = cc["comm"]
         for i in range(300):
-            n = [5, 1000, 4096, 70000][i % 4]
+            n = [5, 1000, 4096, 70000, 300_000][i % 5]
             xs = inputs((n,), torch.float32)
             algo = ("one_shot", "two_shot")[i % 3 == 0]
             got = case.step(f"all_reduce {i}", comm.all_reduce, xs[rank].clone(), algorithm=algo)

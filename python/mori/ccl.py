@@ -69,7 +69,7 @@ class CclConfig:
 
     buffer_bytes: int = 64 << 20
     one_shot_max_bytes: int | None = None
-    max_blocks: int = 64
+    max_blocks: int = 128
     threads: int = 512
     timeout_s: float = 10.0
 

@@ -115,7 +115,7 @@ class IOEngine:
         timeout: float = 30.0,
         chunk_bytes: int = 4 << 20,
         same_host_direct: bool = True,
-        cuda_ipc: bool = False,
+        cuda_ipc: bool = True,
         copy_engine_threshold: int | None = None,
         ipc_blocks: int = 0,
     ):
@@ -125,11 +125,10 @@ class IOEngine:
         memory (``PR_SET_PTRACER_ANY``); pass False to keep everything on TCP.
 
         ``cuda_ipc``: export registered GPU memory for CUDA IPC and use peers' exported GPU
-        memory through IPC mappings (same host). Opt-in until its GPU tests have run (see
-        docs/io.md); off, GPU memory goes over TCP.
+        memory through IPC mappings (same host); pass False to keep GPU memory on TCP.
         ``copy_engine_threshold``: cuda_ipc items of at least this many bytes go through the copy
         engine instead of the gather/scatter kernel (None: ``MORI_IO_CE_THRESHOLD``, else 2 MiB).
-        ``ipc_blocks``: thread blocks of a gather/scatter launch (0: one per SM)."""
+        ``ipc_blocks``: thread blocks of a gather/scatter launch (0: two per SM)."""
         self._inner = _core.IoEngine(
             name, host, port, connections_per_peer, timeout, chunk_bytes, same_host_direct, cuda_ipc, copy_engine_threshold, ipc_blocks
         )

@@ -44,6 +44,10 @@ pub const COPY_UNROLLS: [u32; 3] = [2, 4, 8];
 /// Chunk size (bytes) of the gather/scatter kernel.
 pub const GATHER_SCATTER_CHUNK: u64 = 32 * 1024;
 const GATHER_SCATTER_UNROLL: u32 = 4;
+/// Items a gather/scatter batch may have to travel in the kernel's parameters (8 KiB of them:
+/// parameters above 4 KiB need CUDA 12.1, which mori requires anyway) instead of a table copied
+/// to the device before the launch.
+pub const GATHER_SCATTER_INLINE: usize = 256;
 
 fn copy_spec(unroll: u32) -> KernelSpec {
     KernelSpec {
@@ -80,6 +84,7 @@ fn gather_scatter_spec() -> KernelSpec {
         defines: vec![
             ("MORI_GS_CHUNK".into(), format!("{GATHER_SCATTER_CHUNK}ull")),
             ("MORI_GS_UNROLL".into(), GATHER_SCATTER_UNROLL.to_string()),
+            ("MORI_GS_INLINE".into(), GATHER_SCATTER_INLINE.to_string()),
         ],
     }
 }
@@ -344,6 +349,14 @@ struct DeviceItem {
     chunk_start: u64,
 }
 
+/// The parameter of `mori_gather_scatter_inline`; the layout matches `GatherScatterInline`.
+#[repr(C)]
+struct InlineTable {
+    n_items: u64,
+    n_chunks: u64,
+    items: [DeviceItem; GATHER_SCATTER_INLINE],
+}
+
 /// Builds the kernel's item table, checking every item against the region sizes first, so a
 /// bad batch touches no memory. Returns the number of chunks.
 fn build_items(
@@ -380,6 +393,7 @@ fn build_items(
 pub struct GatherScatter {
     device: Device,
     function: Function,
+    inline: Function,
     state: Mutex<Option<Tables>>,
     done: Event,
 }
@@ -404,6 +418,7 @@ impl GatherScatter {
         Ok(Self {
             device,
             function: jit::function(device, &gather_scatter_spec(), "mori_gather_scatter")?,
+            inline: jit::function(device, &gather_scatter_spec(), "mori_gather_scatter_inline")?,
             state: Mutex::new(None),
             done: Event::new(device, false)?,
         })
@@ -435,6 +450,39 @@ impl GatherScatter {
         }
         if n == 0 {
             return Ok(());
+        }
+        let grid = |chunks: u64| blocks.max(1).min(u32::try_from(chunks).unwrap_or(u32::MAX));
+        let config = |chunks: u64| LaunchConfig {
+            grid: grid(chunks),
+            block: 512,
+            shared_mem_bytes: 0,
+        };
+        if n <= GATHER_SCATTER_INLINE {
+            let mut table = InlineTable {
+                n_items: n as u64,
+                n_chunks: 0,
+                items: [DeviceItem::default(); GATHER_SCATTER_INLINE],
+            };
+            table.n_chunks = build_items(
+                src_offsets,
+                dst_offsets,
+                sizes,
+                regions.src_len,
+                regions.dst_len,
+                &mut table.items[..n],
+            )?;
+            if table.n_chunks == 0 {
+                return Ok(());
+            }
+            let (mut dst, mut src) = (regions.dst, regions.src);
+            let mut args = [
+                &mut dst as *mut u64 as *mut c_void,
+                &mut src as *mut u64 as *mut c_void,
+                &mut table as *mut InlineTable as *mut c_void,
+            ];
+            // SAFETY: the arguments match mori_gather_scatter_inline (the driver copies the
+            // table at the call); every item was bounds-checked.
+            return unsafe { launch(self.inline, config(table.n_chunks), stream, &mut args) };
         }
         let mut state = self.state.lock().map_err(|_| poisoned())?;
         // The previous batch may still read the tables: wait for it before refilling them.
@@ -491,20 +539,8 @@ impl GatherScatter {
             &mut n_items as *mut u64 as *mut c_void,
             &mut n_chunks as *mut u64 as *mut c_void,
         ];
-        let grid = blocks.max(1).min(u32::try_from(chunks).unwrap_or(u32::MAX));
         // SAFETY: the arguments match mori_gather_scatter; every item was bounds-checked.
-        unsafe {
-            launch(
-                self.function,
-                LaunchConfig {
-                    grid,
-                    block: 512,
-                    shared_mem_bytes: 0,
-                },
-                stream,
-                &mut args,
-            )?
-        };
+        unsafe { launch(self.function, config(chunks), stream, &mut args)? };
         self.done.record(stream)
     }
 }

@@ -41,7 +41,7 @@ pub struct EngineConfig {
     /// cuda_ipc: items of at least this many bytes go through the copy engine
     /// (`MORI_IO_CE_THRESHOLD`, default 2 MiB).
     pub ce_threshold: u64,
-    /// cuda_ipc: thread blocks of a gather/scatter launch (0 = one per SM).
+    /// cuda_ipc: thread blocks of a gather/scatter launch (0 = two per SM).
     pub ipc_blocks: u32,
 }
 
@@ -54,7 +54,7 @@ impl Default for EngineConfig {
             timeout: Duration::from_secs(30),
             chunk_bytes: 4 << 20,
             same_host_direct: true,
-            cuda_ipc: false,
+            cuda_ipc: true,
             ce_threshold: cuda_ipc::ce_threshold_from_env(),
             ipc_blocks: 0,
         }

@@ -5,7 +5,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -101,7 +101,14 @@ struct Inner {
     state: Mutex<State>,
     cond: Condvar,
     route: AtomicU8,
+    /// Set (under the lock) when the transfer finishes: what [`Transfer::wait`] spins on.
+    finished: AtomicBool,
 }
+
+/// How long [`Transfer::wait`] spins before it sleeps on the condition variable: a waiter woken
+/// from sleep sees the completion tens of µs late on a busy or virtualised host, as much as a
+/// small GPU transfer takes.
+const WAIT_SPIN: Duration = Duration::from_micros(50);
 
 /// Shared handle of one transfer.
 #[derive(Clone)]
@@ -133,6 +140,7 @@ impl Transfer {
                 }),
                 cond: Condvar::new(),
                 route: AtomicU8::new(route as u8),
+                finished: AtomicBool::new(parts == 0),
             }),
         }
     }
@@ -185,6 +193,7 @@ impl Transfer {
             if st.remaining > 0 {
                 return;
             }
+            self.inner.finished.store(true, Ordering::Release);
             self.inner.cond.notify_all();
             (
                 std::mem::take(&mut st.callbacks),
@@ -214,7 +223,12 @@ impl Transfer {
 
     /// Blocks until the transfer finishes (Ok / its failure), or `timeout` passes (Ok(false)).
     pub fn wait(&self, timeout: Option<Duration>) -> std::result::Result<bool, Failure> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let start = Instant::now();
+        let deadline = timeout.map(|t| start + t);
+        let spin_until = start + timeout.map_or(WAIT_SPIN, |t| t.min(WAIT_SPIN));
+        while !self.inner.finished.load(Ordering::Acquire) && Instant::now() < spin_until {
+            std::hint::spin_loop();
+        }
         let other = |m: &str| Failure {
             kind: FailureKind::Other,
             message: m.into(),

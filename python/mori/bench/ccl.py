@@ -24,13 +24,15 @@ from mori.bench._common import environment, graph_time, human_bytes, write_recor
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 WORLD = 2
+# The grid sweep starts where calls use more than a few blocks.
+GRID_MIN_BYTES = 1 << 20
 
 
 def _reps(nbytes: int) -> int:
     return max(3, min(50, (64 << 20) // nbytes))
 
 
-def _rank(rank: int, uid: bytes, port: int, trials: int, sizes: list[int], q) -> None:
+def _rank(rank: int, uid: bytes, port: int, trials: int, sizes: list[int], grids: list[tuple[int, int]], q) -> None:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch
@@ -98,6 +100,19 @@ def _rank(rank: int, uid: bytes, port: int, trials: int, sizes: list[int], q) ->
         row["all_to_all_nccl"] = timed(lambda: dist.all_to_all_single(out[:n], inp), nbytes)
         rows.append(row)
 
+    # Grid sweep: the all-reduce's large-size kernels with other (max_blocks, threads) settings.
+    grid_rows: list[dict[str, Any]] = []
+    for blocks, threads in grids:
+        g = ccl.Communicator(config=ccl.CclConfig(max_blocks=blocks, threads=threads))
+        for nbytes in (s for s in sizes if s >= GRID_MIN_BYTES):
+            n = nbytes // 2
+            grid_row: dict[str, Any] = {"bytes": nbytes, "max_blocks": blocks, "threads": threads}
+            for algo in ccl.ALGORITHMS:
+                grid_row[algo] = timed(lambda a=algo: g.all_reduce(x[:n], out=out[:n], algorithm=a, stream=stream), nbytes)
+            grid_rows.append(grid_row)
+        g.check()
+        g.close()
+
     # The timed kernels computed the right thing: mori's all-reduce equals NCCL's (two ranks:
     # a + b in either order is the same float).
     verify = x[: 1 << 20]
@@ -110,7 +125,7 @@ def _rank(rank: int, uid: bytes, port: int, trials: int, sizes: list[int], q) ->
     comm.close()
     shmem.finalize()
     dist.destroy_process_group()
-    q.put((rank, {"rows": rows, "verified": verified, "symm_error": symm_error}))
+    q.put((rank, {"rows": rows, "grid_rows": grid_rows, "verified": verified, "symm_error": symm_error}))
 
 
 def _free_port() -> int:
@@ -123,14 +138,15 @@ def _bus_factor(op: str) -> float:
     return 2 * (WORLD - 1) / WORLD if op == "all_reduce" else (WORLD - 1) / WORLD
 
 
-def run(trials: int, sizes: list[int], out_dir: str) -> dict[str, Any]:
+def run(trials: int, sizes: list[int], out_dir: str, grids: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     import mori
+    from mori import ccl
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     uid = mori.get_unique_id()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, uid, port, trials, sizes, q)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, uid, port, trials, sizes, grids or [], q)) for r in range(WORLD)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=560) for _ in procs)
@@ -173,6 +189,18 @@ def run(trials: int, sizes: list[int], out_dir: str) -> dict[str, Any]:
                 f"{human_bytes(row['bytes']):>9} | {fmt(row[f'{op}_mori_us'])} {fmt(row[f'{op}_nccl_us'])} | "
                 f"{fmt(row[f'{op}_mori_busbw_gbps'], 9)} {fmt(row[f'{op}_nccl_busbw_gbps'], 9)}"
             )
+    grid_rows = []
+    for a, b in zip(r0["grid_rows"], got[1]["grid_rows"]):
+        grid_row = {k: a[k] for k in ("bytes", "max_blocks", "threads")}
+        for algo in ccl.ALGORITHMS:
+            grid_row[f"all_reduce_{algo}_us"] = None if a[algo] is None or b[algo] is None else max(a[algo], b[algo]) * 1e6
+        grid_rows.append(grid_row)
+    if grid_rows:
+        head = f"{'size':>9} {'grid':>9} | {'1-shot µs':>9} {'2-shot µs':>9}"
+        print("\nall-reduce (bf16) by grid (max_blocks x threads)\n" + head + "\n" + "-" * len(head))
+        for g in grid_rows:
+            print(f"{human_bytes(g['bytes']):>9} {g['max_blocks']:>4}x{g['threads']:<4} | "
+                  f"{fmt(g['all_reduce_one_shot_us'], 9)} {fmt(g['all_reduce_two_shot_us'], 9)}")
     record = {
         "benchmark": "ccl",
         "env": environment(),
@@ -180,6 +208,7 @@ def run(trials: int, sizes: list[int], out_dir: str) -> dict[str, Any]:
         "config": {"trials": trials, "sizes": sizes, "dtype": "bfloat16", "world_size": WORLD},
         "symm_mem_error": r0["symm_error"],
         "rows": rows,
+        "grid_rows": grid_rows,
     }
     path = write_record("ccl", record, out_dir)
     print(f"\nwrote {path}")
@@ -190,6 +219,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=20, help="timed graph replays per measurement")
     p.add_argument("--max-bytes", type=int, default=max(SIZES), help="largest size measured")
     p.add_argument("--out", default="benches/results", help="folder for the JSON record")
+    p.add_argument("--grids", default="", help="also time the all-reduce from 1 MiB with these grids, "
+                   "BLOCKSxTHREADS items separated by ',' or '+' (e.g. 128x512+64x1024)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -198,5 +229,10 @@ def main(args: argparse.Namespace) -> int:
     if not gpu.is_available() or gpu.device_count() < WORLD:
         print("mori bench ccl needs 2 GPUs")
         return 1
-    run(args.trials, [s for s in SIZES if s <= args.max_bytes], args.out)
+    try:
+        grids = [(int(b), int(t)) for b, t in (g.lower().split("x") for g in args.grids.replace("+", ",").split(",") if g)]
+    except ValueError:
+        print(f"--grids: expected BLOCKSxTHREADS items, got {args.grids!r}")
+        return 2
+    run(args.trials, [s for s in SIZES if s <= args.max_bytes], args.out, grids)
     return 0

@@ -34,7 +34,14 @@ def _target(conn, nbytes: int) -> None:
     conn.recv()  # stop
 
 
-def run(trials: int, out_dir: str) -> dict[str, Any]:
+def run(trials: int, out_dir: str, routes: str = "all", ipc_blocks: int = 0) -> dict[str, Any]:
+    if routes == "cuda_ipc":
+        gpu = _gpu_cases(trials, ipc_blocks)
+        record = {"benchmark": "io", "env": environment(), "method": __doc__.strip(), "transports": ["cuda_ipc"],
+                  "config": {"trials": trials, "ipc_blocks": ipc_blocks}, "cuda_ipc": gpu}
+        path = write_record("io", record, out_dir)
+        print(f"wrote {path}")
+        return record
     from mori.io import IOEngine, MemoryDesc
 
     ctx = mp.get_context("spawn")
@@ -57,9 +64,9 @@ def run(trials: int, out_dir: str) -> dict[str, Any]:
     print(f"\nsubmitting a 10000-block batch: {submit_us:.0f} µs of Python time (median)")
     conn.send("stop")
     proc.join(timeout=30)
-    gpu = _gpu_cases(trials)
+    gpu = _gpu_cases(trials, ipc_blocks) if routes == "all" else None
     record = {"benchmark": "io", "env": environment(), "method": __doc__.strip(), "transports": ["tcp loopback", "same-host direct"],
-              "config": {"trials": trials, "connections_per_peer": 2, "chunk_bytes": 4 << 20},
+              "config": {"trials": trials, "connections_per_peer": 2, "chunk_bytes": 4 << 20, "ipc_blocks": ipc_blocks},
               "results": rows, "submit_10000_blocks_us": submit_us, "cuda_ipc": gpu}
     path = write_record("io", record, out_dir)
     print(f"wrote {path}")
@@ -133,7 +140,7 @@ def _gpu_target(conn) -> None:
     conn.recv()  # stop
 
 
-def _gpu_cases(trials: int) -> dict[str, Any] | None:
+def _gpu_cases(trials: int, ipc_blocks: int) -> dict[str, Any] | None:
     """cuda_ipc GPU0 <-> GPU1 (None, with the reason printed, where that is not possible)."""
     import importlib.util
 
@@ -160,7 +167,7 @@ def _gpu_cases(trials: int) -> dict[str, Any] | None:
         local = torch.randint(0, 256, (GPU_REGION,), dtype=torch.uint8, device="cuda:0")
         torch.cuda.synchronize()
         engines = {
-            "kernel": IOEngine("bench-gpu-kernel", timeout=60.0, cuda_ipc=True),
+            "kernel": IOEngine("bench-gpu-kernel", timeout=60.0, cuda_ipc=True, ipc_blocks=ipc_blocks),
             "copy engine": IOEngine("bench-gpu-ce", timeout=60.0, cuda_ipc=True, copy_engine_threshold=0),
         }
         mems = {}
@@ -227,8 +234,11 @@ def _gpu_cases(trials: int) -> dict[str, Any] | None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--out", default="benches/results")
+    p.add_argument("--routes", choices=("all", "host", "cuda_ipc"), default="all",
+                   help="host: tcp and same-host direct only; cuda_ipc: GPU0 <-> GPU1 only")
+    p.add_argument("--ipc-blocks", type=int, default=0, help="thread blocks of a gather/scatter launch (0: the engine's default)")
 
 
 def main(args: argparse.Namespace) -> int:
-    run(args.trials, args.out)
+    run(args.trials, args.out, args.routes, args.ipc_blocks)
     return 0
