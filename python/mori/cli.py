@@ -1,4 +1,4 @@
-"""The ``mori`` command: ``check``, ``demo``, ``precompile``, ``bench p2p``."""
+"""The ``mori`` command: ``check``, ``demo``, ``precompile``, ``bench p2p``, ``umbpd``."""
 
 from __future__ import annotations
 
@@ -43,6 +43,12 @@ def _precompile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _umbpd(args: argparse.Namespace) -> int:
+    from mori import umbpd
+
+    return umbpd.run(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mori", description="mori: GPU communication for LLM stacks")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, help="parallel compilations (default: CPU count)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_precompile)
+
+    # Every argument after `umbpd` goes to the daemon, `--help` included: no option prefix
+    # (NUL never occurs in argv) keeps argparse from reading any of them.
+    p = sub.add_parser("umbpd", help="the UMBP daemon (same as the umbpd command; mori umbpd --help)",
+                       add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_umbpd)
 
     p = sub.add_parser("bench", help="benchmarks (print mori beside a baseline, write JSON)")
     bench = p.add_subparsers(dest="bench", required=True)

@@ -9,17 +9,53 @@ mod jit;
 mod shmem;
 mod umbp;
 
-use pyo3::prelude::*;
+use std::io::IsTerminal;
+use std::sync::OnceLock;
 
-/// Routes `tracing` output to stderr, filtered by `MORI_LOG` (default: warnings).
+use pyo3::prelude::*;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Registry, reload};
+
+/// The filter of the subscriber `init_logging` installed (unset when the host had its own).
+static LOG_FILTER: OnceLock<reload::Handle<EnvFilter, Registry>> = OnceLock::new();
+
+/// `MORI_LOG`, default: warnings.
+fn mori_log_filter() -> EnvFilter {
+    EnvFilter::try_from_env("MORI_LOG").unwrap_or_else(|_| EnvFilter::new("warn"))
+}
+
+/// Routes `tracing` output to stderr, filtered by `MORI_LOG` (swappable: see `with_log_filter`).
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("MORI_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let (filter, handle) = reload::Layer::new(mori_log_filter());
     // A host program may already have installed a subscriber; keep theirs then.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+    let installed = tracing_subscriber::registry()
+        .with(filter)
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::stderr().is_terminal()),
+        )
         .try_init();
+    if installed.is_ok() {
+        let _ = LOG_FILTER.set(handle);
+    }
+}
+
+/// Runs `f` with `filter` in place of `MORI_LOG`'s (so a program run through `_core`, such as
+/// the `umbpd` daemon, keeps its own log variable), then puts `MORI_LOG`'s back.
+fn with_log_filter<T>(filter: EnvFilter, f: impl FnOnce() -> T) -> T {
+    let swap = |filter| {
+        if let Some(handle) = LOG_FILTER.get()
+            && let Err(e) = handle.reload(filter)
+        {
+            tracing::warn!(error = %e, "could not change the log filter");
+        }
+    };
+    swap(filter);
+    let out = f();
+    swap(mori_log_filter());
+    out
 }
 
 /// Hardware topology as JSON.
@@ -77,6 +113,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(io::io_engine_desc_info, m)?)?;
     m.add_class::<umbp::UmbpPool>()?;
     m.add_class::<umbp::UmbpRemote>()?;
+    m.add_function(wrap_pyfunction!(umbp::umbpd_main, m)?)?;
     m.add_function(wrap_pyfunction!(topology_json, m)?)?;
     m.add_function(wrap_pyfunction!(topology_text, m)?)?;
     Ok(())

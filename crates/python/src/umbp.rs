@@ -1,4 +1,4 @@
-//! Bindings of mori-umbp: the embedded pool.
+//! Bindings of mori-umbp and mori-umbpd: the embedded pool, the daemon client, the daemon.
 
 use std::path::PathBuf;
 
@@ -349,4 +349,14 @@ impl UmbpRemote {
         let s = py.detach(|| self.inner.stats()).map_err(Error::from)?;
         stats_dict(py, &s)
     }
+}
+
+/// Runs the `umbpd` daemon in this process with `argv` (the arguments after the program name)
+/// until it stops, without the GIL, and returns its exit code. Logs follow `UMBP_LOG` meanwhile.
+/// Errors are printed by the daemon and reflected in the code, as for the binary.
+#[pyfunction]
+pub fn umbpd_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> u8 {
+    crate::with_log_filter(mori_umbpd::cli::log_filter(), || {
+        py.detach(|| mori_umbpd::run_cli(argv))
+    })
 }

@@ -1,5 +1,6 @@
 //! `umbpd`, the UMBP daemon, and its Rust client.
 //!
+//! * [`cli`] — the `umbpd` command ([`run_cli`]), run by the binary and by the Python wheel.
 //! * [`config`] — settings from a TOML file, `UMBP_*` environment variables and flags.
 //! * [`service`] — the gRPC service `umbp.v1.Umbp` (see `proto/umbp.proto`) over a
 //!   [`mori_umbp::LocalPool`].
@@ -13,6 +14,7 @@
 
 #![warn(missing_docs)]
 
+pub mod cli;
 pub mod client;
 pub mod config;
 pub mod master;
@@ -27,5 +29,6 @@ pub mod proto {
     tonic::include_proto!("umbp.v1");
 }
 
+pub use cli::run_cli;
 pub use client::{Client, ClientError, ClientOptions};
 pub use config::{Cli, Config, ConfigError, Role};
