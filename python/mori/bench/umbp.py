@@ -298,20 +298,23 @@ def _redis_baseline(tmp: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _umbpd_exe() -> Path | None:
+def _umbpd_command() -> tuple[list[str], str]:
+    """How to start umbpd, and which build that is: a binary built in this checkout (release
+    first), else the daemon the installed wheel carries (``python -m mori.umbpd``)."""
+    import sys
+
     root = Path(__file__).resolve().parents[3]
     for profile in ("release", "debug"):
         exe = root / "target" / profile / "umbpd"
         if exe.exists():
-            return exe
-    print("  umbpd not built (cargo build --release -p mori-umbpd): daemon rows skipped")
-    return None
+            return [str(exe)], profile
+    return [sys.executable, "-m", "mori.umbpd"], "wheel"
 
 
-def _umbpd(exe: Path, tmp: str, name: str, *args: str) -> tuple[subprocess.Popen, str]:
+def _umbpd(cmd: list[str], tmp: str, name: str, *args: str) -> tuple[subprocess.Popen, str]:
     """Starts umbpd with ``args`` and waits for its port file (a peer writes it once registered)."""
     port_file = Path(tmp) / f"{name}.port"
-    proc = subprocess.Popen([str(exe), "--port-file", str(port_file), *args],
+    proc = subprocess.Popen([*cmd, "--port-file", str(port_file), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while not port_file.exists():
@@ -334,10 +337,7 @@ def _run_io_only(out_dir: str) -> dict[str, Any]:
 
     record: dict[str, Any] = {"benchmark": "umbp", "only": "io", "env": environment(),
                               "method": __doc__.strip()}
-    exe = _umbpd_exe()
-    if exe is None:
-        raise SystemExit("umbpd is not built: cargo build --release -p mori-umbpd")
-    record["daemon_build"] = exe.parent.name
+    exe, record["daemon_build"] = _umbpd_command()
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         try:
@@ -373,37 +373,35 @@ def run(out_dir: str, only: str | None = None) -> dict[str, Any]:
             record["exists_prefix_64"] = _exists_latency(c)
         print(f"batch_exists_prefix(64 keys): p50 {record['exists_prefix_64']['p50_us']:.1f} µs, "
               f"p99 {record['exists_prefix_64']['p99_us']:.1f} µs")
-        exe = _umbpd_exe()
-        if exe is not None:
-            record["daemon_build"] = exe.parent.name
-            print("umbpd standalone over loopback gRPC:")
-            proc, addr = _umbpd(exe, tmp, "standalone", "--dram-bytes", "2G")
-            try:
-                rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, zero_copy=False)
-            finally:
-                _stop([proc])
-            print("umbpd cluster, master + 2 peers over loopback gRPC (data as gRPC bytes):")
-            procs = []
-            try:
-                procs.append(_umbpd(exe, tmp, "master", "--role", "master")[0])
-                master = Path(tmp, "master.port").read_text().strip()
-                for i in range(2):
-                    procs.append(_umbpd(exe, tmp, f"peer{i}", "--role", "peer", "--master", master,
-                                        "--dram-bytes", "1G")[0])
-                c = Client(master=master)
-                rows += _pool_rows(c, "2peers", 64 << 20, zero_copy=False)
-                print("  registered buffers (values over mori.io, control over gRPC):")
-                rows += _dataplane_rows(c, "2peers-io", 256 << 20)
-                print("  multi-client gets (registered buffers):")
-                record["io_concurrent_gets"] = _concurrent_gets(master)
-                print("  master metadata throughput:")
-                record["master_ops"] = _master_ops(c, master)
-                record["cluster_exists_prefix_64"] = _exists_latency(c)
-                print(f"  batch_exists_prefix(64 keys) via the master: "
-                      f"p50 {record['cluster_exists_prefix_64']['p50_us']:.1f} µs, "
-                      f"p99 {record['cluster_exists_prefix_64']['p99_us']:.1f} µs")
-            finally:
-                _stop(procs)
+        exe, record["daemon_build"] = _umbpd_command()
+        print("umbpd standalone over loopback gRPC:")
+        proc, addr = _umbpd(exe, tmp, "standalone", "--dram-bytes", "2G")
+        try:
+            rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, zero_copy=False)
+        finally:
+            _stop([proc])
+        print("umbpd cluster, master + 2 peers over loopback gRPC (data as gRPC bytes):")
+        procs = []
+        try:
+            procs.append(_umbpd(exe, tmp, "master", "--role", "master")[0])
+            master = Path(tmp, "master.port").read_text().strip()
+            for i in range(2):
+                procs.append(_umbpd(exe, tmp, f"peer{i}", "--role", "peer", "--master", master,
+                                    "--dram-bytes", "1G")[0])
+            c = Client(master=master)
+            rows += _pool_rows(c, "2peers", 64 << 20, zero_copy=False)
+            print("  registered buffers (values over mori.io, control over gRPC):")
+            rows += _dataplane_rows(c, "2peers-io", 256 << 20)
+            print("  multi-client gets (registered buffers):")
+            record["io_concurrent_gets"] = _concurrent_gets(master)
+            print("  master metadata throughput:")
+            record["master_ops"] = _master_ops(c, master)
+            record["cluster_exists_prefix_64"] = _exists_latency(c)
+            print(f"  batch_exists_prefix(64 keys) via the master: "
+                  f"p50 {record['cluster_exists_prefix_64']['p50_us']:.1f} µs, "
+                  f"p99 {record['cluster_exists_prefix_64']['p99_us']:.1f} µs")
+        finally:
+            _stop(procs)
         record["results"] = rows
         print("Redis baseline (redis-benchmark, 4 clients):")
         record["redis"] = _redis_baseline(tmp)
