@@ -325,6 +325,16 @@ def _umbpd(cmd: list[str], tmp: str, name: str, *args: str) -> tuple[subprocess.
     return proc, port_file.read_text().strip()
 
 
+def _start_cluster(cmd: list[str], tmp: str, procs: list[subprocess.Popen]) -> str:
+    """Starts a master and 2 peers of 1 GiB DRAM (appended to ``procs`` as they start, so the
+    caller stops whatever did start); returns the master's address."""
+    procs.append(_umbpd(cmd, tmp, "master", "--role", "master")[0])
+    master = Path(tmp, "master.port").read_text().strip()
+    for i in range(2):
+        procs.append(_umbpd(cmd, tmp, f"peer{i}", "--role", "peer", "--master", master, "--dram-bytes", "1G")[0])
+    return master
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     for p in reversed(procs):
         p.terminate()
@@ -341,11 +351,7 @@ def _run_io_only(out_dir: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         try:
-            procs.append(_umbpd(exe, tmp, "master", "--role", "master")[0])
-            master = Path(tmp, "master.port").read_text().strip()
-            for i in range(2):
-                procs.append(_umbpd(exe, tmp, f"peer{i}", "--role", "peer", "--master", master,
-                                    "--dram-bytes", "1G")[0])
+            master = _start_cluster(exe, tmp, procs)
             c = Client(master=master)
             print("umbpd cluster, master + 2 peers, registered buffers (values over mori.io):")
             record["results"] = _dataplane_rows(c, "2peers-io", 256 << 20)
@@ -383,11 +389,7 @@ def run(out_dir: str, only: str | None = None) -> dict[str, Any]:
         print("umbpd cluster, master + 2 peers over loopback gRPC (data as gRPC bytes):")
         procs = []
         try:
-            procs.append(_umbpd(exe, tmp, "master", "--role", "master")[0])
-            master = Path(tmp, "master.port").read_text().strip()
-            for i in range(2):
-                procs.append(_umbpd(exe, tmp, f"peer{i}", "--role", "peer", "--master", master,
-                                    "--dram-bytes", "1G")[0])
+            master = _start_cluster(exe, tmp, procs)
             c = Client(master=master)
             rows += _pool_rows(c, "2peers", 64 << 20, zero_copy=False)
             print("  registered buffers (values over mori.io, control over gRPC):")
