@@ -85,6 +85,26 @@ def test_bad_input_and_limits():
         Client(master="127.0.0.1:1")
 
 
+def test_gpu_tier_without_a_usable_device_is_a_clear_error():
+    from mori import gpu
+
+    has_gpu = gpu.is_available() and gpu.device_count() > 0
+    if not has_gpu:
+        # No driver (CI): LibraryNotFoundError; a driver without devices: another MoriError.
+        with pytest.raises(errors.MoriError, match="CUDA device 0"):
+            Client(dram_bytes=1 << 20, gpu_bytes=1 << 20, gpu_device=0)
+    with pytest.raises(errors.MoriError, match="CUDA device 4096"):
+        Client(dram_bytes=1 << 20, gpu_bytes=1 << 20, gpu_device=4096)
+    with pytest.raises(errors.InvalidArgumentError):
+        Client(dram_bytes=1 << 20, gpu_bytes=-1)
+    with pytest.raises(errors.InvalidArgumentError):
+        Client(dram_bytes=1 << 20, gpu_bytes=5000)  # not a multiple of page_bytes
+    with pytest.raises(errors.InvalidArgumentError, match="embedded-only"):
+        Client(master="127.0.0.1:1", gpu_bytes=1 << 20)
+    with Client(dram_bytes=1 << 20) as c:
+        assert c.stats()["gpu_keys"] == 0 and c.stats()["gpu_capacity_bytes"] == 0
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -6,14 +6,21 @@ restarts). Values are immutable blocks under byte-string keys; when DRAM passes 
 watermark, least-recently-used blocks are demoted to SSD (or dropped without one) and an SSD hit
 is promoted back. ``exists`` and ``batch_exists_prefix`` never renew LRU order.
 
+With ``gpu_bytes > 0`` the embedded pool has a GPU tier in front of DRAM (device memory on
+``gpu_device``): puts go there first, and its least-recently-used blocks are demoted to DRAM
+(which demotes to SSD in turn). Nothing is promoted back to the GPU tier. ``put_from``,
+``get_into`` and the ``batch_*`` buffer calls accept contiguous CUDA torch tensors as well as
+host buffers; GPU-tier values then move device to device. ``close()`` writes the GPU and DRAM
+values to SSD.
+
 ``Client(master="host:port")`` talks to a ``umbpd`` daemon with the same calls: a standalone
 daemon (one pool served over gRPC) or the master of a cluster, in which case puts and gets are
 routed to the peers that hold the bytes (the master keeps the index, peer liveness, read leases
 and eviction; see docs/umbp.md). A cluster key whose peer died is a miss. With a daemon,
 ``put_from``/``get_into``/``batch_put_from``/``batch_get_into`` on a buffer passed to
 ``register`` move the values over mori.io (the daemon copies straight between its DRAM and your
-buffer; gRPC carries only control); on other buffers they copy through bytes. The GPU tier is
-not built yet.
+buffer; gRPC carries only control); on other buffers they copy through bytes. A daemon has
+no GPU tier and takes host buffers only.
 """
 
 from __future__ import annotations
@@ -39,12 +46,34 @@ def _key(key: Any) -> bytes:
     raise InvalidArgumentError(f"keys are str or bytes, got {type(key).__name__}")
 
 
+def _cuda_tensor(obj: Any) -> tuple[int, int, int] | None:
+    """(device, address, size in bytes) of a CUDA torch tensor; None for anything else. Torch
+    is never imported here: a tensor exists only once the caller imported it."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor) or not obj.is_cuda:
+        return None
+    if not obj.is_contiguous():
+        raise InvalidArgumentError("CUDA tensors must be contiguous")
+    return obj.device.index, obj.data_ptr(), obj.numel() * obj.element_size()
+
+
+def _current_cuda_device() -> int:
+    """torch's current CUDA device when torch is imported (and CUDA is up), else 0."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return 0
+
+
 def _host_buffer(obj: Any, writable: bool) -> np.ndarray:
     """A contiguous uint8 view of a host buffer (numpy, bytearray, memoryview, CPU tensor)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         if obj.is_cuda:
-            raise InvalidArgumentError("the GPU tier is not built yet: pass host memory")
+            raise InvalidArgumentError(
+                "a CUDA tensor: only an embedded pool's put_from / get_into / batch_put_from / "
+                "batch_get_into take device memory; pass host memory here"
+            )
         obj = obj.detach().contiguous().view(torch.uint8).numpy()
     arr = np.frombuffer(obj, dtype=np.uint8) if not isinstance(obj, np.ndarray) else obj.reshape(-1).view(np.uint8)
     if not arr.flags.c_contiguous:
@@ -54,8 +83,20 @@ def _host_buffer(obj: Any, writable: bool) -> np.ndarray:
     return arr
 
 
+def _check_ranges(offsets: Sequence[int], sizes: Sequence[int], size: int) -> None:
+    if any(o < 0 or s < 0 or o + s > size for o, s in zip(offsets, sizes)):
+        raise InvalidArgumentError("a range lies outside the buffer")
+
+
 class Client:
-    """A pool client. With no ``master`` it runs an embedded pool in this process."""
+    """A pool client. With no ``master`` it runs an embedded pool in this process.
+
+    ``gpu_bytes`` (embedded only): size of the GPU tier, a multiple of ``page_bytes`` (0: none),
+    on CUDA device ``gpu_device`` (None: torch's current device when torch is imported, else
+    0). Without a usable device the constructor raises (``LibraryNotFoundError`` without the
+    NVIDIA driver, ``InvalidArgumentError`` for an ordinal that does not exist, ``CudaError``
+    when the allocation fails), naming the device.
+    """
 
     def __init__(
         self,
@@ -68,16 +109,24 @@ class Client:
         sync_writes: bool = False,
         high_watermark: float = 0.9,
         low_watermark: float = 0.7,
+        gpu_bytes: int = 0,
+        gpu_device: int | None = None,
         master: str | None = None,
     ):
         self._remote = master is not None
         self._registered: list[tuple[int, int, int, np.ndarray]] = []  # (address, size, handle, keep-alive)
         if self._remote:
+            if gpu_bytes:
+                raise InvalidArgumentError("the GPU tier is embedded-only: a daemon has none")
             self._pool = _core.UmbpRemote(master)
             return
+        if gpu_bytes < 0:
+            raise InvalidArgumentError(f"gpu_bytes must not be negative, got {gpu_bytes}")
+        if gpu_bytes and gpu_device is None:
+            gpu_device = _current_cuda_device()
         self._pool = _core.UmbpPool(
             dram_bytes, page_bytes, None if ssd_dir is None else os.fspath(ssd_dir), ssd_bytes, segment_bytes,
-            sync_writes, high_watermark, low_watermark,
+            sync_writes, high_watermark, low_watermark, gpu_bytes, gpu_device or 0,
         )
 
     def register(self, buffer: Any) -> None:
@@ -118,9 +167,13 @@ class Client:
         values move over mori.io."""
         if not (len(keys) == len(offsets) == len(sizes)):
             raise InvalidArgumentError("keys, offsets and sizes differ in length")
+        cuda = self._cuda_buffer(buffer)
+        if cuda is not None:
+            device, addr, size = cuda
+            _check_ranges(offsets, sizes, size)
+            return [self._pool.get_into_device(_key(k), device, addr + o, s) for k, o, s in zip(keys, offsets, sizes)]
         arr = _host_buffer(buffer, writable=True)
-        if any(o < 0 or s < 0 or o + s > arr.size for o, s in zip(offsets, sizes)):
-            raise InvalidArgumentError("a range lies outside the buffer")
+        _check_ranges(offsets, sizes, arr.size)
         region = self._region(arr) if self._remote else None
         if region is not None:
             handle, base = region
@@ -131,9 +184,13 @@ class Client:
         """Stores key ``i`` with the value ``buffer[offsets[i] : offsets[i] + sizes[i]]``."""
         if not (len(keys) == len(offsets) == len(sizes)):
             raise InvalidArgumentError("keys, offsets and sizes differ in length")
+        cuda = self._cuda_buffer(buffer)
+        if cuda is not None:
+            device, addr, size = cuda
+            _check_ranges(offsets, sizes, size)
+            return [self._pool.put_from_device(_key(k), device, addr + o, s) for k, o, s in zip(keys, offsets, sizes)]
         arr = _host_buffer(buffer, writable=False)
-        if any(o < 0 or s < 0 or o + s > arr.size for o, s in zip(offsets, sizes)):
-            raise InvalidArgumentError("a range lies outside the buffer")
+        _check_ranges(offsets, sizes, arr.size)
         region = self._region(arr) if self._remote else None
         if region is not None:
             handle, base = region
@@ -146,7 +203,12 @@ class Client:
         return self._pool.put(_key(key), bytes(value) if not isinstance(value, bytes) else value)
 
     def put_from(self, key: str | bytes, buffer: Any) -> bool:
-        """``put`` without a bytes copy in Python: from a numpy array, bytearray or CPU tensor."""
+        """``put`` without a bytes copy in Python: from a numpy array, bytearray, CPU tensor or
+        (embedded pools) contiguous CUDA tensor. Work queued on torch streams other than the
+        default stream must be synchronised first."""
+        cuda = self._cuda_buffer(buffer)
+        if cuda is not None:
+            return self._pool.put_from_device(_key(key), *cuda)
         arr = _host_buffer(buffer, writable=False)
         if self._remote:
             region = self._region(arr)
@@ -159,8 +221,12 @@ class Client:
         return self._pool.get(_key(key))
 
     def get_into(self, key: str | bytes, buffer: Any) -> int | None:
-        """Copies the value into ``buffer`` (writable host memory); returns its length, or None
-        if absent. A buffer smaller than the value raises."""
+        """Copies the value into ``buffer`` (writable host memory, or with an embedded pool a
+        contiguous CUDA tensor); returns its length, or None if absent. A buffer smaller than
+        the value raises. The bytes are in place when the call returns."""
+        cuda = self._cuda_buffer(buffer)
+        if cuda is not None:
+            return self._pool.get_into_device(_key(key), *cuda)
         arr = _host_buffer(buffer, writable=True)
         if self._remote:
             region = self._region(arr)
@@ -174,6 +240,13 @@ class Client:
             arr[: len(value)] = np.frombuffer(value, dtype=np.uint8)
             return len(value)
         return self._pool.get_into(_key(key), address(arr) if arr.size else 0, arr.size)
+
+    def _cuda_buffer(self, buffer: Any) -> tuple[int, int, int] | None:
+        """(device, address, bytes) of a CUDA tensor for an embedded pool; None for host memory."""
+        cuda = _cuda_tensor(buffer)
+        if cuda is not None and self._remote:
+            raise InvalidArgumentError("a daemon takes host buffers only: copy CUDA tensors to the host first")
+        return cuda
 
     def exists(self, key: str | bytes) -> bool:
         return self._pool.exists(_key(key))
@@ -194,12 +267,14 @@ class Client:
         return self._pool.remove(_key(key))
 
     def stats(self) -> dict[str, int]:
-        """Keys and bytes per tier, hits per tier, misses, evictions, demotions, promotions."""
+        """Keys and bytes per tier (gpu, dram, ssd), hits per tier, misses, evictions,
+        demotions (``gpu_demotions``: GPU to DRAM or SSD; ``demotions``: DRAM to SSD),
+        promotions."""
         return self._pool.stats()
 
     def close(self) -> dict[str, int]:
-        """Embedded: keeps DRAM-only values on SSD (when there is one), seals the log, closes
-        the pool. With a daemon or cluster: nothing to close on this side (it keeps the data)."""
+        """Embedded: keeps GPU and DRAM-only values on SSD (when there is one), seals the log,
+        closes the pool. With a daemon or cluster: nothing to close on this side (it keeps the data)."""
         if self._remote:
             for _, _, handle, _ in self._registered:
                 self._pool.deregister(handle)

@@ -22,7 +22,8 @@ pub use driver::{device_count, driver_version, ensure_driver};
 pub use error::{Error, Result};
 pub use ipc::{IPC_EXPORT_BYTES, IpcExport, IpcMapping};
 pub use memory::{
-    DeviceBuffer, PinnedBuffer, copy_async, copy_device_to_host, copy_host_to_device, memset_async,
+    DeviceBuffer, PinnedBuffer, copy, copy_async, copy_device_to_host, copy_host_to_device,
+    memset_async,
 };
 pub use stream::{
     Event, Stream, StreamHandle, WaitCondition, stream_wait_value32, stream_write_value32,

@@ -153,6 +153,28 @@ pub unsafe fn copy_device_to_host(device: Device, dst: &mut [u8], src: u64) -> R
     })
 }
 
+/// Copies `len` bytes from `src` to `dst` and returns once they have arrived. Unified
+/// addressing: either end may be host memory (pageable or pinned) or device memory of any
+/// device. The copy runs on the legacy default stream, so it starts after work queued there
+/// earlier (torch's default stream); work on other streams is the caller's to synchronise.
+///
+/// # Safety
+/// `src` must be readable and `dst` writable for `len` bytes, and the ranges must not overlap.
+pub unsafe fn copy(device: Device, dst: u64, src: u64, len: usize) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    device.bind()?;
+    // SAFETY: the caller guarantees both ranges; the context is current.
+    check("cuMemcpy", unsafe { sys::cuMemcpy(dst, src, len) })?;
+    // cuMemcpy may return before a device-to-device copy (or the DMA of a staged host-to-device
+    // copy) has finished.
+    // SAFETY: the null stream is the legacy default stream of the current context.
+    check("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(std::ptr::null_mut())
+    })
+}
+
 /// Enqueues a copy of `len` bytes on `stream` with the copy engine (unified addressing: any
 /// combination of device, peer and pinned host pointers).
 ///

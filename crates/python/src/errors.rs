@@ -81,21 +81,8 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
         use mori_bootstrap::Error as B;
-        use mori_gpu::Error as G;
         match e {
-            Error::Gpu(e) => {
-                let msg = e.to_string();
-                match e {
-                    G::LibraryNotFound { .. } => LibraryNotFoundError::new_err(msg),
-                    G::Driver {
-                        call, code, name, ..
-                    } => CudaError::new_err((msg, call, code, name)),
-                    G::Nvrtc { call, code, .. } => CudaError::new_err((msg, call, code, "NVRTC")),
-                    G::Compile { kernel, log, .. } => CompileError::new_err((msg, kernel, log)),
-                    G::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
-                    _ => MoriError::new_err(msg),
-                }
-            }
+            Error::Gpu(e) => gpu_error(e.to_string(), e),
             Error::Bootstrap(e) => {
                 let msg = e.to_string();
                 match e {
@@ -130,6 +117,8 @@ impl From<Error> for PyErr {
                 match e {
                     mori_umbp::Error::NoSpace { .. } => OutOfMemoryError::new_err(msg),
                     mori_umbp::Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+                    // The GPU tier's device: the mori-gpu class, with the pool's context.
+                    mori_umbp::Error::Gpu { source, .. } => gpu_error(msg, *source),
                     _ => MoriError::new_err(msg),
                 }
             }
@@ -155,5 +144,20 @@ impl From<Error> for PyErr {
             },
             Error::InvalidArgument(msg) => InvalidArgumentError::new_err(msg),
         }
+    }
+}
+
+/// The exception of a mori-gpu error, with message `msg` (the error's own, or with context).
+fn gpu_error(msg: String, e: mori_gpu::Error) -> PyErr {
+    use mori_gpu::Error as G;
+    match e {
+        G::LibraryNotFound { .. } => LibraryNotFoundError::new_err(msg),
+        G::Driver {
+            call, code, name, ..
+        } => CudaError::new_err((msg, call, code, name)),
+        G::Nvrtc { call, code, .. } => CudaError::new_err((msg, call, code, "NVRTC")),
+        G::Compile { kernel, log, .. } => CompileError::new_err((msg, kernel, log)),
+        G::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+        _ => MoriError::new_err(msg),
     }
 }

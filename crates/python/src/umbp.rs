@@ -2,13 +2,16 @@
 
 use std::path::PathBuf;
 
-use mori_umbp::{LocalPool, PoolConfig, PoolStats, PutOutcome, SsdConfig, SsdIoMode};
+use mori_umbp::{
+    GpuTierConfig, LocalPool, PoolConfig, PoolStats, PutOutcome, SsdConfig, SsdIoMode,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::errors::{Error, Result};
 
-/// The embedded KV-block pool (DRAM tier, optional SSD tier, in-process index).
+/// The embedded KV-block pool (optional GPU tier, DRAM tier, optional SSD tier, in-process
+/// index).
 #[pyclass(frozen, module = "mori._core")]
 pub struct UmbpPool {
     inner: std::sync::Mutex<Option<LocalPool>>,
@@ -41,15 +44,21 @@ fn stats_dict<'py>(py: Python<'py>, s: &PoolStats) -> PyResult<Bound<'py, PyDict
     d.set_item("keys", s.keys)?;
     d.set_item("dram_keys", s.dram_keys)?;
     d.set_item("ssd_keys", s.ssd_keys)?;
+    d.set_item("gpu_keys", s.gpu_keys)?;
     d.set_item("dram_capacity_bytes", s.dram_capacity_bytes)?;
     d.set_item("dram_used_bytes", s.dram_used_bytes)?;
     d.set_item("dram_value_bytes", s.dram_value_bytes)?;
+    d.set_item("gpu_capacity_bytes", s.gpu_capacity_bytes)?;
+    d.set_item("gpu_used_bytes", s.gpu_used_bytes)?;
+    d.set_item("gpu_value_bytes", s.gpu_value_bytes)?;
     d.set_item("ssd_live_bytes", s.ssd_live_bytes)?;
     d.set_item("ssd_disk_bytes", s.ssd_disk_bytes)?;
+    d.set_item("hits_gpu", s.hits_gpu)?;
     d.set_item("hits_dram", s.hits_dram)?;
     d.set_item("hits_ssd", s.hits_ssd)?;
     d.set_item("misses", s.misses)?;
     d.set_item("evictions", s.evictions)?;
+    d.set_item("gpu_demotions", s.gpu_demotions)?;
     d.set_item("demotions", s.demotions)?;
     d.set_item("promotions", s.promotions)?;
     d.set_item("corrupt_dropped", s.corrupt_dropped)?;
@@ -71,10 +80,18 @@ unsafe fn raw_slice<'a>(ptr: usize, len: usize) -> Result<&'a mut [u8]> {
     Ok(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
 }
 
+/// The address of a CUDA buffer of `len` bytes (null only when empty).
+fn device_address(ptr: usize, len: usize) -> Result<u64> {
+    if ptr == 0 && len > 0 {
+        return Err(Error::InvalidArgument("null device buffer address".into()));
+    }
+    Ok(ptr as u64)
+}
+
 #[pymethods]
 impl UmbpPool {
     #[new]
-    #[pyo3(signature = (dram_bytes, page_bytes, ssd_dir=None, ssd_bytes=0, segment_bytes=0, sync_writes=false, high_watermark=0.9, low_watermark=0.7))]
+    #[pyo3(signature = (dram_bytes, page_bytes, ssd_dir=None, ssd_bytes=0, segment_bytes=0, sync_writes=false, high_watermark=0.9, low_watermark=0.7, gpu_bytes=0, gpu_device=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -86,6 +103,8 @@ impl UmbpPool {
         sync_writes: bool,
         high_watermark: f64,
         low_watermark: f64,
+        gpu_bytes: usize,
+        gpu_device: usize,
     ) -> Result<Self> {
         let mut cfg = match ssd_dir {
             Some(dir) => PoolConfig::with_ssd(
@@ -103,6 +122,10 @@ impl UmbpPool {
         };
         cfg.high_watermark = high_watermark;
         cfg.low_watermark = low_watermark;
+        cfg.gpu = (gpu_bytes > 0).then_some(GpuTierConfig {
+            device: gpu_device,
+            bytes: gpu_bytes,
+        });
         let (pool, _report) = py.detach(|| LocalPool::open(cfg))?;
         Ok(Self {
             inner: std::sync::Mutex::new(Some(pool)),
@@ -123,9 +146,47 @@ impl UmbpPool {
         })
     }
 
+    /// `put` from `len` bytes of CUDA memory at `ptr` on `device` (a tensor mori.umbp keeps
+    /// alive for the call).
+    fn put_from_device(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        device: usize,
+        ptr: usize,
+        len: usize,
+    ) -> Result<bool> {
+        let src = device_address(ptr, len)?;
+        py.detach(|| {
+            self.with(|p| {
+                // SAFETY: mori.umbp passes a live contiguous CUDA tensor of len bytes; its
+                // writers ran on torch's default stream or were synchronised (documented).
+                let outcome = unsafe { p.put_from_device(key, device, src, len)? };
+                Ok(outcome == PutOutcome::Stored)
+            })
+        })
+    }
+
     fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> Result<Option<Bound<'py, PyBytes>>> {
         let v = py.detach(|| self.with(|p| Ok(p.get(key)?)))?;
         Ok(v.map(|v| PyBytes::new(py, &v)))
+    }
+
+    /// Copies the value into `len` bytes of CUDA memory at `ptr` on `device`; returns its
+    /// length, or None.
+    fn get_into_device(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        device: usize,
+        ptr: usize,
+        len: usize,
+    ) -> Result<Option<usize>> {
+        let dst = device_address(ptr, len)?;
+        py.detach(|| {
+            // SAFETY: mori.umbp passes a live, contiguous CUDA tensor of len bytes.
+            self.with(|p| Ok(unsafe { p.get_into_device(key, device, dst, len)? }))
+        })
     }
 
     /// Copies the value into `len` writable bytes at `ptr`; returns its length, or None.
@@ -194,7 +255,8 @@ impl UmbpPool {
         stats_dict(py, &s)
     }
 
-    /// Writes DRAM-only values to SSD (when there is one), seals the log and closes the pool.
+    /// Writes DRAM-only and GPU values to SSD (when there is one), seals the log and closes
+    /// the pool.
     /// Returns (values written, values already on SSD, values lost).
     fn close(&self, py: Python<'_>) -> Result<(usize, usize, usize)> {
         let taken = self

@@ -41,6 +41,17 @@ pub enum Error {
         /// What the backend (or the client library) reported.
         detail: String,
     },
+    /// The GPU tier's device cannot be used (no driver, no such device) or a CUDA call of
+    /// it failed; `source` names the call.
+    #[cfg(feature = "gpu")]
+    #[error("{context}: {source}")]
+    Gpu {
+        /// What was being done, with the device.
+        context: String,
+        /// The mori-gpu error (boxed: it is larger than the other variants).
+        #[source]
+        source: Box<mori_gpu::Error>,
+    },
     /// A caller-supplied argument or configuration value is not acceptable.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

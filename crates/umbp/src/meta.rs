@@ -25,6 +25,8 @@ pub enum Tier {
     Dram,
     /// The peer's SSD log ([`crate::SsdLog`]).
     Ssd,
+    /// Device memory (the embedded pool's [`crate::GpuArena`], feature `gpu`).
+    Gpu,
 }
 
 /// Where the value of a key lives.
@@ -223,6 +225,11 @@ pub mod conformance {
         Location { peer, tier, len }
     }
 
+    /// Every tier in turn (and not in step with the other patterns of `i` the tests use).
+    fn tier_of(i: u64) -> Tier {
+        [Tier::Dram, Tier::Ssd, Tier::Gpu][(i / 3 % 3) as usize]
+    }
+
     /// Checks every method's contract on `store`, which must be empty on entry (a Redis
     /// backend should be given a fresh namespace); it is empty again when the suite returns.
     /// Panics with a description of the first violation. Includes races: several threads
@@ -395,25 +402,13 @@ pub mod conformance {
             .enumerate()
             .filter(|(i, _)| !i.is_multiple_of(3))
         {
-            let tier = if i.is_multiple_of(2) {
-                Tier::Dram
-            } else {
-                Tier::Ssd
-            };
             ok(
-                store.insert_if_absent(k, loc(i as u64 % 5, tier, i as u64)),
+                store.insert_if_absent(k, loc(i as u64 % 5, tier_of(i as u64), i as u64)),
                 "insert",
             );
         }
         let expect = |i: usize| {
-            (!i.is_multiple_of(3)).then(|| {
-                let tier = if i.is_multiple_of(2) {
-                    Tier::Dram
-                } else {
-                    Tier::Ssd
-                };
-                loc(i as u64 % 5, tier, i as u64)
-            })
+            (!i.is_multiple_of(3)).then(|| loc(i as u64 % 5, tier_of(i as u64), i as u64))
         };
         // Reverse order, with duplicates and misses interleaved.
         let mut order: Vec<usize> = (0..n as usize).rev().collect();
@@ -485,6 +480,27 @@ pub mod conformance {
             Some(loc(3, Tier::Dram, 64)),
             "after CAS back",
         );
+        // The GPU tier round-trips like the others (a value demoted GPU -> DRAM).
+        eq(
+            ok(store.update_tier(&k, Tier::Dram, Tier::Gpu), "update_tier"),
+            true,
+            "CAS to the GPU tier",
+        );
+        eq(
+            ok(store.get(&k), "get"),
+            Some(loc(3, Tier::Gpu, 64)),
+            "after a CAS to the GPU tier",
+        );
+        eq(
+            ok(store.update_tier(&k, Tier::Dram, Tier::Ssd), "update_tier"),
+            false,
+            "a CAS from DRAM of a GPU location",
+        );
+        eq(
+            ok(store.update_tier(&k, Tier::Gpu, Tier::Dram), "update_tier"),
+            true,
+            "CAS from the GPU tier",
+        );
         eq(ok(store.len(), "len"), 1, "update_tier does not add keys");
         ok(store.remove(&k), "remove");
         eq(
@@ -531,13 +547,8 @@ pub mod conformance {
         let keys: Vec<Vec<u8>> = (0..n).map(|i| key(&format!("peer/{i}"))).collect();
         for (i, k) in keys.iter().enumerate() {
             let i = i as u64;
-            let tier = if i.is_multiple_of(2) {
-                Tier::Dram
-            } else {
-                Tier::Ssd
-            };
             ok(
-                store.insert_if_absent(k, loc(peer_of(i), tier, i)),
+                store.insert_if_absent(k, loc(peer_of(i), tier_of(i), i)),
                 "insert",
             );
         }

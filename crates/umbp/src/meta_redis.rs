@@ -22,8 +22,8 @@
 //! | `umbp:{ns}:layout` | string | layout version and bucket count, checked at connect |
 //!
 //! `<key>` is the raw key (Redis keys are binary-safe; hex would double the size). A
-//! location is encoded as `peer` (u64, big-endian) · tier (one byte: 0 DRAM, 1 SSD) · `len`
-//! (u64, big-endian).
+//! location is encoded as `peer` (u64, big-endian) · tier (one byte: 0 DRAM, 1 SSD, 2 GPU) ·
+//! `len` (u64, big-endian).
 //!
 //! # Commands
 //!
@@ -614,6 +614,7 @@ fn tier_byte(t: Tier) -> u8 {
     match t {
         Tier::Dram => 0,
         Tier::Ssd => 1,
+        Tier::Gpu => 2,
     }
 }
 
@@ -644,6 +645,7 @@ fn decode_location(v: &[u8], key: &[u8]) -> Result<Location> {
     let tier = match bytes[8] {
         0 => Tier::Dram,
         1 => Tier::Ssd,
+        2 => Tier::Gpu,
         t => return Err(corrupt(format!("stored location has tier byte {t}"))),
     };
     Ok(Location {
@@ -703,6 +705,11 @@ mod tests {
                 tier: Tier::Ssd,
                 len: 4096,
             },
+            Location {
+                peer: 3,
+                tier: Tier::Gpu,
+                len: 1 << 20,
+            },
         ] {
             let e = encode_location(&loc);
             assert_eq!(e.len(), ENCODED_LOCATION_LEN);
@@ -714,6 +721,12 @@ mod tests {
             len: 9,
         });
         assert_eq!(e, [1, 2, 3, 4, 5, 6, 7, 8, 1, 0, 0, 0, 0, 0, 0, 0, 9]);
+        let e = encode_location(&Location {
+            peer: 1,
+            tier: Tier::Gpu,
+            len: 2,
+        });
+        assert_eq!(e, [0, 0, 0, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 2]);
     }
 
     #[test]

@@ -1,51 +1,69 @@
-//! The embedded pool: a master index and one peer's two tiers in one process.
+//! The embedded pool: a master index and one peer's tiers in one process.
 //!
 //! [`LocalPool`] is what a client with no configuration runs in-process: a
 //! [`MetadataStore`] (the master's key → location index, here a [`MemoryStore`] with this
-//! process as the only peer, id [`LOCAL_PEER`]) in front of a [`DramArena`] and an optional
-//! [`SsdLog`].
+//! process as the only peer, id [`LOCAL_PEER`]) in front of an optional [`GpuArena`] (feature
+//! `gpu`), a [`DramArena`] and an optional [`SsdLog`]. Tier order, fastest first: GPU, DRAM,
+//! SSD.
 //!
 //! # Placement
 //!
-//! * Puts go to DRAM. Before a value is placed, if it would take DRAM use (allocated pages)
-//!   past the high watermark, least-recently-used values are evicted until use plus the new
+//! * Puts go to the GPU tier when there is one, else to DRAM. Before a value is placed in a
+//!   page tier (GPU or DRAM), if it would take that tier's use (allocated pages) past the high
+//!   watermark, least-recently-used values of the tier are evicted until use plus the new
 //!   value is at most the low watermark; if the arena is too fragmented for the value even
-//!   then, more LRU values are evicted until it fits.
-//! * Eviction *demotes* a value to the SSD tier when there is one (the metadata tier becomes
-//!   [`Tier::Ssd`]); without an SSD tier, or when the SSD cannot take it (full, or the record
-//!   is larger than a segment), the value is *dropped* and its key becomes a miss. Both are
-//!   counted in [`PoolStats`]. I/O errors while demoting are returned to the caller.
-//! * A value larger than the whole DRAM tier goes straight to SSD, or fails with
-//!   [`Error::NoSpace`] without one.
+//!   then, more LRU values are evicted until it fits. Both page tiers use the same watermark
+//!   fractions and the same page size.
+//! * Eviction from the GPU tier *demotes* a value to DRAM (a device-to-host copy, placed as a
+//!   put places a value, so it may in turn demote DRAM values to SSD); a value DRAM cannot
+//!   take (larger than DRAM, or no room with every unpinned DRAM value evicted) goes to SSD,
+//!   and one SSD cannot take either is dropped. The metadata tier follows the value. GPU
+//!   values never have a copy in another tier.
+//! * Eviction from DRAM *demotes* a value to the SSD tier when there is one (the metadata tier
+//!   becomes [`Tier::Ssd`]); without an SSD tier, or when the SSD cannot take it (full, or the
+//!   record is larger than a segment), the value is *dropped* and its key becomes a miss. Both
+//!   are counted in [`PoolStats`]. I/O and CUDA errors while demoting are returned to the
+//!   caller.
+//! * A value larger than the whole GPU tier, or one that does not fit there with every GPU
+//!   value demoted, goes to DRAM; one larger than the whole DRAM tier goes straight to SSD,
+//!   or fails with [`Error::NoSpace`] without one.
 //! * A get that hits SSD *promotes* the value back to DRAM (evicting as for a put) when it
 //!   is not larger than DRAM. Promotion is inclusive: the SSD copy stays, so demoting that
 //!   value again costs no write, and the value survives a crash. Promotion is best effort: if
-//!   making room fails, the get still returns the value.
+//!   making room fails, the get still returns the value. Nothing is promoted to the GPU tier:
+//!   only puts place values there.
+//! * A get that hits the GPU tier copies the value out of device memory (to host memory, or
+//!   device to device for `LocalPool::get_into_device`, feature `gpu`) and renews its LRU
+//!   position there.
 //! * [`LocalPool::exists`] and [`LocalPool::batch_exists_prefix`] only read the metadata:
 //!   they never renew LRU order, never promote and are not counted as hits or misses.
 //! * Keys are immutable: a put of a present key returns [`PutOutcome::AlreadyExists`] and
 //!   leaves the stored value alone (the first put wins).
 //! * A value on SSD that fails its CRC when read is dropped from the pool (the key becomes a
 //!   miss, counted as `corrupt_dropped`), and the get returns `None`.
+//! * The data-plane calls ([`LocalPool::reserve_puts`], [`LocalPool::batch_read_with`]) work
+//!   on the DRAM arena: reservations are placed in DRAM even with a GPU tier, and GPU values
+//!   are read out as bytes.
 //!
 //! # Restart
 //!
 //! Everything on SSD when the pool is opened is indexed again (as [`Tier::Ssd`]).
 //! [`LocalPool::close`] — and dropping the pool, which does the same and logs failures —
-//! first writes every DRAM value that has no SSD copy yet to the SSD log and seals it, so a
-//! clean shutdown loses nothing that fits on SSD (what does not fit is counted in
-//! [`CloseReport::values_lost`]). After a crash only values that had an SSD copy come back
-//! (values promoted to DRAM keep theirs). [`LocalPool::abandon`] shuts down without the
-//! flush, leaving exactly what a crash leaves. Without an SSD tier nothing survives.
+//! first writes every DRAM value and every GPU value that has no SSD copy yet to the SSD log
+//! and seals it, so a clean shutdown loses nothing that fits on SSD (what does not fit, or a
+//! GPU value that cannot be copied out, is counted in [`CloseReport::values_lost`]). After a
+//! crash only values that had an SSD copy come back (values promoted to DRAM keep theirs; GPU
+//! values never have one). [`LocalPool::abandon`] shuts down without the flush, leaving
+//! exactly what a crash leaves. Without an SSD tier nothing survives.
 //!
 //! # Locking
 //!
-//! One coarse mutex guards both tiers and the counters: every put, get, remove, eviction,
-//! demotion and promotion runs under it, so these calls are serialised (SSD reads included).
-//! The metadata store has its own sharded locks, and the tiers only change while the
-//! metadata shows a consistent view (bytes are stored before a key is published, and a key
-//! is unpublished before its bytes are freed), so `exists`, `batch_exists_prefix` and
-//! `location` run without the coarse lock and scale with threads. Finer-grained locking
+//! One coarse mutex guards the tiers and the counters: every put, get, remove, eviction,
+//! demotion and promotion runs under it, so these calls are serialised (SSD reads and CUDA
+//! copies included). The metadata store has its own sharded locks, and the tiers only change
+//! while the metadata shows a consistent view (bytes are stored before a key is published,
+//! and a key is unpublished before its bytes are freed), so `exists`, `batch_exists_prefix`
+//! and `location` run without the coarse lock and scale with threads. Finer-grained locking
 //! (per-tier locks, SSD reads outside the lock) is future work.
 //!
 //! Two calls hand arena pages to someone else *outside* the lock, for an IO engine to move
@@ -64,9 +82,11 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use tracing::{debug, warn};
 
-use crate::dram::{DramArena, PinToken, Reserved};
+use crate::dram::DramArena;
 use crate::error::{Error, Result, key_display};
+use crate::gpu::GpuArena;
 use crate::meta::{Location, MemoryStore, MetadataStore, Tier};
+use crate::pages::{PageTable, PinToken, Reserved};
 use crate::ssd::{MAX_KEY_LEN, RecoveryReport, SsdConfig, SsdIoBackend, SsdLog};
 
 /// Peer id of the process itself in the metadata of a [`LocalPool`].
@@ -81,10 +101,24 @@ pub struct PoolConfig {
     pub page_bytes: usize,
     /// The SSD tier, if any.
     pub ssd: Option<SsdConfig>,
-    /// Fraction of DRAM (in `(0, 1]`) that a put or promotion may fill before eviction runs.
+    /// The GPU tier, if any (feature `gpu`; without it, [`LocalPool::open`] refuses one).
+    pub gpu: Option<GpuTierConfig>,
+    /// Fraction of DRAM (and of the GPU tier; in `(0, 1]`) that a put or promotion may fill
+    /// before eviction runs.
     pub high_watermark: f64,
-    /// Fraction of DRAM (in `(0, high_watermark]`) that eviction brings use down to.
+    /// Fraction of DRAM (and of the GPU tier; in `(0, high_watermark]`) that eviction brings
+    /// use down to.
     pub low_watermark: f64,
+}
+
+/// The GPU tier of a [`PoolConfig`]: device memory that puts fill first. Its page size is the
+/// DRAM tier's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuTierConfig {
+    /// CUDA device ordinal (as this process sees it, after `CUDA_VISIBLE_DEVICES`).
+    pub device: usize,
+    /// Size of the GPU tier; a positive multiple of [`PoolConfig::page_bytes`].
+    pub bytes: usize,
 }
 
 impl PoolConfig {
@@ -94,6 +128,7 @@ impl PoolConfig {
             dram_bytes,
             page_bytes,
             ssd: None,
+            gpu: None,
             high_watermark: 0.9,
             low_watermark: 0.7,
         }
@@ -130,7 +165,8 @@ pub enum ReadSlot {
         /// Value length.
         len: usize,
     },
-    /// The value was read from SSD (it may have been promoted to DRAM too).
+    /// The value was read from SSD (it may have been promoted to DRAM too), or copied out of
+    /// the GPU tier.
     Bytes(Vec<u8>),
 }
 
@@ -300,24 +336,36 @@ pub struct PoolStats {
     pub dram_keys: usize,
     /// Values on SSD (including SSD copies of values promoted to DRAM).
     pub ssd_keys: usize,
+    /// Values in the GPU tier.
+    pub gpu_keys: usize,
     /// Size of the DRAM tier.
     pub dram_capacity_bytes: usize,
     /// DRAM bytes in allocated pages.
     pub dram_used_bytes: usize,
     /// Sum of the lengths of the values in DRAM.
     pub dram_value_bytes: usize,
+    /// Size of the GPU tier (0 without one).
+    pub gpu_capacity_bytes: usize,
+    /// GPU tier bytes in allocated pages.
+    pub gpu_used_bytes: usize,
+    /// Sum of the lengths of the values in the GPU tier.
+    pub gpu_value_bytes: usize,
     /// Bytes of live SSD records (headers, keys and values).
     pub ssd_live_bytes: u64,
     /// Total size of the SSD segment files.
     pub ssd_disk_bytes: u64,
+    /// Gets served from the GPU tier.
+    pub hits_gpu: u64,
     /// Gets served from DRAM.
     pub hits_dram: u64,
     /// Gets served from SSD.
     pub hits_ssd: u64,
     /// Gets of absent keys.
     pub misses: u64,
-    /// Values dropped from DRAM without being kept on SSD.
+    /// Values dropped from DRAM (or from the GPU tier) without being kept in a lower tier.
     pub evictions: u64,
+    /// Values moved from the GPU tier to DRAM (or to SSD, when DRAM could not take them).
+    pub gpu_demotions: u64,
     /// Values moved from DRAM to SSD.
     pub demotions: u64,
     /// Values copied from SSD back to DRAM by a get.
@@ -331,6 +379,8 @@ pub struct PoolStats {
 /// Which tiers hold a value ([`LocalPool::residency`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Residency {
+    /// The value is in the GPU arena.
+    pub gpu: bool,
     /// The value is in the DRAM arena.
     pub dram: bool,
     /// The value has a record in the SSD log.
@@ -340,38 +390,67 @@ pub struct Residency {
 /// What [`LocalPool::close`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CloseReport {
-    /// DRAM values written to SSD.
+    /// DRAM and GPU values written to SSD.
     pub values_written: usize,
     /// DRAM values that already had an SSD copy.
     pub values_already_on_ssd: usize,
-    /// DRAM values that could not be kept (no SSD tier, SSD full, record too large).
+    /// DRAM and GPU values that could not be kept (no SSD tier, SSD full, record too large,
+    /// a GPU value that could not be copied out).
     pub values_lost: usize,
 }
 
 #[derive(Default)]
 struct Counters {
+    hits_gpu: u64,
     hits_dram: u64,
     hits_ssd: u64,
     misses: u64,
     evictions: u64,
+    gpu_demotions: u64,
     demotions: u64,
     promotions: u64,
     corrupt_dropped: u64,
 }
 
 struct Inner {
+    gpu: Option<GpuArena>,
     dram: DramArena,
     ssd: Option<SsdLog>,
-    /// DRAM use (bytes of pages) above which eviction starts.
-    high_bytes: usize,
-    /// DRAM use eviction brings use (plus the incoming value) down to.
-    low_bytes: usize,
+    /// GPU tier use (bytes of pages) above which eviction starts, and that it brings use
+    /// (plus the incoming value) down to.
+    gpu_watermarks: Watermarks,
+    /// The same for DRAM.
+    dram_watermarks: Watermarks,
     counters: Counters,
     /// `close` or `abandon` ran; `Drop` has nothing left to do.
     closed: bool,
     /// Keys that left the pool without a `remove` call (dropped by eviction, or corrupt),
     /// kept for [`LocalPool::take_dropped`] once [`LocalPool::enable_drop_log`] ran.
     drop_log: Option<Vec<Vec<u8>>>,
+}
+
+/// Use of a page tier (bytes of pages) above which eviction starts (`high`), and that eviction
+/// brings use plus the incoming value down to (`low`).
+#[derive(Clone, Copy, Default)]
+struct Watermarks {
+    high: usize,
+    low: usize,
+}
+
+impl Watermarks {
+    fn of(cfg: &PoolConfig, capacity: usize) -> Watermarks {
+        Watermarks {
+            high: (cfg.high_watermark * capacity as f64) as usize,
+            low: (cfg.low_watermark * capacity as f64) as usize,
+        }
+    }
+}
+
+/// The pool's two page tiers, for the eviction code they share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PageTier {
+    Gpu,
+    Dram,
 }
 
 /// The embedded UMBP pool. See the module docs for placement, restart and locking.
@@ -410,9 +489,11 @@ fn round_up(len: usize, page: usize) -> usize {
 }
 
 impl LocalPool {
-    /// Opens the pool: allocates the DRAM tier and, with an SSD tier, opens (recovers) the log
-    /// and indexes every key found there. Returns the SSD recovery report, if there is an SSD
-    /// tier.
+    /// Opens the pool: allocates the GPU tier (if any) and the DRAM tier and, with an SSD
+    /// tier, opens (recovers) the log and indexes every key found there. Returns the SSD
+    /// recovery report, if there is an SSD tier. A GPU tier without a usable CUDA device (no
+    /// driver, no such ordinal, a build without the `gpu` feature) is an error naming the
+    /// device.
     pub fn open(cfg: PoolConfig) -> Result<(LocalPool, Option<RecoveryReport>)> {
         let (hi, lo) = (cfg.high_watermark, cfg.low_watermark);
         if !(hi.is_finite() && lo.is_finite() && 0.0 < lo && lo <= hi && hi <= 1.0) {
@@ -420,13 +501,24 @@ impl LocalPool {
                 "watermarks must satisfy 0 < low ({lo}) <= high ({hi}) <= 1"
             )));
         }
+        let gpu = cfg
+            .gpu
+            .map(|g| GpuArena::new(g.device, g.bytes, cfg.page_bytes))
+            .transpose()?;
+        LocalPool::open_with_gpu(cfg, gpu)
+    }
+
+    /// [`LocalPool::open`] with the GPU tier already allocated (`cfg.gpu` is not used).
+    fn open_with_gpu(
+        cfg: PoolConfig,
+        gpu: Option<GpuArena>,
+    ) -> Result<(LocalPool, Option<RecoveryReport>)> {
         let dram = DramArena::new(cfg.dram_bytes, cfg.page_bytes)?;
-        let cap = dram.capacity_bytes();
         let meta: Box<dyn MetadataStore> = Box::new(MemoryStore::new());
-        let (ssd, report) = match cfg.ssd {
+        let (ssd, report) = match &cfg.ssd {
             None => (None, None),
             Some(sc) => {
-                let (log, report) = SsdLog::open(sc)?;
+                let (log, report) = SsdLog::open(sc.clone())?;
                 for key in log.keys() {
                     let len = log.value_len(&key).unwrap_or(0);
                     let loc = Location {
@@ -440,10 +532,13 @@ impl LocalPool {
             }
         };
         let inner = Inner {
+            gpu_watermarks: gpu.as_ref().map_or_else(Watermarks::default, |g| {
+                Watermarks::of(&cfg, g.capacity_bytes())
+            }),
+            dram_watermarks: Watermarks::of(&cfg, dram.capacity_bytes()),
+            gpu,
             dram,
             ssd,
-            high_bytes: (hi * cap as f64) as usize,
-            low_bytes: (lo * cap as f64) as usize,
             counters: Counters::default(),
             closed: false,
             drop_log: None,
@@ -464,7 +559,8 @@ impl LocalPool {
     /// Stores `value` under `key`. A present key is [`PutOutcome::AlreadyExists`] (success;
     /// the stored value is unchanged). Errors: [`Error::NoSpace`] for a value larger than
     /// DRAM without an SSD tier (or one the SSD cannot take), [`Error::InvalidArgument`] for
-    /// a key over [`MAX_KEY_LEN`], and I/O errors of the SSD tier.
+    /// a key over [`MAX_KEY_LEN`], I/O errors of the SSD tier and CUDA errors of the GPU
+    /// tier.
     pub fn put(&self, key: &[u8], value: &[u8]) -> Result<PutOutcome> {
         self.lock().put(&*self.meta, key, value)
     }
@@ -505,6 +601,62 @@ impl LocalPool {
     /// ([`Error::InvalidArgument`] otherwise; see [`LocalPool::location`] for the length).
     pub fn get_into(&self, key: &[u8], out: &mut [u8]) -> Result<Option<usize>> {
         self.lock().read(&*self.meta, key, Out::Slice(out))
+    }
+
+    /// Stores `len` bytes of CUDA device memory at `src` (on device `device`) under `key`,
+    /// as [`LocalPool::put`]: device to device into the GPU tier when it takes the value,
+    /// otherwise staged through host memory into DRAM or SSD.
+    ///
+    /// # Safety
+    /// `src` must be readable for `len` bytes (any address CUDA's unified addressing knows:
+    /// device memory of any device, or host memory) until the call returns, and work that
+    /// writes it on streams other than the legacy default stream must have finished.
+    #[cfg(feature = "gpu")]
+    pub unsafe fn put_from_device(
+        &self,
+        key: &[u8],
+        device: usize,
+        src: u64,
+        len: usize,
+    ) -> Result<PutOutcome> {
+        let meta = &*self.meta;
+        let mut inner = self.lock();
+        check_key(key)?;
+        if meta.get(key)?.is_some() {
+            return Ok(PutOutcome::AlreadyExists);
+        }
+        // SAFETY: guaranteed by the caller.
+        if unsafe { inner.gpu_insert(meta, key, src, len)? } {
+            return inner.publish(meta, key, Tier::Gpu, len as u64);
+        }
+        let mut staged = vec![0u8; len];
+        // SAFETY: the caller guarantees `src`; `staged` is a live host buffer of len bytes.
+        unsafe { crate::gpu::copy_on_device(device, staged.as_mut_ptr() as u64, src, len)? };
+        inner.put_below_gpu(meta, key, &staged)
+    }
+
+    /// Copies the value of `key` to `cap` bytes of CUDA device memory at `dst` (on device
+    /// `device`) and returns its length, as [`LocalPool::get_into`]: device to device from
+    /// the GPU tier, host to device from DRAM and SSD. The bytes have arrived when the call
+    /// returns.
+    ///
+    /// # Safety
+    /// `dst` must be writable for `cap` bytes (device memory of any device, or host memory)
+    /// until the call returns, and nothing else may access it meanwhile.
+    #[cfg(feature = "gpu")]
+    pub unsafe fn get_into_device(
+        &self,
+        key: &[u8],
+        device: usize,
+        dst: u64,
+        cap: usize,
+    ) -> Result<Option<usize>> {
+        let out = Out::Device(DeviceOut {
+            device,
+            ptr: dst,
+            cap,
+        });
+        self.lock().read(&*self.meta, key, out)
     }
 
     /// Start address and length of the DRAM arena (4096-byte aligned; fixed for the life
@@ -609,11 +761,12 @@ impl LocalPool {
         self.meta.get(key)
     }
 
-    /// Which tiers hold the bytes of `key` now. A value promoted to DRAM is in both; only
-    /// SSD copies survive a crash.
+    /// Which tiers hold the bytes of `key` now. A value promoted to DRAM is in DRAM and on
+    /// SSD; only SSD copies survive a crash.
     pub fn residency(&self, key: &[u8]) -> Residency {
         let inner = self.lock();
         Residency {
+            gpu: inner.gpu.as_ref().is_some_and(|g| g.contains(key)),
             dram: inner.dram.contains(key),
             ssd: inner.ssd.as_ref().is_some_and(|s| s.contains(key)),
         }
@@ -626,8 +779,9 @@ impl LocalPool {
 
     /// Moves `key` out of DRAM as LRU eviction would: demoted to SSD (kept) when there is
     /// an SSD tier that takes it, dropped otherwise. `Ok(None)` if the value is not in DRAM
-    /// (absent, or only on SSD); `Ok(Some(true))` kept on SSD; `Ok(Some(false))` dropped
-    /// (the key is a miss now). Used by a cluster peer on its master's direction.
+    /// (absent, only on SSD, or in the GPU tier); `Ok(Some(true))` kept on SSD;
+    /// `Ok(Some(false))` dropped (the key is a miss now). Used by a cluster peer on its
+    /// master's direction.
     pub fn evict(&self, key: &[u8]) -> Result<Option<bool>> {
         let mut inner = self.lock();
         if !inner.dram.contains(key) {
@@ -636,12 +790,14 @@ impl LocalPool {
         inner.evict_key(&*self.meta, key.to_vec()).map(Some)
     }
 
-    /// Every key with its location (fastest tier, length), DRAM values first in LRU order,
-    /// then values only on SSD. O(keys); what a cluster peer announces to its master.
+    /// Every key with its location (fastest tier, length): GPU values first, then DRAM
+    /// values, each in LRU order, then values only on SSD. O(keys); what a cluster peer
+    /// announces to its master.
     pub fn entries(&self) -> Result<Vec<(Vec<u8>, Location)>> {
         let inner = self.lock();
         let mut out = Vec::with_capacity(inner.dram.len());
-        for k in inner.dram.lru_victims(inner.dram.len()) {
+        let page_tiers = inner.gpu.as_deref().into_iter().chain([&*inner.dram]);
+        for k in page_tiers.flat_map(|t| t.lru_victims(t.len())) {
             if let Some(loc) = self.meta.get(&k)? {
                 out.push((k, loc));
             }
@@ -700,19 +856,26 @@ impl LocalPool {
         };
         let inner = self.lock();
         let c = &inner.counters;
+        let gpu = inner.gpu.as_deref();
         PoolStats {
             keys,
             dram_keys: inner.dram.len(),
             ssd_keys: inner.ssd.as_ref().map_or(0, |s| s.len()),
+            gpu_keys: gpu.map_or(0, PageTable::len),
             dram_capacity_bytes: inner.dram.capacity_bytes(),
             dram_used_bytes: inner.dram.used_bytes(),
             dram_value_bytes: inner.dram.value_bytes(),
+            gpu_capacity_bytes: gpu.map_or(0, PageTable::capacity_bytes),
+            gpu_used_bytes: gpu.map_or(0, PageTable::used_bytes),
+            gpu_value_bytes: gpu.map_or(0, PageTable::value_bytes),
             ssd_live_bytes: inner.ssd.as_ref().map_or(0, |s| s.live_bytes()),
             ssd_disk_bytes: inner.ssd.as_ref().map_or(0, |s| s.disk_bytes()),
+            hits_gpu: c.hits_gpu,
             hits_dram: c.hits_dram,
             hits_ssd: c.hits_ssd,
             misses: c.misses,
             evictions: c.evictions,
+            gpu_demotions: c.gpu_demotions,
             demotions: c.demotions,
             promotions: c.promotions,
             corrupt_dropped: c.corrupt_dropped,
@@ -720,11 +883,40 @@ impl LocalPool {
         }
     }
 
-    /// Checks that metadata and tiers agree: every DRAM value is indexed as
+    /// Checks that metadata and tiers agree: every GPU value is indexed as [`Tier::Gpu`]
+    /// with its length and is in no other tier, every DRAM value is indexed as
     /// [`Tier::Dram`] with its length, every SSD value is indexed (as [`Tier::Ssd`] unless it
     /// is also in DRAM), and the index holds nothing else. O(keys); a diagnostic for tests.
     pub fn check_consistency(&self) -> Result<()> {
         let inner = self.lock();
+        let gpu_keys = inner
+            .gpu
+            .as_ref()
+            .map_or_else(Vec::new, |g| g.lru_victims(g.len()));
+        for k in &gpu_keys {
+            let want_len = inner
+                .gpu
+                .as_ref()
+                .and_then(|g| g.locate(k))
+                .map_or(0, |(_, n)| n);
+            let elsewhere =
+                inner.dram.contains(k) || inner.ssd.as_ref().is_some_and(|s| s.contains(k));
+            match self.meta.get(k)? {
+                Some(l)
+                    if l.tier == Tier::Gpu
+                        && l.len == want_len as u64
+                        && l.peer == LOCAL_PEER
+                        && !elsewhere => {}
+                other => {
+                    return Err(inconsistent(
+                        k,
+                        &format!(
+                            "GPU value indexed as {other:?} (also in a lower tier: {elsewhere})"
+                        ),
+                    ));
+                }
+            }
+        }
         let dram_keys = inner.dram.lru_victims(inner.dram.len());
         for k in &dram_keys {
             let want_len = inner.dram.get(k).map_or(0, |v| v.len()) as u64;
@@ -749,11 +941,12 @@ impl LocalPool {
             }
         }
         let indexed = self.meta.len()?;
-        if indexed != dram_keys.len() + ssd_only {
+        if indexed != gpu_keys.len() + dram_keys.len() + ssd_only {
             return Err(inconsistent(
                 b"",
                 &format!(
-                    "{indexed} keys indexed, {} in DRAM and {ssd_only} only on SSD",
+                    "{indexed} keys indexed, {} in the GPU tier, {} in DRAM and {ssd_only} only on SSD",
+                    gpu_keys.len(),
                     dram_keys.len()
                 ),
             ));
@@ -761,8 +954,9 @@ impl LocalPool {
         Ok(())
     }
 
-    /// Shuts down cleanly: writes every DRAM value without an SSD copy to the SSD log (least
-    /// recently used first) and seals the log, so a reopen finds every value that fit.
+    /// Shuts down cleanly: writes every DRAM value without an SSD copy, then every GPU value,
+    /// to the SSD log (least recently used first) and seals the log, so a reopen finds every
+    /// value that fit.
     /// Values that cannot be kept are counted in [`CloseReport::values_lost`]; I/O errors are
     /// returned (the pool is closed either way).
     pub fn close(self) -> Result<CloseReport> {
@@ -771,8 +965,8 @@ impl LocalPool {
         inner.flush_and_seal()
     }
 
-    /// Shuts down without writing DRAM to SSD: a reopen finds exactly what a crash would
-    /// leave (the values that had an SSD copy).
+    /// Shuts down without writing DRAM or GPU values to SSD: a reopen finds exactly what a
+    /// crash would leave (the values that had an SSD copy).
     pub fn abandon(self) {
         self.lock().closed = true;
     }
@@ -788,10 +982,10 @@ impl Drop for LocalPool {
         match inner.flush_and_seal() {
             // Without an SSD tier nothing outlives the pool by design: not worth a warning.
             Ok(r) if r.values_lost > 0 && inner.ssd.is_some() => {
-                warn!(report = ?r, "pool dropped: some DRAM values could not be kept on SSD");
+                warn!(report = ?r, "pool dropped: some values could not be kept on SSD");
             }
             Ok(r) => debug!(report = ?r, "pool dropped"),
-            Err(e) => warn!(error = %e, "pool dropped: flushing DRAM to SSD failed"),
+            Err(e) => warn!(error = %e, "pool dropped: flushing to SSD failed"),
         }
     }
 }
@@ -803,9 +997,46 @@ type Prefetched = Result<Option<Vec<u8>>>;
 enum Out<'a> {
     Vec(&'a mut Vec<u8>),
     Slice(&'a mut [u8]),
+    #[cfg(feature = "gpu")]
+    Device(DeviceOut),
 }
 
-fn too_small(out: usize, len: u64) -> Error {
+impl Out<'_> {
+    /// The most bytes this destination takes (`None`: it grows).
+    fn capacity(&self) -> Option<usize> {
+        match self {
+            Out::Vec(_) => None,
+            Out::Slice(s) => Some(s.len()),
+            #[cfg(feature = "gpu")]
+            Out::Device(d) => Some(d.cap),
+        }
+    }
+}
+
+/// A caller's device buffer ([`LocalPool::get_into_device`]), valid for `cap` bytes.
+#[cfg(feature = "gpu")]
+struct DeviceOut {
+    device: usize,
+    ptr: u64,
+    cap: usize,
+}
+
+#[cfg(feature = "gpu")]
+impl DeviceOut {
+    /// Copies host bytes (at most `cap`) to the buffer.
+    fn write(&self, bytes: &[u8]) -> Result<()> {
+        if bytes.len() > self.cap {
+            return Err(too_small(self.cap, bytes.len() as u64));
+        }
+        // SAFETY: `LocalPool::get_into_device`'s caller guarantees `cap` writable bytes at
+        // `ptr`; `bytes` is a live host slice.
+        unsafe {
+            crate::gpu::copy_on_device(self.device, self.ptr, bytes.as_ptr() as u64, bytes.len())
+        }
+    }
+}
+
+pub(crate) fn too_small(out: usize, len: u64) -> Error {
     Error::InvalidArgument(format!(
         "output buffer of {out} bytes is smaller than the value ({len} bytes)"
     ))
@@ -820,8 +1051,9 @@ impl Inner {
         keys: &[&[u8]],
         pins: &mut Vec<PinToken>,
     ) -> Result<Vec<ReadSlot>> {
-        // Pass 1: SSD values are read (and promoted, which may evict DRAM values); pass 2
-        // places DRAM values, so no later step of this call moves them.
+        // Pass 1: SSD values are read (and promoted, which may evict DRAM values) and GPU
+        // values copied out; pass 2 places DRAM values, so no later step of this call moves
+        // them.
         let mut slots = Vec::with_capacity(keys.len());
         let mut pending = Vec::new();
         let mut pre = self.prefetch_ssd(meta, keys)?;
@@ -884,19 +1116,24 @@ impl Inner {
         if meta.get(key)?.is_some() {
             return Ok(PutOutcome::AlreadyExists);
         }
+        // SAFETY: `value` is a live host slice of value.len() bytes.
+        if unsafe { self.gpu_insert(meta, key, value.as_ptr() as u64, value.len())? } {
+            return self.publish(meta, key, Tier::Gpu, value.len() as u64);
+        }
+        self.put_below_gpu(meta, key, value)
+    }
+
+    /// Stores a new `key` in DRAM, or on SSD when DRAM cannot take it (the rest of a put when
+    /// the GPU tier did not take the value).
+    fn put_below_gpu(
+        &mut self,
+        meta: &dyn MetadataStore,
+        key: &[u8],
+        value: &[u8],
+    ) -> Result<PutOutcome> {
         let len = value.len() as u64;
         if value.len() <= self.dram.capacity_bytes() && self.dram_insert(meta, key, value)? {
-            let loc = Location {
-                peer: LOCAL_PEER,
-                tier: Tier::Dram,
-                len,
-            };
-            if !meta.insert_if_absent(key, loc)? {
-                // Not reachable while every writer holds the pool lock; keep the first value.
-                self.dram.remove(key);
-                return Ok(PutOutcome::AlreadyExists);
-            }
-            return Ok(PutOutcome::Stored);
+            return self.publish(meta, key, Tier::Dram, len);
         }
         let Some(ssd) = self.ssd.as_mut() else {
             return Err(Error::NoSpace {
@@ -905,16 +1142,43 @@ impl Inner {
             });
         };
         ssd.put(key, value)?;
+        self.publish(meta, key, Tier::Ssd, len)
+    }
+
+    /// Indexes a value just stored in `tier`. If the key was indexed meanwhile (not
+    /// reachable while every writer holds the pool lock), keeps the first value and frees
+    /// this one.
+    fn publish(
+        &mut self,
+        meta: &dyn MetadataStore,
+        key: &[u8],
+        tier: Tier,
+        len: u64,
+    ) -> Result<PutOutcome> {
         let loc = Location {
             peer: LOCAL_PEER,
-            tier: Tier::Ssd,
+            tier,
             len,
         };
-        if !meta.insert_if_absent(key, loc)? {
-            ssd.remove(key)?;
-            return Ok(PutOutcome::AlreadyExists);
+        if meta.insert_if_absent(key, loc)? {
+            return Ok(PutOutcome::Stored);
         }
-        Ok(PutOutcome::Stored)
+        match tier {
+            Tier::Gpu => {
+                if let Some(gpu) = self.gpu.as_mut() {
+                    gpu.remove(key);
+                }
+            }
+            Tier::Dram => {
+                self.dram.remove(key);
+            }
+            Tier::Ssd => {
+                if let Some(ssd) = self.ssd.as_mut() {
+                    ssd.remove(key)?;
+                }
+            }
+        }
+        Ok(PutOutcome::AlreadyExists)
     }
 
     fn get(&mut self, meta: &dyn MetadataStore, key: &[u8]) -> Result<Option<Vec<u8>>> {
@@ -978,12 +1242,40 @@ impl Inner {
             self.counters.misses += 1;
             return Ok(None);
         };
-        if let Out::Slice(s) = &out
-            && (s.len() as u64) < loc.len
+        if let Some(cap) = out.capacity()
+            && (cap as u64) < loc.len
         {
-            return Err(too_small(s.len(), loc.len));
+            return Err(too_small(cap, loc.len));
         }
         match loc.tier {
+            Tier::Gpu => {
+                let Some(gpu) = self.gpu.as_mut() else {
+                    return Err(inconsistent(
+                        key,
+                        "indexed in the GPU tier, but there is none",
+                    ));
+                };
+                gpu.touch(key);
+                let n = match out {
+                    Out::Vec(v) => gpu.read(key)?.map(|bytes| {
+                        *v = bytes;
+                        v.len()
+                    }),
+                    Out::Slice(s) => gpu.read_into(key, s)?,
+                    // SAFETY: `LocalPool::get_into_device`'s caller guarantees `cap` writable
+                    // bytes at `ptr`.
+                    #[cfg(feature = "gpu")]
+                    Out::Device(d) => unsafe { gpu.copy_out(key, d.ptr, d.cap)? },
+                };
+                let Some(n) = n else {
+                    return Err(inconsistent(
+                        key,
+                        "indexed in the GPU tier, not in its arena",
+                    ));
+                };
+                self.counters.hits_gpu += 1;
+                Ok(Some(n))
+            }
             Tier::Dram => {
                 let Some(bytes) = self.dram.get_touch(key) else {
                     return Err(inconsistent(key, "indexed in DRAM, not in the arena"));
@@ -995,6 +1287,8 @@ impl Inner {
                         Some(dst) => dst.copy_from_slice(bytes),
                         None => return Err(too_small(s.len(), n as u64)),
                     },
+                    #[cfg(feature = "gpu")]
+                    Out::Device(d) => d.write(bytes)?,
                 }
                 self.counters.hits_dram += 1;
                 Ok(Some(n))
@@ -1006,20 +1300,22 @@ impl Inner {
                         "indexed on SSD, but there is no SSD tier",
                     ));
                 };
-                let res = match (&mut out, pre) {
-                    (Out::Vec(v), Some(p)) => p.map(|o| {
-                        o.map(|bytes| {
-                            **v = bytes;
-                            v.len()
+                // A device buffer gets the value through host memory.
+                let mut staged = Vec::new();
+                let res = match &mut out {
+                    Out::Slice(s) => ssd.get_into(key, s),
+                    other => {
+                        let dst = match other {
+                            Out::Vec(v) => &mut **v,
+                            _ => &mut staged,
+                        };
+                        pre.unwrap_or_else(|| ssd.get(key)).map(|o| {
+                            o.map(|bytes| {
+                                *dst = bytes;
+                                dst.len()
+                            })
                         })
-                    }),
-                    (Out::Vec(v), None) => ssd.get(key).map(|o| {
-                        o.map(|bytes| {
-                            **v = bytes;
-                            v.len()
-                        })
-                    }),
-                    (Out::Slice(s), _) => ssd.get_into(key, s),
+                    }
                 };
                 let n = match res {
                     Ok(Some(n)) => n,
@@ -1039,6 +1335,11 @@ impl Inner {
                 let bytes = match &out {
                     Out::Vec(v) => v.as_slice(),
                     Out::Slice(s) => s.get(..n).unwrap_or_default(),
+                    #[cfg(feature = "gpu")]
+                    Out::Device(d) => {
+                        d.write(&staged)?;
+                        staged.as_slice()
+                    }
                 };
                 self.promote(meta, key, bytes);
                 Ok(Some(n))
@@ -1073,12 +1374,30 @@ impl Inner {
         }
     }
 
-    /// Evicts LRU values (see the module docs) before `len` bytes are placed in DRAM.
-    fn make_room(&mut self, meta: &dyn MetadataStore, len: usize) -> Result<()> {
+    /// The page table of `tier` (`None`: no GPU tier).
+    fn pages(&self, tier: PageTier) -> Option<&PageTable> {
+        match tier {
+            PageTier::Gpu => self.gpu.as_deref(),
+            PageTier::Dram => Some(&self.dram),
+        }
+    }
+
+    /// Bytes of allocated pages in `tier`.
+    fn used_bytes(&self, tier: PageTier) -> usize {
+        self.pages(tier).map_or(0, PageTable::used_bytes)
+    }
+
+    /// Evicts LRU values of `tier` (see the module docs) before `len` bytes are placed there.
+    fn make_room(&mut self, meta: &dyn MetadataStore, tier: PageTier, len: usize) -> Result<()> {
+        let marks = match tier {
+            PageTier::Gpu => self.gpu_watermarks,
+            PageTier::Dram => self.dram_watermarks,
+        };
+        // Both page tiers use the DRAM page size.
         let need = round_up(len, self.dram.page_bytes());
-        if self.dram.used_bytes() + need > self.high_bytes {
-            while self.dram.used_bytes() + need > self.low_bytes {
-                if !self.evict_lru(meta)? {
+        if self.used_bytes(tier) + need > marks.high {
+            while self.used_bytes(tier) + need > marks.low {
+                if !self.evict_lru(meta, tier)? {
                     break;
                 }
             }
@@ -1086,22 +1405,66 @@ impl Inner {
         Ok(())
     }
 
-    /// Places `value` in DRAM, evicting LRU values first (see the module docs). Returns
-    /// `Ok(false)` if it does not fit even with every unpinned value evicted.
-    fn dram_insert(&mut self, meta: &dyn MetadataStore, key: &[u8], value: &[u8]) -> Result<bool> {
-        self.make_room(meta, value.len())?;
+    /// Runs `place` (an allocation of `len` bytes in `tier`) after making room as for a put;
+    /// while it fails for lack of a free run (fragmentation), evicts more LRU values of the
+    /// tier and retries. `Ok(None)` if it does not fit with every evictable value gone.
+    fn place_evicting<T>(
+        &mut self,
+        meta: &dyn MetadataStore,
+        tier: PageTier,
+        len: usize,
+        mut place: impl FnMut(&mut Inner) -> Result<T>,
+    ) -> Result<Option<T>> {
+        self.make_room(meta, tier, len)?;
         loop {
-            match self.dram.put(key, value) {
-                Ok(()) => return Ok(true),
-                // Fragmentation: free more, least recently used first.
+            match place(self) {
+                Ok(placed) => return Ok(Some(placed)),
                 Err(Error::NoSpace { .. }) => {
-                    if !self.evict_lru(meta)? {
-                        return Ok(false);
+                    if !self.evict_lru(meta, tier)? {
+                        return Ok(None);
                     }
                 }
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Places `len` bytes at `src` in the GPU tier, demoting LRU values first (see the
+    /// module docs). `Ok(false)` without a GPU tier, for a value larger than it, or when it
+    /// does not fit even with every value demoted.
+    ///
+    /// # Safety
+    /// `src` must be readable for `len` bytes (host or device memory).
+    unsafe fn gpu_insert(
+        &mut self,
+        meta: &dyn MetadataStore,
+        key: &[u8],
+        src: u64,
+        len: usize,
+    ) -> Result<bool> {
+        if self.gpu.as_ref().is_none_or(|g| len > g.capacity_bytes()) {
+            return Ok(false);
+        }
+        let placed = self.place_evicting(meta, PageTier::Gpu, len, |inner| {
+            let Some(gpu) = inner.gpu.as_mut() else {
+                return Err(Error::NoSpace {
+                    needed: len as u64,
+                    available: 0,
+                });
+            };
+            // SAFETY: guaranteed by the caller of `gpu_insert`.
+            unsafe { gpu.put_from(key, src, len) }
+        })?;
+        Ok(placed.is_some())
+    }
+
+    /// Places `value` in DRAM, evicting LRU values first (see the module docs). Returns
+    /// `Ok(false)` if it does not fit even with every unpinned value evicted.
+    fn dram_insert(&mut self, meta: &dyn MetadataStore, key: &[u8], value: &[u8]) -> Result<bool> {
+        let placed = self.place_evicting(meta, PageTier::Dram, value.len(), |inner| {
+            inner.dram.put(key, value)
+        })?;
+        Ok(placed.is_some())
     }
 
     /// Reserves a run for a value of `len` bytes as [`Inner::dram_insert`] places one.
@@ -1111,18 +1474,7 @@ impl Inner {
         if len > self.dram.capacity_bytes() {
             return Ok(None);
         }
-        self.make_room(meta, len)?;
-        loop {
-            match self.dram.reserve(len) {
-                Ok(r) => return Ok(Some(r)),
-                Err(Error::NoSpace { .. }) => {
-                    if !self.evict_lru(meta)? {
-                        return Ok(None);
-                    }
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        self.place_evicting(meta, PageTier::Dram, len, |inner| inner.dram.reserve(len))
     }
 
     fn log_drop(&mut self, key: &[u8]) {
@@ -1131,32 +1483,70 @@ impl Inner {
         }
     }
 
-    /// Demotes (or, failing that, drops) the least recently used DRAM value that is not
-    /// pinned. Returns whether there was one.
-    fn evict_lru(&mut self, meta: &dyn MetadataStore) -> Result<bool> {
-        let Some(victim) = self.dram.lru_unpinned_victim() else {
+    /// Demotes (or, failing that, drops) the least recently used value of `tier` that is
+    /// not pinned. Returns whether there was one.
+    fn evict_lru(&mut self, meta: &dyn MetadataStore, tier: PageTier) -> Result<bool> {
+        let Some(victim) = self.pages(tier).and_then(PageTable::lru_unpinned_victim) else {
             return Ok(false);
         };
-        self.evict_key(meta, victim).map(|_| true)
+        match tier {
+            PageTier::Gpu => self.demote_gpu(meta, victim)?,
+            PageTier::Dram => {
+                self.evict_key(meta, victim)?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Moves one GPU value down (see the module docs): into DRAM, placed as a put places a
+    /// value; to SSD when DRAM cannot take it; dropped when neither can.
+    fn demote_gpu(&mut self, meta: &dyn MetadataStore, victim: Vec<u8>) -> Result<()> {
+        let Some(value) = self
+            .gpu
+            .as_ref()
+            .map(|g| g.read(&victim))
+            .transpose()?
+            .flatten()
+        else {
+            return Err(inconsistent(&victim, "GPU victim not in the GPU arena"));
+        };
+        let to = if value.len() <= self.dram.capacity_bytes()
+            && self.dram_insert(meta, &victim, &value)?
+        {
+            Some(Tier::Dram)
+        } else if keep_on_ssd(self.ssd.as_mut(), &victim, &value)? {
+            Some(Tier::Ssd)
+        } else {
+            None
+        };
+        match to {
+            Some(tier) => {
+                if !meta.update_tier(&victim, Tier::Gpu, tier)? {
+                    return Err(inconsistent(&victim, "GPU value not indexed as GPU"));
+                }
+                self.counters.gpu_demotions += 1;
+            }
+            None => {
+                meta.remove(&victim)?;
+                self.counters.evictions += 1;
+                self.log_drop(&victim);
+            }
+        }
+        if let Some(gpu) = self.gpu.as_mut() {
+            gpu.remove(&victim);
+        }
+        Ok(())
     }
 
     /// Demotes (or, failing that, drops) one DRAM value; returns whether it was kept on SSD.
     fn evict_key(&mut self, meta: &dyn MetadataStore, victim: Vec<u8>) -> Result<bool> {
-        let kept = match self.ssd.as_mut() {
-            None => false,
+        let kept = match self.ssd.as_ref() {
             Some(ssd) if ssd.contains(&victim) => true,
-            Some(ssd) => {
-                let value = self.dram.get(&victim).unwrap_or_default();
-                match ssd.put(&victim, value) {
-                    Ok(()) => true,
-                    Err(e @ (Error::NoSpace { .. } | Error::InvalidArgument(_))) => {
-                        debug!(key = %key_display(&victim), error = %e,
-                               "SSD cannot take an evicted value; dropping it");
-                        false
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
+            _ => keep_on_ssd(
+                self.ssd.as_mut(),
+                &victim,
+                self.dram.get(&victim).unwrap_or_default(),
+            )?,
         };
         if kept {
             if !meta.update_tier(&victim, Tier::Dram, Tier::Ssd)? {
@@ -1184,29 +1574,76 @@ impl Inner {
         }
         meta.remove(key)?;
         self.dram.remove(key);
+        if let Some(gpu) = self.gpu.as_mut() {
+            gpu.remove(key);
+        }
         Ok(true)
     }
 
     fn flush_and_seal(&mut self) -> Result<CloseReport> {
         let mut report = CloseReport::default();
-        let victims = self.dram.lru_victims(self.dram.len());
-        let Some(ssd) = self.ssd.as_mut() else {
-            report.values_lost = victims.len();
+        let dram_keys = self.dram.lru_victims(self.dram.len());
+        let gpu_keys = self
+            .gpu
+            .as_ref()
+            .map_or_else(Vec::new, |g| g.lru_victims(g.len()));
+        if self.ssd.is_none() {
+            report.values_lost = dram_keys.len() + gpu_keys.len();
             return Ok(report);
-        };
-        for key in victims {
-            if ssd.contains(&key) {
+        }
+        for key in dram_keys {
+            if self.ssd.as_ref().is_some_and(|s| s.contains(&key)) {
                 report.values_already_on_ssd += 1;
                 continue;
             }
             let value = self.dram.get(&key).unwrap_or_default();
-            match ssd.put(&key, value) {
-                Ok(()) => report.values_written += 1,
-                Err(Error::NoSpace { .. } | Error::InvalidArgument(_)) => report.values_lost += 1,
-                Err(e) => return Err(e),
+            if keep_on_ssd(self.ssd.as_mut(), &key, value)? {
+                report.values_written += 1;
+            } else {
+                report.values_lost += 1;
             }
         }
-        ssd.seal()?;
+        // GPU values have no SSD copy (see the module docs).
+        for key in gpu_keys {
+            let value = match self.gpu.as_ref().map(|g| g.read(&key)).transpose() {
+                Ok(v) => v.flatten().unwrap_or_default(),
+                Err(e) => {
+                    warn!(key = %key_display(&key), error = %e,
+                          "closing: a GPU value could not be copied out");
+                    report.values_lost += 1;
+                    continue;
+                }
+            };
+            if keep_on_ssd(self.ssd.as_mut(), &key, &value)? {
+                report.values_written += 1;
+            } else {
+                report.values_lost += 1;
+            }
+        }
+        if let Some(ssd) = self.ssd.as_mut() {
+            ssd.seal()?;
+        }
         Ok(report)
     }
 }
+
+/// Writes `value` to the SSD tier, if there is one; returns whether it is kept there.
+/// `Ok(false)` without an SSD tier, or when the SSD cannot take the value (full, or the
+/// record is larger than a segment); other errors are returned.
+fn keep_on_ssd(ssd: Option<&mut SsdLog>, key: &[u8], value: &[u8]) -> Result<bool> {
+    let Some(ssd) = ssd else {
+        return Ok(false);
+    };
+    match ssd.put(key, value) {
+        Ok(()) => Ok(true),
+        Err(e @ (Error::NoSpace { .. } | Error::InvalidArgument(_))) => {
+            debug!(key = %key_display(key), error = %e, "SSD cannot take a value; dropping it");
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(all(test, feature = "gpu"))]
+#[path = "pool_gpu_tests.rs"]
+mod gpu_tests;

@@ -13,8 +13,8 @@ use std::sync::Barrier;
 use std::time::Duration;
 
 use mori_umbp::{
-    DramHolds, Error, LocalPool, PoolConfig, PoolStats, PutOutcome, ReadSlot, RecoveryReport,
-    ReserveSlot, SsdConfig, Tier,
+    DramHolds, Error, GpuTierConfig, LocalPool, PoolConfig, PoolStats, PutOutcome, ReadSlot,
+    RecoveryReport, ReserveSlot, SsdConfig, Tier,
 };
 
 /// Small deterministic generator (xorshift64*).
@@ -103,6 +103,7 @@ fn model_run(seed: u64, ops: usize) -> PoolStats {
         dram_bytes: MODEL_DRAM,
         page_bytes: 256,
         ssd: Some(ssd_cfg(dir.path(), 32 << 10, 2 << 20)),
+        gpu: None,
         high_watermark: 0.9,
         low_watermark: 0.7,
     };
@@ -666,6 +667,7 @@ fn exists_does_not_renew_lru_or_promote() {
         dram_bytes: 20 * 1024,
         page_bytes: 1024,
         ssd: Some(ssd_cfg(dir.path(), 256 << 10, 8 << 20)),
+        gpu: None,
         high_watermark: 0.9,
         low_watermark: 0.9,
     };
@@ -812,6 +814,35 @@ fn invalid_arguments() {
     assert!(ok(pool.remove(b""), "remove"));
     assert!(!ok(pool.remove(b""), "remove"));
     assert_eq!(get(&pool, b""), None);
+}
+
+#[test]
+fn a_gpu_tier_without_a_usable_device_fails_cleanly() {
+    // On a machine without CUDA (CI), or in a build without the `gpu` feature, the open
+    // fails with an error naming the device; an ordinal no machine has always fails.
+    let with_gpu = |device: usize| PoolConfig {
+        gpu: Some(GpuTierConfig {
+            device,
+            bytes: 64 << 10,
+        }),
+        ..PoolConfig::dram_only(64 << 10, 4096)
+    };
+    match (LocalPool::open(with_gpu(0)), cfg!(feature = "gpu")) {
+        (Ok(_), true) => {} // a machine with a GPU
+        (Ok(_), false) => panic!("a GPU tier opened without the gpu feature"),
+        (Err(e), _) => assert!(e.to_string().contains("CUDA device 0"), "{e}"),
+    }
+    match LocalPool::open(with_gpu(4096)) {
+        Ok(_) => panic!("CUDA device 4096 opened"),
+        Err(e) => assert!(e.to_string().contains("CUDA device 4096"), "{e}"),
+    }
+    // Sizes are checked like DRAM's.
+    let mut bad = with_gpu(0);
+    bad.gpu = Some(GpuTierConfig {
+        device: 0,
+        bytes: 5000,
+    });
+    assert!(LocalPool::open(bad).is_err());
 }
 
 #[test]

@@ -602,6 +602,8 @@ impl Client {
             promotions: s.promotions,
             corrupt_dropped: s.corrupt_dropped,
             ssd_io: s.ssd_io.parse().ok(),
+            // Daemons have no GPU tier.
+            ..PoolStats::default()
         })
     }
 

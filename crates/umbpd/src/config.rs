@@ -724,6 +724,8 @@ impl Config {
             dram_bytes: usize::try_from(self.dram_bytes.value).unwrap_or(usize::MAX),
             page_bytes: usize::try_from(self.page_bytes.value).unwrap_or(usize::MAX),
             ssd,
+            // The GPU tier is embedded-only (docs/umbp.md).
+            gpu: None,
             high_watermark: self.high_watermark.value,
             low_watermark: self.low_watermark.value,
         }
