@@ -4,6 +4,8 @@
 # Installs the wheel built by scripts/build-wheel.sh (carried in .device/) into a scratch
 # folder, then runs each step, writing logs and JSON under $OUT (or ./device-out).
 # The wheel holds the Python package too: rebuild it after changing python/, not only crates/.
+# World size: the multi-rank GPU suites read MORI_TEST_WORLD from the environment (default 2);
+# benchmarks take --world (e.g. bench:ccl:--world,4).
 set -uo pipefail
 # NVLink multicast must never be used on the shared host.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -16,6 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --u
 export PYTHONPATH="$SITE:$PWD"
 export MORI_JIT_CACHE_DIR=${MORI_JIT_CACHE_DIR:-/tmp/mori-jit}
 [ $# -gt 0 ] || set -- check tests
+echo "MORI_TEST_WORLD=${MORI_TEST_WORLD:-2 (default)}"
 status=0
 for step in "$@"; do
   echo "=== $step ==="
@@ -36,7 +39,7 @@ for step in "$@"; do
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench:*)
       spec=${step#bench:}; name=${spec%%:*}; args=""; [ "$spec" != "$name" ] && args=${spec#*:}
-      python3 -m mori bench "$name" --out "$OUT" ${args//,/ } 2>&1 | tee "$OUT/bench-$name.txt"
+      python3 -m mori bench "$name" --out "$OUT" ${args//,/ } 2>&1 | tee -a "$OUT/bench-$name.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     py:*)
       script=${step#py:}

@@ -77,9 +77,16 @@ def torch_gather(group: Any = None) -> Callable[[Any], list]:
 # ---- inputs ---------------------------------------------------------------------------------------
 
 
+def experts_for(world: int, at_least: int = 32) -> int:
+    """The suites' expert count: ``at_least`` rounded up to divide over the ranks (as mori.ep and
+    DeepEP require)."""
+    return -(-at_least // world) * world
+
+
 def routing(n: int, mode: str, *, num_experts: int, topk: int, world: int, rank: int, gen: Any, drop: float = 0.1) -> Any:
     """int64 [n, topk] expert ids on the GPU. Modes: "random" (distinct experts, ~``drop`` of the
-    ids -1), "to_rank0" (every id on rank 0), "local_only" (every id on this rank)."""
+    ids -1), "to_rank0" (every id on rank 0), "local_only" (every id on this rank); in the last
+    two, ids past the rank's experts (fewer than ``topk`` of them) are -1."""
     import torch
 
     el = num_experts // world
@@ -91,7 +98,10 @@ def routing(n: int, mode: str, *, num_experts: int, topk: int, world: int, rank:
         return idx.to(torch.int64)
     if mode in ("to_rank0", "local_only"):
         base = 0 if mode == "to_rank0" else rank * el
-        return (torch.rand((n, el), device="cuda", generator=gen).argsort(dim=1)[:, :topk] + base).to(torch.int64)
+        idx = torch.full((n, topk), -1, dtype=torch.int64, device="cuda")
+        ids = torch.rand((n, el), device="cuda", generator=gen).argsort(dim=1)[:, :topk] + base
+        idx[:, : ids.shape[1]] = ids
+        return idx
     raise ValueError(mode)
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import faulthandler
 import multiprocessing as mp
+import os
 import traceback
 from typing import Any, Callable
+
+import pytest
 
 
 def _trampoline(fn: Callable[..., Any], rank: int, args: tuple, results, timeout: float) -> None:
@@ -41,3 +44,45 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
     assert not failures, "\n".join(failures)
     return {r: v for r, (_, v) in outcomes.items()}
+
+
+def world_under_test() -> int:
+    """Ranks of the multi-rank GPU suites: ``MORI_TEST_WORLD`` (2..8, for the 4- and 8-GPU runs),
+    else 2, the machine lent most often."""
+    raw = os.environ.get("MORI_TEST_WORLD", "2")
+    if not raw.isdigit() or not 2 <= int(raw) <= 8:
+        raise ValueError(f"MORI_TEST_WORLD must be 2..8, got {raw!r}")
+    return int(raw)
+
+
+def skip_unless_gpus(world: int) -> None:
+    """Skips the calling test (or fixture) where fewer than ``world`` GPUs are visible or a pair
+    of them has no P2P path (the conftest's multigpu marker checks only GPUs 0 and 1)."""
+    from mori import gpu
+
+    count = gpu.device_count() if gpu.is_available() else 0
+    if count < world:
+        pytest.skip(f"needs {world} GPUs (MORI_TEST_WORLD={world}); {count} visible")
+    no_p2p = [(a, b) for a in range(world) for b in range(world) if a != b and not gpu.can_access_peer(a, b)]
+    if no_p2p:
+        pytest.skip(f"GPU{no_p2p[0][0]} and GPU{no_p2p[0][1]} have no P2P path")
+
+
+def by_case(results: dict[int, dict[str, str]], world: int, names: list[str] | None = None) -> dict[str, tuple[str, ...]]:
+    """{case: (rank 0's outcome, rank 1's, ...)} from every rank's {case: outcome}; ``names``
+    defaults to rank 0's cases, which every rank must have run."""
+    if names is None:
+        names = sorted(results[0])
+        assert all(sorted(results[r]) == names for r in range(world)), "the ranks ran different cases"
+    return {name: tuple(results[r].get(name, "not run") for r in range(world)) for name in names}
+
+
+def assert_ok(outcomes: dict[str, tuple[str, ...]], prefix: str = "") -> None:
+    """Every rank's outcome of every case named ``prefix``* is "ok"; otherwise names each failing
+    case and rank."""
+    hits = {k: v for k, v in outcomes.items() if k.startswith(prefix)}
+    assert hits, f"no cases named {prefix}*"
+    failed = {k: v for k, v in hits.items() if any(o != "ok" for o in v)}
+    assert not failed, "\n".join(
+        f"{k}:\n" + "\n".join(f" rank {r}: {o}" for r, o in enumerate(v) if o != "ok") for k, v in failed.items()
+    )

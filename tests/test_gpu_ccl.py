@@ -1,4 +1,4 @@
-"""mori.ccl on two GPUs against a torch reference, on fresh random data.
+"""mori.ccl on MORI_TEST_WORLD GPUs (default 2) against a torch reference, on fresh random data.
 
 Every rank generates every rank's inputs from one seed shared at start (so the reference needs
 no data exchange). Reductions are checked against a float64 reference rounded to the dtype:
@@ -22,15 +22,25 @@ from __future__ import annotations
 import pytest
 
 import mori
-from tests._ranks import run_ranks
+from tests._ranks import assert_ok, by_case, run_ranks, skip_unless_gpus, world_under_test
 
+WORLD = world_under_test()
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.torch]
 
-WORLD = 2
 SIZES = [0, 1, 7, 8, 1000, 4099, 65536 + 3, (1 << 20) + 5]
 TOL = {"float32": (1e-5, 1e-5), "float16": (1e-3, 1e-3), "bfloat16": (8e-3, 8e-3)}
 KERNEL_TIMEOUT_S = 5.0  # the suite's communicators: a peer that never comes costs 5 s, once
-SUITE_BUDGET_S = 170.0  # after this, remaining cases are skipped (run_ranks gives up at 240 s)
+
+
+def suite_timeouts(world: int) -> tuple[float, float]:
+    """(time budget, run_ranks timeout) in seconds: after the budget the remaining cases are
+    skipped; run_ranks gives up 70 s later. More ranks mean more processes starting, more input
+    per step and a broadcast case per root."""
+    budget = 170.0 + 25.0 * (world - 2)
+    return budget, budget + 70.0
+
+
+SUITE_BUDGET_S, RANKS_TIMEOUT_S = suite_timeouts(WORLD)
 PREFIXES = [
     "all_reduce[float32", "all_reduce[float16", "all_reduce[bfloat16", "all_reduce_pieces", "all_reduce_views",
     "all_reduce_heap_tensor", "reduce_scatter", "all_gather", "all_to_all_equal", "all_to_all_splits", "broadcast",
@@ -236,12 +246,12 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     def t_all_to_all_equal(case):
         for cname in ("comm", "small"):
             for dt in (torch.uint8, torch.bfloat16, torch.float32):
-                for rows, width in ((0, 3), (2, 1), (6, 7), (1000, 33), (4096, 129)):
+                for per, width in ((0, 3), (1, 1), (3, 7), (500, 33), (2048, 129)):
+                    rows = per * WORLD
                     what = f"{cname} {dt} rows={rows} width={width}"
                     xs = inputs((rows, width), dt)
                     out = torch.zeros_like(xs[rank])
                     got = case.step(what, cc[cname].all_to_all, out, xs[rank].clone())
-                    per = rows // WORLD
                     ref = torch.cat([xs[s][rank * per:(rank + 1) * per] for s in range(WORLD)])
                     case.later(what, lambda got=got, ref=ref, what=what: expect_equal(got, ref, what))
 
@@ -375,7 +385,8 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         comm, small = cc["comm"], cc["small"]
         x = torch.zeros(8, dtype=torch.int32, device="cuda")
         y = torch.zeros(16, device="cuda")
-        big = torch.zeros(2 * (small.slot_bytes // 4 + 4), device="cuda")  # a pair moves slot_bytes + 16
+        big = torch.zeros(WORLD * (small.slot_bytes // 4 + 4), device="cuda")  # a pair moves slot_bytes + 16
+        pairs = [big.numel() // WORLD] * WORLD
         for what, call, match in [
             ("int32", lambda: comm.all_reduce(x), "dtype"),
             ("avg", lambda: comm.all_reduce(torch.zeros(8, device="cuda"), "avg"), "unsupported reduction"),
@@ -384,11 +395,12 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
             ("out size", lambda: comm.all_reduce(torch.zeros(8, device="cuda"), out=torch.zeros(9, device="cuda")), "out must match"),
             ("all_gather size", lambda: comm.all_gather(torch.zeros(15, device="cuda"), torch.zeros(8, device="cuda")), "output must hold"),
             ("reduce_scatter size", lambda: comm.reduce_scatter(torch.zeros(5, device="cuda"), torch.zeros(8, device="cuda")), "input must hold"),
-            ("all_to_all rows", lambda: comm.all_to_all(torch.zeros(3, device="cuda"), torch.zeros(3, device="cuda")), "split equally"),
-            ("all_to_all self", lambda: comm.all_to_all(torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda"), [1, 3], [2, 2]), "sends itself"),
-            ("broadcast root", lambda: comm.broadcast(torch.zeros(4, device="cuda"), 5), "not a rank"),
+            ("all_to_all rows", lambda: comm.all_to_all(torch.zeros(WORLD + 1, device="cuda"), torch.zeros(WORLD + 1, device="cuda")), "split equally"),
+            ("all_to_all self", lambda: comm.all_to_all(torch.zeros(3 * WORLD, device="cuda"), torch.zeros(2 * WORLD, device="cuda"),
+                                                        [3] * WORLD, [2] * WORLD), "sends itself"),
+            ("broadcast root", lambda: comm.broadcast(torch.zeros(4, device="cuda"), WORLD), "not a rank"),
             ("overlap", lambda: comm.all_to_all(y[4:], y[:12]), "overlap"),
-            ("pair limit", lambda: small.all_to_all(torch.zeros_like(big), big, [big.numel() // 2] * 2, [big.numel() // 2] * 2), "per rank pair"),
+            ("pair limit", lambda: small.all_to_all(torch.zeros_like(big), big, pairs, pairs), "per rank pair"),
         ]:
             try:
                 call()
@@ -438,9 +450,9 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
         case.later("other op", check_other_op)
 
-        # 2. Another size and grid (rank 0: one block, rank 1: 32): block 0 sees the other size on
-        #    both ranks; rank 1's other blocks wait for blocks rank 0 never runs and give up (as
-        #    soon as block 0's mismatch is recorded, else at the timeout) without hanging.
+        # 2. Another size and grid (rank 0: one block, the others: 32): block 0 sees the other size
+        #    on every rank; the other ranks' other blocks wait for blocks rank 0 never runs and give
+        #    up (as soon as block 0's mismatch is recorded, else at the timeout) without hanging.
         def other_size(c, seen):
             n = 1000 if rank == 0 else 4 << 20
             c.all_reduce(torch.ones(n, device="cuda"), algorithm="one_shot")
@@ -460,8 +472,8 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
         case.later("other size", check_other_size)
 
-        # 3. A rank that never calls: rank 1's kernel waits in vain and records a timeout (and
-        #    only that); rank 0 launched nothing and has no error.
+        # 3. Ranks that never call: rank 1's kernel waits in vain and records a timeout (and only
+        #    that); the others launched nothing and have no error.
         def absent_peer(c, seen):
             if rank == 1:
                 t0 = time.monotonic()
@@ -477,7 +489,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
                 assert s3.get("check") is errors.TimeoutError, f"check() must raise TimeoutError: {s3}"
                 assert cfg.timeout_s * 0.9 <= s3.get("waited_s", 0.0) < cfg.timeout_s + 5.0, f"waited for about timeout_s: {s3}"
             else:
-                assert s3.get("error") == 0 and s3.get("check") is None, f"rank 0 called nothing: {s3}"
+                assert s3.get("error") == 0 and s3.get("check") is None, f"rank {rank} called nothing: {s3}"
 
         case.later("absent peer", check_absent_peer)
 
@@ -496,20 +508,11 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def suite():
-    results = run_ranks(_suite, WORLD, mori.get_unique_id(), timeout=240)
-    names = sorted(results[0])
-    assert names == sorted(results[1]), "the ranks ran different cases"
-    return {name: (results[0][name], results[1][name]) for name in names}
-
-
-def _expect(suite, prefix):
-    hits = {k: v for k, v in suite.items() if k.startswith(prefix)}
-    assert hits, f"no checks named {prefix}*"
-    failed = {k: v for k, v in hits.items() if v != ("ok", "ok")}
-    assert not failed, "\n".join(f"{k}:\n rank 0: {a}\n rank 1: {b}" for k, (a, b) in failed.items())
+    skip_unless_gpus(WORLD)
+    return by_case(run_ranks(_suite, WORLD, mori.get_unique_id(), timeout=RANKS_TIMEOUT_S), WORLD)
 
 
 @pytest.mark.timeout(600)  # the first test runs the whole suite (and compiles the kernels)
 @pytest.mark.parametrize("prefix", PREFIXES)
 def test_ccl(suite, prefix):
-    _expect(suite, prefix)
+    assert_ok(suite, prefix)

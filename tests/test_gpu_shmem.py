@@ -1,9 +1,12 @@
-"""mori.shmem on two GPUs, one process each: every device operation x scope x dtype verified by
-the receiver, atomics under contention from both PEs, wait_until, barriers under skew, put-signal
-ordering, collective allocation, registration, init/finalize/init.
+"""mori.shmem on MORI_TEST_WORLD GPUs (default 2), one process each: every device operation x
+scope x dtype verified by the receiver, atomics under contention from every PE, wait_until,
+barriers under skew, put-signal ordering, collective allocation, registration,
+init/finalize/init.
 
-All checks run in one pair of processes (spawning and initialising CUDA is the slow part); each
-test below asserts its own part of the results, so a failure names the operation.
+The PEs form a ring: each puts to and gets from the next PE, so it receives from the previous
+one (with two PEs, both are the other PE). All checks run in one set of processes (spawning and
+initialising CUDA is the slow part); each test below asserts its own part of the results, so a
+failure names the operation.
 """
 
 from __future__ import annotations
@@ -14,14 +17,17 @@ from pathlib import Path
 import pytest
 
 import mori
-from tests._ranks import run_ranks
+from tests._ranks import assert_ok, by_case, run_ranks, skip_unless_gpus, world_under_test
 
+WORLD = world_under_test()
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.torch]
 
 KERNELS = Path(__file__).parent / "kernels" / "shmem_ops.cu"
 TYPES = ["u8", "i32", "u32", "i64", "u64", "f32", "f64"]
 SCOPES = {"thread": 1, "warp": 32, "block": 256}
 CMP = {"eq": 0, "ne": 1, "gt": 2, "ge": 3, "lt": 4, "le": 5}
+# Hundreds of checks, each with bootstrap exchanges and barriers that take longer with more PEs.
+RANKS_TIMEOUT_S = 540.0 + 60.0 * (WORLD - 2)
 
 
 def _suite(rank: int, uid: bytes) -> dict[str, str]:
@@ -35,7 +41,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     from mori import Bootstrap, errors
 
     torch.cuda.set_device(rank)
-    me, peer = rank, 1 - rank
+    me, nxt, prev = rank, (rank + 1) % WORLD, (rank - 1) % WORLD
     results: dict[str, str] = {}
     gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little") + rank)
     storage = {"u8": torch.uint8, "i32": torch.int32, "u32": torch.int32, "i64": torch.int64, "u64": torch.int64,
@@ -55,7 +61,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         hi = 256 if t == "u8" else 1 << 30
         return torch.randint(0, hi, (n,), dtype=dtype, device="cuda", generator=gen)
 
-    bs = Bootstrap(uid, rank, 2, timeout=120)
+    bs = Bootstrap(uid, rank, WORLD, timeout=120)
     shmem.init(bootstrap=bs, device=rank, heap_size=1 << 30)
     mod = shmem.compile(KERNELS.read_text(), "shmem_ops.cu")
     stream = torch.cuda.current_stream()
@@ -76,13 +82,13 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
     def t_describe():
         sym = shmem.tensor((4,), torch.int64, zero=True)
-        out = torch.zeros(4, dtype=torch.int64, device="cuda")
+        out = torch.zeros(2 + WORLD, dtype=torch.int64, device="cuda")
         run("describe", 1, out, sym)
         got = out.cpu().tolist()
-        assert got[0] == me and got[1] == 2
-        for pe in (0, 1):
+        assert got[0] == me and got[1] == WORLD
+        for pe in range(WORLD):
             assert got[2 + pe] == shmem.ptr(sym, pe), (pe, got, shmem.ptr(sym, pe))
-        assert shmem.node_team() == (0, 2, me)
+        assert shmem.node_team() == (0, WORLD, me)
         shmem.free(sym)
 
     check("describe", t_describe)
@@ -97,9 +103,9 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
                     sig = shmem.tensor((1,), torch.int64, zero=True)
                     src.copy_(rand(n, t))
                     shmem.barrier_all()
-                    run(f"put_{scope}_{t}", block, dest, src, np.uint64(n), sig, np.int32(peer), np.int32(nbi))
+                    run(f"put_{scope}_{t}", block, dest, src, np.uint64(n), sig, np.int32(nxt), np.int32(nbi))
                     assert wait_sig(sig, 1, "eq") == 1
-                    theirs = exchange(src)[peer]
+                    theirs = exchange(src)[prev]
                     assert dest.cpu().numpy().tobytes() == theirs, "data differs after the signal"
                     shmem.barrier_all()
                     for x in (dest, src, sig):
@@ -110,8 +116,8 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
                     src.copy_(rand(n, t))
                     dest = torch.zeros(n, dtype=storage[t], device="cuda")
                     shmem.barrier_all()
-                    run(f"get_{scope}_{t}", block, dest, src, np.uint64(n), np.int32(peer), np.int32(nbi))
-                    theirs = exchange(src)[peer]
+                    run(f"get_{scope}_{t}", block, dest, src, np.uint64(n), np.int32(nxt), np.int32(nbi))
+                    theirs = exchange(src)[nxt]
                     assert dest.cpu().numpy().tobytes() == theirs
                     shmem.barrier_all()
                     shmem.free(src)
@@ -128,10 +134,10 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
                     shmem.barrier_all()
                     for _ in range(times):
                         run(f"put_signal_{scope}_{t}", block, dest, src, np.uint64(n), sig, np.uint64(value),
-                            np.int32(0 if op == "set" else 1), np.int32(peer))
+                            np.int32(0 if op == "set" else 1), np.int32(nxt))
                     expected = value * times if op == "add" else value
                     assert wait_sig(sig, expected, "ge") == expected
-                    assert dest.cpu().numpy().tobytes() == exchange(src)[peer]
+                    assert dest.cpu().numpy().tobytes() == exchange(src)[prev]
                     shmem.barrier_all()
                     for x in (dest, src, sig):
                         shmem.free(x)
@@ -144,26 +150,26 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
             src = shmem.tensor((257,), storage[t])
             src.copy_(rand(257, t))
             shmem.barrier_all()
-            run(f"p_{t}", 64, dest, src, np.uint64(257), np.int32(peer))
+            run(f"p_{t}", 64, dest, src, np.uint64(257), np.int32(nxt))
             shmem.barrier_all()
-            mine, theirs = exchange(src)[me], exchange(src)[peer]
-            assert dest.cpu().numpy().tobytes() == theirs, "p"
+            everyone = exchange(src)
+            assert dest.cpu().numpy().tobytes() == everyone[prev], "p"
             out = torch.zeros(257, dtype=storage[t], device="cuda")
-            run(f"g_{t}", 64, out, src, np.uint64(257), np.int32(peer))
-            assert exchange(out)[me] == theirs, "g"
-            del mine
+            run(f"g_{t}", 64, out, src, np.uint64(257), np.int32(nxt))
+            assert exchange(out)[me] == everyone[nxt], "g"
             shmem.barrier_all()
             shmem.free(dest)
             shmem.free(src)
 
         check(f"p_g[{t}]", t_pg)
 
-    # wait_until: the waiter's kernel must not finish before the other PE sets the word.
+    # wait_until: the waiter's kernel must not finish before the next PE sets the word (the
+    # others only meet in the barriers).
     cases = {"eq": (0, 5, 5), "ne": (5, 5, 6), "gt": (0, 5, 6), "ge": (0, 5, 5), "lt": (10, 5, 4), "le": (10, 5, 5)}
     for t in ("i32", "u32", "i64", "u64"):
         np_t = {"i32": np.int32, "u32": np.uint32, "i64": np.int64, "u64": np.uint64}[t]
         for i, (cmp, (initial, value, new)) in enumerate(cases.items()):
-            def t_wait(t=t, np_t=np_t, cmp=cmp, initial=initial, value=value, new=new, waiter=i % 2):
+            def t_wait(t=t, np_t=np_t, cmp=cmp, initial=initial, value=value, new=new, waiter=i % WORLD):
                 ivar = shmem.tensor((1,), storage[t])
                 ivar.fill_(initial)
                 seen = torch.zeros(1, dtype=storage[t], device="cuda")
@@ -178,16 +184,18 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
                     done.synchronize()
                     assert not early, "wait_until returned before the word was set"
                     assert int(seen.item()) == new
+                elif me == (waiter + 1) % WORLD:
+                    bs.barrier()
+                    run(f"set_{t}", 1, ivar, np_t(new), np.int32(waiter))
+                    torch.cuda.synchronize()
                 else:
                     bs.barrier()
-                    run(f"set_{t}", 1, ivar, np_t(new), np.int32(1 - me))
-                    torch.cuda.synchronize()
                 shmem.barrier_all()
                 shmem.free(ivar)
 
             check(f"wait_until[{t},{cmp}]", t_wait)
 
-    # Atomics under contention: both PEs hammer PE 0's word.
+    # Atomics under contention: every PE hammers PE 0's word.
     grid, block = 2, 128
     threads = grid * block
     for t in ("i32", "u32", "i64", "u64"):
@@ -210,7 +218,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
             return final, fetched
 
         def t_atomics(t=t, bits=bits, np_view=np_view, all_ones=all_ones):
-            total = 2 * threads * 8
+            total = WORLD * threads * 8
             for op in (0, 2):  # fetch_add, fetch_inc: every old value seen exactly once
                 final, fetched = run_op(op, 8, 0)
                 assert final == total, (op, final)
@@ -226,25 +234,26 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
             assert run_op(13, 1, -1)[0] == 0, "fetch_and"
             final, fetched = run_op(7, 1, 0)  # swap: old values + final = initial + every id
             values = np.sort(np.append(fetched, final).astype(np.int64))
-            assert np.array_equal(values, np.arange(2 * threads + 1)), "swap lost or duplicated a value"
+            assert np.array_equal(values, np.arange(WORLD * threads + 1)), "swap lost or duplicated a value"
             final, fetched = run_op(9, 1, 12345)
             assert final == 12345 and np.all(fetched == 12345), "fetch"
             final, _ = run_op(10, 1, 0)
-            assert 1 <= int(final) <= 2 * threads, "set"
+            assert 1 <= int(final) <= WORLD * threads, "set"
 
         check(f"atomics[{t}]", t_atomics)
 
     def t_barrier_skew():
-        if me == 1:
+        late = WORLD - 1
+        if me == late:
             time.sleep(0.3)
         done = torch.cuda.Event()
         shmem.barrier_all(stream=stream)
         done.record(stream)
-        if me == 0:
+        if me != late:
             time.sleep(0.1)
-            assert not done.query(), "the on-stream barrier passed before PE 1 arrived"
+            assert not done.query(), f"the on-stream barrier passed before PE {late} arrived"
         done.synchronize()
-        slots = shmem.tensor((2,), torch.int64, zero=True)
+        slots = shmem.tensor((WORLD,), torch.int64, zero=True)
         errors_ = torch.zeros(1, dtype=torch.int64, device="cuda")
         run("barrier_rounds", 64, slots, errors_, np.int32(200))
         torch.cuda.synchronize()
@@ -261,9 +270,10 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         sig = shmem.tensor((1,), torch.int64, zero=True)
         shmem.barrier_all()
         for r in range(1, 21):
-            if me == 0:
+            if me == 0:  # to every other PE
                 src.fill_(r)
-                run("put_signal_block_i64", 256, dest, src, np.uint64(m), sig, np.uint64(r), np.int32(0), np.int32(1))
+                for pe in range(1, WORLD):
+                    run("put_signal_block_i64", 256, dest, src, np.uint64(m), sig, np.uint64(r), np.int32(0), np.int32(pe))
                 torch.cuda.synchronize()
             else:
                 wait_sig(sig, r, "ge")
@@ -311,16 +321,16 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         x = shmem.tensor((4096,), torch.float32)
         x.fill_(me + 1)
         shmem.barrier_all()
-        y = shmem.peer_tensor(x, peer)
-        assert bool((y == peer + 1).all())
+        y = shmem.peer_tensor(x, nxt)
+        assert bool((y == nxt + 1).all())
         shmem.barrier_all()
         y.fill_(10 * (me + 1))
         shmem.barrier_all()
-        assert bool((x == 10 * (peer + 1)).all())
+        assert bool((x == 10 * (prev + 1)).all())
         t = torch.randn(1000, device="cuda", generator=gen)
         reg = shmem.register(t)
-        got = reg.peer_tensor(peer).cpu().numpy().tobytes()
-        assert got == exchange(t)[peer]
+        got = reg.peer_tensor(nxt).cpu().numpy().tobytes()
+        assert got == exchange(t)[nxt]
         shmem.barrier_all()
         shmem.free(x)
 
@@ -337,9 +347,9 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         sig = shmem.tensor((1,), torch.int64, zero=True)
         src.fill_(me + 100)
         shmem.barrier_all()
-        run("put_block_i64", 256, dest, src, np.uint64(64), sig, np.int32(peer), np.int32(0))
+        run("put_block_i64", 256, dest, src, np.uint64(64), sig, np.int32(nxt), np.int32(0))
         assert wait_sig(sig, 1, "eq") == 1
-        assert bool((dest == peer + 100).all()), "the new session's heap was not used"
+        assert bool((dest == prev + 100).all()), "the new session's heap was not used"
         shmem.barrier_all()
 
     check("init_finalize_init", t_reinit)
@@ -349,24 +359,15 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def suite():
-    results = run_ranks(_suite, 2, mori.get_unique_id(), timeout=540)
-    names = sorted(results[0])
-    assert names == sorted(results[1])
-    return {name: (results[0][name], results[1][name]) for name in names}
+    skip_unless_gpus(WORLD)
+    return by_case(run_ranks(_suite, WORLD, mori.get_unique_id(), timeout=RANKS_TIMEOUT_S), WORLD)
 
 
-def _expect(suite, prefix):
-    hits = {k: v for k, v in suite.items() if k.startswith(prefix)}
-    assert hits, f"no checks named {prefix}*"
-    failed = {k: v for k, v in hits.items() if v != ("ok", "ok")}
-    assert not failed, "\n".join(f"{k}:\n PE0: {a}\n PE1: {b}" for k, (a, b) in failed.items())
-
-
-@pytest.mark.timeout(600)  # the first test runs the whole suite (and compiles its kernels)
+@pytest.mark.timeout(RANKS_TIMEOUT_S + 60)  # the first test runs the whole suite (and compiles its kernels)
 @pytest.mark.parametrize(
     "prefix",
     ["describe", "put[", "get[", "put_signal[", "p_g[", "wait_until[", "atomics[", "barrier_skew_and_rounds",
      "put_signal_ordering", "collective_alloc", "peer_tensor_and_register", "init_finalize_init"],
 )
 def test_shmem(suite, prefix):
-    _expect(suite, prefix)
+    assert_ok(suite, prefix)

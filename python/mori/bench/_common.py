@@ -1,16 +1,22 @@
-"""Shared benchmark plumbing: result records and timing helpers."""
+"""Shared benchmark plumbing: result records, timing helpers, and one process per rank."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import multiprocessing as mp
 import os
 import platform
+import queue
+import socket
 import statistics
+import time
+import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from mori import __version__, gpu
+from mori.errors import MoriError
 
 
 def environment() -> dict[str, Any]:
@@ -95,3 +101,98 @@ def human_bytes(n: int) -> str:
         if n < 1024 ** (power + 1) or unit == "GiB":
             return f"{n / 1024**power:g} {unit}"
     return f"{n} B"
+
+
+# ---- one process per rank -----------------------------------------------------------------------
+
+MAX_WORLD = 8  # one node: mori.ccl and mori.ep run on up to 8 ranks
+
+
+class RankError(MoriError):
+    """A benchmark rank raised, exited without a result, or did not finish in time."""
+
+
+def choose_world(requested: int | None, visible: int, minimum: int = 2) -> int:
+    """The ranks (one GPU each) a benchmark runs on: ``requested`` (``--world``), else every
+    visible GPU up to MAX_WORLD. Raises ValueError saying what is missing."""
+    if requested is not None and not minimum <= requested <= MAX_WORLD:
+        raise ValueError(f"--world must be {minimum}..{MAX_WORLD}, got {requested}")
+    world = min(visible, MAX_WORLD) if requested is None else requested
+    if world < minimum or world > visible:
+        raise ValueError(f"needs {max(world, minimum)} GPUs, {visible} visible")
+    return world
+
+
+def add_world_argument(p: Any) -> None:
+    p.add_argument("--world", type=int, default=None,
+                   help=f"ranks, one GPU each (default: every visible GPU, at most {MAX_WORLD})")
+
+
+def world_from_args(args: Any, bench: str) -> int | None:
+    """``choose_world`` for ``args.world`` and the GPUs visible here; None (after saying why)
+    when the benchmark cannot run."""
+    try:
+        return choose_world(args.world, gpu.device_count() if gpu.is_available() else 0)
+    except ValueError as e:
+        print(f"mori bench {bench}: {e}")
+        return None
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 (for a torch.distributed or server rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(target: Callable[..., Any], rank: int, args: tuple, results: Any) -> None:
+    try:
+        results.put((rank, True, target(rank, *args)))
+    except BaseException:  # the parent names the rank and shows its traceback
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(target: Callable[..., Any], world: int, args: Sequence[Any] = (), timeout: float = 600.0) -> list[Any]:
+    """Runs ``target(rank, *args)`` in ``world`` spawned processes and returns what each
+    returned, in rank order. Raises RankError when a rank raises (with its traceback), exits
+    without a result, or the ranks are not all done within ``timeout`` seconds; the other ranks
+    are then killed (they would wait for the failed one in a collective), so no process is left
+    behind either way."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(target, r, tuple(args), results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    ok = False
+    try:
+        while len(got) < world:
+            # Ranks gone before the wait: whatever they sent is readable by then.
+            exited = [r for r in range(world) if r not in got and not procs[r].is_alive()]
+            try:
+                rank, fine, value = results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if exited:
+                    raise RankError(", ".join(f"rank {r} exited (code {procs[r].exitcode}) without a result" for r in exited)) from None
+                if time.monotonic() >= deadline:
+                    missing = [r for r in range(world) if r not in got]
+                    raise RankError(f"rank(s) {missing} did not finish within {timeout:.0f} s") from None
+                continue
+            if not fine:
+                raise RankError(f"rank {rank} failed:\n{value}")
+            got[rank] = value
+        ok = True
+    finally:
+        for p in procs:
+            if ok:
+                p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return [got[r] for r in range(world)]
+
+
+def slowest(values: Sequence[float | None]) -> float | None:
+    """Per call, the slower rank decides: the largest time, None when any rank has none."""
+    return None if any(v is None for v in values) else max(values)  # type: ignore[type-var]

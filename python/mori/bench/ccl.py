@@ -1,29 +1,28 @@
-"""``mori bench ccl``: all-reduce, all-gather, reduce-scatter and all-to-all on two GPUs (one
-process each), mori.ccl beside NCCL (torch.distributed, nccl backend) and torch symmetric memory's
-one-shot / two-shot all-reduce, all measured in the same run.
+"""``mori bench ccl``: all-reduce, all-gather, reduce-scatter and all-to-all on ``--world`` GPUs
+(default: every visible one, at most 8; one process each), mori.ccl beside NCCL
+(torch.distributed, nccl backend) and torch symmetric memory's one-shot / two-shot all-reduce, all
+measured in the same run.
 
 Time: median per call over CUDA-event-timed replays of a CUDA graph of `reps` calls (no launch
 gaps), bf16, inputs in ordinary torch tensors (not on the symmetric heap). Sizes: bytes per rank
 of the input for all-reduce, reduce-scatter and all-to-all, of the output for all-gather (as in
-the baseline table). Bus bandwidth (GB/s = 1e9 B/s): size / time x 2(n-1)/n for all-reduce,
-x (n-1)/n for the others (NCCL's convention). mori's all-reduce is timed with its default
-algorithm choice and with one-shot and two-shot forced. NVLink multicast stays off
+the baseline table); per call the slowest rank's time. Bus bandwidth (GB/s = 1e9 B/s): size /
+time x 2(n-1)/n for all-reduce, x (n-1)/n for the others (NCCL's convention, n ranks). mori's
+all-reduce is timed with its default algorithm choice and with one-shot and two-shot forced. NVLink multicast stays off
 (TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0).
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 from typing import Any
 
-from mori.bench._common import environment, graph_time, human_bytes, write_record
+from mori.bench._common import (add_world_argument, environment, free_port, graph_time, human_bytes, run_ranks, slowest,
+                                world_from_args, write_record)
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-WORLD = 2
 # The grid sweep starts where calls use more than a few blocks.
 GRID_MIN_BYTES = 1 << 20
 
@@ -32,7 +31,7 @@ def _reps(nbytes: int) -> int:
     return max(3, min(50, (64 << 20) // nbytes))
 
 
-def _rank(rank: int, uid: bytes, port: int, trials: int, sizes: list[int], grids: list[tuple[int, int]], q) -> None:
+def _rank(rank: int, world: int, uid: bytes, port: int, trials: int, sizes: list[int], grids: list[tuple[int, int]]) -> dict[str, Any]:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch
@@ -42,16 +41,16 @@ def _rank(rank: int, uid: bytes, port: int, trials: int, sizes: list[int], grids
     from mori import Bootstrap, ccl
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
-    bs = Bootstrap(uid, rank, WORLD, timeout=300)
+    bs = Bootstrap(uid, rank, world, timeout=300)
     shmem.init(bootstrap=bs, device=rank, heap_size=2 << 30)
     comm = ccl.Communicator()
     stream = torch.cuda.Stream()
     dt = torch.bfloat16
     big = max(sizes) // 2
-    x = torch.randn(big * WORLD, device="cuda").to(dt)
-    out = torch.empty(big * WORLD, dtype=dt, device="cuda")
+    x = torch.randn(big * world, device="cuda").to(dt)
+    out = torch.empty(big * world, dtype=dt, device="cuda")
     rows: list[dict[str, Any]] = []
 
     symm = None
@@ -90,12 +89,12 @@ def _rank(rank: int, uid: bytes, port: int, trials: int, sizes: list[int], grids
                 fn = getattr(torch.ops.symm_mem, f"{algo}_all_reduce", None)
                 row[f"all_reduce_symm_{algo}"] = timed(lambda f=fn: f(buf[:n], "sum", name), nbytes) if fn else None
         # all-gather: nbytes of output
-        per = n // WORLD
-        row["all_gather_mori"] = timed(lambda: comm.all_gather(out[:per * WORLD], inp[:per], stream=stream), nbytes)
-        row["all_gather_nccl"] = timed(lambda: dist.all_gather_into_tensor(out[:per * WORLD], inp[:per]), nbytes)
+        per = n // world
+        row["all_gather_mori"] = timed(lambda: comm.all_gather(out[:per * world], inp[:per], stream=stream), nbytes)
+        row["all_gather_nccl"] = timed(lambda: dist.all_gather_into_tensor(out[:per * world], inp[:per]), nbytes)
         # reduce-scatter and all-to-all: nbytes of input
-        row["reduce_scatter_mori"] = timed(lambda: comm.reduce_scatter(out[:per], inp[:per * WORLD], stream=stream), nbytes)
-        row["reduce_scatter_nccl"] = timed(lambda: dist.reduce_scatter_tensor(out[:per], inp[:per * WORLD]), nbytes)
+        row["reduce_scatter_mori"] = timed(lambda: comm.reduce_scatter(out[:per], inp[:per * world], stream=stream), nbytes)
+        row["reduce_scatter_nccl"] = timed(lambda: dist.reduce_scatter_tensor(out[:per], inp[:per * world]), nbytes)
         row["all_to_all_mori"] = timed(lambda: comm.all_to_all(out[:n], inp, stream=stream), nbytes)
         row["all_to_all_nccl"] = timed(lambda: dist.all_to_all_single(out[:n], inp), nbytes)
         rows.append(row)
@@ -113,68 +112,64 @@ def _rank(rank: int, uid: bytes, port: int, trials: int, sizes: list[int], grids
         g.check()
         g.close()
 
-    # The timed kernels computed the right thing: mori's all-reduce equals NCCL's (two ranks:
-    # a + b in either order is the same float).
+    # The timed kernels computed the right thing: mori's all-reduce equals NCCL's. Two ranks:
+    # a + b in either order is the same float. More ranks sum in other orders (NCCL's ring rounds
+    # each partial sum to bf16): together at most n + 1 roundings, each within 2^-8 of the sum
+    # of |inputs|.
     verify = x[: 1 << 20]
     mine = comm.all_reduce(verify, out=torch.empty_like(verify))
     ref = verify.clone()
     dist.all_reduce(ref)
     torch.cuda.synchronize()
-    verified = bool(torch.equal(mine, ref))
+    if world == 2:
+        verified = bool(torch.equal(mine, ref))
+    else:
+        abs_sum = verify.float().abs()
+        dist.all_reduce(abs_sum)
+        verified = bool(((mine.float() - ref.float()).abs() <= (world + 1) * 2.0**-8 * abs_sum).all())
     comm.check()
     comm.close()
     shmem.finalize()
     dist.destroy_process_group()
-    q.put((rank, {"rows": rows, "grid_rows": grid_rows, "verified": verified, "symm_error": symm_error}))
+    return {"rows": rows, "grid_rows": grid_rows, "verified": verified, "symm_error": symm_error}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _bus_factor(op: str, world: int) -> float:
+    return 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
 
 
-def _bus_factor(op: str) -> float:
-    return 2 * (WORLD - 1) / WORLD if op == "all_reduce" else (WORLD - 1) / WORLD
+def _us(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e6
 
 
-def run(trials: int, sizes: list[int], out_dir: str, grids: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+def run(trials: int, sizes: list[int], out_dir: str, grids: list[tuple[int, int]] | None = None, world: int = 2) -> dict[str, Any]:
     import mori
     from mori import ccl
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    uid = mori.get_unique_id()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, uid, port, trials, sizes, grids or [], q)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=560) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    got = run_ranks(_rank, world, (world, mori.get_unique_id(), free_port(), trials, sizes, grids or []), timeout=560)
     r0 = got[0]
-    if not (r0["verified"] and got[1]["verified"]):
+    if not all(g["verified"] for g in got):
         raise SystemExit("mori.ccl's all-reduce differs from NCCL's")
     if r0["symm_error"]:
         print(f"torch symmetric memory unavailable: {r0['symm_error']}")
-    # Per call, the slower rank decides.
     rows = []
-    for a, b in zip(r0["rows"], got[1]["rows"]):
+    for per_rank in zip(*(g["rows"] for g in got)):
+        a = per_rank[0]
         row = {"bytes": a["bytes"]}
         for key in a:
             if key != "bytes":
-                row[f"{key}_us"] = None if a[key] is None or b.get(key) is None else max(a[key], b[key]) * 1e6
+                row[f"{key}_us"] = _us(slowest([r.get(key) for r in per_rank]))
         for op in OPS:
             for who in ("mori", "nccl"):
                 t = row.get(f"{op}_{who}_us")
-                row[f"{op}_{who}_busbw_gbps"] = None if not t else a["bytes"] / (t * 1e-6) * _bus_factor(op) / 1e9
+                row[f"{op}_{who}_busbw_gbps"] = None if not t else a["bytes"] / (t * 1e-6) * _bus_factor(op, world) / 1e9
         rows.append(row)
 
     def fmt(v: float | None, width: int = 8) -> str:
         return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}}"
 
     head = f"{'size':>9} | {'mori':>8} {'1-shot':>8} {'2-shot':>8} {'NCCL':>8} {'symm 1':>8} {'symm 2':>8} | {'mori GB/s':>9} {'NCCL GB/s':>9}"
-    print("all-reduce (bf16), µs per call\n" + head + "\n" + "-" * len(head))
+    print(f"all-reduce (bf16) on {world} ranks, µs per call\n" + head + "\n" + "-" * len(head))
     for row in rows:
         print(
             f"{human_bytes(row['bytes']):>9} | {fmt(row['all_reduce_mori_us'])} {fmt(row['all_reduce_mori_one_shot_us'])} "
@@ -190,10 +185,10 @@ def run(trials: int, sizes: list[int], out_dir: str, grids: list[tuple[int, int]
                 f"{fmt(row[f'{op}_mori_busbw_gbps'], 9)} {fmt(row[f'{op}_nccl_busbw_gbps'], 9)}"
             )
     grid_rows = []
-    for a, b in zip(r0["grid_rows"], got[1]["grid_rows"]):
-        grid_row = {k: a[k] for k in ("bytes", "max_blocks", "threads")}
+    for per_rank in zip(*(g["grid_rows"] for g in got)):
+        grid_row = {k: per_rank[0][k] for k in ("bytes", "max_blocks", "threads")}
         for algo in ccl.ALGORITHMS:
-            grid_row[f"all_reduce_{algo}_us"] = None if a[algo] is None or b[algo] is None else max(a[algo], b[algo]) * 1e6
+            grid_row[f"all_reduce_{algo}_us"] = _us(slowest([r[algo] for r in per_rank]))
         grid_rows.append(grid_row)
     if grid_rows:
         head = f"{'size':>9} {'grid':>9} | {'1-shot µs':>9} {'2-shot µs':>9}"
@@ -205,7 +200,7 @@ def run(trials: int, sizes: list[int], out_dir: str, grids: list[tuple[int, int]
         "benchmark": "ccl",
         "env": environment(),
         "method": __doc__.strip(),
-        "config": {"trials": trials, "sizes": sizes, "dtype": "bfloat16", "world_size": WORLD},
+        "config": {"trials": trials, "sizes": sizes, "dtype": "bfloat16", "world_size": world},
         "symm_mem_error": r0["symm_error"],
         "rows": rows,
         "grid_rows": grid_rows,
@@ -219,20 +214,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=20, help="timed graph replays per measurement")
     p.add_argument("--max-bytes", type=int, default=max(SIZES), help="largest size measured")
     p.add_argument("--out", default="benches/results", help="folder for the JSON record")
+    add_world_argument(p)
     p.add_argument("--grids", default="", help="also time the all-reduce from 1 MiB with these grids, "
                    "BLOCKSxTHREADS items separated by ',' or '+' (e.g. 128x512+64x1024)")
 
 
 def main(args: argparse.Namespace) -> int:
-    from mori import gpu
-
-    if not gpu.is_available() or gpu.device_count() < WORLD:
-        print("mori bench ccl needs 2 GPUs")
+    world = world_from_args(args, "ccl")
+    if world is None:
         return 1
     try:
         grids = [(int(b), int(t)) for b, t in (g.lower().split("x") for g in args.grids.replace("+", ",").split(",") if g)]
     except ValueError:
         print(f"--grids: expected BLOCKSxTHREADS items, got {args.grids!r}")
         return 2
-    run(args.trials, [s for s in SIZES if s <= args.max_bytes], args.out, grids)
+    run(args.trials, [s for s in SIZES if s <= args.max_bytes], args.out, grids, world)
     return 0

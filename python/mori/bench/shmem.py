@@ -1,23 +1,23 @@
 """``mori bench shmem``: GPU-initiated put/get bandwidth by size and scope, 8-byte put+signal
-ping-pong round trip, 8-byte get latency and init time, on two GPUs (one process each), with the
-copy engine measured in the same run.
+ping-pong round trip, 8-byte get latency and init time, on ``--world`` GPUs (default: every
+visible one, at most 8; one process each), with the copy engine measured in the same run.
 
 Bytes counted: the bytes put or got (one direction); GB/s = 1e9 bytes/s. PE 0 issues, PE 1 is
-the target. Bandwidth: one kernel issues `iters` back-to-back non-blocking transfers of the size
-(each thread/warp/block its slice) and one quiet; CUDA-event time of the kernel, median of
-trials. "one put" is the time of a single blocking put kernel including its launch (median of
-CUDA-graph replays). Latencies are per round trip / per get inside one kernel.
+the target; further PEs only take part in init (its time: the slowest PE's) and the barriers.
+Bandwidth: one kernel issues `iters` back-to-back non-blocking transfers of the size (each
+thread/warp/block its slice) and one quiet; CUDA-event time of the kernel, median of trials.
+"one put" is the time of a single blocking put kernel including its launch (median of CUDA-graph
+replays). Latencies are per round trip / per get inside one kernel (PEs 0 and 1).
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import time
 from pathlib import Path
 from typing import Any
 
-from mori.bench._common import environment, graph_time, human_bytes, write_record
+from mori.bench._common import add_world_argument, environment, graph_time, human_bytes, run_ranks, world_from_args, write_record
 
 SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 SCOPES = {"thread": 0, "warp": 1, "block": 2}
@@ -33,7 +33,7 @@ def _grid(scope: str, nbytes: int, sms: int) -> tuple[int, int]:
     return max(1, min(2 * sms, nbytes // 1024 // 256)), 256
 
 
-def _rank(rank: int, uid: bytes, heap: int, trials: int, q) -> None:
+def _rank(rank: int, world: int, uid: bytes, heap: int, trials: int) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -41,7 +41,7 @@ def _rank(rank: int, uid: bytes, heap: int, trials: int, q) -> None:
     from mori import Bootstrap, gpu
 
     torch.cuda.set_device(rank)
-    bs = Bootstrap(uid, rank, 2, timeout=300)
+    bs = Bootstrap(uid, rank, world, timeout=300)
     bs.barrier()
     t0 = time.perf_counter()
     shmem.init(bootstrap=bs, device=rank, heap_size=heap)
@@ -86,20 +86,24 @@ def _rank(rank: int, uid: bytes, heap: int, trials: int, q) -> None:
     both = bs.allgather(sample)
     verified = both[0] == both[1]
 
-    # ping-pong and get latency (both PEs run the ping-pong kernel at once)
+    # ping-pong and get latency (PEs 0 and 1 run the ping-pong kernel at once; it pairs them)
     word = shmem.tensor((1,), torch.int64, zero=True)
     sig = shmem.tensor((1,), torch.int64, zero=True)
     iters = 20000
+    pair = rank < 2
     shmem.barrier_all()
-    mod.launch("pingpong", 1, 1, word, sig, np.int32(100), np.uint64(0), stream=stream)  # warm-up
-    stream.synchronize()
+    if pair:
+        mod.launch("pingpong", 1, 1, word, sig, np.int32(100), np.uint64(0), stream=stream)  # warm-up
+        stream.synchronize()
     shmem.barrier_all()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record(stream)
-    mod.launch("pingpong", 1, 1, word, sig, np.int32(iters), np.uint64(100), stream=stream)
-    b.record(stream)
-    b.synchronize()
-    rtt_us = a.elapsed_time(b) * 1e3 / iters
+    rtt_us = None
+    if pair:
+        a.record(stream)
+        mod.launch("pingpong", 1, 1, word, sig, np.int32(iters), np.uint64(100), stream=stream)
+        b.record(stream)
+        b.synchronize()
+        rtt_us = a.elapsed_time(b) * 1e3 / iters
     table = shmem.tensor((1,), torch.int64, zero=True)
     out = torch.zeros(1, dtype=torch.int64, device="cuda")
     shmem.barrier_all()
@@ -114,25 +118,17 @@ def _rank(rank: int, uid: bytes, heap: int, trials: int, q) -> None:
         get_us = a.elapsed_time(b) * 1e3 / iters
     shmem.barrier_all()
     shmem.finalize()
-    q.put((rank, {"init_s": init_s, "rows": rows, "rtt_us": rtt_us, "get_us": get_us, "verified": verified}))
+    return {"init_s": init_s, "rows": rows, "rtt_us": rtt_us, "get_us": get_us, "verified": verified}
 
 
-def run(trials: int, heap: int, out_dir: str) -> dict[str, Any]:
+def run(trials: int, heap: int, out_dir: str, world: int = 2) -> dict[str, Any]:
     import mori
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    uid = mori.get_unique_id()
-    procs = [ctx.Process(target=_rank, args=(r, uid, heap, trials, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    r0, r1 = got[0], got[1]
+    got = run_ranks(_rank, world, (world, mori.get_unique_id(), heap, trials), timeout=600)
+    r0 = got[0]
     if not r0["verified"]:
         raise SystemExit("the benchmarked puts left wrong bytes at the target")
-    print(f"init with a {heap >> 30} GiB heap on 2 PEs: {max(r0['init_s'], r1['init_s']) * 1e3:.0f} ms")
+    print(f"init with a {heap >> 30} GiB heap on {world} PEs: {max(g['init_s'] for g in got) * 1e3:.0f} ms")
     print(f"8-byte put+signal round trip: {r0['rtt_us']:.2f} µs;  8-byte get latency: {r0['get_us']:.2f} µs\n")
     head = f"{'size':>9} | {'put thread':>10} {'put warp':>9} {'put block':>9} | {'get block':>9} | {'copy eng':>9} | {'one put µs':>10}"
     print(head + "\n" + "-" * len(head))
@@ -146,8 +142,8 @@ def run(trials: int, heap: int, out_dir: str) -> dict[str, Any]:
         "benchmark": "shmem",
         "env": environment(),
         "method": __doc__.strip(),
-        "config": {"trials": trials, "heap_bytes": heap, "sizes": SIZES},
-        "init_seconds": [r0["init_s"], r1["init_s"]],
+        "config": {"trials": trials, "heap_bytes": heap, "sizes": SIZES, "world_size": world},
+        "init_seconds": [g["init_s"] for g in got],
         "put_signal_round_trip_us": r0["rtt_us"],
         "get_latency_us": r0["get_us"],
         "results": r0["rows"],
@@ -161,8 +157,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--heap", type=int, default=4 << 30, help="heap size per PE in bytes (default 4 GiB)")
     p.add_argument("--out", default="benches/results")
+    add_world_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
-    run(args.trials, args.heap, args.out)
+    world = world_from_args(args, "shmem")
+    if world is None:
+        return 1
+    run(args.trials, args.heap, args.out, world)
     return 0

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from mori.bench._common import environment, human_bytes, median, percentile, write_record
+from mori.bench._common import environment, free_port, human_bytes, median, percentile, write_record
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20]
 BATCHES = [1, 16, 128]
@@ -268,17 +267,11 @@ def _prefix_trace(ssd_dir: str) -> dict[str, Any]:
             "dram_hit_rate": st["hits_dram"] / max(reads, 1), "ssd_hit_rate": st["hits_ssd"] / max(reads, 1)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _redis_baseline(tmp: str) -> list[dict[str, Any]]:
     if not (shutil.which("redis-server") and shutil.which("redis-benchmark")):
         print("  redis-server / redis-benchmark not installed: baseline skipped")
         return []
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", tmp],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = []
