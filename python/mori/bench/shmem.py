@@ -8,16 +8,31 @@ Bandwidth: one kernel issues `iters` back-to-back non-blocking transfers of the 
 thread/warp/block its slice) and one quiet; CUDA-event time of the kernel, median of trials.
 "one put" is the time of a single blocking put kernel including its launch (median of CUDA-graph
 replays). Latencies are per round trip / per get inside one kernel (PEs 0 and 1).
+
+Baseline in the same run: NCCL (torch.distributed, nccl backend) send/recv PE 0 -> PE 1, one
+NCCL call per transfer, `reps` back to back in a captured graph (GB/s and µs per
+call; CUDA-graph replays, median of trials), and an 8-byte send/recv ping-pong (µs per round
+trip).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-from mori.bench._common import add_world_argument, environment, graph_time, human_bytes, run_ranks, world_from_args, write_record
+from mori.bench._common import (
+    add_world_argument,
+    environment,
+    free_port,
+    graph_time,
+    human_bytes,
+    run_ranks,
+    world_from_args,
+    write_record,
+)
 
 SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 SCOPES = {"thread": 0, "warp": 1, "block": 2}
@@ -33,14 +48,54 @@ def _grid(scope: str, nbytes: int, sms: int) -> tuple[int, int]:
     return max(1, min(2 * sms, nbytes // 1024 // 256)), 256
 
 
-def _rank(rank: int, world: int, uid: bytes, heap: int, trials: int) -> dict[str, Any]:
+def _nccl_baseline(torch, dist, rank: int, stream, trials: int) -> dict[str, Any] | None:
+    """NCCL send/recv PE 0 -> PE 1 by size and an 8-byte ping-pong, each timed as CUDA-graph
+    replays like mori's own figures (no launch gaps; PEs 0 and 1 take part, the figures are
+    PE 0's, None elsewhere). The pair's replays start within host jitter of each other; the
+    first replay is discarded and the skew is spread over the graph's calls."""
+    if rank > 1:
+        return None
+    buf = torch.zeros(max(SIZES), dtype=torch.uint8, device="cuda")
+    peer = 1 - rank
+
+    def timed(body, reps: int) -> float:
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # warm-up outside capture (the first call also connects the pair)
+                body()
+        stream.synchronize()
+        return graph_time(torch, rank, stream, body, reps, trials)
+
+    rows = []
+    for n in SIZES:
+        def send(n: int = n) -> None:
+            (dist.send if rank == 0 else dist.recv)(buf[:n], peer)
+
+        t = timed(send, max(10, min(200, (1 << 30) // n)))
+        rows.append({"bytes": n, "nccl_send_gbps": n / t / 1e9, "nccl_send_us": t * 1e6})
+
+    word = buf[:8]
+
+    def pingpong() -> None:
+        first, second = (dist.send, dist.recv) if rank == 0 else (dist.recv, dist.send)
+        first(word, peer)
+        second(word, peer)
+
+    return {"rows": rows, "pingpong_us": timed(pingpong, 200) * 1e6}
+
+
+def _rank(rank: int, world: int, uid: bytes, heap: int, trials: int, port: int) -> dict[str, Any]:
     import numpy as np
     import torch
+    import torch.distributed as dist
 
     import mori.shmem as shmem
     from mori import Bootstrap, gpu
 
     torch.cuda.set_device(rank)
+    # Only PEs 0 and 1 send/recv, after every collective: torch's note on eager P2P ordering is noise here.
+    os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
     bs = Bootstrap(uid, rank, world, timeout=300)
     bs.barrier()
     t0 = time.perf_counter()
@@ -117,26 +172,33 @@ def _rank(rank: int, world: int, uid: bytes, heap: int, trials: int) -> dict[str
         b.synchronize()
         get_us = a.elapsed_time(b) * 1e3 / iters
     shmem.barrier_all()
+    nccl = _nccl_baseline(torch, dist, rank, stream, trials)
+    dist.barrier()
     shmem.finalize()
-    return {"init_s": init_s, "rows": rows, "rtt_us": rtt_us, "get_us": get_us, "verified": verified}
+    dist.destroy_process_group()
+    return {"init_s": init_s, "rows": rows, "rtt_us": rtt_us, "get_us": get_us, "verified": verified, "nccl": nccl}
 
 
 def run(trials: int, heap: int, out_dir: str, world: int = 2) -> dict[str, Any]:
     import mori
 
-    got = run_ranks(_rank, world, (world, mori.get_unique_id(), heap, trials), timeout=600)
+    got = run_ranks(_rank, world, (world, mori.get_unique_id(), heap, trials, free_port()), timeout=600)
     r0 = got[0]
     if not r0["verified"]:
         raise SystemExit("the benchmarked puts left wrong bytes at the target")
     print(f"init with a {heap >> 30} GiB heap on {world} PEs: {max(g['init_s'] for g in got) * 1e3:.0f} ms")
-    print(f"8-byte put+signal round trip: {r0['rtt_us']:.2f} µs;  8-byte get latency: {r0['get_us']:.2f} µs\n")
-    head = f"{'size':>9} | {'put thread':>10} {'put warp':>9} {'put block':>9} | {'get block':>9} | {'copy eng':>9} | {'one put µs':>10}"
-    print(head + "\n" + "-" * len(head))
-    for row in r0["rows"]:
+    nccl = r0["nccl"]
+    print(f"8-byte put+signal round trip: {r0['rtt_us']:.2f} µs (NCCL send/recv ping-pong: {nccl['pingpong_us']:.2f} µs);  "
+          f"8-byte get latency: {r0['get_us']:.2f} µs\n")
+    head = (f"{'size':>9} | {'put thread':>10} {'put warp':>9} {'put block':>9} | {'get block':>9} | {'copy eng':>9} | "
+            f"{'NCCL send':>9} | {'one put µs':>10} {'NCCL µs':>8}")
+    print("GB/s unless marked µs\n" + head + "\n" + "-" * len(head))
+    for row, base in zip(r0["rows"], nccl["rows"]):
+        row.update(base)
         print(
             f"{human_bytes(row['bytes']):>9} | {row['put_thread_gbps']:10.2f} {row['put_warp_gbps']:9.2f} "
             f"{row['put_block_gbps']:9.2f} | {row['get_block_gbps']:9.2f} | {row['copy_engine_gbps']:9.2f} | "
-            f"{row['one_put_block_us']:10.2f}"
+            f"{row['nccl_send_gbps']:9.2f} | {row['one_put_block_us']:10.2f} {row['nccl_send_us']:8.2f}"
         )
     record = {
         "benchmark": "shmem",
@@ -146,6 +208,7 @@ def run(trials: int, heap: int, out_dir: str, world: int = 2) -> dict[str, Any]:
         "init_seconds": [g["init_s"] for g in got],
         "put_signal_round_trip_us": r0["rtt_us"],
         "get_latency_us": r0["get_us"],
+        "nccl_pingpong_us": nccl["pingpong_us"],
         "results": r0["rows"],
     }
     path = write_record("shmem", record, out_dir)
