@@ -94,11 +94,10 @@ def cuda_array_interface(ptr: int, nbytes: int) -> dict[str, Any]:
     return {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
 
 
-class _Memory:
-    """Shared behaviour of mori-owned device memory: address, size, CUDA array interface."""
+class _Buffer:
+    """Memory owned by a ``_core`` object ``_inner``: its address and size."""
 
     _inner: Any
-    _device: int
 
     @property
     def ptr(self) -> int:
@@ -107,6 +106,12 @@ class _Memory:
     @property
     def nbytes(self) -> int:
         return self._inner.nbytes
+
+
+class _Memory(_Buffer):
+    """Shared behaviour of mori-owned device memory: address, size, CUDA array interface."""
+
+    _device: int
 
     @property
     def device(self) -> int:
@@ -151,20 +156,12 @@ class DeviceBuffer(_Memory):
         self._inner = _core.DeviceBuffer(device, nbytes)
 
 
-class PinnedBuffer:
+class PinnedBuffer(_Buffer):
     """Page-locked host memory, mapped for every device; ``array`` is a numpy uint8 view."""
 
     def __init__(self, nbytes: int, device: int = 0):
         self._inner = _core.PinnedBuffer(device, nbytes)
         self.array = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * nbytes).from_address(self._inner.ptr))
-
-    @property
-    def ptr(self) -> int:
-        return self._inner.ptr
-
-    @property
-    def nbytes(self) -> int:
-        return self._inner.nbytes
 
 
 class VmmAllocation(_Memory):

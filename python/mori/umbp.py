@@ -165,37 +165,32 @@ class Client:
         """Reads key ``i`` into ``buffer[offsets[i] : offsets[i] + sizes[i]]``; returns each value's
         length (None: absent). One call per batch; with a registered buffer and a daemon the
         values move over mori.io."""
-        if not (len(keys) == len(offsets) == len(sizes)):
-            raise InvalidArgumentError("keys, offsets and sizes differ in length")
-        cuda = self._cuda_buffer(buffer)
-        if cuda is not None:
-            device, addr, size = cuda
-            _check_ranges(offsets, sizes, size)
-            return [self._pool.get_into_device(_key(k), device, addr + o, s) for k, o, s in zip(keys, offsets, sizes)]
-        arr = _host_buffer(buffer, writable=True)
-        _check_ranges(offsets, sizes, arr.size)
-        region = self._region(arr) if self._remote else None
-        if region is not None:
-            handle, base = region
-            return self._pool.batch_get_into([_key(k) for k in keys], handle, [base + o for o in offsets], list(sizes))
-        return [self.get_into(k, arr[o : o + s]) for k, o, s in zip(keys, offsets, sizes)]
+        return self._batch(True, keys, buffer, offsets, sizes)
 
     def batch_put_from(self, keys: Sequence[Any], buffer: Any, offsets: Sequence[int], sizes: Sequence[int]) -> list[bool]:
         """Stores key ``i`` with the value ``buffer[offsets[i] : offsets[i] + sizes[i]]``."""
+        return self._batch(False, keys, buffer, offsets, sizes)
+
+    def _batch(self, into_buffer: bool, keys: Sequence[Any], buffer: Any, offsets: Sequence[int], sizes: Sequence[int]) -> list[Any]:
+        """``batch_get_into`` (``into_buffer``) or ``batch_put_from``: key ``i`` moves between the
+        pool and ``buffer[offsets[i] : offsets[i] + sizes[i]]``."""
         if not (len(keys) == len(offsets) == len(sizes)):
             raise InvalidArgumentError("keys, offsets and sizes differ in length")
         cuda = self._cuda_buffer(buffer)
         if cuda is not None:
             device, addr, size = cuda
             _check_ranges(offsets, sizes, size)
-            return [self._pool.put_from_device(_key(k), device, addr + o, s) for k, o, s in zip(keys, offsets, sizes)]
-        arr = _host_buffer(buffer, writable=False)
+            one_device = self._pool.get_into_device if into_buffer else self._pool.put_from_device
+            return [one_device(_key(k), device, addr + o, s) for k, o, s in zip(keys, offsets, sizes)]
+        arr = _host_buffer(buffer, writable=into_buffer)
         _check_ranges(offsets, sizes, arr.size)
         region = self._region(arr) if self._remote else None
         if region is not None:
             handle, base = region
-            return self._pool.batch_put_from([_key(k) for k in keys], handle, [base + o for o in offsets], list(sizes))
-        return [self.put_from(k, arr[o : o + s]) for k, o, s in zip(keys, offsets, sizes)]
+            batch = self._pool.batch_get_into if into_buffer else self._pool.batch_put_from
+            return batch([_key(k) for k in keys], handle, [base + o for o in offsets], list(sizes))
+        one = self.get_into if into_buffer else self.put_from
+        return [one(k, arr[o : o + s]) for k, o, s in zip(keys, offsets, sizes)]
 
     def put(self, key: str | bytes, value: bytes) -> bool:
         """Stores ``value``; False if the key already existed (keys are immutable; that is a

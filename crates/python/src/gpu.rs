@@ -37,6 +37,15 @@ fn device(ordinal: usize) -> Result<g::Device> {
     Ok(g::Device::get(ordinal)?)
 }
 
+/// Runs `f` on device `ordinal` with the GIL released.
+fn on_device<T: Send>(
+    py: Python<'_>,
+    ordinal: usize,
+    f: impl FnOnce(g::Device) -> g::Result<T> + Send,
+) -> Result<T> {
+    py.detach(|| Ok(f(device(ordinal)?)?))
+}
+
 /// Facts about one device, as a dict.
 #[pyfunction]
 pub fn device_info<'py>(py: Python<'py>, ordinal: usize) -> PyResult<Bound<'py, PyDict>> {
@@ -74,12 +83,14 @@ pub fn enable_peer_access(py: Python<'_>, ordinal: usize, peer: usize) -> Result
 
 #[pyfunction]
 pub fn synchronize(py: Python<'_>, ordinal: usize) -> Result<()> {
-    py.detach(|| Ok(device(ordinal)?.synchronize()?))
+    on_device(py, ordinal, |d| d.synchronize())
 }
 
 #[pyfunction]
 pub fn stream_synchronize(py: Python<'_>, ordinal: usize, stream: usize) -> Result<()> {
-    py.detach(|| Ok(g::StreamHandle::from_raw(stream).synchronize(device(ordinal)?)?))
+    on_device(py, ordinal, |d| {
+        g::StreamHandle::from_raw(stream).synchronize(d)
+    })
 }
 
 /// Device memory allocated with cuMemAlloc, freed when the object is collected.
@@ -92,11 +103,8 @@ pub struct DeviceBuffer {
 impl DeviceBuffer {
     #[new]
     fn new(py: Python<'_>, device_ordinal: usize, nbytes: usize) -> Result<Self> {
-        py.detach(|| {
-            Ok(Self {
-                inner: g::DeviceBuffer::new(device(device_ordinal)?, nbytes)?,
-            })
-        })
+        let inner = on_device(py, device_ordinal, |d| g::DeviceBuffer::new(d, nbytes))?;
+        Ok(Self { inner })
     }
     #[getter]
     fn ptr(&self) -> u64 {
@@ -122,11 +130,8 @@ pub struct PinnedBuffer {
 impl PinnedBuffer {
     #[new]
     fn new(py: Python<'_>, device_ordinal: usize, nbytes: usize) -> Result<Self> {
-        py.detach(|| {
-            Ok(Self {
-                inner: g::PinnedBuffer::new(device(device_ordinal)?, nbytes)?,
-            })
-        })
+        let inner = on_device(py, device_ordinal, |d| g::PinnedBuffer::new(d, nbytes))?;
+        Ok(Self { inner })
     }
     #[getter]
     fn ptr(&self) -> u64 {
@@ -142,7 +147,9 @@ impl PinnedBuffer {
 #[pyfunction]
 pub fn memcpy_htod(py: Python<'_>, device_ordinal: usize, ptr: u64, data: &[u8]) -> Result<()> {
     // SAFETY: mori.gpu passes the address of a live allocation at least len(data) long.
-    py.detach(|| Ok(unsafe { g::copy_host_to_device(device(device_ordinal)?, ptr, data) }?))
+    on_device(py, device_ordinal, |d| unsafe {
+        g::copy_host_to_device(d, ptr, data)
+    })
 }
 
 /// Reads `nbytes` from device address `ptr` (synchronous).
@@ -155,8 +162,8 @@ pub fn memcpy_dtoh(
 ) -> Result<Py<PyBytes>> {
     let mut out = vec![0u8; nbytes];
     // SAFETY: mori.gpu passes the address of a live allocation at least nbytes long.
-    py.detach(|| -> Result<()> {
-        Ok(unsafe { g::copy_device_to_host(device(device_ordinal)?, &mut out, ptr) }?)
+    on_device(py, device_ordinal, |d| unsafe {
+        g::copy_device_to_host(d, &mut out, ptr)
     })?;
     Ok(PyBytes::new(py, &out).unbind())
 }
@@ -173,7 +180,9 @@ pub fn copy_engine_async(
 ) -> Result<()> {
     let stream = g::StreamHandle::from_raw(stream);
     // SAFETY: mori.gpu passes addresses of live allocations covering nbytes.
-    py.detach(|| Ok(unsafe { g::copy_async(device(device_ordinal)?, dst, src, nbytes, stream) }?))
+    on_device(py, device_ordinal, |d| unsafe {
+        g::copy_async(d, dst, src, nbytes, stream)
+    })
 }
 
 /// Enqueues mori's SM copy kernel on `stream`, run by device `device_ordinal`.
@@ -239,11 +248,8 @@ pub struct GatherScatter {
 impl GatherScatter {
     #[new]
     fn new(py: Python<'_>, device_ordinal: usize) -> Result<Self> {
-        py.detach(|| {
-            Ok(Self {
-                inner: g::kernels::GatherScatter::new(device(device_ordinal)?)?,
-            })
-        })
+        let inner = on_device(py, device_ordinal, g::kernels::GatherScatter::new)?;
+        Ok(Self { inner })
     }
 
     /// `*_offsets_ptr`/`sizes_ptr` are addresses of contiguous int64 arrays of `count` items,
@@ -304,11 +310,8 @@ pub struct Stream {
 impl Stream {
     #[new]
     fn new(py: Python<'_>, device_ordinal: usize) -> Result<Self> {
-        py.detach(|| {
-            Ok(Self {
-                inner: g::Stream::new(device(device_ordinal)?)?,
-            })
-        })
+        let inner = on_device(py, device_ordinal, g::Stream::new)?;
+        Ok(Self { inner })
     }
     #[getter]
     fn handle(&self) -> usize {
@@ -329,11 +332,8 @@ impl Event {
     #[new]
     #[pyo3(signature = (device_ordinal, timing=true))]
     fn new(py: Python<'_>, device_ordinal: usize, timing: bool) -> Result<Self> {
-        py.detach(|| {
-            Ok(Self {
-                inner: g::Event::new(device(device_ordinal)?, timing)?,
-            })
-        })
+        let inner = on_device(py, device_ordinal, |d| g::Event::new(d, timing))?;
+        Ok(Self { inner })
     }
     fn record(&self, stream: usize) -> Result<()> {
         Ok(self.inner.record(g::StreamHandle::from_raw(stream))?)
@@ -356,8 +356,7 @@ impl Event {
 /// Exports the allocation holding device pointer `ptr` for another process (80 bytes).
 #[pyfunction]
 pub fn ipc_export(py: Python<'_>, device_ordinal: usize, ptr: u64) -> Result<Py<PyBytes>> {
-    let export =
-        py.detach(|| -> Result<_> { Ok(g::IpcExport::new(device(device_ordinal)?, ptr)?) })?;
+    let export = on_device(py, device_ordinal, |d| g::IpcExport::new(d, ptr))?;
     Ok(PyBytes::new(py, &export.to_bytes()).unbind())
 }
 
@@ -372,11 +371,8 @@ impl IpcMapping {
     #[new]
     fn new(py: Python<'_>, device_ordinal: usize, export: &[u8]) -> Result<Self> {
         let export = g::IpcExport::from_bytes(export)?;
-        py.detach(|| {
-            Ok(Self {
-                inner: g::IpcMapping::open(device(device_ordinal)?, &export)?,
-            })
-        })
+        let inner = on_device(py, device_ordinal, |d| g::IpcMapping::open(d, &export))?;
+        Ok(Self { inner })
     }
     #[getter]
     fn ptr(&self) -> u64 {
@@ -398,11 +394,8 @@ pub struct VmmAllocation {
 impl VmmAllocation {
     #[new]
     fn new(py: Python<'_>, device_ordinal: usize, nbytes: usize) -> Result<Self> {
-        py.detach(|| {
-            Ok(Self {
-                inner: g::VmmAllocation::new(device(device_ordinal)?, nbytes)?,
-            })
-        })
+        let inner = on_device(py, device_ordinal, |d| g::VmmAllocation::new(d, nbytes))?;
+        Ok(Self { inner })
     }
 
     /// Waits (up to `timeout` s) for one process to connect to the Unix socket `path`, and
@@ -422,16 +415,10 @@ impl VmmAllocation {
         timeout: f64,
     ) -> Result<Self> {
         let timeout = Duration::from_secs_f64(timeout.max(0.0));
-        py.detach(|| {
-            Ok(Self {
-                inner: g::VmmAllocation::receive(
-                    device(device_ordinal)?,
-                    &path,
-                    owner_ordinal,
-                    timeout,
-                )?,
-            })
-        })
+        let inner = on_device(py, device_ordinal, |d| {
+            g::VmmAllocation::receive(d, &path, owner_ordinal, timeout)
+        })?;
+        Ok(Self { inner })
     }
 
     /// Grants these devices read/write access to the mapping.

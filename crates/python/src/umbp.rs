@@ -1,6 +1,8 @@
 //! Bindings of mori-umbp and mori-umbpd: the embedded pool, the daemon client, the daemon.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
 
 use mori_umbp::{
     GpuTierConfig, LocalPool, PoolConfig, PoolStats, PutOutcome, SsdConfig, SsdIoMode,
@@ -14,15 +16,19 @@ use crate::errors::{Error, Result};
 /// index).
 #[pyclass(frozen, module = "mori._core")]
 pub struct UmbpPool {
-    inner: std::sync::Mutex<Option<LocalPool>>,
+    inner: Mutex<Option<LocalPool>>,
 }
 
 impl UmbpPool {
-    fn with<T>(&self, f: impl FnOnce(&LocalPool) -> Result<T>) -> Result<T> {
-        let guard = self
-            .inner
+    /// The pool (None once closed), locked.
+    fn pool(&self) -> Result<MutexGuard<'_, Option<LocalPool>>> {
+        self.inner
             .lock()
-            .map_err(|_| Error::InvalidArgument("the pool's lock is poisoned".into()))?;
+            .map_err(|_| Error::InvalidArgument("the pool's lock is poisoned".into()))
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&LocalPool) -> Result<T>) -> Result<T> {
+        let guard = self.pool()?;
         f(guard
             .as_ref()
             .ok_or_else(|| Error::InvalidArgument("this pool was closed".into()))?)
@@ -128,7 +134,7 @@ impl UmbpPool {
         });
         let (pool, _report) = py.detach(|| LocalPool::open(cfg))?;
         Ok(Self {
-            inner: std::sync::Mutex::new(Some(pool)),
+            inner: Mutex::new(Some(pool)),
         })
     }
 
@@ -259,11 +265,7 @@ impl UmbpPool {
     /// the pool.
     /// Returns (values written, values already on SSD, values lost).
     fn close(&self, py: Python<'_>) -> Result<(usize, usize, usize)> {
-        let taken = self
-            .inner
-            .lock()
-            .map_err(|_| Error::InvalidArgument("the pool's lock is poisoned".into()))?
-            .take();
+        let taken = self.pool()?.take();
         match taken {
             Some(pool) => {
                 let r = py.detach(|| pool.close())?;
@@ -279,14 +281,19 @@ impl UmbpPool {
 pub struct UmbpRemote {
     inner: mori_umbpd::Client,
     /// Buffers registered with the client's IO engine, by handle (the region id).
-    registered: std::sync::Mutex<std::collections::HashMap<u64, mori_io::MemoryDesc>>,
+    registered: Mutex<HashMap<u64, mori_io::MemoryDesc>>,
 }
 
 impl UmbpRemote {
-    fn mem(&self, handle: u64) -> Result<mori_io::MemoryDesc> {
+    /// The registered buffers, locked.
+    fn registered(&self) -> Result<MutexGuard<'_, HashMap<u64, mori_io::MemoryDesc>>> {
         self.registered
             .lock()
-            .map_err(|_| Error::InvalidArgument("the client's lock is poisoned".into()))?
+            .map_err(|_| Error::InvalidArgument("the client's lock is poisoned".into()))
+    }
+
+    fn mem(&self, handle: u64) -> Result<mori_io::MemoryDesc> {
+        self.registered()?
             .get(&handle)
             .cloned()
             .ok_or_else(|| Error::InvalidArgument(format!("no registered buffer {handle}")))
@@ -299,7 +306,7 @@ impl UmbpRemote {
     fn new(py: Python<'_>, addr: &str) -> Result<Self> {
         Ok(Self {
             inner: py.detach(|| mori_umbpd::Client::connect(addr))?,
-            registered: std::sync::Mutex::new(std::collections::HashMap::new()),
+            registered: Mutex::new(HashMap::new()),
         })
     }
 
@@ -315,20 +322,14 @@ impl UmbpRemote {
         // referenced until it calls deregister with the returned handle.
         let mem = py.detach(|| unsafe { self.inner.register(ptr as u64, len as u64) })?;
         let id = mem.id;
-        self.registered
-            .lock()
-            .map_err(|_| Error::InvalidArgument("the client's lock is poisoned".into()))?
-            .insert(id, mem);
+        self.registered()?.insert(id, mem);
         Ok(id)
     }
 
     fn deregister(&self, py: Python<'_>, handle: u64) -> Result<()> {
         let mem = self.mem(handle)?;
         py.detach(|| self.inner.deregister(&mem))?;
-        self.registered
-            .lock()
-            .map_err(|_| Error::InvalidArgument("the client's lock is poisoned".into()))?
-            .remove(&handle);
+        self.registered()?.remove(&handle);
         Ok(())
     }
 

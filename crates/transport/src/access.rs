@@ -26,17 +26,13 @@ pub fn receive_into(r: &mut impl Read, region: &Region, offset: u64, len: u64) -
         }
         Location::Cuda(ordinal) => {
             let device = Device::get(ordinal as usize)?;
-            let mut staging = vec![0u8; (len as usize).min(STAGING)];
-            let mut done = 0u64;
-            while done < len {
-                let k = ((len - done) as usize).min(STAGING);
-                r.read_exact(&mut staging[..k])
+            through_staging(len, |chunk, at| {
+                r.read_exact(chunk)
                     .map_err(|e| Error::io("receiving payload", e))?;
                 // SAFETY: device range inside the registered region, guard held by the caller.
-                unsafe { mori_gpu::copy_host_to_device(device, addr + done, &staging[..k])? };
-                done += k as u64;
-            }
-            Ok(())
+                unsafe { mori_gpu::copy_host_to_device(device, addr + at, chunk)? };
+                Ok(())
+            })
         }
     }
 }
@@ -54,17 +50,55 @@ pub fn send_from(w: &mut impl Write, region: &Region, offset: u64, len: u64) -> 
         }
         Location::Cuda(ordinal) => {
             let device = Device::get(ordinal as usize)?;
-            let mut staging = vec![0u8; (len as usize).min(STAGING)];
-            let mut done = 0u64;
-            while done < len {
-                let k = ((len - done) as usize).min(STAGING);
+            through_staging(len, |chunk, at| {
                 // SAFETY: device range inside the registered region, guard held by the caller.
-                unsafe { mori_gpu::copy_device_to_host(device, &mut staging[..k], addr + done)? };
-                w.write_all(&staging[..k])
-                    .map_err(|e| Error::io("sending payload", e))?;
-                done += k as u64;
+                unsafe { mori_gpu::copy_device_to_host(device, chunk, addr + at)? };
+                w.write_all(chunk)
+                    .map_err(|e| Error::io("sending payload", e))
+            })
+        }
+    }
+}
+
+/// Moves `len` bytes of device memory through one host bounce buffer, at most `STAGING` bytes
+/// at a time: `step(chunk, at)` moves the chunk at byte `at` of the range.
+fn through_staging(len: u64, mut step: impl FnMut(&mut [u8], u64) -> Result<()>) -> Result<()> {
+    let mut staging = vec![0u8; (len as usize).min(STAGING)];
+    let mut done = 0u64;
+    while done < len {
+        let k = ((len - done) as usize).min(STAGING);
+        step(&mut staging[..k], done)?;
+        done += k as u64;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn through_staging_steps_over_the_range_in_order() {
+        for len in [
+            0,
+            1,
+            STAGING as u64 - 1,
+            STAGING as u64,
+            2 * STAGING as u64 + 3,
+        ] {
+            let mut steps = Vec::new();
+            through_staging(len, |chunk, at| {
+                steps.push((at, chunk.len() as u64));
+                Ok(())
+            })
+            .unwrap();
+            let mut next = 0;
+            for &(at, n) in &steps {
+                assert_eq!(at, next, "len {len}");
+                assert!(n > 0 && n <= STAGING as u64, "len {len}");
+                next += n;
             }
-            Ok(())
+            assert_eq!(next, len);
         }
     }
 }

@@ -34,6 +34,42 @@ fn drop_cache(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// The value stored under `key(i)`.
+fn value(i: usize, size: usize) -> Vec<u8> {
+    (0..size).map(|j| (i * 7 + j * 13) as u8).collect()
+}
+
+/// GB/s of each of `ROUNDS` batches, sorted: round `r` reads keys `r * batch .. (r + 1) * batch`
+/// with `batch_get` (the part timed), whose answer `bytes_of` must count as `batch * size`
+/// bytes. `cold` drops the page cache of `dir` before each batch.
+fn rounds<T>(
+    dir: &Path,
+    batch: usize,
+    size: usize,
+    cold: bool,
+    mut batch_get: impl FnMut(&[&[u8]]) -> T,
+    bytes_of: impl Fn(T) -> Result<usize, String>,
+) -> Result<Vec<f64>, String> {
+    let mut rates = Vec::new();
+    for r in 0..ROUNDS {
+        let keys: Vec<Vec<u8>> = (r * batch..(r + 1) * batch).map(key).collect();
+        let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+        if cold {
+            drop_cache(dir)?;
+        }
+        let t = Instant::now();
+        let got = batch_get(&refs);
+        let secs = t.elapsed().as_secs_f64();
+        let bytes = bytes_of(got)?;
+        if bytes != batch * size {
+            return Err(format!("read {bytes} bytes, expected {}", batch * size));
+        }
+        rates.push(bytes as f64 / secs / 1e9);
+    }
+    rates.sort_by(f64::total_cmp);
+    Ok(rates)
+}
+
 /// Median GB/s over `ROUNDS` batches of `batch` values of `size` bytes.
 fn measure(
     dir: &Path,
@@ -58,36 +94,29 @@ fn measure(
     {
         let (pool, _) = LocalPool::open(cfg.clone()).map_err(err)?;
         for i in 0..ROUNDS * batch {
-            let v: Vec<u8> = (0..size).map(|j| (i * 7 + j * 13) as u8).collect();
-            pool.put(&key(i), &v).map_err(err)?;
+            pool.put(&key(i), &value(i, size)).map_err(err)?;
         }
         pool.close().map_err(err)?;
     }
     let (pool, _) = LocalPool::open(cfg).map_err(err)?;
     let backend = pool.stats().ssd_io;
-    let mut rates = Vec::new();
-    for r in 0..ROUNDS {
-        let keys: Vec<Vec<u8>> = (r * batch..(r + 1) * batch).map(key).collect();
-        let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
-        if cold {
-            drop_cache(dir)?;
-        }
-        let t = Instant::now();
-        let got = pool.batch_get(&refs).map_err(err)?;
-        let secs = t.elapsed().as_secs_f64();
-        let bytes: usize = got.iter().map(|v| v.as_ref().map_or(0, Vec::len)).sum();
-        if bytes != per_round {
-            return Err(format!("read {bytes} bytes, expected {per_round}"));
-        }
-        rates.push(bytes as f64 / secs / 1e9);
-    }
+    let rates = rounds(
+        dir,
+        batch,
+        size,
+        cold,
+        |refs| pool.batch_get(refs),
+        |got| {
+            let got = got.map_err(err)?;
+            Ok(got.iter().map(|v| v.as_ref().map_or(0, Vec::len)).sum())
+        },
+    )?;
     let s = pool.stats();
     if s.hits_ssd != (ROUNDS * batch) as u64 {
         return Err(format!("expected every get to hit SSD: {s:?}"));
     }
     drop(pool);
     let _ = std::fs::remove_dir_all(dir);
-    rates.sort_by(f64::total_cmp);
     eprintln!("  {io:?} -> {backend:?}, {batch} x {size}, cold={cold}: rounds {rates:.2?} GB/s");
     Ok(rates[ROUNDS / 2])
 }
@@ -111,32 +140,25 @@ fn measure_log(
     };
     let (mut log, _) = SsdLog::open(cfg).map_err(err)?;
     for i in 0..ROUNDS * batch {
-        let v: Vec<u8> = (0..size).map(|j| (i * 7 + j * 13) as u8).collect();
-        log.put(&key(i), &v).map_err(err)?;
+        log.put(&key(i), &value(i, size)).map_err(err)?;
     }
     log.seal().map_err(err)?;
-    let mut rates = Vec::new();
-    for r in 0..ROUNDS {
-        let keys: Vec<Vec<u8>> = (r * batch..(r + 1) * batch).map(key).collect();
-        let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
-        if cold {
-            drop_cache(dir)?;
-        }
-        let t = Instant::now();
-        let got = log.batch_get(&refs);
-        let secs = t.elapsed().as_secs_f64();
-        let mut bytes = 0;
-        for g in got {
-            bytes += g.map_err(err)?.map_or(0, |v| v.len());
-        }
-        if bytes != batch * size {
-            return Err(format!("read {bytes} bytes, expected {}", batch * size));
-        }
-        rates.push(bytes as f64 / secs / 1e9);
-    }
+    let rates = rounds(
+        dir,
+        batch,
+        size,
+        cold,
+        |refs| log.batch_get(refs),
+        |got| {
+            let mut bytes = 0;
+            for g in got {
+                bytes += g.map_err(err)?.map_or(0, |v| v.len());
+            }
+            Ok(bytes)
+        },
+    )?;
     drop(log);
     let _ = std::fs::remove_dir_all(dir);
-    rates.sort_by(f64::total_cmp);
     eprintln!("  log {io:?}, {batch} x {size}, cold={cold}: rounds {rates:.2?} GB/s");
     Ok(rates[ROUNDS / 2])
 }

@@ -232,6 +232,16 @@ impl Cluster {
         Ok((groups, resp.lease_id))
     }
 
+    /// Releases read lease `lease_id` (0: none) in the background.
+    fn release_lease(&self, lease_id: u64) {
+        if lease_id != 0 {
+            let mut m = self.master.clone();
+            tokio::spawn(async move {
+                let _ = m.release_lease(ReleaseLeaseRequest { lease_id }).await;
+            });
+        }
+    }
+
     fn forget(&self, id: u64) {
         self.peers
             .lock()
@@ -480,12 +490,7 @@ impl Client {
                     Err(s) => failure = failure.or(Some(s)),
                 }
             }
-            if lease_id != 0 {
-                let mut m = c.master.clone();
-                tokio::spawn(async move {
-                    let _ = m.release_lease(ReleaseLeaseRequest { lease_id }).await;
-                });
-            }
+            c.release_lease(lease_id);
             match failure {
                 Some(s) => Err(s.into()),
                 None => Ok(out),
@@ -752,12 +757,7 @@ impl Client {
                     Err(s) => failure = failure.or(Some(s)),
                 }
             }
-            if lease_id != 0 {
-                let mut m = c.master.clone();
-                tokio::spawn(async move {
-                    let _ = m.release_lease(ReleaseLeaseRequest { lease_id }).await;
-                });
-            }
+            c.release_lease(lease_id);
             match failure {
                 Some(s) => Err(s.into()),
                 None => Ok(place(base, offsets, results)),

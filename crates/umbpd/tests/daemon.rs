@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -14,15 +15,18 @@ fn key(i: usize) -> Vec<u8> {
     format!("key-{i:05}").into_bytes()
 }
 
+/// The daemon arguments `args` plus `--ssd-dir SSD`.
+fn ssd_args<'a>(ssd: &'a Path, args: &[&'a str]) -> Vec<&'a str> {
+    let mut all = args.to_vec();
+    all.extend(["--ssd-dir", ssd.to_str().unwrap()]);
+    all
+}
+
 #[test]
 fn round_trip() {
     let dir = tempfile::tempdir().unwrap();
     let ssd = ssd_dir(dir.path());
-    let d = Daemon::start(
-        dir.path(),
-        &["--dram-bytes", "32M", "--ssd-dir", ssd.to_str().unwrap()],
-        &[],
-    );
+    let d = Daemon::start(dir.path(), &ssd_args(&ssd, &["--dram-bytes", "32M"]), &[]);
     let c = Client::connect(&d.addr).unwrap();
 
     let h = c.health().unwrap();
@@ -121,16 +125,17 @@ fn no_space_is_resource_exhausted() {
 fn restart_persistence() {
     let dir = tempfile::tempdir().unwrap();
     let ssd = ssd_dir(dir.path());
-    let args = [
-        "--dram-bytes",
-        "4M",
-        "--ssd-dir",
-        ssd.to_str().unwrap(),
-        "--segment-bytes",
-        "8M",
-        "--ssd-bytes",
-        "1G",
-    ];
+    let args = ssd_args(
+        &ssd,
+        &[
+            "--dram-bytes",
+            "4M",
+            "--segment-bytes",
+            "8M",
+            "--ssd-bytes",
+            "1G",
+        ],
+    );
     // Sizes from 1 byte to 3 MiB: more than DRAM holds, so some values are demoted to SSD
     // before the shutdown and the rest are written by close().
     let sizes: Vec<usize> = (0..40).map(|i| 1 + (i * 37_813) % 300_000).collect();
@@ -195,14 +200,7 @@ fn kill9_mid_put() {
     const DRAM: usize = 4 << 20;
     let dir = tempfile::tempdir().unwrap();
     let ssd = ssd_dir(dir.path());
-    let args = [
-        "--dram-bytes",
-        "4M",
-        "--ssd-dir",
-        ssd.to_str().unwrap(),
-        "--segment-bytes",
-        "4M",
-    ];
+    let args = ssd_args(&ssd, &["--dram-bytes", "4M", "--segment-bytes", "4M"]);
     let d = Daemon::start(dir.path(), &args, &[]);
     let addr = d.addr.clone();
 
@@ -280,14 +278,7 @@ fn sigterm_during_puts_keeps_acknowledged_values() {
     const VALUE_LEN: usize = 8 << 20;
     let dir = tempfile::tempdir().unwrap();
     let ssd = ssd_dir(dir.path());
-    let args = [
-        "--dram-bytes",
-        "32M",
-        "--ssd-dir",
-        ssd.to_str().unwrap(),
-        "--segment-bytes",
-        "80M",
-    ];
+    let args = ssd_args(&ssd, &["--dram-bytes", "32M", "--segment-bytes", "80M"]);
     let d = Daemon::start(dir.path(), &args, &[]);
     let c = Client::connect(&d.addr).unwrap();
     // The largest value the daemon is meant for (64 MiB) goes through in one message.
