@@ -21,6 +21,7 @@ import argparse
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -294,8 +295,6 @@ def _redis_baseline(tmp: str) -> list[dict[str, Any]]:
 def _umbpd_command() -> tuple[list[str], str]:
     """How to start umbpd, and which build that is: a binary built in this checkout (release
     first), else the daemon the installed wheel carries (``python -m mori.umbpd``)."""
-    import sys
-
     root = Path(__file__).resolve().parents[3]
     for profile in ("release", "debug"):
         exe = root / "target" / profile / "umbpd"
