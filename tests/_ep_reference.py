@@ -83,6 +83,22 @@ def experts_for(world: int, at_least: int = 32) -> int:
     return -(-at_least // world) * world
 
 
+def normal_cases(normal_case: Callable[[int, str, bool], Any], rank: int, max_tokens: int) -> dict[str, Callable[[], Any]]:
+    """The normal-mode routing matrix both EP suites run, by case name: `normal_case(tokens,
+    routing mode, fp8)` runs one dispatch + combine on this rank."""
+    return {
+        "random": lambda: normal_case(1000, "random", False),
+        "random_fp8": lambda: normal_case(1000, "random", True),
+        "all_to_rank0": lambda: normal_case(600, "to_rank0", False),
+        "no_remote": lambda: normal_case(500, "local_only", False),
+        "zero_tokens_on_rank1": lambda: normal_case(0 if rank == 1 else 300, "random", False),
+        "one_token": lambda: normal_case(1, "random", False),
+        "max_tokens": lambda: normal_case(max_tokens, "random", False),
+        "max_tokens_fp8": lambda: normal_case(max_tokens, "random", True),
+        "repeated": lambda: [normal_case(100 + 150 * i + rank * 7, "random", i % 2 == 1) for i in range(6)],
+    }
+
+
 def routing(n: int, mode: str, *, num_experts: int, topk: int, world: int, rank: int, gen: Any, drop: float = 0.1) -> Any:
     """int64 [n, topk] expert ids on the GPU. Modes: "random" (distinct experts, ~``drop`` of the
     ids -1), "to_rank0" (every id on rank 0), "local_only" (every id on this rank); in the last

@@ -163,15 +163,7 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
         assert not failures, "\n".join(failures)
 
     cases = {
-        "random": lambda: normal_case(1000, "random", False),
-        "random_fp8": lambda: normal_case(1000, "random", True),
-        "all_to_rank0": lambda: normal_case(600, "to_rank0", False),
-        "no_remote": lambda: normal_case(500, "local_only", False),
-        "zero_tokens_on_rank1": lambda: normal_case(0 if rank == 1 else 300, "random", False),
-        "one_token": lambda: normal_case(1, "random", False),
-        "max_tokens": lambda: normal_case(MAX_TOKENS, "random", False),
-        "max_tokens_fp8": lambda: normal_case(MAX_TOKENS, "random", True),
-        "repeated": lambda: [normal_case(100 + 150 * i + rank * 7, "random", i % 2 == 1) for i in range(6)],
+        **ref.normal_cases(normal_case, rank, MAX_TOKENS),
         "ll_random": lambda: ll_case(100, "random", False),
         "ll_random_fp8": lambda: ll_case(100, "random", True),
         "ll_all_to_rank0": lambda: ll_case(90, "to_rank0", False),

@@ -227,15 +227,7 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         assert not failures, "\n".join(failures)
 
     cases = {
-        "random": lambda: normal_case(1000, "random", False),
-        "random_fp8": lambda: normal_case(1000, "random", True),
-        "all_to_rank0": lambda: normal_case(600, "to_rank0", False),
-        "no_remote": lambda: normal_case(500, "local_only", False),
-        "zero_tokens_on_rank1": lambda: normal_case(0 if rank == 1 else 300, "random", False),
-        "one_token": lambda: normal_case(1, "random", False),
-        "max_tokens": lambda: normal_case(1024, "random", False),
-        "max_tokens_fp8": lambda: normal_case(1024, "random", True),
-        "repeated": lambda: [normal_case(100 + 150 * i + rank * 7, "random", i % 2 == 1) for i in range(6)],
+        **ref.normal_cases(normal_case, rank, 1024),
         "grow": lambda: normal_case(1500 if rank == 0 else 10, "random", False),
         "alignment_worst_tokens": lambda: normal_case(400, "random", False, alignment=4, worst=WORLD * 400),
         "alignment_worst_tokens_fp8": lambda: normal_case(400, "random", True, alignment=8, worst=WORLD * 400 + 3),

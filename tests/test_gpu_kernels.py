@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from mori import errors, gpu
+from tests._io_batches import scatter_offsets
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
@@ -61,14 +62,7 @@ def _batch(rng, n: int, max_size: int):
     sizes = rng.integers(0, max_size + 1, n)
     sizes[rng.random(n) < 0.05] = 0  # empty items are legal
     # Destination items are laid out in a random order with random gaps: never overlapping.
-    order = rng.permutation(n)
-    gaps = rng.integers(0, 64, n)
-    dst_offsets = np.zeros(n, dtype=np.int64)
-    pos = 0
-    for i in order:
-        pos += int(gaps[i])
-        dst_offsets[i] = pos
-        pos += int(sizes[i])
+    dst_offsets, pos = scatter_offsets(rng, sizes, 63)
     src_len = int(sizes.max(initial=0)) * 4 + 4096
     src_offsets = rng.integers(0, src_len - sizes + 1)  # sources may overlap: they are only read
     return sizes.astype(np.int64), src_offsets.astype(np.int64), dst_offsets, src_len, pos + 64

@@ -15,6 +15,7 @@ import pytest
 
 from mori import errors
 from mori.io import IOEngine, MemoryDesc
+from tests._io_batches import random_layout
 
 REGION = 48 << 20
 
@@ -74,18 +75,7 @@ def _batch(rng, n: int, max_block: int, region: int):
     sizes = rng.integers(1, max_block + 1, n)
     total = int(sizes.sum())
     assert total * 1.2 < region, "batch too big for the region"
-    # Non-overlapping layouts in random order with random (unaligned) gaps, on both sides.
-    def layout():
-        order = rng.permutation(n)
-        gaps = rng.integers(0, int((region - total) / n) + 1, n)
-        offs = np.zeros(n, dtype=np.int64)
-        pos = 0
-        for i in order:
-            pos += int(gaps[i])
-            offs[i] = pos
-            pos += int(sizes[i])
-        return offs
-    return layout(), layout(), sizes.astype(np.int64)
+    return random_layout(rng, sizes, region), random_layout(rng, sizes, region), sizes.astype(np.int64)
 
 
 @pytest.mark.parametrize("n,max_block", [(1, 1 << 20), (7, 100_000), (1000, 9000), (16384, 1500)])

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import mori
+from tests._io_batches import random_layout
 from tests._ranks import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.torch]
@@ -44,26 +45,11 @@ def _phase(bs, label: str, fn) -> list[str]:
     return [e for e in bs.allgather_object(err) if e]
 
 
-def _layout(rng, sizes: np.ndarray, region: int) -> np.ndarray:
-    """Non-overlapping offsets in random order with random (unaligned) gaps."""
-    n, total = sizes.size, int(sizes.sum())
-    order = rng.permutation(n)
-    gaps = rng.integers(0, int((region - total) / n) + 1, n)
-    offs = np.zeros(n, dtype=np.int64)
-    pos = 0
-    for i in order:
-        pos += int(gaps[i])
-        offs[i] = pos
-        pos += int(sizes[i])
-    assert pos <= region
-    return offs
-
-
 def _batch(seed: int, n: int, max_block: int):
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, max_block + 1, n).astype(np.int64)
     assert int(sizes.sum()) * 1.2 < REGION
-    return _layout(rng, sizes, REGION), _layout(rng, sizes, REGION), sizes
+    return random_layout(rng, sizes, REGION), random_layout(rng, sizes, REGION), sizes
 
 
 def _apply(dst: np.ndarray, dst_offs, src: np.ndarray, src_offs, sizes) -> np.ndarray:
