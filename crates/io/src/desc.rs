@@ -5,8 +5,9 @@ use std::net::SocketAddr;
 
 use mori_transport::{Error, Location, Result};
 
-const ENGINE_TAG: &[u8; 4] = b"MIOE";
-const MEMORY_TAG: &[u8; 4] = b"MIOM";
+// Version 2 of both: engines carry their same-host socket, regions their key and instance.
+const ENGINE_TAG: &[u8; 4] = b"MIE2";
+const MEMORY_TAG: &[u8; 4] = b"MIM2";
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&(s.len() as u32).to_le_bytes());
@@ -55,6 +56,8 @@ pub struct EngineDesc {
     pub instance: u64,
     /// Identifies the host (kernel boot id + host name): equal keys can use the same-host path.
     pub host: String,
+    /// The engine's same-host Unix socket (empty: none).
+    pub local: String,
 }
 
 impl EngineDesc {
@@ -64,6 +67,7 @@ impl EngineDesc {
         put_str(&mut out, &self.addr.to_string());
         out.extend_from_slice(&self.instance.to_le_bytes());
         put_str(&mut out, &self.host);
+        put_str(&mut out, &self.local);
         out
     }
     pub fn from_bytes(b: &[u8]) -> Result<Self> {
@@ -75,22 +79,34 @@ impl EngineDesc {
         let addr = c.string()?.parse().map_err(|_| bad())?;
         let instance = c.u64()?;
         let host = c.string()?;
+        let local = c.string()?;
+        if !c.0.is_empty() {
+            return Err(bad());
+        }
         Ok(Self {
             name,
             addr,
             instance,
             host,
+            local,
         })
     }
 }
 
-/// A registered region as another engine names it.
+/// A registered region as another engine names it. Holding it is what lets a peer of the
+/// deployment reach the region: the key is random, and the instance ties it to one run of
+/// the engine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryDesc {
     pub engine: String,
+    /// The owning engine's instance.
+    pub instance: u64,
     pub id: u64,
+    pub key: u64,
     pub len: u64,
     pub location: Location,
+    /// False: registered read-only (peers may only read it).
+    pub writable: bool,
     /// GPU regions exported for CUDA IPC at registration: what a same-host peer needs to map
     /// the region (IPC handle, device, lease slot). Absent: peers use TCP.
     pub ipc: Option<Vec<u8>>,
@@ -100,9 +116,12 @@ impl MemoryDesc {
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = MEMORY_TAG.to_vec();
         put_str(&mut out, &self.engine);
+        out.extend_from_slice(&self.instance.to_le_bytes());
         out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&self.key.to_le_bytes());
         out.extend_from_slice(&self.len.to_le_bytes());
         out.extend_from_slice(&self.location.encode().to_le_bytes());
+        out.push(u8::from(self.writable));
         if let Some(ipc) = &self.ipc {
             out.extend_from_slice(&(ipc.len() as u32).to_le_bytes());
             out.extend_from_slice(ipc);
@@ -115,9 +134,16 @@ impl MemoryDesc {
             return Err(Error::InvalidArgument("not a memory descriptor".into()));
         }
         let engine = c.string()?;
+        let instance = c.u64()?;
         let id = c.u64()?;
+        let key = c.u64()?;
         let len = c.u64()?;
         let location = Location::decode(c.u32()? as i32);
+        let writable = match c.take(1)?[0] {
+            0 => false,
+            1 => true,
+            _ => return Err(bad()),
+        };
         // Optional trailer: the CUDA IPC export.
         let ipc = if c.0.is_empty() {
             None
@@ -133,9 +159,12 @@ impl MemoryDesc {
         }
         Ok(Self {
             engine,
+            instance,
             id,
+            key,
             len,
             location,
+            writable,
             ipc,
         })
     }
@@ -152,18 +181,23 @@ mod tests {
             addr: "127.0.0.1:4000".parse().unwrap(),
             instance: 99,
             host: "boot|node".into(),
+            local: "/run/user/0/mori/io-1.sock".into(),
         };
         assert_eq!(EngineDesc::from_bytes(&e.to_bytes()).unwrap(), e);
         let m = MemoryDesc {
             engine: "decode".into(),
+            instance: 5,
             id: 7,
+            key: 0x1234_5678_9abc_def0,
             len: 1 << 40,
             location: Location::Cuda(3),
+            writable: true,
             ipc: None,
         };
         assert_eq!(MemoryDesc::from_bytes(&m.to_bytes()).unwrap(), m);
         let h = MemoryDesc {
             location: Location::Host,
+            writable: false,
             ..m.clone()
         };
         assert_eq!(MemoryDesc::from_bytes(&h.to_bytes()).unwrap(), h);

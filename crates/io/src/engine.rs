@@ -2,17 +2,22 @@
 //! region, connects to remote engines by descriptor, and runs batched one-sided reads and
 //! writes whose completion is a [`Transfer`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use mori_auth::Secret;
 use mori_transport::batch::first_out_of_range;
+use mori_transport::connection::{BatchRequest, Connection, Job, Target};
 use mori_transport::cuda_ipc::{self, Exporter, Importer, IpcConfig, Prepared};
-use mori_transport::tcp::{BatchRequest, Connection, Job, Server};
-use mori_transport::wire::Kind;
-use mori_transport::{Batch, Error, Location, Registry, Result, Route, Transfer, UseGuard};
+use mori_transport::server::{Server, ServerConfig};
+use mori_transport::wire::{Hello, Kind};
+use mori_transport::{
+    Batch, Error, Location, Notifications, Registry, Result, Route, Transfer, UseGuard,
+};
 
 use crate::desc::{EngineDesc, MemoryDesc};
 
@@ -29,10 +34,11 @@ pub struct EngineConfig {
     pub timeout: Duration,
     /// Largest payload of one request; bigger batches are split.
     pub chunk_bytes: u64,
-    /// Between engines on one host, host memory moves by a direct copy between the processes
-    /// (process_vm_readv/writev) instead of through the socket; falls back to TCP when the
-    /// kernel refuses. Enabling it lets same-user processes access this process's memory
-    /// (PR_SET_PTRACER_ANY).
+    /// Between engines on one host, connect over the peer's Unix socket (a private directory;
+    /// the kernel names the peer process) and move host memory by a direct copy between the
+    /// processes (process_vm_readv/writev) instead of through the socket; payloads over the
+    /// socket when the kernel refuses the copy. Off: no Unix socket is opened, and peers on
+    /// this host use TCP.
     pub same_host_direct: bool,
     /// Between engines on one host, transfers whose remote region is GPU memory (exported for
     /// CUDA IPC) are copied by this engine's GPU through an IPC mapping of the peer's region
@@ -43,6 +49,16 @@ pub struct EngineConfig {
     pub ce_threshold: u64,
     /// cuda_ipc: thread blocks of a gather/scatter launch (0 = two per SM).
     pub ipc_blocks: u32,
+    /// The deployment secret every connection proves (None: [`Secret::deployment`]).
+    pub secret: Option<Secret>,
+    /// Connections served at once (authenticated or not).
+    pub max_connections: usize,
+    /// Connections of one peer engine served at once.
+    pub max_connections_per_peer: usize,
+    /// A connection that has not authenticated by then is dropped.
+    pub handshake_timeout: Duration,
+    /// Notifications kept until taken; a notified write beyond it is refused (busy).
+    pub max_notifications: usize,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +73,11 @@ impl Default for EngineConfig {
             cuda_ipc: true,
             ce_threshold: cuda_ipc::ce_threshold_from_env(),
             ipc_blocks: 0,
+            secret: None,
+            max_connections: 1024,
+            max_connections_per_peer: 64,
+            handshake_timeout: Duration::from_secs(10),
+            max_notifications: 1 << 16,
         }
     }
 }
@@ -77,6 +98,8 @@ pub enum Op {
 struct Peer {
     desc: EngineDesc,
     same_host: bool,
+    /// Connected over the peer's same-host socket (direct copies possible).
+    local: bool,
     conns: Arc<[Arc<Connection>]>,
     next: AtomicUsize,
 }
@@ -105,10 +128,13 @@ pub struct IoEngine {
     instance: u64,
     host: String,
     config: EngineConfig,
+    secret: Secret,
     registry: Arc<Registry>,
     server: Server,
+    /// The same-host socket peers on this host connect to (None: same_host_direct is off).
+    local: Option<PathBuf>,
     peers: Mutex<HashMap<String, Arc<Peer>>>,
-    notifications: Arc<Mutex<VecDeque<Notification>>>,
+    notifications: Arc<Notifications>,
     exporter: Exporter,
     importer: Importer,
 }
@@ -143,36 +169,53 @@ impl IoEngine {
                 "connections_per_peer and chunk_bytes must be positive".into(),
             ));
         }
+        let secret = match &config.secret {
+            Some(s) => s.clone(),
+            None => Secret::deployment()?,
+        };
+        // Distinguishes this engine from an earlier one with the same name and address.
+        let mut random = [0u8; 8];
+        getrandom::fill(&mut random)
+            .map_err(|e| Error::InvalidArgument(format!("no random bytes from the OS: {e}")))?;
+        let instance = u64::from_le_bytes(random);
+        let local = if config.same_host_direct {
+            let dir = mori_transport::stream::private_dir()?;
+            Some(dir.join(format!("io-{}-{instance:016x}.sock", std::process::id())))
+        } else {
+            None
+        };
         let registry = Arc::new(Registry::new());
-        let notifications = Arc::new(Mutex::new(VecDeque::new()));
-        let sink = notifications.clone();
+        let notifications = Arc::new(Notifications::new(config.max_notifications));
         let server = Server::start(
             SocketAddr::new(config.host, config.port),
-            name.to_string(),
+            ServerConfig {
+                me: Hello {
+                    name: name.to_string(),
+                    instance,
+                },
+                secret: secret.clone(),
+                unix_path: local.clone(),
+                max_connections: config.max_connections,
+                max_handshakes: (config.max_connections / 4).max(8),
+                max_per_peer: config.max_connections_per_peer,
+                handshake_timeout: config.handshake_timeout,
+            },
             registry.clone(),
-            Arc::new(move |from, tag| {
-                if let Ok(mut q) = sink.lock() {
-                    q.push_back(Notification { from, tag });
-                }
-            }),
+            notifications.clone(),
         )?;
-        tracing::debug!("mori.io engine {name} listening on {}", server.addr());
-        // Distinguishes this engine from an earlier one with the same name and address.
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        let instance =
-            now ^ (u64::from(std::process::id()) << 32) ^ (Arc::as_ptr(&registry) as u64);
-        if config.same_host_direct {
-            mori_transport::direct::allow_direct_access();
-        }
+        tracing::debug!(
+            "mori.io engine {name} listening on {} (secret {})",
+            server.addr(),
+            secret.fingerprint()
+        );
         Ok(Self {
             name: name.to_string(),
             instance,
             host: host_key(),
+            secret,
             registry,
             server,
+            local,
             peers: Mutex::new(HashMap::new()),
             notifications,
             exporter: Exporter::new(),
@@ -194,35 +237,77 @@ impl IoEngine {
             addr: self.server.addr(),
             instance: self.instance,
             host: self.host.clone(),
+            local: self
+                .local
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
         }
     }
 
-    /// Registers `len` bytes at `addr` (host memory, or device memory of CUDA device `ordinal`).
-    /// The memory must stay valid until [`deregister`](Self::deregister).
+    fn hello(&self) -> Hello {
+        Hello {
+            name: self.name.clone(),
+            instance: self.instance,
+        }
+    }
+
+    /// Registers `len` bytes at `addr` (host memory, or device memory of CUDA device `ordinal`)
+    /// for peers to read and write. The memory must stay valid until
+    /// [`deregister`](Self::deregister).
     pub fn register(&self, addr: u64, len: u64, location: Location) -> Result<MemoryDesc> {
-        let r = self.registry.register(addr, len, location)?;
+        self.register_with(addr, len, location, true)
+    }
+
+    /// Registers memory peers may only read (and this engine may only write from): writes to
+    /// it, and reads into it, are refused.
+    pub fn register_read_only(
+        &self,
+        addr: u64,
+        len: u64,
+        location: Location,
+    ) -> Result<MemoryDesc> {
+        self.register_with(addr, len, location, false)
+    }
+
+    fn register_with(
+        &self,
+        addr: u64,
+        len: u64,
+        location: Location,
+        writable: bool,
+    ) -> Result<MemoryDesc> {
+        let r = self.registry.register(addr, len, location, writable)?;
         // GPU memory is exported for CUDA IPC once, here (None when it cannot be: peers then
-        // use TCP).
+        // use TCP). Read-only memory is never exported: a mapping could be written.
         let ipc = match location {
-            Location::Cuda(_) if self.config.cuda_ipc => self.exporter.export(&r),
+            Location::Cuda(_) if self.config.cuda_ipc && writable => self.exporter.export(&r),
             _ => None,
         };
         Ok(MemoryDesc {
             engine: self.name.clone(),
+            instance: self.instance,
             id: r.id,
+            key: r.key,
             len,
             location,
+            writable,
             ipc,
         })
     }
 
-    /// Stops serving `mem` (new requests fail at once) and waits for transfers using it.
+    /// Stops serving `mem` (new requests fail at once) and waits for transfers using it;
+    /// past the timeout, cuts the connections still using it. Returns only when no peer can
+    /// touch the memory any more — or fails with `StillInUse` (a peer's GPU copy over CUDA
+    /// IPC that did not finish in time), in which case the memory must stay allocated.
     pub fn deregister(&self, mem: &MemoryDesc) -> Result<()> {
         self.own(mem)?;
         // Peers' CUDA IPC copies first (new ones fail at once), then requests served here.
         let revoked = self.exporter.revoke(mem.id, self.config.timeout);
-        let deregistered = self.registry.deregister(mem.id, self.config.timeout);
-        deregistered.and(revoked)
+        let deregistered = self
+            .registry
+            .deregister(mem.id, self.config.timeout, &|id| self.server.fence(id));
+        deregistered.and(revoked.map_err(|e| Error::StillInUse(e.to_string())))
     }
 
     fn own(&self, mem: &MemoryDesc) -> Result<()> {
@@ -230,6 +315,12 @@ impl IoEngine {
             return Err(Error::InvalidArgument(format!(
                 "memory of engine {:?} is not local to engine {:?}",
                 mem.engine, self.name
+            )));
+        }
+        if mem.instance != self.instance {
+            return Err(Error::Stale(format!(
+                "memory descriptor {} of an earlier engine named {:?}",
+                mem.id, self.name
             )));
         }
         Ok(())
@@ -243,14 +334,14 @@ impl IoEngine {
         {
             return Ok(());
         }
-        let conns = (0..self.config.connections_per_peer)
-            .map(|_| Connection::open(peer.addr, &self.name, &peer.name, self.config.timeout))
-            .collect::<Result<Arc<[_]>>>()?;
+        let same_host = peer.host == self.host;
+        let (local, conns) = self.open_connections(peer, same_host)?;
         let old = self.peers.lock().map_err(|_| poisoned())?.insert(
             peer.name.clone(),
             Arc::new(Peer {
                 desc: peer.clone(),
-                same_host: peer.host == self.host,
+                same_host,
+                local,
                 conns,
                 next: AtomicUsize::new(0),
             }),
@@ -262,6 +353,43 @@ impl IoEngine {
             }
         }
         Ok(())
+    }
+
+    /// The peer's same-host socket when both sides allow it and it answers, else TCP. An
+    /// authentication failure or a stale descriptor is an error on either.
+    fn open_connections(
+        &self,
+        peer: &EngineDesc,
+        same_host: bool,
+    ) -> Result<(bool, Arc<[Arc<Connection>]>)> {
+        let expect = Hello {
+            name: peer.name.clone(),
+            instance: peer.instance,
+        };
+        let open_all = |target: &Target| {
+            (0..self.config.connections_per_peer)
+                .map(|_| {
+                    Connection::open(
+                        target,
+                        &self.hello(),
+                        &expect,
+                        &self.secret,
+                        self.config.timeout,
+                    )
+                })
+                .collect::<Result<Arc<[_]>>>()
+        };
+        if same_host && self.config.same_host_direct && !peer.local.is_empty() {
+            match open_all(&Target::Unix(PathBuf::from(&peer.local))) {
+                Ok(conns) => return Ok((true, conns)),
+                Err(e @ (Error::Auth(_) | Error::Stale(_))) => return Err(e),
+                Err(e) => tracing::info!(
+                    "same-host socket of {:?} unavailable ({e}); using TCP",
+                    peer.name
+                ),
+            }
+        }
+        Ok((false, open_all(&Target::Tcp(peer.addr))?))
     }
 
     /// Closes the connections to engine `name`; its pending transfers fail.
@@ -324,7 +452,13 @@ impl IoEngine {
                 "notifications are for writes".into(),
             ));
         }
-        let guard = Arc::new(self.registry.acquire(local.id)?);
+        let guard = Arc::new(self.registry.acquire(local.id, local.key)?);
+        if op == Op::Read && !guard.region().writable {
+            return Err(Error::ReadOnly(format!(
+                "local memory {} is registered read-only: it cannot receive a read",
+                local.id
+            )));
+        }
         let llen = guard.region().len;
         // SAFETY: this is the submitting call, during which a borrowed batch's arrays are not
         // written (Batch::borrowed's contract); the slices do not outlive it.
@@ -356,6 +490,19 @@ impl IoEngine {
             .ok_or_else(|| {
                 Error::InvalidArgument(format!("not connected to engine {:?}", remote.engine))
             })?;
+        if remote.instance != peer.desc.instance {
+            return Err(Error::Stale(format!(
+                "memory descriptor {} belongs to an earlier instance of engine {:?} (it \
+                 restarted): get a new descriptor",
+                remote.id, remote.engine
+            )));
+        }
+        if op == Op::Write && !remote.writable {
+            return Err(Error::ReadOnly(format!(
+                "memory {} of engine {:?} is registered read-only",
+                remote.id, remote.engine
+            )));
+        }
         if !peer.alive() {
             return Err(Error::ConnectionLost {
                 peer: remote.engine.clone(),
@@ -383,8 +530,7 @@ impl IoEngine {
             );
         }
         // Same host, host memory on both sides: the target copies straight from/to us.
-        let direct = self.config.same_host_direct
-            && peer.same_host
+        let direct = peer.local
             && guard.region().location == Location::Host
             && remote.location == Location::Host
             && peer.conns.iter().all(|c| c.direct_ok());
@@ -403,11 +549,16 @@ impl IoEngine {
             BatchRequest {
                 kind,
                 remote_region: remote.id,
+                remote_key: remote.key,
                 batch,
                 local: guard,
                 notify: notify.map(<[u8]>::to_vec).unwrap_or_default(),
                 chunk_bytes: self.config.chunk_bytes,
-                route: if direct { Route::Direct } else { Route::Tcp },
+                route: match (direct, peer.local) {
+                    (true, _) => Route::Direct,
+                    (false, true) => Route::Local,
+                    (false, false) => Route::Tcp,
+                },
             },
             share,
         ))
@@ -432,7 +583,8 @@ impl IoEngine {
         let transfer = Transfer::on_route(1, Route::CudaIpc);
         let done = transfer.clone();
         let tag = notify.map(<[u8]>::to_vec);
-        let (remote_id, name, local) = (remote.id, remote.engine.clone(), guard.clone());
+        let (remote_id, remote_key) = (remote.id, remote.key);
+        let (name, local) = (remote.engine.clone(), guard.clone());
         let finish: cuda_ipc::Finish = Box::new(move |outcome| match outcome {
             Err(e) => done.part_done(Err(&e)),
             Ok(()) if !peer.alive() => done.part_done(Err(&Error::ConnectionLost {
@@ -443,6 +595,7 @@ impl IoEngine {
                 Some(tag) => peer.pick().submit(Job {
                     kind: Kind::Write,
                     remote_region: remote_id,
+                    remote_key,
                     batch: Arc::new(Batch::default()),
                     range: 0..0,
                     local,
@@ -471,9 +624,15 @@ impl IoEngine {
     /// Notifications received so far (each returned once).
     pub fn take_notifications(&self) -> Vec<Notification> {
         self.notifications
-            .lock()
-            .map(|mut q| q.drain(..).collect())
-            .unwrap_or_default()
+            .take()
+            .into_iter()
+            .map(|(from, tag)| Notification { from, tag })
+            .collect()
+    }
+
+    /// Connections its server has open now (served or in their handshake).
+    pub fn served_connections(&self) -> usize {
+        self.server.connections()
     }
 }
 
@@ -488,7 +647,10 @@ impl Drop for IoEngine {
         if let Err(e) = self.exporter.revoke_all(self.config.timeout) {
             tracing::warn!("closing mori.io engine {}: {e}", self.name);
         }
-        if let Err(e) = self.registry.deregister_all(self.config.timeout) {
+        if let Err(e) = self
+            .registry
+            .deregister_all(self.config.timeout, &|id| self.server.fence(id))
+        {
             tracing::warn!("closing mori.io engine {}: {e}", self.name);
         }
     }

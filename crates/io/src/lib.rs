@@ -2,16 +2,21 @@
 //! [`MemoryDesc`]s out of band, register memory once per region, and move batches of blocks
 //! (arrays of offsets and sizes) with reads and writes that complete as [`Transfer`]s.
 //!
+//! Every connection proves the deployment secret ([`Secret`]) in both directions, and every
+//! request names a region and its random key, so only descriptors that were handed out reach
+//! memory, and a descriptor of a restarted engine is refused.
+//!
 //! Routes, chosen per transfer by memory location: cuda_ipc (same host, the peer region is GPU
 //! memory: this engine's GPU copies through an IPC mapping), the same-host direct path (host
-//! memory on both sides), and TCP (anything else, and the fallback when a faster route is
-//! unavailable).
+//! memory on both sides, over the peer's Unix socket), and TCP (anything else, and the
+//! fallback when a faster route is unavailable).
 
 mod desc;
 mod engine;
 
 pub use desc::{EngineDesc, MemoryDesc};
 pub use engine::{EngineConfig, IoEngine, Notification, Op};
+pub use mori_auth::Secret;
 pub use mori_transport::cuda_ipc::{DEFAULT_CE_THRESHOLD, ce_threshold_from_env};
 pub use mori_transport::{
     Batch, Error, Failure, FailureKind, KeepAlive, Location, Result, Route, Status, Transfer,

@@ -1,20 +1,29 @@
 //! The same-host path: the target copies straight between its registered memory and the
 //! initiator's (process_vm_readv / process_vm_writev: one copy, no socket payload).
 //!
-//! The kernel allows it when the target may ptrace the initiator: same user with ptrace
-//! unrestricted, CAP_SYS_PTRACE, or an initiator that called [`allow_direct_access`]. When the
-//! kernel refuses, the target answers `DirectUnavailable` and the initiator uses TCP instead.
+//! Only on the engine's Unix socket: the initiator is the process the kernel says connected
+//! (SO_PEERCRED, same user, checked alive through a pidfd), never a pid from the wire, and its
+//! addresses are its own memory. The kernel allows the copy when the target may ptrace the
+//! initiator: same user with ptrace unrestricted, CAP_SYS_PTRACE, or an initiator that named
+//! this target with [`allow_peer`]. When it refuses, the target answers `DirectUnavailable`
+//! and the initiator sends the bytes over the socket instead.
 
 use crate::error::{Error, Result};
 
-/// Lets other processes of this user copy into and out of this process's memory
-/// (prctl PR_SET_PTRACER_ANY). Engines call it when same-host transfers are enabled.
-pub fn allow_direct_access() {
+/// Lets process `pid` (a same-host peer engine whose identity the kernel gave us) copy into
+/// and out of this process's memory where Yama restricts ptrace to descendants
+/// (`kernel.yama.ptrace_scope = 1`). Yama keeps one such exception per process: the latest
+/// peer wins, and an earlier peer's copies are then refused and go over the socket instead.
+/// Never `PR_SET_PTRACER_ANY`.
+pub fn allow_peer(pid: u32) {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").unwrap_or_default();
+    if scope.trim() != "1" {
+        return; // no Yama, or same-user access already allowed (0), or nobody may (2, 3)
+    }
     // SAFETY: prctl with PR_SET_PTRACER takes plain integer arguments and touches no memory.
-    let rc = unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+    let rc = unsafe { libc::prctl(libc::PR_SET_PTRACER, pid as libc::c_ulong, 0, 0, 0) };
     if rc != 0 {
-        // EINVAL where Yama is absent: then same-user access is already allowed.
-        tracing::debug!("PR_SET_PTRACER_ANY: {}", std::io::Error::last_os_error());
+        tracing::debug!("PR_SET_PTRACER({pid}): {}", std::io::Error::last_os_error());
     }
 }
 

@@ -11,6 +11,8 @@ pub enum Code {
     Internal = 4,
     /// The target cannot reach the initiator's memory directly (same-host path); use TCP.
     DirectUnavailable = 5,
+    /// The target region was registered read-only; nothing was written.
+    ReadOnly = 6,
 }
 
 impl Code {
@@ -21,6 +23,7 @@ impl Code {
             2 => Code::OutOfRange,
             3 => Code::Busy,
             5 => Code::DirectUnavailable,
+            6 => Code::ReadOnly,
             _ => Code::Internal,
         }
     }
@@ -50,6 +53,19 @@ pub enum Error {
     Timeout { peer: String, secs: f64 },
     #[error("{0}")]
     InvalidArgument(String),
+    /// A write to memory registered read-only (or a read into it); nothing was touched.
+    #[error("{0}")]
+    ReadOnly(String),
+    /// A descriptor of an earlier instance of an engine (it restarted) or of a previous
+    /// registration.
+    #[error("{0}")]
+    Stale(String),
+    /// The peer did not prove the deployment secret, or is not who it should be.
+    #[error("{0}")]
+    Auth(String),
+    /// Deregistration could not fence every access in flight: the memory must stay allocated.
+    #[error("{0}")]
+    StillInUse(String),
     #[error(transparent)]
     Gpu(#[from] mori_gpu::Error),
     #[error("{context}: {source}")]
@@ -61,6 +77,15 @@ pub enum Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<mori_auth::Error> for Error {
+    fn from(e: mori_auth::Error) -> Self {
+        match e {
+            mori_auth::Error::Io { context, source } => Error::Io { context, source },
+            other => Error::Auth(other.to_string()),
+        }
+    }
+}
 
 impl Error {
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {

@@ -1,8 +1,10 @@
-//! Registered memory: regions another engine may read or write, by id.
+//! Registered memory: regions another engine may read or write, by id and key.
 //!
-//! A region is registered once (not per block). Every access takes a use guard; deregistering
-//! removes the id at once (new requests fail) and then waits for the guards in flight, so no
-//! access outlives the registration.
+//! A region is registered once (not per block) and gets a random 64-bit key: a request must
+//! name both, so a region whose descriptor was never shared cannot be reached by guessing ids.
+//! Every access takes a use guard; deregistering removes the id at once (new requests fail),
+//! waits for the guards in flight and, past the timeout, fences them (the caller's hook cuts
+//! the connections that hold them), so no access outlives the registration.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,9 +41,14 @@ impl Location {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Region {
     pub id: u64,
+    /// Random; requests must name it.
+    pub key: u64,
     pub addr: u64,
     pub len: u64,
     pub location: Location,
+    /// False for memory the owner may not have written (read-only buffers): writes to it, and
+    /// reads into it, are refused.
+    pub writable: bool,
 }
 
 impl Region {
@@ -62,6 +69,22 @@ pub struct Entry {
     pub region: Region,
     in_use: Mutex<usize>,
     idle: Condvar,
+}
+
+impl Entry {
+    /// Waits up to `timeout` for the guards to drop; returns how many remain.
+    fn wait_idle(&self, timeout: Duration) -> Result<usize> {
+        let deadline = Instant::now() + timeout;
+        let mut n = self.in_use.lock().map_err(|_| poisoned())?;
+        while *n > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            n = self.idle.wait_timeout(n, left).map_err(|_| poisoned())?.0;
+        }
+        Ok(*n)
+    }
 }
 
 /// Keeps a region registered while an access is in flight.
@@ -99,17 +122,28 @@ impl Registry {
     }
 
     /// Registers `len` bytes at `addr`. The caller keeps the memory valid until it deregisters.
-    pub fn register(&self, addr: u64, len: u64, location: Location) -> Result<Region> {
+    pub fn register(
+        &self,
+        addr: u64,
+        len: u64,
+        location: Location,
+        writable: bool,
+    ) -> Result<Region> {
         if addr == 0 && len > 0 {
             return Err(Error::InvalidArgument(
                 "cannot register a null address".into(),
             ));
         }
+        let mut key = [0u8; 8];
+        getrandom::fill(&mut key)
+            .map_err(|e| Error::InvalidArgument(format!("no random bytes from the OS: {e}")))?;
         let region = Region {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            key: u64::from_le_bytes(key),
             addr,
             len,
             location,
+            writable,
         };
         let entry = Arc::new(Entry {
             region,
@@ -123,32 +157,34 @@ impl Registry {
         Ok(region)
     }
 
-    /// Removes region `id`, then waits (up to `timeout`) for accesses in flight.
-    pub fn deregister(&self, id: u64, timeout: Duration) -> Result<()> {
+    /// Removes region `id` (new requests fail at once), then waits up to `timeout` for
+    /// accesses in flight; past it calls `fence(id)` — which must make every holder of the
+    /// region's guards drop them promptly (e.g. cut their connections) — and waits up to
+    /// `timeout` again. Fails with `StillInUse` only if accesses remain after that: the memory
+    /// must then stay allocated.
+    pub fn deregister(&self, id: u64, timeout: Duration, fence: &dyn Fn(u64)) -> Result<()> {
         let entry = self
             .regions
             .write()
             .map_err(|_| poisoned())?
             .remove(&id)
             .ok_or_else(|| Error::UnknownRegion(format!("memory region {id} is not registered")))?;
-        let deadline = Instant::now() + timeout;
-        let mut n = entry.in_use.lock().map_err(|_| poisoned())?;
-        while *n > 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::InvalidArgument(format!(
-                    "region {id} was deregistered but {} transfer(s) still use it after {:.1}s",
-                    *n,
-                    timeout.as_secs_f64()
-                )));
-            }
-            n = entry.idle.wait_timeout(n, left).map_err(|_| poisoned())?.0;
+        if entry.wait_idle(timeout)? == 0 {
+            return Ok(());
         }
-        Ok(())
+        tracing::warn!("region {id}: accesses still in flight after deregistration; fencing");
+        fence(id);
+        match entry.wait_idle(timeout)? {
+            0 => Ok(()),
+            n => Err(Error::StillInUse(format!(
+                "region {id} was deregistered but {n} access(es) still use it after fencing; \
+                 keep the memory allocated"
+            ))),
+        }
     }
 
     /// Deregisters every region (waiting for accesses in flight), e.g. when an engine closes.
-    pub fn deregister_all(&self, timeout: Duration) -> Result<()> {
+    pub fn deregister_all(&self, timeout: Duration, fence: &dyn Fn(u64)) -> Result<()> {
         let ids: Vec<u64> = self
             .regions
             .read()
@@ -157,23 +193,26 @@ impl Registry {
             .copied()
             .collect();
         ids.into_iter()
-            .try_for_each(|id| match self.deregister(id, timeout) {
+            .try_for_each(|id| match self.deregister(id, timeout, fence) {
                 Err(Error::UnknownRegion(_)) => Ok(()),
                 other => other,
             })
     }
 
-    /// A use guard for region `id`.
-    pub fn acquire(&self, id: u64) -> Result<UseGuard> {
+    /// A use guard for region `id`, whose key must be `key`. An unknown id and a wrong key
+    /// give the same answer, so the error tells a prober nothing.
+    pub fn acquire(&self, id: u64, key: u64) -> Result<UseGuard> {
         let entry = self
             .regions
             .read()
             .map_err(|_| poisoned())?
             .get(&id)
+            .filter(|e| e.region.key == key)
             .cloned()
             .ok_or_else(|| {
                 Error::UnknownRegion(format!(
-                    "memory region {id} is not registered (or was deregistered)"
+                    "memory region {id} is not registered with that key (never shared, \
+                     deregistered, or a descriptor of another registration)"
                 ))
             })?;
         *entry.in_use.lock().map_err(|_| poisoned())? += 1;
@@ -196,36 +235,66 @@ fn poisoned() -> Error {
 mod tests {
     use super::*;
 
+    fn no_fence(_: u64) {}
+
     #[test]
-    fn ranges_ids_and_deregistration() {
+    fn ranges_keys_and_deregistration() {
         let reg = Registry::new();
         let mut buf = vec![0u8; 100];
         let r = reg
-            .register(buf.as_mut_ptr() as u64, 100, Location::Host)
+            .register(buf.as_mut_ptr() as u64, 100, Location::Host, true)
             .unwrap();
         assert!(r.check(0, 100).is_ok() && r.check(99, 1).is_ok());
         assert!(matches!(r.check(99, 2), Err(Error::OutOfRange(_))));
         assert!(matches!(r.check(u64::MAX, 2), Err(Error::OutOfRange(_))));
-        let guard = reg.acquire(r.id).unwrap();
+        let wrong_key = reg.acquire(r.id, r.key ^ 1).err().unwrap().to_string();
+        let unknown = reg.acquire(r.id + 1, r.key).err().unwrap().to_string();
+        assert_eq!(
+            wrong_key.replace(&r.id.to_string(), "#"),
+            unknown.replace(&(r.id + 1).to_string(), "#"),
+            "a wrong key and an unknown id answer alike"
+        );
+        let other = reg.register(0x1000, 1, Location::Host, true).unwrap();
+        assert_ne!(r.key, other.key);
+        let guard = reg.acquire(r.id, r.key).unwrap();
         // Deregistration waits for the guard, then succeeds.
         let reg = Arc::new(reg);
         let r2 = reg.clone();
-        let t = std::thread::spawn(move || r2.deregister(r.id, Duration::from_secs(5)));
+        let t = std::thread::spawn(move || r2.deregister(r.id, Duration::from_secs(5), &no_fence));
         std::thread::sleep(Duration::from_millis(50));
         assert!(
-            matches!(reg.acquire(r.id), Err(Error::UnknownRegion(_))),
+            matches!(reg.acquire(r.id, r.key), Err(Error::UnknownRegion(_))),
             "new uses fail at once"
         );
         drop(guard);
         t.join().unwrap().unwrap();
-        assert!(reg.deregister(r.id, Duration::from_secs(1)).is_err());
+        assert!(
+            reg.deregister(r.id, Duration::from_secs(1), &no_fence)
+                .is_err()
+        );
     }
 
     #[test]
-    fn busy_region_times_out() {
+    fn a_busy_region_is_fenced_and_only_then_released() {
         let reg = Registry::new();
-        let r = reg.register(0x1000, 10, Location::Host).unwrap();
-        let _g = reg.acquire(r.id).unwrap();
-        assert!(reg.deregister(r.id, Duration::from_millis(50)).is_err());
+        let r = reg.register(0x1000, 10, Location::Host, true).unwrap();
+        let held = Arc::new(Mutex::new(Some(reg.acquire(r.id, r.key).unwrap())));
+        let fenced = std::sync::atomic::AtomicBool::new(false);
+        let h = held.clone();
+        let fence = |id: u64| {
+            assert_eq!(id, r.id);
+            fenced.store(true, Ordering::SeqCst);
+            h.lock().unwrap().take(); // the fenced holder drops its guard
+        };
+        reg.deregister(r.id, Duration::from_millis(50), &fence)
+            .unwrap();
+        assert!(fenced.load(Ordering::SeqCst));
+        // A holder that ignores the fence: deregistration says the memory is still in use.
+        let r = reg.register(0x1000, 10, Location::Host, true).unwrap();
+        let _stuck = reg.acquire(r.id, r.key).unwrap();
+        let err = reg
+            .deregister(r.id, Duration::from_millis(20), &no_fence)
+            .unwrap_err();
+        assert!(matches!(err, Error::StillInUse(_)), "{err}");
     }
 }

@@ -26,6 +26,10 @@ pub enum FailureKind {
     Remote,
     ConnectionLost,
     Timeout,
+    /// A write to read-only memory, or a read into it.
+    ReadOnly,
+    /// A descriptor of an engine's earlier instance.
+    Stale,
     Other,
 }
 
@@ -43,6 +47,8 @@ impl From<&Error> for Failure {
             Error::Remote { .. } => FailureKind::Remote,
             Error::ConnectionLost { .. } => FailureKind::ConnectionLost,
             Error::Timeout { .. } => FailureKind::Timeout,
+            Error::ReadOnly(_) => FailureKind::ReadOnly,
+            Error::Stale(_) => FailureKind::Stale,
             _ => FailureKind::Other,
         };
         Failure {
@@ -69,6 +75,8 @@ pub enum Route {
     Direct = 1,
     /// Same host, GPU memory: the initiator's GPU copies through a CUDA IPC mapping.
     CudaIpc = 2,
+    /// Same host: payloads over the engine's Unix socket (when the direct copy is refused).
+    Local = 3,
 }
 
 impl Route {
@@ -77,12 +85,14 @@ impl Route {
             Route::Tcp => "tcp",
             Route::Direct => "direct",
             Route::CudaIpc => "cuda_ipc",
+            Route::Local => "local",
         }
     }
     fn from_u8(v: u8) -> Route {
         match v {
             1 => Route::Direct,
             2 => Route::CudaIpc,
+            3 => Route::Local,
             _ => Route::Tcp,
         }
     }

@@ -1,14 +1,16 @@
-//! Frames of the TCP data plane (little-endian).
+//! Frames of the mori.io data plane (little-endian), after the mori-auth handshake.
 //!
-//! hello:    "MIOH" | name_len u32 | name                      (each side, once)
-//! request:  "MIOQ" | kind u8 | id u64 | items u32 | notify_len u32
-//!           | items × (region u64, offset u64, len u64) | notify
-//!           | kinds 1 (write): payload (items' bytes)
-//!           | kinds 3, 4 (same-host write/read): initiator pid u32 | items × initiator address u64
-//!             (the target copies straight from/to the initiator's memory; no payload)
+//! hello:    "MIOH" | version u8 | instance u64 | name_len u32 | name    (each side, once)
+//! request:  "MIOQ" | kind u8 | id u64 | region u64 | key u64 | items u32 | notify_len u32
+//!           | items × (offset u64, len u64) | notify
+//!           | kind 1 (write): payload (items' bytes)
+//!           | kinds 3, 4 (same-host write/read, Unix connections only): items × initiator
+//!             address u64 — addresses in the initiator's own memory; the target learns who
+//!             the initiator is from the kernel (SO_PEERCRED), never from the frame
 //! response: "MIOR" | id u64 | code u8 | msg_len u32 | payload_len u64 | msg | read payload
-//! The server checks every item of a request before touching memory; a refused write's payload
-//! is read and discarded so the stream stays in step.
+//! Every request names one region of the target and that region's key. The server checks
+//! every item before touching memory; a refused write's payload is read and discarded so the
+//! stream stays in step.
 
 use std::io::{Read, Write};
 
@@ -17,10 +19,13 @@ use crate::error::{Code, Error, Result};
 pub const HELLO: [u8; 4] = *b"MIOH";
 pub const REQUEST: [u8; 4] = *b"MIOQ";
 pub const RESPONSE: [u8; 4] = *b"MIOR";
+pub const VERSION: u8 = 2;
 pub const MAX_ITEMS: u32 = 1 << 20;
 pub const MAX_NOTIFY: u32 = 64 << 10;
 const MAX_NAME: u32 = 4096;
 const MAX_MSG: u32 = 64 << 10;
+/// Items read per step, so a header that claims many items costs memory only as they arrive.
+const ITEMS_PER_READ: usize = 4096;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -36,7 +41,11 @@ impl Kind {
     pub fn is_direct(self) -> bool {
         matches!(self, Kind::DirectWrite | Kind::DirectRead)
     }
-    /// The same operation through the TCP payload path.
+    /// Whether the request changes the target's memory.
+    pub fn writes_target(self) -> bool {
+        matches!(self, Kind::Write | Kind::DirectWrite)
+    }
+    /// The same operation through the payload path.
     pub fn over_tcp(self) -> Kind {
         match self {
             Kind::DirectWrite => Kind::Write,
@@ -46,28 +55,31 @@ impl Kind {
     }
 }
 
-/// Where the initiator's bytes are, for the same-host kinds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Direct {
-    pub pid: u32,
-    pub addrs: Vec<u64>,
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Item {
-    pub region: u64,
     pub offset: u64,
     pub len: u64,
+}
+
+/// Who an engine is: its name and the instance that tells it from an earlier engine of the
+/// same name (a restart).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub name: String,
+    pub instance: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestHeader {
     pub kind: Kind,
     pub id: u64,
+    /// The target's region and its key.
+    pub region: u64,
+    pub key: u64,
     pub items: Vec<Item>,
     pub notify: Vec<u8>,
-    /// Present exactly for the same-host kinds.
-    pub direct: Option<Direct>,
+    /// The initiator's address of each item, exactly for the same-host kinds.
+    pub direct: Option<Vec<u64>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,50 +107,91 @@ fn ioe(context: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
     move |e| Error::io(context, e)
 }
 
-pub fn write_hello(w: &mut impl Write, name: &str) -> Result<()> {
+fn le64(b: &[u8], at: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(w)
+}
+
+fn le32(b: &[u8], at: usize) -> u32 {
+    let mut w = [0u8; 4];
+    w.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(w)
+}
+
+pub fn write_hello(w: &mut impl Write, me: &Hello) -> Result<()> {
     let mut out = HELLO.to_vec();
-    out.extend_from_slice(&(name.len() as u32).to_le_bytes());
-    out.extend_from_slice(name.as_bytes());
+    out.push(VERSION);
+    out.extend_from_slice(&me.instance.to_le_bytes());
+    out.extend_from_slice(&(me.name.len() as u32).to_le_bytes());
+    out.extend_from_slice(me.name.as_bytes());
     w.write_all(&out)
         .and_then(|()| w.flush())
         .map_err(ioe("sending hello"))
 }
 
-pub fn read_hello(r: &mut impl Read) -> Result<String> {
-    let magic: [u8; 4] = read_array(r).map_err(ioe("reading hello"))?;
-    if magic != HELLO {
+pub fn read_hello(r: &mut impl Read) -> Result<Hello> {
+    let head: [u8; 17] = read_array(r).map_err(ioe("reading hello"))?;
+    if head[..4] != HELLO {
         return Err(bad("not a mori.io peer (bad hello)"));
     }
-    let len = u32::from_le_bytes(read_array(r).map_err(ioe("reading hello"))?);
+    if head[4] != VERSION {
+        return Err(bad(&format!(
+            "the peer speaks mori.io wire version {}, this engine {VERSION}",
+            head[4]
+        )));
+    }
+    let instance = le64(&head, 5);
+    let len = le32(&head, 13);
     if len > MAX_NAME {
         return Err(bad("hello name too long"));
     }
     let mut name = vec![0u8; len as usize];
     r.read_exact(&mut name).map_err(ioe("reading hello"))?;
-    String::from_utf8(name).map_err(|_| bad("hello name is not UTF-8"))
+    let name = String::from_utf8(name).map_err(|_| bad("hello name is not UTF-8"))?;
+    Ok(Hello { name, instance })
 }
 
 /// Header bytes of a request (the payload follows separately).
 pub fn encode_request(h: &RequestHeader) -> Vec<u8> {
-    let mut out = Vec::with_capacity(21 + h.items.len() * 24 + h.notify.len());
+    let direct = h.direct.as_ref().map_or(0, Vec::len);
+    let mut out = Vec::with_capacity(45 + h.items.len() * 16 + h.notify.len() + direct * 8);
     out.extend_from_slice(&REQUEST);
     out.push(h.kind as u8);
     out.extend_from_slice(&h.id.to_le_bytes());
+    out.extend_from_slice(&h.region.to_le_bytes());
+    out.extend_from_slice(&h.key.to_le_bytes());
     out.extend_from_slice(&(h.items.len() as u32).to_le_bytes());
     out.extend_from_slice(&(h.notify.len() as u32).to_le_bytes());
     for it in &h.items {
-        out.extend_from_slice(&it.region.to_le_bytes());
         out.extend_from_slice(&it.offset.to_le_bytes());
         out.extend_from_slice(&it.len.to_le_bytes());
     }
     out.extend_from_slice(&h.notify);
-    if let Some(d) = &h.direct {
-        out.extend_from_slice(&d.pid.to_le_bytes());
-        for a in &d.addrs {
-            out.extend_from_slice(&a.to_le_bytes());
-        }
+    for a in h.direct.iter().flatten() {
+        out.extend_from_slice(&a.to_le_bytes());
     }
     out
+}
+
+/// Reads `n` little-endian records of `size` bytes, a bounded number at a time.
+fn read_records<T>(
+    r: &mut impl Read,
+    n: usize,
+    size: usize,
+    parse: impl Fn(&[u8]) -> T,
+) -> Result<Vec<T>> {
+    let mut out = Vec::with_capacity(n.min(ITEMS_PER_READ));
+    let mut raw = vec![0u8; n.min(ITEMS_PER_READ) * size];
+    let mut left = n;
+    while left > 0 {
+        let k = left.min(ITEMS_PER_READ);
+        r.read_exact(&mut raw[..k * size])
+            .map_err(ioe("reading a request"))?;
+        out.extend(raw[..k * size].chunks_exact(size).map(&parse));
+        left -= k;
+    }
+    Ok(out)
 }
 
 /// Reads a request header; `Ok(None)` at a clean end of stream.
@@ -152,7 +205,7 @@ pub fn read_request(r: &mut impl Read) -> Result<Option<RequestHeader>> {
     if magic != REQUEST {
         return Err(bad("bad request magic"));
     }
-    let fixed: [u8; 17] = read_array(r).map_err(ioe("reading a request"))?;
+    let fixed: [u8; 33] = read_array(r).map_err(ioe("reading a request"))?;
     let kind = match fixed[0] {
         1 => Kind::Write,
         2 => Kind::Read,
@@ -160,45 +213,28 @@ pub fn read_request(r: &mut impl Read) -> Result<Option<RequestHeader>> {
         4 => Kind::DirectRead,
         _ => return Err(bad("bad request kind")),
     };
-    let word =
-        |at: usize| u32::from_le_bytes([fixed[at], fixed[at + 1], fixed[at + 2], fixed[at + 3]]);
-    let id = u64::from_le_bytes(fixed[1..9].try_into().map_err(|_| bad("short request"))?);
-    let (n, notify_len) = (word(9), word(13));
+    let (id, region, key) = (le64(&fixed, 1), le64(&fixed, 9), le64(&fixed, 17));
+    let (n, notify_len) = (le32(&fixed, 25), le32(&fixed, 29));
     if n > MAX_ITEMS || notify_len > MAX_NOTIFY {
         return Err(bad("request too large"));
     }
-    let mut raw = vec![0u8; n as usize * 24];
-    r.read_exact(&mut raw)
-        .map_err(ioe("reading request items"))?;
-    let items = raw
-        .chunks_exact(24)
-        .map(|c| {
-            let w = |i: usize| u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
-            Item {
-                region: w(0),
-                offset: w(1),
-                len: w(2),
-            }
-        })
-        .collect();
+    let items = read_records(r, n as usize, 16, |c| Item {
+        offset: le64(c, 0),
+        len: le64(c, 8),
+    })?;
     let mut notify = vec![0u8; notify_len as usize];
     r.read_exact(&mut notify)
         .map_err(ioe("reading a request"))?;
     let direct = if kind.is_direct() {
-        let pid = u32::from_le_bytes(read_array(r).map_err(ioe("reading a request"))?);
-        let mut raw = vec![0u8; n as usize * 8];
-        r.read_exact(&mut raw).map_err(ioe("reading a request"))?;
-        let addrs = raw
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-            .collect();
-        Some(Direct { pid, addrs })
+        Some(read_records(r, n as usize, 8, |c| le64(c, 0))?)
     } else {
         None
     };
     Ok(Some(RequestHeader {
         kind,
         id,
+        region,
+        key,
         items,
         notify,
         direct,
@@ -266,14 +302,11 @@ mod tests {
         let req = RequestHeader {
             kind: Kind::Read,
             id: 77,
+            region: 3,
+            key: 0xdead_beef_0bad_cafe,
             items: vec![
+                Item { offset: 5, len: 9 },
                 Item {
-                    region: 3,
-                    offset: 5,
-                    len: 9,
-                },
-                Item {
-                    region: 4,
                     offset: 0,
                     len: 1 << 33,
                 },
@@ -285,10 +318,7 @@ mod tests {
         assert_eq!(read_request(&mut bytes.as_slice()).unwrap().unwrap(), req);
         let direct = RequestHeader {
             kind: Kind::DirectWrite,
-            direct: Some(Direct {
-                pid: 42,
-                addrs: vec![1, 2],
-            }),
+            direct: Some(vec![1, 2]),
             ..req.clone()
         };
         assert_eq!(
@@ -308,9 +338,28 @@ mod tests {
             read_response(&mut encode_response(&resp).as_slice()).unwrap(),
             resp
         );
+        let me = Hello {
+            name: "engine-a".into(),
+            instance: 42,
+        };
         let mut hello = Vec::new();
-        write_hello(&mut hello, "engine-a").unwrap();
-        assert_eq!(read_hello(&mut hello.as_slice()).unwrap(), "engine-a");
+        write_hello(&mut hello, &me).unwrap();
+        assert_eq!(read_hello(&mut hello.as_slice()).unwrap(), me);
         assert!(read_hello(&mut b"XXXX".as_slice()).is_err());
+    }
+
+    #[test]
+    fn a_header_claiming_many_items_fails_on_its_short_body() {
+        let mut bytes = encode_request(&RequestHeader {
+            kind: Kind::Read,
+            id: 1,
+            region: 1,
+            key: 1,
+            items: vec![],
+            notify: vec![],
+            direct: None,
+        });
+        bytes[29..33].copy_from_slice(&MAX_ITEMS.to_le_bytes());
+        assert!(read_request(&mut bytes.as_slice()).is_err());
     }
 }

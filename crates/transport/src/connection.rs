@@ -1,5 +1,6 @@
-//! The TCP transport: a server that applies peers' reads and writes to registered memory, and
-//! client connections that carry this engine's requests. Works between any two hosts.
+//! Client connections that carry this engine's requests to one peer engine: TCP (any host) or
+//! the peer's same-host Unix socket. Each proves the deployment secret and checks that the
+//! peer is the engine instance its descriptor names before anything else is sent.
 //!
 //! Each connection has a sender thread (requests are queued, so submitting costs the caller
 //! almost nothing), a reader thread (responses, scattering read data into local memory), and
@@ -9,262 +10,33 @@
 
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::access::{receive_into, send_from};
-use crate::direct::{self, Direction};
 use crate::error::{Code, Error, Result};
-use crate::registry::{Location, Registry, UseGuard};
+use crate::registry::UseGuard;
+use crate::server::PURPOSE;
+use crate::stream::{Stream, my_uid};
 use crate::transfer::{Route, Transfer};
-use crate::wire::{self, Direct, Item, Kind, RequestHeader, ResponseHeader};
+use crate::wire::{self, Hello, Item, Kind, RequestHeader};
 
 const IO_BUFFER: usize = 256 << 10;
 const POLL: Duration = Duration::from_millis(20);
-
-/// Called with (peer engine name, tag) when a peer's write that asked for it has completed.
-pub type NotifySink = Arc<dyn Fn(String, Vec<u8>) + Send + Sync>;
-
-/// Serves peers' requests against `registry` until dropped.
-pub struct Server {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    streams: Arc<Mutex<Vec<TcpStream>>>,
-}
-
-impl Server {
-    pub fn start(
-        bind: SocketAddr,
-        name: String,
-        registry: Arc<Registry>,
-        notify: NotifySink,
-    ) -> Result<Self> {
-        let listener =
-            TcpListener::bind(bind).map_err(|e| Error::io(format!("listening on {bind}"), e))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| Error::io("reading the listen address", e))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| Error::io("configuring the listener", e))?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let streams = Arc::new(Mutex::new(Vec::new()));
-        let (stop2, streams2) = (stop.clone(), streams.clone());
-        std::thread::Builder::new()
-            .name(format!("mori-io-accept-{name}"))
-            .spawn(move || {
-                while !stop2.load(Ordering::SeqCst) {
-                    match listener.accept() {
-                        Ok((stream, peer_addr)) => {
-                            if let Ok(clone) = stream.try_clone()
-                                && let Ok(mut list) = streams2.lock()
-                            {
-                                list.push(clone);
-                            }
-                            let (reg, notify, name) =
-                                (registry.clone(), notify.clone(), name.clone());
-                            let spawned = std::thread::Builder::new()
-                                .name(format!("mori-io-serve-{peer_addr}"))
-                                .spawn(move || {
-                                    if let Err(e) = serve(stream, &name, &reg, &notify) {
-                                        tracing::debug!(
-                                            "mori.io connection from {peer_addr} ended: {e}"
-                                        );
-                                    }
-                                });
-                            if let Err(e) = spawned {
-                                tracing::warn!("cannot start a mori.io server thread: {e}");
-                            }
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                            std::thread::sleep(POLL)
-                        }
-                        Err(e) => tracing::warn!("mori.io accept failed: {e}"),
-                    }
-                }
-            })
-            .map_err(|e| Error::io("starting the accept thread", e))?;
-        Ok(Self {
-            addr,
-            stop,
-            streams,
-        })
-    }
-
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Ok(list) = self.streams.lock() {
-            for s in list.iter() {
-                let _ = s.shutdown(Shutdown::Both);
-            }
-        }
-    }
-}
-
-/// One peer connection's request loop.
-fn serve(stream: TcpStream, name: &str, registry: &Registry, notify: &NotifySink) -> Result<()> {
-    stream
-        .set_nodelay(true)
-        .map_err(|e| Error::io("configuring a connection", e))?;
-    stream
-        .set_nonblocking(false)
-        .map_err(|e| Error::io("configuring a connection", e))?;
-    let mut reader = BufReader::with_capacity(
-        IO_BUFFER,
-        stream
-            .try_clone()
-            .map_err(|e| Error::io("cloning a socket", e))?,
-    );
-    let mut writer = BufWriter::with_capacity(IO_BUFFER, stream);
-    let peer = wire::read_hello(&mut reader)?;
-    wire::write_hello(&mut writer, name)?;
-    while let Some(req) = wire::read_request(&mut reader)? {
-        // Check every item before touching any memory.
-        let checked: Result<Vec<UseGuard>> = req
-            .items
-            .iter()
-            .map(|it| {
-                let g = registry.acquire(it.region)?;
-                g.region().check(it.offset, it.len)?;
-                Ok(g)
-            })
-            .collect();
-        let payload_in: u64 = if req.kind == Kind::Write {
-            req.items.iter().map(|i| i.len).sum()
-        } else {
-            0
-        };
-        let guards = match checked {
-            Ok(g) => g,
-            Err(e) => {
-                wire::discard(&mut reader, payload_in)?;
-                let code = match e {
-                    Error::UnknownRegion(_) => Code::UnknownRegion,
-                    Error::OutOfRange(_) => Code::OutOfRange,
-                    _ => Code::Internal,
-                };
-                respond(&mut writer, req.id, code, &e.to_string(), 0)?;
-                continue;
-            }
-        };
-        match req.kind {
-            Kind::Write => {
-                let mut failed = None;
-                for (it, g) in req.items.iter().zip(&guards) {
-                    if failed.is_some() {
-                        wire::discard(&mut reader, it.len)?;
-                    } else if let Err(e) = receive_into(&mut reader, g.region(), it.offset, it.len)
-                    {
-                        // A socket error ends the connection; a device error fails the request.
-                        if matches!(e, Error::Io { .. }) {
-                            return Err(e);
-                        }
-                        failed = Some(e.to_string());
-                    }
-                }
-                drop(guards);
-                match failed {
-                    Some(msg) => respond(&mut writer, req.id, Code::Internal, &msg, 0)?,
-                    None => {
-                        if !req.notify.is_empty() {
-                            notify(peer.clone(), req.notify.clone());
-                        }
-                        respond(&mut writer, req.id, Code::Ok, "", 0)?;
-                    }
-                }
-            }
-            Kind::DirectWrite | Kind::DirectRead => {
-                let outcome = serve_direct(&req, &guards);
-                drop(guards);
-                match outcome {
-                    Ok(()) => {
-                        if req.kind == Kind::DirectWrite && !req.notify.is_empty() {
-                            notify(peer.clone(), req.notify.clone());
-                        }
-                        respond(&mut writer, req.id, Code::Ok, "", 0)?;
-                    }
-                    Err(msg) => respond(&mut writer, req.id, Code::DirectUnavailable, &msg, 0)?,
-                }
-            }
-            Kind::Read => {
-                let total: u64 = req.items.iter().map(|i| i.len).sum();
-                writer
-                    .write_all(&wire::encode_response(&ResponseHeader {
-                        id: req.id,
-                        code: Code::Ok,
-                        message: String::new(),
-                        payload_len: total,
-                    }))
-                    .map_err(|e| Error::io("sending a response", e))?;
-                for (it, g) in req.items.iter().zip(&guards) {
-                    send_from(&mut writer, g.region(), it.offset, it.len)?;
-                }
-                writer
-                    .flush()
-                    .map_err(|e| Error::io("sending a response", e))?;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Copies a same-host request's items straight between the initiator's memory and ours.
-/// Any refusal (GPU memory, kernel permission) is returned as a message for DirectUnavailable.
-fn serve_direct(req: &RequestHeader, guards: &[UseGuard]) -> std::result::Result<(), String> {
-    let d = req
-        .direct
-        .as_ref()
-        .ok_or("a same-host request without initiator addresses")?;
-    if d.addrs.len() != req.items.len() {
-        return Err("initiator addresses do not match the items".into());
-    }
-    let mut pairs = Vec::with_capacity(req.items.len());
-    for ((it, g), &theirs) in req.items.iter().zip(guards).zip(&d.addrs) {
-        let r = g.region();
-        if r.location != Location::Host {
-            return Err(
-                "target memory is on a GPU: the same-host path moves host memory only".into(),
-            );
-        }
-        pairs.push((r.addr + it.offset, theirs, it.len));
-    }
-    let dir = if req.kind == Kind::DirectWrite {
-        Direction::Pull
-    } else {
-        Direction::Push
-    };
-    // SAFETY: every "ours" range lies in a registered host region (checked, guard held).
-    unsafe { direct::copy(d.pid, dir, &pairs) }.map_err(|e| e.to_string())
-}
-
-fn respond(w: &mut impl Write, id: u64, code: Code, message: &str, payload_len: u64) -> Result<()> {
-    let bytes = wire::encode_response(&ResponseHeader {
-        id,
-        code,
-        message: message.into(),
-        payload_len,
-    });
-    w.write_all(&bytes)
-        .and_then(|()| w.flush())
-        .map_err(|e| Error::io("sending a response", e))
-}
 
 pub use crate::batch::Batch;
 
 /// One request of a transfer: remote items, the local side of each, the transfer to complete.
 pub struct Job {
     pub kind: Kind,
-    /// The remote region every item addresses.
+    /// The remote region every item addresses, and its key.
     pub remote_region: u64,
+    pub remote_key: u64,
     /// The whole batch (shared by its requests) and the items this request carries.
     pub batch: Arc<Batch>,
     pub range: std::ops::Range<usize>,
@@ -283,8 +55,9 @@ pub struct Job {
 /// last request (carrying the tag) lands last.
 pub struct BatchRequest {
     pub kind: Kind,
-    /// The remote region every item addresses.
+    /// The remote region every item addresses, and its key.
     pub remote_region: u64,
+    pub remote_key: u64,
     pub batch: Batch,
     /// The local region, kept registered until the last request completes.
     pub local: Arc<UseGuard>,
@@ -345,52 +118,114 @@ struct Pending {
     deadline: Instant,
 }
 
+/// Where a peer engine listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    Tcp(SocketAddr),
+    /// The peer's same-host socket.
+    Unix(PathBuf),
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Tcp(a) => write!(f, "{a}"),
+            Target::Unix(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
 /// A client connection to one peer engine.
 pub struct Connection {
     peer: String,
     jobs: Mutex<Option<mpsc::Sender<Work>>>,
     alive: Arc<AtomicBool>,
-    /// False once the peer refused a same-host request (it then goes over TCP).
+    /// True on a same-host socket until the peer refuses a same-host copy (then payloads
+    /// go over the socket).
     direct_ok: Arc<AtomicBool>,
-    stream: TcpStream,
+    local: bool,
+    stream: Stream,
+}
+
+/// Opens the stream to `target` and, on a same-host socket, checks that the listening process
+/// is this user's and lets it copy our registered memory (see [`crate::direct::allow_peer`]).
+fn dial(target: &Target, peer: &str, timeout: Duration) -> Result<Stream> {
+    let lost = |e: std::io::Error| Error::ConnectionLost {
+        peer: peer.to_string(),
+        detail: format!("cannot connect to {target}: {e}"),
+    };
+    match target {
+        Target::Tcp(addr) => Ok(Stream::Tcp(
+            TcpStream::connect_timeout(addr, timeout).map_err(lost)?,
+        )),
+        Target::Unix(path) => {
+            let s = Stream::Unix(UnixStream::connect(path).map_err(lost)?);
+            let owner = s
+                .peer_process()
+                .ok_or_else(|| Error::Auth("not a Unix socket".into()))??;
+            if owner.uid != my_uid() {
+                return Err(Error::Auth(format!(
+                    "{target} is served by uid {}, not by this user",
+                    owner.uid
+                )));
+            }
+            crate::direct::allow_peer(owner.pid);
+            Ok(s)
+        }
+    }
 }
 
 impl Connection {
-    /// Connects to `addr` (the peer engine `peer`), giving up after `timeout`.
+    /// Connects to `target`, proves the deployment secret, and checks that the peer is
+    /// `expect` (name and instance), giving up after `timeout`.
     pub fn open(
-        addr: SocketAddr,
-        my_name: &str,
-        peer: &str,
+        target: &Target,
+        me: &Hello,
+        expect: &Hello,
+        secret: &mori_auth::Secret,
         timeout: Duration,
     ) -> Result<Arc<Self>> {
-        let stream =
-            TcpStream::connect_timeout(&addr, timeout).map_err(|e| Error::ConnectionLost {
-                peer: peer.to_string(),
-                detail: format!("cannot connect to {addr}: {e}"),
-            })?;
+        let peer = expect.name.as_str();
+        let stream = dial(target, peer, timeout)?;
         let ctx = |e| Error::io(format!("setting up the connection to {peer}"), e);
-        stream.set_nodelay(true).map_err(ctx)?;
+        stream.configure().map_err(ctx)?;
         stream.set_read_timeout(Some(timeout)).map_err(ctx)?;
+        let mut raw = stream.try_clone().map_err(ctx)?;
+        mori_auth::connect(&mut raw, secret, PURPOSE).map_err(|e| match e {
+            mori_auth::Error::Rejected(m) => {
+                Error::Auth(format!("engine {peer:?} at {target}: {m}"))
+            }
+            other => Error::from(other),
+        })?;
         let mut writer = BufWriter::with_capacity(IO_BUFFER, stream.try_clone().map_err(ctx)?);
-        let mut reader = BufReader::with_capacity(IO_BUFFER, stream.try_clone().map_err(ctx)?);
-        wire::write_hello(&mut writer, my_name)?;
-        let their_name = wire::read_hello(&mut reader)?;
-        if their_name != peer {
+        let mut reader = BufReader::with_capacity(IO_BUFFER, raw);
+        wire::write_hello(&mut writer, me)?;
+        let they = wire::read_hello(&mut reader)?;
+        if they.name != expect.name {
             return Err(Error::InvalidArgument(format!(
-                "{addr} is engine {their_name:?}, not {peer:?}"
+                "{target} is engine {:?}, not {peer:?}",
+                they.name
+            )));
+        }
+        if they.instance != expect.instance {
+            return Err(Error::Stale(format!(
+                "{target} is another instance of engine {peer:?} than its descriptor names \
+                 (the engine restarted): get its new descriptor"
             )));
         }
         stream.set_read_timeout(None).map_err(ctx)?;
+        let local = stream.is_unix();
         let alive = Arc::new(AtomicBool::new(true));
         let pending: Arc<Mutex<HashMap<u64, Pending>>> = Arc::new(Mutex::new(HashMap::new()));
         let (tx, rx) = mpsc::channel::<Work>();
         let tx_retry = tx.clone();
-        let direct_ok = Arc::new(AtomicBool::new(true));
+        let direct_ok = Arc::new(AtomicBool::new(local));
         let conn = Arc::new(Self {
             peer: peer.to_string(),
             jobs: Mutex::new(Some(tx)),
             alive: alive.clone(),
             direct_ok: direct_ok.clone(),
+            local,
             stream: stream.try_clone().map_err(ctx)?,
         });
         {
@@ -458,6 +293,11 @@ impl Connection {
         self.direct_ok.load(Ordering::SeqCst)
     }
 
+    /// Whether this is a same-host (Unix socket) connection.
+    pub fn is_local(&self) -> bool {
+        self.local
+    }
+
     /// Queues a request; its transfer completes (or fails) later.
     pub fn submit(&self, job: Job) {
         self.submit_all(vec![job]);
@@ -485,6 +325,7 @@ impl Connection {
             self.submit(Job {
                 kind: req.kind,
                 remote_region: req.remote_region,
+                remote_key: req.remote_key,
                 batch: Arc::new(req.batch),
                 range: 0..0,
                 local: req.local,
@@ -536,7 +377,7 @@ impl Connection {
         if let Ok(mut g) = self.jobs.lock() {
             g.take();
         }
-        let _ = self.stream.shutdown(Shutdown::Both);
+        self.stream.shutdown();
     }
 }
 
@@ -580,12 +421,12 @@ fn fail_all(pending: &Mutex<HashMap<u64, Pending>>, e: &Error) {
 
 /// A connection's sender thread.
 struct Sender {
-    writer: BufWriter<TcpStream>,
+    writer: BufWriter<Stream>,
     pending: Arc<Mutex<HashMap<u64, Pending>>>,
     alive: Arc<AtomicBool>,
     peer: String,
     timeout: Duration,
-    stream: TcpStream,
+    stream: Stream,
     next_id: u64,
 }
 
@@ -626,7 +467,7 @@ impl Sender {
             &self.peer,
         ) {
             self.alive.store(false, Ordering::SeqCst);
-            let _ = self.stream.shutdown(Shutdown::Both); // wakes the reader, which fails the rest
+            self.stream.shutdown(); // wakes the reader, which fails the rest
             tracing::debug!("mori.io send to {} failed: {e}", self.peer);
         }
     }
@@ -659,6 +500,7 @@ impl Sender {
             dealt[c % ways].push(Job {
                 kind: req.kind,
                 remote_region: req.remote_region,
+                remote_key: req.remote_key,
                 batch: batch.clone(),
                 range,
                 local: req.local.clone(),
@@ -683,7 +525,7 @@ impl Sender {
 }
 
 fn send_one(
-    writer: &mut BufWriter<TcpStream>,
+    writer: &mut BufWriter<Stream>,
     pending: &Mutex<HashMap<u64, Pending>>,
     id: u64,
     job: Job,
@@ -703,20 +545,22 @@ fn send_one(
             return Ok(()); // this request fails; the connection is fine
         }
         items.push(Item {
-            region: job.remote_region,
             offset: b.remote_offset(i),
             len,
         });
         local.push((off, len));
     }
-    // Same-host kinds name where the initiator's bytes are instead of carrying them.
-    let direct = job.kind.is_direct().then(|| Direct {
-        pid: std::process::id(),
-        addrs: local.iter().map(|&(off, _)| region.addr + off).collect(),
-    });
+    // Same-host kinds name where the initiator's bytes are (in its own memory) instead of
+    // carrying them.
+    let direct = job
+        .kind
+        .is_direct()
+        .then(|| local.iter().map(|&(off, _)| region.addr + off).collect());
     let header = wire::encode_request(&RequestHeader {
         kind: job.kind,
         id,
+        region: job.remote_region,
+        key: job.remote_key,
         items,
         notify: job.notify.clone(),
         direct,
@@ -798,7 +642,7 @@ struct Retry {
 }
 
 fn receive_loop(
-    reader: &mut BufReader<TcpStream>,
+    reader: &mut BufReader<Stream>,
     pending: &Mutex<HashMap<u64, Pending>>,
     peer: &str,
     retry: &Retry,
@@ -821,17 +665,17 @@ fn receive_loop(
             continue;
         };
         if resp.code == Code::DirectUnavailable && p.job.kind.is_direct() {
-            // The peer cannot reach our memory directly: use TCP from now on.
+            // The peer cannot reach our memory directly: send payloads from now on.
             wire::discard(reader, resp.payload_len)?;
             if retry.direct_ok.swap(false, Ordering::SeqCst) {
                 tracing::info!(
-                    "same-host path to {peer} refused ({}); using TCP",
+                    "same-host copy to {peer} refused ({}); sending payloads over the socket",
                     resp.message
                 );
             }
             let mut job = p.job;
             job.kind = job.kind.over_tcp();
-            job.transfer.set_route(crate::transfer::Route::Tcp);
+            job.transfer.set_route(Route::Local);
             if let Err(mpsc::SendError(work)) = retry.jobs.send(Work::Jobs(vec![job])) {
                 work.fail(&Error::ConnectionLost {
                     peer: peer.to_string(),
