@@ -71,6 +71,21 @@ class TransportError(MoriError):
     """A transfer failed in transport: the peer disconnected or died, or refused the request."""
 
 
+class AuthenticationError(TransportError, PermissionError):
+    """A peer did not prove the deployment secret (``MORI_SECRET_FILE`` / ``MORI_SECRET`` /
+    the per-user default differ between the two sides), or is not who it should be."""
+
+
+class StaleDescriptorError(TransportError):
+    """A descriptor of an engine's earlier instance (it restarted) or of a registration that
+    is gone: fetch a new one from the peer."""
+
+
+class StillInUseError(TransportError):
+    """Deregistration could not stop every peer access in time (a peer's GPU copy): the memory
+    must stay allocated; the engine keeps the registered object alive."""
+
+
 class TimeoutError(MoriError, builtins.TimeoutError):  # noqa: A001 - deliberately mirrors the builtin
     """An operation did not complete within its timeout (also a builtin ``TimeoutError``)."""
 
@@ -87,4 +102,7 @@ __all__ = [
     "OutOfMemoryError",
     "TimeoutError",
     "TransportError",
+    "AuthenticationError",
+    "StaleDescriptorError",
+    "StillInUseError",
 ]

@@ -34,7 +34,7 @@ import numpy as np
 
 from mori import _core
 from mori._arrays import int64_array
-from mori.errors import InvalidArgumentError
+from mori.errors import InvalidArgumentError, StillInUseError
 
 __all__ = ["IOEngine", "MemoryDesc", "Session", "Transfer"]
 
@@ -45,7 +45,7 @@ class MemoryDesc:
     def __init__(self, raw: bytes, owner: Any = None):
         self._raw = bytes(raw)
         self._owner = owner
-        self.engine, self.id, self.nbytes, device, self.cuda_ipc = _core.io_memory_desc_info(self._raw)
+        self.engine, self.id, self.nbytes, device, self.cuda_ipc, self.writable = _core.io_memory_desc_info(self._raw)
         self.device = None if device < 0 else device
 
     def pack(self) -> bytes:
@@ -57,13 +57,14 @@ class MemoryDesc:
 
     def __repr__(self) -> str:
         where = "host" if self.device is None else f"cuda:{self.device}" + (", cuda_ipc" if self.cuda_ipc else "")
-        return f"MemoryDesc(engine={self.engine!r}, id={self.id}, nbytes={self.nbytes}, {where})"
+        ro = "" if self.writable else ", read-only"
+        return f"MemoryDesc(engine={self.engine!r}, id={self.id}, nbytes={self.nbytes}, {where}{ro})"
 
 
 Transfer = _core.Transfer
 """A transfer in flight: ``wait(timeout)`` (True once done, False if ``timeout`` passed first;
 raises if it failed), ``done()``, ``status`` (``"pending"``, ``"done"`` or ``"failed"``),
-``route`` (``"cuda_ipc"``, ``"direct"`` or ``"tcp"``), or ``await`` it. Submissions return the
+``route`` (``"cuda_ipc"``, ``"direct"``, ``"local"`` or ``"tcp"``), or ``await`` it. Submissions return the
 extension's object itself (no wrapper to build on the submission path)."""
 
 
@@ -85,20 +86,21 @@ def _await(transfer: Transfer):
     return fut.__await__()
 
 
-def _region(obj: Any) -> tuple[int, int, int]:
-    """(address, bytes, device or -1) of memory to register."""
+def _region(obj: Any) -> tuple[int, int, int, bool]:
+    """(address, bytes, device or -1, writable) of memory to register."""
     if isinstance(obj, tuple) and len(obj) == 3:
         ptr, nbytes, device = obj
-        return int(ptr), int(nbytes), -1 if device is None else int(device)
+        return int(ptr), int(nbytes), -1 if device is None else int(device), True
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
             raise InvalidArgumentError("register needs a C-contiguous numpy array")
-        return obj.ctypes.data, obj.nbytes, -1
+        # A read-only array (e.g. np.frombuffer(bytes)) may be read by peers, never written.
+        return obj.ctypes.data, obj.nbytes, -1, bool(obj.flags.writeable)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         if not obj.is_contiguous():
             raise InvalidArgumentError("register needs a contiguous tensor")
-        return obj.data_ptr(), obj.numel() * obj.element_size(), obj.device.index if obj.is_cuda else -1
+        return obj.data_ptr(), obj.numel() * obj.element_size(), obj.device.index if obj.is_cuda else -1, True
     raise InvalidArgumentError(f"cannot register {type(obj).__name__}: pass a numpy array, a tensor or (ptr, nbytes, device)")
 
 
@@ -118,20 +120,39 @@ class IOEngine:
         cuda_ipc: bool = True,
         copy_engine_threshold: int | None = None,
         ipc_blocks: int = 0,
+        secret: bytes | str | None = None,
+        handshake_timeout: float = 10.0,
+        max_connections: int = 1024,
     ):
-        """``same_host_direct``: between engines on one host, host memory is copied directly
-        between the processes (one copy, no socket payload; falls back to TCP if the kernel
-        refuses). Enabling it lets other processes of this user read and write this process's
-        memory (``PR_SET_PTRACER_ANY``); pass False to keep everything on TCP.
+        """``secret``: the deployment secret (at least 16 bytes) every connection proves in
+        both directions, without sending it; None: ``MORI_SECRET_FILE``, else ``MORI_SECRET``,
+        else the per-user file ``~/.config/mori/secret`` (created on first use), so engines of
+        one user on one host agree by default. Engines on other hosts need the same secret.
+
+        ``same_host_direct``: engines on one host connect over a Unix socket in a private
+        directory and host memory is copied directly between the two processes (one copy, no
+        socket payload). The kernel names the peer process; a peer can only make this engine
+        copy between its registered regions and the peer's own memory. Payloads go over the
+        socket when the kernel refuses the copy; pass False to use TCP only.
 
         ``cuda_ipc``: export registered GPU memory for CUDA IPC and use peers' exported GPU
         memory through IPC mappings (same host); pass False to keep GPU memory on TCP.
         ``copy_engine_threshold``: cuda_ipc items of at least this many bytes go through the copy
         engine instead of the gather/scatter kernel (None: ``MORI_IO_CE_THRESHOLD``, else 2 MiB).
-        ``ipc_blocks``: thread blocks of a gather/scatter launch (0: two per SM)."""
+        ``ipc_blocks``: thread blocks of a gather/scatter launch (0: two per SM).
+
+        ``handshake_timeout``: a connection that has not authenticated by then is dropped.
+        ``max_connections``: connections served at once (a quarter of them at most still in
+        their handshake; at most 64 per peer engine)."""
+        if isinstance(secret, str):
+            secret = secret.encode()
         self._inner = _core.IoEngine(
-            name, host, port, connections_per_peer, timeout, chunk_bytes, same_host_direct, cuda_ipc, copy_engine_threshold, ipc_blocks
+            name, host, port, connections_per_peer, timeout, chunk_bytes, same_host_direct, cuda_ipc, copy_engine_threshold, ipc_blocks, secret,
+            handshake_timeout, max_connections,
         )
+        # Objects whose deregistration could not stop a peer in time: kept alive (never
+        # freed) for the engine's lifetime, so no peer ever writes into reused memory.
+        self._held: list[Any] = []
 
     @property
     def name(self) -> str:
@@ -143,12 +164,21 @@ class IOEngine:
         return self._inner.desc
 
     def register(self, obj: Any) -> MemoryDesc:
-        ptr, nbytes, device = _region(obj)
-        return MemoryDesc(self._inner.register(ptr, nbytes, device), owner=obj)
+        """Registers a numpy array, a tensor or ``(ptr, nbytes, device)``. Read-only arrays are
+        registered read-only: peers may read them; writes into them are refused."""
+        ptr, nbytes, device, writable = _region(obj)
+        return MemoryDesc(self._inner.register(ptr, nbytes, device, writable), owner=obj)
 
     def deregister(self, mem: MemoryDesc) -> None:
-        """Stops serving ``mem`` and waits for transfers using it; the memory may then be freed."""
-        self._inner.deregister(mem.pack())
+        """Stops serving ``mem`` (new requests fail at once), waits for transfers using it and,
+        past the timeout, cuts the connections still using it; on return no peer can touch the
+        memory and it may be freed. Raises :class:`~mori.errors.StillInUseError` if a peer's
+        GPU copy could not be stopped: the engine then keeps the object alive."""
+        try:
+            self._inner.deregister(mem.pack())
+        except StillInUseError:
+            self._held.append(mem._owner)
+            raise
 
     def connect(self, desc: bytes) -> str:
         """Connects to a peer (again, if it restarted); returns its name."""

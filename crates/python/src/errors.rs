@@ -14,6 +14,9 @@ pyo3::import_exception!(mori.errors, MismatchError);
 pyo3::import_exception!(mori.errors, TimeoutError);
 pyo3::import_exception!(mori.errors, OutOfMemoryError);
 pyo3::import_exception!(mori.errors, TransportError);
+pyo3::import_exception!(mori.errors, AuthenticationError);
+pyo3::import_exception!(mori.errors, StaleDescriptorError);
+pyo3::import_exception!(mori.errors, StillInUseError);
 
 /// Every error a binding can return.
 #[derive(Debug)]
@@ -107,8 +110,12 @@ impl From<Error> for PyErr {
                 match e {
                     mori_io::Error::UnknownRegion(_)
                     | mori_io::Error::OutOfRange(_)
+                    | mori_io::Error::ReadOnly(_)
                     | mori_io::Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
                     mori_io::Error::Timeout { .. } => TimeoutError::new_err(msg),
+                    mori_io::Error::Auth(_) => AuthenticationError::new_err(msg),
+                    mori_io::Error::Stale(_) => StaleDescriptorError::new_err(msg),
+                    mori_io::Error::StillInUse(_) => StillInUseError::new_err(msg),
                     _ => TransportError::new_err(msg),
                 }
             }
@@ -136,9 +143,10 @@ impl From<Error> for PyErr {
                 }
             }
             Error::TransferFailed(f) => match f.kind {
-                mori_io::FailureKind::UnknownRegion | mori_io::FailureKind::OutOfRange => {
-                    InvalidArgumentError::new_err(f.message)
-                }
+                mori_io::FailureKind::UnknownRegion
+                | mori_io::FailureKind::OutOfRange
+                | mori_io::FailureKind::ReadOnly => InvalidArgumentError::new_err(f.message),
+                mori_io::FailureKind::Stale => StaleDescriptorError::new_err(f.message),
                 mori_io::FailureKind::Timeout => TimeoutError::new_err(f.message),
                 _ => TransportError::new_err(f.message),
             },

@@ -91,7 +91,7 @@ pub struct IoEngine {
 impl IoEngine {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (name, host="127.0.0.1", port=0, connections_per_peer=2, timeout=30.0, chunk_bytes=4194304, same_host_direct=true, cuda_ipc=true, ce_threshold=None, ipc_blocks=0))]
+    #[pyo3(signature = (name, host="127.0.0.1", port=0, connections_per_peer=2, timeout=30.0, chunk_bytes=4194304, same_host_direct=true, cuda_ipc=true, ce_threshold=None, ipc_blocks=0, secret=None, handshake_timeout=10.0, max_connections=1024))]
     fn new(
         name: &str,
         host: &str,
@@ -103,7 +103,21 @@ impl IoEngine {
         cuda_ipc: bool,
         ce_threshold: Option<u64>,
         ipc_blocks: u32,
+        secret: Option<&[u8]>,
+        handshake_timeout: f64,
+        max_connections: usize,
     ) -> Result<Self> {
+        let handshake_timeout = Duration::try_from_secs_f64(handshake_timeout)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                Error::InvalidArgument("handshake_timeout must be a positive number".into())
+            })?;
+        if max_connections == 0 {
+            return Err(Error::InvalidArgument(
+                "max_connections must be positive".into(),
+            ));
+        }
         let host: IpAddr = host
             .parse()
             .map_err(|_| Error::InvalidArgument(format!("{host:?} is not an IP address")))?;
@@ -119,6 +133,13 @@ impl IoEngine {
             cuda_ipc,
             ce_threshold: ce_threshold.unwrap_or_else(mori_io::ce_threshold_from_env),
             ipc_blocks,
+            secret: secret
+                .map(|s| mori_io::Secret::new(s.to_vec()))
+                .transpose()
+                .map_err(|e| Error::InvalidArgument(format!("secret: {e}")))?,
+            handshake_timeout,
+            max_connections,
+            ..EngineConfig::default()
         };
         Ok(Self {
             inner: Arc::new(mori_io::IoEngine::new(name, cfg)?),
@@ -136,20 +157,29 @@ impl IoEngine {
     }
 
     /// Registers `nbytes` at `ptr` (device -1 = host memory); returns the memory descriptor.
+    /// Read-only memory (`writable=False`) is refused as the target of writes and reads.
+    #[pyo3(signature = (ptr, nbytes, device, writable=true))]
     fn register<'py>(
         &self,
         py: Python<'py>,
         ptr: u64,
         nbytes: u64,
         device: i32,
+        writable: bool,
     ) -> Result<Bound<'py, PyBytes>> {
-        Ok(PyBytes::new(
-            py,
-            &self
-                .inner
-                .register(ptr, nbytes, location(device))?
-                .to_bytes(),
-        ))
+        let desc = if writable {
+            self.inner.register(ptr, nbytes, location(device))?
+        } else {
+            self.inner
+                .register_read_only(ptr, nbytes, location(device))?
+        };
+        Ok(PyBytes::new(py, &desc.to_bytes()))
+    }
+
+    /// Connections the engine's server has open now (served or in their handshake).
+    #[getter]
+    fn served_connections(&self) -> usize {
+        self.inner.served_connections()
     }
 
     fn deregister(&self, py: Python<'_>, mem: &[u8]) -> Result<()> {
@@ -244,9 +274,16 @@ impl IoEngine {
 
 /// Parses a memory descriptor into (engine, id, nbytes, device, exported for CUDA IPC).
 #[pyfunction]
-pub fn io_memory_desc_info(mem: &[u8]) -> Result<(String, u64, u64, i32, bool)> {
+pub fn io_memory_desc_info(mem: &[u8]) -> Result<(String, u64, u64, i32, bool, bool)> {
     let m = MemoryDesc::from_bytes(mem)?;
-    Ok((m.engine, m.id, m.len, m.location.encode(), m.ipc.is_some()))
+    Ok((
+        m.engine,
+        m.id,
+        m.len,
+        m.location.encode(),
+        m.ipc.is_some(),
+        m.writable,
+    ))
 }
 
 /// Parses an engine descriptor into (name, "host:port").
