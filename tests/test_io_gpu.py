@@ -194,9 +194,9 @@ def _gpu_host_rank(rank: int, uid: bytes) -> str:
             assert t.wait(timeout=30)
             _same(hbuf, init_h[0], "host region after reading back its own write")
             # Local GPU <-> the peer's host memory: no IPC path to another process's host
-            # memory, so TCP (staged).
+            # memory, so payloads (staged) over the peer's same-host socket.
             t = eng.batch_write(gmem, lo, rh, ro, sz)
-            assert t.route == "tcp", t.route
+            assert t.route == "local", t.route
             assert t.wait(timeout=30)
             t = eng.batch_read(gmem, ro, rh, lo, sz)
             assert t.wait(timeout=30)
