@@ -280,7 +280,9 @@ pub async fn connect_async<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unp
     s.write_all(&answer).await.map_err(io)?;
     s.flush().await.map_err(io)?;
     let mut ok = [0u8; 4];
-    s.read_exact(&mut ok).await.map_err(|e| closed(e, purpose))?;
+    s.read_exact(&mut ok)
+        .await
+        .map_err(|e| closed(e, purpose))?;
     if &ok != ACCEPTED {
         return Err(not_proven(purpose));
     }
