@@ -499,7 +499,7 @@ mod tests {
         use proptest::prelude::*;
 
         fn config() -> ProptestConfig {
-            ProptestConfig::with_cases(2000)
+            mori_testutil::fuzz_config(2000)
         }
 
         fn kind() -> impl Strategy<Value = OpKind> {
