@@ -1,11 +1,12 @@
 //! Bounded fuzzing of the TCP data plane's frame readers: `wire::read_request`,
 //! `wire::read_response` and `wire::read_hello` on arbitrary bytes. Only those public readers
-//! (and the frames' magic constants) are used, so the test holds while the frame layout changes.
+//! (and the frames' magic constants) are used, not the headers' fields, so the test holds while
+//! the frame layout changes.
 //!
-//! Properties: no panic; a malformed or truncated frame is an error; a reader never returns more
-//! than it read, never asks for more memory at once than the frame limits allow (a header that
-//! claims 2^20 items or a 4 GiB name behind a short body is refused without buffering it), and
-//! gives the same answer when its input arrives one byte at a time.
+//! Properties: no panic; a malformed or truncated frame is an error (also when its header claims
+//! 2^32 items or a 4 GiB name behind a short body); a reader never asks for more memory at once
+//! than the frame limits allow ([`FRAME_LIMIT`]), whatever the header claims; and it gives the
+//! same answer when its input arrives one byte at a time.
 //!
 //! 2000 cases per property; `PROPTEST_CASES=100000 cargo test -p mori-transport --test
 //! wire_fuzz` runs longer.
@@ -108,9 +109,7 @@ proptest! {
         let mut r = &bytes[..];
         let (res, largest) = largest_allocation(|| wire::read_request(&mut r));
         prop_assert!(largest <= FRAME_LIMIT, "asked for {largest} bytes at once");
-        if let Ok(Some(h)) = &res {
-            // Everything returned was read.
-            prop_assert!(h.items.len() + h.notify.len() <= bytes.len());
+        if let Ok(Some(_)) = &res {
             prop_assert!(!bytes.is_empty());
         }
         let again = wire::read_request(&mut Trickle(&bytes));
@@ -126,9 +125,6 @@ proptest! {
         let mut r = &bytes[..];
         let (res, largest) = largest_allocation(|| wire::read_response(&mut r));
         prop_assert!(largest <= FRAME_LIMIT, "asked for {largest} bytes at once");
-        if let Ok(h) = &res {
-            prop_assert!(h.message.chars().count() <= bytes.len());
-        }
         let again = wire::read_response(&mut Trickle(&bytes));
         match (&res, &again) {
             (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
