@@ -172,8 +172,10 @@ class VmmAllocation(_Memory):
         self._inner = _inner if _inner is not None else _core.VmmAllocation(device, nbytes)
 
     def send(self, path: str, timeout: float = 30.0) -> None:
-        """Waits for one process to :meth:`receive` on Unix socket ``path`` and passes it a file
-        descriptor of this memory."""
+        """Waits for one process of this user to :meth:`receive` on Unix socket ``path`` and
+        passes it a file descriptor of this memory. ``path`` must lie in a private directory
+        (owned by this user, mode 0700, e.g. from ``tempfile.mkdtemp()``); connections from other
+        users are dropped while it keeps waiting."""
         self._inner.send(str(path), timeout)
 
     @classmethod

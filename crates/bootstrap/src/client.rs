@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
+use crate::auth::{self, ClientFailure};
 use crate::error::{Error, Result, op_label};
 use crate::id::UniqueId;
 use crate::wire::{self, Hello, MAX_PAYLOAD, OpKind, RootMsg};
@@ -89,11 +90,10 @@ impl Bootstrap {
             ));
         }
         let addr = id.root_addr();
-        let mut stream = connect_with_retry(addr, timeout)?;
+        let mut stream = connect_authenticated(id, addr, timeout)?;
         configure(&stream, timeout)
             .map_err(|e| Error::io("configuring the bootstrap socket", e))?;
         let hello = Hello {
-            secret: id.secret(),
             rank: rank as u32,
             world_size: ws32,
             timeout,
@@ -280,6 +280,54 @@ fn configure(stream: &TcpStream, timeout: Duration) -> io::Result<()> {
     stream.set_write_timeout(Some(backstop))
 }
 
+/// Connects to the root and runs the handshake, in which both sides prove they hold the id's
+/// secret (which never crosses the wire). A root that closes the connection before it says
+/// anything (over its limit of connections in authentication) is tried again until `timeout`.
+fn connect_authenticated(id: &UniqueId, addr: SocketAddr, timeout: Duration) -> Result<TcpStream> {
+    let secret = id.secret()?;
+    let start = Instant::now();
+    let deadline = start.checked_add(timeout);
+    let remaining = || {
+        deadline.map_or(Duration::MAX, |d| {
+            d.saturating_duration_since(Instant::now())
+        })
+    };
+    let mut backoff = Duration::from_millis(10);
+    let mut dropped = 0u32;
+    loop {
+        let stream = connect_with_retry(addr, remaining())?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| Error::io("configuring the bootstrap socket", e))?;
+        // The root answers at once; the backstop only bounds a frozen one.
+        let now = Instant::now();
+        let handshake_deadline = now
+            .checked_add(remaining().saturating_add(BACKSTOP_SLACK))
+            .unwrap_or(now + Duration::from_secs(365 * 86_400));
+        let why = match auth::connect(&stream, &secret, addr, handshake_deadline) {
+            Ok(()) => return Ok(stream),
+            Err(ClientFailure::Failed(e)) => return Err(e),
+            Err(ClientFailure::Dropped(why)) => why,
+        };
+        dropped += 1;
+        debug!(%addr, dropped, "bootstrap root closed the connection before authenticating: {why}");
+        let left = remaining();
+        if left.is_zero() {
+            return Err(Error::RootUnreachable {
+                addr,
+                detail: format!(
+                    "it closed all {dropped} connection(s) over {:.1?} before authenticating \
+                     (too many connections at the root, or not a mori bootstrap root of this \
+                     version); last: {why}",
+                    start.elapsed()
+                ),
+            });
+        }
+        thread::sleep(backoff.min(left));
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
 /// Connects to the root, retrying with exponential backoff until `timeout` has passed.
 fn connect_with_retry(addr: SocketAddr, timeout: Duration) -> Result<TcpStream> {
     let start = Instant::now();
@@ -394,13 +442,27 @@ fn root_closed(addr: SocketAddr, label: &str) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::id::SECRET_BYTES;
+    use crate::id::{SECRET_BYTES, auth_secret};
+    use crate::wire::HANDSHAKE_PURPOSE;
+    use std::io::Read;
     use std::net::TcpListener;
+    use std::sync::{Arc, Mutex};
+
+    /// A secret easy to spot in a byte capture.
+    const SECRET: [u8; SECRET_BYTES] = *b"\x5a\xc3\x11\x97SECRET-BYTES";
 
     fn fake_root() -> (TcpListener, UniqueId) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let id = UniqueId::new(l.local_addr().unwrap(), &[3; SECRET_BYTES]);
+        let id = UniqueId::new(l.local_addr().unwrap(), &SECRET);
         (l, id)
+    }
+
+    /// Accepts one connection and authenticates it as the real root does.
+    fn accept_authenticated(l: &TcpListener) -> TcpStream {
+        let (mut s, _) = l.accept().unwrap();
+        let key = auth_secret(&SECRET).unwrap();
+        mori_auth::accept(&mut s, &key, HANDSHAKE_PURPOSE).unwrap();
+        s
     }
 
     #[test]
@@ -417,7 +479,7 @@ mod tests {
     fn root_closing_the_connection_gives_root_unreachable() {
         let (l, id) = fake_root();
         let server = thread::spawn(move || {
-            let (mut s, _) = l.accept().unwrap();
+            let mut s = accept_authenticated(&l);
             wire::read_frame(&mut s, 1024).unwrap();
             // Dropping `s` plays a root process that died.
         });
@@ -437,7 +499,7 @@ mod tests {
     fn frozen_root_hits_the_client_backstop() {
         let (l, id) = fake_root();
         let server = thread::spawn(move || {
-            let (mut s, _) = l.accept().unwrap();
+            let mut s = accept_authenticated(&l);
             wire::read_frame(&mut s, 1024).unwrap();
             thread::sleep(BACKSTOP_SLACK + Duration::from_secs(2));
         });
@@ -451,6 +513,104 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(t.elapsed() < timeout + BACKSTOP_SLACK + Duration::from_secs(1));
+        server.join().unwrap();
+    }
+
+    /// A stream that copies everything read from it into a shared capture.
+    struct Recorder {
+        stream: TcpStream,
+        seen: Arc<Mutex<Vec<u8>>>,
+    }
+    impl Read for Recorder {
+        fn read(&mut self, b: &mut [u8]) -> io::Result<usize> {
+            let n = self.stream.read(b)?;
+            self.seen.lock().unwrap().extend_from_slice(&b[..n]);
+            Ok(n)
+        }
+    }
+    impl Write for Recorder {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            self.stream.write(b)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            self.stream.flush()
+        }
+    }
+
+    #[test]
+    fn the_secret_never_crosses_the_wire() {
+        // A fake root that records every byte a rank sends through a whole session: the
+        // handshake, the hello, an allgather and the goodbye.
+        let (l, id) = fake_root();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let capture = Arc::clone(&seen);
+        let server = thread::spawn(move || {
+            let (s, _) = l.accept().unwrap();
+            let mut r = Recorder {
+                stream: s,
+                seen: capture,
+            };
+            let key = auth_secret(&SECRET).unwrap();
+            mori_auth::accept(&mut r, &key, HANDSHAKE_PURPOSE).unwrap();
+            let hello = wire::decode_client(&wire::read_frame(&mut r, 1024).unwrap().unwrap());
+            assert!(matches!(hello, Ok(wire::ClientMsg::Hello(_))), "{hello:?}");
+            r.write_all(&wire::encode_reply(OpKind::Connect, 0, &[]))
+                .unwrap();
+            let req = wire::read_frame(&mut r, 1 << 20).unwrap().unwrap();
+            assert!(matches!(
+                wire::decode_client(&req),
+                Ok(wire::ClientMsg::Request(_))
+            ));
+            r.write_all(&wire::encode_reply(OpKind::Allgather, 0, &[b"x"]))
+                .unwrap();
+            // Goodbye, then EOF.
+            while wire::read_frame(&mut r, 1024).unwrap().is_some() {}
+        });
+        let b = Bootstrap::connect(&id, 0, 1, Duration::from_secs(10)).unwrap();
+        assert_eq!(b.allgather(b"x").unwrap(), vec![b"x".to_vec()]);
+        drop(b);
+        server.join().unwrap();
+        let seen = seen.lock().unwrap();
+        assert!(seen.len() > 60, "captured only {} bytes", seen.len());
+        let hex = SECRET
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>();
+        for needle in [&SECRET[..], &SECRET[4..], hex.as_bytes()] {
+            assert!(
+                !seen.windows(needle.len()).any(|w| w == needle),
+                "the secret (or part of it) went over the wire"
+            );
+        }
+    }
+
+    #[test]
+    fn a_root_without_the_secret_is_refused_before_any_frame() {
+        // An impostor at the id's address that holds another secret: the rank refuses it
+        // during the handshake and sends no hello.
+        let (l, id) = fake_root();
+        let server = thread::spawn(move || {
+            let (s, _) = l.accept().unwrap();
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let mut r = Recorder {
+                stream: s,
+                seen: Arc::clone(&seen),
+            };
+            let other = auth_secret(&[0xee; SECRET_BYTES]).unwrap();
+            assert!(mori_auth::accept(&mut r, &other, HANDSHAKE_PURPOSE).is_err());
+            let mut rest = Vec::new();
+            let _ = r.read_to_end(&mut rest);
+            assert!(
+                rest.is_empty(),
+                "the rank sent {} bytes after refusing",
+                rest.len()
+            );
+        });
+        let r = Bootstrap::connect(&id, 0, 1, Duration::from_secs(10));
+        match r {
+            Err(Error::InvalidId(msg)) => assert!(msg.contains("secret"), "{msg}"),
+            other => panic!("{other:?}"),
+        }
         server.join().unwrap();
     }
 }

@@ -11,7 +11,8 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The bytes are not a valid unique id, or the root rejected the id's secret.
+    /// The bytes are not a valid unique id, or this rank and the root do not share the id's
+    /// secret (the handshake failed: a stale id, or an id of another job).
     #[error("invalid bootstrap unique id: {0}")]
     InvalidId(String),
 

@@ -10,8 +10,12 @@
 //! | 8..24    | IP address (IPv4 uses the first 4 bytes, rest zero)         |
 //! | 24..26   | TCP port                                                    |
 //! | 26..30   | IPv6 scope id (zero for IPv4)                               |
-//! | 30..46   | random secret, sent by clients in their hello               |
+//! | 30..46   | random secret: the key of the mori-auth handshake           |
 //! | 46..128  | zero padding                                                |
+//!
+//! The secret never crosses the wire: every connection to the root starts with the mori-auth
+//! challenge-response handshake (purpose `"mori.bootstrap"`) keyed by it, in which both sides
+//! prove they hold it. Version 1 ids (whose secret clients sent in their hello) are refused.
 
 use std::fmt;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
@@ -24,11 +28,12 @@ pub const UNIQUE_ID_BYTES: usize = 128;
 /// Size of the random secret carried by a [`UniqueId`].
 pub(crate) const SECRET_BYTES: usize = 16;
 
-/// The shared secret type.
-pub(crate) type Secret = [u8; SECRET_BYTES];
+/// The raw secret bytes carried by an id.
+pub(crate) type RawSecret = [u8; SECRET_BYTES];
 
 const MAGIC: &[u8; 6] = b"MORIBS";
-const VERSION: u8 = 1;
+/// 2: the secret is the handshake key (version 1 sent it in the hello).
+const VERSION: u8 = 2;
 const OFF_FAMILY: usize = 7;
 const OFF_ADDR: usize = 8;
 const OFF_PORT: usize = 24;
@@ -45,7 +50,7 @@ pub struct UniqueId([u8; UNIQUE_ID_BYTES]);
 
 impl UniqueId {
     /// Builds an id for a root listening on `addr` with the given secret.
-    pub(crate) fn new(addr: SocketAddr, secret: &Secret) -> UniqueId {
+    pub(crate) fn new(addr: SocketAddr, secret: &RawSecret) -> UniqueId {
         let mut b = [0u8; UNIQUE_ID_BYTES];
         b[..MAGIC.len()].copy_from_slice(MAGIC);
         b[MAGIC.len()] = VERSION;
@@ -85,7 +90,8 @@ impl UniqueId {
         }
         if bytes[MAGIC.len()] != VERSION {
             return Err(Error::InvalidId(format!(
-                "unsupported format version {} (this build understands {VERSION})",
+                "unsupported format version {} (this build understands {VERSION}; every rank \
+                 needs the mori build of the process that created the id)",
                 bytes[MAGIC.len()]
             )));
         }
@@ -126,11 +132,16 @@ impl UniqueId {
         }
     }
 
-    /// The secret clients present in their hello.
-    pub(crate) fn secret(&self) -> Secret {
+    /// The raw secret bytes.
+    pub(crate) fn raw_secret(&self) -> RawSecret {
         let mut s = [0u8; SECRET_BYTES];
         s.copy_from_slice(&self.0[OFF_SECRET..OFF_PADDING]);
         s
+    }
+
+    /// The key both ends of every bootstrap connection prove they hold.
+    pub(crate) fn secret(&self) -> Result<mori_auth::Secret> {
+        auth_secret(&self.raw_secret())
     }
 }
 
@@ -143,8 +154,14 @@ impl fmt::Debug for UniqueId {
     }
 }
 
+/// The handshake key made of an id's secret bytes.
+pub(crate) fn auth_secret(raw: &RawSecret) -> Result<mori_auth::Secret> {
+    mori_auth::Secret::new(raw.to_vec())
+        .map_err(|e| Error::InvalidId(format!("the id's secret is unusable: {e}")))
+}
+
 /// Returns a fresh random secret.
-pub(crate) fn random_secret() -> Result<Secret> {
+pub(crate) fn random_secret() -> Result<RawSecret> {
     let mut s = [0u8; SECRET_BYTES];
     getrandom::fill(&mut s).map_err(|e| {
         Error::io(
@@ -153,11 +170,6 @@ pub(crate) fn random_secret() -> Result<Secret> {
         )
     })?;
     Ok(s)
-}
-
-/// Compares two secrets without an early exit, so timing does not leak a prefix match.
-pub(crate) fn secrets_equal(a: &Secret, b: &Secret) -> bool {
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[cfg(test)]
@@ -173,7 +185,7 @@ mod tests {
             let back = UniqueId::from_bytes(id.as_bytes()).unwrap();
             assert_eq!(back, id);
             assert_eq!(back.root_addr(), addr);
-            assert_eq!(back.secret(), secret);
+            assert_eq!(back.raw_secret(), secret);
         }
     }
 
@@ -193,6 +205,9 @@ mod tests {
         let id = UniqueId::new("127.0.0.1:1".parse().unwrap(), &[1; SECRET_BYTES]);
         let mut b = *id.as_bytes();
         b[6] = 99;
+        assert!(matches!(UniqueId::from_bytes(&b), Err(Error::InvalidId(_))));
+        // A version 1 id (its secret was sent in the clear) is refused, not misread.
+        b[6] = 1;
         assert!(matches!(UniqueId::from_bytes(&b), Err(Error::InvalidId(_))));
         let mut b = *id.as_bytes();
         b[OFF_FAMILY] = 5;

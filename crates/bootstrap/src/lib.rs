@@ -8,6 +8,16 @@
 //! ([`Error::Timeout`] naming the missing ranks, or [`Error::PeerLost`] naming the lost one),
 //! never a hang.
 //!
+//! # Security
+//!
+//! The id carries a random 16-byte secret. Every connection to the root opens with the
+//! mori-auth handshake (HMAC-SHA256 challenge-response, purpose `"mori.bootstrap"`) keyed by
+//! it: both sides prove they hold the secret, which itself never crosses the wire. The root
+//! parses nothing from a peer that fails (it drops the connection, counting and logging it at
+//! debug level), gives each new connection 10 s for the handshake and hello, and runs each
+//! handshake on its own thread, so silent or hostile connectors cannot hold up real ranks.
+//! Anyone holding the id can join, so ship it like a password.
+//!
 //! # Environment
 //!
 //! | variable              | meaning                                                        |
@@ -21,6 +31,7 @@
 #![warn(missing_docs)]
 
 mod addr;
+mod auth;
 mod client;
 mod error;
 mod id;

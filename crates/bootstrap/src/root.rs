@@ -1,10 +1,13 @@
 //! The root (rendezvous server): accepts rank connections and runs the rendezvous and every
 //! collective of one session.
 //!
-//! Threads: one acceptor; one reader per connection, which decodes frames and forwards them
-//! as [`Event`]s; one coordinator, which owns all session state, enforces deadlines with
-//! `recv_timeout`, and writes every reply. All decisions happen on the coordinator, so no
-//! state is shared between threads.
+//! Threads: one acceptor; one reader per connection, which first runs the mori-auth handshake
+//! (keyed by the id's secret) and reads the hello, both under one deadline
+//! ([`Limits::handshake_timeout`]), dropping the connection unparsed if either fails, then
+//! decodes frames and forwards them as [`Event`]s; one coordinator, which owns all session
+//! state, enforces deadlines with `recv_timeout`, and writes every reply. All decisions happen
+//! on the coordinator, so no state is shared between threads. Connections that have not
+//! authenticated never reach the coordinator.
 //!
 //! Lifetime: a root serves exactly one session. It shuts down (threads exit, the port is
 //! closed) once the rendezvous has completed or failed and every joined rank has
@@ -17,34 +20,65 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
+use crate::auth;
 use crate::error::{Error, Result, op_label};
-use crate::id::{Secret, UniqueId, random_secret, secrets_equal};
+use crate::id::{UniqueId, auth_secret, random_secret};
 use crate::wire::{
     self, ClientMsg, Hello, MAX_CLIENT_FRAME, OpKind, Request, encode_fail, encode_reply,
 };
 
-/// How long a new connection may take to send its hello (clients send it immediately).
-const HELLO_TIMEOUT: Duration = Duration::from_secs(15);
 /// Upper bound on a hello frame.
 const MAX_HELLO_FRAME: u64 = 1024;
 /// A reply write that makes no progress for this long means the rank is stuck or gone.
 const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How the root treats connections that have not authenticated yet.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    /// Time a new connection has for the whole handshake and its hello (a real rank needs a
+    /// round trip; a silent or trickling connector is dropped when it runs out).
+    pub handshake_timeout: Duration,
+    /// Connections authenticating at once, each on its own thread; beyond it new connections
+    /// are closed at once (a rank that meets that retries until its timeout).
+    pub max_authenticating: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            handshake_timeout: Duration::from_secs(10),
+            max_authenticating: 256,
+        }
+    }
+}
+
 /// Starts a root listening on `listen` (port 0: the OS picks) and returns its id.
 pub(crate) fn spawn(listen: SocketAddr) -> Result<UniqueId> {
+    spawn_with(listen, Limits::default())
+}
+
+/// [`spawn`] with chosen limits.
+pub(crate) fn spawn_with(listen: SocketAddr, limits: Limits) -> Result<UniqueId> {
     let listener = TcpListener::bind(listen)
         .map_err(|e| Error::io(format!("binding the bootstrap root to {listen}"), e))?;
     let addr = listener
         .local_addr()
         .map_err(|e| Error::io("reading the bootstrap root's address", e))?;
-    let secret = random_secret()?;
+    let raw = random_secret()?;
+    let gate = Arc::new(Gate {
+        addr,
+        secret: auth_secret(&raw)?,
+        limits,
+        authenticating: AtomicUsize::new(0),
+        refused: AtomicU64::new(0),
+    });
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = mpsc::channel();
 
@@ -56,15 +90,15 @@ pub(crate) fn spawn(listen: SocketAddr) -> Result<UniqueId> {
     // If this spawn fails, `tx` is dropped with the closure and the coordinator exits.
     thread::Builder::new()
         .name("mori-bs-accept".into())
-        .spawn(move || accept_loop(listener, addr, secret, tx, stop))
+        .spawn(move || accept_loop(listener, gate, tx, stop))
         .map_err(|e| Error::io("starting the bootstrap acceptor thread", e))?;
     debug!(%addr, "bootstrap root listening");
-    Ok(UniqueId::new(addr, &secret))
+    Ok(UniqueId::new(addr, &raw))
 }
 
 /// What reader threads tell the coordinator.
 enum Event {
-    /// A connection presented the right secret.
+    /// A connection proved the secret and said hello.
     Joined {
         conn: u64,
         peer: SocketAddr,
@@ -81,13 +115,34 @@ enum Event {
     },
 }
 
-fn accept_loop(
-    listener: TcpListener,
+/// What every connection must get past before the coordinator hears of it.
+struct Gate {
     addr: SocketAddr,
-    secret: Secret,
-    tx: Sender<Event>,
-    stop: Arc<AtomicBool>,
-) {
+    secret: mori_auth::Secret,
+    limits: Limits,
+    /// Connections between accept and a valid hello.
+    authenticating: AtomicUsize,
+    /// Connections dropped before a valid hello (failed handshake, bad hello, over the limit).
+    refused: AtomicU64,
+}
+
+impl Gate {
+    fn refuse(&self, peer: Option<SocketAddr>, why: &str) {
+        let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        debug!(addr = %self.addr, ?peer, refused = n, "bootstrap root dropped a connection: {why}");
+    }
+}
+
+/// Frees a place among the authenticating connections when dropped.
+struct Slot<'a>(&'a Gate);
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.authenticating.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn accept_loop(listener: TcpListener, gate: Arc<Gate>, tx: Sender<Event>, stop: Arc<AtomicBool>) {
+    let addr = gate.addr;
     let mut next_conn = 0u64;
     for stream in listener.incoming() {
         if stop.load(Ordering::Acquire) {
@@ -95,13 +150,23 @@ fn accept_loop(
         }
         match stream {
             Ok(stream) => {
+                // Every handshake runs on its own thread, so a silent connector only holds its
+                // own place; the number of places bounds the threads.
+                let busy = gate.authenticating.fetch_add(1, Ordering::AcqRel);
+                if busy >= gate.limits.max_authenticating {
+                    gate.authenticating.fetch_sub(1, Ordering::AcqRel);
+                    let why = format!("{busy} connections are already authenticating");
+                    gate.refuse(stream.peer_addr().ok(), &why);
+                    continue;
+                }
                 next_conn += 1;
                 let conn = next_conn;
-                let tx = tx.clone();
+                let (tx, g) = (tx.clone(), Arc::clone(&gate));
                 let spawned = thread::Builder::new()
                     .name(format!("mori-bs-conn{conn}"))
-                    .spawn(move || serve_connection(conn, stream, addr, secret, tx));
+                    .spawn(move || serve_connection(conn, stream, &g, tx));
                 if let Err(e) = spawned {
+                    gate.authenticating.fetch_sub(1, Ordering::AcqRel);
                     warn!(%addr, "bootstrap root could not start a connection thread: {e}");
                 }
             }
@@ -115,45 +180,42 @@ fn accept_loop(
     debug!(%addr, "bootstrap root acceptor stopped");
 }
 
-/// Reader thread of one connection: checks the hello, then forwards frames until EOF.
-fn serve_connection(
-    conn: u64,
-    mut stream: TcpStream,
-    addr: SocketAddr,
-    secret: Secret,
-    tx: Sender<Event>,
-) {
-    let Ok(peer) = stream.peer_addr() else { return };
-    debug!(%addr, %peer, conn, "bootstrap root accepted a connection");
-    if let Err(e) = stream
-        .set_nodelay(true)
-        .and_then(|()| stream.set_read_timeout(Some(HELLO_TIMEOUT)))
-    {
-        warn!(%peer, "bootstrap root could not configure a connection: {e}");
-        return;
+/// Authenticates a new connection and reads its hello, all within the handshake timeout.
+/// `None`: the connection was refused (and counted); drop it.
+fn admit(stream: &TcpStream, peer: SocketAddr, gate: &Gate) -> Option<Hello> {
+    let deadline = Instant::now() + gate.limits.handshake_timeout;
+    if let Err(e) = stream.set_nodelay(true) {
+        gate.refuse(Some(peer), &format!("configuring the socket: {e}"));
+        return None;
     }
-    let hello = match wire::read_frame(&mut stream, MAX_HELLO_FRAME)
+    if let Err(e) = auth::accept(stream, &gate.secret, deadline) {
+        gate.refuse(Some(peer), &format!("it did not authenticate: {e}"));
+        return None;
+    }
+    let mut timed = auth::Timed::new(stream, deadline);
+    match wire::read_frame(&mut timed, MAX_HELLO_FRAME)
         .and_then(|f| f.map(|body| wire::decode_client(&body)).transpose())
     {
-        Ok(Some(ClientMsg::Hello(h))) => h,
+        Ok(Some(ClientMsg::Hello(h))) => Some(h),
         other => {
-            debug!(%peer, "bootstrap root dropped a connection without a valid hello: {other:?}");
-            return;
+            gate.refuse(Some(peer), &format!("no valid hello: {other:?}"));
+            None
         }
-    };
-    if !secrets_equal(&hello.secret, &secret) {
-        warn!(%peer, rank = hello.rank, "bootstrap root rejected a hello with a wrong secret");
-        let err = Error::InvalidId(format!(
-            "the root at {addr} rejected rank {} from {peer}: the id's secret does not match \
-             (a stale id from an earlier run, or an id of another job)",
-            hello.rank
-        ));
-        // Best effort: the client also sees the connection close.
-        let _ = stream.write_all(&encode_fail(&err));
-        return;
     }
+}
+
+/// Reader thread of one connection: authenticates it, then forwards frames until EOF.
+fn serve_connection(conn: u64, mut stream: TcpStream, gate: &Gate, tx: Sender<Event>) {
+    let slot = Slot(gate);
+    let Ok(peer) = stream.peer_addr() else { return };
+    debug!(addr = %gate.addr, %peer, conn, "bootstrap root accepted a connection");
+    let Some(hello) = admit(&stream, peer, gate) else {
+        return;
+    };
+    drop(slot);
     let writer = match stream
         .set_read_timeout(None)
+        .and_then(|()| stream.set_write_timeout(None))
         .and_then(|()| stream.try_clone())
     {
         Ok(w) => w,
@@ -599,5 +661,139 @@ impl Coordinator {
         };
         let op = self.current_label();
         self.fail(Error::PeerLost { op, rank, detail });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Bootstrap;
+    use std::io::Read;
+
+    const LONG: Duration = Duration::from_secs(20);
+
+    fn root(limits: Limits) -> UniqueId {
+        spawn_with("127.0.0.1:0".parse().unwrap(), limits).unwrap()
+    }
+
+    /// Reads until the root closes the connection; returns how long that took and what came.
+    fn until_closed(mut s: TcpStream) -> (Duration, Vec<u8>) {
+        let t = Instant::now();
+        s.set_read_timeout(Some(LONG)).unwrap();
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        (t.elapsed(), got)
+    }
+
+    fn allgather_ranks(id: &UniqueId, ws: usize) -> Vec<Vec<Vec<u8>>> {
+        let ranks: Vec<_> = (0..ws)
+            .map(|rank| {
+                let id = id.clone();
+                thread::spawn(move || {
+                    Bootstrap::connect(&id, rank, ws, LONG)
+                        .and_then(|b| b.allgather(&[rank as u8]))
+                        .unwrap()
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn silent_and_trickling_connectors_are_dropped_at_the_handshake_timeout() {
+        let limits = Limits {
+            handshake_timeout: Duration::from_millis(400),
+            ..Limits::default()
+        };
+        let id = root(limits);
+        let silent = TcpStream::connect(id.root_addr()).unwrap();
+        // One byte of a client hello every 100 ms: each read is quick, the whole is not.
+        let mut trickle = TcpStream::connect(id.root_addr()).unwrap();
+        let dripper = thread::spawn(move || {
+            let start = Instant::now();
+            for b in b"MAUC\x01\x0emori.bootstrap" {
+                if trickle.write_all(&[*b]).is_err() {
+                    break;
+                }
+                thread::sleep(Duration::from_millis(100));
+            }
+            (start.elapsed(), until_closed(trickle))
+        });
+        let (waited, got) = until_closed(silent);
+        assert!(got.is_empty());
+        assert!(
+            waited >= Duration::from_millis(300) && waited < Duration::from_secs(3),
+            "{waited:?}"
+        );
+        let (_, (_, got)) = dripper.join().unwrap();
+        assert!(got.is_empty());
+        // The ranks themselves are unaffected.
+        let got = allgather_ranks(&id, 2);
+        assert!(got.iter().all(|g| g == &vec![vec![0], vec![1]]));
+    }
+
+    #[test]
+    fn a_flood_of_silent_connectors_delays_ranks_at_most_one_handshake_timeout() {
+        let timeout = Duration::from_millis(800);
+        let id = root(Limits {
+            handshake_timeout: timeout,
+            max_authenticating: 4,
+        });
+        // Every place for authenticating connections is taken by a silent one...
+        let silent: Vec<TcpStream> = (0..4)
+            .map(|_| TcpStream::connect(id.root_addr()).unwrap())
+            .collect();
+        thread::sleep(Duration::from_millis(100));
+        // ...so the ranks are turned away until those time out, and retry.
+        let t = Instant::now();
+        let got = allgather_ranks(&id, 2);
+        assert!(got.iter().all(|g| g == &vec![vec![0], vec![1]]));
+        assert!(
+            t.elapsed() < timeout + Duration::from_secs(2),
+            "{:?}",
+            t.elapsed()
+        );
+        drop(silent);
+    }
+
+    #[test]
+    fn refused_connections_are_counted() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let gate = Arc::new(Gate {
+            addr,
+            secret: auth_secret(&[7; crate::id::SECRET_BYTES]).unwrap(),
+            limits: Limits {
+                handshake_timeout: Duration::from_secs(2),
+                max_authenticating: 8,
+            },
+            authenticating: AtomicUsize::new(0),
+            refused: AtomicU64::new(0),
+        });
+        let (tx, rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let g = Arc::clone(&gate);
+        let acceptor = thread::spawn(move || accept_loop(listener, g, tx, stop));
+        for junk in [
+            &b"GET / HTTP/1.0\r\n\r\n"[..],
+            &[0u8; 64],
+            b"MAUC\x01\x0emori.bootstrap",
+        ] {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.write_all(junk).unwrap();
+            s.shutdown(Shutdown::Write).unwrap();
+            let (_, got) = until_closed(s);
+            assert!(got.is_empty());
+        }
+        let t = Instant::now();
+        while gate.refused.load(Ordering::Relaxed) < 3 {
+            assert!(t.elapsed() < Duration::from_secs(5));
+            thread::sleep(Duration::from_millis(10));
+        }
+        // Nothing reached the coordinator, and every place was given back.
+        assert!(rx.try_recv().is_err());
+        assert_eq!(gate.authenticating.load(Ordering::Acquire), 0);
+        drop(rx);
+        drop(acceptor);
     }
 }

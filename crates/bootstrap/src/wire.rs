@@ -2,13 +2,18 @@
 //!
 //! Every frame is a big-endian `u64` body length followed by the body; the body starts with
 //! a one-byte tag. Integers are big-endian, strings and byte blobs are length-prefixed.
+//! Frames flow only after the connection's mori-auth handshake (see [`HANDSHAKE_PURPOSE`]);
+//! nothing here is parsed from an unauthenticated peer.
 
 use std::io::{self, Read};
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::error::Error;
-use crate::id::{SECRET_BYTES, Secret};
+
+/// The mori-auth purpose of every bootstrap connection: a proof made for another protocol
+/// does not open a bootstrap connection, and the other way round.
+pub(crate) const HANDSHAKE_PURPOSE: &str = "mori.bootstrap";
 
 /// Largest payload one rank may contribute to one operation.
 pub(crate) const MAX_PAYLOAD: usize = 1 << 30;
@@ -73,10 +78,9 @@ impl OpKind {
     }
 }
 
-/// First message of every client: who it is and proof that it holds the id.
+/// First frame of every client (after the handshake proved it holds the id's secret).
 #[derive(Debug, PartialEq)]
 pub(crate) struct Hello {
-    pub secret: Secret,
     pub rank: u32,
     pub world_size: u32,
     pub timeout: Duration,
@@ -199,8 +203,7 @@ impl<'a> Cursor<'a> {
 
 /// Encodes the hello frame.
 pub(crate) fn encode_hello(h: &Hello) -> Vec<u8> {
-    let mut f = FrameBuf::new(TAG_HELLO, SECRET_BYTES + 16);
-    f.0.extend_from_slice(&h.secret);
+    let mut f = FrameBuf::new(TAG_HELLO, 16);
     f.u32(h.rank);
     f.u32(h.world_size);
     f.u64(millis(h.timeout));
@@ -233,16 +236,11 @@ pub(crate) fn encode_goodbye() -> Vec<u8> {
 pub(crate) fn decode_client(body: &[u8]) -> io::Result<ClientMsg> {
     let mut c = Cursor(body);
     let msg = match c.u8()? {
-        TAG_HELLO => {
-            let mut secret = [0u8; SECRET_BYTES];
-            secret.copy_from_slice(c.take(SECRET_BYTES)?);
-            ClientMsg::Hello(Hello {
-                secret,
-                rank: c.u32()?,
-                world_size: c.u32()?,
-                timeout: Duration::from_millis(c.u64()?),
-            })
-        }
+        TAG_HELLO => ClientMsg::Hello(Hello {
+            rank: c.u32()?,
+            world_size: c.u32()?,
+            timeout: Duration::from_millis(c.u64()?),
+        }),
         TAG_REQUEST => ClientMsg::Request(Request {
             kind: OpKind::from_code(c.u8()?)?,
             seq: c.u64()?,
@@ -435,7 +433,6 @@ mod tests {
     #[test]
     fn client_messages_round_trip() {
         let hello = Hello {
-            secret: [9; SECRET_BYTES],
             rank: 3,
             world_size: 8,
             timeout: Duration::from_millis(1500),
@@ -494,5 +491,251 @@ mod tests {
         assert!(read_frame(&mut &f[..f.len() - 1], 100).is_err());
         assert!(read_frame(&mut &[][..], 100).unwrap().is_none());
         assert!(decode_client(&[TAG_REQUEST, 9]).is_err());
+    }
+
+    /// Bounded fuzzing of every decoder (`PROPTEST_CASES` runs more cases).
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn config() -> ProptestConfig {
+            mori_testutil::fuzz_config(2000)
+        }
+
+        fn kind() -> impl Strategy<Value = OpKind> {
+            prop_oneof![
+                Just(OpKind::Connect),
+                Just(OpKind::Allgather),
+                Just(OpKind::Broadcast),
+                Just(OpKind::Barrier),
+            ]
+        }
+
+        fn addr() -> impl Strategy<Value = SocketAddr> {
+            prop_oneof![
+                (any::<[u8; 4]>(), any::<u16>()).prop_map(|(ip, p)| SocketAddr::from((ip, p))),
+                (any::<[u8; 16]>(), any::<u16>(), any::<u32>()).prop_map(|(ip, p, scope)| {
+                    std::net::SocketAddrV6::new(ip.into(), p, 0, scope).into()
+                }),
+            ]
+        }
+
+        fn error() -> impl Strategy<Value = Error> {
+            let text = any::<String>;
+            prop_oneof![
+                text().prop_map(Error::InvalidId),
+                text().prop_map(Error::InvalidArgument),
+                (
+                    text(),
+                    any::<u64>(),
+                    any::<u64>(),
+                    prop::collection::vec(any::<u32>(), 0..20)
+                )
+                    .prop_map(|(op, seq, ms, missing)| Error::Timeout {
+                        op,
+                        seq,
+                        waited: Duration::from_millis(ms),
+                        missing: missing.into_iter().map(|r| r as usize).collect(),
+                    }),
+                (text(), any::<u32>(), text()).prop_map(|(op, rank, detail)| Error::PeerLost {
+                    op,
+                    rank: rank as usize,
+                    detail
+                }),
+                text().prop_map(Error::Mismatch),
+                (addr(), text()).prop_map(|(addr, detail)| Error::RootUnreachable { addr, detail }),
+                (text(), text()).prop_map(|(context, msg)| Error::Io {
+                    context,
+                    source: io::Error::other(msg),
+                }),
+            ]
+        }
+
+        /// Arbitrary bytes, often behind a valid tag so the decoders get past the first byte.
+        fn body() -> impl Strategy<Value = Vec<u8>> {
+            prop_oneof![
+                prop::collection::vec(any::<u8>(), 0..256),
+                (
+                    prop::sample::select(vec![
+                        TAG_HELLO,
+                        TAG_REQUEST,
+                        TAG_GOODBYE,
+                        TAG_REPLY,
+                        TAG_FAIL
+                    ]),
+                    0u8..12,
+                    prop::collection::vec(any::<u8>(), 0..256),
+                )
+                    .prop_map(|(tag, sub, rest)| {
+                        let mut b = vec![tag, sub];
+                        b.extend(rest);
+                        b
+                    }),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(config())]
+
+            #[test]
+            fn decoders_never_panic_on_arbitrary_bodies(b in body()) {
+                let _ = decode_client(&b);
+                let _ = decode_root(&b);
+            }
+
+            #[test]
+            fn read_frame_respects_its_limit_and_the_frame_end(
+                input in prop::collection::vec(any::<u8>(), 0..64),
+                max in 0u64..48,
+            ) {
+                let mut r = &input[..];
+                let res = read_frame(&mut r, max);
+                let consumed = input.len() - r.len();
+                match res {
+                    Ok(Some(body)) => {
+                        prop_assert!(body.len() as u64 <= max);
+                        // Exactly the length prefix and the body, nothing beyond.
+                        prop_assert_eq!(consumed, 8 + body.len());
+                        prop_assert_eq!(&input[8..consumed], &body[..]);
+                    }
+                    Ok(None) => prop_assert!(input.is_empty()),
+                    Err(_) => {
+                        // Never reads past what the prefix announced, nor a body over the limit.
+                        if input.len() >= 8 {
+                            let len = u64::from_be_bytes(input[..8].try_into().unwrap());
+                            prop_assert!(len > max || (input.len() as u64) < 8 + len);
+                            prop_assert!(consumed as u64 <= 8 + len.min(max));
+                        }
+                    }
+                }
+            }
+
+            #[test]
+            fn huge_counts_with_short_bodies_are_errors(
+                kind in kind(),
+                seq in any::<u64>(),
+                n in 1u32..,
+                rest in prop::collection::vec(any::<u8>(), 0..64),
+            ) {
+                // A reply announcing up to 2^32 parts, with a few bytes behind it.
+                let mut b = vec![TAG_REPLY, kind.code()];
+                b.extend_from_slice(&seq.to_be_bytes());
+                b.extend_from_slice(&n.to_be_bytes());
+                b.extend_from_slice(&rest);
+                if n > 8 {
+                    prop_assert!(decode_root(&b).is_err());
+                }
+                // A timeout error naming up to 2^32 missing ranks.
+                let mut f = vec![TAG_FAIL, ERR_TIMEOUT, 0, 0, 0, 0, 0, 0, 0, 0];
+                f.extend_from_slice(&[0; 16]);
+                f.extend_from_slice(&n.to_be_bytes());
+                f.extend_from_slice(&rest);
+                if n > 16 {
+                    prop_assert!(decode_root(&f).is_err());
+                }
+                // A blob whose length exceeds the frame.
+                let mut q = vec![TAG_REQUEST, 1];
+                q.extend_from_slice(&[0; 20]);
+                q.extend_from_slice(&(u64::from(n) << 20).to_be_bytes());
+                q.extend_from_slice(&rest);
+                prop_assert!(decode_client(&q).is_err());
+            }
+
+            #[test]
+            fn client_messages_round_trip_and_truncations_fail(
+                rank in any::<u32>(),
+                world_size in any::<u32>(),
+                ms in any::<u64>(),
+                kind in kind(),
+                seq in any::<u64>(),
+                payload in prop::collection::vec(any::<u8>(), 0..300),
+                cut in any::<prop::sample::Index>(),
+            ) {
+                let hello = Hello { rank, world_size, timeout: Duration::from_millis(ms) };
+                let frames = [
+                    (encode_hello(&hello), ClientMsg::Hello(hello)),
+                    (
+                        encode_request(kind, seq, rank, Duration::from_millis(ms), &payload),
+                        ClientMsg::Request(Request {
+                            kind,
+                            seq,
+                            root: rank,
+                            timeout: Duration::from_millis(ms),
+                            payload: payload.clone(),
+                        }),
+                    ),
+                    (encode_goodbye(), ClientMsg::Goodbye),
+                ];
+                for (frame, msg) in frames {
+                    let body = read_frame(&mut &frame[..], MAX_CLIENT_FRAME).unwrap().unwrap();
+                    prop_assert_eq!(decode_client(&body).unwrap(), msg);
+                    // Any strict prefix of a body, or any extra byte, is refused.
+                    let short = &body[..cut.index(body.len())];
+                    prop_assert!(decode_client(short).is_err());
+                    let mut long = body.clone();
+                    long.push(0);
+                    prop_assert!(decode_client(&long).is_err());
+                }
+            }
+
+            #[test]
+            fn replies_round_trip(
+                kind in kind(),
+                seq in any::<u64>(),
+                parts in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..40), 0..10),
+                cut in any::<prop::sample::Index>(),
+            ) {
+                let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+                let frame = encode_reply(kind, seq, &refs);
+                let body = read_frame(&mut &frame[..], max_root_frame(parts.len())).unwrap().unwrap();
+                match decode_root(&body).unwrap() {
+                    RootMsg::Reply { kind: k, seq: s, parts: p } => {
+                        prop_assert_eq!((k, s), (kind, seq));
+                        prop_assert_eq!(p, parts);
+                    }
+                    RootMsg::Fail(e) => prop_assert!(false, "decoded a failure: {e}"),
+                }
+                prop_assert!(decode_root(&body[..cut.index(body.len())]).is_err());
+            }
+
+            #[test]
+            fn failures_round_trip(err in error(), cut in any::<prop::sample::Index>()) {
+                let frame = encode_fail(&err);
+                let body = read_frame(&mut &frame[..], u64::MAX).unwrap().unwrap();
+                match decode_root(&body).unwrap() {
+                    RootMsg::Fail(back) => prop_assert_eq!(back.to_string(), err.to_string()),
+                    RootMsg::Reply { .. } => prop_assert!(false, "decoded a reply"),
+                }
+                prop_assert!(decode_root(&body[..cut.index(body.len())]).is_err());
+            }
+
+            #[test]
+            fn mutated_frames_never_panic(
+                kind in kind(),
+                payload in prop::collection::vec(any::<u8>(), 0..64),
+                flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+            ) {
+                let frames = [
+                    encode_request(kind, 3, 1, Duration::from_secs(1), &payload),
+                    encode_reply(kind, 3, &[&payload, &payload]),
+                    encode_fail(&Error::Timeout {
+                        op: "barrier".into(),
+                        seq: 3,
+                        waited: Duration::from_secs(1),
+                        missing: vec![1, 2],
+                    }),
+                ];
+                for mut f in frames {
+                    for (at, x) in &flips {
+                        let i = at.index(f.len());
+                        f[i] ^= x;
+                    }
+                    if let Ok(Some(body)) = read_frame(&mut &f[..], 1 << 16) {
+                        let _ = decode_client(&body);
+                        let _ = decode_root(&body);
+                    }
+                }
+            }
+        }
     }
 }

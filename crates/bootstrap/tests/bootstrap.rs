@@ -327,6 +327,101 @@ fn wrong_secret_is_rejected() {
 }
 
 #[test]
+fn connector_with_a_flipped_secret_byte_is_refused_and_ranks_complete() {
+    let id = new_id();
+    let ws = 3;
+    let rank = |rank: usize| {
+        let id = id.clone();
+        thread::spawn(move || {
+            let b = Bootstrap::connect(&id, rank, ws, LONG)?;
+            b.allgather(&[rank as u8; 3])
+        })
+    };
+    // Ranks 0 and 1 join and wait for rank 2; meanwhile impostors claim every rank with an id
+    // that differs in one secret bit each.
+    let mut ranks = vec![rank(0), rank(1)];
+    for (i, byte) in (30..46).enumerate() {
+        let mut forged = *id.as_bytes();
+        forged[byte] ^= 1 << (i % 8);
+        let forged = UniqueId::from_bytes(&forged).unwrap();
+        let r = Bootstrap::connect(&forged, i % ws, ws, LONG);
+        match r {
+            Err(Error::InvalidId(msg)) => assert!(msg.contains("secret"), "{msg}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    ranks.push(rank(2));
+    for h in ranks {
+        let got = h.join().unwrap().unwrap();
+        assert_eq!(got, (0..ws).map(|r| vec![r as u8; 3]).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn garbage_silent_and_old_protocol_connectors_do_not_block_ranks() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    let id = new_id();
+    let addr = id.root_addr();
+    // Silent connectors: each holds a connection open and says nothing.
+    let silent: Vec<TcpStream> = (0..64).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    // A version-1 hello that carries the right secret in the clear, as ranks once sent it:
+    // it is not a handshake, so it is dropped without joining (had it joined as rank 0, the
+    // real rank 0 below would be a duplicate).
+    let mut old_hello = vec![1u8];
+    old_hello.extend_from_slice(&id.as_bytes()[30..46]);
+    old_hello.extend_from_slice(&0u32.to_be_bytes());
+    old_hello.extend_from_slice(&2u32.to_be_bytes());
+    old_hello.extend_from_slice(&20_000u64.to_be_bytes());
+    let mut framed = (old_hello.len() as u64).to_be_bytes().to_vec();
+    framed.extend_from_slice(&old_hello);
+    let mut huge = b"MAUC".to_vec();
+    huge.extend_from_slice(&[1, 255]);
+    huge.extend_from_slice(&[b'x'; 255]);
+    let junk: [&[u8]; 5] = [
+        &framed,
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        &huge,
+        &[0xff; 4096],
+        &u64::MAX.to_be_bytes(),
+    ];
+    let mut noisy = Vec::new();
+    for bytes in junk {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(bytes).unwrap();
+        noisy.push(s);
+    }
+    let t = Instant::now();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let id = id.clone();
+            thread::spawn(move || {
+                let b = Bootstrap::connect(&id, rank, 2, LONG)?;
+                b.allgather(&[rank as u8])
+            })
+        })
+        .collect();
+    for h in ranks {
+        assert_eq!(h.join().unwrap().unwrap(), vec![vec![0], vec![1]]);
+    }
+    // Well inside the root's handshake timeout (10 s): nobody waited on the bad connectors.
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    // The root hung up on every noisy connector without a word (the session may also have
+    // ended by now, which closes them too); none got a frame back.
+    for mut s in noisy {
+        s.set_read_timeout(Some(LONG)).unwrap();
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        assert!(
+            got.is_empty(),
+            "a bad connector got {} bytes back",
+            got.len()
+        );
+    }
+    drop(silent);
+}
+
+#[test]
 fn invalid_arguments() {
     let id = new_id();
     for (rank, ws) in [(2, 2), (0, 0), (5, 1)] {

@@ -7,7 +7,8 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use mori_gpu::{Device, Mapping, PhysicalMemory, VaRange, fdpass};
+use mori_gpu::fdpass::{self, Peer};
+use mori_gpu::{Device, Mapping, PhysicalMemory, VaRange};
 
 use crate::error::{Error, Result};
 
@@ -39,6 +40,8 @@ pub struct SymmetricHeap {
     backed: u64,
     /// Growth steps so far (names the sockets of each exchange).
     steps: u64,
+    /// Indexed by PE: the process a chunk is sent to / received from.
+    processes: Vec<Peer>,
     socket_dir: PathBuf,
     timeout: Duration,
 }
@@ -50,6 +53,7 @@ impl SymmetricHeap {
         my_pe: usize,
         size: u64,
         reachable: &[bool],
+        processes: Vec<Peer>,
         socket_dir: PathBuf,
         timeout: Duration,
     ) -> Result<Self> {
@@ -82,6 +86,7 @@ impl SymmetricHeap {
             peers,
             backed: 0,
             steps: 0,
+            processes,
             socket_dir,
             timeout,
         })
@@ -99,6 +104,11 @@ impl SymmetricHeap {
             return Some(self.local_base());
         }
         self.peers.get(pe)?.as_ref().map(|h| h.range.base())
+    }
+
+    /// The process of `pe` (any process of this user when its pid is not comparable).
+    fn process(&self, pe: usize) -> Peer {
+        self.processes.get(pe).copied().unwrap_or_default()
     }
 
     fn socket(&self, from: usize, to: usize) -> PathBuf {
@@ -139,8 +149,8 @@ impl SymmetricHeap {
                 .map(|&pe| {
                     let path = self.socket(self.my_pe, pe);
                     let raw = fd.as_raw_fd();
-                    let timeout = self.timeout;
-                    scope.spawn(move || fdpass::serve_fd(&path, raw, &payload, timeout))
+                    let (timeout, to) = (self.timeout, self.process(pe));
+                    scope.spawn(move || fdpass::serve_fd_to(&path, raw, &payload, to, timeout))
                 })
                 .collect();
             let mut imported = Vec::with_capacity(peers.len());
@@ -198,7 +208,8 @@ impl SymmetricHeap {
     }
 
     fn receive_chunk(&self, pe: usize, chunk_size: u64) -> Result<PhysicalMemory> {
-        let (fd, payload) = fdpass::receive_fd(&self.socket(pe, self.my_pe), self.timeout)?;
+        let (fd, payload) =
+            fdpass::receive_fd_from(&self.socket(pe, self.my_pe), self.process(pe), self.timeout)?;
         let size = u64::from_le_bytes(payload.as_slice().try_into().unwrap_or([0; 8]));
         if size != chunk_size {
             return Err(Error::Mismatch(format!(

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use mori_bootstrap::Bootstrap;
+use mori_gpu::fdpass::{self, Peer};
 use mori_gpu::jit::{self, Function, KernelSpec, Module};
 use mori_gpu::kernels::{LaunchConfig, launch, shmem_barrier_spec};
 use mori_gpu::{Device, IpcExport, IpcMapping, StreamHandle};
@@ -50,35 +51,70 @@ fn host_key() -> String {
     format!("{}|{}", boot.trim(), name.trim())
 }
 
-/// Fixed-width little-endian record exchanged at init: heap size, then two strings.
-fn encode_hello(heap_size: u64, host: &str, bus_id: &str) -> Vec<u8> {
-    let mut out = heap_size.to_le_bytes().to_vec();
-    for s in [host, bus_id] {
-        out.extend_from_slice(&(s.len() as u32).to_le_bytes());
-        out.extend_from_slice(s.as_bytes());
-    }
-    out
+/// What each PE tells the others at init.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PeInfo {
+    heap_size: u64,
+    /// [`host_key`]: equal keys share a node.
+    host: String,
+    /// PCI bus id of the PE's GPU.
+    bus: String,
+    pid: u32,
+    /// The PE's PID namespace (`/proc/self/ns/pid`); its pid means something here only when
+    /// ours is the same.
+    pid_ns: String,
+    /// The PE's private folder for fd-passing sockets (PEs of a node use their first PE's).
+    socket_base: String,
 }
 
-fn decode_hello(b: &[u8]) -> Result<(u64, String, String)> {
-    let bad = || Error::InvalidArgument("malformed shmem init record from a peer".into());
-    let heap = u64::from_le_bytes(b.get(..8).ok_or_else(bad)?.try_into().map_err(|_| bad())?);
-    let mut at = 8;
-    let mut strings = Vec::new();
-    for _ in 0..2 {
-        let len = u32::from_le_bytes(
-            b.get(at..at + 4)
-                .ok_or_else(bad)?
-                .try_into()
-                .map_err(|_| bad())?,
-        ) as usize;
-        at += 4;
-        strings.push(String::from_utf8_lossy(b.get(at..at + len).ok_or_else(bad)?).into_owned());
-        at += len;
+fn pid_namespace() -> String {
+    std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+impl PeInfo {
+    /// Little-endian: heap size, pid, then four length-prefixed strings.
+    fn encode(&self) -> Vec<u8> {
+        let mut out = self.heap_size.to_le_bytes().to_vec();
+        out.extend_from_slice(&self.pid.to_le_bytes());
+        for s in [&self.host, &self.bus, &self.pid_ns, &self.socket_base] {
+            out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+            out.extend_from_slice(s.as_bytes());
+        }
+        out
     }
-    let bus = strings.pop().unwrap_or_default();
-    let host = strings.pop().unwrap_or_default();
-    Ok((heap, host, bus))
+
+    fn decode(b: &[u8]) -> Result<Self> {
+        let bad = || Error::InvalidArgument("malformed shmem init record from a peer".into());
+        let mut at = 0usize;
+        let mut take = |n: usize| -> Result<&[u8]> {
+            let end = at.checked_add(n).ok_or_else(bad)?;
+            let field = b.get(at..end).ok_or_else(bad)?;
+            at = end;
+            Ok(field)
+        };
+        let heap_size = u64::from_le_bytes(take(8)?.try_into().map_err(|_| bad())?);
+        let pid = u32::from_le_bytes(take(4)?.try_into().map_err(|_| bad())?);
+        let mut strings = Vec::with_capacity(4);
+        for _ in 0..4 {
+            let len = u32::from_le_bytes(take(4)?.try_into().map_err(|_| bad())?) as usize;
+            strings.push(String::from_utf8_lossy(take(len)?).into_owned());
+        }
+        if at != b.len() {
+            return Err(bad());
+        }
+        let mut strings = strings.into_iter();
+        let mut next = || strings.next().unwrap_or_default();
+        Ok(PeInfo {
+            heap_size,
+            pid,
+            host: next(),
+            bus: next(),
+            pid_ns: next(),
+            socket_base: next(),
+        })
+    }
 }
 
 impl Shmem {
@@ -103,19 +139,30 @@ impl Shmem {
                 "heap size {heap_size} is too small (more than {INTERNAL_BYTES} bytes needed)"
             )));
         }
-        let my_bus = device.pci_bus_id()?;
+        let mine = PeInfo {
+            heap_size,
+            host: host_key(),
+            bus: device.pci_bus_id()?,
+            pid: std::process::id(),
+            pid_ns: pid_namespace(),
+            socket_base: fdpass::private_dir()?.to_string_lossy().into_owned(),
+        };
         let hellos = bootstrap
-            .allgather(&encode_hello(heap_size, &host_key(), &my_bus))?
+            .allgather(&mine.encode())?
             .iter()
-            .map(|b| decode_hello(b))
+            .map(|b| PeInfo::decode(b))
             .collect::<Result<Vec<_>>>()?;
-        if let Some((pe, (size, _, _))) = hellos.iter().enumerate().find(|(_, h)| h.0 != heap_size)
+        if let Some((pe, h)) = hellos
+            .iter()
+            .enumerate()
+            .find(|(_, h)| h.heap_size != heap_size)
         {
             return Err(Error::Mismatch(format!(
-                "heap size differs between PEs: PE {me} asked for {heap_size} bytes, PE {pe} for {size}"
+                "heap size differs between PEs: PE {me} asked for {heap_size} bytes, PE {pe} for {}",
+                h.heap_size
             )));
         }
-        let same_node: Vec<bool> = hellos.iter().map(|h| h.1 == hellos[me].1).collect();
+        let same_node: Vec<bool> = hellos.iter().map(|h| h.host == mine.host).collect();
         let node_pes: Vec<usize> = (0..n).filter(|&pe| same_node[pe]).collect();
         let node = NodeTeam {
             first_pe: node_pes[0],
@@ -126,14 +173,17 @@ impl Shmem {
         let mut row = vec![0u8; n];
         for pe in 0..n {
             row[pe] =
-                u8::from(pe == me || (same_node[pe] && Self::can_reach(device, &hellos[pe].2)?));
+                u8::from(pe == me || (same_node[pe] && Self::can_reach(device, &hellos[pe].bus)?));
         }
         let rows = bootstrap.allgather(&row)?;
         let reachable: Vec<bool> = (0..n)
             .map(|pe| row[pe] == 1 && rows[pe].get(me) == Some(&1))
             .collect();
 
-        // A private folder for the fd-passing sockets, named by PE 0 for everyone.
+        // The fd-passing sockets of this session live in a private folder (mode 0700, owned by
+        // this user) inside the node's first PE's private folder, named by PE 0 for everyone.
+        // Each descriptor goes only to the PE it is meant for: a process of this user and, where
+        // pids are comparable (same PID namespace), that PE's pid.
         let mut nonce = [0u8; 8];
         if me == 0 {
             getrandom::fill(&mut nonce).map_err(|e| {
@@ -141,14 +191,30 @@ impl Shmem {
             })?;
         }
         let nonce = bootstrap.broadcast(&nonce, 0)?;
-        let dir = std::env::temp_dir().join(format!("mori-shmem-{}", hex::encode(&nonce)));
-        std::fs::create_dir_all(&dir).map_err(|e| mori_gpu::Error::Io {
-            context: format!("creating {}", dir.display()),
-            source: e,
-        })?;
+        let base = PathBuf::from(&hellos[node.first_pe].socket_base);
+        fdpass::check_private_dir(&base)?;
+        let dir = base.join(format!("shmem-{}", hex::encode(&nonce)));
+        fdpass::ensure_private_dir(&dir)?;
+        let peers: Vec<Peer> = hellos
+            .iter()
+            .map(|h| {
+                if !h.pid_ns.is_empty() && h.pid_ns == mine.pid_ns {
+                    Peer::pid(h.pid)
+                } else {
+                    Peer::any()
+                }
+            })
+            .collect();
 
-        let mut heap =
-            SymmetricHeap::reserve(device, me, heap_size, &reachable, dir, bootstrap.timeout())?;
+        let mut heap = SymmetricHeap::reserve(
+            device,
+            me,
+            heap_size,
+            &reachable,
+            peers,
+            dir,
+            bootstrap.timeout(),
+        )?;
         heap.ensure_backed(INTERNAL_BYTES)?;
         // Barrier flags must read zero before any peer can raise them.
         // SAFETY: the internal area is mapped on our device.
@@ -438,5 +504,33 @@ impl Registered {
             return Some((self.ptr, self.len));
         }
         self.peers.get(pe)?.as_ref().map(|(m, len)| (m.ptr(), *len))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pe_info_round_trips_and_rejects_damage() {
+        let info = PeInfo {
+            heap_size: 1 << 33,
+            host: "boot|node".into(),
+            bus: "0000:18:00.0".into(),
+            pid: 4242,
+            pid_ns: pid_namespace(),
+            socket_base: "/tmp/mori-0".into(),
+        };
+        let b = info.encode();
+        assert_eq!(PeInfo::decode(&b).unwrap(), info);
+        for cut in 0..b.len() {
+            assert!(PeInfo::decode(&b[..cut]).is_err(), "prefix of {cut} bytes");
+        }
+        let mut long = b.clone();
+        long.push(0);
+        assert!(PeInfo::decode(&long).is_err());
+        let mut huge = b;
+        huge[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(PeInfo::decode(&huge).is_err());
     }
 }

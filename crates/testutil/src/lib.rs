@@ -26,3 +26,21 @@ impl Lcg {
         (0..n).map(|_| self.next() as u8).collect()
     }
 }
+
+/// Settings of the bounded property tests that fuzz mori's decoders: `cases` cases per
+/// property (kept small enough for CI), or `PROPTEST_CASES` when it is set, to fuzz longer:
+/// `PROPTEST_CASES=200000 cargo test -p mori-bootstrap fuzz`. XorShift drives the generator,
+/// because the default ChaCha is slow in unoptimized test builds. Failing inputs are printed
+/// (shrunk), not written into the source tree.
+pub fn fuzz_config(cases: u32) -> proptest::test_runner::Config {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(cases);
+    proptest::test_runner::Config {
+        cases,
+        rng_algorithm: proptest::test_runner::RngAlgorithm::XorShift,
+        failure_persistence: None,
+        ..proptest::test_runner::Config::default()
+    }
+}
