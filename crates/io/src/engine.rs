@@ -179,7 +179,7 @@ impl IoEngine {
             .map_err(|e| Error::InvalidArgument(format!("no random bytes from the OS: {e}")))?;
         let instance = u64::from_le_bytes(random);
         let local = if config.same_host_direct {
-            let dir = mori_transport::stream::private_dir()?;
+            let dir = mori_transport::private_dir()?;
             Some(dir.join(format!("io-{}-{instance:016x}.sock", std::process::id())))
         } else {
             None

@@ -30,12 +30,15 @@ fn name() -> impl Strategy<Value = String> {
 }
 
 fn engine() -> impl Strategy<Value = EngineDesc> {
-    (name(), addr(), any::<u64>(), name()).prop_map(|(name, addr, instance, host)| EngineDesc {
-        name,
-        addr,
-        instance,
-        host,
-    })
+    (name(), addr(), any::<u64>(), name(), name()).prop_map(
+        |(name, addr, instance, host, local)| EngineDesc {
+            name,
+            addr,
+            instance,
+            host,
+            local,
+        },
+    )
 }
 
 fn memory() -> impl Strategy<Value = MemoryDesc> {
@@ -44,15 +47,26 @@ fn memory() -> impl Strategy<Value = MemoryDesc> {
         (0..=i32::MAX as u32).prop_map(Location::Cuda)
     ];
     let ipc = prop::option::of(prop::collection::vec(any::<u8>(), 0..300));
-    (name(), any::<u64>(), any::<u64>(), location, ipc).prop_map(
-        |(engine, id, len, location, ipc)| MemoryDesc {
-            engine,
-            id,
-            len,
-            location,
-            ipc,
-        },
+    (
+        name(),
+        (any::<u64>(), any::<u64>(), any::<u64>()),
+        any::<u64>(),
+        location,
+        any::<bool>(),
+        ipc,
     )
+        .prop_map(
+            |(engine, (instance, id, key), len, location, writable, ipc)| MemoryDesc {
+                engine,
+                instance,
+                id,
+                key,
+                len,
+                location,
+                writable,
+                ipc,
+            },
+        )
 }
 
 /// Arbitrary bytes, often behind one of the two tags.
@@ -61,7 +75,7 @@ fn bytes() -> impl Strategy<Value = Vec<u8>> {
         prop_oneof![any::<u8>(), Just(0u8), Just(0xff), Just(0x10)],
         0..128,
     );
-    (prop::sample::select(vec![&b"MIOE"[..], b"MIOM", b""]), tail)
+    (prop::sample::select(vec![&b"MIE2"[..], b"MIM2", b""]), tail)
         .prop_map(|(tag, tail)| [tag, &tail[..]].concat())
 }
 

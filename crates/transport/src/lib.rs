@@ -19,6 +19,8 @@ pub mod wire;
 
 pub use batch::{Batch, KeepAlive};
 pub use error::{Code, Error, Result};
+/// The user's private directory for same-host sockets (0700, ownership checked).
+pub use mori_gpu::fdpass::private_dir;
 pub use notify::Notifications;
 pub use registry::{Location, Region, Registry, UseGuard};
 pub use transfer::{Failure, FailureKind, Finished, Route, Status, Transfer};

@@ -193,37 +193,3 @@ pub fn my_uid() -> u32 {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() }
 }
-
-/// A directory only this user can enter, for same-host sockets: `$XDG_RUNTIME_DIR/mori`, else
-/// `/tmp/mori-<uid>`. An existing one must belong to this user with mode 0700, so another
-/// user cannot plant or intercept sockets there.
-pub fn private_dir() -> Result<std::path::PathBuf> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-    let uid = my_uid();
-    let dir = match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
-        Some(d) => std::path::PathBuf::from(d).join("mori"),
-        None => std::path::PathBuf::from(format!("/tmp/mori-{uid}")),
-    };
-    let shown = dir.display().to_string();
-    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(Error::io(format!("creating {shown}"), e)),
-    }
-    let meta =
-        std::fs::symlink_metadata(&dir).map_err(|e| Error::io(format!("checking {shown}"), e))?;
-    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
-        return Err(Error::Auth(format!(
-            "{shown} must be a directory owned by uid {uid} with mode 0700 (it is {}, uid {}, \
-             mode {:o}); remove it or set XDG_RUNTIME_DIR",
-            if meta.is_dir() {
-                "a directory"
-            } else {
-                "not a directory"
-            },
-            meta.uid(),
-            meta.permissions().mode() & 0o777
-        )));
-    }
-    Ok(dir)
-}

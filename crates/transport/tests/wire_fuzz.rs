@@ -138,8 +138,8 @@ proptest! {
         let mut r = &bytes[..];
         let (res, largest) = largest_allocation(|| wire::read_hello(&mut r));
         prop_assert!(largest <= FRAME_LIMIT, "asked for {largest} bytes at once");
-        if let Ok(name) = &res {
-            prop_assert!(name.len() <= bytes.len());
+        if let Ok(hello) = &res {
+            prop_assert!(hello.name.len() <= bytes.len());
         }
         let again = wire::read_hello(&mut Trickle(&bytes));
         match (&res, &again) {
