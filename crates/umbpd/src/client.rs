@@ -606,6 +606,8 @@ impl Client {
             demotions: s.demotions,
             promotions: s.promotions,
             corrupt_dropped: s.corrupt_dropped,
+            ssd_recovery_corrupt_records: s.ssd_recovery_corrupt_records,
+            ssd_recovery_skipped_bytes: s.ssd_recovery_skipped_bytes,
             ssd_io: s.ssd_io.parse().ok(),
             // Daemons have no GPU tier.
             ..PoolStats::default()

@@ -534,6 +534,8 @@ pub fn stats_response(s: PoolStats) -> StatsResponse {
         demotions: s.demotions,
         promotions: s.promotions,
         corrupt_dropped: s.corrupt_dropped,
+        ssd_recovery_corrupt_records: s.ssd_recovery_corrupt_records,
+        ssd_recovery_skipped_bytes: s.ssd_recovery_skipped_bytes,
         ssd_io: s.ssd_io.map(|b| b.as_str().to_string()).unwrap_or_default(),
     }
 }
