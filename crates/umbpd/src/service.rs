@@ -705,6 +705,7 @@ impl Umbp for UmbpService {
             role: self.role.to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            peer_timeout_ms: 0,
         }))
     }
 }
