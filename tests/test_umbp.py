@@ -50,6 +50,50 @@ def test_fill_three_times_dram_reads_back_from_ssd(tmp_path):
             assert c.get(k) == v
 
 
+_OPEN_SSD_DIR = """
+import sys
+from mori.umbp import Client
+try:
+    Client(dram_bytes=1 << 20, ssd_dir=sys.argv[1])
+except Exception as e:
+    print(type(e).__name__, e)
+    sys.exit(3)
+print("opened")
+"""
+
+
+def test_a_second_pool_on_one_ssd_dir_is_refused_naming_the_holder(tmp_path):
+    rng = np.random.default_rng()
+    values = {f"blk-{i}": rng.integers(0, 256, int(n), dtype=np.uint8).tobytes()
+              for i, n in enumerate(rng.integers(1, 48 << 10, 64))}
+    holder = f"pid {os.getpid()} on host {socket.gethostname()}"
+    with Client(dram_bytes=1 << 20, ssd_dir=tmp_path, segment_bytes=1 << 20) as c:
+        for k, v in values.items():
+            assert c.put(k, v)
+        assert c.stats()["ssd_keys"] > 0
+        # Another process is refused at once, with the directory and the holder named.
+        t = time.monotonic()
+        out = subprocess.run([sys.executable, "-c", _OPEN_SSD_DIR, str(tmp_path)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 3, out.stdout + out.stderr
+        assert out.stdout.startswith("MoriError"), out.stdout
+        assert str(tmp_path) in out.stdout and holder in out.stdout, out.stdout
+        assert time.monotonic() - t < 60
+        # So is a second pool in this process.
+        with pytest.raises(errors.MoriError, match="in use by another pool") as exc:
+            Client(dram_bytes=1 << 20, ssd_dir=tmp_path)
+        assert holder in str(exc.value)
+        for k, v in values.items():
+            assert c.get(k) == v, k
+    # Closed: the directory is free, and every value is back.
+    out = subprocess.run([sys.executable, "-c", _OPEN_SSD_DIR, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "opened", out.stdout + out.stderr
+    with Client(dram_bytes=1 << 20, ssd_dir=tmp_path, segment_bytes=1 << 20) as c:
+        for k, v in values.items():
+            assert c.get(k) == v, k
+
+
 def test_zero_copy_calls_and_prefix_probe():
     with Client(dram_bytes=1 << 20) as c:
         block = np.arange(4096, dtype=np.uint8)

@@ -2,9 +2,11 @@
 
 ``Client()`` with no configuration runs a complete pool in this process: a DRAM tier and, when
 ``ssd_dir`` is given, an SSD tier (an append-only, CRC-checked segment log that survives
-restarts). Values are immutable blocks under byte-string keys; when DRAM passes its high
-watermark, least-recently-used blocks are demoted to SSD (or dropped without one) and an SSD hit
-is promoted back. ``exists`` and ``batch_exists_prefix`` never renew LRU order.
+restarts; the directory is locked while the pool is open, and a second pool on it, in any
+process, raises ``MoriError`` naming the holder's pid and host). Values are immutable blocks
+under byte-string keys; when DRAM passes its high watermark, least-recently-used blocks are
+demoted to SSD (or dropped without one) and an SSD hit is promoted back. ``exists`` and
+``batch_exists_prefix`` never renew LRU order.
 
 With ``gpu_bytes > 0`` the embedded pool has a GPU tier in front of DRAM (device memory on
 ``gpu_device``): puts go there first, and its least-recently-used blocks are demoted to DRAM

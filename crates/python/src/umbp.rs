@@ -68,6 +68,11 @@ fn stats_dict<'py>(py: Python<'py>, s: &PoolStats) -> PyResult<Bound<'py, PyDict
     d.set_item("demotions", s.demotions)?;
     d.set_item("promotions", s.promotions)?;
     d.set_item("corrupt_dropped", s.corrupt_dropped)?;
+    d.set_item(
+        "ssd_recovery_corrupt_records",
+        s.ssd_recovery_corrupt_records,
+    )?;
+    d.set_item("ssd_recovery_skipped_bytes", s.ssd_recovery_skipped_bytes)?;
     d.set_item("ssd_io", s.ssd_io.map(|b| b.as_str()))?;
     Ok(d)
 }

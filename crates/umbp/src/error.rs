@@ -1,6 +1,7 @@
 //! The one error type of the crate.
 
 use std::io;
+use std::path::PathBuf;
 
 /// Errors of the UMBP storage tiers.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +53,21 @@ pub enum Error {
         #[source]
         source: Box<mori_gpu::Error>,
     },
+    /// The SSD directory is locked by another open log (another pool or daemon, in this
+    /// process or another): two logs on one directory would destroy each other's records.
+    #[error(
+        "SSD directory {} is in use by another pool ({}); stop it or use another directory",
+        dir.display(),
+        holder_display(*pid, host.as_deref())
+    )]
+    Locked {
+        /// The directory.
+        dir: PathBuf,
+        /// Process id of the holder, as it recorded it in the lock file.
+        pid: Option<u32>,
+        /// Host name of the holder, as it recorded it.
+        host: Option<String>,
+    },
     /// A caller-supplied argument or configuration value is not acceptable.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -65,6 +81,16 @@ pub(crate) fn io_ctx(context: impl FnOnce() -> String) -> impl FnOnce(io::Error)
     move |source| Error::Io {
         context: context(),
         source,
+    }
+}
+
+/// Renders the holder of an SSD directory lock for [`Error::Locked`].
+fn holder_display(pid: Option<u32>, host: Option<&str>) -> String {
+    match (pid, host) {
+        (Some(p), Some(h)) => format!("pid {p} on host {h}"),
+        (Some(p), None) => format!("pid {p}, host not recorded"),
+        (None, Some(h)) => format!("pid not recorded, on host {h}"),
+        (None, None) => "holder not recorded".into(),
     }
 }
 

@@ -11,7 +11,8 @@
 //! * [`gpu::GpuArena`] (feature `gpu`) — the same pages in one device allocation, copied with
 //!   the CUDA driver (through mori-gpu, loaded at run time).
 //! * [`ssd::SsdLog`] — an append-only log of CRC-checked records in segment files on an SSD,
-//!   with crash recovery (torn tails, corrupt records), tombstones, capacity enforcement and
+//!   with crash recovery (torn tails, corrupt records skipped by resynchronising on the next
+//!   intact record), an exclusive lock on its directory, tombstones, capacity enforcement and
 //!   compaction.
 //!
 //! The master knows where every key lives:
@@ -44,7 +45,9 @@ pub mod meta_redis;
 pub mod pages;
 pub mod pool;
 pub mod ssd;
+mod ssd_dir;
 pub mod ssd_io;
+mod ssd_scan;
 mod uring;
 
 pub use crc::crc32c;

@@ -372,6 +372,13 @@ pub struct PoolStats {
     pub promotions: u64,
     /// Values dropped because their SSD record failed its CRC.
     pub corrupt_dropped: u64,
+    /// Records the SSD recovery scan found corrupt and dropped when the pool opened
+    /// ([`RecoveryReport::corrupt_records_dropped`]).
+    pub ssd_recovery_corrupt_records: u64,
+    /// Bytes the SSD recovery scan skipped as damaged or cut off as torn tails when the pool
+    /// opened ([`RecoveryReport::damaged_bytes_skipped`] plus
+    /// [`RecoveryReport::torn_tail_bytes_truncated`]).
+    pub ssd_recovery_skipped_bytes: u64,
     /// The SSD tier's I/O backend (`None` without an SSD tier).
     pub ssd_io: Option<SsdIoBackend>,
 }
@@ -410,6 +417,9 @@ struct Counters {
     demotions: u64,
     promotions: u64,
     corrupt_dropped: u64,
+    /// From the SSD recovery report at open.
+    recovery_corrupt_records: u64,
+    recovery_skipped_bytes: u64,
 }
 
 struct Inner {
@@ -539,7 +549,13 @@ impl LocalPool {
             gpu,
             dram,
             ssd,
-            counters: Counters::default(),
+            counters: Counters {
+                recovery_corrupt_records: report.as_ref().map_or(0, |r| r.corrupt_records_dropped),
+                recovery_skipped_bytes: report
+                    .as_ref()
+                    .map_or(0, |r| r.damaged_bytes_skipped + r.torn_tail_bytes_truncated),
+                ..Counters::default()
+            },
             closed: false,
             drop_log: None,
         };
@@ -879,6 +895,8 @@ impl LocalPool {
             demotions: c.demotions,
             promotions: c.promotions,
             corrupt_dropped: c.corrupt_dropped,
+            ssd_recovery_corrupt_records: c.recovery_corrupt_records,
+            ssd_recovery_skipped_bytes: c.recovery_skipped_bytes,
             ssd_io: inner.ssd.as_ref().map(SsdLog::io_backend),
         }
     }
@@ -1580,6 +1598,9 @@ impl Inner {
         Ok(true)
     }
 
+    /// Writes every DRAM value without an SSD copy and every GPU value to SSD, then seals the
+    /// log. Best effort: a value that fails to be written is counted lost and the others are
+    /// still written, and the log is sealed even then; the first error is returned.
     fn flush_and_seal(&mut self) -> Result<CloseReport> {
         let mut report = CloseReport::default();
         let dram_keys = self.dram.lru_victims(self.dram.len());
@@ -1591,17 +1612,15 @@ impl Inner {
             report.values_lost = dram_keys.len() + gpu_keys.len();
             return Ok(report);
         }
+        let mut first_err: Option<Error> = None;
         for key in dram_keys {
             if self.ssd.as_ref().is_some_and(|s| s.contains(&key)) {
                 report.values_already_on_ssd += 1;
                 continue;
             }
             let value = self.dram.get(&key).unwrap_or_default();
-            if keep_on_ssd(self.ssd.as_mut(), &key, value)? {
-                report.values_written += 1;
-            } else {
-                report.values_lost += 1;
-            }
+            let kept = keep_on_ssd(self.ssd.as_mut(), &key, value);
+            tally_flush(&mut report, &mut first_err, &key, kept);
         }
         // GPU values have no SSD copy (see the module docs).
         for key in gpu_keys {
@@ -1614,16 +1633,36 @@ impl Inner {
                     continue;
                 }
             };
-            if keep_on_ssd(self.ssd.as_mut(), &key, &value)? {
-                report.values_written += 1;
-            } else {
-                report.values_lost += 1;
-            }
+            let kept = keep_on_ssd(self.ssd.as_mut(), &key, &value);
+            tally_flush(&mut report, &mut first_err, &key, kept);
         }
-        if let Some(ssd) = self.ssd.as_mut() {
-            ssd.seal()?;
+        if let Some(ssd) = self.ssd.as_mut()
+            && let Err(e) = ssd.seal()
+        {
+            first_err.get_or_insert(e);
         }
-        Ok(report)
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+}
+
+/// Counts the outcome of writing one value to SSD while closing; keeps the first error.
+fn tally_flush(
+    report: &mut CloseReport,
+    first_err: &mut Option<Error>,
+    key: &[u8],
+    kept: Result<bool>,
+) {
+    match kept {
+        Ok(true) => report.values_written += 1,
+        Ok(false) => report.values_lost += 1,
+        Err(e) => {
+            warn!(key = %key_display(key), error = %e, "closing: writing a value to SSD failed");
+            report.values_lost += 1;
+            first_err.get_or_insert(e);
+        }
     }
 }
 

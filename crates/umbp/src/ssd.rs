@@ -6,7 +6,8 @@
 //! increasing). Records are appended to the *active* segment (the one with the highest id);
 //! when the next record would push it past [`SsdConfig::segment_bytes`], a new segment starts.
 //! A record larger than `segment_bytes` is refused ([`Error::InvalidArgument`]). A file named
-//! `CLEAN` is present only after [`SsdLog::seal`] and until the next mutation.
+//! `CLEAN` is present only after [`SsdLog::seal`] and until the next mutation (it is renamed to
+//! `CLEAN.spare` meanwhile); `LOCK` is the directory lock (see below).
 //!
 //! # Record format (all integers little-endian)
 //!
@@ -28,12 +29,51 @@
 //!
 //! # Recovery
 //!
-//! [`SsdLog::open`] scans every segment in id order. A record cut off at the end of a file
-//! (short header or short body) is a torn tail: the file is truncated at the last complete
-//! record. A complete record whose CRC fails is skipped using the lengths of its header. A
-//! header that is not sane (bad magic or kind, absurd lengths) ends the scan of that segment:
-//! the rest of the file is truncated as torn (and the bad record counted as dropped). Keys,
-//! live bytes and per-segment garbage are rebuilt from what remains.
+//! [`SsdLog::open`] scans every segment in id order (`ssd_scan.rs`: one buffered
+//! `pread` per MiB, not one per record). At each offset it parses a header and verifies the
+//! record's CRC:
+//!
+//! * A good record is replayed.
+//! * Anything else — a header that is not sane (bad magic or kind, absurd lengths), a header
+//!   whose lengths run past the end of the file, or a complete record whose CRC fails — is
+//!   dropped, and the scan **resynchronises**: it searches forward from the next byte for an
+//!   offset holding the record magic followed by a sane header *and* a record whose CRC
+//!   verifies, and continues there. (A record with a bad CRC is not skipped by its own lengths:
+//!   they may be what was damaged, and skipping by them could jump over intact records.) The
+//!   damaged span stays in the file as garbage (compaction reclaims it and skips it) and counts
+//!   as one dropped record, whatever it held ([`RecoveryReport::bad_headers`] or
+//!   [`RecoveryReport::crc_mismatches`], [`RecoveryReport::resyncs`],
+//!   [`RecoveryReport::damaged_bytes_skipped`]).
+//! * If no good record follows, the rest of the file is cut off: a record cut short by the
+//!   end of the file is a torn tail (an append interrupted by a crash, not counted as
+//!   corrupt); anything else there is also counted as a dropped record. Either way the bytes
+//!   are in [`RecoveryReport::torn_tail_bytes_truncated`].
+//!
+//! Every intact record after a damaged one is kept. A value whose bytes happen to contain the
+//! magic — even followed by a plausible header — is never taken for a record: a candidate is
+//! accepted only when the CRC-32C over its kind, lengths, key and value matches (odds about
+//! 2^-32 for a chance match), and the scan only looks for candidates after damage (intact
+//! records are walked by their lengths). Only a value that embeds a *complete, valid* record
+//! of this format could be taken for one, and only when the record holding it is damaged.
+//!
+//! Keys, live bytes and per-segment garbage are rebuilt from the records kept. Damage is logged
+//! with `tracing` (a warning per damaged span and one summary) and reported in the
+//! [`RecoveryReport`] (the pool's stats carry the counts on).
+//!
+//! # Directory lock and file descriptors
+//!
+//! An open log holds an exclusive `flock` on the file [`LOCK_FILE`] in its directory, with the
+//! holder's pid and host written in it; opening a second log on the directory (from any
+//! process) fails at once with [`Error::Locked`] naming the holder (`ssd_dir.rs`).
+//!
+//! The log keeps every descriptor it needs open: each segment file, the lock file and the
+//! directory (for its fsyncs). The clean marker is renamed rather than created, so
+//! [`SsdLog::seal`] needs no new descriptor. The one operation that opens a file is starting
+//! a new segment; when that fails because the process is out of file descriptors
+//! (`EMFILE`/`ENFILE`), appends go on in the active segment past
+//! [`SsdConfig::segment_bytes`] (with a warning) instead of failing, and new segments start
+//! again once descriptors are free. Compaction of the active segment, which needs a new one,
+//! is skipped meanwhile.
 //!
 //! # Durability
 //!
@@ -64,8 +104,11 @@ use tracing::{debug, info, warn};
 
 use crate::crc::Crc32c;
 use crate::error::{Error, Result, io_ctx, key_display};
+pub use crate::ssd_dir::{CLEAN_MARKER, CLEAN_SPARE, LOCK_FILE};
+use crate::ssd_dir::{DirHandle, out_of_fds};
 use crate::ssd_io::{AppendError, Io, ReadOp};
 pub use crate::ssd_io::{SsdIoBackend, SsdIoMode, probe_uring};
+use crate::ssd_scan::{Damage, Rec, Scanner, Step};
 
 /// Magic number at the start of every record (the bytes `"UMBP"` read little-endian).
 pub const RECORD_MAGIC: u32 = 0x5042_4D55;
@@ -77,12 +120,8 @@ pub const KIND_PUT: u8 = 1;
 pub const KIND_TOMBSTONE: u8 = 2;
 /// Longest key accepted (and considered sane during recovery).
 pub const MAX_KEY_LEN: usize = 64 * 1024;
-/// Name of the clean-shutdown marker file.
-pub const CLEAN_MARKER: &str = "CLEAN";
 
 const TOMBSTONE_VALUE_LEN: u64 = 8;
-/// Chunk size for streaming values through the CRC during recovery.
-const SCAN_CHUNK: usize = 1 << 20;
 
 /// Configuration of an [`SsdLog`].
 #[derive(Clone, Debug)]
@@ -109,10 +148,21 @@ pub struct RecoveryReport {
     pub records: u64,
     /// Keys live after recovery.
     pub live_keys: usize,
-    /// Bytes cut off the end of segment files (torn tails and unparseable rests).
+    /// Bytes cut off the end of segment files (torn tails, and damaged rests with no intact
+    /// record after them).
     pub torn_tail_bytes_truncated: u64,
-    /// Records dropped because their CRC failed or their header was not sane.
+    /// Records dropped because their CRC failed or their header was not sane
+    /// (`bad_headers + crc_mismatches`; a damaged span counts as one record).
     pub corrupt_records_dropped: u64,
+    /// Of those, records whose header could not be trusted (bad magic or kind, lengths that
+    /// are absurd or run past the end of the file while intact records follow).
+    pub bad_headers: u64,
+    /// Of those, complete records with a sane header whose CRC failed.
+    pub crc_mismatches: u64,
+    /// Times the scan searched forward past damage and found an intact record to go on from.
+    pub resyncs: u64,
+    /// Bytes of damaged records skipped inside segments (left in place as garbage).
+    pub damaged_bytes_skipped: u64,
     /// The log had been sealed ([`SsdLog::seal`]) and not modified since.
     pub clean_shutdown: bool,
 }
@@ -144,6 +194,9 @@ struct Segment {
     file: File,
     /// Bytes in the file.
     len: u64,
+    /// Damaged spans recovery skipped (start → end, where the next good record starts), so
+    /// that compaction skips them too.
+    damaged: BTreeMap<u64, u64>,
     /// Bytes of live PUT records plus still-needed tombstones.
     live: u64,
     /// Still-needed tombstone bytes in this segment, by the segment id they refer to.
@@ -159,6 +212,11 @@ impl Segment {
 struct State {
     /// The I/O backend (here so that every method of the state can use it).
     io: Io,
+    /// The directory's lock, descriptor and clean marker.
+    dir: DirHandle,
+    /// Appends go past `segment_bytes` because no new segment file could be opened (out of
+    /// file descriptors); cleared by the next segment that starts.
+    overflowing: bool,
     index: HashMap<Vec<u8>, Loc>,
     segs: BTreeMap<u64, Segment>,
     live_put_bytes: u64,
@@ -169,12 +227,12 @@ struct State {
 
 /// A decoded record header.
 #[derive(Clone, Copy, Debug)]
-struct Header {
-    magic: u32,
-    kind: u8,
-    key_len: u32,
-    val_len: u64,
-    crc: u32,
+pub(crate) struct Header {
+    pub(crate) magic: u32,
+    pub(crate) kind: u8,
+    pub(crate) key_len: u32,
+    pub(crate) val_len: u64,
+    pub(crate) crc: u32,
 }
 
 impl Header {
@@ -188,7 +246,7 @@ impl Header {
         b
     }
 
-    fn decode(b: &[u8; HEADER_LEN]) -> Header {
+    pub(crate) fn decode(b: &[u8; HEADER_LEN]) -> Header {
         Header {
             magic: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
             kind: b[4],
@@ -199,7 +257,7 @@ impl Header {
     }
 
     /// Why the header cannot be trusted, if it cannot.
-    fn insanity(&self) -> Option<String> {
+    pub(crate) fn insanity(&self) -> Option<String> {
         if self.magic != RECORD_MAGIC {
             return Some(format!("bad magic {:#010x}", self.magic));
         }
@@ -218,12 +276,12 @@ impl Header {
         None
     }
 
-    fn record_len(&self) -> Option<u64> {
+    pub(crate) fn record_len(&self) -> Option<u64> {
         (HEADER_LEN as u64 + u64::from(self.key_len)).checked_add(self.val_len)
     }
 
     /// CRC state after the fields that precede the key.
-    fn crc_prefix(&self) -> Crc32c {
+    pub(crate) fn crc_prefix(&self) -> Crc32c {
         crc_prefix(self.kind, self.key_len, self.val_len)
     }
 }
@@ -266,12 +324,6 @@ fn parse_seg_name(name: &str) -> Option<u64> {
     u64::from_str_radix(hex, 16).ok()
 }
 
-fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_ctx(|| format!("syncing directory {}", dir.display())))
-}
-
 fn to_usize(v: u64, what: &str) -> Result<usize> {
     usize::try_from(v)
         .map_err(|_| Error::InvalidArgument(format!("{what} {v} does not fit in memory")))
@@ -281,6 +333,120 @@ fn read_at(file: &File, buf: &mut [u8], off: u64, dir: &Path, seg: u64) -> Resul
     file.read_exact_at(buf, off).map_err(io_ctx(|| {
         format!("reading {} at offset {off}", seg_path(dir, seg).display())
     }))
+}
+
+/// What the recovery scan of one segment found.
+struct SegmentScan {
+    /// The good records, in file order.
+    records: Vec<Rec>,
+    /// Damaged spans skipped (start → end).
+    damaged: BTreeMap<u64, u64>,
+    /// Where the file is to be cut: nothing intact follows.
+    truncate_at: Option<u64>,
+}
+
+/// Scans segment `id` (`len` bytes of `file`), counting what it finds in `rep`.
+fn scan_segment(
+    file: &File,
+    path: &Path,
+    id: u64,
+    len: u64,
+    rep: &mut RecoveryReport,
+) -> Result<SegmentScan> {
+    let mut sc = Scanner::new(file, path, len);
+    let mut out = SegmentScan {
+        records: Vec::new(),
+        damaged: BTreeMap::new(),
+        truncate_at: None,
+    };
+    let mut off = 0u64;
+    loop {
+        match sc.record_at(off)? {
+            Step::End => break,
+            Step::Good(rec) => {
+                rep.records += 1;
+                off += rec.len;
+                out.records.push(rec);
+            }
+            Step::Bad(damage) => match skip_damage(&mut sc, id, off, &damage, rep)? {
+                Some(next) => {
+                    count_damage(rep, &damage);
+                    rep.damaged_bytes_skipped += next - off;
+                    out.damaged.insert(off, next);
+                    off = next;
+                }
+                None => {
+                    if damage.is_incomplete() {
+                        debug!(segment = id, offset = off, reason = %describe(&damage),
+                               "torn tail");
+                    } else {
+                        count_damage(rep, &damage);
+                        warn!(segment = id, offset = off, reason = %describe(&damage),
+                              "damaged record and no intact record after it; \
+                               truncating the rest of the segment");
+                    }
+                    out.truncate_at = Some(off);
+                    break;
+                }
+            },
+        }
+    }
+    Ok(out)
+}
+
+/// Where the scan goes on after `damage` at `off`: the next good record after it, found by
+/// [`Scanner::resync`] (`None` if there is none). A record with a bad CRC is not skipped by its
+/// own lengths, which may be the damaged part: the next intact record is searched from the
+/// byte after its start.
+fn skip_damage(
+    sc: &mut Scanner<'_>,
+    id: u64,
+    off: u64,
+    damage: &Damage,
+    rep: &mut RecoveryReport,
+) -> Result<Option<u64>> {
+    let next = sc.resync(off + 1)?;
+    if let Some(n) = next {
+        rep.resyncs += 1;
+        warn!(segment = id, offset = off, resumed_at = n, skipped_bytes = n - off,
+              reason = %describe(damage),
+              "damaged record dropped; resynchronised at the next intact record");
+    }
+    Ok(next)
+}
+
+fn count_damage(rep: &mut RecoveryReport, damage: &Damage) {
+    rep.corrupt_records_dropped += 1;
+    match damage {
+        Damage::Crc { .. } => rep.crc_mismatches += 1,
+        _ => rep.bad_headers += 1,
+    }
+}
+
+fn describe(damage: &Damage) -> String {
+    match damage {
+        Damage::ShortHeader => "header cut off by the end of the file".into(),
+        Damage::Insane(why) => format!("bad header: {why}"),
+        Damage::ShortBody => "record runs past the end of the file".into(),
+        Damage::Crc { key, .. } => format!("CRC mismatch ({})", key_display(key)),
+    }
+}
+
+/// One warning summing up the damage recovery found, if any.
+fn warn_damage(dir: &Path, r: &RecoveryReport) {
+    if r.corrupt_records_dropped == 0 {
+        return;
+    }
+    warn!(
+        dir = %dir.display(),
+        corrupt_records_dropped = r.corrupt_records_dropped,
+        bad_headers = r.bad_headers,
+        crc_mismatches = r.crc_mismatches,
+        resyncs = r.resyncs,
+        damaged_bytes_skipped = r.damaged_bytes_skipped,
+        torn_tail_bytes_truncated = r.torn_tail_bytes_truncated,
+        "ssd log recovered with damage: corrupt records were dropped"
+    );
 }
 
 /// Append-only segment log: the SSD tier of a UMBP peer. See the module docs.
@@ -305,7 +471,9 @@ impl std::fmt::Debug for SsdLog {
 }
 
 impl SsdLog {
-    /// Opens (or creates) the log in `cfg.dir`, running the recovery scan.
+    /// Opens (or creates) the log in `cfg.dir`, running the recovery scan. The directory is
+    /// locked for as long as the log is open: [`Error::Locked`] (naming the holder) if another
+    /// log has it open.
     pub fn open(cfg: SsdConfig) -> Result<(SsdLog, RecoveryReport)> {
         if cfg.segment_bytes <= HEADER_LEN as u64 {
             return Err(Error::InvalidArgument(format!(
@@ -319,8 +487,8 @@ impl SsdLog {
             ));
         }
         let dir = cfg.dir.clone();
-        fs::create_dir_all(&dir).map_err(io_ctx(|| format!("creating {}", dir.display())))?;
-        let clean = dir.join(CLEAN_MARKER).exists();
+        let handle = DirHandle::acquire(&dir)?;
+        let clean = handle.is_clean();
 
         let mut ids = Vec::new();
         let entries =
@@ -341,6 +509,8 @@ impl SsdLog {
         };
         let mut st = State {
             io: Io::open(cfg.io)?,
+            dir: handle,
+            overflowing: false,
             index: HashMap::new(),
             segs: BTreeMap::new(),
             live_put_bytes: 0,
@@ -367,6 +537,7 @@ impl SsdLog {
             debug!(segment = id, ?crep, "finished an interrupted compaction");
         }
         report.live_keys = st.index.len();
+        warn_damage(&dir, &report);
         info!(
             dir = %dir.display(),
             segments = report.segments,
@@ -374,6 +545,7 @@ impl SsdLog {
             live_keys = report.live_keys,
             torn_bytes = report.torn_tail_bytes_truncated,
             corrupt = report.corrupt_records_dropped,
+            resyncs = report.resyncs,
             clean = report.clean_shutdown,
             io = %st.io.backend(),
             "ssd log opened"
@@ -632,8 +804,10 @@ impl SsdLog {
         st.compact(cfg, None)
     }
 
-    /// Syncs every segment file and writes the clean-shutdown marker; the next
-    /// [`SsdLog::open`] reports `clean_shutdown` unless the log is modified in between.
+    /// Syncs every segment file and puts the clean-shutdown marker in place; the next
+    /// [`SsdLog::open`] reports `clean_shutdown` unless the log is modified in between. Opens
+    /// no file (the marker is renamed into place), so it works when the process is out of file
+    /// descriptors.
     pub fn seal(&mut self) -> Result<()> {
         let dir = self.cfg.dir.clone();
         let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
@@ -642,14 +816,7 @@ impl SsdLog {
                 format!("syncing {}", seg_path(&dir, id).display())
             }))?;
         }
-        let marker = dir.join(CLEAN_MARKER);
-        let write_marker = || -> io::Result<()> {
-            let f = File::create(&marker)?;
-            f.write_all_at(b"clean\n", 0)?;
-            f.sync_all()
-        };
-        write_marker().map_err(io_ctx(|| format!("writing {}", marker.display())))?;
-        sync_dir(&dir)?;
+        st.dir.mark_clean()?;
         self.sealed = true;
         debug!(dir = %dir.display(), "ssd log sealed");
         Ok(())
@@ -668,18 +835,7 @@ impl SsdLog {
         if !self.sealed {
             return Ok(());
         }
-        let marker = self.cfg.dir.join(CLEAN_MARKER);
-        match fs::remove_file(&marker) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => {
-                return Err(Error::Io {
-                    context: format!("removing {}", marker.display()),
-                    source: e,
-                });
-            }
-        }
-        sync_dir(&self.cfg.dir)?;
+        self.state_mut().dir.mark_dirty()?;
         self.sealed = false;
         Ok(())
     }
@@ -732,7 +888,7 @@ impl State {
             .open(&path)
             .map_err(io_ctx(|| format!("creating {}", path.display())))?;
         if cfg.sync_writes {
-            sync_dir(&cfg.dir)?;
+            self.dir.sync()?;
         }
         debug!(segment = id, "new segment");
         self.segs.insert(
@@ -740,6 +896,7 @@ impl State {
             Segment {
                 file,
                 len: 0,
+                damaged: BTreeMap::new(),
                 live: 0,
                 tomb_live: HashMap::new(),
             },
@@ -760,7 +917,32 @@ impl State {
         let next = active
             .checked_add(1)
             .ok_or_else(|| Error::InvalidArgument("segment id space exhausted".into()))?;
-        self.create_segment(cfg, next)
+        self.create_segment(cfg, next)?;
+        if std::mem::take(&mut self.overflowing) {
+            info!(
+                segment = next,
+                "new segments start again (file descriptors are available)"
+            );
+        }
+        Ok(())
+    }
+
+    /// [`State::roll`] for an append: when the new segment file cannot be opened because the
+    /// process is out of file descriptors, the append goes on in the active segment (past
+    /// `segment_bytes`) instead of failing. Other errors are returned.
+    fn roll_or_overflow(&mut self, cfg: &SsdConfig) -> Result<()> {
+        match self.roll(cfg) {
+            Err(Error::Io { context, source }) if out_of_fds(&source) && !self.segs.is_empty() => {
+                if !self.overflowing {
+                    warn!(error = %source, context = %context,
+                          "out of file descriptors: appending to the active segment past \
+                           segment_bytes until a new segment file can be opened");
+                    self.overflowing = true;
+                }
+                Ok(())
+            }
+            other => other,
+        }
     }
 
     /// Appends one record (given as consecutive parts) to the active segment, rolling first
@@ -773,7 +955,7 @@ impl State {
             None => true,
         };
         if needs_roll {
-            self.roll(cfg)?;
+            self.roll_or_overflow(cfg)?;
         }
         let id = self.active_id();
         let path = || seg_path(&cfg.dir, id);
@@ -923,7 +1105,8 @@ impl State {
             .collect()
     }
 
-    /// Recovery scan of one segment (see the module docs).
+    /// Recovery of one segment (see the module docs): scans it, cuts off what nothing intact
+    /// follows, and replays the good records.
     fn recover_segment(&mut self, dir: &Path, id: u64, rep: &mut RecoveryReport) -> Result<()> {
         let path = seg_path(dir, id);
         let file = OpenOptions::new()
@@ -935,100 +1118,37 @@ impl State {
             .metadata()
             .map_err(io_ctx(|| format!("stat {}", path.display())))?
             .len();
-        self.segs.insert(
-            id,
-            Segment {
-                file,
-                len: file_len,
-                live: 0,
-                tomb_live: HashMap::new(),
-            },
-        );
-        let mut off = 0u64;
-        let mut truncate_at = None;
-        let mut chunk = Vec::new();
-        while off < file_len {
-            let remaining = file_len - off;
-            if remaining < HEADER_LEN as u64 {
-                debug!(
-                    segment = id,
-                    offset = off,
-                    remaining,
-                    "torn tail: short header"
-                );
-                truncate_at = Some(off);
-                break;
-            }
-            let Some(seg) = self.segs.get(&id) else { break };
-            let mut hb = [0u8; HEADER_LEN];
-            read_at(&seg.file, &mut hb, off, dir, id)?;
-            let h = Header::decode(&hb);
-            if let Some(why) = h.insanity() {
-                warn!(segment = id, offset = off, reason = %why,
-                      "unparseable record header; truncating the rest of the segment");
-                rep.corrupt_records_dropped += 1;
-                truncate_at = Some(off);
-                break;
-            }
-            let total = h.record_len().unwrap_or(u64::MAX);
-            if total > remaining {
-                debug!(
-                    segment = id,
-                    offset = off,
-                    total,
-                    remaining,
-                    "torn tail: short body"
-                );
-                truncate_at = Some(off);
-                break;
-            }
-            let mut key = vec![0u8; h.key_len as usize];
-            read_at(&seg.file, &mut key, off + HEADER_LEN as u64, dir, id)?;
-            let mut crc = h.crc_prefix();
-            crc.update(&key);
-            let mut voff = off + HEADER_LEN as u64 + u64::from(h.key_len);
-            let vend = voff + h.val_len;
-            let mut tomb_target = [0u8; 8];
-            while voff < vend {
-                let n = (vend - voff).min(SCAN_CHUNK as u64) as usize;
-                chunk.resize(n, 0);
-                read_at(&seg.file, &mut chunk, voff, dir, id)?;
-                crc.update(&chunk);
-                if h.kind == KIND_TOMBSTONE && n == tomb_target.len() {
-                    tomb_target.copy_from_slice(&chunk);
-                }
-                voff += n as u64;
-            }
-            if crc.finish() != h.crc {
-                warn!(segment = id, offset = off, key = %key_display(&key),
-                      "CRC mismatch; skipping record");
-                rep.corrupt_records_dropped += 1;
-                off += total;
-                continue;
-            }
-            rep.records += 1;
-            if h.kind == KIND_PUT {
-                self.recover_put(id, off, key, h.val_len);
-            } else {
-                self.recover_tombstone(id, key, u64::from_le_bytes(tomb_target), total);
-            }
-            off += total;
-        }
-        if let Some(t) = truncate_at {
+        let scan = scan_segment(&file, &path, id, file_len, rep)?;
+        let mut len = file_len;
+        if let Some(t) = scan.truncate_at {
             rep.torn_tail_bytes_truncated += file_len - t;
-            if let Some(seg) = self.segs.get_mut(&id) {
-                seg.file
-                    .set_len(t)
-                    .and_then(|()| seg.file.sync_all())
-                    .map_err(io_ctx(|| format!("truncating {}", path.display())))?;
-                seg.len = t;
-            }
+            file.set_len(t)
+                .and_then(|()| file.sync_all())
+                .map_err(io_ctx(|| format!("truncating {}", path.display())))?;
+            len = t;
             debug!(
                 segment = id,
                 at = t,
                 bytes = file_len - t,
                 "segment truncated"
             );
+        }
+        self.segs.insert(
+            id,
+            Segment {
+                file,
+                len,
+                damaged: scan.damaged,
+                live: 0,
+                tomb_live: HashMap::new(),
+            },
+        );
+        for rec in scan.records {
+            if rec.kind == KIND_PUT {
+                self.recover_put(id, rec.off, rec.key, rec.val_len);
+            } else {
+                self.recover_tombstone(id, rec.key, rec.tomb_target, rec.len);
+            }
         }
         Ok(())
     }
@@ -1115,7 +1235,19 @@ impl State {
                 );
                 continue;
             }
-            self.compact_segment(cfg, id, &mut rep)?;
+            match self.compact_segment(cfg, id, &mut rep) {
+                Ok(()) => {}
+                // The active segment needs a new one to move to: none without descriptors.
+                Err(Error::Io { source, .. }) if id == active && out_of_fds(&source) => {
+                    debug!(segment = id, error = %source,
+                           "out of file descriptors; not compacting the active segment");
+                }
+                // Damaged after recovery: keep it (its live records stay readable).
+                Err(e @ Error::Corrupt { .. }) => {
+                    warn!(segment = id, error = %e, "cannot compact a damaged segment; skipping it");
+                }
+                Err(e) => return Err(e),
+            }
         }
         rep.bytes_reclaimed = before.saturating_sub(self.disk_bytes());
         if rep.segments_compacted > 0 {
@@ -1141,6 +1273,10 @@ impl State {
         let mut off = 0u64;
         while off < len {
             let Some(seg) = self.segs.get(&id) else { break };
+            if let Some(&end) = seg.damaged.get(&off) {
+                off = end;
+                continue;
+            }
             let mut hb = [0u8; HEADER_LEN];
             read_at(&seg.file, &mut hb, off, dir, id)?;
             let h = Header::decode(&hb);
@@ -1234,7 +1370,7 @@ impl State {
             let path = seg_path(&cfg.dir, id);
             fs::remove_file(&path).map_err(io_ctx(|| format!("deleting {}", path.display())))?;
             if cfg.sync_writes {
-                sync_dir(&cfg.dir)?;
+                self.dir.sync()?;
             }
             debug!(segment = id, "segment deleted");
         }

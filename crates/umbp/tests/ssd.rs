@@ -328,29 +328,26 @@ fn corrupt_record_in_the_middle_is_skipped(io: SsdIoMode) {
 }
 
 fn corrupt_length_field_is_detected(io: SsdIoMode) {
-    // A damaged length makes the CRC fail (lengths are covered) or the header insane.
+    // A damaged length makes the CRC fail (lengths are covered) or the header insane; the
+    // scan resynchronises on the next record, so only the damaged one is lost.
     let dir = tempfile::tempdir().unwrap();
     let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
     let (mut log, _) = open(&c);
-    let model = fill(&mut log, 6, 100);
+    let mut model = fill(&mut log, 6, 100);
     let victim = key(2);
     let (seg, off) = log.location(&victim).unwrap();
     let path = log.segment_path(seg);
     drop(log);
     flip_byte(&path, off + 9); // low byte of the value length
     let (log, rep) = open(&c);
-    assert!(rep.corrupt_records_dropped >= 1);
-    assert!(!log.contains(&victim));
-    // Everything before the damaged record survives; nothing wrong is ever returned.
-    for (k, v) in &model {
-        match log.get(k).unwrap() {
-            Some(got) => assert_eq!(&got, v),
-            None => assert!(k >= &victim),
-        }
-    }
+    assert_eq!(rep.corrupt_records_dropped, 1, "{rep:?}");
+    assert_eq!(rep.resyncs, 1, "{rep:?}");
+    assert_eq!(rep.torn_tail_bytes_truncated, 0, "{rep:?}");
+    model.remove(&victim);
+    check_all(&log, &model);
 }
 
-fn bad_magic_truncates_rest_of_segment(io: SsdIoMode) {
+fn bad_magic_resyncs_on_the_next_record(io: SsdIoMode) {
     let dir = tempfile::tempdir().unwrap();
     let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
     let (mut log, _) = open(&c);
@@ -361,13 +358,237 @@ fn bad_magic_truncates_rest_of_segment(io: SsdIoMode) {
     let len = log.disk_bytes();
     drop(log);
     flip_byte(&path, off);
-    let (log, rep) = open(&c);
+    let (mut log, rep) = open(&c);
     assert_eq!(rep.corrupt_records_dropped, 1);
-    assert_eq!(rep.torn_tail_bytes_truncated, len - off);
-    for i in 2..6 {
-        model.remove(&key(i));
-    }
+    assert_eq!(rep.bad_headers, 1);
+    assert_eq!(rep.crc_mismatches, 0);
+    assert_eq!(rep.resyncs, 1);
+    let victim_len = rec_len(&victim, &model[&victim]);
+    assert_eq!(rep.damaged_bytes_skipped, victim_len);
+    assert_eq!(rep.torn_tail_bytes_truncated, 0);
+    assert_eq!(rep.records, 5);
+    model.remove(&victim);
     check_all(&log, &model);
+    // The damaged span is garbage: compaction skips and reclaims it, the rest stays intact.
+    assert_eq!(log.disk_bytes(), len);
+    let crep = log.compact().unwrap();
+    assert_eq!(crep.segments_compacted, 1);
+    assert_eq!(crep.corrupt_records_dropped, 0);
+    assert_eq!(log.disk_bytes(), log.live_bytes());
+    check_all(&log, &model);
+    drop(log);
+    let (log, rep) = open(&c);
+    assert_eq!(rep.corrupt_records_dropped, 0);
+    check_all(&log, &model);
+}
+
+/// A seed for random test data, printed so that a failing run can be replayed.
+fn random_seed(test: &str) -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    let seed = nanos ^ (u64::from(std::process::id()) << 32);
+    eprintln!("{test}: random seed {seed:#x}");
+    seed
+}
+
+/// Puts `n` keys with random values of 1 to `max_len` bytes; returns them in put order.
+fn fill_random(log: &mut SsdLog, rng: &mut Lcg, n: u64, max_len: u64) -> Vec<(Vec<u8>, Vec<u8>)> {
+    (0..n)
+        .map(|i| {
+            let mut k = key(i);
+            let suffix = rng.below(8) as usize;
+            k.extend_from_slice(&rng.bytes(suffix));
+            let len = 1 + rng.below(max_len) as usize;
+            let v = rng.bytes(len);
+            log.put(&k, &v).unwrap();
+            (k, v)
+        })
+        .collect()
+}
+
+fn xor_byte(path: &Path, at: u64, mask: u8) {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at).unwrap();
+    b[0] ^= mask;
+    f.write_all_at(&b, at).unwrap();
+}
+
+/// Damages the record of item `victim` of `items` with `damage(path, record offset)`,
+/// reopens, and checks that exactly the other records are back, byte-exact. Returns the
+/// recovery report.
+fn reopen_after_damage(
+    c: &SsdConfig,
+    items: &[(Vec<u8>, Vec<u8>)],
+    victim: usize,
+    damage: impl FnOnce(&Path, u64),
+) -> mori_umbp::RecoveryReport {
+    let (log, _) = open(c);
+    let (seg, off) = log.location(&items[victim].0).unwrap();
+    let path = log.segment_path(seg);
+    drop(log);
+    damage(&path, off);
+    let (log, rep) = open(c);
+    let model: HashMap<Vec<u8>, Vec<u8>> = items
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != victim)
+        .map(|(_, kv)| kv.clone())
+        .collect();
+    assert_eq!(rep.records, items.len() as u64 - 1, "{rep:?}");
+    assert_eq!(rep.live_keys, items.len() - 1, "{rep:?}");
+    check_all(&log, &model);
+    rep
+}
+
+fn flipped_header_byte_loses_only_its_record(io: SsdIoMode) {
+    // Every byte of the header of a record in the middle, with a random non-zero mask: the
+    // N-1 other records come back byte-exact and the damaged one is counted once.
+    let mut rng = Lcg(random_seed("flipped_header_byte_loses_only_its_record"));
+    for pos in 0..HEADER_LEN as u64 {
+        let dir = tempfile::tempdir().unwrap();
+        let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
+        let (mut log, _) = open(&c);
+        let n = 24;
+        let items = fill_random(&mut log, &mut rng, n, 3000);
+        drop(log);
+        let victim = 1 + rng.below(n - 2) as usize;
+        let mask = 1 + rng.below(255) as u8;
+        let rep = reopen_after_damage(&c, &items, victim, |p, off| xor_byte(p, off + pos, mask));
+        let what = format!("header byte {pos} ^ {mask:#04x} of record {victim}: {rep:?}");
+        assert_eq!(rep.corrupt_records_dropped, 1, "{what}");
+        assert_eq!(rep.bad_headers + rep.crc_mismatches, 1, "{what}");
+        assert_eq!(rep.resyncs, 1, "{what}");
+        assert_eq!(rep.torn_tail_bytes_truncated, 0, "{what}");
+        let damaged = rec_len(&items[victim].0, &items[victim].1);
+        assert_eq!(rep.damaged_bytes_skipped, damaged, "{what}");
+    }
+}
+
+fn flipped_value_byte_loses_only_its_record(io: SsdIoMode) {
+    let mut rng = Lcg(random_seed("flipped_value_byte_loses_only_its_record"));
+    for _ in 0..8 {
+        let dir = tempfile::tempdir().unwrap();
+        let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
+        let (mut log, _) = open(&c);
+        let n = 16;
+        let items = fill_random(&mut log, &mut rng, n, 5000);
+        drop(log);
+        let victim = rng.below(n - 1) as usize;
+        let (k, v) = &items[victim];
+        let at = (HEADER_LEN + k.len()) as u64 + rng.below(v.len() as u64);
+        let mask = 1 + rng.below(255) as u8;
+        let rep = reopen_after_damage(&c, &items, victim, |p, off| xor_byte(p, off + at, mask));
+        assert_eq!(rep.corrupt_records_dropped, 1, "{rep:?}");
+        assert_eq!(rep.crc_mismatches, 1, "{rep:?}");
+        assert_eq!(rep.bad_headers, 0, "{rep:?}");
+        assert_eq!(rep.torn_tail_bytes_truncated, 0, "{rep:?}");
+    }
+}
+
+fn damaged_last_record_is_cut_off(io: SsdIoMode) {
+    // Nothing intact follows a damaged last record: it is cut off and counted.
+    let mut rng = Lcg(random_seed("damaged_last_record_is_cut_off"));
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
+    let (mut log, _) = open(&c);
+    let items = fill_random(&mut log, &mut rng, 10, 2000);
+    drop(log);
+    let last = items.len() - 1;
+    let rep = reopen_after_damage(&c, &items, last, |p, off| xor_byte(p, off, 0xff));
+    assert_eq!(rep.corrupt_records_dropped, 1, "{rep:?}");
+    assert_eq!(rep.bad_headers, 1, "{rep:?}");
+    assert_eq!(rep.resyncs, 0, "{rep:?}");
+    let damaged = rec_len(&items[last].0, &items[last].1);
+    assert_eq!(rep.torn_tail_bytes_truncated, damaged, "{rep:?}");
+}
+
+fn zeroed_block_loses_only_the_records_it_covers(io: SsdIoMode) {
+    // A block of zeroes over several records (what a lost page write leaves): the records it
+    // touches are lost, counted as one damaged span; every record after it is kept.
+    let mut rng = Lcg(random_seed("zeroed_block_loses_only_the_records_it_covers"));
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
+    let (mut log, _) = open(&c);
+    let items = fill_random(&mut log, &mut rng, 40, 1500);
+    let offs: Vec<u64> = items
+        .iter()
+        .map(|(k, _)| log.location(k).unwrap().1)
+        .collect();
+    let path = log.segment_path(log.location(&items[0].0).unwrap().0);
+    drop(log);
+    // Zero from inside record 10 to inside record 14.
+    let (from, to) = (offs[10] + 7, offs[14] + 3);
+    let f = OpenOptions::new().write(true).open(&path).unwrap();
+    f.write_all_at(&vec![0u8; (to - from) as usize], from)
+        .unwrap();
+    drop(f);
+    let (log, rep) = open(&c);
+    assert_eq!(rep.corrupt_records_dropped, 1, "{rep:?}");
+    assert_eq!(rep.resyncs, 1, "{rep:?}");
+    assert_eq!(rep.damaged_bytes_skipped, offs[15] - offs[10], "{rep:?}");
+    assert_eq!(rep.torn_tail_bytes_truncated, 0, "{rep:?}");
+    let model: HashMap<Vec<u8>, Vec<u8>> = items
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| !(10..15).contains(&i))
+        .map(|(_, kv)| kv.clone())
+        .collect();
+    check_all(&log, &model);
+}
+
+/// About `len` random bytes made of record magics, each followed by a plausible header (kind,
+/// small lengths) with a CRC that does not match, and random key and value bytes.
+fn magic_laden_value(rng: &mut Lcg, len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len + 128);
+    while v.len() < len {
+        let key_len = rng.below(16) as u32;
+        let val_len = rng.below(64);
+        v.extend_from_slice(b"UMBP");
+        v.push(1 + rng.below(2) as u8);
+        v.extend_from_slice(&key_len.to_le_bytes());
+        v.extend_from_slice(&val_len.to_le_bytes());
+        v.extend_from_slice(&rng.bytes(4));
+        v.extend_from_slice(&rng.bytes(key_len as usize + val_len as usize));
+    }
+    v
+}
+
+fn value_holding_the_magic_is_not_taken_for_a_record(io: SsdIoMode) {
+    // A value full of record magics and plausible headers: intact, it is one record; with its
+    // own header damaged, resynchronisation scans across it and accepts none of the fakes.
+    let mut rng = Lcg(random_seed(
+        "value_holding_the_magic_is_not_taken_for_a_record",
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(io, dir.path(), 1 << 20, 1 << 30);
+    let (mut log, _) = open(&c);
+    let mut items = fill_random(&mut log, &mut rng, 4, 500);
+    let tricky = magic_laden_value(&mut rng, 4000);
+    log.put(b"tricky", &tricky).unwrap();
+    items.push((b"tricky".to_vec(), tricky));
+    for j in 0..4 {
+        let len = 1 + rng.below(500) as usize;
+        let (k, v) = (format!("after-{j}").into_bytes(), rng.bytes(len));
+        log.put(&k, &v).unwrap();
+        items.push((k, v));
+    }
+    drop(log);
+    let (log, rep) = open(&c);
+    assert_eq!(rep.records, items.len() as u64, "{rep:?}");
+    assert_eq!(rep.corrupt_records_dropped, 0, "{rep:?}");
+    drop(log);
+    // Item 4 is the magic-laden value: damage its own magic.
+    let rep = reopen_after_damage(&c, &items, 4, |p, off| xor_byte(p, off, 0x01));
+    assert_eq!(rep.corrupt_records_dropped, 1, "{rep:?}");
+    assert_eq!(rep.resyncs, 1, "{rep:?}");
+    // `reopen_after_damage` checked that exactly the real records came back.
 }
 
 fn corruption_seen_by_get_drops_the_key(io: SsdIoMode) {
@@ -743,7 +964,12 @@ both_backends!(
     torn_tail_is_truncated,
     corrupt_record_in_the_middle_is_skipped,
     corrupt_length_field_is_detected,
-    bad_magic_truncates_rest_of_segment,
+    bad_magic_resyncs_on_the_next_record,
+    flipped_header_byte_loses_only_its_record,
+    flipped_value_byte_loses_only_its_record,
+    damaged_last_record_is_cut_off,
+    zeroed_block_loses_only_the_records_it_covers,
+    value_holding_the_magic_is_not_taken_for_a_record,
     corruption_seen_by_get_drops_the_key,
     lost_segment_loses_only_its_keys,
     tombstones_survive_restart_and_compaction,

@@ -55,8 +55,9 @@ fn init_logging() {
 
 /// Runs `umbpd` with `args` (the arguments after the program name) until the daemon stops
 /// (SIGTERM/SIGINT) and returns the process exit code: 0 after a clean shutdown (and for
-/// `--help`, `--version`, `--check-config`), [`EXIT_CONFIG`] for bad flags or settings,
-/// [`EXIT_FAILURE`] when the daemon fails. Errors are printed to stderr.
+/// `--help`, `--version`, `--check-config`), [`EXIT_CONFIG`] for bad flags or settings (and
+/// for an SSD directory that another daemon or pool holds), [`EXIT_FAILURE`] when the daemon
+/// fails. Errors are printed to stderr.
 pub fn run_cli(args: Vec<OsString>) -> u8 {
     let cli = match Cli::try_parse_from(std::iter::once(OsString::from("umbpd")).chain(args)) {
         Ok(cli) => cli,
@@ -107,6 +108,11 @@ pub fn run_cli(args: Vec<OsString>) -> u8 {
         Ok(None) => {
             say("stopped");
             0
+        }
+        Err(server::DaemonError::Pool(e @ mori_umbp::Error::Locked { .. })) => {
+            // A setting that cannot be used (the directory belongs to another daemon or pool).
+            eprintln!("umbpd: configuration error: ssd_dir: {e}");
+            EXIT_CONFIG
         }
         Err(e) => {
             eprintln!("umbpd: error: {e}");

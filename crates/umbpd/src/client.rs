@@ -9,7 +9,7 @@
 //! A dead daemon surfaces as an error, not a hang: the connection breaking (the daemon
 //! exited or was killed) fails calls in flight at once, HTTP/2 keep-alive pings detect a
 //! peer that stopped answering, and every call has a deadline
-//! ([`ClientOptions::request_timeout`]).
+//! ([`ClientOptions::request_timeout`]; calls to a master's peers: the peer deadline below).
 //!
 //! # Against a master
 //!
@@ -20,7 +20,16 @@
 //! [`MAX_PUT_ATTEMPTS`] rounds). A get asks the master where the keys are under a read lease
 //! (`RouteGet`), reads each peer's keys in one `BatchGet` (in parallel) and releases the lease
 //! without waiting for the answer. A key whose peer cannot be reached is a miss (the peer
-//! died; the master forgets its keys once its heartbeats stop). Exists, prefix probes,
+//! died; the master forgets its keys once its heartbeats stop).
+//!
+//! Every call to a peer on a get path (`BatchGet`, `BatchGetInto` and its byte-path
+//! fallback) has one deadline covering connecting and the call itself: the master's
+//! `peer_timeout` (learnt from its `Health` answer), or [`ClientOptions::peer_timeout`]. A
+//! peer that accepts connections but does not answer within it counts as unreachable: its
+//! keys are misses and its connection is dropped. (A peer that answers a `BatchGetInto` after
+//! the deadline may still write the slots it was asked to fill, until the buffer is
+//! deregistered.) Puts to peers keep [`ClientOptions::request_timeout`] (connecting to a peer
+//! is bounded by the peer deadline for them too). Exists, prefix probes,
 //! removes and stats go to the master. A batch put across peers is not ordered: on an error,
 //! any subset of the batch may be stored.
 
@@ -107,16 +116,59 @@ pub struct ClientOptions {
     pub keepalive_interval: Duration,
     /// See `keepalive_interval`.
     pub keepalive_timeout: Duration,
+    /// Against a master: the deadline of each call to a peer on a get path, connecting
+    /// included (see the module docs). `None`: the master's `peer_timeout` (or, from a master
+    /// that does not tell it, `request_timeout`).
+    pub peer_timeout: Option<Duration>,
 }
 
 impl Default for ClientOptions {
-    /// 5 s to connect, 60 s per call, pings every 10 s answered within 5 s.
+    /// 5 s to connect, 60 s per call, pings every 10 s answered within 5 s, peer calls
+    /// bounded by the master's `peer_timeout`.
     fn default() -> ClientOptions {
         ClientOptions {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Some(Duration::from_secs(60)),
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(5),
+            peer_timeout: None,
+        }
+    }
+}
+
+/// Deadline of peer calls when neither the options nor the master name one and calls have
+/// no deadline either.
+const FALLBACK_PEER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `opts` for connections to peers with call deadline `deadline`: connecting is bounded by
+/// it too (calls are bounded one by one, by [`within`]).
+pub(crate) fn peer_options(opts: &ClientOptions, deadline: Duration) -> ClientOptions {
+    ClientOptions {
+        connect_timeout: opts.connect_timeout.min(deadline),
+        ..opts.clone()
+    }
+}
+
+/// Runs the call `fut` to the peer at `addr` with `deadline` covering all of it (connecting
+/// a lazy channel included). Past the deadline the call is dropped and the peer is reported
+/// `UNAVAILABLE` (it cannot be reached in time: its keys are misses).
+pub(crate) async fn within<T>(
+    deadline: Duration,
+    addr: &str,
+    fut: impl Future<Output = std::result::Result<T, tonic::Status>>,
+) -> std::result::Result<T, tonic::Status> {
+    match tokio::time::timeout(deadline, fut).await {
+        Ok(res) => res,
+        Err(_) => {
+            tracing::warn!(
+                peer = addr,
+                ?deadline,
+                "peer did not answer within the deadline"
+            );
+            Err(tonic::Status::unavailable(format!(
+                "peer {addr} did not answer within {} ms",
+                deadline.as_millis()
+            )))
         }
     }
 }
@@ -189,7 +241,10 @@ type PeerGroups = BTreeMap<u64, (String, Vec<usize>)>;
 #[derive(Debug)]
 struct Cluster {
     master: MasterClient<Channel>,
+    /// Options of the connections to peers ([`peer_options`] of the client's options).
     opts: ClientOptions,
+    /// Deadline of each call to a peer on a get path.
+    peer_deadline: Duration,
     /// Connections to peers, by peer id (with the address they were made for).
     peers: Mutex<HashMap<u64, (String, UmbpClient<Channel>)>>,
 }
@@ -286,6 +341,15 @@ pub(crate) fn lazy_channel(addr: &str, opts: &ClientOptions) -> Result<Channel> 
     Ok(endpoint(addr, opts)?.connect_lazy())
 }
 
+/// The deadline of peer calls: the option, else the master's `peer_timeout`, else the call
+/// deadline.
+fn peer_deadline(opts: &ClientOptions, master_peer_timeout_ms: u64) -> Duration {
+    opts.peer_timeout
+        .or((master_peer_timeout_ms > 0).then(|| Duration::from_millis(master_peer_timeout_ms)))
+        .or(opts.request_timeout)
+        .unwrap_or(FALLBACK_PEER_TIMEOUT)
+}
+
 fn usize_of(n: u64) -> usize {
     usize::try_from(n).unwrap_or(usize::MAX)
 }
@@ -319,16 +383,19 @@ impl Client {
         let inner = UmbpClient::new(channel.clone())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        let role = rt
+        let health = rt
             .block_on(inner.clone().health(HealthRequest {}))?
-            .into_inner()
-            .role;
-        let cluster = (role == "master").then(|| Cluster {
-            master: MasterClient::new(channel)
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
-            opts: opts.clone(),
-            peers: Mutex::new(HashMap::new()),
+            .into_inner();
+        let cluster = (health.role == "master").then(|| {
+            let peer_deadline = peer_deadline(opts, health.peer_timeout_ms);
+            Cluster {
+                master: MasterClient::new(channel)
+                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_MESSAGE_BYTES),
+                opts: peer_options(opts, peer_deadline),
+                peer_deadline,
+                peers: Mutex::new(HashMap::new()),
+            }
         });
         Ok(Client {
             inner,
@@ -473,7 +540,11 @@ impl Client {
                 let req = BatchGetRequest {
                     keys: idxs.iter().map(|&i| keys[i].to_vec()).collect(),
                 };
-                tasks.spawn(async move { (peer, idxs, pc.batch_get(req).await) });
+                let deadline = c.peer_deadline;
+                tasks.spawn(async move {
+                    let res = within(deadline, &addr, pc.batch_get(req)).await;
+                    (peer, idxs, res)
+                });
             }
             let mut failure: Option<tonic::Status> = None;
             while let Some(done) = tasks.join_next().await {
@@ -606,6 +677,8 @@ impl Client {
             demotions: s.demotions,
             promotions: s.promotions,
             corrupt_dropped: s.corrupt_dropped,
+            ssd_recovery_corrupt_records: s.ssd_recovery_corrupt_records,
+            ssd_recovery_skipped_bytes: s.ssd_recovery_skipped_bytes,
             ssd_io: s.ssd_io.parse().ok(),
             // Daemons have no GPU tier.
             ..PoolStats::default()
@@ -740,13 +813,14 @@ impl Client {
             let mut calls = Vec::new();
             for (peer, (addr, idxs)) in groups {
                 let pc = c.peer(peer, &addr)?;
-                calls.push((peer, idxs, pc));
+                calls.push((peer, addr, idxs, pc));
             }
-            let futures = calls.iter().map(|(_, idxs, pc)| {
-                get_into_at(pc.clone(), &d, mem, keys, offsets, capacities, idxs)
+            let futures = calls.iter().map(|(_, addr, idxs, pc)| {
+                let call = get_into_at(pc.clone(), &d, mem, keys, offsets, capacities, idxs);
+                within(c.peer_deadline, addr, call)
             });
             let done = futures_join(futures).await;
-            for ((peer, idxs, _), res) in calls.iter().zip(done) {
+            for ((peer, _, idxs, _), res) in calls.iter().zip(done) {
                 match res {
                     Ok(r) => {
                         for (&i, v) in idxs.iter().zip(r) {

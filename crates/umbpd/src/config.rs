@@ -84,7 +84,8 @@ pub struct Cli {
     /// Page size of the DRAM tier, e.g. 4K.
     #[arg(long, value_name = "SIZE")]
     pub page_bytes: Option<String>,
-    /// Directory of the SSD segment log; without it the pool is DRAM only.
+    /// Directory of the SSD segment log; without it the pool is DRAM only. Locked while the
+    /// daemon runs: a second daemon (or pool) on it exits with status 2, naming the holder.
     #[arg(long, value_name = "DIR")]
     pub ssd_dir: Option<String>,
     /// Capacity of the SSD tier, e.g. 100G.
@@ -119,7 +120,8 @@ pub struct Cli {
     /// Peer: interval between heartbeats, e.g. 1s, 200ms.
     #[arg(long, value_name = "DURATION")]
     pub heartbeat_interval: Option<String>,
-    /// Master: a peer without a heartbeat for this long is declared dead, e.g. 5s.
+    /// Master: a peer without a heartbeat for this long is declared dead, e.g. 5s; also the
+    /// deadline of each call to a peer on a get path (clients learn it from the master).
     #[arg(long, value_name = "DURATION")]
     pub peer_timeout: Option<String>,
     /// Master: how long a read lease protects a key from removal and eviction, e.g. 5s.

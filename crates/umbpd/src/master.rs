@@ -761,6 +761,8 @@ pub fn aggregate(peers: &[PeerSummary], keys: usize) -> StatsResponse {
         t.demotions += s.demotions;
         t.promotions += s.promotions;
         t.corrupt_dropped += s.corrupt_dropped;
+        t.ssd_recovery_corrupt_records += s.ssd_recovery_corrupt_records;
+        t.ssd_recovery_skipped_bytes += s.ssd_recovery_skipped_bytes;
     }
     t
 }

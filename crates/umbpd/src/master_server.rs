@@ -58,12 +58,15 @@ pub struct MasterState {
     core: Mutex<MasterCore>,
     peer_clients: Mutex<HashMap<String, UmbpClient<Channel>>>,
     started: Instant,
+    /// The core's `peer_timeout`: the deadline of every call to a peer (its clients' too).
+    peer_timeout: Duration,
 }
 
 impl MasterState {
     /// Wraps a core.
     pub fn new(core: MasterCore) -> MasterState {
         MasterState {
+            peer_timeout: core.config().peer_timeout,
             core: Mutex::new(core),
             peer_clients: Mutex::new(HashMap::new()),
             started: Instant::now(),
@@ -92,8 +95,8 @@ impl MasterState {
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
         }
-        let channel = lazy_channel(addr, &crate::ClientOptions::default())
-            .map_err(|e| Status::internal(e.to_string()))?;
+        let opts = crate::client::peer_options(&crate::ClientOptions::default(), self.peer_timeout);
+        let channel = lazy_channel(addr, &opts).map_err(|e| Status::internal(e.to_string()))?;
         let c = UmbpClient::new(channel)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -250,7 +253,13 @@ impl Umbp for MasterService {
                 peer,
             } => {
                 let freed = match self.state.peer_client(&addr) {
-                    Ok(mut c) => c.remove(RemoveRequest { key }).await.map(|_| ()),
+                    Ok(mut c) => crate::client::within(
+                        self.state.peer_timeout,
+                        &addr,
+                        c.remove(RemoveRequest { key }),
+                    )
+                    .await
+                    .map(|_| ()),
                     Err(e) => Err(e),
                 };
                 if let Err(e) = freed {
@@ -278,6 +287,7 @@ impl Umbp for MasterService {
             role: "master".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             uptime_ms: millis(self.state.started.elapsed()),
+            peer_timeout_ms: millis(self.state.peer_timeout),
         }))
     }
 }

@@ -69,12 +69,17 @@ pub fn say(line: &str) {
 fn recovery_line(r: &RecoveryReport) -> String {
     format!(
         "recovered SSD log: segments={} records={} live_keys={} torn_tail_bytes_truncated={} \
-         corrupt_records_dropped={} clean_shutdown={}",
+         corrupt_records_dropped={} (bad_headers={} crc_mismatches={} resyncs={} \
+         damaged_bytes_skipped={}) clean_shutdown={}",
         r.segments,
         r.records,
         r.live_keys,
         r.torn_tail_bytes_truncated,
         r.corrupt_records_dropped,
+        r.bad_headers,
+        r.crc_mismatches,
+        r.resyncs,
+        r.damaged_bytes_skipped,
         r.clean_shutdown
     )
 }

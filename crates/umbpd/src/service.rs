@@ -534,6 +534,8 @@ pub fn stats_response(s: PoolStats) -> StatsResponse {
         demotions: s.demotions,
         promotions: s.promotions,
         corrupt_dropped: s.corrupt_dropped,
+        ssd_recovery_corrupt_records: s.ssd_recovery_corrupt_records,
+        ssd_recovery_skipped_bytes: s.ssd_recovery_skipped_bytes,
         ssd_io: s.ssd_io.map(|b| b.as_str().to_string()).unwrap_or_default(),
     }
 }
@@ -703,6 +705,7 @@ impl Umbp for UmbpService {
             role: self.role.to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            peer_timeout_ms: 0,
         }))
     }
 }

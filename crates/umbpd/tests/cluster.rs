@@ -418,3 +418,141 @@ fn data_plane_round_trips_and_a_peer_killed_mid_put() {
     c.deregister(&dmem).unwrap();
     drop(dead);
 }
+
+/// A fake peer: accepts connections on a loopback port and never reads or answers.
+fn hung_peer() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming().flatten() {
+            held.push(conn);
+        }
+    });
+    addr
+}
+
+/// Registers a peer at `addr` with the master at `master` (through the `Master` API, as a
+/// real peer does), publishes `keys` there and heartbeats for it every 200 ms in the
+/// background, so the master keeps routing the keys to it.
+fn register_fake_peer(master: &str, addr: &str, keys: &[&[u8]]) {
+    use mori_umbpd::proto::master_client::MasterClient;
+    use mori_umbpd::proto::{
+        CommitEntry, CommitRequest, HeartbeatRequest, PeerReport, RegisterRequest, StatsResponse,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let report = PeerReport {
+        stats: Some(StatsResponse {
+            dram_capacity_bytes: 1 << 30,
+            ..StatsResponse::default()
+        }),
+        ssd_capacity_bytes: 0,
+    };
+    let mut m = rt
+        .block_on(MasterClient::connect(format!("http://{master}")))
+        .unwrap();
+    let id = rt
+        .block_on(m.register(RegisterRequest {
+            addr: addr.to_string(),
+            report: Some(report.clone()),
+        }))
+        .unwrap()
+        .into_inner()
+        .peer_id;
+    let entries = keys
+        .iter()
+        .map(|k| CommitEntry {
+            key: k.to_vec(),
+            len: 100,
+            on_ssd: false,
+        })
+        .collect();
+    let published = rt
+        .block_on(m.commit(CommitRequest {
+            peer_id: id,
+            entries,
+        }))
+        .unwrap()
+        .into_inner();
+    assert!(published.known && published.published.iter().all(|p| *p));
+    std::thread::spawn(move || {
+        loop {
+            let beat = HeartbeatRequest {
+                peer_id: id,
+                report: Some(report.clone()),
+                dropped: Vec::new(),
+            };
+            if rt.block_on(m.heartbeat(beat)).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
+}
+
+#[test]
+fn a_hung_peer_fails_a_get_within_the_peer_timeout() {
+    const TIMEOUT: Duration = Duration::from_secs(2);
+    const SLACK: Duration = Duration::from_millis(1000);
+    let dir = tempfile::tempdir().unwrap();
+    let master = Daemon::start(
+        dir.path(),
+        &["--role", "master", "--peer-timeout", "2s"],
+        &[],
+    );
+    let hung = hung_peer();
+    register_fake_peer(&master.addr, &hung, &[b"on-hung-1", b"on-hung-2"]);
+
+    let c = Client::connect(&master.addr).unwrap();
+    let within = |what: &str, limit: Duration, f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        let took = t.elapsed();
+        eprintln!("{what}: {took:?}");
+        assert!(took < limit + SLACK, "{what} took {took:?}");
+        // The deadline is the peer timeout: not shorter.
+        assert!(
+            took + Duration::from_millis(50) >= limit,
+            "{what} took {took:?}"
+        );
+    };
+    // A get, a batch get (with a key the master does not know), twice: each ends within the
+    // master's peer timeout, the hung peer's keys as misses.
+    for round in 0..2 {
+        within(&format!("get, round {round}"), TIMEOUT, &mut || {
+            assert_eq!(c.get(b"on-hung-1").unwrap(), None);
+        });
+        within(&format!("batch_get, round {round}"), TIMEOUT, &mut || {
+            let got = c
+                .batch_get(&[b"on-hung-1", b"nowhere", b"on-hung-2"])
+                .unwrap();
+            assert_eq!(got, vec![None, None, None]);
+        });
+    }
+    // Through the data plane (a registered buffer), the same.
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: `buf` outlives the registration (deregistered below) and is not otherwise used
+    // meanwhile.
+    let mem = unsafe { c.register(buf.as_mut_ptr() as u64, buf.len() as u64) }.unwrap();
+    within("batch_get_into", TIMEOUT, &mut || {
+        let got = c
+            .batch_get_into(&[b"on-hung-2"], &mem, &[0], &[4096])
+            .unwrap();
+        assert_eq!(got, vec![None]);
+    });
+    c.deregister(&mem).unwrap();
+
+    // A client's own peer timeout wins over the master's.
+    let short = Duration::from_millis(400);
+    let opts = mori_umbpd::ClientOptions {
+        peer_timeout: Some(short),
+        ..mori_umbpd::ClientOptions::default()
+    };
+    let c = Client::connect_with(&master.addr, &opts).unwrap();
+    within("get with peer_timeout 400 ms", short, &mut || {
+        assert_eq!(c.get(b"on-hung-1").unwrap(), None);
+    });
+}
