@@ -194,6 +194,22 @@ def test_client_arguments_are_checked_and_named(kwargs, error, names, tmp_path):
         Client(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("master", "error", "says"),
+    [
+        ("localhost:99999", errors.InvalidArgumentError, "master: .*99999.*not a port"),
+        ("nohost", errors.InvalidArgumentError, "master: .*no port"),
+        ("127.0.0.1:abc", errors.InvalidArgumentError, "master: .*abc"),
+        ("no-such-host.invalid:7070", errors.InvalidArgumentError, "master: .*cannot resolve.*no-such-host.invalid"),
+        ("", errors.InvalidArgumentError, "master"),
+        ("localhost:1", errors.TransportError, "cannot connect to umbpd at localhost:1: .*(refused|error)"),
+    ],
+)
+def test_master_addresses_are_checked_and_named(master, error, says):
+    with pytest.raises(error, match=says):
+        Client(master=master)
+
+
 def test_a_str_where_keys_are_expected_is_a_type_error():
     with Client(dram_bytes="1M") as c:
         c.batch_put(["a", "b", "c"], [b"1", b"2", b"3"])

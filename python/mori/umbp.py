@@ -162,7 +162,10 @@ class Client:
             master = _args.text(master, "master")
             if gpu_bytes:
                 raise InvalidArgumentError("the GPU tier is embedded-only: a daemon has none")
-            self._pool = _core.UmbpRemote(master)
+            try:
+                self._pool = _core.UmbpRemote(master)
+            except InvalidArgumentError as e:  # a malformed address or a host that does not resolve
+                raise InvalidArgumentError(f"master: {e}") from None
             return
         dram_bytes = _args.size(dram_bytes, "dram_bytes", minimum=1)
         page_bytes = _args.size(page_bytes, "page_bytes", minimum=1)
