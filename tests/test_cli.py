@@ -161,7 +161,7 @@ def test_every_bench_option_has_help_with_its_default(name):
         action = next(a for a in bench._actions if a.option_strings and a.option_strings[-1] == option)
         assert text, f"mori bench {name} {option} has no help"
         if action.nargs != 0:  # flags need no default
-            assert "default" in text and "default: None" not in text, f"mori bench {name} {option}: {text!r}"
+            assert "default:" in text and "default: None" not in text, f"mori bench {name} {option}: {text!r}"
     assert "benches/results under the current directory" in helps["--out"]
     r = mori("bench", name, "--help")
     assert r.returncode == 0 and "--out DIR" in r.stdout and "benches/results" in r.stdout

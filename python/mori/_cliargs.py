@@ -11,11 +11,11 @@ from typing import Callable
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: …)`` to an option's help unless the help already says its default
-    (in words: "default: every visible GPU") or the option is a flag."""
+    (``default: every visible GPU``) or the option is a flag."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.nargs == 0 or action.default is argparse.SUPPRESS:
+        if "default:" in text or action.nargs == 0 or action.default is argparse.SUPPRESS:
             return text
         return text + " (default: %(default)s)"
 
