@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the abi3 release wheel into .device/wheels/ (ignored by git) for the GPU machine.
-# Usage: scripts/build-wheel.sh    then carry ".device" in the device tool's run call.
+# Usage: scripts/build-wheel.sh    then copy ".device" to the GPU machine with the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .device/wheels

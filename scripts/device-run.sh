@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (the device tool), from the repository root:
+# Runs on the GPU machine, from the repository root:
 #   bash scripts/device-run.sh [step ...]      steps: check demo precompile tests tests:<args> bench:<name>[:args] py:<script>
-# Installs the wheel built by scripts/build-wheel.sh (carried in .device/) into a scratch
+# Installs the wheel built by scripts/build-wheel.sh (copied along in .device/) into a scratch
 # folder, then runs each step, writing logs and JSON under $OUT (or ./device-out).
 # The wheel holds the Python package too: rebuild it after changing python/, not only crates/.
 # World size: the multi-rank GPU suites read MORI_TEST_WORLD from the environment (default 2);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command (README, and CI through .ci/run). On a fresh machine it creates .venv with
-# what the tests need, then runs the Rust tests, builds the extension and runs the Python tests.
+# The test command (README, and CI through .ci/run). On a fresh machine it creates .venv-test
+# with what the tests need, then runs the Rust tests, builds the extension into .venv-test and
+# runs the Python tests. Your own environment (.venv, where `pip install .` goes) is left alone.
 # GPU tests are skipped, with the reason, where no GPU is visible.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,25 +9,39 @@ export CARGO_TERM_COLOR=never
 
 step() { printf '\n=== %s ===\n' "$*"; }
 
-step "python environment (.venv)"
-[ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
+VENV=.venv-test
+step "python environment for the tests ($VENV)"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
 # NVRTC from PyPI lets CI compile every kernel without a GPU or a CUDA toolkit; Triton (no torch
 # needed, ptxas bundled) lets it compile the mori.ir Triton kernels to sm_90 PTX the same way.
-.venv/bin/python -m pip install -q "maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "nvidia-cuda-nvrtc==13.0.*" "triton==3.6.*"
+"$VENV/bin/python" -m pip install -q "maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "nvidia-cuda-nvrtc==13.0.*" "triton==3.6.*"
 
 step "system packages: redis-server, redis-tools"
 # The umbp metadata tests start their own redis-server processes on loopback ports (a single
 # server and a 3-node cluster); they fail instead of skipping when MORI_REQUIRE_REDIS=1.
-if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
-  if [ "$(id -u)" -eq 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null
-  else
-    echo "redis-server/redis-cli missing: sudo apt-get install redis-server redis-tools" >&2
-    exit 1
-  fi
+if command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1; then
+  echo "redis-server and redis-cli found: nothing to install"
+elif [ "$(id -u)" -eq 0 ]; then
+  echo "redis-server/redis-cli missing: installing the system packages redis-server and redis-tools (apt-get install)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null
+else
+  echo "redis-server/redis-cli missing: install them first (sudo apt-get install redis-server redis-tools)" >&2
+  exit 1
 fi
 export MORI_REQUIRE_REDIS=1
+
+step "io_uring"
+# Rust tests cannot report a skip: where the kernel allows io_uring, MORI_REQUIRE_URING=1 makes
+# the io_uring test variants fail instead of passing without running. Where it does not, pytest
+# reports the skip with the reason (tests/test_umbp.py::test_embedded_uring_backend_or_a_reported_skip).
+cargo build -q -p mori-umbp --example uring_probe
+if uring=$(target/debug/examples/uring_probe); then
+  export MORI_REQUIRE_URING=1
+  echo "$uring: MORI_REQUIRE_URING=1 (the io_uring tests must run and pass)"
+else
+  echo "$uring: the io_uring test variants are skipped (pytest lists the skip and its reason)"
+fi
 
 step "rust: format and lints"
 if cargo fmt --version >/dev/null 2>&1; then cargo fmt --all --check; fi
@@ -39,9 +54,9 @@ else
   cargo test --workspace
 fi
 
-step "python: build the extension into .venv"
-VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --release --quiet
+step "python: build the extension into $VENV"
+VIRTUAL_ENV="$PWD/$VENV" "$VENV/bin/maturin" develop --release --quiet
 
 step "python: tests"
 # pytest exits 5 when it collected nothing: that is a failure here, like any non-zero status.
-.venv/bin/python -m pytest tests -rs -q -p no:cacheprovider
+"$VENV/bin/python" -m pytest tests -rs -q -p no:cacheprovider

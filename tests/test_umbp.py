@@ -562,3 +562,72 @@ def test_cluster_registered_buffers_batch_calls_and_three_times_dram(start_umbpd
     assert c.get_into(keys[5], dst[:size]) == size and dst[:size].tobytes() == _value(5, size)  # byte path
     with pytest.raises(errors.InvalidArgumentError):
         c.unregister(dst)
+
+
+# --------------------------------------------------------------------------------------------
+# First-hour behaviour: host names, memory use, the SSD I/O backend, close
+# --------------------------------------------------------------------------------------------
+
+
+def test_master_by_host_name_and_close_disconnects(daemon):
+    port = daemon.rsplit(":", 1)[1]
+    c = Client(master=f"localhost:{port}")
+    buf = np.arange(4096, dtype=np.uint8)
+    c.register(buf)
+    assert c.put_from("by-name", buf) and c.get("by-name") == buf.tobytes()
+    assert c.close() == {} and c.closed
+    with pytest.raises(errors.ClosedError):
+        c.get("by-name")
+    with Client(master=daemon) as again:  # the daemon kept the data
+        assert again.get("by-name") == buf.tobytes()
+
+
+def _vm_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_an_embedded_pool_with_8g_of_dram_uses_memory_only_for_values():
+    before = _vm_rss()
+    with Client(dram_bytes="8G") as c:
+        opened = _vm_rss()
+        assert opened - before < 100 << 20, f"Client(dram_bytes='8G') grew VmRSS by {(opened - before) >> 20} MiB"
+        value = bytes(range(256)) * 4096  # 1 MiB
+        for i in range(16):
+            c.put(f"v{i}", value)
+        assert c.get("v15") == value
+        assert _vm_rss() - opened < 100 << 20
+
+
+def test_embedded_ssd_io_defaults_to_pread_as_documented(tmp_path):
+    with Client(dram_bytes="1M", ssd_dir=tmp_path / "a") as c:
+        assert c.stats()["ssd_io"] == "pread"
+    with Client(dram_bytes="1M", ssd_dir=tmp_path / "b", ssd_io="pread") as c:
+        assert c.stats()["ssd_io"] == "pread"
+
+
+def test_embedded_uring_backend_or_a_reported_skip(tmp_path):
+    """The io_uring backend end to end: skipped, with the kernel's reason, where io_uring is
+    unavailable, unless MORI_REQUIRE_URING=1 (scripts/test.sh sets it where the kernel allows
+    io_uring), which makes that a failure."""
+    from mori import _core
+
+    why = _core.uring_unavailable()
+    if why is not None:
+        if os.environ.get("MORI_REQUIRE_URING") == "1":
+            pytest.fail(f"MORI_REQUIRE_URING=1 but io_uring is unavailable: {why}")
+        with pytest.raises(errors.MoriError, match="io_uring"):
+            Client(dram_bytes="1M", ssd_dir=tmp_path / "u", ssd_io="uring")
+        pytest.skip(f"io_uring is unavailable here: {why}")
+    value = os.urandom(300 << 10)
+    with Client(dram_bytes="1M", ssd_dir=tmp_path / "u", ssd_io="uring", segment_bytes="4M") as c:
+        assert c.stats()["ssd_io"] == "uring"
+        for i in range(8):  # 2.4 MiB against 1 MiB of DRAM: most go to SSD
+            c.put(f"u{i}", value)
+        assert c.stats()["demotions"] > 0
+        assert c.batch_get([f"u{i}" for i in range(8)]) == [value] * 8
+    with Client(dram_bytes="1M", ssd_dir=tmp_path / "u", ssd_io="auto") as c:
+        assert c.stats()["ssd_io"] == "uring"
+        assert c.get("u0") == value

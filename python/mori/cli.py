@@ -7,6 +7,11 @@ import importlib
 import json
 import sys
 
+from mori._cliargs import HelpFormatter, arch, int_in, positive_int
+
+# Local processes `mori demo` may start.
+MAX_DEMO_RANKS = 64
+
 # `mori bench <name>` runs mori.bench.<name> (each module has add_arguments and main).
 BENCHMARKS = {
     "p2p": "GPU0→GPU1 copies: copy engine vs mori's SM copy kernel",
@@ -50,21 +55,25 @@ def _umbpd(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mori", description="mori: GPU communication for LLM stacks")
+    parser = argparse.ArgumentParser(prog="mori", description="mori: GPU communication for LLM stacks",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("check", help="show driver, GPUs, NVLink, NICs, NVRTC and the JIT cache")
+    p = sub.add_parser("check", help="show driver, GPUs, NVLink, NICs, NVRTC and the JIT cache", formatter_class=HelpFormatter)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_check)
 
-    p = sub.add_parser("demo", help="check + JIT + bootstrap between local processes + a P2P copy if GPUs are present")
-    p.add_argument("--ranks", type=int, default=4, help="local processes for the bootstrap demo")
+    p = sub.add_parser("demo", help="check + JIT + bootstrap between local processes + a P2P copy if GPUs are present",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--ranks", type=int_in(1, MAX_DEMO_RANKS), default=4, metavar="N",
+                   help=f"local processes for the bootstrap demo, 1..{MAX_DEMO_RANKS}")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("precompile", help="compile every kernel variant into the JIT cache")
-    p.add_argument("--arch", action="append", help="target such as sm_90 (repeatable; default: local GPUs, else sm_90)")
+    p = sub.add_parser("precompile", help="compile every kernel variant into the JIT cache", formatter_class=HelpFormatter)
+    p.add_argument("--arch", action="append", type=arch,
+                   help="target such as sm_90 (repeatable; default: local GPUs, else sm_90)")
     p.add_argument("--cache-dir", help="cache folder (default: MORI_JIT_CACHE_DIR or ~/.cache/mori/jit)")
-    p.add_argument("--jobs", type=int, help="parallel compilations (default: CPU count)")
+    p.add_argument("--jobs", type=positive_int, help="parallel compilations (default: CPU count)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_precompile)
 
@@ -75,27 +84,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_umbpd)
 
-    p = sub.add_parser("bench", help="benchmarks (print mori beside a baseline, write JSON)")
+    p = sub.add_parser("bench", help="benchmarks (print mori beside a baseline, write a JSON record)",
+                       description="Benchmarks print mori beside a baseline measured in the same run and write a JSON "
+                       "record to --out (default: benches/results under the current directory).",
+                       formatter_class=HelpFormatter)
     bench = p.add_subparsers(dest="bench", required=True)
     for name, help_text in BENCHMARKS.items():
         module = importlib.import_module(f"mori.bench.{name}")
-        bp = bench.add_parser(name, help=help_text)
+        bp = bench.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         module.add_arguments(bp)
         bp.set_defaults(func=module.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command; returns its exit code: 0, 1 when it failed (one line on stderr saying
+    why: a mori error, a missing package, a file it could not use), 2 for bad usage (argparse's
+    message), 130 after Ctrl-C. Anything else is a bug in mori and shows its traceback."""
     args = build_parser().parse_args(argv)
+    where = "mori " + (f"bench {args.bench}" if args.command == "bench" else args.command)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except ImportError as e:  # an optional package (torch, triton, ...) that is missing or broken
+        print(f"{where}: needs the Python package {e.name or ''} ({e})".replace("  ", " "), file=sys.stderr)
+        return 1
+    except OSError as e:  # a file, folder or port the command could not use
+        print(f"{where}: {e}", file=sys.stderr)
+        return 1
     except Exception as e:
         from mori.errors import MoriError
 
         if isinstance(e, MoriError):
-            print(f"mori: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"{where}: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
         raise
 

@@ -50,6 +50,19 @@ class InvalidArgumentError(MoriError, ValueError):
     """An argument was out of range or inconsistent (also a ``ValueError``)."""
 
 
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type, rejected rather than coerced: a float or a str where an
+    integer (offset, size, port) is expected, a str where a list of keys is expected. Also a
+    ``TypeError``, and an :class:`InvalidArgumentError` so one ``except`` catches any bad
+    argument."""
+
+
+class ClosedError(InvalidArgumentError):
+    """A call on an object that was closed (``IOEngine.close()``, ``umbp.Client.close()``, the
+    end of its ``with`` block). Also an :class:`InvalidArgumentError` (a ``ValueError``), as
+    Python raises for a closed file."""
+
+
 class BootstrapError(MoriError):
     """Rendezvous or a bootstrap collective failed."""
 
@@ -96,6 +109,8 @@ __all__ = [
     "CudaError",
     "CompileError",
     "InvalidArgumentError",
+    "ArgumentTypeError",
+    "ClosedError",
     "BootstrapError",
     "PeerLostError",
     "MismatchError",

@@ -32,9 +32,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mori import _core
+from mori import _args, _core
 from mori._arrays import int64_array
-from mori.errors import InvalidArgumentError, StillInUseError
+from mori.errors import ArgumentTypeError, InvalidArgumentError, StillInUseError
 
 __all__ = ["IOEngine", "MemoryDesc", "Session", "Transfer"]
 
@@ -43,7 +43,7 @@ class MemoryDesc:
     """A registered region, local (keeps the registered object alive) or a peer's (unpacked)."""
 
     def __init__(self, raw: bytes, owner: Any = None):
-        self._raw = bytes(raw)
+        self._raw = _args.byte_value(raw, "a memory descriptor")
         self._owner = owner
         self.engine, self.id, self.nbytes, device, self.cuda_ipc, self.writable = _core.io_memory_desc_info(self._raw)
         self.device = None if device < 0 else device
@@ -90,7 +90,12 @@ def _region(obj: Any) -> tuple[int, int, int, bool]:
     """(address, bytes, device or -1, writable) of memory to register."""
     if isinstance(obj, tuple) and len(obj) == 3:
         ptr, nbytes, device = obj
-        return int(ptr), int(nbytes), -1 if device is None else int(device), True
+        return (
+            _args.integer(ptr, "ptr", minimum=0),
+            _args.integer(nbytes, "nbytes", minimum=0),
+            -1 if device is None else _args.integer(device, "device", minimum=0),
+            True,
+        )
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
             raise InvalidArgumentError("register needs a C-contiguous numpy array")
@@ -101,11 +106,20 @@ def _region(obj: Any) -> tuple[int, int, int, bool]:
         if not obj.is_contiguous():
             raise InvalidArgumentError("register needs a contiguous tensor")
         return obj.data_ptr(), obj.numel() * obj.element_size(), obj.device.index if obj.is_cuda else -1, True
-    raise InvalidArgumentError(f"cannot register {type(obj).__name__}: pass a numpy array, a tensor or (ptr, nbytes, device)")
+    raise ArgumentTypeError(f"cannot register {type(obj).__name__}: pass a numpy array, a tensor or (ptr, nbytes, device)")
+
+
+def _desc(mem: Any, name: str) -> bytes:
+    """The packed descriptor of a MemoryDesc argument."""
+    if not isinstance(mem, MemoryDesc):
+        raise ArgumentTypeError(f"{name} must be a MemoryDesc (from register() or MemoryDesc.unpack()), got {type(mem).__name__}")
+    return mem._raw
 
 
 class IOEngine:
-    """An endpoint for one-sided transfers. ``port=0`` picks a free port."""
+    """An endpoint for one-sided transfers. ``port=0`` picks a free port. ``close()`` (or the
+    end of a ``with IOEngine(...) as engine:`` block) stops it; any later call raises
+    :class:`~mori.errors.ClosedError`."""
 
     def __init__(
         self,
@@ -124,7 +138,12 @@ class IOEngine:
         handshake_timeout: float = 10.0,
         max_connections: int = 1024,
     ):
-        """``secret``: the deployment secret (at least 16 bytes) every connection proves in
+        """``host``: the address to listen on, an IP address or a host name (resolved here:
+        its first IPv4 address, else its first address). ``port``: 0..65535 (0: any free
+        port). ``timeout``: seconds (> 0) a transfer, a connection or a deregistration may
+        take.
+
+        ``secret``: the deployment secret (at least 16 bytes) every connection proves in
         both directions, without sending it; None: ``MORI_SECRET_FILE``, else ``MORI_SECRET``,
         else the per-user file ``~/.config/mori/secret`` (created on first use), so engines of
         one user on one host agree by default. Engines on other hosts need the same secret.
@@ -143,9 +162,29 @@ class IOEngine:
 
         ``handshake_timeout``: a connection that has not authenticated by then is dropped.
         ``max_connections``: connections served at once (a quarter of them at most still in
-        their handshake; at most 64 per peer engine)."""
+        their handshake; at most 64 per peer engine).
+
+        Every argument is checked here: a wrong type raises
+        :class:`~mori.errors.ArgumentTypeError`, a wrong value
+        :class:`~mori.errors.InvalidArgumentError`, each naming the argument."""
+        name = _args.text(name, "name")
+        host = _args.text(host, "host")
+        port = _args.integer(port, "port", minimum=0, maximum=65535)
+        connections_per_peer = _args.integer(connections_per_peer, "connections_per_peer", minimum=1)
+        timeout = _args.number(timeout, "timeout", positive=True)
+        chunk_bytes = _args.integer(chunk_bytes, "chunk_bytes", minimum=1)
+        same_host_direct = _args.boolean(same_host_direct, "same_host_direct")
+        cuda_ipc = _args.boolean(cuda_ipc, "cuda_ipc")
+        if copy_engine_threshold is not None:
+            copy_engine_threshold = _args.integer(copy_engine_threshold, "copy_engine_threshold", minimum=0)
+        ipc_blocks = _args.integer(ipc_blocks, "ipc_blocks", minimum=0, maximum=(1 << 31) - 1)
+        self._name = name
         if isinstance(secret, str):
             secret = secret.encode()
+        elif secret is not None:
+            secret = _args.byte_value(secret, "secret")
+        handshake_timeout = _args.number(handshake_timeout, "handshake_timeout", positive=True)
+        max_connections = _args.integer(max_connections, "max_connections", minimum=1)
         self._inner = _core.IoEngine(
             name, host, port, connections_per_peer, timeout, chunk_bytes, same_host_direct, cuda_ipc, copy_engine_threshold, ipc_blocks, secret,
             handshake_timeout, max_connections,
@@ -154,9 +193,34 @@ class IOEngine:
         # freed) for the engine's lifetime, so no peer ever writes into reused memory.
         self._held: list[Any] = []
 
+    def close(self) -> None:
+        """Stops the engine: closes its connections, stops serving its registered memory
+        (waiting, up to ``timeout``, for peers' requests in flight) and frees its port. Pending
+        transfers fail. Calling it again does nothing; any other call raises
+        :class:`~mori.errors.ClosedError`."""
+        inner = self._inner
+        if isinstance(inner, _args.Closed):
+            return
+        self._inner = _args.Closed(f"IOEngine {self._name!r}")
+        del inner  # the last reference: the native engine shuts down here
+
+    @property
+    def closed(self) -> bool:
+        return isinstance(self._inner, _args.Closed)
+
+    def __enter__(self) -> IOEngine:
+        self._inner.name  # noqa: B018 - raises ClosedError for a closed engine
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"IOEngine({self._name!r}{', closed' if self.closed else ''})"
+
     @property
     def name(self) -> str:
-        return self._inner.name
+        return self._name
 
     @property
     def desc(self) -> bytes:
@@ -175,48 +239,60 @@ class IOEngine:
         memory and it may be freed. Raises :class:`~mori.errors.StillInUseError` if a peer's
         GPU copy could not be stopped: the engine then keeps the object alive."""
         try:
-            self._inner.deregister(mem.pack())
+            self._inner.deregister(_desc(mem, "mem"))
         except StillInUseError:
             self._held.append(mem._owner)
             raise
 
     def connect(self, desc: bytes) -> str:
         """Connects to a peer (again, if it restarted); returns its name."""
-        return self._inner.connect(bytes(desc))
+        return self._inner.connect(_args.byte_value(desc, "desc"))
 
     def disconnect(self, name: str) -> None:
-        self._inner.disconnect(name)
+        self._inner.disconnect(_args.text(name, "name"))
 
     def is_connected(self, name: str) -> bool:
-        return self._inner.is_connected(name)
+        return self._inner.is_connected(_args.text(name, "name"))
 
     def _submit(self, write: bool, local: MemoryDesc, lo: Any, remote: MemoryDesc, ro: Any, sizes: Any, notify: Any) -> Transfer:
         # Contiguous int64 numpy arrays are read in place (not copied) and kept alive by the
-        # transfer; anything else is converted first (the extension answers None for it).
-        if notify is not None and type(notify) is not bytes:
-            notify = bytes(notify)
-        t = self._inner.submit(write, local._raw, lo, remote._raw, ro, sizes, notify)
+        # transfer; anything else is checked and converted first (the extension answers None
+        # for it).
+        local_raw, remote_raw = _desc(local, "local"), _desc(remote, "remote")
+        if notify is not None:
+            notify = _args.byte_value(notify, "notify")
+        t = self._inner.submit(write, local_raw, lo, remote_raw, ro, sizes, notify)
         if t is None:
-            lo, ro, sz = int64_array(lo, "local_offsets"), int64_array(ro, "remote_offsets"), int64_array(sizes, "sizes")
-            t = self._inner.submit(write, local._raw, lo, remote._raw, ro, sz, notify)
+            lo = int64_array(lo, "local_offsets", nonnegative=True)
+            ro = int64_array(ro, "remote_offsets", nonnegative=True)
+            sz = int64_array(sizes, "sizes", nonnegative=True)
+            t = self._inner.submit(write, local_raw, lo, remote_raw, ro, sz, notify)
             if t is None:  # pragma: no cover - int64_array returns exactly what submit takes
                 raise InvalidArgumentError("offset and size arrays must be one-dimensional int64")
         return t
 
     def read(self, local: MemoryDesc, local_offset: int, remote: MemoryDesc, remote_offset: int, size: int) -> Transfer:
         """Copies ``size`` bytes of ``remote`` at ``remote_offset`` into ``local`` at ``local_offset``."""
-        return self._submit(False, local, [local_offset], remote, [remote_offset], [size], None)
+        return self._submit(False, local, [_offset(local_offset, "local_offset")], remote,
+                            [_offset(remote_offset, "remote_offset")], [_offset(size, "size")], None)
 
     def write(self, local: MemoryDesc, local_offset: int, remote: MemoryDesc, remote_offset: int, size: int, *, notify: bytes | None = None) -> Transfer:
-        return self._submit(True, local, [local_offset], remote, [remote_offset], [size], notify)
+        return self._submit(True, local, [_offset(local_offset, "local_offset")], remote,
+                            [_offset(remote_offset, "remote_offset")], [_offset(size, "size")], notify)
 
     def batch_read(self, local: MemoryDesc, local_offsets: Any, remote: MemoryDesc, remote_offsets: Any, sizes: Any) -> Transfer:
         """Item i: ``sizes[i]`` bytes from ``remote`` at ``remote_offsets[i]`` to ``local`` at
-        ``local_offsets[i]`` (int64 arrays: numpy, torch or sequences). Contiguous int64 numpy
-        arrays (and CPU int64 tensors) are read in place, not copied: do not write them until
-        the transfer is done (a write in between may move other blocks, or fail the transfer
-        as out of range; it never reaches memory outside the registered regions)."""
-        t = self._inner.submit(False, local._raw, local_offsets, remote._raw, remote_offsets, sizes)
+        ``local_offsets[i]`` (int64 arrays: numpy, torch or sequences of ints). Contiguous int64
+        numpy arrays (and CPU int64 tensors) are read in place, not copied: do not write them
+        until the transfer is done (a write in between may move other blocks, or fail the
+        transfer as out of range; it never reaches memory outside the registered regions)."""
+        try:
+            t = self._inner.submit(False, local._raw, local_offsets, remote._raw, remote_offsets, sizes)
+        except AttributeError:  # not MemoryDescs: _submit names the argument
+            t = None
+        except InvalidArgumentError:
+            _name_negative(local_offsets, remote_offsets, sizes)
+            raise
         return t if t is not None else self._submit(False, local, local_offsets, remote, remote_offsets, sizes, None)
 
     def batch_write(self, local: MemoryDesc, local_offsets: Any, remote: MemoryDesc, remote_offsets: Any, sizes: Any, *, notify: bytes | None = None) -> Transfer:
@@ -225,7 +301,13 @@ class IOEngine:
         engine lists ``(this engine's name, notify)`` in its :meth:`notifications` once every
         item has landed."""
         if notify is None or type(notify) is bytes:  # straight to the extension
-            t = self._inner.submit(True, local._raw, local_offsets, remote._raw, remote_offsets, sizes, notify)
+            try:
+                t = self._inner.submit(True, local._raw, local_offsets, remote._raw, remote_offsets, sizes, notify)
+            except AttributeError:  # not MemoryDescs: _submit names the argument
+                t = None
+            except InvalidArgumentError:
+                _name_negative(local_offsets, remote_offsets, sizes)
+                raise
             if t is not None:
                 return t
         return self._submit(True, local, local_offsets, remote, remote_offsets, sizes, notify)
@@ -235,7 +317,19 @@ class IOEngine:
         return self._inner.take_notifications()
 
     def session(self, local: MemoryDesc, remote: MemoryDesc) -> Session:
+        _desc(local, "local"), _desc(remote, "remote")
         return Session(self, local, remote)
+
+
+def _name_negative(local_offsets: Any, remote_offsets: Any, sizes: Any) -> None:
+    """After the extension refused int64 arrays as out of range: raises the error naming the
+    argument when the cause is a negative value (read as a huge unsigned one there)."""
+    for arr, name in ((local_offsets, "local_offsets"), (remote_offsets, "remote_offsets"), (sizes, "sizes")):
+        int64_array(arr, name, nonnegative=True)
+
+
+def _offset(value: Any, name: str) -> int:
+    return _args.integer(value, name, minimum=0, maximum=(1 << 63) - 1)
 
 
 class Session:

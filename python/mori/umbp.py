@@ -33,19 +33,25 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mori import _core
+from mori import _args, _core
 from mori._arrays import address
-from mori.errors import InvalidArgumentError
+from mori.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["Client"]
 
 
-def _key(key: Any) -> bytes:
+def _key(key: Any, name: str = "key") -> bytes:
     if isinstance(key, str):
         return key.encode()
     if isinstance(key, (bytes, bytearray, memoryview)):
         return bytes(key)
-    raise InvalidArgumentError(f"keys are str or bytes, got {type(key).__name__}")
+    raise ArgumentTypeError(f"{name} must be a str or bytes, got {type(key).__name__} ({key!r:.40})")
+
+
+def _keys(keys: Any, name: str = "keys") -> list[bytes]:
+    """A list of keys (str or bytes) as bytes; a single str or bytes is refused (it would be
+    read as one key per character)."""
+    return [_key(k, f"{name}[{i}]") for i, k in enumerate(_args.sequence(keys, name, "keys (str or bytes)"))]
 
 
 def _cuda_tensor(obj: Any) -> tuple[int, int, int] | None:
@@ -77,7 +83,15 @@ def _host_buffer(obj: Any, writable: bool) -> np.ndarray:
                 "batch_get_into take device memory; pass host memory here"
             )
         obj = obj.detach().contiguous().view(torch.uint8).numpy()
-    arr = np.frombuffer(obj, dtype=np.uint8) if not isinstance(obj, np.ndarray) else obj.reshape(-1).view(np.uint8)
+    if isinstance(obj, np.ndarray):
+        arr = obj.reshape(-1).view(np.uint8)
+    else:
+        try:
+            arr = np.frombuffer(obj, dtype=np.uint8)
+        except (TypeError, ValueError):
+            raise ArgumentTypeError(
+                f"buffer must be a numpy array, bytearray, memoryview or tensor, got {type(obj).__name__}"
+            ) from None
     if not arr.flags.c_contiguous:
         raise InvalidArgumentError("buffers must be contiguous")
     if writable and not arr.flags.writeable:
@@ -85,56 +99,104 @@ def _host_buffer(obj: Any, writable: bool) -> np.ndarray:
     return arr
 
 
-def _check_ranges(offsets: Sequence[int], sizes: Sequence[int], size: int) -> None:
-    if any(o < 0 or s < 0 or o + s > size for o, s in zip(offsets, sizes)):
-        raise InvalidArgumentError("a range lies outside the buffer")
+def _ranges(offsets: Any, sizes: Any, n: int, size: int) -> tuple[list[int], list[int]]:
+    """``offsets`` and ``sizes`` (sequences of ``n`` ints each) checked against a buffer of
+    ``size`` bytes."""
+    offs = [_args.integer(o, f"offsets[{i}]", minimum=0) for i, o in enumerate(_args.sequence(offsets, "offsets", "ints"))]
+    lens = [_args.integer(s, f"sizes[{i}]", minimum=0) for i, s in enumerate(_args.sequence(sizes, "sizes", "ints"))]
+    if not (n == len(offs) == len(lens)):
+        raise InvalidArgumentError(f"keys, offsets and sizes differ in length ({n}, {len(offs)}, {len(lens)})")
+    for i, (o, s) in enumerate(zip(offs, lens)):
+        if o + s > size:
+            raise InvalidArgumentError(f"item {i}: offsets[{i}] + sizes[{i}] = {o} + {s} lies outside the buffer of {size} bytes")
+    return offs, lens
+
+
+_SSD_IO = ("pread", "uring", "auto")
 
 
 class Client:
     """A pool client. With no ``master`` it runs an embedded pool in this process.
+
+    Sizes (``dram_bytes``, ``page_bytes``, ``ssd_bytes``, ``segment_bytes``, ``gpu_bytes``) are
+    ints or strings as the daemon's flags take them (``"8G"``, ``"64MiB"``, ``"4K"``). The DRAM
+    tier is reserved, not allocated: memory is used as values are written.
+
+    ``ssd_io`` (with ``ssd_dir``): the SSD tier's I/O backend, ``"pread"`` (default, as for
+    ``umbpd``), ``"uring"`` (io_uring or the constructor raises, naming the kernel's reason) or
+    ``"auto"`` (io_uring where the kernel allows it); ``stats()["ssd_io"]`` says which runs.
 
     ``gpu_bytes`` (embedded only): size of the GPU tier, a multiple of ``page_bytes`` (0: none),
     on CUDA device ``gpu_device`` (None: torch's current device when torch is imported, else
     0). Without a usable device the constructor raises (``LibraryNotFoundError`` without the
     NVIDIA driver, ``InvalidArgumentError`` for an ordinal that does not exist, ``CudaError``
     when the allocation fails), naming the device.
+
+    ``master``: ``"host:port"`` of a ``umbpd`` daemon (the host an IP address or a name).
+
+    Arguments are checked first: a wrong type raises :class:`~mori.errors.ArgumentTypeError`
+    (a ``TypeError``), a wrong value :class:`~mori.errors.InvalidArgumentError`, each naming the
+    argument. ``close()`` (or the end of a ``with`` block) ends the client; any later call
+    raises :class:`~mori.errors.ClosedError`.
     """
 
     def __init__(
         self,
         *,
-        dram_bytes: int = 256 << 20,
-        page_bytes: int = 4096,
+        dram_bytes: int | str = 256 << 20,
+        page_bytes: int | str = 4096,
         ssd_dir: str | os.PathLike | None = None,
-        ssd_bytes: int = 16 << 30,
-        segment_bytes: int = 64 << 20,
+        ssd_bytes: int | str = 16 << 30,
+        segment_bytes: int | str = 64 << 20,
         sync_writes: bool = False,
         high_watermark: float = 0.9,
         low_watermark: float = 0.7,
-        gpu_bytes: int = 0,
+        gpu_bytes: int | str = 0,
         gpu_device: int | None = None,
         master: str | None = None,
+        ssd_io: str = "pread",
     ):
         self._remote = master is not None
         self._registered: list[tuple[int, int, int, np.ndarray]] = []  # (address, size, handle, keep-alive)
+        self._pool: Any = _args.Closed("this umbp Client")  # until the pool exists
+        gpu_bytes = _args.size(gpu_bytes, "gpu_bytes")
         if self._remote:
+            master = _args.text(master, "master")
             if gpu_bytes:
                 raise InvalidArgumentError("the GPU tier is embedded-only: a daemon has none")
-            self._pool = _core.UmbpRemote(master)
+            try:
+                self._pool = _core.UmbpRemote(master)
+            except InvalidArgumentError as e:  # a malformed address or a host that does not resolve
+                raise InvalidArgumentError(f"master: {e}") from None
             return
-        if gpu_bytes < 0:
-            raise InvalidArgumentError(f"gpu_bytes must not be negative, got {gpu_bytes}")
+        dram_bytes = _args.size(dram_bytes, "dram_bytes", minimum=1)
+        page_bytes = _args.size(page_bytes, "page_bytes", minimum=1)
+        if dram_bytes % page_bytes:
+            raise InvalidArgumentError(f"dram_bytes ({dram_bytes}) must be a multiple of page_bytes ({page_bytes})")
+        ssd_dir = None if ssd_dir is None else _args.path(ssd_dir, "ssd_dir")
+        ssd_bytes = _args.size(ssd_bytes, "ssd_bytes", minimum=1)
+        segment_bytes = _args.size(segment_bytes, "segment_bytes", minimum=1)
+        sync_writes = _args.boolean(sync_writes, "sync_writes")
+        high_watermark = _args.number(high_watermark, "high_watermark", low=0.0, high=1.0)
+        low_watermark = _args.number(low_watermark, "low_watermark", low=0.0, high=1.0)
+        if low_watermark > high_watermark:
+            raise InvalidArgumentError(f"low_watermark ({low_watermark}) must not exceed high_watermark ({high_watermark})")
+        if _args.text(ssd_io, "ssd_io") not in _SSD_IO:
+            raise InvalidArgumentError(f"ssd_io must be one of {', '.join(map(repr, _SSD_IO))}, got {ssd_io!r}")
+        if gpu_device is not None:
+            gpu_device = _args.integer(gpu_device, "gpu_device", minimum=0)
         if gpu_bytes and gpu_device is None:
             gpu_device = _current_cuda_device()
         self._pool = _core.UmbpPool(
-            dram_bytes, page_bytes, None if ssd_dir is None else os.fspath(ssd_dir), ssd_bytes, segment_bytes,
-            sync_writes, high_watermark, low_watermark, gpu_bytes, gpu_device or 0,
+            dram_bytes, page_bytes, ssd_dir, ssd_bytes, segment_bytes,
+            sync_writes, high_watermark, low_watermark, gpu_bytes, gpu_device or 0, ssd_io,
         )
 
     def register(self, buffer: Any) -> None:
         """Registers a host buffer (numpy array, bytearray, CPU tensor) for zero-copy calls: with
         a daemon, values then move between its DRAM and this buffer over mori.io. The buffer is
         kept alive until ``unregister`` (or ``close``). Embedded pools need no registration."""
+        self._check_open()
         arr = _host_buffer(buffer, writable=True)
         if not self._remote or arr.size == 0:
             return
@@ -142,7 +204,12 @@ class Client:
         handle = self._pool.register(addr, arr.size)
         self._registered.append((addr, arr.size, handle, arr))
 
+    def _check_open(self) -> None:
+        if isinstance(self._pool, _args.Closed):
+            self._pool.stats  # noqa: B018 - raises ClosedError
+
     def unregister(self, buffer: Any) -> None:
+        self._check_open()
         arr = _host_buffer(buffer, writable=False)
         addr = address(arr) if arr.size else 0
         for i, (a, n, handle, _) in enumerate(self._registered):
@@ -176,28 +243,27 @@ class Client:
     def _batch(self, into_buffer: bool, keys: Sequence[Any], buffer: Any, offsets: Sequence[int], sizes: Sequence[int]) -> list[Any]:
         """``batch_get_into`` (``into_buffer``) or ``batch_put_from``: key ``i`` moves between the
         pool and ``buffer[offsets[i] : offsets[i] + sizes[i]]``."""
-        if not (len(keys) == len(offsets) == len(sizes)):
-            raise InvalidArgumentError("keys, offsets and sizes differ in length")
+        keys = _keys(keys)
         cuda = self._cuda_buffer(buffer)
         if cuda is not None:
             device, addr, size = cuda
-            _check_ranges(offsets, sizes, size)
+            offs, lens = _ranges(offsets, sizes, len(keys), size)
             one_device = self._pool.get_into_device if into_buffer else self._pool.put_from_device
-            return [one_device(_key(k), device, addr + o, s) for k, o, s in zip(keys, offsets, sizes)]
+            return [one_device(k, device, addr + o, s) for k, o, s in zip(keys, offs, lens)]
         arr = _host_buffer(buffer, writable=into_buffer)
-        _check_ranges(offsets, sizes, arr.size)
+        offs, lens = _ranges(offsets, sizes, len(keys), arr.size)
         region = self._region(arr) if self._remote else None
         if region is not None:
             handle, base = region
             batch = self._pool.batch_get_into if into_buffer else self._pool.batch_put_from
-            return batch([_key(k) for k in keys], handle, [base + o for o in offsets], list(sizes))
+            return batch(keys, handle, [base + o for o in offs], lens)
         one = self.get_into if into_buffer else self.put_from
-        return [one(k, arr[o : o + s]) for k, o, s in zip(keys, offsets, sizes)]
+        return [one(k, arr[o : o + s]) for k, o, s in zip(keys, offs, lens)]
 
     def put(self, key: str | bytes, value: bytes) -> bool:
         """Stores ``value``; False if the key already existed (keys are immutable; that is a
         success: the first writer wins)."""
-        return self._pool.put(_key(key), bytes(value) if not isinstance(value, bytes) else value)
+        return self._pool.put(_key(key), _args.byte_value(value, "value"))
 
     def put_from(self, key: str | bytes, buffer: Any) -> bool:
         """``put`` without a bytes copy in Python: from a numpy array, bytearray, CPU tensor or
@@ -249,16 +315,19 @@ class Client:
         return self._pool.exists(_key(key))
 
     def batch_put(self, keys: Sequence[Any], values: Sequence[bytes]) -> list[bool]:
+        keys = _keys(keys)
+        values = _args.sequence(values, "values", "bytes values")
         if len(keys) != len(values):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(values)} values")
-        return self._pool.batch_put([(_key(k), v if isinstance(v, bytes) else bytes(v)) for k, v in zip(keys, values)])
+        return self._pool.batch_put([(k, _args.byte_value(v, f"values[{i}]")) for i, (k, v) in enumerate(zip(keys, values))])
 
     def batch_get(self, keys: Sequence[Any]) -> list[bytes | None]:
-        return self._pool.batch_get([_key(k) for k in keys])
+        return self._pool.batch_get(_keys(keys))
 
     def batch_exists_prefix(self, keys: Sequence[Any]) -> int:
-        """How many leading keys exist (for prefix caching: the longest cached prefix)."""
-        return self._pool.batch_exists_prefix([_key(k) for k in keys])
+        """How many leading keys exist (for prefix caching: the longest cached prefix). ``keys``
+        is a list: a single str is refused, not read as one key per character."""
+        return self._pool.batch_exists_prefix(_keys(keys))
 
     def remove(self, key: str | bytes) -> bool:
         return self._pool.remove(_key(key))
@@ -271,16 +340,32 @@ class Client:
 
     def close(self) -> dict[str, int]:
         """Embedded: keeps GPU and DRAM-only values on SSD (when there is one), seals the log,
-        closes the pool. With a daemon or cluster: nothing to close on this side (it keeps the data)."""
-        if self._remote:
-            for _, _, handle, _ in self._registered:
-                self._pool.deregister(handle)
-            self._registered.clear()
+        closes the pool. With a daemon or cluster: deregisters this client's buffers and
+        disconnects (the daemon keeps the data). Calling it again returns ``{}``; any other
+        call afterwards raises :class:`~mori.errors.ClosedError`."""
+        pool = self._pool
+        if isinstance(pool, _args.Closed):
             return {}
-        written, already, lost = self._pool.close()
+        if self._remote:
+            try:
+                for _, _, handle, _ in self._registered:
+                    pool.deregister(handle)
+            finally:
+                self._registered.clear()
+                self._pool = _args.Closed("this umbp Client")
+            return {}
+        try:
+            written, already, lost = pool.close()
+        finally:
+            self._pool = _args.Closed("this umbp Client")
         return {"values_written": written, "values_already_on_ssd": already, "values_lost": lost}
 
+    @property
+    def closed(self) -> bool:
+        return isinstance(self._pool, _args.Closed)
+
     def __enter__(self) -> Client:
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:

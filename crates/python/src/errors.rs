@@ -8,6 +8,7 @@ pyo3::import_exception!(mori.errors, LibraryNotFoundError);
 pyo3::import_exception!(mori.errors, CudaError);
 pyo3::import_exception!(mori.errors, CompileError);
 pyo3::import_exception!(mori.errors, InvalidArgumentError);
+pyo3::import_exception!(mori.errors, ClosedError);
 pyo3::import_exception!(mori.errors, BootstrapError);
 pyo3::import_exception!(mori.errors, PeerLostError);
 pyo3::import_exception!(mori.errors, MismatchError);
@@ -30,6 +31,8 @@ pub enum Error {
     /// A transfer that failed (what every waiter of it sees).
     TransferFailed(mori_io::Failure),
     InvalidArgument(String),
+    /// A call on a closed object (what is closed).
+    Closed(String),
 }
 
 impl From<mori_umbpd::ClientError> for Error {
@@ -151,6 +154,7 @@ impl From<Error> for PyErr {
                 _ => TransportError::new_err(f.message),
             },
             Error::InvalidArgument(msg) => InvalidArgumentError::new_err(msg),
+            Error::Closed(what) => ClosedError::new_err(format!("{what} is closed")),
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Bindings of mori-io: the engine, descriptors (as bytes) and transfers.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, ToSocketAddrs};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -82,6 +82,28 @@ fn int64_buffer(obj: &Bound<'_, PyAny>) -> Option<(*const u64, usize)> {
     found
 }
 
+/// The address to listen on for `host`: an IP address as given, or a host name resolved to
+/// its first IPv4 address (else its first address).
+fn resolve_host(host: &str) -> Result<IpAddr> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(ip);
+    }
+    if host.is_empty() {
+        return Err(Error::InvalidArgument("host must not be empty".into()));
+    }
+    let addrs: Vec<IpAddr> = (host, 0)
+        .to_socket_addrs()
+        .map_err(|e| Error::InvalidArgument(format!("host {host:?} cannot be resolved: {e}")))?
+        .map(|a| a.ip())
+        .collect();
+    addrs
+        .iter()
+        .find(|ip| ip.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| Error::InvalidArgument(format!("host {host:?} resolves to no address")))
+}
+
 #[pyclass(frozen, module = "mori._core")]
 pub struct IoEngine {
     inner: Arc<mori_io::IoEngine>,
@@ -95,7 +117,7 @@ impl IoEngine {
     fn new(
         name: &str,
         host: &str,
-        port: u16,
+        port: i64,
         connections_per_peer: usize,
         timeout: f64,
         chunk_bytes: u64,
@@ -118,11 +140,16 @@ impl IoEngine {
                 "max_connections must be positive".into(),
             ));
         }
-        let host: IpAddr = host
-            .parse()
-            .map_err(|_| Error::InvalidArgument(format!("{host:?} is not an IP address")))?;
+        let host = resolve_host(host)?;
+        let port = u16::try_from(port)
+            .map_err(|_| Error::InvalidArgument(format!("port must be in 0..65535, got {port}")))?;
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "timeout must be a positive number of seconds, got {timeout}"
+            )));
+        }
         let timeout = Duration::try_from_secs_f64(timeout)
-            .map_err(|_| Error::InvalidArgument("timeout must be a non-negative number".into()))?;
+            .map_err(|_| Error::InvalidArgument(format!("timeout {timeout} s is too large")))?;
         let cfg = EngineConfig {
             host,
             port,

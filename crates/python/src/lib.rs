@@ -58,6 +58,16 @@ fn with_log_filter<T>(filter: EnvFilter, f: impl FnOnce() -> T) -> T {
     out
 }
 
+/// How this extension (and the daemon it runs, `mori.umbpd`) was built: "debug" or "release".
+#[pyfunction]
+fn build_profile() -> &'static str {
+    if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    }
+}
+
 /// Hardware topology as JSON.
 #[pyfunction]
 fn topology_json(py: Python<'_>) -> String {
@@ -114,6 +124,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<umbp::UmbpPool>()?;
     m.add_class::<umbp::UmbpRemote>()?;
     m.add_function(wrap_pyfunction!(umbp::umbpd_main, m)?)?;
+    m.add_function(wrap_pyfunction!(umbp::parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(umbp::uring_unavailable, m)?)?;
+    m.add_function(wrap_pyfunction!(build_profile, m)?)?;
     m.add_function(wrap_pyfunction!(topology_json, m)?)?;
     m.add_function(wrap_pyfunction!(topology_text, m)?)?;
     Ok(())

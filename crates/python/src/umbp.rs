@@ -31,7 +31,7 @@ impl UmbpPool {
         let guard = self.pool()?;
         f(guard
             .as_ref()
-            .ok_or_else(|| Error::InvalidArgument("this pool was closed".into()))?)
+            .ok_or_else(|| Error::Closed("this umbp pool".into()))?)
     }
 }
 
@@ -102,7 +102,7 @@ fn device_address(ptr: usize, len: usize) -> Result<u64> {
 #[pymethods]
 impl UmbpPool {
     #[new]
-    #[pyo3(signature = (dram_bytes, page_bytes, ssd_dir=None, ssd_bytes=0, segment_bytes=0, sync_writes=false, high_watermark=0.9, low_watermark=0.7, gpu_bytes=0, gpu_device=0))]
+    #[pyo3(signature = (dram_bytes, page_bytes, ssd_dir=None, ssd_bytes=0, segment_bytes=0, sync_writes=false, high_watermark=0.9, low_watermark=0.7, gpu_bytes=0, gpu_device=0, ssd_io="pread"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -116,7 +116,18 @@ impl UmbpPool {
         low_watermark: f64,
         gpu_bytes: usize,
         gpu_device: usize,
+        ssd_io: &str,
     ) -> Result<Self> {
+        let io = match ssd_io {
+            "pread" => SsdIoMode::Pread,
+            "uring" => SsdIoMode::Uring,
+            "auto" => SsdIoMode::Auto,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "ssd_io must be \"pread\", \"uring\" or \"auto\", got {other:?}"
+                )));
+            }
+        };
         let mut cfg = match ssd_dir {
             Some(dir) => PoolConfig::with_ssd(
                 dram_bytes,
@@ -126,7 +137,7 @@ impl UmbpPool {
                     segment_bytes,
                     capacity_bytes: ssd_bytes,
                     sync_writes,
-                    io: SsdIoMode::Auto,
+                    io,
                 },
             ),
             None => PoolConfig::dram_only(dram_bytes, page_bytes),
@@ -417,6 +428,23 @@ impl UmbpRemote {
         let s = py.detach(|| self.inner.stats()).map_err(Error::from)?;
         stats_dict(py, &s)
     }
+}
+
+/// Parses a size as the daemon's flags do (`4096`, `64M`, `8GiB`; mori-umbpd's parser).
+#[pyfunction]
+pub fn parse_size(text: &str) -> Result<u64> {
+    mori_umbpd::config::parse_size(text).map_err(Error::InvalidArgument)
+}
+
+/// None where the SSD tier can use io_uring (a ring is set up and makes a no-op round trip);
+/// otherwise the kernel's reason.
+#[pyfunction]
+pub fn uring_unavailable(py: Python<'_>) -> Option<String> {
+    py.detach(|| {
+        mori_umbp::ssd_io::probe_uring()
+            .err()
+            .map(|e| e.to_string())
+    })
 }
 
 /// Runs the `umbpd` daemon in this process with `argv` (the arguments after the program name)

@@ -1,10 +1,15 @@
-//! DRAM tier: one contiguous host allocation carved into fixed-size pages.
+//! DRAM tier: one contiguous host reservation carved into fixed-size pages.
 //!
-//! The arena is a single 4096-byte aligned allocation of `capacity_bytes` (zeroed lazily by
-//! the OS), so it can later be pinned and registered with the IO engine as one region
-//! ([`DramArena::region`]). Which pages hold which value — allocation, LRU order, pins and
-//! reservations — is the [`PageTable`] the arena dereferences to (shared with the GPU tier);
-//! the arena adds the bytes and host copies in and out of them.
+//! The arena is a single page-aligned (at least 4096-byte) reservation of `capacity_bytes`, so
+//! it can be registered with the IO engine as one region ([`DramArena::region`]). It is
+//! reserved, not allocated: an anonymous private mapping with `MAP_NORESERVE`, never touched
+//! by the arena itself, so the kernel backs a page with memory only when a value is first
+//! written there (an idle daemon with `--dram-bytes 8G` has a resident set of a few MiB, and
+//! the memory is not committed up front). Unwritten pages read as zeros.
+//!
+//! Which pages hold which value — allocation, LRU order, pins and reservations — is the
+//! [`PageTable`] the arena dereferences to (shared with the GPU tier); the arena adds the
+//! bytes and host copies in and out of them.
 //!
 //! Only the ranges of stored values are ever borrowed as Rust slices, so an engine writing a
 //! reserved run (or reading a pinned one) through the raw [`DramArena::region`] pointer never
@@ -17,48 +22,65 @@
 //! (callers that hold only a shared reference record the use later with `touch`);
 //! [`PageTable::contains`] never counts as a use.
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
 use crate::pages::{PageTable, Reserved};
 
-/// Alignment of the arena allocation.
+/// Alignment of the arena (the mapping is page-aligned; pages are at least this large).
 pub const ARENA_ALIGN: usize = 4096;
 
-/// An owned, zero-initialised, aligned byte allocation.
+/// An owned, zero-filled, page-aligned anonymous mapping, backed by memory only where it has
+/// been written (see the module docs).
 struct AlignedBuf {
     ptr: NonNull<u8>,
-    layout: Layout,
+    len: usize,
 }
 
-// SAFETY: AlignedBuf owns its allocation exclusively (like a Box<[u8]>); it has no interior
+// SAFETY: AlignedBuf owns its mapping exclusively (like a Box<[u8]>); it has no interior
 // mutability, so sharing `&AlignedBuf` or moving it across threads is sound.
 unsafe impl Send for AlignedBuf {}
 // SAFETY: see above.
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    fn new_zeroed(len: usize, align: usize) -> Result<Self> {
-        let layout = Layout::from_size_align(len, align)
-            .map_err(|e| Error::InvalidArgument(format!("arena layout ({len} bytes): {e}")))?;
-        if layout.size() == 0 {
+    /// Reserves `len` bytes of address space (read/write, private, anonymous, no swap
+    /// reservation) without touching them.
+    fn new_zeroed(len: usize) -> Result<Self> {
+        if len == 0 {
             return Err(Error::InvalidArgument(
                 "arena capacity must be positive".into(),
             ));
         }
-        // SAFETY: the layout has a non-zero size.
-        let p = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(p).ok_or(Error::NoSpace {
-            needed: len as u64,
-            available: 0,
+        // SAFETY: an anonymous mapping at an address the kernel chooses: no file, no existing
+        // memory is affected. The result is checked against MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::Io {
+                context: format!("reserving {len} bytes of address space for the DRAM tier"),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| Error::Io {
+            context: "reserving the DRAM tier".into(),
+            source: std::io::Error::other("mmap returned a null address"),
         })?;
-        Ok(AlignedBuf { ptr, layout })
+        debug_assert_eq!(ptr.as_ptr() as usize % ARENA_ALIGN, 0);
+        Ok(AlignedBuf { ptr, len })
     }
 
     fn len(&self) -> usize {
-        self.layout.size()
+        self.len
     }
 
     /// The bytes `start..start + len`, or `None` when out of bounds. Only this range is
@@ -69,8 +91,8 @@ impl AlignedBuf {
         if end > self.len() {
             return None;
         }
-        // SAFETY: start..end lies inside the allocation (checked above), whose bytes are
-        // initialised (zeroed at allocation); the borrow is tied to &self, and the arena never
+        // SAFETY: start..end lies inside the mapping (checked above), whose bytes are
+        // initialised (an anonymous mapping reads as zeros until written); the borrow is tied to &self, and the arena never
         // hands out a range that the pool lets someone else write while it is borrowed.
         Some(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) })
     }
@@ -90,8 +112,10 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: ptr was returned by alloc_zeroed with this exact layout and is freed once.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        // SAFETY: ptr and len are exactly the mapping made in new_zeroed, unmapped once; no
+        // borrow of it outlives the arena.
+        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        debug_assert_eq!(rc, 0, "munmap of the DRAM arena failed");
     }
 }
 
@@ -122,11 +146,11 @@ impl DerefMut for DramArena {
 }
 
 impl DramArena {
-    /// Allocates an arena of `capacity_bytes`, which must be a positive multiple of
-    /// `page_bytes` (itself positive).
+    /// Reserves an arena of `capacity_bytes`, which must be a positive multiple of
+    /// `page_bytes` (itself positive). Memory is used only as values are written (module docs).
     pub fn new(capacity_bytes: usize, page_bytes: usize) -> Result<DramArena> {
         let pages = PageTable::new(capacity_bytes, page_bytes)?;
-        let buf = AlignedBuf::new_zeroed(capacity_bytes, ARENA_ALIGN)?;
+        let buf = AlignedBuf::new_zeroed(capacity_bytes)?;
         Ok(DramArena { buf, pages })
     }
 
@@ -191,8 +215,7 @@ impl DramArena {
         Ok(())
     }
 
-    /// Start and length of the arena allocation (4096-byte aligned), for registration with
-    /// the IO engine. The pointer is valid for the lifetime of the arena.
+    /// Start and length of the arena (page-aligned), for registration with the IO engine. The pointer is valid for the lifetime of the arena.
     pub fn region(&self) -> (*const u8, usize) {
         (self.buf.ptr.as_ptr().cast_const(), self.buf.len())
     }

@@ -4,10 +4,11 @@
 //! A peer keeps immutable values (KV blocks) under byte-string keys in two tiers (three in the
 //! embedded pool, with the GPU tier):
 //!
-//! * [`dram::DramArena`] — one contiguous, 4096-byte aligned host allocation (so it can later
-//!   be pinned and registered with the IO engine) carved into fixed-size pages; each value
-//!   occupies one run of contiguous pages. The page bookkeeping (allocation, least-recently-used
-//!   order for eviction, pins, reservations) is [`pages::PageTable`], shared with the GPU tier.
+//! * [`dram::DramArena`] — one contiguous, page-aligned host reservation (registered with the
+//!   IO engine as one region; memory is used only where values are written) carved into
+//!   fixed-size pages; each value occupies one run of contiguous pages. The page bookkeeping
+//!   (allocation, least-recently-used order for eviction, pins, reservations) is
+//!   [`pages::PageTable`], shared with the GPU tier.
 //! * [`gpu::GpuArena`] (feature `gpu`) — the same pages in one device allocation, copied with
 //!   the CUDA driver (through mori-gpu, loaded at run time).
 //! * [`ssd::SsdLog`] — an append-only log of CRC-checked records in segment files on an SSD,

@@ -75,6 +75,7 @@ pub fn run_cli(args: Vec<OsString>) -> u8 {
             return EXIT_CONFIG;
         }
     };
+    say(&format!("umbpd {}", config::VERSION));
     say("configuration:");
     for line in cfg.report_lines() {
         say(&format!("  {line}"));

@@ -69,7 +69,7 @@ pub enum ClientError {
         detail: String,
     },
     /// Connecting to the daemon failed.
-    #[error("cannot connect to umbpd at {addr}: {source}")]
+    #[error("cannot connect to umbpd at {addr}: {}", error_chain(.source))]
     Connect {
         /// The address.
         addr: String,
@@ -89,13 +89,31 @@ pub enum ClientError {
     InvalidArgument(String),
 }
 
+/// An error and its sources, `: `-separated (tonic's transport error says only "transport
+/// error"; the reason, such as "Connection refused", is in its sources).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
 impl ClientError {
     /// The gRPC status code of an [`ClientError::Rpc`] error (e.g. `ResourceExhausted` when
-    /// the pool has no space).
+    /// the pool has no space); `InvalidArgument` for a bad argument or address.
     pub fn code(&self) -> Option<tonic::Code> {
         match self {
             ClientError::Rpc(s) => Some(s.code()),
-            ClientError::InvalidArgument(_) => Some(tonic::Code::InvalidArgument),
+            ClientError::InvalidArgument(_) | ClientError::InvalidAddress { .. } => {
+                Some(tonic::Code::InvalidArgument)
+            }
             _ => None,
         }
     }
@@ -365,8 +383,23 @@ impl Client {
         Client::connect_with(addr, &ClientOptions::default())
     }
 
-    /// Connects to the daemon at `addr` with `opts`.
+    /// Connects to the daemon at `addr` (`host:port` with an IP address or a host name, or an
+    /// `http://` URI) with `opts`. A malformed address or a host name that does not resolve is
+    /// [`ClientError::InvalidAddress`].
     pub fn connect_with(addr: &str, opts: &ClientOptions) -> Result<Client> {
+        crate::config::check_host_port(addr).map_err(|detail| ClientError::InvalidAddress {
+            addr: addr.to_string(),
+            detail,
+        })?;
+        let hostport = addr
+            .split("://")
+            .last()
+            .unwrap_or(addr)
+            .trim_end_matches('/');
+        crate::config::resolve_addr(hostport).map_err(|detail| ClientError::InvalidAddress {
+            addr: addr.to_string(),
+            detail,
+        })?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("umbpd-client")

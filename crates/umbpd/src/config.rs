@@ -43,7 +43,7 @@
 //! environment and on the command line).
 
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -54,12 +54,20 @@ pub const ENV_CONFIG: &str = "UMBP_CONFIG";
 /// Environment variable holding the `tracing` filter (default `info`).
 pub const ENV_LOG: &str = "UMBP_LOG";
 
+/// `umbpd --version`: the version and whether this is a debug or a release build (debug
+/// builds are many times slower: benchmarks refuse them unless told otherwise).
+pub const VERSION: &str = if cfg!(debug_assertions) {
+    concat!(env!("CARGO_PKG_VERSION"), " (debug build)")
+} else {
+    concat!(env!("CARGO_PKG_VERSION"), " (release build)")
+};
+
 /// Command-line flags of `umbpd`. Setting values are kept as text here and parsed by
 /// [`resolve`], so that every source is checked the same way.
 #[derive(Parser, Debug, Default, Clone)]
 #[command(
     name = "umbpd",
-    version,
+    version = VERSION,
     about = "The UMBP daemon: serves a tiered (DRAM + SSD) KV-block pool over gRPC",
     after_help = "Settings may also come from a TOML file (--config) and UMBP_* environment \
                   variables; flags win over the environment, which wins over the file."
@@ -75,7 +83,8 @@ pub struct Cli {
     /// bytes for a master).
     #[arg(long, value_name = "ROLE")]
     pub role: Option<String>,
-    /// Address to listen on (port 0: any free port).
+    /// Address to listen on, host:port (an IP address or a host name such as localhost;
+    /// port 0: any free port).
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<String>,
     /// Size of the DRAM tier (a multiple of --page-bytes), e.g. 4G.
@@ -111,10 +120,12 @@ pub struct Cli {
     /// registered with its master too).
     #[arg(long, value_name = "PATH")]
     pub port_file: Option<String>,
-    /// Peer: the master's address (host:port).
+    /// Peer: the master's address (host:port; the host may be a name, resolved when
+    /// connecting).
     #[arg(long, value_name = "ADDR")]
     pub master: Option<String>,
-    /// Peer: the address clients and the master use to reach it (default: the bound one).
+    /// Peer: the address clients and the master use to reach it, host:port (default: the
+    /// bound one).
     #[arg(long, value_name = "ADDR")]
     pub advertise: Option<String>,
     /// Peer: interval between heartbeats, e.g. 1s, 200ms.
@@ -442,6 +453,56 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("`{s}` is too large"))
 }
 
+/// Splits `host:port` (`[v6]:port` too) and checks that the host is present and the port a
+/// number.
+fn split_host_port(s: &str) -> Result<(&str, u16), String> {
+    let expected = "expected host:port, e.g. 127.0.0.1:7000 or localhost:7000";
+    let (host, port) = s
+        .trim()
+        .rsplit_once(':')
+        .ok_or_else(|| format!("`{s}` has no port ({expected})"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(format!("`{s}` has no host ({expected})"));
+    }
+    let port = port
+        .parse::<u16>()
+        .map_err(|_| format!("`{s}`: `{port}` is not a port number (0..65535)"))?;
+    Ok((host, port))
+}
+
+/// Checks a daemon address as the client takes it: `host:port` (the host an IP address or a
+/// name, resolved when connecting), optionally as an `http://` or `https://` URI.
+pub fn check_host_port(s: &str) -> Result<(), String> {
+    let t = s.trim();
+    let t = t
+        .strip_prefix("http://")
+        .or_else(|| t.strip_prefix("https://"))
+        .unwrap_or(t);
+    split_host_port(t.strip_suffix('/').unwrap_or(t)).map(|_| ())
+}
+
+/// Resolves `host:port` to one socket address: an IP address as given (`127.0.0.1:7000`,
+/// `[::1]:7000`), or a host name (`localhost:7000`) to the first IPv4 address it resolves to,
+/// else its first address.
+pub fn resolve_addr(s: &str) -> Result<SocketAddr, String> {
+    let t = s.trim();
+    if let Ok(addr) = t.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    let (host, port) = split_host_port(t)?;
+    let addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve the host `{host}` of `{s}`: {e}"))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| format!("the host `{host}` of `{s}` resolves to no address"))
+}
+
 /// Parses a duration: digits with a suffix `ms`, `s` or `m` (a bare integer is
 /// milliseconds), e.g. `500ms`, `2s`, `1m`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -501,13 +562,7 @@ impl Config {
                 };
                 set(&mut self.role, role, source);
             }
-            "listen" => {
-                let s = raw.text()?;
-                let addr = s.trim().parse::<SocketAddr>().map_err(|_| {
-                    format!("`{s}` is not a socket address (expected e.g. 127.0.0.1:7000)")
-                })?;
-                set(&mut self.listen, addr, source);
-            }
+            "listen" => set(&mut self.listen, resolve_addr(raw.text()?)?, source),
             "dram_bytes" => set(&mut self.dram_bytes, raw.size()?, source),
             "page_bytes" => set(&mut self.page_bytes, raw.size()?, source),
             "ssd_dir" => set(&mut self.ssd_dir, raw.opt_path()?, source),
@@ -533,6 +588,9 @@ impl Config {
             "port_file" => set(&mut self.port_file, raw.opt_path()?, source),
             "master" => {
                 let s = raw.text()?.trim().to_string();
+                if !s.is_empty() {
+                    check_host_port(&s)?;
+                }
                 set(&mut self.master, (!s.is_empty()).then_some(s), source);
             }
             "advertise" => {
@@ -540,9 +598,7 @@ impl Config {
                 let addr = if s.trim().is_empty() {
                     None
                 } else {
-                    Some(s.trim().parse::<SocketAddr>().map_err(|_| {
-                        format!("`{s}` is not a socket address (expected e.g. 10.0.0.5:7000)")
-                    })?)
+                    Some(resolve_addr(s)?)
                 };
                 set(&mut self.advertise, addr, source);
             }
@@ -862,6 +918,67 @@ mod tests {
         assert!(parse_size("99999999999T").is_err());
         assert_eq!(format_size(64 << 20), "67108864 (64 MiB)");
         assert_eq!(format_size(1000), "1000");
+    }
+
+    #[test]
+    fn host_names_and_addresses() {
+        let localhost = |a: SocketAddr| a.ip().is_loopback();
+        assert_eq!(
+            resolve_addr("127.0.0.1:7070"),
+            Ok(SocketAddr::from(([127, 0, 0, 1], 7070)))
+        );
+        assert_eq!(resolve_addr("[::1]:7"), Ok("[::1]:7".parse().unwrap()));
+        let a = resolve_addr(" localhost:7070 ").unwrap();
+        assert!(localhost(a) && a.port() == 7070, "{a}");
+        for bad in [
+            "localhost",
+            ":7070",
+            "localhost:http",
+            "localhost:70000",
+            "[]:1",
+        ] {
+            let e = resolve_addr(bad).unwrap_err();
+            assert!(e.contains(bad.trim()), "{bad}: {e}");
+        }
+        let e = resolve_addr("no-such-host.invalid:7070").unwrap_err();
+        assert!(
+            e.contains("cannot resolve") && e.contains("no-such-host.invalid"),
+            "{e}"
+        );
+
+        // Flags and the environment: --listen takes a name; --master takes a name (resolved
+        // when connecting) or a URI; --advertise takes a name.
+        let cli = Cli {
+            listen: Some("localhost:0".into()),
+            role: Some("peer".into()),
+            master: Some("localhost:7070".into()),
+            advertise: Some("localhost:7071".into()),
+            ..Cli::default()
+        };
+        let cfg = resolve(&cli, &[]).unwrap();
+        assert!(localhost(cfg.listen.value) && cfg.listen.value.port() == 0);
+        assert_eq!(cfg.master.value.as_deref(), Some("localhost:7070"));
+        assert!(
+            cfg.advertise
+                .value
+                .is_some_and(|a| localhost(a) && a.port() == 7071)
+        );
+        let cfg = resolve(
+            &Cli::default(),
+            &env(&[
+                ("UMBP_LISTEN", "localhost:7070"),
+                ("UMBP_MASTER", "http://h:1/"),
+            ]),
+        )
+        .unwrap();
+        assert!(localhost(cfg.listen.value) && cfg.listen.value.port() == 7070);
+        assert_eq!(cfg.master.value.as_deref(), Some("http://h:1/"));
+        let cli = Cli {
+            master: Some("localhost".into()),
+            ..Cli::default()
+        };
+        let e = resolve(&cli, &[]).unwrap_err().0;
+        assert!(e.contains("--master") && e.contains("no port"), "{e}");
     }
 
     #[test]

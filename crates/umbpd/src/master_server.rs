@@ -37,7 +37,8 @@ use crate::proto::{
     StatsResponse,
 };
 use crate::server::{
-    DaemonError, MAX_MESSAGE_BYTES, Signals, announce, remove_port_file, start_serving, umbp_server,
+    DaemonError, MAX_MESSAGE_BYTES, Signals, announce, bind, remove_port_file, start_serving,
+    umbp_server,
 };
 use crate::service::status_of;
 
@@ -461,6 +462,7 @@ async fn open_metadata(cfg: &Config) -> Result<Box<dyn MetadataStore>, DaemonErr
 /// Runs the master until a shutdown signal.
 pub async fn run_master(cfg: &Config) -> Result<(), DaemonError> {
     let mut signals = Signals::install()?;
+    let listener = bind(cfg.listen.value).await?;
     let meta = open_metadata(cfg).await?;
     let core = MasterCore::new(master_config(cfg), Arc::new(SystemClock::default()), meta);
     let state = Arc::new(MasterState::new(core));
@@ -470,7 +472,7 @@ pub async fn run_master(cfg: &Config) -> Result<(), DaemonError> {
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
     );
-    let serving = start_serving(cfg.listen.value, routes).await?;
+    let serving = start_serving(listener, routes)?;
     let tick_every = (cfg.peer_timeout.value / 4).max(Duration::from_millis(10));
     let ticker = tokio::spawn({
         let state = Arc::clone(&state);

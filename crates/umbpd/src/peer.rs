@@ -32,8 +32,8 @@ use crate::config::Config;
 use crate::proto::master_client::MasterClient;
 use crate::proto::{CommitEntry, CommitRequest, HeartbeatRequest, PeerReport, RegisterRequest};
 use crate::server::{
-    DaemonError, MAX_MESSAGE_BYTES, Signals, announce, close_pool, open_pool, remove_port_file,
-    start_serving, umbp_server,
+    DaemonError, MAX_MESSAGE_BYTES, Signals, announce, bind, close_pool, open_pool,
+    remove_port_file, start_serving, umbp_server,
 };
 use crate::service::{SharedPool, UmbpService, stats_response};
 
@@ -319,6 +319,7 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
     pool_cfg.high_watermark = 1.0;
     pool_cfg.low_watermark = cfg.high_watermark.value;
     let ssd_capacity = pool_cfg.ssd.as_ref().map_or(0, |s| s.capacity_bytes);
+    let listener = bind(cfg.listen.value).await?;
     let shared = open_pool(pool_cfg).await?;
     shared
         .with(|p| {
@@ -341,11 +342,7 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
     let service = UmbpService::new(Arc::clone(&shared), "peer")
         .with_link(Arc::clone(&link))
         .with_data_plane(data.clone());
-    let serving = start_serving(
-        cfg.listen.value,
-        tonic::service::Routes::new(umbp_server(service)),
-    )
-    .await?;
+    let serving = start_serving(listener, tonic::service::Routes::new(umbp_server(service)))?;
     let advertise = cfg.advertise.value.unwrap_or(serving.addr).to_string();
 
     // Register before publishing the address, retrying until the master answers.

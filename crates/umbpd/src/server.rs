@@ -125,15 +125,20 @@ pub(crate) struct Serving {
     pub(crate) addr: SocketAddr,
 }
 
-/// Binds `listen` and serves `routes` in the background (message size limits applied by
+/// Binds `listen`. Every role binds before it opens anything else (the pool, the metadata
+/// backend), so a busy or unusable address fails at once and leaves nothing behind.
+pub(crate) async fn bind(listen: SocketAddr) -> Result<TcpListener, DaemonError> {
+    TcpListener::bind(listen)
+        .await
+        .map_err(io_err(format!("binding {listen}")))
+}
+
+/// Serves `routes` on the bound `listener` in the background (message size limits applied by
 /// the caller on each service).
-pub(crate) async fn start_serving(
-    listen: SocketAddr,
+pub(crate) fn start_serving(
+    listener: TcpListener,
     routes: tonic::service::Routes,
 ) -> Result<Serving, DaemonError> {
-    let listener = TcpListener::bind(listen)
-        .await
-        .map_err(io_err(format!("binding {listen}")))?;
     let addr = listener
         .local_addr()
         .map_err(io_err("reading the bound address"))?;
@@ -235,15 +240,12 @@ pub(crate) fn umbp_server<T: crate::proto::umbp_server::Umbp>(svc: T) -> UmbpSer
 pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
     // Signal handlers first, so a signal right after the address is published is handled.
     let mut signals = Signals::install()?;
+    let listener = bind(cfg.listen.value).await?;
     let shared = open_pool(cfg.pool_config()).await?;
     let data = start_data_plane(&shared, cfg);
     let service = UmbpService::new(Arc::clone(&shared), cfg.role.value.as_str())
         .with_data_plane(data.clone());
-    let serving = start_serving(
-        cfg.listen.value,
-        tonic::service::Routes::new(umbp_server(service)),
-    )
-    .await?;
+    let serving = start_serving(listener, tonic::service::Routes::new(umbp_server(service)))?;
     announce(cfg, serving.addr)?;
     let served = serving.until_signal(&mut signals).await;
     stop_data_plane(data).await;

@@ -319,3 +319,132 @@ fn sigterm_during_puts_keeps_acknowledged_values() {
     drop(c);
     assert_eq!(d.stop(libc::SIGTERM, EXIT_WAIT).status.code(), Some(0));
 }
+
+/// VmRSS of process `pid`, in bytes.
+fn vm_rss(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmRSS in /proc/<pid>/status");
+    kib << 10
+}
+
+#[test]
+fn an_idle_daemon_with_8g_of_dram_stays_small() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), &["--dram-bytes", "8G"], &[]);
+    let idle = vm_rss(d.pid());
+    assert!(
+        idle < 100 << 20,
+        "idle umbpd --dram-bytes 8G: VmRSS {} MiB",
+        idle >> 20
+    );
+    // Values take memory as they are written, no more: 16 MiB stored.
+    let c = Client::connect(&d.addr).unwrap();
+    let value = bytes(7, 1 << 20);
+    for i in 0..16 {
+        assert!(c.put(&key(i), &value).unwrap());
+    }
+    assert_eq!(c.get(&key(15)).unwrap().as_deref(), Some(value.as_slice()));
+    let used = vm_rss(d.pid());
+    assert!(
+        used < idle + (100 << 20),
+        "after 16 MiB of puts: VmRSS {} MiB (idle {} MiB)",
+        used >> 20,
+        idle >> 20
+    );
+    let out = d.stop(libc::SIGTERM, EXIT_WAIT);
+    assert!(out.status.success(), "{}", out.stderr);
+}
+
+#[test]
+fn a_busy_port_fails_at_once_before_the_pool_or_master_is_opened() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = ssd_dir(dir.path());
+    let ssd_s = ssd.to_str().unwrap();
+    let roles: [&[&str]; 3] = [
+        &["--role", "standalone"],
+        &["--role", "peer", "--master", "127.0.0.1:1"],
+        // A master binds before it connects to its metadata backend (nothing listens there).
+        &["--role", "master", "--metadata", "redis://127.0.0.1:1/"],
+    ];
+    for role in roles {
+        let mut args = vec!["--listen", &addr, "--dram-bytes", "8G", "--ssd-dir", ssd_s];
+        args.extend_from_slice(role);
+        let started = Instant::now();
+        let (code, _, stderr) = common::run(&args, &[]);
+        assert_eq!(code, Some(1), "{role:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("binding {addr}")),
+            "{role:?}: the error names the address: {stderr}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{role:?}: took {:?}",
+            started.elapsed()
+        );
+        assert!(
+            !ssd.exists(),
+            "{role:?}: the SSD directory was created before the port was bound"
+        );
+    }
+    drop(busy);
+}
+
+#[test]
+fn host_names_for_listen_and_version_says_the_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), &["--listen", "localhost:0"], &[]);
+    let port = d.addr.rsplit_once(':').unwrap().1;
+    let c = Client::connect(&format!("localhost:{port}")).unwrap();
+    assert!(c.put(b"k", b"v").unwrap());
+    assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"v"[..]));
+    drop(c);
+    let out = d.stop(libc::SIGTERM, EXIT_WAIT);
+    assert!(out.status.success(), "{}", out.stderr);
+
+    // A peer finds its master by name (it writes its port file once registered).
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let master = Daemon::start(
+        dirs[0].path(),
+        &["--role", "master", "--listen", "localhost:0"],
+        &[],
+    );
+    let master_port = master.addr.rsplit_once(':').unwrap().1;
+    let master_name = format!("localhost:{master_port}");
+    let peer = Daemon::start(
+        dirs[1].path(),
+        &[
+            "--role",
+            "peer",
+            "--master",
+            &master_name,
+            "--listen",
+            "localhost:0",
+            "--dram-bytes",
+            "16M",
+        ],
+        &[],
+    );
+    let c = Client::connect(&master_name).unwrap();
+    assert!(c.put(b"k", b"v").unwrap());
+    assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"v"[..]));
+    drop(c);
+    for d in [peer, master] {
+        let out = d.stop(libc::SIGTERM, EXIT_WAIT);
+        assert!(out.status.success(), "{}", out.stderr);
+    }
+
+    let (code, stdout, _) = common::run(&["--version"], &[]);
+    assert_eq!(code, Some(0));
+    let build = if cfg!(debug_assertions) {
+        "(debug build)"
+    } else {
+        "(release build)"
+    };
+    assert!(stdout.contains(build), "{stdout}");
+}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -10,13 +11,24 @@ import platform
 import queue
 import socket
 import statistics
+import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from mori import __version__, gpu
+from mori._cliargs import int_in
 from mori.errors import MoriError
+
+# Where records go without --out: relative to the directory the command runs in.
+DEFAULT_OUT = "benches/results"
+OUT_HELP = f"folder for the JSON record (default: {DEFAULT_OUT} under the current directory; created if missing)"
+
+# (module, what it is, how to install it) of the optional packages benchmarks need.
+TORCH = ("torch", "PyTorch", "pip install torch")
+TRITON = ("triton", "Triton", "pip install triton")
 
 
 def environment() -> dict[str, Any]:
@@ -41,8 +53,82 @@ def environment() -> dict[str, Any]:
     return info
 
 
-def write_record(kind: str, record: dict[str, Any], out_dir: str | os.PathLike) -> Path:
+def add_out_argument(p: Any) -> None:
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=OUT_HELP)
+
+
+def say_error(bench: str, message: str) -> None:
+    """One line on stderr: ``mori bench <bench>: <message>``."""
+    print(f"mori bench {bench}: {message}", file=sys.stderr)
+
+
+def missing(needs: Sequence[tuple[str, str, str]] = (), gpus: int = 0, peer_access: bool = False) -> str | None:
+    """Why a benchmark cannot run here (a module it needs does not import, too few GPUs, no
+    peer access between GPU0 and GPU1), or None."""
+    for module, what, install in needs:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            return f"needs {what} ({install}); importing {module} failed: {e}"
+    if gpus:
+        visible = gpu.device_count() if gpu.is_available() else 0
+        if visible < gpus:
+            return f"needs {gpus} GPUs, {visible} visible"
+        if peer_access and not gpu.can_access_peer(0, 1):
+            return "needs peer access between GPU0 and GPU1 (NVLink or PCIe P2P); this pair has none"
+    return None
+
+
+def check_out_dir(bench: str, out_dir: str | os.PathLike) -> bool:
+    """Checks, before a benchmark spends minutes measuring, that a record can be written under
+    ``out_dir`` (the folder, or the nearest existing folder above it that would hold it, is a
+    writable folder); creates nothing. Says why not (stderr) and returns False otherwise."""
+    out = Path(out_dir).absolute()
+    probe = out
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        say_error(bench, f"--out {str(out_dir)!r}: {str(probe)!r} is not a folder")
+        return False
+    if not os.access(probe, os.W_OK | os.X_OK):
+        say_error(bench, f"--out {str(out_dir)!r}: {str(probe)!r} is not writable")
+        return False
+    return True
+
+
+def _make_out_dir(bench: str, out_dir: str | os.PathLike) -> bool:
+    """Creates ``out_dir`` and proves a file can be written there (a probe file, removed)."""
     out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".mori-bench-probe-"):
+            pass
+    except OSError as e:
+        say_error(bench, f"--out {str(out_dir)!r}: cannot write there: {e.strerror or e}")
+        return False
+    return True
+
+
+def preflight(bench: str, out_dir: str | os.PathLike, needs: Sequence[tuple[str, str, str]] = (), gpus: int = 0,
+              peer_access: bool = False, what: str = "") -> int | None:
+    """None when the benchmark can run (``out_dir`` then exists); else the exit code after one
+    line on stderr: 2 for an unusable --out, 1 for something missing here (a package, GPUs;
+    ``what`` prefixes the reason, e.g. the option that asked for it). Nothing is created
+    unless the benchmark is going to run."""
+    if not check_out_dir(bench, out_dir):
+        return 2
+    why = missing(needs, gpus, peer_access)
+    if why is not None:
+        say_error(bench, f"{what} {why}".strip())
+        return 1
+    return None if _make_out_dir(bench, out_dir) else 2
+
+
+def write_record(kind: str, record: dict[str, Any], out_dir: str | os.PathLike) -> Path:
+    """Writes ``record`` as ``<out_dir>/<kind>-<gpu>-<UTC time>.json``; returns the absolute path."""
+    out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     gpu_tag = (record.get("env", {}).get("gpus") or ["cpu"])[0].replace("NVIDIA ", "").replace(" ", "-").lower()
@@ -124,17 +210,17 @@ def choose_world(requested: int | None, visible: int, minimum: int = 2) -> int:
 
 
 def add_world_argument(p: Any) -> None:
-    p.add_argument("--world", type=int, default=None,
-                   help=f"ranks, one GPU each (default: every visible GPU, at most {MAX_WORLD})")
+    p.add_argument("--world", type=int_in(2, MAX_WORLD), default=None, metavar="N",
+                   help=f"ranks, one GPU each, 2..{MAX_WORLD} (default: every visible GPU, at most {MAX_WORLD})")
 
 
 def world_from_args(args: Any, bench: str) -> int | None:
-    """``choose_world`` for ``args.world`` and the GPUs visible here; None (after saying why)
-    when the benchmark cannot run."""
+    """``choose_world`` for ``args.world`` and the GPUs visible here; None (after saying why,
+    on stderr) when the benchmark cannot run."""
     try:
         return choose_world(args.world, gpu.device_count() if gpu.is_available() else 0)
     except ValueError as e:
-        print(f"mori bench {bench}: {e}")
+        say_error(bench, str(e))
         return None
 
 

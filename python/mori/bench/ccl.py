@@ -18,8 +18,10 @@ import argparse
 import os
 from typing import Any
 
-from mori.bench._common import (add_world_argument, environment, free_port, graph_time, human_bytes, run_ranks, slowest,
-                                world_from_args, write_record)
+from mori._cliargs import grids as grids_type
+from mori._cliargs import positive_int, size
+from mori.bench._common import (TORCH, add_out_argument, add_world_argument, environment, free_port, graph_time, human_bytes,
+                                preflight, run_ranks, say_error, slowest, world_from_args, write_record)
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -211,22 +213,25 @@ def run(trials: int, sizes: list[int], out_dir: str, grids: list[tuple[int, int]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trials", type=int, default=20, help="timed graph replays per measurement")
-    p.add_argument("--max-bytes", type=int, default=max(SIZES), help="largest size measured")
-    p.add_argument("--out", default="benches/results", help="folder for the JSON record")
+    p.add_argument("--trials", type=positive_int, default=20, help="timed graph replays per measurement")
+    p.add_argument("--max-bytes", type=size, default=max(SIZES), metavar="SIZE",
+                   help=f"largest size measured, K/M/G suffixes allowed, at least {SIZES[0] >> 10}K (default: 256M)")
+    add_out_argument(p)
     add_world_argument(p)
-    p.add_argument("--grids", default="", help="also time the all-reduce from 1 MiB with these grids, "
-                   "BLOCKSxTHREADS items separated by ',' or '+' (e.g. 128x512+64x1024)")
+    p.add_argument("--grids", type=grids_type, default=[], metavar="GRIDS", help="also time the all-reduce from 1 MiB with these grids, "
+                   "BLOCKSxTHREADS items separated by ',' or '+' (e.g. 128x512+64x1024; default: none)")
 
 
 def main(args: argparse.Namespace) -> int:
+    sizes = [s for s in SIZES if s <= args.max_bytes]
+    if not sizes:
+        say_error("ccl", f"--max-bytes {args.max_bytes} is below the smallest size measured ({SIZES[0]})")
+        return 2
+    failed = preflight("ccl", args.out, needs=[TORCH], gpus=args.world or 2)
+    if failed is not None:
+        return failed
     world = world_from_args(args, "ccl")
     if world is None:
         return 1
-    try:
-        grids = [(int(b), int(t)) for b, t in (g.lower().split("x") for g in args.grids.replace("+", ",").split(",") if g)]
-    except ValueError:
-        print(f"--grids: expected BLOCKSxTHREADS items, got {args.grids!r}")
-        return 2
-    run(args.trials, [s for s in SIZES if s <= args.max_bytes], args.out, grids, world)
+    run(args.trials, sizes, args.out, args.grids, world)
     return 0

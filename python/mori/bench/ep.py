@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mori.bench._common import add_world_argument, environment, graph_time, median, run_ranks, world_from_args, write_record
+from mori._cliargs import positive_int, positive_int_list
+from mori.bench._common import (TORCH, add_out_argument, add_world_argument, environment, graph_time, median, preflight, run_ranks,
+                                world_from_args, write_record)
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 4096, 7168, 256, 8
 LL_TOKENS = 128
@@ -168,7 +170,7 @@ def run(sms_list: list[int], iters: int, reps: int, out_dir: str, world: int = 2
             ph = row["dispatch_bf16_phases"]
             print(f"  {row['sms']:>4} SMs: " + ", ".join(f"{k} {v:.0f}" for k, v in ph.items()))
         if world == 2:  # the baseline was measured at EP2
-            print("DeepEP v1.2.1 on this machine (24 SMs, ../shared/baselines): dispatch bf16 339 µs, fp8 257 µs, combine 396 µs")
+            print("DeepEP v1.2.1 measured on 2×H200 (24 SMs; benches/NOTES.md): dispatch bf16 339 µs, fp8 257 µs, combine 396 µs")
     l0 = got[0][1]
     ll = {k: max(g[1][k] for g in got) if k.endswith("_us") else l0[k] for k in l0}
     rows_nvl = LL_TOKENS * ll["remote_ranks_per_token"]  # rows per rank that crossed, on average
@@ -194,15 +196,19 @@ def run(sms_list: list[int], iters: int, reps: int, out_dir: str, world: int = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sms", type=lambda s: [int(v) for v in s.split(":") if v], default=[8, 16, 24, 32, 48, 64, 96, 132],
-                   help="SM budgets to sweep, colon-separated (e.g. 24:132); empty: low-latency only")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--reps", type=int, default=20, help="calls per captured graph (low-latency)")
-    p.add_argument("--out", default="benches/results")
+    p.add_argument("--sms", type=positive_int_list(":"), default=[8, 16, 24, 32, 48, 64, 96, 132], metavar="SMS",
+                   help="SM budgets to sweep, colon-separated (e.g. 24:132); empty: low-latency only "
+                   "(default: 8:16:24:32:48:64:96:132)")
+    p.add_argument("--iters", type=positive_int, default=10, help="timed calls per measurement (median)")
+    p.add_argument("--reps", type=positive_int, default=20, help="calls per captured graph (low-latency)")
+    add_out_argument(p)
     add_world_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
+    failed = preflight("ep", args.out, needs=[TORCH], gpus=args.world or 2)
+    if failed is not None:
+        return failed
     world = world_from_args(args, "ep")
     if world is None:
         return 1

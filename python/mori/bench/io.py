@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from mori.bench._common import environment, human_bytes, median, percentile, write_record
+from mori._cliargs import nonnegative_int, positive_int
+from mori.bench._common import TORCH, add_out_argument, environment, human_bytes, median, missing, percentile, preflight, write_record
 
 BLOCKS = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 BATCHES = [1, 8, 128, 1024, 8192]
@@ -59,23 +60,31 @@ def _host_cases(trials: int) -> tuple[list[dict[str, Any]], float]:
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_target, args=(child, MAX_BATCH_BYTES))
     proc.start()
-    desc, raw = conn.recv()
-    remote = MemoryDesc.unpack(raw)
-    local = np.random.default_rng(0).integers(0, 256, MAX_BATCH_BYTES, dtype=np.uint8)
-    rows = []
-    for transport in ("tcp", "direct"):
-        eng = IOEngine(f"bench-client-{transport}", timeout=60.0, same_host_direct=transport == "direct")
-        eng.connect(desc)
-        mem = eng.register(local)
-        print(f"\n== {transport} ==")
-        rows += _sweep(eng, mem, remote, trials, transport)
-        if transport == "tcp":
-            submit_us = _submit_cost(eng, mem, remote, trials)
-        eng.deregister(mem)
-    print(f"\nsubmitting a 10000-block batch: {submit_us:.0f} µs of Python time (median)")
-    conn.send("stop")
-    proc.join(timeout=30)
-    return rows, submit_us
+    try:
+        desc, raw = conn.recv()
+        remote = MemoryDesc.unpack(raw)
+        local = np.random.default_rng(0).integers(0, 256, MAX_BATCH_BYTES, dtype=np.uint8)
+        rows = []
+        for transport in ("tcp", "direct"):
+            with IOEngine(f"bench-client-{transport}", timeout=60.0, same_host_direct=transport == "direct") as eng:
+                eng.connect(desc)
+                mem = eng.register(local)
+                print(f"\n== {transport} ==")
+                rows += _sweep(eng, mem, remote, trials, transport)
+                if transport == "tcp":
+                    submit_us = _submit_cost(eng, mem, remote, trials)
+                eng.deregister(mem)
+        print(f"\nsubmitting a 10000-block batch: {submit_us:.0f} µs of Python time (median)")
+        return rows, submit_us
+    finally:  # the target process never outlives the run, whatever happened
+        try:
+            conn.send("stop")
+        except OSError:
+            pass
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def _sweep(eng, mem, remote, trials: int, transport: str) -> list[dict[str, Any]]:
@@ -147,15 +156,9 @@ def _gpu_target(conn) -> None:
 
 def _gpu_cases(trials: int, ipc_blocks: int) -> dict[str, Any] | None:
     """cuda_ipc GPU0 <-> GPU1 (None, with the reason printed, where that is not possible)."""
-    import importlib.util
-
-    from mori import gpu
-
-    if importlib.util.find_spec("torch") is None or not gpu.is_available() or gpu.device_count() < 2:
-        print("\ncuda_ipc: skipped (needs torch and 2 GPUs)")
-        return None
-    if not gpu.can_access_peer(0, 1):
-        print("\ncuda_ipc: skipped (GPU0 and GPU1 have no P2P path)")
+    why = missing(needs=[TORCH], gpus=2, peer_access=True)
+    if why is not None:
+        print(f"\ncuda_ipc: skipped ({why})")
         return None
     import torch
 
@@ -237,13 +240,22 @@ def _gpu_cases(trials: int, ipc_blocks: int) -> dict[str, Any] | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--out", default="benches/results")
+    p.add_argument("--trials", type=positive_int, default=5, help="timed batches per point (median)")
+    add_out_argument(p)
     p.add_argument("--routes", choices=("all", "host", "cuda_ipc"), default="all",
-                   help="host: tcp and same-host direct only; cuda_ipc: GPU0 <-> GPU1 only")
-    p.add_argument("--ipc-blocks", type=int, default=0, help="thread blocks of a gather/scatter launch (0: the engine's default)")
+                   help="host: tcp and same-host direct only; cuda_ipc: GPU0 <-> GPU1 only (needs PyTorch and 2 GPUs with "
+                   "peer access); all: both, cuda_ipc skipped with the reason where it cannot run")
+    p.add_argument("--ipc-blocks", type=nonnegative_int, default=0,
+                   help="thread blocks of a gather/scatter launch (0: the engine's default, two per SM)")
 
 
 def main(args: argparse.Namespace) -> int:
+    # --routes cuda_ipc measures nothing else: without what it needs, fail instead of writing an
+    # empty record (with --routes all it is skipped, with the reason, beside the host rows).
+    gpu_only = args.routes == "cuda_ipc"
+    failed = preflight("io", args.out, needs=[TORCH] if gpu_only else [], gpus=2 if gpu_only else 0, peer_access=gpu_only,
+                       what="--routes cuda_ipc" if gpu_only else "")
+    if failed is not None:
+        return failed
     run(args.trials, args.out, args.routes, args.ipc_blocks)
     return 0

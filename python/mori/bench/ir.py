@@ -20,8 +20,9 @@ import argparse
 import os
 from typing import Any
 
-from mori.bench._common import (add_world_argument, environment, free_port, graph_time, human_bytes, run_ranks, world_from_args,
-                                write_record)
+from mori._cliargs import positive_int, size
+from mori.bench._common import (TORCH, TRITON, add_out_argument, add_world_argument, environment, free_port, graph_time, human_bytes,
+                                preflight, run_ranks, world_from_args, write_record)
 
 PUT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 PUT_CONFIGS = [(8192, 16), (16384, 16), (32768, 16)]  # (tile bytes, num_warps)
@@ -233,13 +234,17 @@ def compile_check(compile_ptx) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--heap", type=int, default=2 << 30, help="heap size per PE in bytes (default 2 GiB)")
-    p.add_argument("--out", default="benches/results")
+    p.add_argument("--trials", type=positive_int, default=5, help="timed graph replays per point (median)")
+    p.add_argument("--heap", type=size, default=2 << 30, metavar="SIZE",
+                   help="symmetric heap per PE, K/M/G suffixes allowed (default: 2G)")
+    add_out_argument(p)
     add_world_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
+    failed = preflight("ir", args.out, needs=[TORCH, TRITON], gpus=args.world or 2)
+    if failed is not None:
+        return failed
     world = world_from_args(args, "ir")
     if world is None:
         return 1

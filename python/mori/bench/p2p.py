@@ -14,7 +14,9 @@ import itertools
 from typing import Any, Callable
 
 from mori import gpu
-from mori.bench._common import capture_graph, environment, graph_time, human_bytes, median, write_record
+from mori._cliargs import positive_int, size_list
+from mori.bench._common import (TORCH, add_out_argument, capture_graph, environment, graph_time, human_bytes, median, preflight,
+                                write_record)
 
 DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
 SWEEP_SIZE = 256 << 20
@@ -126,8 +128,6 @@ def _both_ways(pair: _Pair, n: int, cfg: dict[str, int], pull: bool, reps: int, 
 def run(sizes: list[int], trials: int, do_sweep: bool, out_dir: str) -> dict[str, Any]:
     import torch
 
-    if gpu.device_count() < 2 or not gpu.can_access_peer(0, 1):
-        raise SystemExit("mori bench p2p needs two GPUs with peer access")
     sms = gpu.device_info(0)["multiprocessor_count"]
     pair = _Pair(torch, max(sizes))
     best = {"blocks": sms, "threads": 512, "unroll": 4, "method": "vector", "mode": "pull"}
@@ -185,13 +185,16 @@ def run(sizes: list[int], trials: int, do_sweep: bool, out_dir: str) -> dict[str
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SIZES,
-                   help="comma-separated byte counts (default 64 KiB … 1 GiB)")
-    p.add_argument("--trials", type=int, default=5, help="timed graph replays per point (median)")
+    p.add_argument("--sizes", type=size_list, default=DEFAULT_SIZES, metavar="SIZES",
+                   help="comma-separated copy sizes, K/M/G suffixes allowed, e.g. 64K,1M,1G (default: 64K,256K,1M,4M,16M,64M,256M,1G)")
+    p.add_argument("--trials", type=positive_int, default=5, help="timed graph replays per point (median)")
     p.add_argument("--no-sweep", action="store_true", help="skip the SM-copy shape sweep")
-    p.add_argument("--out", default="benches/results", help="folder for the JSON record")
+    add_out_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
+    failed = preflight("p2p", args.out, needs=[TORCH], gpus=2, peer_access=True)
+    if failed is not None:
+        return failed
     run(args.sizes, args.trials, not args.no_sweep, args.out)
     return 0

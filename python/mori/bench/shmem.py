@@ -23,8 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mori._cliargs import positive_int, size
 from mori.bench._common import (
+    TORCH,
+    add_out_argument,
     add_world_argument,
+    preflight,
     environment,
     free_port,
     graph_time,
@@ -217,13 +221,17 @@ def run(trials: int, heap: int, out_dir: str, world: int = 2) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--heap", type=int, default=4 << 30, help="heap size per PE in bytes (default 4 GiB)")
-    p.add_argument("--out", default="benches/results")
+    p.add_argument("--trials", type=positive_int, default=5, help="timed graph replays per point (median)")
+    p.add_argument("--heap", type=size, default=4 << 30, metavar="SIZE",
+                   help="symmetric heap per PE, K/M/G suffixes allowed (default: 4G)")
+    add_out_argument(p)
     add_world_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
+    failed = preflight("shmem", args.out, needs=[TORCH], gpus=args.world or 2)
+    if failed is not None:
+        return failed
     world = world_from_args(args, "shmem")
     if world is None:
         return 1

@@ -12,6 +12,10 @@ and multi-client registered-buffer gets (1, 2, 4 client threads, each with its o
 engine, reading the same 1 MiB values; ``io_concurrent_gets``). ``--only io`` runs just the
 cluster's mori.io rows and the multi-client gets.
 
+The daemon: ``--umbpd PATH``, else a release build of ``target/release/umbpd`` in this checkout
+or of the installed wheel (``python -m mori.umbpd``); its path and build are printed first and
+recorded (``daemon``). A debug build is refused unless ``--allow-debug-daemon`` is given.
+
 GB/s counts value bytes moved per second; ops/s counts keys. Medians of repeated timed loops.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from mori.bench._common import environment, free_port, human_bytes, median, percentile, write_record
+from mori.bench._common import (add_out_argument, check_out_dir, environment, free_port, human_bytes, median, percentile, preflight, say_error,
+                                write_record)
+from mori.errors import MoriError
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20]
 BATCHES = [1, 16, 128]
@@ -292,38 +299,77 @@ def _redis_baseline(tmp: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _umbpd_command() -> tuple[list[str], str]:
-    """How to start umbpd, and which build that is: a binary built in this checkout (release
-    first), else the daemon the installed wheel carries (``python -m mori.umbpd``)."""
+class Daemon:
+    """The umbpd this benchmark starts: its command, where it lives and its build."""
+
+    def __init__(self, cmd: list[str], where: str, build: str):
+        self.cmd, self.where, self.build = cmd, where, build
+
+    def describe(self) -> str:
+        return f"{self.where} ({self.build} build)"
+
+    def record(self) -> dict[str, Any]:
+        return {"command": self.cmd, "path": self.where, "build": self.build}
+
+
+def _daemon_build(cmd: list[str]) -> str:
+    """'debug' or 'release' from ``<cmd> --version`` (umbpd says its build there), else
+    'unknown'."""
+    try:
+        out = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    m = re.search(r"\((debug|release) build\)", out.stdout)
+    return m.group(1) if m else "unknown"
+
+
+def find_daemon(explicit: str | None) -> Daemon:
+    """The umbpd to run: ``--umbpd PATH`` when given; else the first release build of a binary
+    built in this checkout (``target/release/umbpd``), the installed wheel's daemon (``python
+    -m mori.umbpd``, the mori._core extension) and a debug binary of this checkout
+    (``target/debug/umbpd``); else the first of them that exists (a debug build)."""
+    if explicit is not None:
+        path = Path(explicit).resolve()
+        return Daemon([str(path)], str(path), _daemon_build([str(path)]))
+    from mori import _core
+
     root = Path(__file__).resolve().parents[3]
-    for profile in ("release", "debug"):
+    found = []
+    for profile in ("release", None, "debug"):
+        if profile is None:
+            found.append(Daemon([sys.executable, "-m", "mori.umbpd"],
+                                f"python -m mori.umbpd, the extension {_core.__file__}", _core.build_profile()))
+            continue
         exe = root / "target" / profile / "umbpd"
-        if exe.exists():
-            return [str(exe)], profile
-    return [sys.executable, "-m", "mori.umbpd"], "wheel"
+        if exe.is_file():
+            found.append(Daemon([str(exe)], str(exe), _daemon_build([str(exe)])))
+    return next((d for d in found if d.build == "release"), found[0])
 
 
-def _umbpd(cmd: list[str], tmp: str, name: str, *args: str) -> tuple[subprocess.Popen, str]:
+def _umbpd(daemon: Daemon, tmp: str, name: str, *args: str) -> tuple[subprocess.Popen, str]:
     """Starts umbpd with ``args`` and waits for its port file (a peer writes it once registered)."""
     port_file = Path(tmp) / f"{name}.port"
-    proc = subprocess.Popen([*cmd, "--port-file", str(port_file), *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = Path(tmp) / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*daemon.cmd, "--port-file", str(port_file), *args], stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"umbpd {name} did not start")
+            proc.wait()
+            tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+            raise MoriError(f"umbpd {name} ({daemon.describe()}) did not start:\n  " + "\n  ".join(tail))
         time.sleep(0.05)
     return proc, port_file.read_text().strip()
 
 
-def _start_cluster(cmd: list[str], tmp: str, procs: list[subprocess.Popen]) -> str:
+def _start_cluster(daemon: Daemon, tmp: str, procs: list[subprocess.Popen]) -> str:
     """Starts a master and 2 peers of 1 GiB DRAM (appended to ``procs`` as they start, so the
     caller stops whatever did start); returns the master's address."""
-    procs.append(_umbpd(cmd, tmp, "master", "--role", "master")[0])
+    procs.append(_umbpd(daemon, tmp, "master", "--role", "master")[0])
     master = Path(tmp, "master.port").read_text().strip()
     for i in range(2):
-        procs.append(_umbpd(cmd, tmp, f"peer{i}", "--role", "peer", "--master", master, "--dram-bytes", "1G")[0])
+        procs.append(_umbpd(daemon, tmp, f"peer{i}", "--role", "peer", "--master", master, "--dram-bytes", "1G")[0])
     return master
 
 
@@ -333,17 +379,17 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         p.wait(timeout=30)
 
 
-def _run_io_only(out_dir: str) -> dict[str, Any]:
+def _run_io_only(out_dir: str, daemon: Daemon) -> dict[str, Any]:
     """``--only io``: master + 2 peers, the ``2peers-io`` rows and the multi-client gets."""
     from mori.umbp import Client
 
     record: dict[str, Any] = {"benchmark": "umbp", "only": "io", "env": environment(),
                               "method": __doc__.strip()}
-    exe, record["daemon_build"] = _umbpd_command()
+    record["daemon"], record["daemon_build"] = daemon.record(), daemon.build
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         try:
-            master = _start_cluster(exe, tmp, procs)
+            master = _start_cluster(daemon, tmp, procs)
             c = Client(master=master)
             print("umbpd cluster, master + 2 peers, registered buffers (values over mori.io):")
             record["results"] = _dataplane_rows(c, "2peers-io", 256 << 20)
@@ -356,12 +402,15 @@ def _run_io_only(out_dir: str) -> dict[str, Any]:
     return record
 
 
-def run(out_dir: str, only: str | None = None) -> dict[str, Any]:
+def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> dict[str, Any]:
+    from mori import _core
     from mori.umbp import Client
 
+    daemon = daemon or find_daemon(None)
     if only == "io":
-        return _run_io_only(out_dir)
-    record: dict[str, Any] = {"benchmark": "umbp", "env": environment(), "method": __doc__.strip()}
+        return _run_io_only(out_dir, daemon)
+    record: dict[str, Any] = {"benchmark": "umbp", "env": environment(), "method": __doc__.strip(),
+                              "extension_build": _core.build_profile()}
     with tempfile.TemporaryDirectory() as tmp:
         record["memcpy_gbps"] = _memcpy_gbps()
         print(f"host memcpy (numpy, 256 MiB): {record['memcpy_gbps']:.2f} GB/s")
@@ -371,9 +420,9 @@ def run(out_dir: str, only: str | None = None) -> dict[str, Any]:
             record["exists_prefix_64"] = _exists_latency(c)
         print(f"batch_exists_prefix(64 keys): p50 {record['exists_prefix_64']['p50_us']:.1f} µs, "
               f"p99 {record['exists_prefix_64']['p99_us']:.1f} µs")
-        exe, record["daemon_build"] = _umbpd_command()
+        record["daemon"], record["daemon_build"] = daemon.record(), daemon.build
         print("umbpd standalone over loopback gRPC:")
-        proc, addr = _umbpd(exe, tmp, "standalone", "--dram-bytes", "2G")
+        proc, addr = _umbpd(daemon, tmp, "standalone", "--dram-bytes", "2G")
         try:
             rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, zero_copy=False)
         finally:
@@ -381,7 +430,7 @@ def run(out_dir: str, only: str | None = None) -> dict[str, Any]:
         print("umbpd cluster, master + 2 peers over loopback gRPC (data as gRPC bytes):")
         procs = []
         try:
-            master = _start_cluster(exe, tmp, procs)
+            master = _start_cluster(daemon, tmp, procs)
             c = Client(master=master)
             rows += _pool_rows(c, "2peers", 64 << 20, zero_copy=False)
             print("  registered buffers (values over mori.io, control over gRPC):")
@@ -410,11 +459,38 @@ def run(out_dir: str, only: str | None = None) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="benches/results")
+    add_out_argument(p)
     p.add_argument("--only", choices=["io"], default=None,
-                   help="io: only the cluster's registered-buffer rows and the multi-client gets")
+                   help="io: only the cluster's registered-buffer rows and the multi-client gets (default: everything)")
+    p.add_argument("--umbpd", metavar="PATH", default=None,
+                   help="the umbpd binary to run (default: target/release/umbpd of this checkout, else the installed "
+                   "wheel's daemon, python -m mori.umbpd, whichever is a release build)")
+    p.add_argument("--allow-debug-daemon", action="store_true",
+                   help="run the daemon even when it is a debug build (its figures are then not comparable)")
 
 
 def main(args: argparse.Namespace) -> int:
-    run(args.out, args.only)
+    if not check_out_dir("umbp", args.out):
+        return 2
+    if args.umbpd is not None and not Path(args.umbpd).is_file():
+        say_error("umbp", f"--umbpd {args.umbpd!r}: no such file")
+        return 2
+    daemon = find_daemon(args.umbpd)
+    print(f"umbpd: {daemon.describe()}", flush=True)
+    if daemon.build != "release":
+        if not args.allow_debug_daemon:
+            say_error("umbp", f"the daemon {daemon.describe()} is not a release build, so its figures would not be "
+                      "comparable: build one (cargo build --release -p mori-umbpd, or pip install .) or pass "
+                      "--allow-debug-daemon")
+            return 1
+        print(f"warning: running a {daemon.build} build of umbpd (--allow-debug-daemon)", file=sys.stderr)
+    failed = preflight("umbp", args.out)
+    if failed is not None:
+        return failed
+    from mori import _core
+
+    if _core.build_profile() != "release":
+        print("warning: the mori._core extension is a debug build: the embedded-pool rows measure unoptimised code",
+              file=sys.stderr)
+    run(args.out, args.only, daemon)
     return 0
