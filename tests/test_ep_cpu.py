@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from mori import errors
@@ -137,3 +140,43 @@ def test_deepep_event_and_handles_without_gpu():
         buf._check_handle(("not", "ours"), deepep._LowLatencyHandle)
     with pytest.raises(errors.InvalidArgumentError, match="another buffer"):
         buf._check_handle(h, deepep._LowLatencyHandle)
+
+
+# ---- the kernels' parameter layouts against their CUDA signatures --------------------------------
+
+KERNELS = Path(__file__).parent.parent / "kernels" / "ep"
+# struct codes of mori.ep.KERNEL_LAYOUTS by C type (after const / __restrict__ / volatile are dropped)
+_CODES = {"int": "i", "unsigned int": "I", "u64": "Q", "long long": "q", "float": "f"}
+
+
+def _entry_points() -> dict[str, str]:
+    """{entry: struct codes} of every extern "C" kernel under kernels/ep/."""
+    found = {}
+    for path in sorted(KERNELS.glob("*.cu")):
+        src = re.sub(r"//[^\n]*", "", path.read_text())
+        for name, params in re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\((.*?)\)\s*\{', src, re.S):
+            codes = ""
+            for param in params.split(","):
+                words = [w for w in re.split(r"\s+", param.replace("*", " * ").strip()) if w not in ("const", "__restrict__", "volatile")]
+                ctype = " ".join(words[:-1])
+                codes += "P" if "*" in ctype else _CODES[ctype]
+            found[name] = codes
+    return found
+
+
+def test_kernel_layouts_match_the_cuda_signatures():
+    from mori.ep import KERNEL_LAYOUTS
+
+    found = _entry_points()
+    assert set(found) == set(KERNEL_LAYOUTS), "every kernel under kernels/ep has a layout, and no layout names a missing kernel"
+    for entry, codes in found.items():
+        assert KERNEL_LAYOUTS[entry] == codes, f"{entry}: mori.ep packs {KERNEL_LAYOUTS[entry]!r}, the kernel takes {codes!r}"
+
+
+
+def test_shared_constants_match_the_kernels():
+    from mori import ep
+
+    src = "".join(p.read_text() for p in sorted(KERNELS.glob("*.cu*")))
+    for name, value in (("MAX_RANKS", ep.MAX_RANKS), ("MAX_TOPK", ep.MAX_TOPK), ("SCALE_BLOCK", ep.SCALE_BLOCK), ("META_STRIDE", ep.LL_META_STRIDE)):
+        assert int(re.search(rf"constexpr int {name} = (\d+);", src).group(1)) == value, name
