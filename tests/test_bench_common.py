@@ -274,3 +274,26 @@ def test_baseline_errors_keep_the_first_reason_and_warn(capsys):
     assert merged == {"nccl": "RuntimeError: a", "deepep": "not importable"}
     out = capsys.readouterr().out
     assert "warning: baseline nccl not measured: RuntimeError: a" in out and "baseline deepep not measured" in out
+
+
+@pytest.mark.torch
+def test_ep_bench_negation_is_exact_and_deepep_rows_sort_into_moris_order():
+    import types
+
+    import torch
+
+    from mori.bench import ep
+
+    x = torch.randn(64).to(torch.bfloat16)
+    q = (torch.randn(64) / 300).to(torch.float8_e4m3fn)  # some values round to zero
+    xs, qs = x.clone(), q.clone()
+    ep._negate_(torch, xs, qs)
+    assert torch.equal(xs, -x) and torch.equal(qs.float(), -q.float())
+    assert bool((qs.view(torch.uint8) != q.view(torch.uint8)).all()), "every byte changes, zeros included"
+    ep._negate_(torch, xs, qs)
+    assert torch.equal(xs.view(torch.int16), x.view(torch.int16)) and torch.equal(qs.view(torch.uint8), q.view(torch.uint8))
+    # rank 1 of 3 received 2 rows from rank 0, 0 from rank 1, 3 from rank 2, in some order within each source
+    prefix = torch.tensor([[0, 2, 0], [0, 2, 0], [0, 5, 0]], dtype=torch.int32)  # cumulative over sources
+    src_idx = torch.tensor([7, 3, 9, 1, 4], dtype=torch.int32)
+    order = ep._Normal._deepep_order(types.SimpleNamespace(torch=torch, rank=1, world=3), (prefix, None, None, src_idx))
+    assert src_idx[order].tolist() == [3, 7, 1, 4, 9]
