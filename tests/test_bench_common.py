@@ -297,3 +297,35 @@ def test_ep_bench_negation_is_exact_and_deepep_rows_sort_into_moris_order():
     src_idx = torch.tensor([7, 3, 9, 1, 4], dtype=torch.int32)
     order = ep._Normal._deepep_order(types.SimpleNamespace(torch=torch, rank=1, world=3), (prefix, None, None, src_idx))
     assert src_idx[order].tolist() == [3, 7, 1, 4, 9]
+
+
+def test_io_bench_verification_sees_a_transfer_that_did_not_happen():
+    import threading
+    from multiprocessing import Pipe
+
+    import numpy as np
+
+    from mori.bench import io as bench_io
+
+    ours, theirs = Pipe()
+    target = np.zeros(4096, dtype=np.uint8)
+    server = threading.Thread(target=bench_io._serve, args=(theirs, target))
+    server.start()
+    local = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8)
+    checks = common.Checks()
+    verify = bench_io._Verify(ours, local, checks)
+    verify.before_last("write", 4096)
+    assert bool((target == 0xFF).all()), "the target's bytes are poisoned before the last write"
+    target[:] = local  # the write
+    assert verify.after_last("write", 4096)
+    verify.before_last("write", 4096)  # and this time no write lands
+    assert not verify.after_last("write again", 4096)
+    target[:] = local  # as a checked write leaves it (reads follow one)
+    verify.before_last("read", 1024)  # the local bytes are poisoned; no read brings the target's back
+    assert not verify.after_last("read", 1024)
+    local[:1024] = target[:1024]  # the read
+    assert verify.after_last("read", 1024)
+    assert checks.failed == ["write again: the destination's bytes differ from the source's",
+                             "read: the destination's bytes differ from the source's"]
+    ours.send(("stop",))
+    server.join(timeout=10)
