@@ -154,11 +154,13 @@ def run(sizes: list[int], trials: int, do_sweep: bool, out_dir: str) -> dict[str
     pull = best["mode"] == "pull"
     # With both directions busy, pushing and pulling load the links differently: pick per run.
     both_pull = pull
+    both_sweep = None
     if do_sweep:
         t_pull, t_push = (_both_ways(pair, SWEEP_SIZE, cfg, p, _reps(SWEEP_SIZE), trials) for p in (True, False))
         both_pull = t_pull <= t_push
-        print(f"both ways at {human_bytes(SWEEP_SIZE)}: pull {2 * SWEEP_SIZE / t_pull / 1e9:.1f} GB/s, "
-              f"push {2 * SWEEP_SIZE / t_push / 1e9:.1f} GB/s (total)")
+        both_sweep = {"pull_total_gbps": 2 * SWEEP_SIZE / t_pull / 1e9, "push_total_gbps": 2 * SWEEP_SIZE / t_push / 1e9}
+        print(f"both ways at {human_bytes(SWEEP_SIZE)}: pull {both_sweep['pull_total_gbps']:.1f} GB/s, "
+              f"push {both_sweep['push_total_gbps']:.1f} GB/s (total)")
     rows = []
     header = f"{'size':>9} | {'CE 1-way':>9} {'SM 1-way':>9} {'SM/CE':>6} | {'CE both':>9} {'SM both':>9} | {'SM 1-way µs':>11}"
     print(header + "\n" + "-" * len(header))
@@ -192,6 +194,7 @@ def run(sizes: list[int], trials: int, do_sweep: bool, out_dir: str) -> dict[str
         "config": {"sm_copy": best, "sm_both_mode": "pull" if both_pull else "push", "trials": trials, "sizes": sizes, "timing": "CUDA graph replays"},
         "sweep_bytes": SWEEP_SIZE if do_sweep else None,
         "sweep": sweep_rows,
+        "sweep_both_ways": both_sweep,  # the SM copy both ways at sweep_bytes, pulling vs pushing
         "results": rows,
     }
     path = write_record("p2p", record, out_dir)
