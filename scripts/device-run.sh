@@ -6,6 +6,8 @@
 # The wheel holds the Python package too: rebuild it after changing python/, not only crates/.
 # World size: the multi-rank GPU suites read MORI_TEST_WORLD from the environment (default 2);
 # benchmarks take --world (e.g. bench:ccl:--world,4).
+# Evidence: every pytest step writes a JUnit XML report to $OUT/tests/ (NN-<tests>-world<W>.xml),
+# to be committed under benches/results/tests/ beside the benchmark records.
 set -uo pipefail
 # NVLink multicast must never be used on the shared host.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -15,11 +17,27 @@ mkdir -p "$OUT"
 SITE=/tmp/mori-site
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --upgrade .device/wheels/mori-*.whl \
   || { echo "wheel install failed (run scripts/build-wheel.sh here and carry .device)"; exit 1; }
+# Baselines measured in the same run (e.g. DeepEP's wheel from ../shared/baselines/deepep/),
+# carried as .device/baselines/*.whl, are installed beside mori.
+for wheel in .device/baselines/*.whl; do
+  [ -e "$wheel" ] || continue
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --upgrade "$wheel" \
+    || { echo "baseline wheel $wheel did not install"; exit 1; }
+done
 export PYTHONPATH="$SITE:$PWD"
 export MORI_JIT_CACHE_DIR=${MORI_JIT_CACHE_DIR:-/tmp/mori-jit}
 [ $# -gt 0 ] || set -- check tests
 echo "MORI_TEST_WORLD=${MORI_TEST_WORLD:-2 (default)}"
 status=0
+reports=0
+mkdir -p "$OUT/tests"
+# Sets $report, the JUnit file of the next pytest step: numbered, named after its arguments and the world.
+junit() {
+  reports=$((reports + 1))
+  local what
+  what=$(printf '%s' "$1" | tr -c 'A-Za-z0-9_.-' '_' | sed 's/\.py//g; s/__*/_/g; s/^[-_]*//; s/_$//')
+  report=$(printf '%s/tests/%02d-%s-world%s.xml' "$OUT" "$reports" "${what:-all}" "${MORI_TEST_WORLD:-2}")
+}
 for step in "$@"; do
   echo "=== $step ==="
   case "$step" in
@@ -32,10 +50,12 @@ for step in "$@"; do
     precompile)
       python3 -m mori precompile 2>&1 | tee "$OUT/precompile.txt" || status=1 ;;
     tests)
-      python3 -m pytest tests -rs -q -p no:cacheprovider --timeout 90 --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.txt"
+      junit all
+      python3 -m pytest tests -rs -q -p no:cacheprovider --timeout 90 --junitxml="$report" 2>&1 | tee -a "$OUT/pytest.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     tests:*)
-      python3 -m pytest -rs -q -p no:cacheprovider --timeout 90 ${step#tests:} 2>&1 | tee -a "$OUT/pytest.txt"
+      junit "${step#tests:}"
+      python3 -m pytest -rs -q -p no:cacheprovider --timeout 90 --junitxml="$report" ${step#tests:} 2>&1 | tee -a "$OUT/pytest.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench:*)
       spec=${step#bench:}; name=${spec%%:*}; args=""; [ "$spec" != "$name" ] && args=${spec#*:}

@@ -148,3 +148,184 @@ def test_gpu_suites_skip_without_enough_connected_gpus(monkeypatch, visible, no_
     else:
         with pytest.raises(pytest.skip.Exception, match=reason):
             skip_unless_gpus(4)
+
+
+# ---- verification and timing helpers (a fake torch stands in where the GPU would be) ------------
+
+
+class _FakeStream:
+    def __init__(self, log: list):
+        self.log = log
+
+    def synchronize(self):
+        self.log.append("sync")
+
+
+class _FakeEvent:
+    clock = 0.0
+
+    def __init__(self, enable_timing=True):
+        self.at = None
+
+    def record(self, stream=None):
+        _FakeEvent.clock += 1.0
+        self.at = _FakeEvent.clock
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return (other.at - self.at) * 1e3
+
+
+class _FakeGraph:
+    def __init__(self, log: list):
+        self.log = log
+
+    def replay(self):
+        self.log.append("replay")
+
+
+def _fake_torch(log: list):
+    """Just enough of torch.cuda for graph_time / eager_time: contexts, events, graphs, streams."""
+    import contextlib
+    import types
+
+    cuda = types.SimpleNamespace(
+        device=lambda d: contextlib.nullcontext(), stream=lambda s: contextlib.nullcontext(),
+        graph=lambda g, stream=None: contextlib.nullcontext(), Event=_FakeEvent, CUDAGraph=lambda: _FakeGraph(log),
+    )
+    return types.SimpleNamespace(cuda=cuda)
+
+
+def test_graph_time_runs_before_last_once_right_before_the_last_replay():
+    log: list = []
+    torch, stream = _fake_torch(log), _FakeStream(log)
+    common.graph_time(torch, 0, stream, lambda: log.append("body"), reps=2, trials=3,
+                      before_trial=lambda: log.append("barrier"), before_last=lambda: log.append("poison"))
+    replays = [i for i, e in enumerate(log) if e == "replay"]
+    assert len(replays) == 4 and log.count("poison") == 1
+    # warm-up, then two captured calls; the poison is enqueued and waited for before the barrier of the last replay
+    assert log[:3] == ["body", "sync", "body"]
+    assert log[replays[-1] - 3 : replays[-1]] == ["poison", "sync", "barrier"]
+
+
+def test_eager_time_times_loops_of_calls_and_poisons_before_the_last_loop():
+    log: list = []
+    calls = []
+    stream = _FakeStream(log)
+    per_call, host = common.eager_time(_fake_torch(log), 0, stream, lambda: (calls.append(1), log.append("call")), calls=5,
+                                       trials=2, before_last=lambda: log.append("poison"))
+    assert len(calls) == 5 * 3, "a warm-up loop, then `trials` timed loops"
+    assert log.count("poison") == 1
+    last_loop = len(log) - 1 - log[::-1].index("poison")
+    assert log[last_loop + 1 :] == ["sync"] + ["call"] * 5 + ["sync"]
+    assert 0 < host <= per_call * 10 and per_call < 1.0
+
+
+@pytest.mark.torch
+def test_mismatch_compares_every_bit_or_within_a_tolerance():
+    import torch
+
+    a = torch.tensor([1.0, -0.0, 3.5], dtype=torch.bfloat16)
+    assert common.mismatch(a, a.clone()) == ""
+    assert "1 of 3 values differ, first at flat index 1" in common.mismatch(a, torch.tensor([1.0, 0.0, 3.5], dtype=torch.bfloat16))
+    assert "float32" in common.mismatch(a, a.float()) and "(2,)" in common.mismatch(a[:2], a)
+    assert common.mismatch(a, a + 0.01, tol=0.02) == ""
+    assert "2 of 3" in common.mismatch(a.float() + 1, a.float(), tol=torch.tensor([2.0, 0.5, 0.5]))
+    poisoned = torch.arange(6, dtype=torch.int64).reshape(2, 3)
+    common.poison_(poisoned)
+    assert bool((poisoned == -1).all())
+    nan = torch.zeros(4, dtype=torch.float8_e4m3fn)
+    common.poison_(nan)
+    assert "4 of 4" in common.mismatch(nan, torch.zeros(4, dtype=torch.float8_e4m3fn))
+    assert "4 of 4" in common.mismatch(nan.float(), torch.zeros(4), tol=1e9), "NaN never matches"
+
+
+@pytest.mark.torch
+def test_sum_reference_is_exact_for_two_ranks_and_bounded_for_more():
+    import torch
+
+    xs = [torch.randn(1000).to(torch.bfloat16) for _ in range(4)]
+    want, tol = common.sum_reference(torch, xs[:2])
+    assert tol is None and torch.equal(want, (xs[0].float() + xs[1].float()).to(torch.bfloat16))
+    ring = xs[0]
+    for x in xs[1:]:  # a ring rounds every partial sum
+        ring = (ring.float() + x.float()).to(torch.bfloat16)
+    want, tol = common.sum_reference(torch, xs)
+    assert common.mismatch(ring, want, tol) == ""
+    assert common.mismatch(ring + 1, want, tol) != ""
+
+
+def test_checks_name_each_failure_and_the_run_ends_without_a_record(capsys):
+    checks = common.Checks()
+    assert checks.check("put 4 KiB", "")
+    assert not checks.check("get 1 MiB", "3 of 8 values differ")
+    assert checks.failed == ["get 1 MiB: 3 of 8 values differ"]
+    common.require_verified("shmem", [[], []])
+    with pytest.raises(SystemExit, match=r"(?s)mori bench shmem: verification failed.*rank 1: get 1 MiB: 3 of 8"):
+        common.require_verified("shmem", [[], checks.failed])
+    with pytest.raises(SystemExit, match=r"(?s)failed, no record written:\n  get 1 MiB"):
+        common.require_verified("io", [checks.failed])
+
+
+def test_baseline_errors_keep_the_first_reason_and_warn(capsys):
+    merged = common.baseline_errors([{"nccl": "RuntimeError: a"}, {"nccl": "RuntimeError: b", "deepep": "not importable"}])
+    assert merged == {"nccl": "RuntimeError: a", "deepep": "not importable"}
+    out = capsys.readouterr().out
+    assert "warning: baseline nccl not measured: RuntimeError: a" in out and "baseline deepep not measured" in out
+
+
+@pytest.mark.torch
+def test_ep_bench_negation_is_exact_and_deepep_rows_sort_into_moris_order():
+    import types
+
+    import torch
+
+    from mori.bench import ep
+
+    x = torch.randn(64).to(torch.bfloat16)
+    q = (torch.randn(64) / 300).to(torch.float8_e4m3fn)  # some values round to zero
+    xs, qs = x.clone(), q.clone()
+    ep._negate_(torch, xs, qs)
+    assert torch.equal(xs, -x) and torch.equal(qs.float(), -q.float())
+    assert bool((qs.view(torch.uint8) != q.view(torch.uint8)).all()), "every byte changes, zeros included"
+    ep._negate_(torch, xs, qs)
+    assert torch.equal(xs.view(torch.int16), x.view(torch.int16)) and torch.equal(qs.view(torch.uint8), q.view(torch.uint8))
+    # rank 1 of 3 received 2 rows from rank 0, 0 from rank 1, 3 from rank 2, in some order within each source
+    prefix = torch.tensor([[0, 2, 0], [0, 2, 0], [0, 5, 0]], dtype=torch.int32)  # cumulative over sources
+    src_idx = torch.tensor([7, 3, 9, 1, 4], dtype=torch.int32)
+    order = ep._Normal._deepep_order(types.SimpleNamespace(torch=torch, rank=1, world=3), (prefix, None, None, src_idx))
+    assert src_idx[order].tolist() == [3, 7, 1, 4, 9]
+
+
+def test_io_bench_verification_sees_a_transfer_that_did_not_happen():
+    import threading
+    from multiprocessing import Pipe
+
+    import numpy as np
+
+    from mori.bench import io as bench_io
+
+    ours, theirs = Pipe()
+    target = np.zeros(4096, dtype=np.uint8)
+    server = threading.Thread(target=bench_io._serve, args=(theirs, target))
+    server.start()
+    local = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8)
+    checks = common.Checks()
+    verify = bench_io._Verify(ours, local, checks)
+    verify.before_last("write", 4096)
+    assert bool((target == 0xFF).all()), "the target's bytes are poisoned before the last write"
+    target[:] = local  # the write
+    assert verify.after_last("write", 4096)
+    verify.before_last("write", 4096)  # and this time no write lands
+    assert not verify.after_last("write again", 4096)
+    target[:] = local  # as a checked write leaves it (reads follow one)
+    verify.before_last("read", 1024)  # the local bytes are poisoned; no read brings the target's back
+    assert not verify.after_last("read", 1024)
+    local[:1024] = target[:1024]  # the read
+    assert verify.after_last("read", 1024)
+    assert checks.failed == ["write again: the destination's bytes differ from the source's",
+                             "read: the destination's bytes differ from the source's"]
+    ours.send(("stop",))
+    server.join(timeout=10)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from mori import errors
@@ -137,3 +140,127 @@ def test_deepep_event_and_handles_without_gpu():
         buf._check_handle(("not", "ours"), deepep._LowLatencyHandle)
     with pytest.raises(errors.InvalidArgumentError, match="another buffer"):
         buf._check_handle(h, deepep._LowLatencyHandle)
+
+
+# ---- the kernels' parameter layouts against their CUDA signatures --------------------------------
+
+KERNELS = Path(__file__).parent.parent / "kernels" / "ep"
+# struct codes of mori.ep.KERNEL_LAYOUTS by C type (after const / __restrict__ / volatile are dropped)
+_CODES = {"int": "i", "unsigned int": "I", "u64": "Q", "long long": "q", "float": "f"}
+
+
+def _entry_points() -> dict[str, str]:
+    """{entry: struct codes} of every extern "C" kernel under kernels/ep/."""
+    found = {}
+    for path in sorted(KERNELS.glob("*.cu")):
+        src = re.sub(r"//[^\n]*", "", path.read_text())
+        for name, params in re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\((.*?)\)\s*\{', src, re.S):
+            codes = ""
+            for param in params.split(","):
+                words = [w for w in re.split(r"\s+", param.replace("*", " * ").strip()) if w not in ("const", "__restrict__", "volatile")]
+                ctype = " ".join(words[:-1])
+                codes += "P" if "*" in ctype else _CODES[ctype]
+            found[name] = codes
+    return found
+
+
+def test_kernel_layouts_match_the_cuda_signatures():
+    from mori.ep import KERNEL_LAYOUTS
+
+    found = _entry_points()
+    assert set(found) == set(KERNEL_LAYOUTS), "every kernel under kernels/ep has a layout, and no layout names a missing kernel"
+    for entry, codes in found.items():
+        assert KERNEL_LAYOUTS[entry] == codes, f"{entry}: mori.ep packs {KERNEL_LAYOUTS[entry]!r}, the kernel takes {codes!r}"
+
+
+
+def test_shared_constants_match_the_kernels():
+    from mori import ep
+
+    src = "".join(p.read_text() for p in sorted(KERNELS.glob("*.cu*")))
+    for name, value in (("MAX_RANKS", ep.MAX_RANKS), ("MAX_TOPK", ep.MAX_TOPK), ("SCALE_BLOCK", ep.SCALE_BLOCK), ("META_STRIDE", ep.LL_META_STRIDE)):
+        assert int(re.search(rf"constexpr int {name} = (\d+);", src).group(1)) == value, name
+
+
+# ---- the GPU suites' references (mori.ep._reference) against a CPU simulation of EP --------------
+
+
+def _routing(torch, gen, n: int, experts: int, topk: int):
+    idx = torch.rand((n, experts), generator=gen).argsort(dim=1)[:, :topk]
+    idx[torch.rand(idx.shape, generator=gen) < 0.2] = -1
+    return idx.to(torch.int64)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("world,fp8", [(2, False), (4, False), (8, False), (3, True)])
+def test_normal_combine_reference_is_exact_for_any_summing_order(world, fp8):
+    import torch
+
+    from mori.ep import _reference as ref
+
+    gen = torch.Generator().manual_seed(world)
+    experts, topk, hidden = 4 * world, 6, 128
+    n = [20 + 7 * s for s in range(world)]
+    all_idx = [_routing(torch, gen, n[s], experts, topk) for s in range(world)]
+    all_w = [torch.rand((n[s], topk), generator=gen) for s in range(world)]
+    if fp8:
+        all_x = [(torch.randn((n[s], hidden), generator=gen) * 4).to(torch.float8_e4m3fn) for s in range(world)]
+        all_scales = [torch.rand((n[s], hidden // 128), generator=gen) for s in range(world)]
+    else:
+        all_x = [torch.randn((n[s], hidden), generator=gen).to(torch.bfloat16) for s in range(world)]
+        all_scales = [None] * world
+    sums = [torch.zeros((n[s], hidden)) for s in range(world)]
+    for r in reversed(range(world)):  # another order than the reference's
+        exp = ref.expected_normal_dispatch(r, world, experts, all_idx, all_w, all_x, all_scales if fp8 else None)
+        recv = exp.rows.view(all_x[0].dtype).reshape(-1, hidden)
+        y = ref.normal_expert(recv, exp.scales, r)
+        for s in range(world):
+            mine = exp.src_rank == s
+            sums[s].index_add_(0, exp.src_idx[mine], y[mine].float())
+    for s in range(world):
+        want = ref.expected_normal_combine(all_x[s], all_scales[s], all_idx[s], experts, world)
+        ref.check_normal_combine(sums[s].to(torch.bfloat16), want)
+        if world > 1:  # a row combined from the wrong rank is caught
+            wrong = sums[s].clone()
+            hit = ref.ranks_hit(all_idx[s], experts, world)
+            t = int(hit[:, 0].nonzero()[0])  # a token sent to rank 0: take rank 1's row instead of rank 0's
+            row, scale = all_x[s][t : t + 1], None if all_scales[s] is None else all_scales[s][t : t + 1]
+            wrong[t] += (ref.normal_expert(row, scale, 1) - ref.normal_expert(row, scale, 0))[0].float()
+            with pytest.raises(AssertionError, match="combine !="):
+                ref.check_normal_combine(wrong.to(torch.bfloat16), want)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("world,fp8", [(2, False), (2, True), (4, False)])
+def test_low_latency_combine_reference_ties_each_weight_to_its_expert(world, fp8):
+    import torch
+
+    from mori.ep import _reference as ref
+
+    gen = torch.Generator().manual_seed(10 + world)
+    experts, topk, hidden, n = 4 * world, 4, 256, 40
+    el = experts // world
+    x = torch.randn((n, hidden), generator=gen).to(torch.bfloat16)
+    idx = _routing(torch, gen, n, experts, topk)
+    w = torch.rand((n, topk), generator=gen)
+    q, s = ref.quantize_ref(x)
+    # What the kernels do: each expert rank gets the rows, runs its experts, sums its own slots
+    # in fp32 and rounds that partial to bf16; the source sums the partials and rounds.
+    got = torch.zeros((n, hidden))
+    swapped = torch.zeros((n, hidden))
+    data, scales = (q, s) if fp8 else (x, None)
+    for r in range(world):  # every local expert gets every token here, row = token
+        y = ref.ll_expert(data.expand(el, n, hidden), None if scales is None else scales.expand(el, n, hidden // 128), r)
+        part, part_swapped = torch.zeros((n, hidden)), torch.zeros((n, hidden))
+        for k in range(topk):
+            on_r = (idx[:, k] >= 0) & (idx[:, k] // el == r)
+            e = (idx[:, k] % el).clamp(min=0)
+            rows_k = y[e, torch.arange(n)].float()
+            part += torch.where(on_r[:, None], w[:, k : k + 1] * rows_k, 0.0)
+            part_swapped += torch.where(on_r[:, None], w[:, (k + 1) % topk : (k + 1) % topk + 1] * rows_k, 0.0)
+        got += part.to(torch.bfloat16).float()
+        swapped += part_swapped.to(torch.bfloat16).float()
+    want = ref.expected_ll_combine(x, idx, w, fp8)
+    ref.check_ll_combine(got.to(torch.bfloat16), want)
+    with pytest.raises(AssertionError, match="low-latency combine off"):
+        ref.check_ll_combine(swapped.to(torch.bfloat16), want)

@@ -1,6 +1,7 @@
 """mori.ep on MORI_TEST_WORLD GPUs (default 2; and on one, EP1), normal and low-latency mode,
-checked against the references in tests/_ep_reference.py (every received row bit-exact against its
-source; combine with an identity expert). Routing cases: random top-k with -1 ids, all to one rank, none to a remote rank, a rank
+checked against the references in mori/ep/_reference.py (every received row bit-exact against its
+source; combine of experts whose outputs depend on the rank (normal, BF16 and FP8) or the expert
+(low-latency, so each top-k weight must meet its own expert's row)). Routing cases: random top-k with -1 ids, all to one rank, none to a remote rank, a rank
 with zero tokens, one token, the maximum, BF16 and FP8, repeated calls with changing routing; for
 the low-latency mode also the send/receive split (hook) and CUDA-graph capture + replay.
 
@@ -33,22 +34,23 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
     import mori.shmem as shmem
     from mori import Bootstrap
     from mori.ep import Buffer, EpConfig
-    from tests import _ep_reference as ref
+    from mori.ep import _reference as ref
+    from tests import _ep_reference as util
 
-    experts = ref.experts_for(world)
+    experts = util.experts_for(world)
     torch.cuda.set_device(rank)
     results: dict[str, str] = {}
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     bs = Bootstrap(uid, rank, world, timeout=120)
     shmem.init(bootstrap=bs, device=rank, heap_size=2 << 30)
-    gather = ref.bootstrap_gather(bs)
+    gather = util.bootstrap_gather(bs)
     buf = Buffer(
         EpConfig(num_experts=experts, hidden=HIDDEN, max_tokens_per_rank=MAX_TOKENS, topk=TOPK, num_sms=24, low_latency_max_tokens=LL_MAX)
     )
 
     def routing(n, mode):
-        return ref.routing(n, mode, num_experts=experts, topk=TOPK, world=world, rank=rank, gen=gen)
+        return util.routing(n, mode, num_experts=experts, topk=TOPK, world=world, rank=rank, gen=gen)
 
     def tokens(n):
         x = torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16)
@@ -75,19 +77,18 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
             recv_topk_idx=res.recv_topk_idx.clone(), recv_topk_weights=res.recv_topk_weights.clone(),
             recv_src_idx=res.recv_src_idx.clone(), num_recv_tokens_per_expert=list(res.num_recv_tokens_per_expert),
         )
-        out = None if fp8 else buf.combine(res.recv_x.clone(), res.handle)  # identity expert
+        out = buf.combine(ref.normal_expert(res.recv_x, res.recv_x_scales, rank), res.handle)
         all_idx, all_w, all_x = gather(idx), gather(weights), gather(sent)
         all_scales = gather(scales) if fp8 else None
         shmem.barrier_all()
         exp = ref.expected_normal_dispatch(rank, world, experts, all_idx, all_w, all_x, all_scales)
         ref.check_normal_dispatch(exp, **got)
-        if out is not None:
-            ref.check_normal_combine(out, x, idx, experts, world)
+        ref.check_normal_combine(out, ref.expected_normal_combine(sent, scales, idx, experts, world))
 
     # ---- low-latency mode -----------------------------------------------------------------
 
     def ll_run(x, idx, weights, fp8, hook):
-        """Dispatch, identity expert, combine; returns what the checks need (copies)."""
+        """Dispatch, the test experts, combine; returns what the checks need (copies)."""
         res = buf.low_latency_dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook)
         hook_ok = (res.hook is not None) == hook
         if hook:
@@ -97,7 +98,7 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
             recv_x=res.recv_x.clone(), recv_x_scales=res.recv_x_scales.clone() if fp8 else None, recv_count=res.recv_count.clone(),
             recv_src_info=res.recv_src_info.clone(), recv_layout_range=res.recv_layout_range.clone(),
         )
-        y = ref.ll_identity_expert(snap["recv_x"], snap["recv_x_scales"])
+        y = ref.ll_expert(snap["recv_x"], snap["recv_x_scales"], rank)
         out, chook = buf.low_latency_combine(y, idx, weights, res.handle, return_recv_hook=hook)
         hook_ok = hook_ok and (chook is not None) == hook
         if hook:
@@ -133,19 +134,19 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
         with torch.cuda.stream(side):  # warm-up outside the graph, on a side stream
             for _ in range(2):
                 r = buf.low_latency_dispatch(x_s, idx_s, use_fp8=fp8)
-                buf.low_latency_combine(ref.ll_identity_expert(r.recv_x, r.recv_x_scales), idx_s, w_s, r.handle)
+                buf.low_latency_combine(ref.ll_expert(r.recv_x, r.recv_x_scales, rank), idx_s, w_s, r.handle)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             r = buf.low_latency_dispatch(x_s, idx_s, use_fp8=fp8)
-            out, _ = buf.low_latency_combine(ref.ll_identity_expert(r.recv_x, r.recv_x_scales), idx_s, w_s, r.handle)
+            out, _ = buf.low_latency_combine(ref.ll_expert(r.recv_x, r.recv_x_scales, rank), idx_s, w_s, r.handle)
         torch.cuda.synchronize()
         shmem.barrier_all()
         failures = []
         for replay in range(4):
             x_s.copy_(tokens(n))
-            idx_s.copy_(ref.routing(n, "random", num_experts=experts, topk=TOPK, world=world, rank=rank, gen=gen, drop=0.05 * replay))
+            idx_s.copy_(util.routing(n, "random", num_experts=experts, topk=TOPK, world=world, rank=rank, gen=gen, drop=0.05 * replay))
             w_s.copy_(torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32))
             graph.replay()
             torch.cuda.synchronize()
@@ -163,7 +164,7 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
         assert not failures, "\n".join(failures)
 
     cases = {
-        **ref.normal_cases(normal_case, rank, MAX_TOKENS),
+        **util.normal_cases(normal_case, rank, MAX_TOKENS),
         "ll_random": lambda: ll_case(100, "random", False),
         "ll_random_fp8": lambda: ll_case(100, "random", True),
         "ll_all_to_rank0": lambda: ll_case(90, "to_rank0", False),

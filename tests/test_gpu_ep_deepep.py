@@ -1,10 +1,12 @@
 """The DeepEP facade (mori.ep.deepep.Buffer) on MORI_TEST_WORLD GPUs (default 2), driven exactly
 as a DeepEP program drives deep_ep.Buffer (a torch.distributed group, get_dispatch_layout ->
 dispatch -> combine, low_latency_dispatch -> low_latency_combine), checked with the same
-references as test_gpu_ep.py (tests/_ep_reference.py) plus DeepEP's conventions: weights masked to 0 where the
+references as test_gpu_ep.py (mori/ep/_reference.py: combine inputs that depend on the rank or the
+expert, BF16 and FP8) plus DeepEP's conventions: weights masked to 0 where the
 local id is -1, the handle's rank_prefix_matrix / recv_src_idx / is_token_in_rank, combined
-top-k weights, expert_alignment, num_worst_tokens padding, the cached dispatch, events, column-major
-FP8 scales, cumulative receive statistics, zero-copy combine, the hook split and CUDA-graph replay.
+top-k weights, expert_alignment, num_worst_tokens padding, the cached dispatch (of new tokens),
+events, column-major FP8 scales, cumulative receive statistics, zero-copy combine (other data in
+``x``), the hook split and CUDA-graph replay.
 The buffer is sized lazily and grows collectively (a case sends more tokens than any before).
 """
 
@@ -29,8 +31,9 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
     import torch
     import torch.distributed as dist
 
+    from mori.ep import _reference as ref
     from mori.ep.deepep import Buffer, EventOverlap
-    from tests import _ep_reference as ref
+    from tests import _ep_reference as util
 
     torch.cuda.set_device(rank)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
@@ -38,7 +41,7 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
     results: dict[str, str] = {}
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    gather = ref.torch_gather(group)
+    gather = util.torch_gather(group)
     el = EXPERTS // WORLD
     Buffer.set_num_sms(24)
     num_nvl_bytes = Buffer.get_dispatch_config(WORLD).get_nvl_buffer_size_hint(HIDDEN * 2, WORLD)
@@ -47,7 +50,7 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
     stats = torch.zeros(el, dtype=torch.int32, device="cuda")
 
     def routing(n, mode, drop=0.1):
-        return ref.routing(n, mode, num_experts=EXPERTS, topk=TOPK, world=WORLD, rank=rank, gen=gen, drop=drop)
+        return util.routing(n, mode, num_experts=EXPERTS, topk=TOPK, world=WORLD, rank=rank, gen=gen, drop=drop)
 
     def tokens(n):
         x = torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16)
@@ -84,20 +87,26 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
             event.current_stream_wait()
         recv_data, recv_scales = recv_x if fp8 else (recv_x, None)
         recv_data_copy = recv_data.clone()
-        combined = combined_w = None
-        if not fp8:
-            out_bias = None
-            if bias:
-                out_bias = (torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16),
-                            torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16))
-            combined, combined_w, cevent = buf.combine(recv_data, handle, topk_weights=recv_w, bias=out_bias, async_finish=async_finish)
-            with cevent:
-                pass
-        cached_x = None
+        out_bias = None
+        if bias:
+            out_bias = (torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16),
+                        torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16))
+        y = ref.normal_expert(recv_data, recv_scales, rank)
+        combined, combined_w, cevent = buf.combine(y, handle, topk_weights=recv_w, bias=out_bias, async_finish=async_finish)
+        with cevent:
+            pass
         if cached:
-            again = buf.dispatch(xin, handle=handle)
-            cached_x = again[0]
-            cached_rest = again[1:5]
+            # New tokens on the cached layout: rows left over from the first dispatch do not pass.
+            if fp8:
+                sent2 = (torch.randn((n, HIDDEN), device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
+                scales2 = torch.rand((n, HIDDEN // 128), device="cuda", generator=gen, dtype=torch.float32)
+                xin2 = (sent2, scales2)
+            else:
+                sent2 = xin2 = tokens(n)
+            again = buf.dispatch(xin2, handle=handle)
+            cached_x, cached_rest = again[0], again[1:5]
+            all_x2 = gather(sent2)
+            all_scales2 = gather(scales2) if fp8 else None
         all_idx, all_w, all_x, all_rank = gather(idx), gather(weights), gather(sent), gather(layout[0])
         all_scales = gather(scales) if fp8 else None
         barrier()
@@ -118,21 +127,21 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         sent_matrix = torch.stack([r.to(torch.int32) for r in all_rank])  # [src, dst]
         assert torch.equal(handle[0].cpu(), torch.cumsum(sent_matrix, dim=0, dtype=torch.int32)), "rank_prefix_matrix"
         assert torch.equal(handle[4].cpu(), want_in), "handle's is_token_in_rank"
-        if combined is not None:
-            if bias:
-                base = (x.float() * ref.ranks_hit(idx, EXPERTS, WORLD)[:, None]).to(torch.bfloat16)
-                want = (base.float() + out_bias[0].float() + out_bias[1].float()).to(torch.bfloat16)
-                assert torch.equal(combined, want), "combine with bias"
-            else:
-                ref.check_normal_combine(combined, x, idx, EXPERTS, WORLD)
-            want_w = torch.where(idx >= 0, weights, torch.zeros_like(weights))
-            assert torch.equal(combined_w, want_w), "combined top-k weights != weights of the token's valid experts"
+        base = ref.expected_normal_combine(sent, scales, idx, EXPERTS, WORLD)
+        if bias:
+            want = (base.float() + out_bias[0].float() + out_bias[1].float()).to(torch.bfloat16)
+            assert torch.equal(combined, want), "combine with bias"
+        else:
+            ref.check_normal_combine(combined, base)
+        want_w = torch.where(idx >= 0, weights, torch.zeros_like(weights))
+        assert torch.equal(combined_w, want_w), "combined top-k weights != weights of the token's valid experts"
         if cached:
             assert cached_rest == (None, None, None, None), "a cached dispatch returns (recv_x, None, None, None, None, event)"
-            got_cached = cached_x[0] if fp8 else cached_x
-            assert torch.equal(got_cached.contiguous().view(torch.uint8), recv_data_copy.contiguous().view(torch.uint8)), "cached dispatch rows"
+            exp2 = ref.expected_normal_dispatch(rank, WORLD, EXPERTS, all_idx, all_w, all_x2, all_scales2)
+            got_cached = (cached_x[0] if fp8 else cached_x)[: exp2.rows.shape[0]].contiguous()
+            assert torch.equal(got_cached.view(torch.uint8).reshape(exp2.rows.shape).cpu(), exp2.rows), "cached dispatch rows (the new tokens)"
             if fp8:
-                assert torch.equal(cached_x[1], recv_scales), "cached dispatch scales"
+                assert torch.equal(cached_x[1][: exp2.rows.shape[0]].cpu(), exp2.scales), "cached dispatch scales (the new tokens)"
 
     # ---- low-latency mode -----------------------------------------------------------------
 
@@ -157,9 +166,11 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
             recv_src_info=handle[0].clone(), recv_layout_range=handle[1].clone(),
         )
         ok.append(torch.equal(stats - before, count))
-        y = ref.ll_identity_expert(snap["recv_x"], snap["recv_x_scales"])
+        y = ref.ll_expert(snap["recv_x"], snap["recv_x_scales"], rank)
         if zero_copy:
+            # The expert outputs go into the zero-copy buffer and other data into `x`: reading `x` would show.
             buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+            y = y.neg()
         combined, cevent, chook = buf.low_latency_combine(y, idx, weights, handle, zero_copy=zero_copy, return_recv_hook=hook, out=out)
         ok.append((chook is not None) == hook)
         if hook:
@@ -193,7 +204,7 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         def step():
             recv, count, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, LL_MAX, EXPERTS, use_fp8=fp8)
             data, scales = recv if fp8 else (recv, None)
-            combined, _, _ = buf.low_latency_combine(ref.ll_identity_expert(data, scales), idx_s, w_s, handle)
+            combined, _, _ = buf.low_latency_combine(ref.ll_expert(data, scales, rank), idx_s, w_s, handle)
             return data, scales, count, handle, combined
 
         side = torch.cuda.Stream()
@@ -227,7 +238,7 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         assert not failures, "\n".join(failures)
 
     cases = {
-        **ref.normal_cases(normal_case, rank, 1024),
+        **util.normal_cases(normal_case, rank, 1024),
         "grow": lambda: normal_case(1500 if rank == 0 else 10, "random", False),
         "alignment_worst_tokens": lambda: normal_case(400, "random", False, alignment=4, worst=WORLD * 400),
         "alignment_worst_tokens_fp8": lambda: normal_case(400, "random", True, alignment=8, worst=WORLD * 400 + 3),

@@ -152,16 +152,19 @@ def capture_graph(torch, device: int, stream, body: Callable[[], None], reps: in
 
 def graph_time(
     torch, device: int, stream, body: Callable[[], None], reps: int, trials: int,
-    before_trial: Callable[[], None] | None = None,
+    before_trial: Callable[[], None] | None = None, before_last: Callable[[], None] | None = None,
 ) -> float:
     """Median seconds per call of ``body``: CUDA-event-timed replays of a graph of ``reps`` calls
     (the first replay is discarded). ``before_trial`` runs on the host before each replay (e.g. a
-    barrier, so ranks that wait on each other start together)."""
+    barrier, so ranks that wait on each other start together). ``before_last`` runs on ``stream``
+    before the last replay, which waits for it (and for ``before_trial``): it poisons the output,
+    so a check after the timing reads what the last timed replay wrote."""
     g = capture_graph(torch, device, stream, body, reps)
     times = []
     # replay() launches on the current stream: make it `stream`, where the events are recorded.
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        for _ in range(trials + 1):
+        for trial in range(trials + 1):
+            _before_last(stream, before_last, trial == trials)
             if before_trial is not None:
                 before_trial()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -171,6 +174,41 @@ def graph_time(
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3 / reps)
     return median(times[1:])
+
+
+def eager_time(
+    torch, device: int, stream, body: Callable[[], Any], calls: int, trials: int,
+    before_trial: Callable[[], None] | None = None, before_last: Callable[[], None] | None = None,
+) -> tuple[float, float]:
+    """What a user's loop sees, without CUDA graphs: (seconds per call of ``calls`` back-to-back
+    Python calls of ``body`` on ``stream``, host clock from the first call until the stream is
+    done after the last; host seconds per call, each call until it returns), medians over
+    ``trials`` loops after a warm-up loop. ``before_trial`` / ``before_last`` as in
+    :func:`graph_time`."""
+    per_call, host = [], []
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        for trial in range(trials + 1):
+            stream.synchronize()
+            _before_last(stream, before_last, trial == trials)
+            if before_trial is not None:
+                before_trial()
+            returned = []
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                c0 = time.perf_counter()
+                body()
+                returned.append(time.perf_counter() - c0)
+            stream.synchronize()
+            if trial:  # the first loop warms up (compiles, allocates)
+                per_call.append((time.perf_counter() - t0) / calls)
+                host += returned
+    return median(per_call), median(host)
+
+
+def _before_last(stream, before_last: Callable[[], None] | None, last: bool) -> None:
+    if last and before_last is not None:
+        before_last()
+        stream.synchronize()
 
 
 def median(xs: list[float]) -> float:
@@ -187,6 +225,104 @@ def human_bytes(n: int) -> str:
         if n < 1024 ** (power + 1) or unit == "GiB":
             return f"{n / 1024**power:g} {unit}"
     return f"{n} B"
+
+
+# ---- verification and baselines -----------------------------------------------------------------
+
+
+def poison_(t) -> None:
+    """Sets every byte of tensor ``t`` to 0xFF on the current stream (NaN for floats, -1 for signed
+    integers): an output poisoned before the last timed run and checked after it was written by
+    that run, not left over from an earlier one."""
+    import torch
+
+    t.view(torch.uint8).fill_(0xFF)
+
+
+def mismatch(got, want, tol=None) -> str:
+    """'' when tensor ``got`` equals ``want`` (same shape and dtype; every bit of every value),
+    else what differs. With ``tol`` (a number, or a tensor per element) values compare in float32
+    and may differ by up to ``tol``; NaN never matches."""
+    import torch
+
+    if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+        return f"got {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}"
+    want = want.to(got.device)
+    if tol is None:
+        size = got.element_size()
+        bad = (got.contiguous().reshape(-1).view(torch.uint8) != want.contiguous().reshape(-1).view(torch.uint8))
+        bad = bad.reshape(-1, size).any(dim=1)
+    else:
+        bad = ~((got.float() - want.float()).abs() <= tol)
+    count = int(bad.sum())
+    if not count:
+        return ""
+    i = int(bad.nonzero()[0])
+    g, w = got.reshape(-1)[i].float().item(), want.reshape(-1)[i].float().item()
+    return f"{count} of {got.numel()} values differ, first at flat index {i} (got {g:.6g}, expected {w:.6g})"
+
+
+def shared_seed(bs) -> int:
+    """A fresh random seed, the same on every rank (rank 0's, through bootstrap ``bs``)."""
+    return int.from_bytes(bs.allgather(os.urandom(7))[0], "little")
+
+
+def rank_input(torch, seed: int, rank: int, n: int, dtype):
+    """Rank ``rank``'s input: ``n`` normal random values on the current GPU, from ``seed``, so
+    every rank can regenerate every other rank's input for a reference."""
+    gen = torch.Generator(device="cuda").manual_seed(seed + rank)
+    return torch.randn(n, device="cuda", generator=gen).to(dtype)
+
+
+def sum_reference(torch, inputs: Sequence[Any]) -> tuple[Any, Any]:
+    """(expected, tolerance) of an all-reduce sum of ``inputs`` (every rank's, 16-bit floats):
+    two ranks add in float32 and round once, the same in either order, so exact (tolerance
+    None); more ranks add in other orders (a ring rounds every partial sum): within
+    (ranks + 1) roundings of 2^-8 of the sum of |inputs| per element."""
+    total = sum(x.float() for x in inputs)
+    if len(inputs) == 2:
+        return total.to(inputs[0].dtype), None
+    return total.to(inputs[0].dtype), (len(inputs) + 1) * 2.0**-8 * sum(x.float().abs() for x in inputs)
+
+
+class Checks:
+    """One process's verification of what a benchmark reports: each failed check is kept as
+    "label: what differs" (the label names the op and size); ``failed`` goes back to the parent,
+    which ends the run through :func:`require_verified`."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def check(self, label: str, problem: str) -> bool:
+        """Keeps ``problem`` (none when empty) under ``label``; True when there is none."""
+        if problem:
+            self.failed.append(f"{label}: {problem}")
+        return not problem
+
+    def compare(self, label: str, got, want, tol=None) -> bool:
+        """:func:`mismatch` of ``got`` and ``want``, kept under ``label``; True when they match."""
+        return self.check(label, mismatch(got, want, tol))
+
+
+def require_verified(bench: str, failed_by_process: Sequence[Sequence[str]]) -> None:
+    """Ends ``mori bench <bench>`` with exit status 1, before any record is written, when a check
+    failed in any process (rank), naming every failure."""
+    lines = [f"rank {r}: {f}" if len(failed_by_process) > 1 else f
+             for r, failed in enumerate(failed_by_process) for f in failed]
+    if lines:
+        raise SystemExit(f"mori bench {bench}: verification failed, no record written:\n  " + "\n  ".join(lines))
+
+
+def baseline_errors(by_process: Sequence[dict[str, str]]) -> dict[str, str]:
+    """Why each missing baseline has no figure (the first process's reason), each printed as a
+    warning line; the record keeps them as ``baseline_errors``."""
+    merged: dict[str, str] = {}
+    for errors in by_process:
+        for name, reason in errors.items():
+            merged.setdefault(name, reason)
+    for name, reason in merged.items():
+        print(f"warning: baseline {name} not measured: {reason}", flush=True)
+    return merged
 
 
 # ---- one process per rank -----------------------------------------------------------------------

@@ -10,6 +10,20 @@ the baseline table); per call the slowest rank's time. Bus bandwidth (GB/s = 1e9
 time x 2(n-1)/n for all-reduce, x (n-1)/n for the others (NCCL's convention, n ranks). mori's
 all-reduce is timed with its default algorithm choice and with one-shot and two-shot forced. NVLink multicast stays off
 (TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0).
+
+Without graphs (`*_eager_us`, mori's default choice and NCCL, every op): what a user's loop of
+Python calls sees, `reps` calls back to back with one synchronisation at the end, host clock per
+call (launch costs included), median of max(3, trials / 4) loops; `*_eager_host_us`: the host
+time of one call until it returns.
+
+Verified: inputs are fresh random per run (every rank regenerates the others' from a shared seed
+for the references). Each timed output is poisoned (0xFF) before the last graph replay and
+before the last eager loop, and checked after each against the reference: gathers and
+all-to-all bit-exact, sums bit-exact on two ranks and within (ranks + 1) bf16 roundings of the
+sum of |inputs| on more. NCCL's all-reduce and torch's two-shot work in place, so their timed
+replays compound: each is checked by one more call on the input. A failed check ends the run
+with exit status 1 and no record; a baseline that could not run is null with its reason in
+`baseline_errors` (and a warning line).
 """
 
 from __future__ import annotations
@@ -20,8 +34,9 @@ from typing import Any
 
 from mori._cliargs import grids as grids_type
 from mori._cliargs import positive_int, size
-from mori.bench._common import (TORCH, add_out_argument, add_world_argument, environment, free_port, graph_time, human_bytes,
-                                preflight, run_ranks, say_error, slowest, world_from_args, write_record)
+from mori.bench._common import (TORCH, Checks, add_out_argument, add_world_argument, baseline_errors, eager_time, environment,
+                                free_port, graph_time, human_bytes, poison_, preflight, rank_input, require_verified, run_ranks,
+                                say_error, shared_seed, slowest, sum_reference, world_from_args, write_record)
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -51,8 +66,12 @@ def _rank(rank: int, world: int, uid: bytes, port: int, trials: int, sizes: list
     stream = torch.cuda.Stream()
     dt = torch.bfloat16
     big = max(sizes) // 2
-    x = torch.randn(big * world, device="cuda").to(dt)
-    out = torch.empty(big * world, dtype=dt, device="cuda")
+    seed = shared_seed(bs)
+    inputs = [rank_input(torch, seed, r, big, dt) for r in range(world)]  # every rank's, for the references
+    x = inputs[rank]
+    out = torch.empty(big, dtype=dt, device="cuda")
+    checks = Checks()
+    missing: dict[str, str] = {}  # baseline -> why it has no figure
     rows: list[dict[str, Any]] = []
 
     symm = None
@@ -64,41 +83,90 @@ def _rank(rank: int, world: int, uid: bytes, port: int, trials: int, sizes: list
         symm_mem.rendezvous(symm_buf, group_name)
         symm = (symm_buf, group_name)
     except Exception as e:  # an older torch, or no symmetric memory on this build
-        symm_error = f"{type(e).__name__}: {e}"
-    else:
-        symm_error = None
+        for algo in ("one_shot", "two_shot"):
+            missing[f"all_reduce_symm_{algo}"] = f"{type(e).__name__}: {e}"
 
-    def timed(body, nbytes):
+    def measure(row, key, body, nbytes, got=None, want=None, tol=None, baseline=False, eager=False, where=""):
+        """Times ``body`` into row[key] (graph replays) and, with ``eager``, row[key + "_eager"] /
+        row[key + "_eager_host"] (seconds; None where it raised: a baseline keeps the reason, mori
+        fails a check). ``got()`` is the output, poisoned before each timing's last run and then
+        compared with ``want``."""
+        row[key] = None
+        if eager:
+            row[f"{key}_eager"] = row[f"{key}_eager_host"] = None
+        label = f"{key} {human_bytes(nbytes)}{where}"
+        poison = None if got is None else lambda: poison_(got())
         try:
-            return graph_time(torch, rank, stream, body, _reps(nbytes), trials)
+            row[key] = graph_time(torch, rank, stream, body, _reps(nbytes), trials, before_last=poison)
+            if got is not None:
+                checks.compare(f"{label}, graph", got(), want, tol)
+            if eager:
+                row[f"{key}_eager"], row[f"{key}_eager_host"] = eager_time(
+                    torch, rank, stream, body, _reps(nbytes), max(3, trials // 4), before_last=poison)
+                if got is not None:
+                    checks.compare(f"{label}, eager", got(), want, tol)
         except Exception as e:
-            print(f"rank {rank}: {type(e).__name__}: {e}", flush=True)
             torch.cuda.synchronize()
-            return None
+            reason = f"{type(e).__name__}: {e}"
+            if baseline:
+                missing.setdefault(key, reason)
+            else:
+                checks.check(label, f"raised {reason}")
+
+    def check_in_place(key, body, buf, want, tol, nbytes):
+        """An in-place all-reduce's own output: one call on the input (its timed replays compound)."""
+        buf.copy_(x[: buf.numel()])
+        torch.cuda.synchronize()
+        dist.barrier()  # every rank's buffer holds its input before any rank reads a peer's
+        with torch.cuda.stream(stream):
+            body()
+        stream.synchronize()
+        checks.compare(f"{key} {human_bytes(nbytes)}, one call after the timing", buf, want, tol)
 
     for nbytes in sizes:
         n = nbytes // 2  # bf16 elements
+        per = n // world
+        m = per * world
         inp = x[:n]
         row: dict[str, Any] = {"bytes": nbytes}
+        failed_before = len(checks.failed)
         # all-reduce
-        row["all_reduce_mori"] = timed(lambda: comm.all_reduce(inp, out=out[:n], stream=stream), nbytes)
+        ar_want, ar_tol = sum_reference(torch, [t[:n] for t in inputs])
+        mine = {"got": lambda: out[:n], "want": ar_want, "tol": ar_tol}
+        measure(row, "all_reduce_mori", lambda: comm.all_reduce(inp, out=out[:n], stream=stream), nbytes, eager=True, **mine)
         for algo in ccl.ALGORITHMS:
-            row[f"all_reduce_mori_{algo}"] = timed(lambda a=algo: comm.all_reduce(inp, out=out[:n], algorithm=a, stream=stream), nbytes)
-        row["all_reduce_nccl"] = timed(lambda: dist.all_reduce(out[:n]), nbytes)
-        if symm is not None and n <= big:
+            measure(row, f"all_reduce_mori_{algo}", lambda a=algo: comm.all_reduce(inp, out=out[:n], algorithm=a, stream=stream),
+                    nbytes, **mine)
+        nccl_ar = lambda: dist.all_reduce(out[:n])  # noqa: E731
+        measure(row, "all_reduce_nccl", nccl_ar, nbytes, baseline=True, eager=True)
+        if row["all_reduce_nccl"] is not None:
+            check_in_place("all_reduce_nccl", nccl_ar, out[:n], ar_want, ar_tol, nbytes)
+        if symm is not None:
             buf, name = symm
-            for algo in ("one_shot", "two_shot"):
-                fn = getattr(torch.ops.symm_mem, f"{algo}_all_reduce", None)
-                row[f"all_reduce_symm_{algo}"] = timed(lambda f=fn: f(buf[:n], "sum", name), nbytes) if fn else None
+            buf[:n].copy_(x[:n])  # the input of the one-shot replays (earlier two-shots compounded it)
+            torch.cuda.synchronize()
+            dist.barrier()
+            res: dict[str, Any] = {}  # the one-shot's output tensor (a new one per call; fixed in the graph)
+            measure(row, "all_reduce_symm_one_shot", lambda: res.update(out=torch.ops.symm_mem.one_shot_all_reduce(buf[:n], "sum", name)),
+                    nbytes, got=lambda: res["out"], want=ar_want, tol=ar_tol, baseline=True)
+            # In place (the trailing underscore); an op this torch lacks raises in the warm-up: a baseline error.
+            symm_two = lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf[:n], "sum", name)  # noqa: E731
+            measure(row, "all_reduce_symm_two_shot", symm_two, nbytes, baseline=True)
+            if row["all_reduce_symm_two_shot"] is not None:
+                check_in_place("all_reduce_symm_two_shot", symm_two, buf[:n], ar_want, ar_tol, nbytes)
         # all-gather: nbytes of output
-        per = n // world
-        row["all_gather_mori"] = timed(lambda: comm.all_gather(out[:per * world], inp[:per], stream=stream), nbytes)
-        row["all_gather_nccl"] = timed(lambda: dist.all_gather_into_tensor(out[:per * world], inp[:per]), nbytes)
+        ag = {"got": lambda: out[:m], "want": torch.cat([t[:per] for t in inputs]), "eager": True}
+        measure(row, "all_gather_mori", lambda: comm.all_gather(out[:m], inp[:per], stream=stream), nbytes, **ag)
+        measure(row, "all_gather_nccl", lambda: dist.all_gather_into_tensor(out[:m], inp[:per]), nbytes, baseline=True, **ag)
         # reduce-scatter and all-to-all: nbytes of input
-        row["reduce_scatter_mori"] = timed(lambda: comm.reduce_scatter(out[:per], inp[:per * world], stream=stream), nbytes)
-        row["reduce_scatter_nccl"] = timed(lambda: dist.reduce_scatter_tensor(out[:per], inp[:per * world]), nbytes)
-        row["all_to_all_mori"] = timed(lambda: comm.all_to_all(out[:n], inp, stream=stream), nbytes)
-        row["all_to_all_nccl"] = timed(lambda: dist.all_to_all_single(out[:n], inp), nbytes)
+        rs_want, rs_tol = sum_reference(torch, [t[rank * per : (rank + 1) * per] for t in inputs])
+        rs = {"got": lambda: out[:per], "want": rs_want, "tol": rs_tol, "eager": True}
+        measure(row, "reduce_scatter_mori", lambda: comm.reduce_scatter(out[:per], inp[:m], stream=stream), nbytes, **rs)
+        measure(row, "reduce_scatter_nccl", lambda: dist.reduce_scatter_tensor(out[:per], inp[:m]), nbytes, baseline=True, **rs)
+        a2a = {"got": lambda: out[:m], "want": torch.cat([t[rank * per : (rank + 1) * per] for t in inputs]), "eager": True}
+        measure(row, "all_to_all_mori", lambda: comm.all_to_all(out[:m], inp[:m], stream=stream), nbytes, **a2a)
+        measure(row, "all_to_all_nccl", lambda: dist.all_to_all_single(out[:m], inp[:m]), nbytes, baseline=True, **a2a)
+        row["verified"] = len(checks.failed) == failed_before
         rows.append(row)
 
     # Grid sweep: the all-reduce's large-size kernels with other (max_blocks, threads) settings.
@@ -108,32 +176,21 @@ def _rank(rank: int, world: int, uid: bytes, port: int, trials: int, sizes: list
         for nbytes in (s for s in sizes if s >= GRID_MIN_BYTES):
             n = nbytes // 2
             grid_row: dict[str, Any] = {"bytes": nbytes, "max_blocks": blocks, "threads": threads}
+            failed_before = len(checks.failed)
+            want, tol = sum_reference(torch, [t[:n] for t in inputs])
             for algo in ccl.ALGORITHMS:
-                grid_row[algo] = timed(lambda a=algo: g.all_reduce(x[:n], out=out[:n], algorithm=a, stream=stream), nbytes)
+                measure(grid_row, algo, lambda a=algo: g.all_reduce(x[:n], out=out[:n], algorithm=a, stream=stream), nbytes,
+                        got=lambda: out[:n], want=want, tol=tol, where=f", grid {blocks}x{threads}")
+            grid_row["verified"] = len(checks.failed) == failed_before
             grid_rows.append(grid_row)
         g.check()
         g.close()
 
-    # The timed kernels computed the right thing: mori's all-reduce equals NCCL's. Two ranks:
-    # a + b in either order is the same float. More ranks sum in other orders (NCCL's ring rounds
-    # each partial sum to bf16): together at most n + 1 roundings, each within 2^-8 of the sum
-    # of |inputs|.
-    verify = x[: 1 << 20]
-    mine = comm.all_reduce(verify, out=torch.empty_like(verify))
-    ref = verify.clone()
-    dist.all_reduce(ref)
-    torch.cuda.synchronize()
-    if world == 2:
-        verified = bool(torch.equal(mine, ref))
-    else:
-        abs_sum = verify.float().abs()
-        dist.all_reduce(abs_sum)
-        verified = bool(((mine.float() - ref.float()).abs() <= (world + 1) * 2.0**-8 * abs_sum).all())
     comm.check()
     comm.close()
     shmem.finalize()
     dist.destroy_process_group()
-    return {"rows": rows, "grid_rows": grid_rows, "verified": verified, "symm_error": symm_error}
+    return {"rows": rows, "grid_rows": grid_rows, "failed": checks.failed, "missing": missing}
 
 
 def _bus_factor(op: str, world: int) -> float:
@@ -149,17 +206,14 @@ def run(trials: int, sizes: list[int], out_dir: str, grids: list[tuple[int, int]
     from mori import ccl
 
     got = run_ranks(_rank, world, (world, mori.get_unique_id(), free_port(), trials, sizes, grids or []), timeout=560)
-    r0 = got[0]
-    if not all(g["verified"] for g in got):
-        raise SystemExit("mori.ccl's all-reduce differs from NCCL's")
-    if r0["symm_error"]:
-        print(f"torch symmetric memory unavailable: {r0['symm_error']}")
+    require_verified("ccl", [g["failed"] for g in got])
+    missing = baseline_errors([g["missing"] for g in got])
     rows = []
     for per_rank in zip(*(g["rows"] for g in got)):
         a = per_rank[0]
-        row = {"bytes": a["bytes"]}
+        row = {"bytes": a["bytes"], "verified": all(r["verified"] for r in per_rank)}
         for key in a:
-            if key != "bytes":
+            if key not in row:
                 row[f"{key}_us"] = _us(slowest([r.get(key) for r in per_rank]))
         for op in OPS:
             for who in ("mori", "nccl"):
@@ -170,25 +224,30 @@ def run(trials: int, sizes: list[int], out_dir: str, grids: list[tuple[int, int]
     def fmt(v: float | None, width: int = 8) -> str:
         return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}}"
 
-    head = f"{'size':>9} | {'mori':>8} {'1-shot':>8} {'2-shot':>8} {'NCCL':>8} {'symm 1':>8} {'symm 2':>8} | {'mori GB/s':>9} {'NCCL GB/s':>9}"
-    print(f"all-reduce (bf16) on {world} ranks, µs per call\n" + head + "\n" + "-" * len(head))
+    head = (f"{'size':>9} | {'mori':>8} {'1-shot':>8} {'2-shot':>8} {'NCCL':>8} {'symm 1':>8} {'symm 2':>8} | "
+            f"{'mori GB/s':>9} {'NCCL GB/s':>9} | {'mori eager':>10} {'NCCL eager':>10}")
+    print(f"all-reduce (bf16) on {world} ranks, µs per call (graph replays; eager: a loop of Python calls)\n"
+          + head + "\n" + "-" * len(head))
     for row in rows:
         print(
             f"{human_bytes(row['bytes']):>9} | {fmt(row['all_reduce_mori_us'])} {fmt(row['all_reduce_mori_one_shot_us'])} "
             f"{fmt(row['all_reduce_mori_two_shot_us'])} {fmt(row['all_reduce_nccl_us'])} {fmt(row.get('all_reduce_symm_one_shot_us'))} "
-            f"{fmt(row.get('all_reduce_symm_two_shot_us'))} | {fmt(row['all_reduce_mori_busbw_gbps'], 9)} {fmt(row['all_reduce_nccl_busbw_gbps'], 9)}"
+            f"{fmt(row.get('all_reduce_symm_two_shot_us'))} | {fmt(row['all_reduce_mori_busbw_gbps'], 9)} "
+            f"{fmt(row['all_reduce_nccl_busbw_gbps'], 9)} | {fmt(row['all_reduce_mori_eager_us'], 10)} {fmt(row['all_reduce_nccl_eager_us'], 10)}"
         )
     for op in OPS[1:]:
-        head = f"{'size':>9} | {'mori µs':>8} {'NCCL µs':>8} | {'mori GB/s':>9} {'NCCL GB/s':>9}"
+        head = f"{'size':>9} | {'mori µs':>8} {'NCCL µs':>8} | {'mori GB/s':>9} {'NCCL GB/s':>9} | {'mori eager':>10} {'NCCL eager':>10}"
         print(f"\n{op.replace('_', '-')} (bf16)\n" + head + "\n" + "-" * len(head))
         for row in rows:
             print(
                 f"{human_bytes(row['bytes']):>9} | {fmt(row[f'{op}_mori_us'])} {fmt(row[f'{op}_nccl_us'])} | "
-                f"{fmt(row[f'{op}_mori_busbw_gbps'], 9)} {fmt(row[f'{op}_nccl_busbw_gbps'], 9)}"
+                f"{fmt(row[f'{op}_mori_busbw_gbps'], 9)} {fmt(row[f'{op}_nccl_busbw_gbps'], 9)} | "
+                f"{fmt(row[f'{op}_mori_eager_us'], 10)} {fmt(row[f'{op}_nccl_eager_us'], 10)}"
             )
     grid_rows = []
     for per_rank in zip(*(g["grid_rows"] for g in got)):
         grid_row = {k: per_rank[0][k] for k in ("bytes", "max_blocks", "threads")}
+        grid_row["verified"] = all(r["verified"] for r in per_rank)
         for algo in ccl.ALGORITHMS:
             grid_row[f"all_reduce_{algo}_us"] = _us(slowest([r[algo] for r in per_rank]))
         grid_rows.append(grid_row)
@@ -203,7 +262,7 @@ def run(trials: int, sizes: list[int], out_dir: str, grids: list[tuple[int, int]
         "env": environment(),
         "method": __doc__.strip(),
         "config": {"trials": trials, "sizes": sizes, "dtype": "bfloat16", "world_size": world},
-        "symm_mem_error": r0["symm_error"],
+        "baseline_errors": missing,
         "rows": rows,
         "grid_rows": grid_rows,
     }

@@ -6,23 +6,85 @@ item (``copy_engine_threshold=0``), in the same run. Block size × batch size, r
 GB/s (bytes moved / time from submission to completion, median of trials; for cuda_ipc also
 with 4 transfers in flight), per-transfer latency, and the Python time to submit a batch (the
 call returning, not the data moving).
+
+Verified: the source is fresh random bytes per run. Before the last timed transfer of every
+timing the destination is poisoned (0xFF: the target's region for writes, by a request to the
+target process; the local region for reads), and after it both sides' fingerprints of the moved
+bytes must agree (blake2b for host memory, a position-weighted 64-bit sum on the GPU for GPU
+memory). A failed check ends the run with exit status 1 and no record.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import multiprocessing as mp
+import os
 import time
 from typing import Any
 
 import numpy as np
 
 from mori._cliargs import nonnegative_int, positive_int
-from mori.bench._common import TORCH, add_out_argument, environment, human_bytes, median, missing, percentile, preflight, write_record
+from mori.bench._common import (TORCH, Checks, add_out_argument, environment, human_bytes, median, missing, percentile, preflight,
+                                require_verified, write_record)
 
 BLOCKS = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 BATCHES = [1, 8, 128, 1024, 8192]
 MAX_BATCH_BYTES = 256 << 20
+
+
+def _digest(buf, nbytes: int) -> str:
+    """Fingerprint of the first ``nbytes`` of a region: blake2b for a host array; for a CUDA
+    tensor (``nbytes`` a multiple of 8) the sum of its 64-bit words times their odd positions,
+    modulo 2^64, computed on the GPU (no copy to the host)."""
+    if isinstance(buf, np.ndarray):
+        return hashlib.blake2b(buf[:nbytes]).hexdigest()
+    import torch
+
+    words = buf[:nbytes].view(torch.int64)
+    pos = torch.arange(1, 2 * words.numel(), 2, dtype=torch.int64, device=buf.device)
+    return hex(int((words * pos).sum()) % (1 << 64))
+
+
+def _poison(buf, nbytes: int) -> None:
+    """Sets the first ``nbytes`` of a region to 0xFF and waits until they are (the GPU too)."""
+    buf[:nbytes] = 0xFF
+    if not isinstance(buf, np.ndarray):
+        import torch
+
+        torch.cuda.synchronize(buf.device)
+
+
+def _serve(conn, buf) -> None:
+    """The target's side until "stop": ("poison", n) sets its region's first n bytes to 0xFF,
+    ("digest", n) returns their fingerprint."""
+    while (cmd := conn.recv())[0] != "stop":
+        if cmd[0] == "poison":
+            _poison(buf, cmd[1])
+            conn.send("ok")
+        else:
+            conn.send(_digest(buf, cmd[1]))
+
+
+class _Verify:
+    """The checks of one route: each timing's last transfer poisons its destination first and
+    compares fingerprints after it."""
+
+    def __init__(self, conn, local, checks: Checks):
+        self.conn, self.local, self.checks = conn, local, checks
+
+    def before_last(self, op: str, nbytes: int) -> None:
+        if op == "write":
+            self.conn.send(("poison", nbytes))
+            self.conn.recv()
+        else:
+            _poison(self.local, nbytes)
+
+    def after_last(self, label: str, nbytes: int) -> bool:
+        self.conn.send(("digest", nbytes))
+        theirs, ours = self.conn.recv(), _digest(self.local, nbytes)
+        return self.checks.check(label, "" if theirs == ours else "the destination's bytes differ from the source's")
 
 
 def _target(conn, nbytes: int) -> None:
@@ -32,26 +94,28 @@ def _target(conn, nbytes: int) -> None:
     buf = np.zeros(nbytes, dtype=np.uint8)
     mem = eng.register(buf)
     conn.send((eng.desc, mem.pack()))
-    conn.recv()  # stop
+    _serve(conn, buf)
 
 
 def run(trials: int, out_dir: str, routes: str = "all", ipc_blocks: int = 0) -> dict[str, Any]:
     record: dict[str, Any] = {"benchmark": "io", "env": environment(), "method": __doc__.strip(), "transports": [],
                               "config": {"trials": trials, "ipc_blocks": ipc_blocks}}
+    checks = Checks()
     if routes in ("all", "host"):
         record["transports"] += ["tcp loopback", "same-host direct"]
         record["config"].update(connections_per_peer=2, chunk_bytes=4 << 20)
-        record["results"], record["submit_10000_blocks_us"] = _host_cases(trials)
+        record["results"], record["submit_10000_blocks_us"] = _host_cases(trials, checks)
     if routes in ("all", "cuda_ipc"):
-        record["cuda_ipc"] = _gpu_cases(trials, ipc_blocks)  # None: skipped (reason printed)
+        record["cuda_ipc"] = _gpu_cases(trials, ipc_blocks, checks)  # None: skipped (reason printed)
         if record["cuda_ipc"] is not None:
             record["transports"].append("cuda_ipc")
+    require_verified("io", [checks.failed])
     path = write_record("io", record, out_dir)
     print(f"wrote {path}")
     return record
 
 
-def _host_cases(trials: int) -> tuple[list[dict[str, Any]], float]:
+def _host_cases(trials: int, checks: Checks) -> tuple[list[dict[str, Any]], float]:
     """tcp and same-host direct between two processes: the sweep's rows and the µs of Python
     time to submit a 10 000-block batch."""
     from mori.io import IOEngine, MemoryDesc
@@ -63,22 +127,23 @@ def _host_cases(trials: int) -> tuple[list[dict[str, Any]], float]:
     try:
         desc, raw = conn.recv()
         remote = MemoryDesc.unpack(raw)
-        local = np.random.default_rng(0).integers(0, 256, MAX_BATCH_BYTES, dtype=np.uint8)
+        local = np.random.default_rng(int.from_bytes(os.urandom(8), "little")).integers(0, 256, MAX_BATCH_BYTES, dtype=np.uint8)
+        verify = _Verify(conn, local, checks)
         rows = []
         for transport in ("tcp", "direct"):
             with IOEngine(f"bench-client-{transport}", timeout=60.0, same_host_direct=transport == "direct") as eng:
                 eng.connect(desc)
                 mem = eng.register(local)
                 print(f"\n== {transport} ==")
-                rows += _sweep(eng, mem, remote, trials, transport)
+                rows += _sweep(eng, mem, remote, trials, transport, verify)
                 if transport == "tcp":
-                    submit_us = _submit_cost(eng, mem, remote, trials)
+                    submit_us = _submit_cost(eng, mem, remote, trials, verify)
                 eng.deregister(mem)
         print(f"\nsubmitting a 10000-block batch: {submit_us:.0f} µs of Python time (median)")
         return rows, submit_us
     finally:  # the target process never outlives the run, whatever happened
         try:
-            conn.send("stop")
+            conn.send(("stop",))
         except OSError:
             pass
         proc.join(timeout=30)
@@ -87,7 +152,7 @@ def _host_cases(trials: int) -> tuple[list[dict[str, Any]], float]:
             proc.join()
 
 
-def _sweep(eng, mem, remote, trials: int, transport: str) -> list[dict[str, Any]]:
+def _sweep(eng, mem, remote, trials: int, transport: str, verify: _Verify) -> list[dict[str, Any]]:
     rows = []
     print(f"{'block':>9} {'batch':>6} | {'write GB/s':>10} {'read GB/s':>10} | {'write ms':>9} {'read ms':>9}")
     for block in BLOCKS:
@@ -96,15 +161,18 @@ def _sweep(eng, mem, remote, trials: int, transport: str) -> list[dict[str, Any]
                 continue
             offs = np.arange(batch, dtype=np.int64) * block
             sizes = np.full(batch, block, dtype=np.int64)
-            row: dict[str, Any] = {"transport": transport, "block_bytes": block, "batch": batch}
-            for op in ("write", "read"):
+            row: dict[str, Any] = {"transport": transport, "block_bytes": block, "batch": batch, "verified": True}
+            for op in ("write", "read"):  # the read brings back what the checked write left
                 fn = eng.batch_write if op == "write" else eng.batch_read
                 fn(mem, offs, remote, offs, sizes).wait()  # warm-up
                 times = []
-                for _ in range(trials):
+                for i in range(trials):
+                    if i == trials - 1:
+                        verify.before_last(op, block * batch)
                     t0 = time.perf_counter()
                     fn(mem, offs, remote, offs, sizes).wait()
                     times.append(time.perf_counter() - t0)
+                row["verified"] &= verify.after_last(f"{transport} {op} {human_bytes(block)} x {batch}", block * batch)
                 t = median(times)
                 row[f"{op}_gbps"] = block * batch / t / 1e9
                 row[f"{op}_ms"] = t * 1e3
@@ -115,7 +183,7 @@ def _sweep(eng, mem, remote, trials: int, transport: str) -> list[dict[str, Any]
     return rows
 
 
-def _submit_cost(eng, mem, remote, trials: int) -> float:
+def _submit_cost(eng, mem, remote, trials: int, verify: _Verify) -> float:
     """Median µs of Python time to submit a 10 000-block batch (returns before the data moves),
     each submitted right after the previous 40 MB batch completed (caches cold, as in
     ``benches/io_submit.py``)."""
@@ -123,11 +191,15 @@ def _submit_cost(eng, mem, remote, trials: int) -> float:
     offs = np.arange(n, dtype=np.int64) * 4096
     sizes = np.full(n, 4096, dtype=np.int64)
     submit = []
-    for _ in range(max(trials, 20)):
+    rounds = max(trials, 20)
+    for i in range(rounds):
+        if i == rounds - 1:
+            verify.before_last("write", n * 4096)
         t0 = time.perf_counter()
         t = eng.batch_write(mem, offs, remote, offs, sizes)
         submit.append(time.perf_counter() - t0)
         t.wait()
+    verify.after_last("tcp write of 10 000 x 4 KiB (submission timing)", n * 4096)
     print(f"submit p99: {percentile(submit, 0.99) * 1e6:.0f} µs")
     return median(submit) * 1e6
 
@@ -151,10 +223,10 @@ def _gpu_target(conn) -> None:
     torch.cuda.synchronize()
     mem = eng.register(buf)
     conn.send((eng.desc, mem.pack()))
-    conn.recv()  # stop
+    _serve(conn, buf)
 
 
-def _gpu_cases(trials: int, ipc_blocks: int) -> dict[str, Any] | None:
+def _gpu_cases(trials: int, ipc_blocks: int, checks: Checks) -> dict[str, Any] | None:
     """cuda_ipc GPU0 <-> GPU1 (None, with the reason printed, where that is not possible)."""
     why = missing(needs=[TORCH], gpus=2, peer_access=True)
     if why is not None:
@@ -172,8 +244,10 @@ def _gpu_cases(trials: int, ipc_blocks: int) -> dict[str, Any] | None:
     try:
         desc, raw = conn.recv()
         remote = MemoryDesc.unpack(raw)
-        local = torch.randint(0, 256, (GPU_REGION,), dtype=torch.uint8, device="cuda:0")
+        gen = torch.Generator(device="cuda:0").manual_seed(int.from_bytes(os.urandom(7), "little"))
+        local = torch.randint(0, 256, (GPU_REGION,), dtype=torch.uint8, device="cuda:0", generator=gen)
         torch.cuda.synchronize()
+        verify = _Verify(conn, local, checks)
         engines = {
             "kernel": IOEngine("bench-gpu-kernel", timeout=60.0, cuda_ipc=True, ipc_blocks=ipc_blocks),
             "copy engine": IOEngine("bench-gpu-ce", timeout=60.0, cuda_ipc=True, copy_engine_threshold=0),
@@ -191,8 +265,9 @@ def _gpu_cases(trials: int, ipc_blocks: int) -> dict[str, Any] | None:
         for block, batch in shapes:
             offs = np.arange(batch, dtype=np.int64) * block
             sizes = np.full(batch, block, dtype=np.int64)
-            for op in ("write", "read"):
-                row: dict[str, Any] = {"block_bytes": block, "batch": batch, "op": op}
+            for op in ("write", "read"):  # the read brings back what the checked write left
+                row: dict[str, Any] = {"block_bytes": block, "batch": batch, "op": op, "verified": True}
+                label = f"cuda_ipc {op} {human_bytes(block)} x {batch}"
                 for name, eng in engines.items():
                     fn = eng.batch_write if op == "write" else eng.batch_read
                     t = fn(mems[name], offs, remote, offs, sizes)
@@ -201,20 +276,27 @@ def _gpu_cases(trials: int, ipc_blocks: int) -> dict[str, Any] | None:
                     t.wait()
                     lat, sub = [], []
                     reps = max(trials, 10 if block * batch < (64 << 20) else 3)
-                    for _ in range(reps):
+                    for i in range(reps):
+                        if i == reps - 1:
+                            verify.before_last(op, block * batch)
                         t0 = time.perf_counter()
                         t = fn(mems[name], offs, remote, offs, sizes)
                         t1 = time.perf_counter()
                         t.wait()
                         lat.append(time.perf_counter() - t0)
                         sub.append(t1 - t0)
+                    row["verified"] &= verify.after_last(f"{label}, {name}", block * batch)
                     pipe = []
-                    for _ in range(max(3, trials // 2)):
+                    rounds = max(3, trials // 2)
+                    for i in range(rounds):
+                        if i == rounds - 1:
+                            verify.before_last(op, block * batch)
                         t0 = time.perf_counter()
                         ts = [fn(mems[name], offs, remote, offs, sizes) for _ in range(4)]
                         for t in ts:
                             t.wait()
                         pipe.append((time.perf_counter() - t0) / 4)
+                    row["verified"] &= verify.after_last(f"{label}, {name}, 4 in flight", block * batch)
                     key = "kernel" if name == "kernel" else "ce"
                     row[f"{key}_gbps"] = block * batch / median(lat) / 1e9
                     row[f"{key}_gbps_x4"] = block * batch / median(pipe) / 1e9
@@ -233,7 +315,7 @@ def _gpu_cases(trials: int, ipc_blocks: int) -> dict[str, Any] | None:
             eng.deregister(mems[name])
         return {"rows": rows, "region_bytes": GPU_REGION, "pipelined_depth": 4}
     finally:
-        conn.send("stop")
+        conn.send(("stop",))
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()

@@ -9,6 +9,11 @@ thread/warp/block its slice) and one quiet; CUDA-event time of the kernel, media
 "one put" is the time of a single blocking put kernel including its launch (median of CUDA-graph
 replays). Latencies are per round trip / per get inside one kernel (PEs 0 and 1).
 
+Verified: every PE's source holds fresh random bytes of its own; before the last timed run of
+each op and size its destination is poisoned (0xFF), and after it the destination must hold the
+source's bytes (put, get, one put, copy engine, NCCL send/recv and ping-pong word), the
+put+signal round trip's signals the last round's value, and the get latency chain its last link.
+
 Baseline in the same run: NCCL (torch.distributed, nccl backend) send/recv PE 0 -> PE 1, one
 NCCL call per transfer, `reps` back to back in a captured graph (GB/s and µs per
 call; CUDA-graph replays, median of trials), and an 8-byte send/recv ping-pong (µs per round
@@ -26,6 +31,7 @@ from typing import Any
 from mori._cliargs import positive_int, size
 from mori.bench._common import (
     TORCH,
+    Checks,
     add_out_argument,
     add_world_argument,
     preflight,
@@ -33,6 +39,8 @@ from mori.bench._common import (
     free_port,
     graph_time,
     human_bytes,
+    poison_,
+    require_verified,
     run_ranks,
     world_from_args,
     write_record,
@@ -52,39 +60,52 @@ def _grid(scope: str, nbytes: int, sms: int) -> tuple[int, int]:
     return max(1, min(2 * sms, nbytes // 1024 // 256)), 256
 
 
-def _nccl_baseline(torch, dist, rank: int, stream, trials: int) -> dict[str, Any] | None:
+def _nccl_baseline(torch, dist, shmem, rank: int, stream, trials: int, src, dst, checks: Checks) -> dict[str, Any] | None:
     """NCCL send/recv PE 0 -> PE 1 by size and an 8-byte ping-pong, each timed as CUDA-graph
     replays like mori's own figures (no launch gaps; PEs 0 and 1 take part, the figures are
     PE 0's, None elsewhere). The pair's replays start within host jitter of each other; the
-    first replay is discarded and the skew is spread over the graph's calls."""
+    first replay is discarded and the skew is spread over the graph's calls. PE 0 sends from its
+    ``src``, PE 1 receives into its ``dst`` (both on the heap, so PE 1 checks what arrived
+    against PE 0's bytes)."""
     if rank > 1:
         return None
-    buf = torch.zeros(max(SIZES), dtype=torch.uint8, device="cuda")
     peer = 1 - rank
+    sent = shmem.peer_tensor(src, 0) if rank == 1 else None
 
-    def timed(body, reps: int) -> float:
+    def timed(body, reps: int, n: int) -> float:
         with torch.cuda.stream(stream):
             for _ in range(3):  # warm-up outside capture (the first call also connects the pair)
                 body()
         stream.synchronize()
-        return graph_time(torch, rank, stream, body, reps, trials)
+        # The receiver's last replay cannot start its receive before its poison: same stream.
+        poison = (lambda: poison_(dst[:n])) if rank == 1 else None
+        return graph_time(torch, rank, stream, body, reps, trials, before_last=poison)
 
     rows = []
     for n in SIZES:
         def send(n: int = n) -> None:
-            (dist.send if rank == 0 else dist.recv)(buf[:n], peer)
+            if rank == 0:
+                dist.send(src[:n], peer)
+            else:
+                dist.recv(dst[:n], peer)
 
-        t = timed(send, max(10, min(200, (1 << 30) // n)))
-        rows.append({"bytes": n, "nccl_send_gbps": n / t / 1e9, "nccl_send_us": t * 1e6})
+        t = timed(send, max(10, min(200, (1 << 30) // n)), n)
+        row = {"bytes": n, "nccl_send_gbps": n / t / 1e9, "nccl_send_us": t * 1e6}
+        if rank == 1:  # the receiver checks; its row carries only that
+            row = {"verified": checks.compare(f"NCCL send/recv {human_bytes(n)}", dst[:n], sent[:n])}
+        rows.append(row)
 
-    word = buf[:8]
+    word = (src if rank == 0 else dst)[:8]
 
     def pingpong() -> None:
         first, second = (dist.send, dist.recv) if rank == 0 else (dist.recv, dist.send)
         first(word, peer)
         second(word, peer)
 
-    return {"rows": rows, "pingpong_us": timed(pingpong, 200) * 1e6}
+    t = timed(pingpong, 200, 8)
+    if rank == 1:
+        checks.compare("NCCL ping-pong word", word, sent[:8])
+    return {"rows": rows, "pingpong_us": t * 1e6}
 
 
 def _rank(rank: int, world: int, uid: bytes, heap: int, trials: int, port: int) -> dict[str, Any]:
@@ -110,40 +131,43 @@ def _rank(rank: int, world: int, uid: bytes, heap: int, trials: int, port: int) 
     big = max(SIZES)
     src = shmem.tensor((big,), torch.uint8)
     dst = shmem.tensor((big,), torch.uint8, zero=True)
-    src.copy_(torch.randint(0, 256, (big,), dtype=torch.uint8, device="cuda"))
+    # Fresh bytes, different on every PE: a get that read its own PE's source would not pass.
+    gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(8), "little"))
+    src.copy_(torch.randint(0, 256, (big,), dtype=torch.uint8, device="cuda", generator=gen))
     stream = torch.cuda.Stream()
+    checks = Checks()
     rows: list[dict[str, Any]] = []
 
-    def timed(body, reps):
-        return graph_time(torch, rank, stream, body, reps, trials)
+    def timed(body, reps, out):
+        return graph_time(torch, rank, stream, body, reps, trials, before_last=lambda: poison_(out))
 
     shmem.barrier_all()
     if rank == 0:
-        peer_dst = shmem.peer_tensor(dst, 1)
+        peer_dst, peer_src = shmem.peer_tensor(dst, 1), shmem.peer_tensor(src, 1)
         for n in SIZES:
             reps = max(10, min(1000, (1 << 30) // n))
             row: dict[str, Any] = {"bytes": n}
             iters = max(20, min(2000, (512 << 20) // n))
+            ok = True
             for scope, code in SCOPES.items():
                 grid, block = _grid(scope, n, sms)
                 for op, get in (("put", 0), ("get", 1)):
                     # put: local src -> PE 1's dst; get: PE 1's src -> local dst
+                    out, want = (dst, peer_src) if get else (peer_dst, src)
                     args = (dst, src, np.uint64(n), np.int32(1), np.int32(code), np.int32(get), np.int32(iters))
-                    t = timed(lambda a=args, g=grid, b=block: mod.launch("bench_put", g, b, *a, stream=stream), 1) / iters
+                    t = timed(lambda a=args, g=grid, b=block: mod.launch("bench_put", g, b, *a, stream=stream), 1, out[:n]) / iters
+                    ok &= checks.compare(f"{op} {scope} {human_bytes(n)}", out[:n], want[:n])
                     row[f"{op}_{scope}_gbps"] = n / t / 1e9
                     row[f"{op}_{scope}_us"] = t * 1e6
             one = (dst, src, np.uint64(n), np.int32(1), np.int32(2), np.int32(0), np.int32(1))
             grid, block = _grid("block", n, sms)
-            row["one_put_block_us"] = timed(lambda: mod.launch("bench_put", grid, block, *one, stream=stream), reps) * 1e6
-            t = timed(lambda n=n: gpu.copy_engine(peer_dst, src, n, stream=stream, device=0), reps)
+            row["one_put_block_us"] = timed(lambda: mod.launch("bench_put", grid, block, *one, stream=stream), reps, peer_dst[:n]) * 1e6
+            ok &= checks.compare(f"one put {human_bytes(n)}", peer_dst[:n], src[:n])
+            t = timed(lambda n=n: gpu.copy_engine(peer_dst, src, n, stream=stream, device=0), reps, peer_dst[:n])
+            ok &= checks.compare(f"copy engine {human_bytes(n)}", peer_dst[:n], src[:n])
             row["copy_engine_gbps"], row["copy_engine_us"] = n / t / 1e9, t * 1e6
+            row["verified"] = ok
             rows.append(row)
-    # What was timed moved real bytes: the last put left PE 0's src in PE 1's dst.
-    bs.barrier()
-    torch.cuda.synchronize()
-    sample = (src if rank == 0 else dst)[: 1 << 20].cpu().numpy().tobytes()
-    both = bs.allgather(sample)
-    verified = both[0] == both[1]
 
     # ping-pong and get latency (PEs 0 and 1 run the ping-pong kernel at once; it pairs them)
     word = shmem.tensor((1,), torch.int64, zero=True)
@@ -163,33 +187,41 @@ def _rank(rank: int, world: int, uid: bytes, heap: int, trials: int, port: int) 
         b.record(stream)
         b.synchronize()
         rtt_us = a.elapsed_time(b) * 1e3 / iters
-    table = shmem.tensor((1,), torch.int64, zero=True)
+        # The warm-up left 100 in both signals; every round of the timed run raised them.
+        checks.compare("put+signal round trip: signal after the last round", sig, torch.full_like(sig, 100 + iters))
+    # A two-entry chain on PE 1 (0 -> 1 -> 0); PE 0's own table is all zero, so a load that
+    # stayed local ends elsewhere. An odd number of loads ends on entry 1.
+    table = shmem.tensor((2,), torch.int64, zero=True)
+    if rank == 1:
+        table[0] = 1
+    get_iters = iters + 1
     out = torch.zeros(1, dtype=torch.int64, device="cuda")
     shmem.barrier_all()
     get_us = None
     if rank == 0:
         mod.launch("get_latency", 1, 1, table, np.int32(100), np.int32(1), out, stream=stream)
+        poison_(out)
         stream.synchronize()
         a.record(stream)
-        mod.launch("get_latency", 1, 1, table, np.int32(iters), np.int32(1), out, stream=stream)
+        mod.launch("get_latency", 1, 1, table, np.int32(get_iters), np.int32(1), out, stream=stream)
         b.record(stream)
         b.synchronize()
-        get_us = a.elapsed_time(b) * 1e3 / iters
+        get_us = a.elapsed_time(b) * 1e3 / get_iters
+        checks.compare("get latency chain: last index", out, torch.ones_like(out))
     shmem.barrier_all()
-    nccl = _nccl_baseline(torch, dist, rank, stream, trials)
+    nccl = _nccl_baseline(torch, dist, shmem, rank, stream, trials, src, dst, checks)
     dist.barrier()
     shmem.finalize()
     dist.destroy_process_group()
-    return {"init_s": init_s, "rows": rows, "rtt_us": rtt_us, "get_us": get_us, "verified": verified, "nccl": nccl}
+    return {"init_s": init_s, "rows": rows, "rtt_us": rtt_us, "get_us": get_us, "failed": checks.failed, "nccl": nccl}
 
 
 def run(trials: int, heap: int, out_dir: str, world: int = 2) -> dict[str, Any]:
     import mori
 
     got = run_ranks(_rank, world, (world, mori.get_unique_id(), heap, trials, free_port()), timeout=600)
+    require_verified("shmem", [g["failed"] for g in got])
     r0 = got[0]
-    if not r0["verified"]:
-        raise SystemExit("the benchmarked puts left wrong bytes at the target")
     print(f"init with a {heap >> 30} GiB heap on {world} PEs: {max(g['init_s'] for g in got) * 1e3:.0f} ms")
     nccl = r0["nccl"]
     print(f"8-byte put+signal round trip: {r0['rtt_us']:.2f} µs (NCCL send/recv ping-pong: {nccl['pingpong_us']:.2f} µs);  "
@@ -197,8 +229,8 @@ def run(trials: int, heap: int, out_dir: str, world: int = 2) -> dict[str, Any]:
     head = (f"{'size':>9} | {'put thread':>10} {'put warp':>9} {'put block':>9} | {'get block':>9} | {'copy eng':>9} | "
             f"{'NCCL send':>9} | {'one put µs':>10} {'NCCL µs':>8}")
     print("GB/s unless marked µs\n" + head + "\n" + "-" * len(head))
-    for row, base in zip(r0["rows"], nccl["rows"]):
-        row.update(base)
+    for row, base, received in zip(r0["rows"], nccl["rows"], got[1]["nccl"]["rows"]):
+        row.update(base, verified=row["verified"] and received["verified"])
         print(
             f"{human_bytes(row['bytes']):>9} | {row['put_thread_gbps']:10.2f} {row['put_warp_gbps']:9.2f} "
             f"{row['put_block_gbps']:9.2f} | {row['get_block_gbps']:9.2f} | {row['copy_engine_gbps']:9.2f} | "

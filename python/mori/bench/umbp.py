@@ -17,6 +17,13 @@ or of the installed wheel (``python -m mori.umbpd``); its path and build are pri
 recorded (``daemon``). A debug build is refused unless ``--allow-debug-daemon`` is given.
 
 GB/s counts value bytes moved per second; ops/s counts keys. Medians of repeated timed loops.
+
+Verified: values are fresh random bytes per run, and each key's value carries its index (the
+registered-buffer puts: each batch's first value its batch number), so a get that returned
+another key's value fails; after each timed loop its last call's output is checked (`get_into`
+and `batch_get_into` write into a buffer poisoned before that call), the prefix probes' counts,
+and the memcpy. The multi-client gets check one more poisoned call per client after the timed
+loop. A failed check ends the run with exit status 1 and no record.
 """
 
 from __future__ import annotations
@@ -34,28 +41,38 @@ from typing import Any
 
 import numpy as np
 
-from mori.bench._common import (add_out_argument, check_out_dir, environment, free_port, human_bytes, median, percentile, preflight, say_error,
-                                write_record)
+from mori.bench._common import (Checks, add_out_argument, check_out_dir, environment, free_port, human_bytes, median, percentile,
+                                preflight, require_verified, say_error, write_record)
 from mori.errors import MoriError
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20]
 BATCHES = [1, 16, 128]
 
 
-def _memcpy_gbps() -> float:
-    src = np.random.default_rng(0).integers(0, 256, 256 << 20, dtype=np.uint8)
+def _rng() -> np.random.Generator:
+    """Fresh random values every run."""
+    return np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
+
+
+def _same(checks: Checks, label: str, got, want) -> bool:
+    return checks.check(label, "" if got == want else "the call returned other bytes than the values put")
+
+
+def _memcpy_gbps(checks: Checks) -> float:
+    src = _rng().integers(0, 256, 256 << 20, dtype=np.uint8)
     dst = np.empty_like(src)
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
         np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
+    checks.check("memcpy", "" if np.array_equal(dst, src) else "the copy differs")
     return src.nbytes / median(times) / 1e9
 
 
-def _pool_rows(client, label: str, total_bytes: int, zero_copy: bool) -> list[dict[str, Any]]:
+def _pool_rows(client, label: str, total_bytes: int, zero_copy: bool, checks: Checks) -> list[dict[str, Any]]:
     rows = []
-    rng = np.random.default_rng(1)
+    rng = _rng()
     for size in SIZES:
         n = max(8, min(4096, total_bytes // size))
         value = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
@@ -64,12 +81,14 @@ def _pool_rows(client, label: str, total_bytes: int, zero_copy: bool) -> list[di
             if batch > n:
                 continue
             keys = [f"{label}/{size}/{batch}/{i}".encode() for i in range(n - n % batch)]
+            values = [i.to_bytes(8, "little") + value[8:] for i in range(len(keys))]  # each key's value carries its index
+            what = f"{label} {human_bytes(size)} x {batch}"
             t0 = time.perf_counter()
             for i in range(0, len(keys), batch):
                 if batch == 1:
-                    client.put(keys[i], value)
+                    client.put(keys[i], values[i])
                 else:
-                    client.batch_put(keys[i : i + batch], [value] * batch)
+                    client.batch_put(keys[i : i + batch], values[i : i + batch])
             t_put = time.perf_counter() - t0
             t0 = time.perf_counter()
             for i in range(0, len(keys), batch):
@@ -78,16 +97,23 @@ def _pool_rows(client, label: str, total_bytes: int, zero_copy: bool) -> list[di
                 else:
                     got = client.batch_get(keys[i : i + batch])
             t_get = time.perf_counter() - t0
-            assert got is not None
+            last = len(keys) - batch
+            ok = _same(checks, f"{what}: the last get", got, values[last] if batch == 1 else values[last:])
             row = {"backend": label, "value_bytes": size, "batch": batch, "keys": len(keys),
                    "put_gbps": len(keys) * size / t_put / 1e9, "put_ops": len(keys) / t_put,
                    "get_gbps": len(keys) * size / t_get / 1e9, "get_ops": len(keys) / t_get}
             if zero_copy and batch == 1:
                 t0 = time.perf_counter()
-                for k in keys:
+                for k in keys[:-1]:
                     client.get_into(k, out)
-                t_into = time.perf_counter() - t0
+                t_last = time.perf_counter()
+                out[:] = 0xFF  # poisoned before the last call (untimed)
+                t_poison = time.perf_counter() - t_last
+                client.get_into(keys[-1], out)
+                t_into = time.perf_counter() - t0 - t_poison
+                ok &= _same(checks, f"{what}: the last get_into", out.tobytes(), values[-1])
                 row["get_into_gbps"] = len(keys) * size / t_into / 1e9
+            row["verified"] = ok
             for k in keys:
                 client.remove(k)
             rows.append(row)
@@ -97,7 +123,7 @@ def _pool_rows(client, label: str, total_bytes: int, zero_copy: bool) -> list[di
     return rows
 
 
-def _dataplane_rows(client, label: str, total_bytes: int) -> list[dict[str, Any]]:
+def _dataplane_rows(client, label: str, total_bytes: int, checks: Checks) -> list[dict[str, Any]]:
     """batch_put_from / batch_get_into on buffers registered with the client's IO engine: the
     daemon moves the values straight between its DRAM and the buffer (mori.io)."""
     rows = []
@@ -106,7 +132,7 @@ def _dataplane_rows(client, label: str, total_bytes: int) -> list[dict[str, Any]
         for batch in BATCHES:
             if batch > n:
                 continue
-            src = np.random.default_rng(3).integers(0, 256, batch * size, dtype=np.uint8)
+            src = _rng().integers(0, 256, batch * size, dtype=np.uint8)
             dst = np.zeros_like(src)
             client.register(src)
             client.register(dst)
@@ -114,27 +140,34 @@ def _dataplane_rows(client, label: str, total_bytes: int) -> list[dict[str, Any]
             keys = [f"{label}/{size}/{batch}/{i}".encode() for i in range(n - n % batch)]
             t0 = time.perf_counter()
             for i in range(0, len(keys), batch):
+                src[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)  # each batch's first value carries its number
                 client.batch_put_from(keys[i : i + batch], src, offs, sizes)
             t_put = time.perf_counter() - t0
             t0 = time.perf_counter()
+            t_poison = 0.0
             for i in range(0, len(keys), batch):
+                if i == len(keys) - batch:  # poisoned before the last call (untimed)
+                    t_last = time.perf_counter()
+                    dst[:] = 0xFF
+                    t_poison = time.perf_counter() - t_last
                 got = client.batch_get_into(keys[i : i + batch], dst, offs, sizes)
-            t_get = time.perf_counter() - t0
-            assert got == sizes and dst.tobytes() == src.tobytes()
+            t_get = time.perf_counter() - t0 - t_poison
+            what = f"{label} {human_bytes(size)} x {batch}: the last batch_get_into"
+            ok = checks.check(what, "" if got == sizes else f"lengths {got}") and _same(checks, what, dst.tobytes(), src.tobytes())
             for k in keys:
                 client.remove(k)
             client.unregister(src)
             client.unregister(dst)
             row = {"backend": label, "value_bytes": size, "batch": batch, "keys": len(keys),
                    "put_gbps": len(keys) * size / t_put / 1e9, "put_ops": len(keys) / t_put,
-                   "get_gbps": len(keys) * size / t_get / 1e9, "get_ops": len(keys) / t_get}
+                   "get_gbps": len(keys) * size / t_get / 1e9, "get_ops": len(keys) / t_get, "verified": ok}
             rows.append(row)
             print(f"  {label:<8} {human_bytes(size):>8} ×{batch:<4} put {row['put_gbps']:6.2f} GB/s {row['put_ops']:9.0f}/s | "
                   f"get {row['get_gbps']:6.2f} GB/s {row['get_ops']:9.0f}/s", flush=True)
     return rows
 
 
-def _concurrent_gets(master: str, size: int = 1 << 20, batch: int = 16, nkeys: int = 128,
+def _concurrent_gets(master: str, checks: Checks, size: int = 1 << 20, batch: int = 16, nkeys: int = 128,
                      seconds: float = 2.0) -> list[dict[str, Any]]:
     """Several clients (threads, each with its own Client and IO engine) running
     batch_get_into over the same registered-buffer values at once: how gets at a peer overlap."""
@@ -143,7 +176,7 @@ def _concurrent_gets(master: str, size: int = 1 << 20, batch: int = 16, nkeys: i
     from mori.umbp import Client
 
     writer = Client(master=master)
-    src = np.random.default_rng(5).integers(0, 256, batch * size, dtype=np.uint8)
+    src = _rng().integers(0, 256, batch * size, dtype=np.uint8)
     writer.register(src)
     offs, sizes = [j * size for j in range(batch)], [size] * batch
     keys = [f"mc/{i}".encode() for i in range(nkeys)]
@@ -156,6 +189,7 @@ def _concurrent_gets(master: str, size: int = 1 << 20, batch: int = 16, nkeys: i
         for c, b in zip(clients, bufs):
             c.register(b)
         moved = [0] * threads
+        ok = [False] * threads
         lat: list[list[float]] = [[] for _ in range(threads)]
         start = threading.Barrier(threads + 1)
         stop = [0.0]
@@ -171,7 +205,9 @@ def _concurrent_gets(master: str, size: int = 1 << 20, batch: int = 16, nkeys: i
                 assert got == sizes
                 moved[t] += batch * size
                 i = (i + batch) % nkeys
-            assert b.tobytes() == src.tobytes()
+            b[:] = 0xFF  # one more call, untimed, into a poisoned buffer: what the loop's calls returned
+            c.batch_get_into(keys[i : i + batch], b, offs, sizes)
+            ok[t] = b.tobytes() == src.tobytes()
 
         ths = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
         for th in ths:
@@ -188,7 +224,8 @@ def _concurrent_gets(master: str, size: int = 1 << 20, batch: int = 16, nkeys: i
         all_lat = [x for lt in lat for x in lt]
         row = {"threads": threads, "value_bytes": size, "batch": batch, "calls": len(all_lat),
                "get_gbps": sum(moved) / elapsed / 1e9,
-               "p50_ms": median(all_lat) * 1e3, "p99_ms": percentile(all_lat, 0.99) * 1e3}
+               "p50_ms": median(all_lat) * 1e3, "p99_ms": percentile(all_lat, 0.99) * 1e3,
+               "verified": checks.check(f"{threads} concurrent clients' gets", "" if all(ok) else "a client read other bytes")}
         rows.append(row)
         print(f"  {threads} client(s) batch_get_into {human_bytes(size)} ×{batch}: {row['get_gbps']:.2f} GB/s, "
               f"p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms", flush=True)
@@ -239,14 +276,15 @@ def _master_ops(client, master: str, keys_per_call: int = 1024, seconds: float =
     return rows
 
 
-def _exists_latency(client) -> dict[str, float]:
+def _exists_latency(client, checks: Checks, label: str) -> dict[str, float]:
     keys = [f"probe/{i}".encode() for i in range(64)]
     client.batch_put(keys[:48], [b"x" * 64] * 48)
     times = []
     for _ in range(2000):
         t0 = time.perf_counter()
-        client.batch_exists_prefix(keys)
+        found = client.batch_exists_prefix(keys)
         times.append(time.perf_counter() - t0)
+    checks.check(f"{label} batch_exists_prefix", "" if found == 48 else f"{found} of the 48 existing leading keys")
     return {"p50_us": median(times) * 1e6, "p99_us": percentile(times, 0.99) * 1e6}
 
 
@@ -386,17 +424,19 @@ def _run_io_only(out_dir: str, daemon: Daemon) -> dict[str, Any]:
     record: dict[str, Any] = {"benchmark": "umbp", "only": "io", "env": environment(),
                               "method": __doc__.strip()}
     record["daemon"], record["daemon_build"] = daemon.record(), daemon.build
+    checks = Checks()
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         try:
             master = _start_cluster(daemon, tmp, procs)
             c = Client(master=master)
             print("umbpd cluster, master + 2 peers, registered buffers (values over mori.io):")
-            record["results"] = _dataplane_rows(c, "2peers-io", 256 << 20)
+            record["results"] = _dataplane_rows(c, "2peers-io", 256 << 20, checks)
             print("  multi-client gets:")
-            record["io_concurrent_gets"] = _concurrent_gets(master)
+            record["io_concurrent_gets"] = _concurrent_gets(master, checks)
         finally:
             _stop(procs)
+    require_verified("umbp", [checks.failed])
     path = write_record("umbp", record, out_dir)
     print(f"wrote {path}")
     return record
@@ -411,20 +451,21 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         return _run_io_only(out_dir, daemon)
     record: dict[str, Any] = {"benchmark": "umbp", "env": environment(), "method": __doc__.strip(),
                               "extension_build": _core.build_profile()}
+    checks = Checks()
     with tempfile.TemporaryDirectory() as tmp:
-        record["memcpy_gbps"] = _memcpy_gbps()
+        record["memcpy_gbps"] = _memcpy_gbps(checks)
         print(f"host memcpy (numpy, 256 MiB): {record['memcpy_gbps']:.2f} GB/s")
         print("embedded pool (DRAM tier):")
         with Client(dram_bytes=2 << 30) as c:
-            rows = _pool_rows(c, "embedded", 256 << 20, zero_copy=True)
-            record["exists_prefix_64"] = _exists_latency(c)
+            rows = _pool_rows(c, "embedded", 256 << 20, zero_copy=True, checks=checks)
+            record["exists_prefix_64"] = _exists_latency(c, checks, "embedded")
         print(f"batch_exists_prefix(64 keys): p50 {record['exists_prefix_64']['p50_us']:.1f} µs, "
               f"p99 {record['exists_prefix_64']['p99_us']:.1f} µs")
         record["daemon"], record["daemon_build"] = daemon.record(), daemon.build
         print("umbpd standalone over loopback gRPC:")
         proc, addr = _umbpd(daemon, tmp, "standalone", "--dram-bytes", "2G")
         try:
-            rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, zero_copy=False)
+            rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, zero_copy=False, checks=checks)
         finally:
             _stop([proc])
         print("umbpd cluster, master + 2 peers over loopback gRPC (data as gRPC bytes):")
@@ -432,14 +473,14 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         try:
             master = _start_cluster(daemon, tmp, procs)
             c = Client(master=master)
-            rows += _pool_rows(c, "2peers", 64 << 20, zero_copy=False)
+            rows += _pool_rows(c, "2peers", 64 << 20, zero_copy=False, checks=checks)
             print("  registered buffers (values over mori.io, control over gRPC):")
-            rows += _dataplane_rows(c, "2peers-io", 256 << 20)
+            rows += _dataplane_rows(c, "2peers-io", 256 << 20, checks)
             print("  multi-client gets (registered buffers):")
-            record["io_concurrent_gets"] = _concurrent_gets(master)
+            record["io_concurrent_gets"] = _concurrent_gets(master, checks)
             print("  master metadata throughput:")
             record["master_ops"] = _master_ops(c, master)
-            record["cluster_exists_prefix_64"] = _exists_latency(c)
+            record["cluster_exists_prefix_64"] = _exists_latency(c, checks, "cluster")
             print(f"  batch_exists_prefix(64 keys) via the master: "
                   f"p50 {record['cluster_exists_prefix_64']['p50_us']:.1f} µs, "
                   f"p99 {record['cluster_exists_prefix_64']['p99_us']:.1f} µs")
@@ -453,6 +494,7 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         t = record["trace"]
         print(f"  DRAM hits {t['dram_hit_rate']:.1%}, SSD hits {t['ssd_hit_rate']:.1%}, misses {t['misses']}, "
               f"demotions {t['demotions']}, promotions {t['promotions']}")
+    require_verified("umbp", [checks.failed])
     path = write_record("umbp", record, out_dir)
     print(f"wrote {path}")
     return record
