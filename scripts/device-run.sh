@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 SITE=/tmp/mori-site
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --upgrade .device/wheels/mori-*.whl \
   || { echo "wheel install failed (run scripts/build-wheel.sh here and carry .device)"; exit 1; }
-# Baselines measured in the same run (e.g. DeepEP's wheel from ../shared/baselines/deepep/),
+# Baselines measured in the same run (e.g. DeepEP's wheel built for the GPU machine),
 # carried as .device/baselines/*.whl, are installed beside mori.
 for wheel in .device/baselines/*.whl; do
   [ -e "$wheel" ] || continue

@@ -22,7 +22,7 @@ use crate::access::{receive_into, send_from};
 use crate::error::{Code, Error, Result};
 use crate::registry::UseGuard;
 use crate::server::PURPOSE;
-use crate::stream::{Stream, my_uid};
+use crate::stream::{SharedStream, Stream, my_uid};
 use crate::transfer::{Route, Transfer};
 use crate::wire::{self, Hello, Item, Kind, RequestHeader};
 
@@ -144,7 +144,7 @@ pub struct Connection {
     /// go over the socket).
     direct_ok: Arc<AtomicBool>,
     local: bool,
-    stream: Stream,
+    stream: Arc<Stream>,
 }
 
 /// Opens the stream to `target` and, on a same-host socket, checks that the listening process
@@ -190,15 +190,16 @@ impl Connection {
         let ctx = |e| Error::io(format!("setting up the connection to {peer}"), e);
         stream.configure().map_err(ctx)?;
         stream.set_read_timeout(Some(timeout)).map_err(ctx)?;
-        let mut raw = stream.try_clone().map_err(ctx)?;
-        mori_auth::connect(&mut raw, secret, PURPOSE).map_err(|e| match e {
+        mori_auth::connect(&mut &stream, secret, PURPOSE).map_err(|e| match e {
             mori_auth::Error::Rejected(m) => {
                 Error::Auth(format!("engine {peer:?} at {target}: {m}"))
             }
             other => Error::from(other),
         })?;
-        let mut writer = BufWriter::with_capacity(IO_BUFFER, stream.try_clone().map_err(ctx)?);
-        let mut reader = BufReader::with_capacity(IO_BUFFER, raw);
+        // One descriptor per connection, shared by its reader, writer and owner.
+        let stream = Arc::new(stream);
+        let mut writer = BufWriter::with_capacity(IO_BUFFER, SharedStream(stream.clone()));
+        let mut reader = BufReader::with_capacity(IO_BUFFER, SharedStream(stream.clone()));
         wire::write_hello(&mut writer, me)?;
         let they = wire::read_hello(&mut reader)?;
         if they.name != expect.name {
@@ -226,14 +227,14 @@ impl Connection {
             alive: alive.clone(),
             direct_ok: direct_ok.clone(),
             local,
-            stream: stream.try_clone().map_err(ctx)?,
+            stream: stream.clone(),
         });
         {
             let (pending, alive, peer, stream) = (
                 pending.clone(),
                 alive.clone(),
                 peer.to_string(),
-                stream.try_clone().map_err(ctx)?,
+                stream.clone(),
             );
             std::thread::Builder::new()
                 .name(format!("mori-io-send-{peer}"))
@@ -421,12 +422,12 @@ fn fail_all(pending: &Mutex<HashMap<u64, Pending>>, e: &Error) {
 
 /// A connection's sender thread.
 struct Sender {
-    writer: BufWriter<Stream>,
+    writer: BufWriter<SharedStream>,
     pending: Arc<Mutex<HashMap<u64, Pending>>>,
     alive: Arc<AtomicBool>,
     peer: String,
     timeout: Duration,
-    stream: Stream,
+    stream: Arc<Stream>,
     next_id: u64,
 }
 
@@ -525,7 +526,7 @@ impl Sender {
 }
 
 fn send_one(
-    writer: &mut BufWriter<Stream>,
+    writer: &mut BufWriter<SharedStream>,
     pending: &Mutex<HashMap<u64, Pending>>,
     id: u64,
     job: Job,
@@ -642,7 +643,7 @@ struct Retry {
 }
 
 fn receive_loop(
-    reader: &mut BufReader<Stream>,
+    reader: &mut BufReader<SharedStream>,
     pending: &Mutex<HashMap<u64, Pending>>,
     peer: &str,
     retry: &Retry,

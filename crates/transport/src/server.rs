@@ -25,7 +25,7 @@ use crate::direct::{self, Direction};
 use crate::error::{Code, Error, Result};
 use crate::notify::Notifications;
 use crate::registry::{Location, Registry, UseGuard};
-use crate::stream::{PeerProcess, Stream, my_uid};
+use crate::stream::{PeerProcess, SharedStream, Stream, my_uid};
 use crate::wire::{self, Hello, Kind, RequestHeader, ResponseHeader};
 
 const IO_BUFFER: usize = 256 << 10;
@@ -52,7 +52,7 @@ pub struct ServerConfig {
 
 /// A connection the server is serving.
 struct Live {
-    stream: Stream,
+    stream: Arc<Stream>,
     /// The peer engine's name once authenticated.
     peer: Option<String>,
     /// The region a request on this connection is using now (0: none).
@@ -193,7 +193,7 @@ impl Shared {
     }
 
     /// Admits a new connection if the caps allow; returns its id.
-    fn admit(&self, stream: &Stream) -> Option<(u64, Arc<AtomicU64>)> {
+    fn admit(&self, stream: &Arc<Stream>) -> Option<(u64, Arc<AtomicU64>)> {
         let mut conns = self.conns.lock().ok()?;
         let handshaking = conns.values().filter(|l| l.peer.is_none()).count();
         if conns.len() >= self.cfg.max_connections || handshaking >= self.cfg.max_handshakes {
@@ -211,7 +211,7 @@ impl Shared {
         conns.insert(
             id,
             Live {
-                stream: stream.try_clone().ok()?,
+                stream: stream.clone(),
                 peer: None,
                 busy: busy.clone(),
             },
@@ -252,7 +252,7 @@ fn poisoned() -> Error {
 fn accept_loop(sh: &Arc<Shared>, accept: impl Fn() -> std::io::Result<(Stream, String)>) {
     while !sh.stop.load(Ordering::SeqCst) {
         let (stream, from) = match accept() {
-            Ok(x) => x,
+            Ok((s, from)) => (Arc::new(s), from),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(POLL);
                 continue;
@@ -300,24 +300,23 @@ fn local_peer(stream: &Stream) -> Result<Option<PeerProcess>> {
     }
 }
 
-/// One connection: handshake, hello, then its requests until it closes.
-fn serve(sh: &Shared, id: u64, stream: Stream, busy: &AtomicU64) -> Result<()> {
+/// One connection: handshake, hello, then its requests until it closes. The connection
+/// holds one descriptor, shared by its reader, writer and the server's table.
+fn serve(sh: &Shared, id: u64, stream: Arc<Stream>, busy: &AtomicU64) -> Result<()> {
     let ctx = |e| Error::io("configuring a connection", e);
     stream.configure().map_err(ctx)?;
     let local = local_peer(&stream)?;
     let limit = Some(sh.cfg.handshake_timeout);
     stream.set_read_timeout(limit).map_err(ctx)?;
     stream.set_write_timeout(limit).map_err(ctx)?;
-    let mut raw = stream.try_clone().map_err(ctx)?;
-    mori_auth::accept(&mut raw, &sh.cfg.secret, PURPOSE)?;
-    let mut reader = BufReader::with_capacity(IO_BUFFER, raw);
-    let mut writer = BufWriter::with_capacity(IO_BUFFER, stream);
+    mori_auth::accept(&mut &*stream, &sh.cfg.secret, PURPOSE)?;
+    let mut reader = BufReader::with_capacity(IO_BUFFER, SharedStream(stream.clone()));
+    let mut writer = BufWriter::with_capacity(IO_BUFFER, SharedStream(stream.clone()));
     let peer = wire::read_hello(&mut reader)?;
     wire::write_hello(&mut writer, &sh.cfg.me)?;
     sh.authenticated(id, &peer.name)?;
-    let ctx = |e| Error::io("configuring a connection", e);
-    reader.get_ref().set_read_timeout(None).map_err(ctx)?;
-    reader.get_ref().set_write_timeout(None).map_err(ctx)?;
+    stream.set_read_timeout(None).map_err(ctx)?;
+    stream.set_write_timeout(None).map_err(ctx)?;
     let mut conn = Served {
         sh,
         peer: peer.name,
@@ -341,8 +340,8 @@ struct Served<'a> {
     peer: String,
     /// The peer process, on the same-host socket.
     local: Option<PeerProcess>,
-    reader: BufReader<Stream>,
-    writer: BufWriter<Stream>,
+    reader: BufReader<SharedStream>,
+    writer: BufWriter<SharedStream>,
     busy: &'a AtomicU64,
 }
 

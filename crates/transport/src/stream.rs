@@ -67,33 +67,71 @@ impl Stream {
     }
 }
 
-impl Read for Stream {
+impl Read for &Stream {
     fn read(&mut self, b: &mut [u8]) -> std::io::Result<usize> {
         match self {
-            Stream::Tcp(s) => s.read(b),
-            Stream::Unix(s) => s.read(b),
+            Stream::Tcp(s) => (&*s).read(b),
+            Stream::Unix(s) => (&*s).read(b),
         }
+    }
+}
+
+impl Write for &Stream {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => (&*s).write(b),
+            Stream::Unix(s) => (&*s).write(b),
+        }
+    }
+    fn write_vectored(&mut self, b: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => (&*s).write_vectored(b),
+            Stream::Unix(s) => (&*s).write_vectored(b),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(()) // sockets have no user-space buffer
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, b: &mut [u8]) -> std::io::Result<usize> {
+        (&*self).read(b)
     }
 }
 
 impl Write for Stream {
     fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write(b),
-            Stream::Unix(s) => s.write(b),
-        }
+        (&*self).write(b)
     }
     fn write_vectored(&mut self, b: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write_vectored(b),
-            Stream::Unix(s) => s.write_vectored(b),
-        }
+        (&*self).write_vectored(b)
     }
     fn flush(&mut self) -> std::io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.flush(),
-            Stream::Unix(s) => s.flush(),
-        }
+        Ok(())
+    }
+}
+
+/// One socket shared by a connection's reader, writer and bookkeeping: a single descriptor
+/// per connection, however many parts hold it.
+#[derive(Clone)]
+pub struct SharedStream(pub std::sync::Arc<Stream>);
+
+impl Read for SharedStream {
+    fn read(&mut self, b: &mut [u8]) -> std::io::Result<usize> {
+        (&*self.0).read(b)
+    }
+}
+
+impl Write for SharedStream {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        (&*self.0).write(b)
+    }
+    fn write_vectored(&mut self, b: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        (&*self.0).write_vectored(b)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
