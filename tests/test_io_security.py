@@ -300,3 +300,50 @@ def test_connection_churn_past_a_low_fd_limit_leaves_the_engine_serving():
         assert t.ask("connections") <= 2, "closed connections must be forgotten"
     finally:
         t.stop()
+
+
+def test_engines_without_same_host_direct_open_no_local_socket():
+    eng = IOEngine("tcp-only", secret=SECRET, same_host_direct=False)
+    assert raw.parse_engine(eng.desc).local == ""
+    eng.close()
+
+
+_OTHER_USER = """
+import socket, sys
+sys.path.insert(0, sys.argv[1])
+from tests import _io_attacker as raw
+local, host, port = sys.argv[2], sys.argv[3], int(sys.argv[4])
+try:
+    socket.socket(socket.AF_UNIX).connect(local)
+    print("local: connected")
+except OSError as e:
+    print("local: refused", type(e).__name__)
+c = raw.RawClient((host, port))
+ok = c.authenticate(b"guessed-secret-of-enough-bytes")
+print("tcp: authenticated" if ok else "tcp: refused")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user (nobody)")
+def test_another_user_reaches_neither_socket(target):
+    import subprocess
+    import sys
+
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The test's own interpreter may live where nobody cannot enter (a venv under /root); the
+    # attacker needs only the standard library.
+    python = shutil.which("python3", path="/usr/bin:/usr/local/bin") or sys.executable
+    try:
+        out = subprocess.run(
+            [python, "-c", _OTHER_USER, root, target.info.local, *map(str, target.info.addr)],
+            user=65534, group=65534, capture_output=True, text=True, timeout=30,
+        )
+    except PermissionError as e:
+        pytest.skip(f"no interpreter that user nobody may run: {e}")
+    if not out.stdout:
+        pytest.skip(f"user nobody cannot run the attacker here: {out.stderr.strip()[-300:]}")
+    assert "local: refused PermissionError" in out.stdout, out.stdout + out.stderr
+    assert "tcp: refused" in out.stdout, out.stdout + out.stderr
+    assert target.ask("dump", "private") == target.private_bytes
