@@ -135,12 +135,14 @@ def test_gpu_suites_refuse_a_world_they_cannot_run(monkeypatch, value):
 
 @pytest.mark.parametrize(
     "visible,no_p2p,reason",
-    [(2, None, "needs 4 GPUs \\(MORI_TEST_WORLD=4\\); 2 visible"), (8, (2, 3), "GPU2 and GPU3 have no P2P path"), (4, None, None)],
+    [(0, None, "needs a GPU \\(MORI_TEST_WORLD=4 ranks share the visible ones\\); none visible"),
+     (8, (2, 3), "GPU2 and GPU3 have no P2P path"), (4, None, None), (2, None, None), (1, None, None),
+     (2, (0, 1), "GPU0 and GPU1 have no P2P path")],
 )
-def test_gpu_suites_skip_without_enough_connected_gpus(monkeypatch, visible, no_p2p, reason):
+def test_gpu_suites_share_gpus_and_skip_without_connected_ones(monkeypatch, visible, no_p2p, reason):
     from mori import gpu
 
-    monkeypatch.setattr(gpu, "is_available", lambda: True)
+    monkeypatch.setattr(gpu, "is_available", lambda: visible > 0)
     monkeypatch.setattr(gpu, "device_count", lambda: visible)
     monkeypatch.setattr(gpu, "can_access_peer", lambda a, b: (a, b) != no_p2p)
     if reason is None:

@@ -22,10 +22,10 @@ from __future__ import annotations
 import pytest
 
 import mori
-from tests._ranks import assert_ok, by_case, run_ranks, skip_unless_gpus, world_under_test
+from tests._ranks import assert_ok, by_case, device_of, run_ranks, skip_unless_gpus, world_under_test
 
 WORLD = world_under_test()
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.torch]
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
 SIZES = [0, 1, 7, 8, 1000, 4099, 65536 + 3, (1 << 20) + 5]
 TOL = {"float32": (1e-5, 1e-5), "float16": (1e-3, 1e-3), "bfloat16": (8e-3, 8e-3)}
@@ -63,10 +63,10 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     from tests._ccl_runner import CaseRunner, log
 
     started = time.monotonic()  # the time budget includes start-up and compiling the kernels
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(device_of(rank))
     bs = Bootstrap(uid, rank, WORLD, timeout=120)
     seed = int.from_bytes(bs.broadcast(os.urandom(8) if rank == 0 else b"", 0), "little")
-    shmem.init(bootstrap=bs, device=rank, heap_size=2 << 30)
+    shmem.init(bootstrap=bs, device=device_of(rank), heap_size=2 << 30)
     configs = {
         "comm": ccl.CclConfig(timeout_s=KERNEL_TIMEOUT_S),
         # a small buffer and grid: forces many pieces

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 import mori
-from tests._ranks import assert_ok, by_case, run_ranks, skip_unless_gpus, world_under_test
+from tests._ranks import assert_ok, by_case, device_of, run_ranks, skip_unless_gpus, world_under_test
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
@@ -38,12 +38,12 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
     from tests import _ep_reference as util
 
     experts = util.experts_for(world)
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(device_of(rank))
     results: dict[str, str] = {}
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     bs = Bootstrap(uid, rank, world, timeout=120)
-    shmem.init(bootstrap=bs, device=rank, heap_size=2 << 30)
+    shmem.init(bootstrap=bs, device=device_of(rank), heap_size=2 << 30)
     gather = util.bootstrap_gather(bs)
     buf = Buffer(
         EpConfig(num_experts=experts, hidden=HIDDEN, max_tokens_per_rank=MAX_TOKENS, topk=TOPK, num_sms=24, low_latency_max_tokens=LL_MAX)
@@ -221,7 +221,6 @@ def suite_one_rank():
     return by_case(run_ranks(_suite, 1, mori.get_unique_id(), 1, timeout=150), 1, CASES)
 
 
-@pytest.mark.multigpu
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES)
 def test_ep(suite, case):

@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 
 from tests._ep_reference import experts_for
-from tests._ranks import assert_ok, by_case, run_ranks, skip_unless_gpus, world_under_test
+from tests._ranks import assert_ok, by_case, device_of, run_ranks, skip_unless_gpus, world_under_test
 
 WORLD = world_under_test()
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.torch]
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
 HIDDEN, EXPERTS, TOPK, LL_MAX = 2048, experts_for(WORLD), 8, 128
 RANKS_TIMEOUT_S = 240.0 + 30.0 * (WORLD - 2)  # more ranks: more rows to gather and check per case
@@ -35,7 +35,7 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
     from mori.ep.deepep import Buffer, EventOverlap
     from tests import _ep_reference as util
 
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(device_of(rank))
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     group = dist.group.WORLD
     results: dict[str, str] = {}

@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 
 import mori
-from tests._ranks import run_ranks
+from tests._ranks import device_of, run_ranks
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.torch]
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs Triton (pip install triton)", allow_module_level=True)
 
@@ -129,7 +129,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     from mori.ir import triton as mt
 
     k = _load(ROOT / "tests" / "_ir_kernels.py", "mori_ir_test_kernels")
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(device_of(rank))
     me, peer = rank, 1 - rank
     results: dict[str, str] = {}
     state = {"stopped": None}
@@ -137,7 +137,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     bs = Bootstrap(uid, rank, 2, timeout=120)
-    shmem.init(bootstrap=bs, device=rank, heap_size=1 << 30)
+    shmem.init(bootstrap=bs, device=device_of(rank), heap_size=1 << 30)
     ctx = mt.handle()
     stream = torch.cuda.current_stream()
 

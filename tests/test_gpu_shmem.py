@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 import mori
-from tests._ranks import assert_ok, by_case, run_ranks, skip_unless_gpus, world_under_test
+from tests._ranks import assert_ok, by_case, device_of, run_ranks, skip_unless_gpus, world_under_test
 
 WORLD = world_under_test()
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.torch]
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
 KERNELS = Path(__file__).parent / "kernels" / "shmem_ops.cu"
 TYPES = ["u8", "i32", "u32", "i64", "u64", "f32", "f64"]
@@ -40,7 +40,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     import mori.shmem as shmem
     from mori import Bootstrap, errors
 
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(device_of(rank))
     me, nxt, prev = rank, (rank + 1) % WORLD, (rank - 1) % WORLD
     results: dict[str, str] = {}
     gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little") + rank)
@@ -62,7 +62,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         return torch.randint(0, hi, (n,), dtype=dtype, device="cuda", generator=gen)
 
     bs = Bootstrap(uid, rank, WORLD, timeout=120)
-    shmem.init(bootstrap=bs, device=rank, heap_size=1 << 30)
+    shmem.init(bootstrap=bs, device=device_of(rank), heap_size=1 << 30)
     mod = shmem.compile(KERNELS.read_text(), "shmem_ops.cu")
     stream = torch.cuda.current_stream()
 
@@ -340,7 +340,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         nonlocal mod
         shmem.finalize()
         assert not shmem.is_initialized()
-        shmem.init(bootstrap=bs, device=rank, heap_size=256 << 20)
+        shmem.init(bootstrap=bs, device=device_of(rank), heap_size=256 << 20)
         mod = shmem.compile(KERNELS.read_text(), "shmem_ops.cu")  # loads it with the new state
         dest = shmem.tensor((64,), torch.int64, zero=True)
         src = shmem.tensor((64,), torch.int64)
