@@ -275,13 +275,14 @@ def ll_expert(recv_x: Any, recv_x_scales: Any, rank: int) -> Any:
 
 def expected_ll_combine(x: Any, idx: Any, weights: Any, fp8: bool) -> Any:
     """float32 [T, hidden]: sum_k w_k (1 + idx_k) y over valid k (the experts of :func:`ll_expert`),
-    y = x (BF16) or bf16(dequantised reference FP8 of x)."""
+    y = x (BF16) or the dequantised reference FP8 of x in float32 — what the expert multiplies,
+    so the only roundings left are the expert's bf16 output and combine's (within the tolerance)."""
     import torch
 
     y = x
     if fp8 and x.shape[0]:
         q, s = quantize_ref(x.cpu())  # on the CPU, as check_ll_dispatch's reference of the kernel's quantisation
-        y = dequantize(q, s).to(torch.bfloat16).to(x.device)
+        y = dequantize(q, s).to(x.device)
     w = torch.where(idx >= 0, weights * (1 + idx).float(), torch.zeros_like(weights))
     return w.sum(dim=1, keepdim=True) * y.float()
 
