@@ -1,10 +1,12 @@
 """The multi-rank benchmarks' plumbing without a GPU (mori.bench._common): one spawned process per
 rank with results in rank order, a failing, dying or hanging rank reported by number with no
-process left behind; the world size a benchmark picks; the per-call merge. Also the GPU suites'
+process left behind; the world size a benchmark picks (ranks sharing GPUs round-robin under an
+explicit --world above them); the per-call merge. Also the GPU suites'
 world (MORI_TEST_WORLD) and when they skip (tests/_ranks.py)."""
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import socket
@@ -83,12 +85,45 @@ def test_world_defaults_to_every_visible_gpu_up_to_eight(requested, visible, wor
 
 @pytest.mark.parametrize(
     "requested,visible,message",
-    [(None, 0, "needs 2 GPUs, 0 visible"), (None, 1, "needs 2 GPUs, 1 visible"), (4, 2, "needs 4 GPUs, 2 visible"),
-     (1, 8, "--world must be 2..8, got 1"), (9, 16, "--world must be 2..8, got 9")],
+    [(None, 0, "needs 2 GPUs, 0 visible"), (None, 1, "needs 2 GPUs, 1 visible"),
+     (4, 0, r"needs a GPU \(--world 4 ranks share the visible ones\), 0 visible"),
+     (1, 8, "--world must be 2..8, got 1"), (9, 16, "--world must be 2..8, got 9"), (9, 1, "--world must be 2..8, got 9")],
 )
 def test_world_that_cannot_run_says_why(requested, visible, message):
     with pytest.raises(ValueError, match=message):
         common.choose_world(requested, visible)
+
+
+@pytest.mark.parametrize("requested,visible", [(2, 1), (4, 1), (8, 1), (4, 2), (8, 4), (3, 2), (8, 7)])
+def test_an_explicit_world_above_the_visible_gpus_shares_them(requested, visible):
+    assert common.choose_world(requested, visible) == requested
+    assert common.gpus_shared(requested, visible)
+
+
+@pytest.mark.parametrize("world,visible", [(2, 2), (4, 8), (8, 8)])
+def test_a_world_within_the_visible_gpus_shares_none(world, visible):
+    assert not common.gpus_shared(world, visible)
+    assert [common.device_of(r, visible) for r in range(world)] == list(range(world))
+
+
+@pytest.mark.parametrize("world,visible,devices", [(4, 1, [0, 0, 0, 0]), (4, 2, [0, 1, 0, 1]), (8, 3, [0, 1, 2, 0, 1, 2, 0, 1])])
+def test_ranks_share_gpus_round_robin(world, visible, devices):
+    assert [common.device_of(r, visible) for r in range(world)] == devices
+
+
+def test_the_gpus_a_bench_needs_before_it_starts():
+    assert common.min_gpus(argparse.Namespace(world=None)) == 2  # every visible GPU, at least two
+    assert common.min_gpus(argparse.Namespace(world=4)) == 1  # ranks may share one
+
+
+def test_shared_gpus_are_said_once_and_recorded(monkeypatch, capsys):
+    monkeypatch.setattr(common, "_visible", lambda: 1)
+    assert common.sharing(4) == {"gpus_shared": True, "gpus": 1}
+    out = capsys.readouterr().out
+    assert out == "warning: 4 ranks share 1 GPU(s): times are not comparable figures; the record says so\n"
+    monkeypatch.setattr(common, "_visible", lambda: 4)
+    assert common.sharing(4) == {}
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("bench", ["ccl", "ep", "shmem", "ir"])

@@ -13,7 +13,9 @@ tool wrote under benches/results/, or is listed in benches/figures.toml with the
 * a figure's *sources* are the records (``results/<name>.json``) its paragraph or table row
   names, else those its section or the sections above it name, else every record of the
   benchmark the document is about (docs/<benchmark>.md, NOTES.md's ## section); the README's
-  may come from any record; a record's settings, targets and copied constants are not sources;
+  may come from any record; a record's settings, targets and copied constants are not sources,
+  nor is a record of ranks sharing GPUs (``config.gpus_shared``: correctness evidence, its times
+  are not comparable);
 * rounding: a figure written with d decimals matches a record value v when
   |v × scale − figure| ≤ 0.5 × 10^-d for one of the unit scales 1, 10^±3, 10^±6, 100.
 """
@@ -217,7 +219,8 @@ def records() -> tuple[dict[str, list[float]], set[str]]:
     for path in sorted(RESULTS.glob("*.json")):
         record = json.loads(path.read_text())
         if _is_tool_record(record):
-            tool[path.name] = sorted(_leaves(record))
+            shared = isinstance(record.get("config"), dict) and record["config"].get("gpus_shared")
+            tool[path.name] = [] if shared else sorted(_leaves(record))
         else:
             hand.add(path.name)
     return tool, hand

@@ -71,9 +71,9 @@ def missing(needs: Sequence[tuple[str, str, str]] = (), gpus: int = 0, peer_acce
         except ImportError as e:
             return f"needs {what} ({install}); importing {module} failed: {e}"
     if gpus:
-        visible = gpu.device_count() if gpu.is_available() else 0
+        visible = _visible()
         if visible < gpus:
-            return f"needs {gpus} GPUs, {visible} visible"
+            return f"needs {gpus} GPU{'s' if gpus > 1 else ''}, {visible} visible"
         if peer_access and not gpu.can_access_peer(0, 1):
             return "needs peer access between GPU0 and GPU1 (NVLink or PCIe P2P); this pair has none"
     return None
@@ -335,26 +335,86 @@ class RankError(MoriError):
 
 
 def choose_world(requested: int | None, visible: int, minimum: int = 2) -> int:
-    """The ranks (one GPU each) a benchmark runs on: ``requested`` (``--world``), else every
-    visible GPU up to MAX_WORLD. Raises ValueError saying what is missing."""
+    """The ranks a benchmark runs on: ``requested`` (``--world``), else every visible GPU up to
+    MAX_WORLD (one GPU each). An explicit ``--world`` above the visible GPUs shares them
+    round-robin (:func:`device_of`; mori runs several PEs on one GPU, their kernels time-slice):
+    the run verifies, its times are no figures. Raises ValueError saying what is missing."""
     if requested is not None and not minimum <= requested <= MAX_WORLD:
         raise ValueError(f"--world must be {minimum}..{MAX_WORLD}, got {requested}")
-    world = min(visible, MAX_WORLD) if requested is None else requested
-    if world < minimum or world > visible:
-        raise ValueError(f"needs {max(world, minimum)} GPUs, {visible} visible")
-    return world
+    if requested is None:
+        world = min(visible, MAX_WORLD)
+        if world < minimum:
+            raise ValueError(f"needs {minimum} GPUs, {visible} visible")
+        return world
+    if visible < 1:
+        raise ValueError(f"needs a GPU (--world {requested} ranks share the visible ones), 0 visible")
+    return requested
+
+
+def min_gpus(args: Any) -> int:
+    """The GPUs a multi-rank benchmark needs before it starts (for :func:`preflight`): 1 with
+    ``--world`` (ranks may share it), else 2."""
+    return 1 if args.world is not None else 2
+
+
+def _visible() -> int:
+    return gpu.device_count() if gpu.is_available() else 0
+
+
+def device_of(rank: int, visible: int | None = None) -> int:
+    """The GPU of ``rank``: round-robin over the ``visible`` GPUs (default: those visible here),
+    so ranks share GPUs when there are fewer GPUs than ranks."""
+    return rank % (_visible() if visible is None else visible)
+
+
+def gpus_shared(world: int, visible: int | None = None) -> bool:
+    """Whether ``world`` ranks share GPUs: fewer ``visible`` GPUs (default: those visible here)
+    than ranks."""
+    return world > (_visible() if visible is None else visible)
+
+
+# Why NCCL, torch symmetric memory and DeepEP baselines are null (not attempted) when ranks share GPUs.
+SHARED_GPUS_NO_BASELINE = "NCCL refuses two ranks on one GPU (ranks share GPUs; torch symmetric memory and DeepEP need one GPU per rank too)"
+
+
+def sharing(world: int) -> dict[str, Any]:
+    """For a result record's config: ``{"gpus_shared": True, "gpus": M}`` when the ``world`` ranks
+    share M GPUs (after one warning line), else {}."""
+    visible = _visible()
+    if not gpus_shared(world, visible):
+        return {}
+    print(f"warning: {world} ranks share {visible} GPU(s): times are not comparable figures; the record says so", flush=True)
+    return {"gpus_shared": True, "gpus": visible}
+
+
+def init_process_group(torch, rank: int, world: int, port: int) -> str:
+    """torch.distributed's default group of a benchmark's ranks, rendezvous on 127.0.0.1:``port``:
+    NCCL, bound to the rank's GPU, when every rank has its own GPU; gloo otherwise (NCCL refuses
+    two ranks on one GPU; gloo collectives take CPU tensors, and the NCCL baselines are then not
+    run: :data:`SHARED_GPUS_NO_BASELINE`). Returns the backend."""
+    import torch.distributed as dist
+
+    init = f"tcp://127.0.0.1:{port}"
+    if gpus_shared(world):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host; no hostname lookup
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        return "gloo"
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=torch.device("cuda", device_of(rank)))
+    return "nccl"
 
 
 def add_world_argument(p: Any) -> None:
     p.add_argument("--world", type=int_in(2, MAX_WORLD), default=None, metavar="N",
-                   help=f"ranks, one GPU each, 2..{MAX_WORLD} (default: every visible GPU, at most {MAX_WORLD})")
+                   help=f"ranks, 2..{MAX_WORLD} (default: every visible GPU, at most {MAX_WORLD}, one each); more ranks than "
+                   "GPUs share them round-robin, for correctness: mori is still verified, the times are no figures, and the "
+                   "NCCL, torch symmetric memory and DeepEP baselines are null")
 
 
 def world_from_args(args: Any, bench: str) -> int | None:
     """``choose_world`` for ``args.world`` and the GPUs visible here; None (after saying why,
     on stderr) when the benchmark cannot run."""
     try:
-        return choose_world(args.world, gpu.device_count() if gpu.is_available() else 0)
+        return choose_world(args.world, _visible())
     except ValueError as e:
         say_error(bench, str(e))
         return None

@@ -24,6 +24,10 @@ sum of |inputs| on more. NCCL's all-reduce and torch's two-shot work in place, s
 replays compound: each is checked by one more call on the input. A failed check ends the run
 with exit status 1 and no record; a baseline that could not run is null with its reason in
 `baseline_errors` (and a warning line).
+
+More ranks than GPUs (`--world` above the visible GPUs) share them round-robin: mori's ops are
+timed and verified as above, NCCL and torch symmetric memory are not run (null, one GPU per rank
+needed), and `config.gpus_shared` marks the times as no comparable figures.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ from typing import Any
 
 from mori._cliargs import grids as grids_type
 from mori._cliargs import positive_int, size
-from mori.bench._common import (TORCH, Checks, add_out_argument, add_world_argument, baseline_errors, eager_time, environment,
-                                free_port, graph_time, human_bytes, poison_, preflight, rank_input, require_verified, run_ranks,
-                                say_error, shared_seed, slowest, sum_reference, world_from_args, write_record)
+from mori.bench._common import (SHARED_GPUS_NO_BASELINE, TORCH, Checks, add_out_argument, add_world_argument, baseline_errors,
+                                device_of, eager_time, environment, free_port, graph_time, human_bytes, init_process_group, min_gpus,
+                                poison_, preflight, rank_input, require_verified, run_ranks, say_error, shared_seed, sharing, slowest,
+                                sum_reference, world_from_args, write_record)
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -57,11 +62,11 @@ def _rank(rank: int, world: int, uid: bytes, port: int, trials: int, sizes: list
     import mori.shmem as shmem
     from mori import Bootstrap, ccl
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    dev = device_of(rank)
+    torch.cuda.set_device(dev)
+    shared = init_process_group(torch, rank, world, port) != "nccl"  # ranks share GPUs: no NCCL, no symmetric memory
     bs = Bootstrap(uid, rank, world, timeout=300)
-    shmem.init(bootstrap=bs, device=rank, heap_size=2 << 30)
+    shmem.init(bootstrap=bs, device=dev, heap_size=2 << 30)
     comm = ccl.Communicator()
     stream = torch.cuda.Stream()
     dt = torch.bfloat16
@@ -75,34 +80,41 @@ def _rank(rank: int, world: int, uid: bytes, port: int, trials: int, sizes: list
     rows: list[dict[str, Any]] = []
 
     symm = None
-    try:  # torch symmetric memory: one buffer of the largest size, rendezvoused once
-        import torch.distributed._symmetric_memory as symm_mem
+    symm_missing = SHARED_GPUS_NO_BASELINE if shared else None
+    if not shared:
+        try:  # torch symmetric memory: one buffer of the largest size, rendezvoused once
+            import torch.distributed._symmetric_memory as symm_mem
 
-        group_name = dist.group.WORLD.group_name
-        symm_buf = symm_mem.empty(big, dtype=dt, device=f"cuda:{rank}")
-        symm_mem.rendezvous(symm_buf, group_name)
-        symm = (symm_buf, group_name)
-    except Exception as e:  # an older torch, or no symmetric memory on this build
+            group_name = dist.group.WORLD.group_name
+            symm_buf = symm_mem.empty(big, dtype=dt, device=f"cuda:{dev}")
+            symm_mem.rendezvous(symm_buf, group_name)
+            symm = (symm_buf, group_name)
+        except Exception as e:  # an older torch, or no symmetric memory on this build
+            symm_missing = f"{type(e).__name__}: {e}"
+    if symm_missing is not None:
         for algo in ("one_shot", "two_shot"):
-            missing[f"all_reduce_symm_{algo}"] = f"{type(e).__name__}: {e}"
+            missing[f"all_reduce_symm_{algo}"] = symm_missing
 
     def measure(row, key, body, nbytes, got=None, want=None, tol=None, baseline=False, eager=False, where=""):
         """Times ``body`` into row[key] (graph replays) and, with ``eager``, row[key + "_eager"] /
         row[key + "_eager_host"] (seconds; None where it raised: a baseline keeps the reason, mori
         fails a check). ``got()`` is the output, poisoned before each timing's last run and then
-        compared with ``want``."""
+        compared with ``want``. A baseline is not run when ranks share GPUs (NCCL needs one each)."""
         row[key] = None
         if eager:
             row[f"{key}_eager"] = row[f"{key}_eager_host"] = None
+        if baseline and shared:
+            missing.setdefault(key, SHARED_GPUS_NO_BASELINE)
+            return
         label = f"{key} {human_bytes(nbytes)}{where}"
         poison = None if got is None else lambda: poison_(got())
         try:
-            row[key] = graph_time(torch, rank, stream, body, _reps(nbytes), trials, before_last=poison)
+            row[key] = graph_time(torch, dev, stream, body, _reps(nbytes), trials, before_last=poison)
             if got is not None:
                 checks.compare(f"{label}, graph", got(), want, tol)
             if eager:
                 row[f"{key}_eager"], row[f"{key}_eager_host"] = eager_time(
-                    torch, rank, stream, body, _reps(nbytes), max(3, trials // 4), before_last=poison)
+                    torch, dev, stream, body, _reps(nbytes), max(3, trials // 4), before_last=poison)
                 if got is not None:
                     checks.compare(f"{label}, eager", got(), want, tol)
         except Exception as e:
@@ -205,6 +217,7 @@ def run(trials: int, sizes: list[int], out_dir: str, grids: list[tuple[int, int]
     import mori
     from mori import ccl
 
+    shared = sharing(world)
     got = run_ranks(_rank, world, (world, mori.get_unique_id(), free_port(), trials, sizes, grids or []), timeout=560)
     require_verified("ccl", [g["failed"] for g in got])
     missing = baseline_errors([g["missing"] for g in got])
@@ -261,7 +274,7 @@ def run(trials: int, sizes: list[int], out_dir: str, grids: list[tuple[int, int]
         "benchmark": "ccl",
         "env": environment(),
         "method": __doc__.strip(),
-        "config": {"trials": trials, "sizes": sizes, "dtype": "bfloat16", "world_size": world},
+        "config": {"trials": trials, "sizes": sizes, "dtype": "bfloat16", "world_size": world, **shared},
         "baseline_errors": missing,
         "rows": rows,
         "grid_rows": grid_rows,
@@ -286,7 +299,7 @@ def main(args: argparse.Namespace) -> int:
     if not sizes:
         say_error("ccl", f"--max-bytes {args.max_bytes} is below the smallest size measured ({SIZES[0]})")
         return 2
-    failed = preflight("ccl", args.out, needs=[TORCH], gpus=args.world or 2)
+    failed = preflight("ccl", args.out, needs=[TORCH], gpus=min_gpus(args))
     if failed is not None:
         return failed
     world = world_from_args(args, "ccl")

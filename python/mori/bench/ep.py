@@ -39,6 +39,10 @@ rows times 1 + expert id within 1 %. A failed check ends the run with exit statu
 record. DeepEP is measured when ``deep_ep`` is importable (intranode normal mode, even SM
 counts); otherwise, and for what is not measured, its figures are null with the reason in
 `baseline_errors`.
+
+More ranks than GPUs (`--world` above the visible GPUs) share them round-robin: mori is timed
+and verified as above, DeepEP is not run (null; it needs one GPU per rank), and
+`config.gpus_shared` marks the times as no comparable figures.
 """
 
 from __future__ import annotations
@@ -48,9 +52,9 @@ import importlib.util
 from typing import Any, Callable
 
 from mori._cliargs import positive_int, positive_int_list
-from mori.bench._common import (TORCH, Checks, add_out_argument, add_world_argument, baseline_errors, eager_time, environment,
-                                free_port, graph_time, median, preflight, require_verified, run_ranks, shared_seed, world_from_args,
-                                write_record)
+from mori.bench._common import (SHARED_GPUS_NO_BASELINE, TORCH, Checks, add_out_argument, add_world_argument, baseline_errors,
+                                device_of, eager_time, environment, free_port, gpus_shared, graph_time, median, min_gpus, preflight,
+                                require_verified, run_ranks, shared_seed, sharing, world_from_args, write_record)
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 4096, 7168, 256, 8
 LL_TOKENS = 128
@@ -123,10 +127,11 @@ def _kernel_time(torch, bs, fn: Callable[[], Any], iters: int, flush, before_las
 class _Normal:
     """One rank's normal-mode measurements: mori's (and DeepEP's) calls, each verified."""
 
-    def __init__(self, torch, bs, rank: int, world: int, seed: int, iters: int, stream, checks: Checks):
+    def __init__(self, torch, bs, rank: int, device: int, world: int, seed: int, iters: int, stream, checks: Checks):
         from mori.ep import _reference as ref
 
         self.torch, self.bs, self.rank, self.world, self.iters, self.stream, self.checks = torch, bs, rank, world, iters, stream, checks
+        self.device = device
         self.ref = ref
         every = [_inputs(torch, seed, s, TOKENS) for s in range(world)]
         self.idx, self.w, self.x, self.xq, self.sc = every[rank]
@@ -153,7 +158,7 @@ class _Normal:
 
     def call(self, fn, flip) -> tuple[float, float, Any]:
         hold: dict[str, Any] = {}
-        per_call, host = eager_time(self.torch, self.rank, self.stream, lambda: hold.update(r=fn()), self.iters, CALL_TRIALS,
+        per_call, host = eager_time(self.torch, self.device, self.stream, lambda: hold.update(r=fn()), self.iters, CALL_TRIALS,
                                     before_trial=self.bs.barrier, before_last=lambda: _negate_(self.torch, *flip))
         return per_call, host, hold["r"]
 
@@ -268,6 +273,8 @@ def _deepep_buffer(torch, world: int, sms_list: list[int], port: int, rank: int)
         return None, None, "deep_ep is not importable (install the DeepEP wheel to measure it beside mori)"
     if world not in (2, 4, 8):
         return None, None, f"DeepEP's intranode configs cover 2, 4 or 8 ranks, not {world}"
+    if gpus_shared(world):
+        return None, None, SHARED_GPUS_NO_BASELINE
     even = [s for s in sms_list if s % 2 == 0]
     if not even:
         return None, None, "DeepEP takes even SM counts only"
@@ -275,7 +282,7 @@ def _deepep_buffer(torch, world: int, sms_list: list[int], port: int, rank: int)
     import torch.distributed as dist
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+                            device_id=torch.device("cuda", device_of(rank)))
     deep_ep.Buffer.set_num_sms(max(even))  # the receive buffers grow with the SM count
     nvl_bytes = max(cfg.get_nvl_buffer_size_hint(HIDDEN * 2, world)
                     for cfg in (deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world)))
@@ -283,7 +290,7 @@ def _deepep_buffer(torch, world: int, sms_list: list[int], port: int, rank: int)
     return deep_ep, deep_ep.Buffer(dist.group.WORLD, nvl_bytes, 0, explicitly_destroy=True), None
 
 
-def _low_latency(torch, buf, bs, rank: int, world: int, seed: int, reps: int, trials: int, checks: Checks) -> dict[str, Any]:
+def _low_latency(torch, buf, bs, rank: int, device: int, world: int, seed: int, reps: int, trials: int, checks: Checks) -> dict[str, Any]:
     from mori.ep import _reference as ref
 
     every = [_inputs(torch, seed + LL_SEED_OFFSET, s, LL_TOKENS) for s in range(world)]
@@ -325,7 +332,7 @@ def _low_latency(torch, buf, bs, rank: int, world: int, seed: int, reps: int, tr
         for view, timing in (("graph", graph_time), ("eager", eager_time)):
             torch.cuda.synchronize()
             bs.barrier()
-            t = timing(torch, rank, stream, body, reps, trials, before_trial=bs.barrier, before_last=lambda f=flip: f.neg_())
+            t = timing(torch, device, stream, body, reps, trials, before_trial=bs.barrier, before_last=lambda f=flip: f.neg_())
             try:
                 check(hold["r"])
             except AssertionError as e:
@@ -345,9 +352,10 @@ def _rank(rank: int, world: int, uid: bytes, sms_list: list[int], iters: int, re
     from mori import Bootstrap
     from mori.ep import Buffer, EpConfig
 
-    torch.cuda.set_device(rank)
+    dev = device_of(rank)
+    torch.cuda.set_device(dev)
     bs = Bootstrap(uid, rank, world, timeout=300)
-    shmem.init(bootstrap=bs, device=rank, heap_size=8 << 30)
+    shmem.init(bootstrap=bs, device=dev, heap_size=8 << 30)
     buf = Buffer(EpConfig(num_experts=EXPERTS, hidden=HIDDEN, max_tokens_per_rank=TOKENS, topk=TOPK,
                           low_latency_max_tokens=LL_TOKENS))
     checks = Checks()
@@ -358,7 +366,7 @@ def _rank(rank: int, world: int, uid: bytes, sms_list: list[int], iters: int, re
     seed = shared_seed(bs)
     rows = []
     if sms_list:
-        normal = _Normal(torch, bs, rank, world, seed, iters, torch.cuda.Stream(), checks)
+        normal = _Normal(torch, bs, rank, dev, world, seed, iters, torch.cuda.Stream(), checks)
         deep_ep, dbuf, why = _deepep_buffer(torch, world, sms_list, port, rank)
         if why:
             missing["deepep"] = why
@@ -378,7 +386,7 @@ def _rank(rank: int, world: int, uid: bytes, sms_list: list[int], iters: int, re
             dist.destroy_process_group()
         del normal
     failed_before = len(checks.failed)
-    ll = _low_latency(torch, buf, bs, rank, world, seed, reps, max(5, iters), checks)
+    ll = _low_latency(torch, buf, bs, rank, dev, world, seed, reps, max(5, iters), checks)
     ll["verified"] = len(checks.failed) == failed_before
     bs.barrier()
     shmem.finalize()
@@ -392,6 +400,7 @@ def _fmt(v: float | None, spec: str) -> str:
 def run(sms_list: list[int], iters: int, reps: int, out_dir: str, world: int = 2) -> dict[str, Any]:
     import mori
 
+    shared = sharing(world)
     got = run_ranks(_rank, world, (world, mori.get_unique_id(), sms_list, iters, reps, free_port()), timeout=900)
     require_verified("ep", [g["failed"] for g in got])
     missing = baseline_errors([g["missing"] for g in got])
@@ -441,7 +450,7 @@ def run(sms_list: list[int], iters: int, reps: int, out_dir: str, world: int = 2
     print("targets: low-latency dispatch <= 20 µs, combine <= 25 µs at 128 tokens")
     record = {"benchmark": "ep", "env": environment(), "method": __doc__.strip(),
               "config": {"tokens": TOKENS, "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "iters": iters,
-                         "call_trials": CALL_TRIALS, "low_latency_tokens": LL_TOKENS, "graph_reps": reps, "world_size": world},
+                         "call_trials": CALL_TRIALS, "low_latency_tokens": LL_TOKENS, "graph_reps": reps, "world_size": world, **shared},
               "deepep": _deepep_version() if table and "deepep" not in missing else None,
               "baseline_errors": missing, "results": table, "low_latency": ll}
     path = write_record("ep", record, out_dir)
@@ -469,7 +478,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    failed = preflight("ep", args.out, needs=[TORCH], gpus=args.world or 2)
+    failed = preflight("ep", args.out, needs=[TORCH], gpus=min_gpus(args))
     if failed is not None:
         return failed
     world = world_from_args(args, "ep")

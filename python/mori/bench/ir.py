@@ -10,7 +10,7 @@ puts and one quiet; time = CUDA-event time of a graph replay / iters, median of 
 All-reduce (sum, bf16, inputs in ordinary torch tensors): the Triton push one-shot kernel
 (python/mori/bench/_ir_kernels.py, the algorithm of examples/triton_all_reduce.py) beside
 mori.ccl's all-reduce (forced one-shot and default choice) when mori.ccl is importable, and NCCL
-(torch.distributed) always. Latency = median per call over CUDA-graph replays of `reps` calls.
+(torch.distributed) unless ranks share GPUs. Latency = median per call over CUDA-graph replays of `reps` calls.
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 
 Verified: the put source holds fresh random bytes on every PE; each kernel's destination on PE 1
@@ -21,6 +21,11 @@ against the sum: bit-exact on two ranks, within (ranks + 1) bf16 roundings of th
 |inputs| on more. NCCL's all-reduce works in place, so its timed replays compound: it is
 checked by one more call on the input. A failed check ends the run with exit status 1 and no
 record.
+
+More ranks than GPUs (`--world` above the visible GPUs) share them round-robin: the Triton and
+mori.ccl kernels are timed and verified as above, NCCL is not run (null, with the reason in
+`baseline_errors`; it needs one GPU per rank), and `config.gpus_shared` marks the times as no
+comparable figures.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ import os
 from typing import Any
 
 from mori._cliargs import positive_int, size
-from mori.bench._common import (TORCH, TRITON, Checks, add_out_argument, add_world_argument, baseline_errors, environment, free_port,
-                                graph_time, human_bytes, poison_, preflight, rank_input, require_verified, run_ranks, shared_seed,
-                                sum_reference, world_from_args, write_record)
+from mori.bench._common import (SHARED_GPUS_NO_BASELINE, TORCH, TRITON, Checks, add_out_argument, add_world_argument, baseline_errors,
+                                device_of, environment, free_port, graph_time, human_bytes, init_process_group, min_gpus, poison_,
+                                preflight, rank_input, require_verified, run_ranks, shared_seed, sharing, sum_reference,
+                                world_from_args, write_record)
 
 PUT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 PUT_CONFIGS = [(8192, 16), (16384, 16), (32768, 16)]  # (tile bytes, num_warps)
@@ -60,21 +66,21 @@ def _rank(rank: int, world: int, uid: bytes, port: int, heap: int, trials: int) 
     from mori.bench.shmem import KERNELS, _grid
     from mori.ir import triton as mt
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    dev = device_of(rank)
+    torch.cuda.set_device(dev)
+    nccl = init_process_group(torch, rank, world, port) == "nccl"  # not when ranks share GPUs: no NCCL baseline then
     bs = Bootstrap(uid, rank, world, timeout=300)
-    shmem.init(bootstrap=bs, device=rank, heap_size=heap)
+    shmem.init(bootstrap=bs, device=dev, heap_size=heap)
     mod = shmem.compile(KERNELS.read_text(), "shmem_bench.cu")
     ctx = mt.handle()
-    sms = gpu.device_info(rank)["multiprocessor_count"]
+    sms = gpu.device_info(dev)["multiprocessor_count"]
     stream = torch.cuda.Stream()
 
     checks = Checks()
-    missing: dict[str, str] = {}  # baseline -> why it has no figure
+    missing: dict[str, str] = {} if nccl else {"nccl": SHARED_GPUS_NO_BASELINE}  # baseline -> why it has no figure
 
     def timed(body, reps, out=None):
-        return graph_time(torch, rank, stream, body, reps, trials, before_last=None if out is None else lambda: poison_(out))
+        return graph_time(torch, dev, stream, body, reps, trials, before_last=None if out is None else lambda: poison_(out))
 
     # ---- put bandwidth (PE 0 -> PE 1) ----
     big = max(PUT_SIZES)
@@ -150,10 +156,12 @@ def _rank(rank: int, world: int, uid: bytes, port: int, heap: int, trials: int) 
                 continue
             row[f"{name}_us"] = t * 1e6
             ok &= checks.compare(f"mori.ccl {algo or 'default'} {label}", out[:n], want, tol)
-        row["nccl_us"] = timed(lambda n=n: dist.all_reduce(nccl_buf[:n]), reps) * 1e6
-        nccl_buf[:n].copy_(x[:n])
-        dist.all_reduce(nccl_buf[:n])
-        ok &= checks.compare(f"NCCL {label} (one call after the timing)", nccl_buf[:n], want, tol)
+        row["nccl_us"] = None
+        if nccl:
+            row["nccl_us"] = timed(lambda n=n: dist.all_reduce(nccl_buf[:n]), reps) * 1e6
+            nccl_buf[:n].copy_(x[:n])
+            dist.all_reduce(nccl_buf[:n])
+            ok &= checks.compare(f"NCCL {label} (one call after the timing)", nccl_buf[:n], want, tol)
         row["verified"] = ok
         ar_rows.append(row)
 
@@ -172,6 +180,7 @@ def _fmt(v: float | None, spec: str = "8.2f") -> str:
 def run(trials: int, heap: int, out_dir: str, world: int = 2) -> dict[str, Any]:
     import mori
 
+    shared = sharing(world)
     got = run_ranks(_rank, world, (world, mori.get_unique_id(), free_port(), heap, trials), timeout=580)
     require_verified("ir", [g["failed"] for g in got])
     r0, r1 = got[0], got[1]
@@ -191,9 +200,9 @@ def run(trials: int, heap: int, out_dir: str, world: int = 2) -> dict[str, Any]:
         ref = row.get("ccl_one_shot_us")
         best_ccl = min(v for v in (row.get("ccl_one_shot_us"), row.get("ccl_default_us"), float("inf")) if v is not None)
         row["ratio_vs_ccl"] = row["triton_us"] / best_ccl if best_ccl != float("inf") else None
-        row["ratio_vs_nccl"] = row["triton_us"] / row["nccl_us"]
+        row["ratio_vs_nccl"] = row["triton_us"] / row["nccl_us"] if row["nccl_us"] is not None else None
         print(f"{human_bytes(row['bytes']):>9} | {row['triton_us']:8.2f} | {_fmt(ref, '9.2f')} | {_fmt(row.get('ccl_default_us'))} | "
-              f"{row['nccl_us']:8.2f} | {_fmt(row['ratio_vs_ccl'], '6.2f')}")
+              f"{_fmt(row['nccl_us'])} | {_fmt(row['ratio_vs_ccl'], '6.2f')}")
     big_puts = [r["ratio"] for r in r0["put"] if r["bytes"] >= 1 << 20]
     small_ar = [r["ratio_vs_ccl"] for r in r0["all_reduce"] if r["bytes"] <= 1 << 20 and r["ratio_vs_ccl"] is not None]
     targets = {
@@ -211,7 +220,7 @@ def run(trials: int, heap: int, out_dir: str, world: int = 2) -> dict[str, Any]:
         "config": {"trials": trials, "heap_bytes": heap, "put_sizes": PUT_SIZES, "put_configs": PUT_CONFIGS,
                    "all_reduce_sizes": AR_SIZES, "all_reduce_kernel": {"BLOCK": AR_BLOCK, "num_warps": AR_WARPS,
                                                                         "max_programs": AR_MAX_PROGRAMS, "min_chunk": AR_MIN_CHUNK},
-                   "world_size": world},
+                   "world_size": world, **shared},
         "put": r0["put"],
         "all_reduce": r0["all_reduce"],
         "all_reduce_rank1": r1["all_reduce"],
@@ -248,7 +257,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    failed = preflight("ir", args.out, needs=[TORCH, TRITON], gpus=args.world or 2)
+    failed = preflight("ir", args.out, needs=[TORCH, TRITON], gpus=min_gpus(args))
     if failed is not None:
         return failed
     world = world_from_args(args, "ir")

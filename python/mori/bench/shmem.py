@@ -18,6 +18,10 @@ Baseline in the same run: NCCL (torch.distributed, nccl backend) send/recv PE 0 
 NCCL call per transfer, `reps` back to back in a captured graph (GB/s and µs per
 call; CUDA-graph replays, median of trials), and an 8-byte send/recv ping-pong (µs per round
 trip).
+
+More ranks than GPUs (`--world` above the visible GPUs) share them round-robin: mori's figures
+are timed and verified as above, NCCL is not run (null, with the reason in `baseline_errors`; it
+needs one GPU per rank), and `config.gpus_shared` marks the times as no comparable figures.
 """
 
 from __future__ import annotations
@@ -30,18 +34,24 @@ from typing import Any
 
 from mori._cliargs import positive_int, size
 from mori.bench._common import (
+    SHARED_GPUS_NO_BASELINE,
     TORCH,
     Checks,
     add_out_argument,
     add_world_argument,
+    baseline_errors,
+    device_of,
     preflight,
     environment,
     free_port,
     graph_time,
     human_bytes,
+    init_process_group,
+    min_gpus,
     poison_,
     require_verified,
     run_ranks,
+    sharing,
     world_from_args,
     write_record,
 )
@@ -60,7 +70,7 @@ def _grid(scope: str, nbytes: int, sms: int) -> tuple[int, int]:
     return max(1, min(2 * sms, nbytes // 1024 // 256)), 256
 
 
-def _nccl_baseline(torch, dist, shmem, rank: int, stream, trials: int, src, dst, checks: Checks) -> dict[str, Any] | None:
+def _nccl_baseline(torch, dist, shmem, rank: int, device: int, stream, trials: int, src, dst, checks: Checks) -> dict[str, Any] | None:
     """NCCL send/recv PE 0 -> PE 1 by size and an 8-byte ping-pong, each timed as CUDA-graph
     replays like mori's own figures (no launch gaps; PEs 0 and 1 take part, the figures are
     PE 0's, None elsewhere). The pair's replays start within host jitter of each other; the
@@ -79,7 +89,7 @@ def _nccl_baseline(torch, dist, shmem, rank: int, stream, trials: int, src, dst,
         stream.synchronize()
         # The receiver's last replay cannot start its receive before its poison: same stream.
         poison = (lambda: poison_(dst[:n])) if rank == 1 else None
-        return graph_time(torch, rank, stream, body, reps, trials, before_last=poison)
+        return graph_time(torch, device, stream, body, reps, trials, before_last=poison)
 
     rows = []
     for n in SIZES:
@@ -116,18 +126,18 @@ def _rank(rank: int, world: int, uid: bytes, heap: int, trials: int, port: int) 
     import mori.shmem as shmem
     from mori import Bootstrap, gpu
 
-    torch.cuda.set_device(rank)
+    dev = device_of(rank)
+    torch.cuda.set_device(dev)
     # Only PEs 0 and 1 send/recv, after every collective: torch's note on eager P2P ordering is noise here.
     os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    nccl = init_process_group(torch, rank, world, port) == "nccl"  # not when ranks share GPUs: no NCCL baseline then
     bs = Bootstrap(uid, rank, world, timeout=300)
     bs.barrier()
     t0 = time.perf_counter()
-    shmem.init(bootstrap=bs, device=rank, heap_size=heap)
+    shmem.init(bootstrap=bs, device=dev, heap_size=heap)
     init_s = time.perf_counter() - t0
     mod = shmem.compile(KERNELS.read_text(), "shmem_bench.cu")
-    sms = gpu.device_info(rank)["multiprocessor_count"]
+    sms = gpu.device_info(dev)["multiprocessor_count"]
     big = max(SIZES)
     src = shmem.tensor((big,), torch.uint8)
     dst = shmem.tensor((big,), torch.uint8, zero=True)
@@ -139,7 +149,7 @@ def _rank(rank: int, world: int, uid: bytes, heap: int, trials: int, port: int) 
     rows: list[dict[str, Any]] = []
 
     def timed(body, reps, out):
-        return graph_time(torch, rank, stream, body, reps, trials, before_last=lambda: poison_(out))
+        return graph_time(torch, dev, stream, body, reps, trials, before_last=lambda: poison_(out))
 
     shmem.barrier_all()
     if rank == 0:
@@ -163,7 +173,7 @@ def _rank(rank: int, world: int, uid: bytes, heap: int, trials: int, port: int) 
             grid, block = _grid("block", n, sms)
             row["one_put_block_us"] = timed(lambda: mod.launch("bench_put", grid, block, *one, stream=stream), reps, peer_dst[:n]) * 1e6
             ok &= checks.compare(f"one put {human_bytes(n)}", peer_dst[:n], src[:n])
-            t = timed(lambda n=n: gpu.copy_engine(peer_dst, src, n, stream=stream, device=0), reps, peer_dst[:n])
+            t = timed(lambda n=n: gpu.copy_engine(peer_dst, src, n, stream=stream, device=dev), reps, peer_dst[:n])
             ok &= checks.compare(f"copy engine {human_bytes(n)}", peer_dst[:n], src[:n])
             row["copy_engine_gbps"], row["copy_engine_us"] = n / t / 1e9, t * 1e6
             row["verified"] = ok
@@ -209,42 +219,57 @@ def _rank(rank: int, world: int, uid: bytes, heap: int, trials: int, port: int) 
         get_us = a.elapsed_time(b) * 1e3 / get_iters
         checks.compare("get latency chain: last index", out, torch.ones_like(out))
     shmem.barrier_all()
-    nccl = _nccl_baseline(torch, dist, shmem, rank, stream, trials, src, dst, checks)
-    dist.barrier()
+    missing: dict[str, str] = {}  # baseline -> why it has no figure
+    if nccl:
+        baseline = _nccl_baseline(torch, dist, shmem, rank, dev, stream, trials, src, dst, checks)
+    else:
+        baseline = None
+        missing = {"nccl_send": SHARED_GPUS_NO_BASELINE, "nccl_pingpong": SHARED_GPUS_NO_BASELINE}
+    dist.barrier()  # NCCL, or gloo when ranks share GPUs
     shmem.finalize()
     dist.destroy_process_group()
-    return {"init_s": init_s, "rows": rows, "rtt_us": rtt_us, "get_us": get_us, "failed": checks.failed, "nccl": nccl}
+    return {"init_s": init_s, "rows": rows, "rtt_us": rtt_us, "get_us": get_us, "failed": checks.failed, "nccl": baseline,
+            "missing": missing}
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return format(v, spec) if v is not None else "-".rjust(len(format(0.0, spec)))
 
 
 def run(trials: int, heap: int, out_dir: str, world: int = 2) -> dict[str, Any]:
     import mori
 
+    shared = sharing(world)
     got = run_ranks(_rank, world, (world, mori.get_unique_id(), heap, trials, free_port()), timeout=600)
     require_verified("shmem", [g["failed"] for g in got])
+    missing = baseline_errors([g["missing"] for g in got])
     r0 = got[0]
     print(f"init with a {heap >> 30} GiB heap on {world} PEs: {max(g['init_s'] for g in got) * 1e3:.0f} ms")
-    nccl = r0["nccl"]
-    print(f"8-byte put+signal round trip: {r0['rtt_us']:.2f} µs (NCCL send/recv ping-pong: {nccl['pingpong_us']:.2f} µs);  "
+    # Without NCCL (ranks share GPUs) its figures are null: rows of None, checked by nobody.
+    nccl = r0["nccl"] or {"pingpong_us": None, "rows": [{"nccl_send_gbps": None, "nccl_send_us": None} for _ in r0["rows"]]}
+    received_rows = got[1]["nccl"]["rows"] if got[1]["nccl"] else [{"verified": True} for _ in r0["rows"]]
+    print(f"8-byte put+signal round trip: {r0['rtt_us']:.2f} µs (NCCL send/recv ping-pong: {_fmt(nccl['pingpong_us'], '.2f')} µs);  "
           f"8-byte get latency: {r0['get_us']:.2f} µs\n")
     head = (f"{'size':>9} | {'put thread':>10} {'put warp':>9} {'put block':>9} | {'get block':>9} | {'copy eng':>9} | "
             f"{'NCCL send':>9} | {'one put µs':>10} {'NCCL µs':>8}")
     print("GB/s unless marked µs\n" + head + "\n" + "-" * len(head))
-    for row, base, received in zip(r0["rows"], nccl["rows"], got[1]["nccl"]["rows"]):
+    for row, base, received in zip(r0["rows"], nccl["rows"], received_rows):
         row.update(base, verified=row["verified"] and received["verified"])
         print(
             f"{human_bytes(row['bytes']):>9} | {row['put_thread_gbps']:10.2f} {row['put_warp_gbps']:9.2f} "
             f"{row['put_block_gbps']:9.2f} | {row['get_block_gbps']:9.2f} | {row['copy_engine_gbps']:9.2f} | "
-            f"{row['nccl_send_gbps']:9.2f} | {row['one_put_block_us']:10.2f} {row['nccl_send_us']:8.2f}"
+            f"{_fmt(row['nccl_send_gbps'], '9.2f')} | {row['one_put_block_us']:10.2f} {_fmt(row['nccl_send_us'], '8.2f')}"
         )
     record = {
         "benchmark": "shmem",
         "env": environment(),
         "method": __doc__.strip(),
-        "config": {"trials": trials, "heap_bytes": heap, "sizes": SIZES, "world_size": world},
+        "config": {"trials": trials, "heap_bytes": heap, "sizes": SIZES, "world_size": world, **shared},
         "init_seconds": [g["init_s"] for g in got],
         "put_signal_round_trip_us": r0["rtt_us"],
         "get_latency_us": r0["get_us"],
         "nccl_pingpong_us": nccl["pingpong_us"],
+        "baseline_errors": missing,
         "results": r0["rows"],
     }
     path = write_record("shmem", record, out_dir)
@@ -261,7 +286,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    failed = preflight("shmem", args.out, needs=[TORCH], gpus=args.world or 2)
+    failed = preflight("shmem", args.out, needs=[TORCH], gpus=min_gpus(args))
     if failed is not None:
         return failed
     world = world_from_args(args, "shmem")
