@@ -43,15 +43,23 @@ else
   echo "$uring: the io_uring test variants are skipped (pytest lists the skip and its reason)"
 fi
 
+step "nvrtc for the Rust tests"
+# mori-collective compiles its parameter layouts against the kernels with NVRTC
+# (crates/collective/tests/nvrtc_layout.rs): the Rust tests get the wheel's libnvrtc, and a
+# missing NVRTC fails there instead of printing a skip. (pytest finds the wheel on its own.)
+nvrtc=$("$VENV/bin/python" -c 'import glob, sysconfig; print(glob.glob(sysconfig.get_path("purelib") + "/nvidia/cu13/lib/libnvrtc.so.13")[0])')
+rust_test_env=(env MORI_NVRTC_PATH="$nvrtc" MORI_REQUIRE_NVRTC=1)
+echo "Rust tests: MORI_NVRTC_PATH=$nvrtc MORI_REQUIRE_NVRTC=1"
+
 step "rust: format and lints"
 if cargo fmt --version >/dev/null 2>&1; then cargo fmt --all --check; fi
 if cargo clippy --version >/dev/null 2>&1; then cargo clippy --workspace --all-targets --quiet -- -D warnings; fi
 
 step "rust: unit and integration tests"
 if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --workspace --no-fail-fast
+  "${rust_test_env[@]}" cargo nextest run --workspace --no-fail-fast
 else
-  cargo test --workspace
+  "${rust_test_env[@]}" cargo test --workspace
 fi
 
 step "python: build the extension into $VENV"

@@ -1,11 +1,12 @@
 """mori.ccl pieces that need no GPU: config and argument validation, algorithm choice, how
-tensors are split into launches, call signatures, and the kernel-argument layout."""
+tensors are split into launches, call signatures, and the kernel parameters each launch passes."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mori import ccl, errors
@@ -90,16 +91,151 @@ def test_signatures_separate_calls():
     assert all(0 <= s < 1 << 64 for s in others)
 
 
-def test_argument_layout_matches_the_kernel():
+def test_shared_constants_match_the_kernel():
     src = KERNEL.read_text()
     assert int(re.search(r"constexpr int MAX_RANKS = (\d+);", src).group(1)) == ccl.MAX_RANKS
     assert int(re.search(r"constexpr int MAX_BLOCKS = (\d+);", src).group(1)) == ccl.MAX_BLOCKS
-    body = re.search(r"struct CclArgs \{(.*?)\};", src, re.S).group(1)
-    fields = re.findall(r"u64 (\w+)(\[MAX_RANKS\])?;", body)
-    names = [("in_ptr" if f == "in" else "out_ptr" if f == "out" else f) for f, _ in fields]
-    assert names == list(ccl.ARGS_DTYPE.names)
-    assert ccl.ARGS_DTYPE.itemsize == 96 + 6 * 8 * ccl.MAX_RANKS  # the kernel's static_assert
-    assert ccl.ARGS_DTYPE.alignment == 8
+
+
+# ---- the kernels' CclArgs: crates/collective packs what mori.ccl used to pack -----------------
+# (crates/collective/tests check the struct against kernels/collective/ccl.cu.)
+
+_SCALARS = ("base", "recv_offset", "gather_offset", "parity_stride", "slot_bytes", "in_ptr", "out_ptr", "timeout_ns",
+            "count", "total", "out_stride", "slice_count")
+_ARRAYS = ("send_offset", "send_bytes", "out_offset", "recv_bytes", "sig_send", "sig_expect")
+# Frozen: the numpy dtype mori.ccl packed CclArgs with before crates/collective.
+OLD_ARGS_DTYPE = np.dtype([(n, np.uint64) for n in _SCALARS] + [(n, np.uint64, (8,)) for n in _ARRAYS], align=True)
+ENTRIES = [f"ccl_{kind}_{dt}_{op}" for kind in ("all_reduce_one_shot", "all_reduce_two_shot", "reduce_scatter")
+           for dt in ("f32", "f16", "bf16") for op in ccl.REDUCE_OPS] + ["ccl_push"]
+
+
+def test_ccl_args_are_the_bytes_the_old_dtype_packed():
+    import random
+
+    from mori import _core
+
+    rng = random.Random(5)
+    for entry in ENTRIES:
+        for _ in range(20):
+            scalars = [rng.getrandbits(64) for _ in _SCALARS]
+            arrays = [[rng.getrandbits(64) for _ in range(rng.randrange(ccl.MAX_RANKS + 1))] for _ in _ARRAYS]
+            old = np.zeros(1, dtype=OLD_ARGS_DTYPE)
+            for name, v in zip(_SCALARS, scalars):
+                old[name] = v
+            for name, v in zip(_ARRAYS, arrays):
+                old[name][0, : len(v)] = v
+            assert _core.kernel_params(entry, *scalars, *arrays) == old.tobytes(), entry
+    with pytest.raises(errors.InvalidArgumentError, match="\"sig_send\" at most 8 elements, got 9"):
+        _core.kernel_params("ccl_push", *[0] * 12, [], [], [], [], [0] * 9, [])
+    with pytest.raises(errors.InvalidArgumentError, match="\"send_offset\" \\(u64\\[8\\]\\)"):
+        _core.kernel_params("ccl_push", *[0] * 12, 5, [], [], [], [], [])
+
+
+# Every collective's launches on a fake communicator, against digests of what mori.ccl launched
+# before crates/collective (entry, grid, block, shared, stream, parameter bytes): the call sites
+# pass the same values.
+OLD_LAUNCHES = {
+    "ar_one_shot": ("303a658a8740f92d192c49ad09a99718", 1),
+    "ar_one_shot_pieces_f16_max": ("83fd9019cbd0d1f9e3a141a9df8c3745", 3),
+    "ar_two_shot_bf16_min": ("45180a89a97f0bab65d41cbe0dd1c877", 4),
+    "ar_two_shot_w3": ("bfc9a04ebfaefd6835b10ea339044bae", 3),
+    "rs_w4": ("e9276a4fc6c80526ec49b317aeace166", 2),
+    "rs_w4_inplace": ("86c5ea254c1ce996430e176a8b9f26ef", 1),
+    "ag_w3": ("62c7e1ce745685e9d5ff78c36937bf0e", 3),
+    "ag_w2_inplace": ("8617d783f32d920bea637b4f2e45a973", 1),
+    "a2a_equal_w2": ("406920dea970e720904a6bf62b4633be", 2),
+    "a2a_splits_w3": ("e0db005fc0319bd64ec8d54ed598dd54", 1),
+    "bcast_root": ("b8b5fa4b2d22aab0d0654456e7a7eb9d", 5),
+    "bcast_leaf_out": ("ec17f5cbc8f2177d18467f1f610d1b33", 1),
+}
+
+STREAM = 0x5151
+
+
+class T:
+    """Stands in for a contiguous CUDA tensor."""
+
+    def __init__(self, ptr, shape, dtype, es):
+        self.ptr, self.shape, self._dtype, self.es = ptr, tuple(shape), dtype, es
+
+    @property
+    def dtype(self):
+        return f"torch.{self._dtype}"
+
+    def data_ptr(self):
+        return self.ptr
+
+    def numel(self):
+        return int(np.prod(self.shape)) if self.shape else 1
+
+    def element_size(self):
+        return self.es
+
+    def dim(self):
+        return len(self.shape)
+
+
+class _Buf:
+    ptr = 0x7F00_0000_0000
+
+
+def fake_comm(world, rank, config):
+    c = object.__new__(ccl.Communicator)
+    c.config, c.rank, c.world_size, c.device = config, rank, world, 0
+    c.slot_bytes = config.buffer_bytes // world // 256 * 256
+    area = c.slot_bytes * world
+    c._recv_offset = ccl.STATE_BYTES + ccl.FLAGS_BYTES
+    c._gather_offset = c._recv_offset + 2 * area
+    c._parity_stride = area
+    c._timeout_ns = int(config.timeout_s * 1e9)
+    c._buffer = _Buf()
+    c._tensor = lambda *a, **k: None
+    c._reduce_dtypes = lambda: None
+    return c
+
+
+def scenarios():
+    small = ccl.CclConfig(buffer_bytes=1 << 16, max_blocks=16, threads=256, timeout_s=2.5)
+    big = ccl.CclConfig()
+    f32, bf16, f16 = ("float32", 4), ("bfloat16", 2), ("float16", 2)
+
+    def t(ptr, shape, dt):
+        return T(ptr, shape, dt[0], dt[1])
+
+    yield "ar_one_shot", 2, 1, big, lambda c: c.all_reduce(t(0x1000_0000, (1000,), f32), "sum", out=t(0x2000_0000, (1000,), f32), stream=STREAM)
+    yield "ar_one_shot_pieces_f16_max", 2, 0, small, lambda c: c.all_reduce(t(0x1000_0000, (40000,), f16), "max", stream=STREAM)
+    yield "ar_two_shot_bf16_min", 2, 1, small, lambda c: c.all_reduce(t(0x1000_0010, (100000,), bf16), "min", algorithm="two_shot", stream=STREAM)
+    yield "ar_two_shot_w3", 3, 2, small, lambda c: c.all_reduce(t(0x1000_0000, (33333,), f32), "sum", algorithm="two_shot", stream=STREAM)
+    yield "rs_w4", 4, 2, small, lambda c: c.reduce_scatter(t(0x3000_0000, (5000,), f32), t(0x4000_0000, (20000,), f32), "sum", stream=STREAM)
+    yield "rs_w4_inplace", 4, 3, small, lambda c: c.reduce_scatter(t(0x4000_0000 + 3 * 5000 * 2, (5000,), bf16), t(0x4000_0000, (20000,), bf16), "max", stream=STREAM)
+    yield "ag_w3", 3, 0, small, lambda c: c.all_gather(t(0x5000_0000, (3 * 12500,), f32), t(0x6000_0000, (12500,), f32), stream=STREAM)
+    yield "ag_w2_inplace", 2, 1, big, lambda c: c.all_gather(t(0x5000_0000, (2 * 333,), f16), t(0x5000_0000 + 333 * 2, (333,), f16), stream=STREAM)
+    yield "a2a_equal_w2", 2, 0, small, lambda c: c.all_to_all(t(0x7000_0000, (64, 300), f32), t(0x8000_0000, (64, 300), f32), stream=STREAM)
+    yield "a2a_splits_w3", 3, 1, small, lambda c: c.all_to_all(t(0x7000_0000, (9, 16), f32), t(0x8000_0000, (7, 16), f32), [2, 3, 4], [1, 3, 3], stream=STREAM)
+    yield "bcast_root", 4, 2, small, lambda c: c.broadcast(t(0x9000_0000, (20000,), f32), 2, stream=STREAM)
+    yield "bcast_leaf_out", 4, 1, big, lambda c: c.broadcast(t(0x9000_0000, (777,), bf16), 2, out=t(0xA000_0000, (777,), bf16), stream=STREAM)
+
+
+
+@pytest.mark.parametrize("name,world,rank,config,call", list(scenarios()), ids=lambda v: v if isinstance(v, str) else "")
+def test_collectives_launch_what_they_launched_before(name, world, rank, config, call):
+    import hashlib
+
+    from mori import _core
+
+    records = []
+
+    def kernel(entry):
+        def launch(stream, grid, block, *fields, shared=0):
+            records.append((entry, grid, block, shared, stream, _core.kernel_params(entry, *fields).hex()))
+
+        return launch
+
+    c = fake_comm(world, rank, config)
+    c._kernel = kernel
+    call(c)
+    digest, count = OLD_LAUNCHES[name]
+    assert len(records) == count and hashlib.sha256(repr(records).encode()).hexdigest()[:32] == digest, records
 
 
 def test_flag_area_and_grids():

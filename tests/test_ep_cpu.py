@@ -142,36 +142,59 @@ def test_deepep_event_and_handles_without_gpu():
         buf._check_handle(h, deepep._LowLatencyHandle)
 
 
-# ---- the kernels' parameter layouts against their CUDA signatures --------------------------------
+# ---- the kernels' parameters: crates/collective packs what mori.ep used to pack -----------------
+# (crates/collective/tests check the parameter structs against kernels/ep/*.cu.)
 
 KERNELS = Path(__file__).parent.parent / "kernels" / "ep"
-# struct codes of mori.ep.KERNEL_LAYOUTS by C type (after const / __restrict__ / volatile are dropped)
-_CODES = {"int": "i", "unsigned int": "I", "u64": "Q", "long long": "q", "float": "f"}
+# Frozen: the struct codes mori.ep packed each launch with before crates/collective
+# (P pointer, i int32, Q uint64; native alignment, no tail padding).
+OLD_LAYOUTS = {
+    "ep_prepare": "PiiiiiPPPPPPiPPPi",
+    "ep_dispatch": "PQPiPPiiiiPPPPPPPPP",
+    "ep_combine_send": "PQiiPPQP",
+    "ep_combine_reduce": "PiPQiiiPPP",
+    "ep_ll_dispatch_send": "PPiiiiiiiiPPPP",
+    "ep_ll_dispatch_recv": "iiiiiiiPPPPPPPPPPPP",
+    "ep_ll_combine_send": "PPPiiiiiiiPPPPPPP",
+    "ep_ll_combine_recv": "PiiiiiiiiPPPPP",
+}
 
 
-def _entry_points() -> dict[str, str]:
-    """{entry: struct codes} of every extern "C" kernel under kernels/ep/."""
-    found = {}
-    for path in sorted(KERNELS.glob("*.cu")):
-        src = re.sub(r"//[^\n]*", "", path.read_text())
-        for name, params in re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\((.*?)\)\s*\{', src, re.S):
-            codes = ""
-            for param in params.split(","):
-                words = [w for w in re.split(r"\s+", param.replace("*", " * ").strip()) if w not in ("const", "__restrict__", "volatile")]
-                ctype = " ".join(words[:-1])
-                codes += "P" if "*" in ctype else _CODES[ctype]
-            found[name] = codes
-    return found
+def _random_fields(rng, codes: str) -> list[int]:
+    return [rng.getrandbits(64) if c in "PQ" else rng.randrange(-(1 << 31), 1 << 31) for c in codes]
 
 
-def test_kernel_layouts_match_the_cuda_signatures():
-    from mori.ep import KERNEL_LAYOUTS
+@pytest.mark.parametrize("entry", sorted(OLD_LAYOUTS))
+def test_kernel_params_are_the_bytes_the_old_layouts_packed(entry):
+    import random
+    import struct
 
-    found = _entry_points()
-    assert set(found) == set(KERNEL_LAYOUTS), "every kernel under kernels/ep has a layout, and no layout names a missing kernel"
-    for entry, codes in found.items():
-        assert KERNEL_LAYOUTS[entry] == codes, f"{entry}: mori.ep packs {KERNEL_LAYOUTS[entry]!r}, the kernel takes {codes!r}"
+    from mori import _core
 
+    rng = random.Random(entry)
+    codes = OLD_LAYOUTS[entry]
+    for fields in [[0] * len(codes), [(1 << 64) - 1 if c in "PQ" else -1 for c in codes]] + [_random_fields(rng, codes) for _ in range(200)]:
+        assert _core.kernel_params(entry, *fields) == struct.pack("@" + codes, *fields), (entry, fields)
+
+
+def test_kernel_params_errors_name_the_field():
+    from mori import _core
+
+    fields = list(range(1, 9))  # ep_combine_send: y, row_bytes, num_recv, num_ranks, rank_matrix, comb_buf, max_tokens, counters
+    assert _core.kernel_params("ep_combine_send", *fields[:2], num_recv=3, num_ranks=4, rank_matrix=5, comb_buf=6, max_tokens=7,
+                               counters=8) == _core.kernel_params("ep_combine_send", *fields)
+    for call, match in (
+        (lambda: _core.kernel_params("ep_combine_send", *fields[:7]), "missing fields: counters"),
+        (lambda: _core.kernel_params("ep_combine_send", *fields, 9), "takes 8 fields"),
+        (lambda: _core.kernel_params("ep_combine_send", *fields[:7], count=1), "no field \"count\""),
+        (lambda: _core.kernel_params("ep_combine_send", *fields, y=1), "\"y\" given twice"),
+        (lambda: _core.kernel_params("ep_combine_send", 1, 2, 1 << 31, *fields[3:]), "\"num_recv\" \\(int\\)"),
+        (lambda: _core.kernel_params("ep_combine_send", -1, *fields[1:]), "\"y\" \\(T\\*\\)"),
+        (lambda: _core.kernel_params("ep_combine_send", 1.5, *fields[1:]), "\"y\""),
+        (lambda: _core.kernel_params("ep_nope"), "ep_nope"),
+    ):
+        with pytest.raises(errors.InvalidArgumentError, match=match):
+            call()
 
 
 def test_shared_constants_match_the_kernels():

@@ -48,7 +48,7 @@ __device__ __forceinline__ u64 flag_word(u64 epoch, u64 sig) {
     return (static_cast<u64>(static_cast<u32>(epoch)) << 32) | fold_signature(sig);
 }
 
-// Kernel arguments, passed by value (python/mori/ccl.py packs the same layout).
+// Kernel arguments, passed by value (crates/collective/src/ccl.rs declares the same layout).
 struct CclArgs {
     u64 base;           // this rank's symmetric area: state, flags, receive and gather areas
     u64 recv_offset;    // receive area of parity 0 within base; parity 1 follows at +parity_stride
@@ -69,7 +69,7 @@ struct CclArgs {
     u64 sig_send[MAX_RANKS];     // signature raised with the flag to each rank
     u64 sig_expect[MAX_RANKS];   // signature expected from each rank
 };
-static_assert(sizeof(CclArgs) == 96 + 6 * 8 * MAX_RANKS, "CclArgs layout is shared with python/mori/ccl.py");
+static_assert(sizeof(CclArgs) == 96 + 6 * 8 * MAX_RANKS, "CclArgs layout is shared with crates/collective/src/ccl.rs");
 
 constexpr u64 FLAGS_OFFSET = STATE_BYTES;
 

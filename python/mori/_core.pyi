@@ -2,7 +2,7 @@
 # mori.jit and mori.topology). Addresses and streams are plain ints.
 from os import PathLike
 from pathlib import Path
-from typing import Any, Generator
+from typing import Any, Generator, Sequence
 
 __version__: str
 
@@ -170,6 +170,17 @@ class ShmemModule:
 
 class Registered:
     def peer(self, pe: int) -> tuple[int, int] | None: ...
+
+# collective: mori.ep / mori.ccl kernels with their parameter structs (crates/collective).
+# Fields go in the kernel's parameter order, or by name; pointers are addresses (int), a
+# per-rank array is a sequence of at most its length (zeros after).
+class Kernel:
+    def __init__(self, module: ShmemModule, entry: str) -> None: ...
+    @property
+    def entry(self) -> str: ...
+    def __call__(self, stream: int, grid: int, block: int, *fields: int | Sequence[int], shared: int = 0, **named: int | Sequence[int]) -> None: ...
+
+def kernel_params(entry: str, *fields: int | Sequence[int], **named: int | Sequence[int]) -> bytes: ...
 
 # io
 class IoEngine:

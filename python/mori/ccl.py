@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mori import gpu, shmem
+from mori import _core, gpu, shmem
 from mori.errors import InvalidArgumentError, MismatchError, MoriError, TimeoutError
 
 MAX_RANKS = 8  # kernels/collective/ccl.cu: MAX_RANKS
@@ -41,19 +41,6 @@ REDUCE_OPS = ("sum", "max", "min")
 ALGORITHMS = ("one_shot", "two_shot")
 _DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 _OP_CODES = {"all_reduce_one_shot": 1, "all_reduce_two_shot": 2, "reduce_scatter": 3, "all_gather": 4, "all_to_all": 5, "broadcast": 6}
-
-# The kernels' CclArgs, field for field (static_assert'ed there: 96 + 6 * 8 * MAX_RANKS bytes).
-ARGS_DTYPE = np.dtype(
-    [(name, np.uint64) for name in (
-        "base", "recv_offset", "gather_offset", "parity_stride", "slot_bytes", "in_ptr", "out_ptr", "timeout_ns",
-        "count", "total", "out_stride", "slice_count",
-    )]
-    + [(name, np.uint64, (MAX_RANKS,)) for name in (
-        "send_offset", "send_bytes", "out_offset", "recv_bytes", "sig_send", "sig_expect",
-    )],
-    align=True,
-)
-
 
 @dataclass(frozen=True, kw_only=True)
 class CclConfig:
@@ -189,6 +176,7 @@ class Communicator:
         # cache elsewhere). The collective calloc below ends in a barrier, so every rank starts
         # its first collective together instead of a peer's kernel timing out meanwhile.
         self._module = shmem._s().load_variant("collective/ccl")
+        self._kernels: dict[str, Any] = {}
         self._buffer = shmem.calloc(total)  # zeroed: epoch 0, no flags raised, no error
         self._state = shmem._as_tensor(self._buffer.ptr, STATE_BYTES, (STATE_BYTES // 4,), torch.int32, self.device, self._buffer)
         self._parity_stride = area
@@ -196,22 +184,26 @@ class Communicator:
 
     # ---- plumbing -----------------------------------------------------------------------------
 
-    def _args(self, inp: Any, out: Any) -> np.ndarray:
+    def _kernel(self, entry: str) -> Any:
+        kernel = self._kernels.get(entry)
+        if kernel is None:
+            kernel = self._kernels[entry] = _core.Kernel(self._module, entry)
+        return kernel
+
+    def _launch(self, entry: str, grid: int, stream: Any, inp: int, out: int, count: int = 0, total: int = 0,
+                out_stride: int = 0, slice_count: int = 0, send_offset: Sequence[int] = (), send_bytes: Sequence[int] = (),
+                out_offset: Sequence[int] = (), recv_bytes: Sequence[int] = (), sig_send: Sequence[int] = (),
+                sig_expect: Sequence[int] = ()) -> None:
+        """One launch of ``entry`` with the kernels' CclArgs (crates/collective), field for field;
+        the per-rank arrays hold up to MAX_RANKS entries, zero after the given ones."""
         if self._buffer is None:
             raise MoriError("this mori.ccl Communicator was closed")
-        a = np.zeros(1, dtype=ARGS_DTYPE)
-        a["base"] = self._buffer.ptr
-        a["recv_offset"] = self._recv_offset
-        a["gather_offset"] = self._gather_offset
-        a["parity_stride"] = self._parity_stride
-        a["slot_bytes"] = self.slot_bytes
-        a["in_ptr"] = inp
-        a["out_ptr"] = out
-        a["timeout_ns"] = self._timeout_ns
-        return a
-
-    def _launch(self, entry: str, grid: int, args: np.ndarray, stream: Any) -> None:
-        self._module.launch(entry, grid, self.config.threads, shmem._pack([args[0]]), 0, gpu._stream_handle(stream, self.device))
+        self._kernel(entry)(
+            gpu._stream_handle(stream, self.device), grid, self.config.threads,
+            self._buffer.ptr, self._recv_offset, self._gather_offset, self._parity_stride, self.slot_bytes, inp, out,
+            self._timeout_ns, count, total, out_stride, slice_count,
+            send_offset, send_bytes, out_offset, recv_bytes, sig_send, sig_expect,
+        )
 
     def _tensor(self, t: Any, what: str, dtypes: tuple | None = None) -> None:
         import torch
@@ -262,19 +254,17 @@ class Communicator:
             max_piece = (self.slot_bytes // es // quantum * quantum) * n
         for start, end in split_pieces(count, max_piece, quantum):
             length = end - start
-            a = self._args(tensor.data_ptr() + start * es, out.data_ptr() + start * es)
             if algo == "one_shot":
-                a["count"] = length
+                sizes = (length, 0, 0, 0)  # count, total, out_stride, slice_count
                 grid = _grid(length * es, BLOCK_BYTES, self.config)
             else:
                 slice_len = -(-length // n)
                 slice_len = -(-slice_len // quantum) * quantum
-                a["count"], a["total"], a["out_stride"], a["slice_count"] = slice_len, length, slice_len, slice_len
+                sizes = (slice_len, length, slice_len, slice_len)
                 grid = _grid(slice_len * es, BLOCK_BYTES, self.config)
-            sig = signature(_OP_CODES[f"all_reduce_{algo}"], es, REDUCE_OPS.index(opname), length, grid)
-            a["sig_send"] = sig
-            a["sig_expect"] = sig
-            self._launch(f"ccl_all_reduce_{algo}_{suffix}", grid, a, stream)
+            sig = [signature(_OP_CODES[f"all_reduce_{algo}"], es, REDUCE_OPS.index(opname), length, grid)] * MAX_RANKS
+            self._launch(f"ccl_all_reduce_{algo}_{suffix}", grid, stream, tensor.data_ptr() + start * es,
+                         out.data_ptr() + start * es, *sizes, sig_send=sig, sig_expect=sig)
         return out
 
     def reduce_scatter(self, output: Any, input: Any, op: Any = "sum", *, stream: Any = None):  # noqa: A002 - torch's name
@@ -297,13 +287,10 @@ class Communicator:
         for start, end in split_pieces(m, self.slot_bytes // es, VECTOR // es):
             length = end - start
             # Slice r of this piece is input[r*M + start : r*M + end]: stride M from the piece start.
-            a = self._args(input.data_ptr() + start * es, output.data_ptr() + start * es)
-            a["count"], a["total"], a["out_stride"], a["slice_count"] = m, m * (n - 1) + length, 0, length
             grid = _grid(length * es, BLOCK_BYTES, self.config)
-            sig = signature(_OP_CODES["reduce_scatter"], es, REDUCE_OPS.index(opname), length, m, grid)
-            a["sig_send"] = sig
-            a["sig_expect"] = sig
-            self._launch(f"ccl_reduce_scatter_{suffix}", grid, a, stream)
+            sig = [signature(_OP_CODES["reduce_scatter"], es, REDUCE_OPS.index(opname), length, m, grid)] * MAX_RANKS
+            self._launch(f"ccl_reduce_scatter_{suffix}", grid, stream, input.data_ptr() + start * es,
+                         output.data_ptr() + start * es, m, m * (n - 1) + length, 0, length, sig_send=sig, sig_expect=sig)
         return output
 
     def _exchange(self, kind: int, inp: Any, out: Any, send: list[tuple[int, int]], recv: list[tuple[int, int]],
@@ -320,17 +307,21 @@ class Communicator:
         else:
             parts, grid = 1, self.config.max_blocks
         for k in range(parts):
-            a = self._args(inp.data_ptr(), out.data_ptr())
+            send_offset, send_bytes, sig_send, out_offset, recv_bytes, sig_expect = [], [], [], [], [], []
             for p in range(n):
                 s_off, s_len = send[p]
                 s_lo, s_hi = _part(s_len, parts, k)
-                a["send_offset"][0, p], a["send_bytes"][0, p] = s_off + s_lo, s_hi - s_lo
-                a["sig_send"][0, p] = signature(kind, extra, s_hi - s_lo, grid, parts, k)
+                send_offset.append(s_off + s_lo)
+                send_bytes.append(s_hi - s_lo)
+                sig_send.append(signature(kind, extra, s_hi - s_lo, grid, parts, k))
                 r_off, r_len = recv[p]
                 r_lo, r_hi = _part(r_len, parts, k)
-                a["out_offset"][0, p], a["recv_bytes"][0, p] = r_off + r_lo, r_hi - r_lo
-                a["sig_expect"][0, p] = signature(kind, extra, r_hi - r_lo, grid, parts, k)
-            self._launch("ccl_push", grid, a, stream)
+                out_offset.append(r_off + r_lo)
+                recv_bytes.append(r_hi - r_lo)
+                sig_expect.append(signature(kind, extra, r_hi - r_lo, grid, parts, k))
+            self._launch("ccl_push", grid, stream, inp.data_ptr(), out.data_ptr(), send_offset=send_offset,
+                         send_bytes=send_bytes, out_offset=out_offset, recv_bytes=recv_bytes, sig_send=sig_send,
+                         sig_expect=sig_expect)
 
     def all_gather(self, output: Any, input: Any, *, stream: Any = None):  # noqa: A002 - torch's name
         """``output`` = every rank's ``input`` concatenated in rank order (numel ranks x input),

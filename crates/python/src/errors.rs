@@ -28,6 +28,8 @@ pub enum Error {
     Io(mori_io::Error),
     Umbp(mori_umbp::Error),
     UmbpRemote(mori_umbpd::ClientError),
+    /// Kernel parameters (a wrong field, an unknown entry point).
+    Collective(mori_collective::Error),
     /// A transfer that failed (what every waiter of it sees).
     TransferFailed(mori_io::Failure),
     InvalidArgument(String),
@@ -41,6 +43,15 @@ impl From<mori_umbpd::ClientError> for Error {
             // The client's own IO engine (registering memory, starting the engine).
             mori_umbpd::ClientError::Io(e) => Error::Io(e),
             e => Error::UmbpRemote(e),
+        }
+    }
+}
+
+impl From<mori_collective::Error> for Error {
+    fn from(e: mori_collective::Error) -> Self {
+        match e {
+            mori_collective::Error::Gpu(g) => Error::Gpu(g),
+            other => Error::Collective(other),
         }
     }
 }
@@ -153,6 +164,8 @@ impl From<Error> for PyErr {
                 mori_io::FailureKind::Timeout => TimeoutError::new_err(f.message),
                 _ => TransportError::new_err(f.message),
             },
+            // Every other mori-collective error is about the parameters given.
+            Error::Collective(e) => InvalidArgumentError::new_err(e.to_string()),
             Error::InvalidArgument(msg) => InvalidArgumentError::new_err(msg),
             Error::Closed(what) => ClosedError::new_err(format!("{what} is closed")),
         }

@@ -2,6 +2,7 @@
 //! and mori-topology; every error crosses into Python through `errors.rs`.
 
 mod bootstrap;
+mod collective;
 mod errors;
 mod gpu;
 mod io;
@@ -117,6 +118,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<shmem::Shmem>()?;
     m.add_class::<shmem::ShmemModule>()?;
     m.add_class::<shmem::Registered>()?;
+    m.add_class::<collective::Kernel>()?;
+    m.add_function(wrap_pyfunction!(collective::kernel_params, m)?)?;
     m.add_class::<io::IoEngine>()?;
     m.add_class::<io::Transfer>()?;
     m.add_function(wrap_pyfunction!(io::io_memory_desc_info, m)?)?;

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use crate::bootstrap::Bootstrap;
 use crate::errors::{Error, Result};
 
-fn finalized() -> Error {
+pub(crate) fn finalized() -> Error {
     Error::InvalidArgument("this mori.shmem session was finalized".into())
 }
 
@@ -164,8 +164,8 @@ impl Shmem {
 /// A user module loaded for a shmem session.
 #[pyclass(frozen, module = "mori._core")]
 pub struct ShmemModule {
-    session: Arc<Mutex<Option<mori_shmem::Shmem>>>,
-    module: Module,
+    pub(crate) session: Arc<Mutex<Option<mori_shmem::Shmem>>>,
+    pub(crate) module: Module,
     functions: Mutex<HashMap<String, Function>>,
 }
 

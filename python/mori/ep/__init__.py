@@ -22,12 +22,11 @@ dispatch on this buffer.
 
 from __future__ import annotations
 
-import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mori import gpu, shmem
+from mori import _core, gpu, shmem
 from mori.errors import InvalidArgumentError, TimeoutError
 
 MAX_TOPK = 9  # ep::MAX_TOPK in kernels/ep/mori_ep.cuh
@@ -65,33 +64,6 @@ class EpConfig:
             raise InvalidArgumentError("num_experts, max_tokens_per_rank and num_sms must be positive")
         if self.low_latency_max_tokens < 0:
             raise InvalidArgumentError("low_latency_max_tokens must be >= 0 (0: no low-latency buffers)")
-
-
-# Each entry point's C parameter list as struct codes (P pointer, i int32, Q uint64), packed by one
-# struct.pack per launch; tests/test_ep_cpu.py checks them against kernels/ep/*.cu.
-KERNEL_LAYOUTS = {
-    "ep_prepare": "PiiiiiPPPPPPiPPPi",
-    "ep_dispatch": "PQPiPPiiiiPPPPPPPPP",
-    "ep_combine_send": "PQiiPPQP",
-    "ep_combine_reduce": "PiPQiiiPPP",
-    "ep_ll_dispatch_send": "PPiiiiiiiiPPPP",
-    "ep_ll_dispatch_recv": "iiiiiiiPPPPPPPPPPPP",
-    "ep_ll_combine_send": "PPPiiiiiiiPPPPPPP",
-    "ep_ll_combine_recv": "PiiiiiiiiPPPPP",
-}
-
-
-class _Kernel:
-    """One kernel entry point with its C parameter layout (KERNEL_LAYOUTS), so a launch packs
-    its arguments in one struct.pack call."""
-
-    __slots__ = ("_module", "_entry", "_layout")
-
-    def __init__(self, module: Any, entry: str):
-        self._module, self._entry, self._layout = module, entry, struct.Struct("@" + KERNEL_LAYOUTS[entry])
-
-    def __call__(self, stream: int, grid: int, block: int, *args: int, shared: int = 0) -> None:
-        self._module.launch(self._entry, grid, block, self._layout.pack(*args), shared, stream)
 
 
 def _ptr(t: Any) -> int:
@@ -216,11 +188,13 @@ class Buffer:
         self._calls = 0
         self.profile: list[dict[str, float]] | None = None  # set to [] to record phase timings
 
+        # Each launch fills the entry's parameter struct (crates/collective) from the fields,
+        # passed in the kernel's parameter order.
         m = shmem._s().load_variant("ep/intranode")
-        self._k_prepare = _Kernel(m, "ep_prepare")
-        self._k_dispatch = _Kernel(m, "ep_dispatch")
-        self._k_combine_send = _Kernel(m, "ep_combine_send")
-        self._k_combine_reduce = _Kernel(m, "ep_combine_reduce")
+        self._k_prepare = _core.Kernel(m, "ep_prepare")
+        self._k_dispatch = _core.Kernel(m, "ep_dispatch")
+        self._k_combine_send = _core.Kernel(m, "ep_combine_send")
+        self._k_combine_reduce = _core.Kernel(m, "ep_combine_reduce")
         self._ll = _LowLatency(self) if config.low_latency_max_tokens else None
 
     # ---- shared plumbing ------------------------------------------------------------------
@@ -453,10 +427,10 @@ class _LowLatency:
         vecs = h // 8
         self.chunks = next(c for c in (4, 2, 1) if vecs % (32 * c) == 0) if vecs % 32 == 0 else 1
         m = shmem._s().load_variant("ep/low_latency")
-        self._k_dispatch_send = _Kernel(m, "ep_ll_dispatch_send")
-        self._k_dispatch_recv = _Kernel(m, "ep_ll_dispatch_recv")
-        self._k_combine_send = _Kernel(m, "ep_ll_combine_send")
-        self._k_combine_recv = _Kernel(m, "ep_ll_combine_recv")
+        self._k_dispatch_send = _core.Kernel(m, "ep_ll_dispatch_send")
+        self._k_dispatch_recv = _core.Kernel(m, "ep_ll_dispatch_recv")
+        self._k_combine_send = _core.Kernel(m, "ep_ll_combine_send")
+        self._k_combine_recv = _core.Kernel(m, "ep_ll_combine_recv")
 
     def dispatch(self, x: Any, topk_idx: Any, use_fp8: bool, stream: Any, return_recv_hook: bool) -> LowLatencyDispatchResult:
         import torch

@@ -1,0 +1,170 @@
+//! Parameter structs of mori.ep's kernels (`kernels/ep/intranode.cu`, `kernels/ep/low_latency.cu`):
+//! field for field the kernels' parameter lists.
+
+use crate::params::{DevicePtr, Passing, kernel_params};
+
+kernel_params! {
+    /// `ep_prepare`: routing layout, send lists and the rank/expert count exchange.
+    pub struct EpPrepare for &["ep_prepare"], Passing::Params => {
+        pub topk_idx: DevicePtr,
+        pub num_tokens: i32,
+        pub topk: i32,
+        pub experts_per_rank: i32,
+        pub num_ranks: i32,
+        pub num_experts: i32,
+        pub slot: DevicePtr,
+        pub send_list: DevicePtr,
+        pub tokens_per_rank: DevicePtr,
+        pub tokens_per_expert: DevicePtr,
+        pub rank_matrix_out: DevicePtr,
+        pub counters: DevicePtr,
+        pub notify: i32,
+        pub rank_matrix: DevicePtr,
+        pub expert_matrix: DevicePtr,
+        pub host_info: DevicePtr,
+        pub seq: i32,
+    }
+}
+
+kernel_params! {
+    /// `ep_dispatch`: normal-mode dispatch into the peers' receive buffers.
+    pub struct EpDispatch for &["ep_dispatch"], Passing::Params => {
+        pub x: DevicePtr,
+        pub row_bytes: u64,
+        pub scales: DevicePtr,
+        pub scale_cols: i32,
+        pub topk_idx: DevicePtr,
+        pub topk_w: DevicePtr,
+        pub num_tokens: i32,
+        pub topk: i32,
+        pub experts_per_rank: i32,
+        pub num_ranks: i32,
+        pub send_list: DevicePtr,
+        pub tokens_per_rank: DevicePtr,
+        pub rank_matrix: DevicePtr,
+        pub recv_x: DevicePtr,
+        pub recv_scales: DevicePtr,
+        pub recv_idx: DevicePtr,
+        pub recv_w: DevicePtr,
+        pub recv_src: DevicePtr,
+        pub counters: DevicePtr,
+    }
+}
+
+kernel_params! {
+    /// `ep_combine_send`: copies expert outputs into the source ranks' combine buffers.
+    pub struct EpCombineSend for &["ep_combine_send"], Passing::Params => {
+        pub y: DevicePtr,
+        pub row_bytes: u64,
+        pub num_recv: i32,
+        pub num_ranks: i32,
+        pub rank_matrix: DevicePtr,
+        pub comb_buf: DevicePtr,
+        pub max_tokens: u64,
+        pub counters: DevicePtr,
+    }
+}
+
+kernel_params! {
+    /// `ep_combine_reduce`: sums every token's rows on its source rank.
+    pub struct EpCombineReduce for &["ep_combine_reduce"], Passing::Params => {
+        pub y: DevicePtr,
+        pub y_on_heap: i32,
+        pub comb_buf: DevicePtr,
+        pub max_tokens: u64,
+        pub hidden: i32,
+        pub num_tokens: i32,
+        pub num_ranks: i32,
+        pub slot: DevicePtr,
+        pub rank_matrix: DevicePtr,
+        pub out: DevicePtr,
+    }
+}
+
+kernel_params! {
+    /// `ep_ll_dispatch_send`: the low-latency dispatch's send half.
+    pub struct EpLlDispatchSend for &["ep_ll_dispatch_send"], Passing::Params => {
+        pub x: DevicePtr,
+        pub topk_idx: DevicePtr,
+        pub num_tokens: i32,
+        pub topk: i32,
+        pub hidden: i32,
+        pub experts_per_rank: i32,
+        pub num_ranks: i32,
+        pub max_tokens: i32,
+        pub use_fp8: i32,
+        pub chunks: i32,
+        pub rows: DevicePtr,
+        pub meta: DevicePtr,
+        pub sent: DevicePtr,
+        pub state: DevicePtr,
+    }
+}
+
+kernel_params! {
+    /// `ep_ll_dispatch_recv`: the low-latency dispatch's receive half.
+    pub struct EpLlDispatchRecv for &["ep_ll_dispatch_recv"], Passing::Params => {
+        pub topk: i32,
+        pub hidden: i32,
+        pub experts_per_rank: i32,
+        pub num_ranks: i32,
+        pub max_tokens: i32,
+        pub use_fp8: i32,
+        pub send_blocks: i32,
+        pub rows: DevicePtr,
+        pub meta: DevicePtr,
+        pub sent: DevicePtr,
+        pub recv_x: DevicePtr,
+        pub recv_scales: DevicePtr,
+        pub recv_count: DevicePtr,
+        pub recv_src_info: DevicePtr,
+        pub layout_range: DevicePtr,
+        pub handle_ids: DevicePtr,
+        pub handle_pos: DevicePtr,
+        pub state: DevicePtr,
+        pub ticket: DevicePtr,
+    }
+}
+
+kernel_params! {
+    /// `ep_ll_combine_send`: the low-latency combine's send half.
+    pub struct EpLlCombineSend for &["ep_ll_combine_send"], Passing::Params => {
+        pub y: DevicePtr,
+        pub topk_idx: DevicePtr,
+        pub topk_w: DevicePtr,
+        pub num_tokens: i32,
+        pub topk: i32,
+        pub hidden: i32,
+        pub experts_per_rank: i32,
+        pub num_ranks: i32,
+        pub max_tokens: i32,
+        pub chunks: i32,
+        pub handle_ids: DevicePtr,
+        pub handle_pos: DevicePtr,
+        pub wts: DevicePtr,
+        pub wts_sent: DevicePtr,
+        pub comb: DevicePtr,
+        pub comb_sent: DevicePtr,
+        pub state: DevicePtr,
+    }
+}
+
+kernel_params! {
+    /// `ep_ll_combine_recv`: the low-latency combine's receive half.
+    pub struct EpLlCombineRecv for &["ep_ll_combine_recv"], Passing::Params => {
+        pub topk_idx: DevicePtr,
+        pub num_tokens: i32,
+        pub topk: i32,
+        pub hidden: i32,
+        pub experts_per_rank: i32,
+        pub num_ranks: i32,
+        pub max_tokens: i32,
+        pub chunks: i32,
+        pub send_blocks: i32,
+        pub comb: DevicePtr,
+        pub comb_sent: DevicePtr,
+        pub out: DevicePtr,
+        pub state: DevicePtr,
+        pub ticket: DevicePtr,
+    }
+}

@@ -1,0 +1,141 @@
+//! Bindings of mori-collective: mori.ep's and mori.ccl's kernels launched with their typed
+//! parameter structs, filled from Python values (positional in struct order, or by field name).
+
+use std::sync::{Arc, Mutex};
+
+use mori_collective::params::CType;
+use mori_collective::{Packed, Packer, Value};
+use mori_gpu::StreamHandle;
+use mori_gpu::kernels::LaunchConfig;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+
+use crate::errors::Result;
+use crate::shmem::{ShmemModule, finalized};
+
+/// Sets field `index` of `packer` from `obj`, converted to the field's C type.
+fn set(packer: &mut Packer, index: usize, obj: &Bound<'_, PyAny>) -> Result<()> {
+    let field = packer.layout().fields[index];
+    let bad = |e: PyErr| mori_collective::Error::Field {
+        entry: packer.entry(),
+        field: field.name.to_string(),
+        problem: match field.len {
+            1 => format!("({}): {e}", field.ty.c_name()),
+            n => format!("({}[{n}]): {e}", field.ty.c_name()),
+        },
+    };
+    let elements: Vec<u64>;
+    let value = match (field.ty, field.len) {
+        (CType::U64, n) if n > 1 => {
+            elements = obj.extract().map_err(bad)?;
+            Value::U64s(&elements)
+        }
+        (CType::Ptr, _) => Value::Ptr(obj.extract().map_err(bad)?),
+        (CType::I32, _) => Value::I32(obj.extract().map_err(bad)?),
+        (CType::U32, _) => Value::U32(obj.extract().map_err(bad)?),
+        (CType::I64, _) => Value::I64(obj.extract().map_err(bad)?),
+        (CType::U64, _) => Value::U64(obj.extract().map_err(bad)?),
+        (CType::F32, _) => Value::F32(obj.extract().map_err(bad)?),
+    };
+    Ok(packer.set(index, value)?)
+}
+
+/// The parameters of `packer`'s entry from `fields` (struct order) and `named` (by name).
+fn pack(
+    mut packer: Packer,
+    fields: &Bound<'_, PyTuple>,
+    named: Option<&Bound<'_, PyDict>>,
+) -> Result<Packed> {
+    let layout = packer.layout();
+    if fields.len() > layout.fields.len() {
+        return Err(mori_collective::Error::Arity {
+            entry: packer.entry(),
+            expected: layout.fields.len(),
+            got: fields.len(),
+            fields: layout.describe(),
+        }
+        .into());
+    }
+    for (i, obj) in fields.iter().enumerate() {
+        set(&mut packer, i, &obj)?;
+    }
+    for (name, obj) in named.into_iter().flatten() {
+        let name: String = name
+            .extract()
+            .map_err(|e: PyErr| crate::errors::Error::InvalidArgument(e.to_string()))?;
+        let (i, _) = layout
+            .field(&name)
+            .ok_or_else(|| mori_collective::Error::UnknownField {
+                entry: packer.entry(),
+                field: name.clone(),
+                fields: layout.describe(),
+            })?;
+        set(&mut packer, i, &obj)?;
+    }
+    Ok(packer.finish()?)
+}
+
+/// The parameter bytes one launch of `entry` passes (what `Kernel.__call__` hands the driver).
+#[pyfunction]
+#[pyo3(signature = (entry, *fields, **named))]
+pub fn kernel_params<'py>(
+    py: Python<'py>,
+    entry: &str,
+    fields: &Bound<'py, PyTuple>,
+    named: Option<&Bound<'py, PyDict>>,
+) -> Result<Bound<'py, PyBytes>> {
+    let packed = pack(mori_collective::packer(entry)?, fields, named)?;
+    Ok(PyBytes::new(py, packed.bytes()))
+}
+
+/// One of mori's EP/CCL kernels in a module loaded for a shmem session.
+#[pyclass(frozen, module = "mori._core")]
+pub struct Kernel {
+    session: Arc<Mutex<Option<mori_shmem::Shmem>>>,
+    kernel: mori_collective::Kernel,
+}
+
+#[pymethods]
+impl Kernel {
+    #[new]
+    fn new(module: &ShmemModule, entry: &str) -> Result<Self> {
+        Ok(Self {
+            session: module.session.clone(),
+            kernel: mori_collective::Kernel::load(&module.module, entry)?,
+        })
+    }
+
+    #[getter]
+    fn entry(&self) -> &'static str {
+        self.kernel.entry()
+    }
+
+    /// Launches the kernel on `stream` (async): its parameter struct filled from `fields` in
+    /// struct order and `named` by field name.
+    #[pyo3(signature = (stream, grid, block, *fields, shared=0, **named))]
+    fn __call__(
+        &self,
+        stream: usize,
+        grid: u32,
+        block: u32,
+        fields: &Bound<'_, PyTuple>,
+        shared: u32,
+        named: Option<&Bound<'_, PyDict>>,
+    ) -> Result<()> {
+        let params = pack(self.kernel.packer(), fields, named)?;
+        if self.session.lock().map_err(|_| finalized())?.is_none() {
+            return Err(finalized());
+        }
+        let cfg = LaunchConfig {
+            grid,
+            block,
+            shared_mem_bytes: shared,
+        };
+        // SAFETY: the addresses come from mori.ep / mori.ccl, which keep what they point at
+        // alive until the kernels ran (the contract of any CUDA launch).
+        Ok(unsafe {
+            self.kernel
+                .launch(cfg, StreamHandle::from_raw(stream), params)
+        }?)
+    }
+}
