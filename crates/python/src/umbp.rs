@@ -68,6 +68,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &PoolStats) -> PyResult<Bound<'py, PyDict
     d.set_item("demotions", s.demotions)?;
     d.set_item("promotions", s.promotions)?;
     d.set_item("corrupt_dropped", s.corrupt_dropped)?;
+    d.set_item("dram_checksum_errors", s.dram_checksum_errors)?;
     d.set_item("ssd_io", s.ssd_io.map(|b| b.as_str()))?;
     Ok(d)
 }

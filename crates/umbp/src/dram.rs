@@ -10,6 +10,14 @@
 //! reserved run (or reading a pinned one) through the raw [`DramArena::region`] pointer never
 //! aliases a borrow.
 //!
+//! # Checksums
+//!
+//! Every value carries the CRC-32C of its bytes, computed when it is stored ([`DramArena::put`],
+//! or [`DramArena::commit_reserved`] for bytes an engine landed in a reserved run) and kept in
+//! its page-table entry. [`DramArena::get`], [`DramArena::get_touch`] and
+//! [`DramArena::get_into`] check it on every read: a value whose bytes changed since (a stray
+//! write through the registered region, a memory fault) is [`Error::Corrupt`], never returned.
+//!
 //! # Recency
 //!
 //! A `put` counts as a use, and so do [`PageTable::touch`] and [`DramArena::get_touch`].
@@ -21,7 +29,8 @@ use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-use crate::error::{Error, Result};
+use crate::crc::crc32c;
+use crate::error::{Error, Result, key_display};
 use crate::pages::{PageTable, Reserved};
 
 /// Alignment of the arena allocation.
@@ -130,10 +139,12 @@ impl DramArena {
         Ok(DramArena { buf, pages })
     }
 
-    /// Copies `value` into the arena under `key` (counts as a use). Keys are immutable:
-    /// a stored key gives [`Error::AlreadyExists`]. Without a free run of enough contiguous
-    /// pages, [`Error::NoSpace`] (with `available` = the largest free run in bytes).
+    /// Copies `value` into the arena under `key` (counts as a use) and records its CRC-32C.
+    /// Keys are immutable: a stored key gives [`Error::AlreadyExists`]. Without a free run of
+    /// enough contiguous pages, [`Error::NoSpace`] (with `available` = the largest free run in
+    /// bytes).
     pub fn put(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
+        let crc = crc32c(value);
         let start = self.pages.insert(key, value.len())?;
         let Some(dst) = self.buf.range_mut(start, value.len()) else {
             self.pages.remove(key);
@@ -142,25 +153,38 @@ impl DramArena {
             ));
         };
         dst.copy_from_slice(value);
+        self.pages.set_checksum(key, crc);
         Ok(())
     }
 
-    /// The value of `key`, borrowed from the arena. Does not count as a use.
-    pub fn get(&self, key: &[u8]) -> Option<&[u8]> {
-        let (start, len) = self.pages.locate(key)?;
-        self.buf.range(start, len)
+    /// The value of `key`, borrowed from the arena, after checking it against the checksum
+    /// recorded when it was stored: a value whose bytes changed since is
+    /// [`Error::Corrupt`] (never returned). Does not count as a use.
+    pub fn get(&self, key: &[u8]) -> Result<Option<&[u8]>> {
+        let Some((start, len)) = self.pages.locate(key) else {
+            return Ok(None);
+        };
+        let bytes = self.buf.range(start, len).ok_or_else(|| Error::Corrupt {
+            key_or_location: key_display(key),
+            detail: "DRAM run outside the arena".into(),
+        })?;
+        match self.pages.checksum(key) {
+            Some(want) if crc32c(bytes) != want => Err(checksum_mismatch(key, start, len)),
+            _ => Ok(Some(bytes)),
+        }
     }
 
     /// Like [`DramArena::get`], and records a use of `key`.
-    pub fn get_touch(&mut self, key: &[u8]) -> Option<&[u8]> {
+    pub fn get_touch(&mut self, key: &[u8]) -> Result<Option<&[u8]>> {
         self.touch(key);
         self.get(key)
     }
 
-    /// Copies the value of `key` into the front of `out` and returns its length; `out` must be
-    /// at least as long as the value ([`Error::InvalidArgument`] otherwise). Not a use.
+    /// Copies the value of `key` into the front of `out` and returns its length, checked as
+    /// [`DramArena::get`]; `out` must be at least as long as the value
+    /// ([`Error::InvalidArgument`] otherwise). Not a use.
     pub fn get_into(&self, key: &[u8], out: &mut [u8]) -> Result<Option<usize>> {
-        let Some(v) = self.get(key) else {
+        let Some(v) = self.get(key)? else {
             return Ok(None);
         };
         let Some(dst) = out.get_mut(..v.len()) else {
@@ -172,6 +196,31 @@ impl DramArena {
         };
         dst.copy_from_slice(v);
         Ok(Some(v.len()))
+    }
+
+    /// Makes a reserved run the value of `key` (counts as a use), recording the CRC-32C of
+    /// the bytes written into it. As [`PageTable::commit_reserved`] otherwise.
+    pub fn commit_reserved(
+        &mut self,
+        key: &[u8],
+        r: Reserved,
+    ) -> std::result::Result<(), (Error, Reserved)> {
+        let at = r.offset(self.pages.page_bytes());
+        let crc = self.buf.range(at, r.len()).map_or(0, crc32c);
+        self.commit_reserved_crc(key, r, crc)
+    }
+
+    /// [`DramArena::commit_reserved`] with the checksum already computed by the caller (from
+    /// the run's bytes, outside the pool lock).
+    pub(crate) fn commit_reserved_crc(
+        &mut self,
+        key: &[u8],
+        r: Reserved,
+        crc: u32,
+    ) -> std::result::Result<(), (Error, Reserved)> {
+        self.pages.commit_reserved(key, r)?;
+        self.pages.set_checksum(key, crc);
+        Ok(())
     }
 
     /// Copies `data` into a reserved run at `at` (bounds-checked against the reservation).
@@ -195,5 +244,15 @@ impl DramArena {
     /// the IO engine. The pointer is valid for the lifetime of the arena.
     pub fn region(&self) -> (*const u8, usize) {
         (self.buf.ptr.as_ptr().cast_const(), self.buf.len())
+    }
+}
+
+/// The error of a DRAM value whose bytes no longer match its checksum.
+pub(crate) fn checksum_mismatch(key: &[u8], offset: usize, len: usize) -> Error {
+    Error::Corrupt {
+        key_or_location: key_display(key),
+        detail: format!(
+            "the DRAM value ({len} bytes at arena offset {offset}) fails its CRC-32C check"
+        ),
     }
 }

@@ -606,6 +606,7 @@ impl Client {
             demotions: s.demotions,
             promotions: s.promotions,
             corrupt_dropped: s.corrupt_dropped,
+            dram_checksum_errors: s.dram_checksum_errors,
             ssd_io: s.ssd_io.parse().ok(),
             // Daemons have no GPU tier.
             ..PoolStats::default()

@@ -761,6 +761,7 @@ pub fn aggregate(peers: &[PeerSummary], keys: usize) -> StatsResponse {
         t.demotions += s.demotions;
         t.promotions += s.promotions;
         t.corrupt_dropped += s.corrupt_dropped;
+        t.dram_checksum_errors += s.dram_checksum_errors;
     }
     t
 }

@@ -534,6 +534,7 @@ pub fn stats_response(s: PoolStats) -> StatsResponse {
         demotions: s.demotions,
         promotions: s.promotions,
         corrupt_dropped: s.corrupt_dropped,
+        dram_checksum_errors: s.dram_checksum_errors,
         ssd_io: s.ssd_io.map(|b| b.as_str().to_string()).unwrap_or_default(),
     }
 }
