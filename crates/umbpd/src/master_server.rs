@@ -13,6 +13,7 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use mori_auth::Secret;
 use mori_umbp::{MemoryStore, MetadataStore};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
@@ -20,6 +21,7 @@ use tracing::warn;
 
 use crate::client::lazy_channel;
 use crate::config::Config;
+use crate::listener::ListenerStats;
 use crate::master::{
     MasterConfig, MasterCore, MasterError, PeerLoad, RemoveStep, SystemClock, aggregate,
 };
@@ -37,9 +39,10 @@ use crate::proto::{
     StatsResponse,
 };
 use crate::server::{
-    DaemonError, MAX_MESSAGE_BYTES, Signals, announce, remove_port_file, start_serving, umbp_server,
+    DaemonError, MAX_MESSAGE_BYTES, Security, Signals, announce, remove_port_file, start_serving,
+    umbp_server,
 };
-use crate::service::status_of;
+use crate::service::{listener_counts, status_of};
 
 /// How often a waiting remove looks at the key's leases again.
 const REMOVE_POLL: Duration = Duration::from_millis(5);
@@ -58,16 +61,28 @@ pub struct MasterState {
     core: Mutex<MasterCore>,
     peer_clients: Mutex<HashMap<String, UmbpClient<Channel>>>,
     started: Instant,
+    /// The deployment secret (the master's connections to its peers prove it).
+    secret: Arc<Secret>,
+    /// The listener's counters (reported by `Health`).
+    listener: Option<Arc<ListenerStats>>,
 }
 
 impl MasterState {
-    /// Wraps a core.
-    pub fn new(core: MasterCore) -> MasterState {
+    /// Wraps a core; connections to peers authenticate with `secret`.
+    pub fn new(core: MasterCore, secret: Arc<Secret>) -> MasterState {
         MasterState {
             core: Mutex::new(core),
             peer_clients: Mutex::new(HashMap::new()),
             started: Instant::now(),
+            secret,
+            listener: None,
         }
+    }
+
+    /// Reports the counters of the listener serving this master in `Health`.
+    pub fn with_listener_stats(mut self, stats: Arc<ListenerStats>) -> MasterState {
+        self.listener = Some(stats);
+        self
     }
 
     /// Runs `f` on the core on the blocking pool.
@@ -92,7 +107,8 @@ impl MasterState {
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
         }
-        let channel = lazy_channel(addr, &crate::ClientOptions::default())
+        let opts = crate::ClientOptions::default();
+        let channel = lazy_channel(addr, &opts, Arc::clone(&self.secret))
             .map_err(|e| Status::internal(e.to_string()))?;
         let c = UmbpClient::new(channel)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
@@ -273,11 +289,15 @@ impl Umbp for MasterService {
         &self,
         _req: Request<HealthRequest>,
     ) -> Result<Response<HealthResponse>, Status> {
+        let (connections_open, connections_refused) =
+            listener_counts(self.state.listener.as_deref());
         Ok(Response::new(HealthResponse {
             serving: true,
             role: "master".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             uptime_ms: millis(self.state.started.elapsed()),
+            connections_open,
+            connections_refused,
         }))
     }
 }
@@ -451,16 +471,20 @@ async fn open_metadata(cfg: &Config) -> Result<Box<dyn MetadataStore>, DaemonErr
 /// Runs the master until a shutdown signal.
 pub async fn run_master(cfg: &Config) -> Result<(), DaemonError> {
     let mut signals = Signals::install()?;
+    let security = Security::load(cfg)?;
     let meta = open_metadata(cfg).await?;
     let core = MasterCore::new(master_config(cfg), Arc::new(SystemClock::default()), meta);
-    let state = Arc::new(MasterState::new(core));
+    let state = Arc::new(
+        MasterState::new(core, Arc::clone(&security.secret))
+            .with_listener_stats(Arc::clone(&security.stats)),
+    );
     let service = MasterService::new(Arc::clone(&state));
     let routes = tonic::service::Routes::new(umbp_server(service.clone())).add_service(
         MasterServer::new(service)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
     );
-    let serving = start_serving(cfg.listen.value, routes).await?;
+    let serving = start_serving(cfg.listen.value, routes, &security).await?;
     let tick_every = (cfg.peer_timeout.value / 4).max(Duration::from_millis(10));
     let ticker = tokio::spawn({
         let state = Arc::clone(&state);
