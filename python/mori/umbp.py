@@ -21,6 +21,11 @@ and eviction; see docs/umbp.md). A cluster key whose peer died is a miss. With a
 ``register`` move the values over mori.io (the daemon copies straight between its DRAM and your
 buffer; gRPC carries only control); on other buffers they copy through bytes. A daemon has
 no GPU tier and takes host buffers only.
+
+Every connection to a daemon proves the deployment secret (and checks that the daemon holds
+it) before any call: ``secret`` (str or bytes), else ``secret_file`` (a file of mode 0600),
+else ``MORI_SECRET_FILE`` / ``MORI_SECRET`` / the per-user default file. A daemon with another
+secret refuses the client: the constructor raises ``TransportError`` naming authentication.
 """
 
 from __future__ import annotations
@@ -96,6 +101,9 @@ class Client:
     0). Without a usable device the constructor raises (``LibraryNotFoundError`` without the
     NVIDIA driver, ``InvalidArgumentError`` for an ordinal that does not exist, ``CudaError``
     when the allocation fails), naming the device.
+
+    ``secret`` / ``secret_file`` (daemon only): the deployment secret to prove to the daemon
+    (default: ``MORI_SECRET_FILE``, ``MORI_SECRET``, else the per-user default file).
     """
 
     def __init__(
@@ -112,14 +120,20 @@ class Client:
         gpu_bytes: int = 0,
         gpu_device: int | None = None,
         master: str | None = None,
+        secret: str | bytes | None = None,
+        secret_file: str | os.PathLike | None = None,
     ):
         self._remote = master is not None
         self._registered: list[tuple[int, int, int, np.ndarray]] = []  # (address, size, handle, keep-alive)
         if self._remote:
             if gpu_bytes:
                 raise InvalidArgumentError("the GPU tier is embedded-only: a daemon has none")
-            self._pool = _core.UmbpRemote(master)
+            if isinstance(secret, str):
+                secret = secret.encode()
+            self._pool = _core.UmbpRemote(master, secret, None if secret_file is None else os.fspath(secret_file))
             return
+        if secret is not None or secret_file is not None:
+            raise InvalidArgumentError("secret and secret_file are for a daemon (master=...): an embedded pool has no port")
         if gpu_bytes < 0:
             raise InvalidArgumentError(f"gpu_bytes must not be negative, got {gpu_bytes}")
         if gpu_bytes and gpu_device is None:
