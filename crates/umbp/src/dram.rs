@@ -18,6 +18,13 @@
 //! [`DramArena::get_into`] check it on every read: a value whose bytes changed since (a stray
 //! write through the registered region, a memory fault) is [`Error::Corrupt`], never returned.
 //!
+//! # Slack
+//!
+//! The bytes of a run's last page past its value (the slack) are zeroed whenever a value is
+//! stored, a run is reserved, or a reserved run is committed, so a value's pages hold that
+//! value and zeros only — never bytes of an earlier value that used those pages. The daemon's
+//! data plane relies on it when it exposes a value's whole pages to the IO engine.
+//!
 //! # Recency
 //!
 //! A `put` counts as a use, and so do [`PageTable::touch`] and [`DramArena::get_touch`].
@@ -153,8 +160,28 @@ impl DramArena {
             ));
         };
         dst.copy_from_slice(value);
+        self.zero_slack(start, value.len());
         self.pages.set_checksum(key, crc);
         Ok(())
+    }
+
+    /// Zeroes the bytes of a run's last page past its value (`start`, `len`: the value's
+    /// offset and length), so a run never carries bytes of an earlier value: an IO engine may
+    /// then expose a value's whole pages (see the module docs).
+    fn zero_slack(&mut self, start: usize, len: usize) {
+        let page = self.pages.page_bytes();
+        let slack = len.div_ceil(page) * page - len;
+        if let Some(tail) = self.buf.range_mut(start + len, slack) {
+            tail.fill(0);
+        }
+    }
+
+    /// Allocates a run for a value of `len` bytes written in place, as
+    /// [`PageTable::reserve`], with the slack of its last page zeroed.
+    pub fn reserve(&mut self, len: usize) -> Result<Reserved> {
+        let r = self.pages.reserve(len)?;
+        self.zero_slack(r.offset(self.pages.page_bytes()), len);
+        Ok(r)
     }
 
     /// The value of `key`, borrowed from the arena, after checking it against the checksum
@@ -218,7 +245,10 @@ impl DramArena {
         r: Reserved,
         crc: u32,
     ) -> std::result::Result<(), (Error, Reserved)> {
+        let (at, len) = (r.offset(self.pages.page_bytes()), r.len());
         self.pages.commit_reserved(key, r)?;
+        // Whatever reached the slack while the run was exposed is gone.
+        self.zero_slack(at, len);
         self.pages.set_checksum(key, crc);
         Ok(())
     }

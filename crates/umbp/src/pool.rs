@@ -476,6 +476,8 @@ pub struct LocalPool {
     inner: Mutex<Inner>,
     /// Start and length of the DRAM arena (fixed for the life of the pool).
     dram_region: (usize, usize),
+    /// Page size of the DRAM arena.
+    dram_page: usize,
 }
 
 impl std::fmt::Debug for LocalPool {
@@ -571,6 +573,7 @@ impl LocalPool {
                 meta,
                 inner: Mutex::new(inner),
                 dram_region,
+                dram_page: cfg.page_bytes,
             },
             report,
         ))
@@ -688,6 +691,12 @@ impl LocalPool {
     /// others inside a [`LocalPool::batch_read_with`] callback, at the offsets it gives.
     pub fn dram_region(&self) -> (usize, usize) {
         self.dram_region
+    }
+
+    /// Page size of the DRAM arena. A DRAM value occupies whole pages from its offset; the
+    /// bytes of its last page past its length are always zero (see [`DramArena`]).
+    pub fn dram_page_bytes(&self) -> usize {
+        self.dram_page
     }
 
     /// The CRC-32C of `len` bytes at `offset` in the DRAM arena, read without the pool lock.

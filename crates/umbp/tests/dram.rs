@@ -304,3 +304,36 @@ fn values_are_checksummed_and_a_flipped_byte_is_caught() {
     assert_eq!(out, vec![0u8; 5000], "nothing copied out");
     assert_eq!(a.get(b"b").unwrap(), Some(&[2u8; 100][..]));
 }
+
+/// A value's pages hold the value and zeros: the slack of its last page never keeps bytes of
+/// an earlier value (put, reserve and commit all clear it), so exposing whole pages leaks
+/// nothing.
+#[test]
+fn the_slack_of_a_values_last_page_is_zero() {
+    let page = 1024;
+    let mut a = DramArena::new(4 * page, page).unwrap();
+    let (base, _) = a.region();
+    let slack = |a: &DramArena, k: &[u8]| {
+        let (at, len) = a.locate(k).unwrap();
+        let end = len.div_ceil(page) * page;
+        // SAFETY: inside the arena; no borrow of these bytes is alive.
+        unsafe { std::slice::from_raw_parts(base.add(at + len), end - len) }.to_vec()
+    };
+    a.put(b"old", &[0xAB; 4 * 1024]).unwrap();
+    assert!(a.remove(b"old"));
+    a.put(b"new", &[1; 1500]).unwrap();
+    assert_eq!(slack(&a, b"new"), vec![0u8; 548]);
+    let r = a.reserve(700).unwrap();
+    let at = r.offset(page);
+    // SAFETY: the reserved run's last page lies in the arena; nothing borrows it.
+    let tail = unsafe { std::slice::from_raw_parts(base.add(at + 700), page - 700) };
+    assert!(tail.iter().all(|&b| b == 0), "reserve clears the slack");
+    // SAFETY: as above; a stray write into the slack while the run is exposed.
+    unsafe { std::ptr::write_bytes(base.cast_mut().add(at + 800), 0xEE, 10) };
+    a.commit_reserved(b"r", r).unwrap();
+    assert_eq!(
+        slack(&a, b"r"),
+        vec![0u8; page - 700],
+        "commit clears it again"
+    );
+}

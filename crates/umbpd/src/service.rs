@@ -105,10 +105,11 @@ fn status_of_failure(f: mori_io::Failure) -> Status {
 
 /// The daemon's side of the data plane: a mori.io engine that moves values between the
 /// pool's DRAM arena and clients' registered buffers. The daemon drives every transfer itself,
-/// and the arena is never registered as a whole: each request registers **exactly the bytes
-/// of the values it moves** ([`ArenaLease`]) for the duration of its transfer and deregisters
-/// them before it answers, so no engine can address any other part of the arena, and nothing
-/// at all outside a transfer. For `BatchGetInto` it writes the leased values (pinned by the
+/// and the arena is never registered as a whole: each request registers **exactly the pages
+/// of the values it moves** ([`ArenaLease`]; a value's pages hold that value and zeros, never
+/// an earlier value's bytes) for the duration of its transfer and deregisters them before it
+/// answers, so no engine can address any other part of the arena, and nothing at all outside
+/// a transfer. For `BatchGetInto` it writes the leased values (pinned by the
 /// pool, checksum-verified, not under the pool lock: gets at one peer overlap) into the
 /// client's buffer; for `BatchPutFrom` it reserves arena pages, leases exactly the reserved
 /// values' bytes, reads the values out of the client's buffer straight into them, ends the
@@ -119,6 +120,8 @@ pub struct DataPlane {
     engine: IoEngine,
     /// Start address and length of the pool's DRAM arena.
     arena: (u64, u64),
+    /// Its page size (leases cover whole pages).
+    page: u64,
     timeout: Duration,
 }
 
@@ -157,8 +160,8 @@ pub fn check_engine_address(engine: SocketAddr, caller: Option<SocketAddr>) -> R
     )))
 }
 
-/// Arena bytes registered with the daemon's engine for one request: exactly the byte ranges
-/// of the values it moves (adjacent ranges share a region), deregistered by
+/// Arena bytes registered with the daemon's engine for one request: exactly the pages of the
+/// values it moves (adjacent runs — values stored together — share a region), deregistered by
 /// [`ArenaLease::release`] or on drop. Nothing else of the arena is ever addressable.
 struct ArenaLease<'a> {
     engine: &'a IoEngine,
@@ -254,11 +257,13 @@ impl Items {
         }
     }
 
-    fn ranges(&self) -> Vec<(u64, u64)> {
+    /// The arena pages of the items: `(offset, len)` rounded up to whole pages of `page`
+    /// bytes (values start on a page).
+    fn pages(&self, page: u64) -> Vec<(u64, u64)> {
         self.arena
             .iter()
-            .copied()
-            .zip(self.sizes.iter().copied())
+            .zip(&self.sizes)
+            .map(|(&o, &n)| (o, n.div_ceil(page) * page))
             .collect()
     }
 }
@@ -267,8 +272,8 @@ impl DataPlane {
     /// Starts an engine listening on `host` for the pool's arena (nothing is registered
     /// until a request leases values).
     pub fn start(pool: &SharedPool, host: IpAddr) -> Result<DataPlane, String> {
-        let (addr, len) = pool
-            .with(|p| Ok(p.dram_region()))
+        let ((addr, len), page) = pool
+            .with(|p| Ok((p.dram_region(), p.dram_page_bytes())))
             .map_err(|s| s.message().to_string())?;
         let name = format!("umbpd-{}-{:x}", std::process::id(), addr);
         let cfg = EngineConfig {
@@ -280,6 +285,7 @@ impl DataPlane {
         Ok(DataPlane {
             engine,
             arena: (addr as u64, len as u64),
+            page: page as u64,
             timeout: DATA_TIMEOUT,
         })
     }
@@ -403,7 +409,7 @@ impl DataPlane {
         if items.sizes.is_empty() {
             return Ok(());
         }
-        let lease = ArenaLease::register(&self.engine, self.arena.0, &items.ranges())?;
+        let lease = ArenaLease::register(&self.engine, self.arena.0, &items.pages(self.page))?;
         let moved = self.run(op, &lease, items, remote);
         let released = lease.release().map_err(|e| {
             Status::deadline_exceeded(format!(
@@ -1126,22 +1132,26 @@ mod tests {
                     let ReadSlot::Arena { offset, len } = slots[0] else {
                         panic!("not in DRAM: {:?}", slots[0]);
                     };
-                    let lease = ArenaLease::register(
-                        &data.engine,
-                        data.arena.0,
-                        &[(offset as u64, len as u64)],
-                    )
-                    .unwrap();
+                    let items = Items {
+                        arena: vec![offset as u64],
+                        remote: vec![0],
+                        sizes: vec![len as u64],
+                    };
+                    let lease =
+                        ArenaLease::register(&data.engine, data.arena.0, &items.pages(data.page))
+                            .unwrap();
                     assert_eq!(lease.regions.len(), 1);
                     let mem = lease.regions[0].0.clone();
-                    assert_eq!(mem.len, len as u64, "exactly the value, not its pages");
-                    let got = read_remote(&rogue, &mem, 0, len as u64).unwrap();
-                    assert_eq!(got, values[1]);
-                    let err = read_remote(&rogue, &mem, len as u64, 16).unwrap_err();
+                    let pages = 3 * page as u64;
+                    assert_eq!(mem.len, pages, "exactly the value's pages");
+                    let got = read_remote(&rogue, &mem, 0, pages).unwrap();
+                    assert_eq!(&got[..len], &values[1][..]);
+                    assert!(got[len..].iter().all(|&b| b == 0), "the slack is zeros");
+                    let err = read_remote(&rogue, &mem, pages, 16).unwrap_err();
                     assert!(err.contains("outside"), "{err}");
                     let mut forged = mem.clone();
                     forged.len = data.arena.1;
-                    for off in [len as u64, (len + 100) as u64, data.arena.1 - 16] {
+                    for off in [pages, pages + 100, data.arena.1 - 16] {
                         let err = read_remote(&rogue, &forged, off, 16).unwrap_err();
                         assert!(err.contains("outside region"), "offset {off}: {err}");
                     }
@@ -1227,5 +1237,157 @@ mod tests {
         assert!(dst.iter().all(|&b| b == 0), "nothing written");
         let stats = shared.with(|p| Ok(p.stats())).unwrap();
         assert_eq!(stats.dram_checksum_errors, 1);
+    }
+}
+
+/// The per-get cost of scoping the data plane: leasing a value's bytes (register and
+/// deregister with the daemon's engine), the checksum check, and a whole get through the lease
+/// next to the same get from an arena registered once (what the daemon did before leases).
+/// A measurement, not a test:
+/// `cargo test --release -p mori-umbpd --lib lease_cost -- --ignored --nocapture`.
+#[cfg(test)]
+mod lease_cost {
+    use super::*;
+    use std::time::Instant;
+
+    /// Median seconds of `f` over `reps` runs of `iters` calls each, per call.
+    fn per_call(iters: usize, reps: usize, mut f: impl FnMut()) -> f64 {
+        let mut runs: Vec<f64> = (0..reps)
+            .map(|_| {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    f();
+                }
+                t.elapsed().as_secs_f64() / iters as f64
+            })
+            .collect();
+        runs.sort_by(f64::total_cmp);
+        runs[runs.len() / 2]
+    }
+
+    #[test]
+    #[ignore = "a measurement: run with --ignored --nocapture (release build)"]
+    fn lease_cost() {
+        let localhost = IpAddr::from([127, 0, 0, 1]);
+        let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(512 << 20, 4096)).unwrap();
+        let shared = SharedPool::new(pool);
+        let data = DataPlane::start(&shared, localhost).unwrap();
+        let client = IoEngine::new(
+            "lease-cost-client",
+            EngineConfig {
+                host: localhost,
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        let mut dst = vec![0u8; 16 << 20];
+        let dmem = client
+            .register(dst.as_mut_ptr() as u64, dst.len() as u64, Location::Host)
+            .unwrap();
+        let caller = Some(SocketAddr::new(localhost, 1));
+        let remote = data
+            .client(&client.desc().to_bytes(), &dmem.to_bytes(), caller)
+            .unwrap();
+        // The pre-lease daemon: the whole arena registered once.
+        let arena = data
+            .engine
+            .register(data.arena.0, data.arena.1, Location::Host)
+            .unwrap();
+        println!(
+            "{:>12} {:>5} {:>8} | {:>10} {:>10} {:>10} | {:>11} {:>11} {:>8}",
+            "value",
+            "batch",
+            "regions",
+            "lease µs",
+            "crc µs",
+            "per value",
+            "get(lease)",
+            "get(arena)",
+            "delta µs"
+        );
+        for (size, batch, adjacent) in [
+            (4096usize, 1usize, true),
+            (65536, 1, true),
+            (1 << 20, 1, true),
+            (4096, 16, true),
+            (4096 - 100, 16, false),
+            (65536, 16, true),
+            (65536 - 100, 16, false),
+            (1 << 20, 16, true),
+        ] {
+            let value: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+            let keys: Vec<Vec<u8>> = (0..batch)
+                .map(|i| format!("{size}/{batch}/{adjacent}/{i}").into_bytes())
+                .collect();
+            for k in &keys {
+                shared.with(|p| p.put(k, &value)).unwrap();
+            }
+            let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+            let slots = shared
+                .with(|p| p.batch_read_with(&refs, |s| s.to_vec()))
+                .unwrap();
+            let ranges: Vec<(u64, u64)> = slots
+                .iter()
+                .map(|s| match s {
+                    ReadSlot::Arena { offset, len } => (
+                        *offset as u64,
+                        (*len as u64).div_ceil(data.page) * data.page,
+                    ),
+                    other => panic!("not in DRAM: {other:?}"),
+                })
+                .collect();
+            let regions = coalesce(&ranges).len();
+            let lease = per_call(2000, 5, || {
+                let l = ArenaLease::register(&data.engine, data.arena.0, &ranges).unwrap();
+                l.release().unwrap();
+            });
+            let crc = per_call(200, 5, || {
+                std::hint::black_box(mori_umbp::crc32c(std::hint::black_box(&value)));
+            }) * batch as f64;
+            let offsets: Vec<u64> = (0..batch as u64).map(|i| i * size as u64).collect();
+            let caps = vec![size as u64; batch];
+            let iters = (64 << 20) / (size * batch).max(1);
+            let iters = iters.clamp(20, 2000);
+            let leased = per_call(iters, 5, || {
+                let out = shared
+                    .with_status(|p| {
+                        p.batch_read_with(&refs, |s| data.write_slots(s, &remote, &offsets, &caps))
+                            .map_err(status_of)?
+                    })
+                    .unwrap();
+                assert!(out.iter().all(|r| r.found));
+            });
+            let whole = per_call(iters, 5, || {
+                shared
+                    .with_status(|p| {
+                        p.batch_read_with(&refs, |s| {
+                            let loc: Vec<u64> = s
+                                .iter()
+                                .map(|s| match s {
+                                    ReadSlot::Arena { offset, .. } => *offset as u64,
+                                    _ => 0,
+                                })
+                                .collect();
+                            data.run_one(Op::Write, &arena, &loc, &remote, &offsets, &caps)
+                        })
+                        .map_err(status_of)?
+                    })
+                    .unwrap();
+            });
+            println!(
+                "{:>12} {:>5} {:>8} | {:>10.2} {:>10.2} {:>10.2} | {:>9.1}µs {:>9.1}µs {:>8.2}",
+                size,
+                batch,
+                regions,
+                lease * 1e6,
+                crc * 1e6,
+                lease * 1e6 / batch as f64,
+                leased * 1e6,
+                whole * 1e6,
+                (leased - whole) * 1e6
+            );
+        }
+        data.engine.deregister(&arena).unwrap();
+        client.deregister(&dmem).unwrap();
     }
 }
