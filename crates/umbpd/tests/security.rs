@@ -346,3 +346,74 @@ fn the_data_plane_refuses_engines_on_other_hosts() {
     assert_eq!(got, vec![Some(3000)]);
     assert_eq!(&buf[..3000], &[5u8; 3000][..]);
 }
+
+/// Out of file descriptors, the gRPC accept loop pauses instead of spinning (and says so at
+/// most about once per second); once connections close, clients are served again. Only the
+/// daemon's own threads (named `umbpd`: the runtime) are measured: mori.io's accept thread
+/// (`mori-io-accept-*`) is another crate's.
+#[test]
+fn running_out_of_file_descriptors_does_not_spin_the_accept_loop() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let sf = secret_file(dir.path(), "secret", GOOD);
+    let limit: libc::rlim_t = 96;
+    let d = Daemon::start_with(
+        dir.path(),
+        &[
+            "--secret-file",
+            sf.to_str().unwrap(),
+            "--dram-bytes",
+            "8M",
+            "--handshake-timeout",
+            "6s",
+        ],
+        &[("UMBP_LOG", "info,mori_transport=off")],
+        |cmd| {
+            // SAFETY: setrlimit is async-signal-safe and touches only the child.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let l = libc::rlimit {
+                        rlim_cur: limit,
+                        rlim_max: limit,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &l) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        },
+    );
+    // Silent connections (no handshake) use up the daemon's descriptors; the rest wait in
+    // the backlog while accept fails with EMFILE.
+    let silent: Vec<TcpStream> = (0..limit as usize + 20)
+        .map(|_| TcpStream::connect(&d.addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let cpu0 = d.cpu_time_of_threads("umbpd");
+    std::thread::sleep(Duration::from_millis(2000));
+    let used = d.cpu_time_of_threads("umbpd") - cpu0;
+    let log = d.stderr();
+    assert!(
+        used < Duration::from_millis(500),
+        "the accept loop spun: {used:?} of CPU in 2 s:\n{log}"
+    );
+    let pauses = log.matches("accepting connections failed").count();
+    assert!((1..=4).contains(&pauses), "{pauses} pause messages:\n{log}");
+    drop(silent);
+    // Served again once the silent connections are gone.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let c = loop {
+        match Client::connect_with(&d.addr, &opts(GOOD)) {
+            Ok(c) => break c,
+            Err(e) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "not served after the descriptors came back: {e}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    };
+    assert!(c.put(b"k", b"v").unwrap());
+}
