@@ -1412,8 +1412,26 @@ impl Inner {
                 Ok(Some(n))
             }
             Tier::Dram => {
-                let bytes = match self.dram.get_touch(key) {
-                    Ok(Some(bytes)) => bytes,
+                self.dram.touch(key);
+                // Host destinations are checksummed and filled in one pass.
+                let read = match &mut out {
+                    Out::Vec(v) => {
+                        let mark = v.len();
+                        let r = self.dram.read_chunks(key, |c| v.extend_from_slice(c));
+                        if r.is_err() {
+                            v.truncate(mark);
+                        }
+                        r
+                    }
+                    Out::Slice(s) => self.dram.get_into(key, s),
+                    #[cfg(feature = "gpu")]
+                    Out::Device(d) => match self.dram.get(key) {
+                        Ok(Some(bytes)) => d.write(bytes).map(|()| Some(bytes.len())),
+                        other => other.map(|b| b.map(<[u8]>::len)),
+                    },
+                };
+                let n = match read {
+                    Ok(Some(n)) => n,
                     Ok(None) => {
                         return Err(inconsistent(key, "indexed in DRAM, not in the arena"));
                     }
@@ -1428,16 +1446,6 @@ impl Inner {
                     }
                     Err(e) => return Err(e),
                 };
-                let n = bytes.len();
-                match out {
-                    Out::Vec(v) => v.extend_from_slice(bytes),
-                    Out::Slice(s) => match s.get_mut(..n) {
-                        Some(dst) => dst.copy_from_slice(bytes),
-                        None => return Err(too_small(s.len(), n as u64)),
-                    },
-                    #[cfg(feature = "gpu")]
-                    Out::Device(d) => d.write(bytes)?,
-                }
                 self.counters.hits_dram += 1;
                 Ok(Some(n))
             }
@@ -1689,9 +1697,11 @@ impl Inner {
     /// Demotes (or, failing that, drops) one DRAM value; returns whether it was kept on SSD.
     fn evict_key(&mut self, meta: &dyn MetadataStore, victim: Vec<u8>) -> Result<bool> {
         let kept = match self.ssd.as_ref() {
+            // Nowhere to keep it: dropped without reading it.
+            None => false,
             Some(ssd) if ssd.contains(&victim) => true,
             // Never launder a corrupt value into a fresh SSD record: drop it.
-            _ => match self.dram.get(&victim) {
+            Some(_) => match self.dram.get(&victim) {
                 Ok(v) => keep_on_ssd(self.ssd.as_mut(), &victim, v.unwrap_or_default())?,
                 Err(e @ Error::Corrupt { .. }) => {
                     warn!(error = %e, "evicting: a corrupt DRAM value is dropped");

@@ -1269,7 +1269,7 @@ mod lease_cost {
     #[ignore = "a measurement: run with --ignored --nocapture (release build)"]
     fn lease_cost() {
         let localhost = IpAddr::from([127, 0, 0, 1]);
-        let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(512 << 20, 4096)).unwrap();
+        let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(1 << 30, 4096)).unwrap();
         let shared = SharedPool::new(pool);
         let data = DataPlane::start(&shared, localhost).unwrap();
         let client = IoEngine::new(
@@ -1280,7 +1280,7 @@ mod lease_cost {
             },
         )
         .unwrap();
-        let mut dst = vec![0u8; 16 << 20];
+        let mut dst = vec![0u8; 128 << 20];
         let dmem = client
             .register(dst.as_mut_ptr() as u64, dst.len() as u64, Location::Host)
             .unwrap();
@@ -1314,6 +1314,8 @@ mod lease_cost {
             (65536, 16, true),
             (65536 - 100, 16, false),
             (1 << 20, 16, true),
+            (1 << 20, 128, true),
+            (1 << 20, 16, false),
         ] {
             let value: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
             let keys: Vec<Vec<u8>> = (0..batch)
@@ -1321,6 +1323,11 @@ mod lease_cost {
                 .collect();
             for k in &keys {
                 shared.with(|p| p.put(k, &value)).unwrap();
+                if !adjacent {
+                    // A value of another request between two of this one.
+                    let spacer = [k.as_slice(), b"/spacer"].concat();
+                    shared.with(|p| p.put(&spacer, b"x")).unwrap();
+                }
             }
             let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
             let slots = shared
