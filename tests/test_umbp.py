@@ -245,6 +245,24 @@ def test_client_against_a_umbpd_daemon(daemon):
         c.put("huge", bytes(4 << 20))  # larger than DRAM and than an SSD segment: refused, mapped through gRPC
 
 
+def test_a_client_with_the_wrong_secret_is_refused(start_umbpd, tmp_path):
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("the-deployment-secret-of-this-test\n")
+    secret_file.chmod(0o600)
+    d = start_umbpd("secured", "--dram-bytes", "4M", "--secret-file", str(secret_file))
+    good = Client(master=d.addr, secret_file=secret_file)
+    assert good.put("k", b"original")
+    with pytest.raises(errors.TransportError, match="authenticat"):
+        Client(master=d.addr, secret="not-the-deployment-secret")
+    assert Client(master=d.addr, secret=b"the-deployment-secret-of-this-test").get("k") == b"original"
+    assert good.get("k") == b"original" and good.stats()["keys"] == 1
+    with pytest.raises(errors.InvalidArgumentError, match="not both"):
+        Client(master=d.addr, secret="x" * 16, secret_file=secret_file)
+    secret_file.chmod(0o644)
+    with pytest.raises(errors.InvalidArgumentError, match="other users"):
+        Client(master=d.addr, secret_file=secret_file)
+
+
 # --------------------------------------------------------------------------------------------
 # Cluster: a master and two peers
 # --------------------------------------------------------------------------------------------

@@ -23,6 +23,11 @@ and eviction; see docs/umbp.md). A cluster key whose peer died is a miss. With a
 ``register`` move the values over mori.io (the daemon copies straight between its DRAM and your
 buffer; gRPC carries only control); on other buffers they copy through bytes. A daemon has
 no GPU tier and takes host buffers only.
+
+Every connection to a daemon proves the deployment secret (and checks that the daemon holds
+it) before any call: ``secret`` (str or bytes), else ``secret_file`` (a file of mode 0600),
+else ``MORI_SECRET_FILE`` / ``MORI_SECRET`` / the per-user default file. A daemon with another
+secret refuses the client: the constructor raises ``TransportError`` naming authentication.
 """
 
 from __future__ import annotations
@@ -138,6 +143,9 @@ class Client:
     (a ``TypeError``), a wrong value :class:`~mori.errors.InvalidArgumentError`, each naming the
     argument. ``close()`` (or the end of a ``with`` block) ends the client; any later call
     raises :class:`~mori.errors.ClosedError`.
+
+    ``secret`` / ``secret_file`` (daemon only): the deployment secret to prove to the daemon
+    (default: ``MORI_SECRET_FILE``, ``MORI_SECRET``, else the per-user default file).
     """
 
     def __init__(
@@ -155,6 +163,8 @@ class Client:
         gpu_device: int | None = None,
         master: str | None = None,
         ssd_io: str = "pread",
+        secret: str | bytes | None = None,
+        secret_file: str | os.PathLike | None = None,
     ):
         self._remote = master is not None
         self._registered: list[tuple[int, int, int, np.ndarray]] = []  # (address, size, handle, keep-alive)
@@ -164,11 +174,18 @@ class Client:
             master = _args.text(master, "master")
             if gpu_bytes:
                 raise InvalidArgumentError("the GPU tier is embedded-only: a daemon has none")
+            if isinstance(secret, str):
+                secret = secret.encode()
+            elif secret is not None:
+                secret = _args.byte_value(secret, "secret")
+            secret_file = None if secret_file is None else _args.path(secret_file, "secret_file")
             try:
-                self._pool = _core.UmbpRemote(master)
+                self._pool = _core.UmbpRemote(master, secret, secret_file)
             except InvalidArgumentError as e:  # a malformed address or a host that does not resolve
                 raise InvalidArgumentError(f"master: {e}") from None
             return
+        if secret is not None or secret_file is not None:
+            raise InvalidArgumentError("secret and secret_file are for a daemon (master=...): an embedded pool has no port")
         dram_bytes = _args.size(dram_bytes, "dram_bytes", minimum=1)
         page_bytes = _args.size(page_bytes, "page_bytes", minimum=1)
         if dram_bytes % page_bytes:

@@ -73,6 +73,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &PoolStats) -> PyResult<Bound<'py, PyDict
         s.ssd_recovery_corrupt_records,
     )?;
     d.set_item("ssd_recovery_skipped_bytes", s.ssd_recovery_skipped_bytes)?;
+    d.set_item("dram_checksum_errors", s.dram_checksum_errors)?;
     d.set_item("ssd_io", s.ssd_io.map(|b| b.as_str()))?;
     Ok(d)
 }
@@ -318,10 +319,34 @@ impl UmbpRemote {
 
 #[pymethods]
 impl UmbpRemote {
+    /// Connects to the daemon at `addr`, proving the deployment secret: `secret` (bytes),
+    /// else the file `secret_file` (mode 0600), else `MORI_SECRET_FILE` / `MORI_SECRET` / the
+    /// per-user default.
     #[new]
-    fn new(py: Python<'_>, addr: &str) -> Result<Self> {
+    #[pyo3(signature = (addr, secret=None, secret_file=None))]
+    fn new(
+        py: Python<'_>,
+        addr: &str,
+        secret: Option<Bound<'_, PyBytes>>,
+        secret_file: Option<PathBuf>,
+    ) -> Result<Self> {
+        let bad = |e: mori_auth::Error| Error::InvalidArgument(e.to_string());
+        let secret = match (secret, secret_file) {
+            (Some(_), Some(_)) => {
+                return Err(Error::InvalidArgument(
+                    "give secret or secret_file, not both".into(),
+                ));
+            }
+            (Some(s), None) => Some(mori_auth::Secret::new(s.as_bytes().to_vec()).map_err(bad)?),
+            (None, Some(p)) => Some(mori_auth::Secret::from_file(&p).map_err(bad)?),
+            (None, None) => None,
+        };
+        let opts = mori_umbpd::ClientOptions {
+            secret,
+            ..mori_umbpd::ClientOptions::default()
+        };
         Ok(Self {
-            inner: py.detach(|| mori_umbpd::Client::connect(addr))?,
+            inner: py.detach(|| mori_umbpd::Client::connect_with(addr, &opts))?,
             registered: Mutex::new(HashMap::new()),
         })
     }

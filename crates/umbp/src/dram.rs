@@ -15,6 +15,21 @@
 //! reserved run (or reading a pinned one) through the raw [`DramArena::region`] pointer never
 //! aliases a borrow.
 //!
+//! # Checksums
+//!
+//! Every value carries the CRC-32C of its bytes, computed when it is stored ([`DramArena::put`],
+//! or [`DramArena::commit_reserved`] for bytes an engine landed in a reserved run) and kept in
+//! its page-table entry. [`DramArena::get`], [`DramArena::get_touch`] and
+//! [`DramArena::get_into`] check it on every read: a value whose bytes changed since (a stray
+//! write through the registered region, a memory fault) is [`Error::Corrupt`], never returned.
+//!
+//! # Slack
+//!
+//! The bytes of a run's last page past its value (the slack) are zeroed whenever a value is
+//! stored, a run is reserved, or a reserved run is committed, so a value's pages hold that
+//! value and zeros only — never bytes of an earlier value that used those pages. The daemon's
+//! data plane relies on it when it exposes a value's whole pages to the IO engine.
+//!
 //! # Recency
 //!
 //! A `put` counts as a use, and so do [`PageTable::touch`] and [`DramArena::get_touch`].
@@ -25,7 +40,8 @@
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-use crate::error::{Error, Result};
+use crate::crc::{Crc32c, crc32c};
+use crate::error::{Error, Result, key_display};
 use crate::pages::{PageTable, Reserved};
 
 /// Alignment of the arena (the mapping is page-aligned; pages are at least this large).
@@ -154,9 +170,10 @@ impl DramArena {
         Ok(DramArena { buf, pages })
     }
 
-    /// Copies `value` into the arena under `key` (counts as a use). Keys are immutable:
-    /// a stored key gives [`Error::AlreadyExists`]. Without a free run of enough contiguous
-    /// pages, [`Error::NoSpace`] (with `available` = the largest free run in bytes).
+    /// Copies `value` into the arena under `key` (counts as a use) and records its CRC-32C.
+    /// Keys are immutable: a stored key gives [`Error::AlreadyExists`]. Without a free run of
+    /// enough contiguous pages, [`Error::NoSpace`] (with `available` = the largest free run in
+    /// bytes).
     pub fn put(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
         let start = self.pages.insert(key, value.len())?;
         let Some(dst) = self.buf.range_mut(start, value.len()) else {
@@ -165,37 +182,127 @@ impl DramArena {
                 "allocated run outside the arena".into(),
             ));
         };
-        dst.copy_from_slice(value);
+        let crc = copy_with_crc(dst, value);
+        self.zero_slack(start, value.len());
+        self.pages.set_checksum(key, crc);
         Ok(())
     }
 
-    /// The value of `key`, borrowed from the arena. Does not count as a use.
-    pub fn get(&self, key: &[u8]) -> Option<&[u8]> {
-        let (start, len) = self.pages.locate(key)?;
-        self.buf.range(start, len)
+    /// Zeroes the bytes of a run's last page past its value (`start`, `len`: the value's
+    /// offset and length), so a run never carries bytes of an earlier value: an IO engine may
+    /// then expose a value's whole pages (see the module docs).
+    fn zero_slack(&mut self, start: usize, len: usize) {
+        let page = self.pages.page_bytes();
+        let slack = len.div_ceil(page) * page - len;
+        if let Some(tail) = self.buf.range_mut(start + len, slack) {
+            tail.fill(0);
+        }
+    }
+
+    /// Allocates a run for a value of `len` bytes written in place, as
+    /// [`PageTable::reserve`], with the slack of its last page zeroed.
+    pub fn reserve(&mut self, len: usize) -> Result<Reserved> {
+        let r = self.pages.reserve(len)?;
+        self.zero_slack(r.offset(self.pages.page_bytes()), len);
+        Ok(r)
+    }
+
+    /// The value of `key`, borrowed from the arena, after checking it against the checksum
+    /// recorded when it was stored: a value whose bytes changed since is
+    /// [`Error::Corrupt`] (never returned). Does not count as a use.
+    pub fn get(&self, key: &[u8]) -> Result<Option<&[u8]>> {
+        let Some((start, len)) = self.pages.locate(key) else {
+            return Ok(None);
+        };
+        let bytes = self.buf.range(start, len).ok_or_else(|| Error::Corrupt {
+            key_or_location: key_display(key),
+            detail: "DRAM run outside the arena".into(),
+        })?;
+        match self.pages.checksum(key) {
+            Some(want) if crc32c(bytes) != want => Err(checksum_mismatch(key, start, len)),
+            _ => Ok(Some(bytes)),
+        }
     }
 
     /// Like [`DramArena::get`], and records a use of `key`.
-    pub fn get_touch(&mut self, key: &[u8]) -> Option<&[u8]> {
+    pub fn get_touch(&mut self, key: &[u8]) -> Result<Option<&[u8]>> {
         self.touch(key);
         self.get(key)
     }
 
-    /// Copies the value of `key` into the front of `out` and returns its length; `out` must be
-    /// at least as long as the value ([`Error::InvalidArgument`] otherwise). Not a use.
+    /// Copies the value of `key` into the front of `out` and returns its length, checked as
+    /// [`DramArena::get`] (in one pass: checksum and copy chunk by chunk); a value that fails
+    /// leaves zeros in `out`, never its bytes. `out` must be at least as long as the value
+    /// ([`Error::InvalidArgument`] otherwise). Not a use.
     pub fn get_into(&self, key: &[u8], out: &mut [u8]) -> Result<Option<usize>> {
-        let Some(v) = self.get(key) else {
+        let Some((_, len)) = self.pages.locate(key) else {
             return Ok(None);
         };
-        let Some(dst) = out.get_mut(..v.len()) else {
+        let Some(dst) = out.get_mut(..len) else {
             return Err(Error::InvalidArgument(format!(
-                "output buffer of {} bytes is smaller than the value ({} bytes)",
-                out.len(),
-                v.len()
+                "output buffer of {} bytes is smaller than the value ({len} bytes)",
+                out.len()
             )));
         };
-        dst.copy_from_slice(v);
-        Ok(Some(v.len()))
+        let mut at = 0;
+        let read = self.read_chunks(key, |chunk| {
+            dst[at..at + chunk.len()].copy_from_slice(chunk);
+            at += chunk.len();
+        });
+        if read.is_err() {
+            dst.fill(0);
+        }
+        read
+    }
+
+    /// Hands the value of `key` to `sink` in chunks while checksumming it (one pass over the
+    /// bytes), then checks the checksum: [`Error::Corrupt`] when it fails — the caller must
+    /// then discard what `sink` received. Returns the value's length. Not a use.
+    pub fn read_chunks(&self, key: &[u8], mut sink: impl FnMut(&[u8])) -> Result<Option<usize>> {
+        let Some((start, len)) = self.pages.locate(key) else {
+            return Ok(None);
+        };
+        let bytes = self.buf.range(start, len).ok_or_else(|| Error::Corrupt {
+            key_or_location: key_display(key),
+            detail: "DRAM run outside the arena".into(),
+        })?;
+        let mut crc = Crc32c::new();
+        for chunk in bytes.chunks(FUSED_CHUNK) {
+            crc.update(chunk);
+            sink(chunk);
+        }
+        match self.pages.checksum(key) {
+            Some(want) if crc.finish() != want => Err(checksum_mismatch(key, start, len)),
+            _ => Ok(Some(len)),
+        }
+    }
+
+    /// Makes a reserved run the value of `key` (counts as a use), recording the CRC-32C of
+    /// the bytes written into it. As [`PageTable::commit_reserved`] otherwise.
+    pub fn commit_reserved(
+        &mut self,
+        key: &[u8],
+        r: Reserved,
+    ) -> std::result::Result<(), (Error, Reserved)> {
+        let at = r.offset(self.pages.page_bytes());
+        let crc = self.buf.range(at, r.len()).map_or(0, crc32c);
+        self.commit_reserved_crc(key, r, crc)
+    }
+
+    /// [`DramArena::commit_reserved`] with the checksum already computed by the caller (from
+    /// the run's bytes, outside the pool lock).
+    pub(crate) fn commit_reserved_crc(
+        &mut self,
+        key: &[u8],
+        r: Reserved,
+        crc: u32,
+    ) -> std::result::Result<(), (Error, Reserved)> {
+        let (at, len) = (r.offset(self.pages.page_bytes()), r.len());
+        self.pages.commit_reserved(key, r)?;
+        // Whatever reached the slack while the run was exposed is gone.
+        self.zero_slack(at, len);
+        self.pages.set_checksum(key, crc);
+        Ok(())
     }
 
     /// Copies `data` into a reserved run at `at` (bounds-checked against the reservation).
@@ -218,5 +325,29 @@ impl DramArena {
     /// Start and length of the arena (page-aligned), for registration with the IO engine. The pointer is valid for the lifetime of the arena.
     pub fn region(&self) -> (*const u8, usize) {
         (self.buf.ptr.as_ptr().cast_const(), self.buf.len())
+    }
+}
+
+/// Bytes per step of the one-pass copy-and-checksum loops: each chunk is checksummed and
+/// copied while it is in the CPU's cache, so the value crosses the memory bus once.
+const FUSED_CHUNK: usize = 24 << 10;
+
+/// Copies `src` into `dst` (equal lengths) and returns the CRC-32C of the bytes, in one pass.
+fn copy_with_crc(dst: &mut [u8], src: &[u8]) -> u32 {
+    let mut crc = Crc32c::new();
+    for (d, s) in dst.chunks_mut(FUSED_CHUNK).zip(src.chunks(FUSED_CHUNK)) {
+        crc.update(s);
+        d.copy_from_slice(s);
+    }
+    crc.finish()
+}
+
+/// The error of a DRAM value whose bytes no longer match its checksum.
+pub(crate) fn checksum_mismatch(key: &[u8], offset: usize, len: usize) -> Error {
+    Error::Corrupt {
+        key_or_location: key_display(key),
+        detail: format!(
+            "the DRAM value ({len} bytes at arena offset {offset}) fails its CRC-32C check"
+        ),
     }
 }

@@ -45,6 +45,8 @@ struct Entry {
     len: usize,
     /// Recency stamp (key into `lru`).
     stamp: u64,
+    /// CRC-32C of the value, when the arena keeps one ([`PageTable::checksum`]).
+    crc: Option<u32>,
 }
 
 /// A run of pages allocated by [`PageTable::reserve`] for a value that is still being
@@ -170,6 +172,24 @@ impl PageTable {
         self.entries
             .get(key)
             .map(|e| (e.page * self.page_bytes, e.len))
+    }
+
+    /// The checksum the arena recorded for the value of `key` (`None`: absent, or the arena
+    /// keeps none — the GPU tier). Not a use.
+    pub fn checksum(&self, key: &[u8]) -> Option<u32> {
+        self.entries.get(key).and_then(|e| e.crc)
+    }
+
+    /// Records the checksum of the value of `key` (the arena computes it from the bytes it
+    /// stored). Returns whether the key exists.
+    pub(crate) fn set_checksum(&mut self, key: &[u8], crc: u32) -> bool {
+        match self.entries.get_mut(key) {
+            Some(e) => {
+                e.crc = Some(crc);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Records a use of `key` (it becomes the most recently used). Returns whether it exists.
@@ -387,6 +407,7 @@ impl PageTable {
                 pages,
                 len,
                 stamp,
+                crc: None,
             },
         );
         self.value_bytes += len;

@@ -82,6 +82,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use tracing::{debug, warn};
 
+use crate::crc::crc32c;
 use crate::dram::DramArena;
 use crate::error::{Error, Result, key_display};
 use crate::gpu::GpuArena;
@@ -230,10 +231,22 @@ impl PutReservation<'_> {
     /// [`PutOutcome::AlreadyExists`]. On a metadata error the uncommitted rest is freed.
     pub fn commit(mut self) -> Result<Vec<PutOutcome>> {
         let pool = self.pool;
+        let page = pool.lock().dram.page_bytes();
+        // Checksums of the landed bytes, outside the pool lock.
+        let crcs: Vec<u32> = self
+            .runs
+            .iter()
+            .map(|run| match run {
+                // SAFETY: the run is reserved for this reservation alone, lies in the arena,
+                // and its bytes are in place (the caller's contract): nobody writes it now.
+                Some(r) => unsafe { pool.arena_crc(r.offset(page), r.len()) },
+                None => 0,
+            })
+            .collect();
         let mut inner = pool.lock();
         let meta = &*pool.meta;
         let mut out = Vec::with_capacity(self.runs.len());
-        for i in 0..self.runs.len() {
+        for (i, &crc) in crcs.iter().enumerate() {
             let Some(run) = self.runs[i].take() else {
                 out.push(PutOutcome::AlreadyExists);
                 continue;
@@ -252,7 +265,7 @@ impl PutReservation<'_> {
                 continue;
             }
             let len = run.len() as u64;
-            if let Err((_, run)) = inner.dram.commit_reserved(key, run) {
+            if let Err((_, run)) = inner.dram.commit_reserved_crc(key, run, crc) {
                 inner.dram.release_reserved(run);
                 out.push(PutOutcome::AlreadyExists);
                 continue;
@@ -379,6 +392,9 @@ pub struct PoolStats {
     /// opened ([`RecoveryReport::damaged_bytes_skipped`] plus
     /// [`RecoveryReport::torn_tail_bytes_truncated`]).
     pub ssd_recovery_skipped_bytes: u64,
+    /// DRAM values whose bytes failed their CRC-32C when read (dropped from DRAM; served from
+    /// their SSD copy when they have one, a miss otherwise).
+    pub dram_checksum_errors: u64,
     /// The SSD tier's I/O backend (`None` without an SSD tier).
     pub ssd_io: Option<SsdIoBackend>,
 }
@@ -420,6 +436,7 @@ struct Counters {
     /// From the SSD recovery report at open.
     recovery_corrupt_records: u64,
     recovery_skipped_bytes: u64,
+    dram_checksum_errors: u64,
 }
 
 struct Inner {
@@ -467,6 +484,10 @@ enum PageTier {
 pub struct LocalPool {
     meta: Box<dyn MetadataStore>,
     inner: Mutex<Inner>,
+    /// Start and length of the DRAM arena (fixed for the life of the pool).
+    dram_region: (usize, usize),
+    /// Page size of the DRAM arena.
+    dram_page: usize,
 }
 
 impl std::fmt::Debug for LocalPool {
@@ -524,6 +545,10 @@ impl LocalPool {
         gpu: Option<GpuArena>,
     ) -> Result<(LocalPool, Option<RecoveryReport>)> {
         let dram = DramArena::new(cfg.dram_bytes, cfg.page_bytes)?;
+        let dram_region = {
+            let (p, len) = dram.region();
+            (p as usize, len)
+        };
         let meta: Box<dyn MetadataStore> = Box::new(MemoryStore::new());
         let (ssd, report) = match &cfg.ssd {
             None => (None, None),
@@ -563,6 +588,8 @@ impl LocalPool {
             LocalPool {
                 meta,
                 inner: Mutex::new(inner),
+                dram_region,
+                dram_page: cfg.page_bytes,
             },
             report,
         ))
@@ -679,8 +706,30 @@ impl LocalPool {
     /// of the pool), for registration with the IO engine. Its bytes may only be read by
     /// others inside a [`LocalPool::batch_read_with`] callback, at the offsets it gives.
     pub fn dram_region(&self) -> (usize, usize) {
-        let (p, len) = self.lock().dram.region();
-        (p as usize, len)
+        self.dram_region
+    }
+
+    /// Page size of the DRAM arena. A DRAM value occupies whole pages from its offset; the
+    /// bytes of its last page past its length are always zero (see [`DramArena`]).
+    pub fn dram_page_bytes(&self) -> usize {
+        self.dram_page
+    }
+
+    /// The CRC-32C of `len` bytes at `offset` in the DRAM arena, read without the pool lock.
+    ///
+    /// # Safety
+    /// `offset..offset + len` must lie in the arena, and nobody may write those bytes while
+    /// this runs: a pinned run, or a reserved run whose transfer has finished.
+    unsafe fn arena_crc(&self, offset: usize, len: usize) -> u32 {
+        let (base, size) = self.dram_region;
+        debug_assert!(offset.checked_add(len).is_some_and(|end| end <= size));
+        if len == 0 {
+            return crc32c(&[]);
+        }
+        // SAFETY: the range lies in the live arena allocation (guaranteed by the caller; the
+        // arena lives as long as the pool) and is not written meanwhile.
+        let bytes = unsafe { std::slice::from_raw_parts((base + offset) as *const u8, len) };
+        crc32c(bytes)
     }
 
     /// Reads `keys` as [`LocalPool::batch_get`] does (hits, misses, LRU renewal, promotion
@@ -700,11 +749,56 @@ impl LocalPool {
             pool: self,
             tokens: Vec::new(),
         };
-        let slots = self
+        let (mut slots, crcs) = self
             .lock()
             .place_reads(&*self.meta, keys, &mut pins.tokens)?;
+        self.verify_placed(keys, &mut slots, &crcs)?;
         Ok(f(&slots))
         // `pins` drops here (also when `f` unwinds): every pin is released.
+    }
+
+    /// Checks the DRAM values [`Inner::place_reads`] pinned against their checksums, outside
+    /// the pool lock (`crcs[i]`: the checksum of slot `i`'s value, for arena slots). A value
+    /// that fails is dropped from DRAM and its slot becomes its SSD copy's bytes, or a miss.
+    fn verify_placed(
+        &self,
+        keys: &[&[u8]],
+        slots: &mut [ReadSlot],
+        crcs: &[Option<u32>],
+    ) -> Result<()> {
+        let mut bad = Vec::new();
+        for (i, (slot, want)) in slots.iter().zip(crcs).enumerate() {
+            if let (ReadSlot::Arena { offset, len }, Some(want)) = (slot, want) {
+                // SAFETY: the run is pinned until `batch_read_with` returns (pinned runs are
+                // never written, freed or reused) and lies in the arena.
+                if unsafe { self.arena_crc(*offset, *len) } != *want {
+                    bad.push(i);
+                }
+            }
+        }
+        if bad.is_empty() {
+            return Ok(());
+        }
+        let mut inner = self.lock();
+        for i in bad {
+            let ReadSlot::Arena { offset, len } = slots[i] else {
+                continue;
+            };
+            inner.counters.hits_dram = inner.counters.hits_dram.saturating_sub(1);
+            if !inner.drop_corrupt_dram(&*self.meta, keys[i], (offset, len))? {
+                inner.counters.misses += 1;
+                slots[i] = ReadSlot::Miss;
+                continue;
+            }
+            // Its SSD copy (promoted to DRAM again; not pinned: handed over as bytes).
+            let mut v = Vec::new();
+            let found = inner.read_pre(&*self.meta, keys[i], Out::Vec(&mut v), None)?;
+            slots[i] = match found {
+                Some(_) => ReadSlot::Bytes(v),
+                None => ReadSlot::Miss,
+            };
+        }
+        Ok(())
     }
 
     /// Reserves DRAM pages for a batch of puts that will be written in place (by an IO
@@ -897,6 +991,7 @@ impl LocalPool {
             corrupt_dropped: c.corrupt_dropped,
             ssd_recovery_corrupt_records: c.recovery_corrupt_records,
             ssd_recovery_skipped_bytes: c.recovery_skipped_bytes,
+            dram_checksum_errors: c.dram_checksum_errors,
             ssd_io: inner.ssd.as_ref().map(SsdLog::io_backend),
         }
     }
@@ -937,7 +1032,7 @@ impl LocalPool {
         }
         let dram_keys = inner.dram.lru_victims(inner.dram.len());
         for k in &dram_keys {
-            let want_len = inner.dram.get(k).map_or(0, |v| v.len()) as u64;
+            let want_len = inner.dram.locate(k).map_or(0, |(_, n)| n) as u64;
             match self.meta.get(k)? {
                 Some(l) if l.tier == Tier::Dram && l.len == want_len && l.peer == LOCAL_PEER => {}
                 other => return Err(inconsistent(k, &format!("DRAM value indexed as {other:?}"))),
@@ -1062,17 +1157,19 @@ pub(crate) fn too_small(out: usize, len: u64) -> Error {
 
 impl Inner {
     /// Places `keys` for [`LocalPool::batch_read_with`], pinning each DRAM hit (tokens
-    /// pushed to `pins`).
+    /// pushed to `pins`). Also returns, per slot, the checksum an arena slot's bytes must
+    /// have (checked by the caller outside the lock).
     fn place_reads(
         &mut self,
         meta: &dyn MetadataStore,
         keys: &[&[u8]],
         pins: &mut Vec<PinToken>,
-    ) -> Result<Vec<ReadSlot>> {
+    ) -> Result<(Vec<ReadSlot>, Vec<Option<u32>>)> {
         // Pass 1: SSD values are read (and promoted, which may evict DRAM values) and GPU
         // values copied out; pass 2 places DRAM values, so no later step of this call moves
         // them.
         let mut slots = Vec::with_capacity(keys.len());
+        let mut crcs = vec![None; keys.len()];
         let mut pending = Vec::new();
         let mut pre = self.prefetch_ssd(meta, keys)?;
         for (i, key) in keys.iter().enumerate() {
@@ -1102,6 +1199,7 @@ impl Inner {
             {
                 pins.push(token);
                 self.counters.hits_dram += 1;
+                crcs[i] = self.dram.checksum(key);
                 slots[i] = ReadSlot::Arena { offset, len };
                 continue;
             }
@@ -1126,7 +1224,44 @@ impl Inner {
                 }
             };
         }
-        Ok(slots)
+        Ok((slots, crcs))
+    }
+
+    /// Drops a DRAM value that failed its checksum (at `run`: byte offset and length in the
+    /// arena), counting it. Returns whether the key stays readable from its SSD copy (then
+    /// indexed as [`Tier::Ssd`]); otherwise it is gone from the pool. A key that no longer
+    /// lives at `run` (removed or demoted meanwhile) is left alone (`false`).
+    fn drop_corrupt_dram(
+        &mut self,
+        meta: &dyn MetadataStore,
+        key: &[u8],
+        run: (usize, usize),
+    ) -> Result<bool> {
+        self.counters.dram_checksum_errors += 1;
+        warn!(
+            key = %key_display(key),
+            offset = run.0,
+            len = run.1,
+            "a DRAM value failed its checksum; dropping it from DRAM"
+        );
+        if self.dram.locate(key) != Some(run) {
+            return Ok(false);
+        }
+        if self.ssd.as_ref().is_some_and(|s| s.contains(key))
+            && meta.update_tier(key, Tier::Dram, Tier::Ssd)?
+        {
+            self.dram.remove(key);
+            return Ok(true);
+        }
+        meta.remove(key)?;
+        self.dram.remove(key);
+        if let Some(ssd) = self.ssd.as_mut()
+            && ssd.contains(key)
+        {
+            ssd.remove(key)?;
+        }
+        self.log_drop(key);
+        Ok(false)
     }
 
     fn put(&mut self, meta: &dyn MetadataStore, key: &[u8], value: &[u8]) -> Result<PutOutcome> {
@@ -1295,19 +1430,40 @@ impl Inner {
                 Ok(Some(n))
             }
             Tier::Dram => {
-                let Some(bytes) = self.dram.get_touch(key) else {
-                    return Err(inconsistent(key, "indexed in DRAM, not in the arena"));
-                };
-                let n = bytes.len();
-                match out {
-                    Out::Vec(v) => v.extend_from_slice(bytes),
-                    Out::Slice(s) => match s.get_mut(..n) {
-                        Some(dst) => dst.copy_from_slice(bytes),
-                        None => return Err(too_small(s.len(), n as u64)),
-                    },
+                self.dram.touch(key);
+                // Host destinations are checksummed and filled in one pass.
+                let read = match &mut out {
+                    Out::Vec(v) => {
+                        let mark = v.len();
+                        let r = self.dram.read_chunks(key, |c| v.extend_from_slice(c));
+                        if r.is_err() {
+                            v.truncate(mark);
+                        }
+                        r
+                    }
+                    Out::Slice(s) => self.dram.get_into(key, s),
                     #[cfg(feature = "gpu")]
-                    Out::Device(d) => d.write(bytes)?,
-                }
+                    Out::Device(d) => match self.dram.get(key) {
+                        Ok(Some(bytes)) => d.write(bytes).map(|()| Some(bytes.len())),
+                        other => other.map(|b| b.map(<[u8]>::len)),
+                    },
+                };
+                let n = match read {
+                    Ok(Some(n)) => n,
+                    Ok(None) => {
+                        return Err(inconsistent(key, "indexed in DRAM, not in the arena"));
+                    }
+                    Err(Error::Corrupt { .. }) => {
+                        let run = self.dram.locate(key).unwrap_or_default();
+                        if self.drop_corrupt_dram(meta, key, run)? {
+                            // Served from (and promoted again from) the SSD copy.
+                            return self.read_pre(meta, key, out, None);
+                        }
+                        self.counters.misses += 1;
+                        return Ok(None);
+                    }
+                    Err(e) => return Err(e),
+                };
                 self.counters.hits_dram += 1;
                 Ok(Some(n))
             }
@@ -1559,12 +1715,19 @@ impl Inner {
     /// Demotes (or, failing that, drops) one DRAM value; returns whether it was kept on SSD.
     fn evict_key(&mut self, meta: &dyn MetadataStore, victim: Vec<u8>) -> Result<bool> {
         let kept = match self.ssd.as_ref() {
+            // Nowhere to keep it: dropped without reading it.
+            None => false,
             Some(ssd) if ssd.contains(&victim) => true,
-            _ => keep_on_ssd(
-                self.ssd.as_mut(),
-                &victim,
-                self.dram.get(&victim).unwrap_or_default(),
-            )?,
+            // Never launder a corrupt value into a fresh SSD record: drop it.
+            Some(_) => match self.dram.get(&victim) {
+                Ok(v) => keep_on_ssd(self.ssd.as_mut(), &victim, v.unwrap_or_default())?,
+                Err(e @ Error::Corrupt { .. }) => {
+                    warn!(error = %e, "evicting: a corrupt DRAM value is dropped");
+                    self.counters.dram_checksum_errors += 1;
+                    false
+                }
+                Err(e) => return Err(e),
+            },
         };
         if kept {
             if !meta.update_tier(&victim, Tier::Dram, Tier::Ssd)? {
@@ -1618,7 +1781,15 @@ impl Inner {
                 report.values_already_on_ssd += 1;
                 continue;
             }
-            let value = self.dram.get(&key).unwrap_or_default();
+            let value = match self.dram.get(&key) {
+                Ok(v) => v.unwrap_or_default(),
+                Err(e) => {
+                    warn!(error = %e, "closing: a DRAM value is not written to SSD");
+                    self.counters.dram_checksum_errors += 1;
+                    report.values_lost += 1;
+                    continue;
+                }
+            };
             let kept = keep_on_ssd(self.ssd.as_mut(), &key, value);
             tally_flush(&mut report, &mut first_err, &key, kept);
         }

@@ -27,7 +27,7 @@ fn check(a: &DramArena, model: &HashMap<Vec<u8>, Vec<u8>>) {
     assert_eq!(a.value_bytes(), model.values().map(Vec::len).sum::<usize>());
     assert!(a.largest_free_bytes() <= a.free_bytes());
     for (k, v) in model {
-        assert_eq!(a.get(k), Some(v.as_slice()));
+        assert_eq!(a.get(k).unwrap(), Some(v.as_slice()));
     }
     // No two values overlap.
     let mut runs: Vec<(usize, usize)> = model
@@ -71,7 +71,7 @@ fn model_random_ops() {
                     }
                 }
                 4..=6 => {
-                    assert_eq!(a.get(&k), model.get(&k).map(Vec::as_slice));
+                    assert_eq!(a.get(&k).unwrap(), model.get(&k).map(Vec::as_slice));
                     let mut buf = vec![0u8; 6 * page];
                     let n = a.get_into(&k, &mut buf).unwrap();
                     assert_eq!(n, model.get(&k).map(Vec::len));
@@ -80,7 +80,7 @@ fn model_random_ops() {
                     }
                 }
                 7 => {
-                    assert_eq!(a.get_touch(&k), model.get(&k).map(Vec::as_slice));
+                    assert_eq!(a.get_touch(&k).unwrap(), model.get(&k).map(Vec::as_slice));
                 }
                 _ => assert_eq!(a.remove(&k), model.remove(&k).is_some()),
             }
@@ -144,7 +144,7 @@ fn fragmentation_and_coalescing() {
     let big = vec![7u8; 3 * page];
     a.put(b"big", &big).unwrap();
     assert_eq!(a.value_offset(b"big"), Some(0));
-    assert_eq!(a.get(b"big"), Some(big.as_slice()));
+    assert_eq!(a.get(b"big").unwrap(), Some(big.as_slice()));
     assert_eq!(a.used_bytes(), 7 * page);
     assert_eq!(a.free_bytes(), 9 * page);
     // Remove everything: one run again.
@@ -162,7 +162,7 @@ fn fragmentation_and_coalescing() {
 fn accounting_and_edge_values() {
     let mut a = DramArena::new(8 * 100, 100).unwrap();
     a.put(b"empty", b"").unwrap();
-    assert_eq!(a.get(b"empty"), Some(&b""[..]));
+    assert_eq!(a.get(b"empty").unwrap(), Some(&b""[..]));
     assert_eq!(a.used_bytes(), 0);
     a.put(b"one", &[9u8; 100]).unwrap();
     a.put(b"onemore", &[8u8; 101]).unwrap();
@@ -197,7 +197,7 @@ fn region_is_aligned_and_holds_values() {
     a.put(b"b", &[2u8; 10]).unwrap();
     let off = a.value_offset(b"b").unwrap();
     assert_eq!(off, page);
-    let v = a.get(b"b").unwrap();
+    let v = a.get(b"b").unwrap().unwrap();
     assert_eq!(v.as_ptr() as usize, ptr as usize + off);
 }
 
@@ -210,11 +210,11 @@ fn lru_order() {
     assert_eq!(a.lru_victims(2), vec![key(0), key(1)]);
     // contains and get do not count as a use.
     assert!(a.contains(&key(0)));
-    assert!(a.get(&key(0)).is_some());
+    assert!(a.get(&key(0)).unwrap().is_some());
     assert_eq!(a.lru_victims(1), vec![key(0)]);
     // touch and get_touch do.
     assert!(a.touch(&key(0)));
-    assert!(a.get_touch(&key(1)).is_some());
+    assert!(a.get_touch(&key(1)).unwrap().is_some());
     assert!(!a.touch(b"missing"));
     assert_eq!(
         a.lru_victims(10),
@@ -262,7 +262,7 @@ fn pins_and_reservations_account_pages() {
         panic!("y is stored")
     };
     a.commit_reserved(b"z", r).unwrap();
-    assert_eq!(a.get(b"z"), Some(&[7u8; 9000][..]));
+    assert_eq!(a.get(b"z").unwrap(), Some(&[7u8; 9000][..]));
     assert_eq!(a.reserved_bytes(), 0);
     let r = a.reserve(4096).unwrap();
     a.release_reserved(r);
@@ -270,4 +270,70 @@ fn pins_and_reservations_account_pages() {
     a.leak_reserved(r);
     assert_eq!((a.reserved_bytes(), a.leaked_bytes()), (0, 4096));
     assert_eq!(a.used_bytes(), 5 * 4096);
+}
+
+/// Every value carries the CRC-32C of its bytes: a byte changed behind the arena's back (here
+/// through the raw region pointer, as a stray engine write would) makes every read of that
+/// value a corruption error, never the wrong bytes; other values are unaffected. Values an
+/// engine lands in a reserved run get their checksum at commit.
+#[test]
+fn values_are_checksummed_and_a_flipped_byte_is_caught() {
+    let page = 4096;
+    let mut a = DramArena::new(8 * page, page).unwrap();
+    a.put(b"a", &[1u8; 5000]).unwrap();
+    a.put(b"b", &[2u8; 100]).unwrap();
+    assert_eq!(a.checksum(b"a"), Some(mori_umbp::crc32c(&[1u8; 5000])));
+    let r = a.reserve(300).unwrap();
+    let at = r.offset(page);
+    let (base, _) = a.region();
+    // SAFETY: the reserved run lies in the arena and nothing borrows it.
+    unsafe { std::ptr::write_bytes(base.cast_mut().add(at), 9, 300) };
+    a.commit_reserved(b"r", r).unwrap();
+    assert_eq!(a.get(b"r").unwrap(), Some(&[9u8; 300][..]));
+
+    let off = a.value_offset(b"a").unwrap();
+    // SAFETY: inside the arena; no borrow of the arena's bytes is alive.
+    unsafe { *base.cast_mut().add(off + 4321) ^= 0x20 };
+    assert!(matches!(a.get(b"a"), Err(Error::Corrupt { .. })));
+    assert!(matches!(a.get_touch(b"a"), Err(Error::Corrupt { .. })));
+    let mut out = vec![0u8; 5000];
+    assert!(matches!(
+        a.get_into(b"a", &mut out),
+        Err(Error::Corrupt { .. })
+    ));
+    assert_eq!(out, vec![0u8; 5000], "nothing copied out");
+    assert_eq!(a.get(b"b").unwrap(), Some(&[2u8; 100][..]));
+}
+
+/// A value's pages hold the value and zeros: the slack of its last page never keeps bytes of
+/// an earlier value (put, reserve and commit all clear it), so exposing whole pages leaks
+/// nothing.
+#[test]
+fn the_slack_of_a_values_last_page_is_zero() {
+    let page = 1024;
+    let mut a = DramArena::new(4 * page, page).unwrap();
+    let (base, _) = a.region();
+    let slack = |a: &DramArena, k: &[u8]| {
+        let (at, len) = a.locate(k).unwrap();
+        let end = len.div_ceil(page) * page;
+        // SAFETY: inside the arena; no borrow of these bytes is alive.
+        unsafe { std::slice::from_raw_parts(base.add(at + len), end - len) }.to_vec()
+    };
+    a.put(b"old", &[0xAB; 4 * 1024]).unwrap();
+    assert!(a.remove(b"old"));
+    a.put(b"new", &[1; 1500]).unwrap();
+    assert_eq!(slack(&a, b"new"), vec![0u8; 548]);
+    let r = a.reserve(700).unwrap();
+    let at = r.offset(page);
+    // SAFETY: the reserved run's last page lies in the arena; nothing borrows it.
+    let tail = unsafe { std::slice::from_raw_parts(base.add(at + 700), page - 700) };
+    assert!(tail.iter().all(|&b| b == 0), "reserve clears the slack");
+    // SAFETY: as above; a stray write into the slack while the run is exposed.
+    unsafe { std::ptr::write_bytes(base.cast_mut().add(at + 800), 0xEE, 10) };
+    a.commit_reserved(b"r", r).unwrap();
+    assert_eq!(
+        slack(&a, b"r"),
+        vec![0u8; page - 700],
+        "commit clears it again"
+    );
 }

@@ -1227,3 +1227,116 @@ fn batch_get_of_values_on_ssd_uring() {
         }
     }
 }
+
+/// The arena offset of a DRAM value (from a read's slot).
+fn dram_offset(pool: &LocalPool, k: &[u8]) -> usize {
+    let slot = pool
+        .batch_read_with(&[k], |s| s[0].clone())
+        .unwrap_or_else(|e| panic!("read: {e}"));
+    match slot {
+        ReadSlot::Arena { offset, .. } => offset,
+        other => panic!("{} is not in DRAM: {other:?}", String::from_utf8_lossy(k)),
+    }
+}
+
+/// Flips one byte of the arena (as a stray write through the registered region would).
+fn flip_arena_byte(pool: &LocalPool, offset: usize) {
+    let (base, len) = pool.dram_region();
+    assert!(offset < len);
+    // SAFETY: inside the arena, which lives as long as the pool; no read of it is in flight.
+    unsafe { *((base + offset) as *mut u8) ^= 0x5a };
+}
+
+/// One way of reading a key (`None`: a miss).
+type ReadPath<'a> = &'a dyn Fn(&[u8]) -> Option<Vec<u8>>;
+
+/// DRAM values carry a CRC-32C checked on every read path: a flipped byte makes `get`,
+/// `get_into`, `batch_get` and `batch_read_with` report a miss (the value is dropped and
+/// counted in `dram_checksum_errors`), never the wrong bytes; eviction does not write a
+/// corrupt value to SSD; a value with an SSD copy (promoted) is served from that copy.
+#[test]
+fn a_corrupt_dram_value_is_dropped_on_every_read_path() {
+    let (pool, _) = open(&PoolConfig::dram_only(64 << 10, 1024));
+    let v = value(1, 0, 3000);
+    for i in 0..4 {
+        put(&pool, &key(i), &v);
+    }
+    let mut out = vec![0u8; 3000];
+    let reads: [ReadPath<'_>; 4] = [
+        &|k| get(&pool, k),
+        &|k| {
+            let n = ok(pool.get_into(k, &mut vec![0u8; 3000]), "get_into");
+            n.map(|_| Vec::new())
+        },
+        &|k| ok(pool.batch_get(&[k]), "batch_get").remove(0),
+        &|k| match ok(pool.batch_read_with(&[k], |s| s[0].clone()), "read_with") {
+            ReadSlot::Miss => None,
+            other => panic!("a corrupt value was placed: {other:?}"),
+        },
+    ];
+    for (i, read) in reads.iter().enumerate() {
+        let k = key(i as u64);
+        let off = dram_offset(&pool, &k);
+        flip_arena_byte(&pool, off + 1234);
+        assert_eq!(read(&k), None, "read path {i}");
+        assert!(
+            !ok(pool.exists(&k), "exists"),
+            "read path {i}: still indexed"
+        );
+        assert_eq!(pool.stats().dram_checksum_errors, i as u64 + 1);
+    }
+    assert_eq!(pool.dram_holds(), DramHolds::default());
+    out.fill(0);
+    put(&pool, &key(9), &v);
+    assert_eq!(ok(pool.get_into(&key(9), &mut out), "get_into"), Some(3000));
+    assert_eq!(out, v);
+    ok(pool.check_consistency(), "consistency");
+
+    // With an SSD copy (a promoted value), the corrupt DRAM copy is dropped and the get is
+    // served from SSD; eviction never writes a corrupt value to SSD.
+    let dir = tempdir();
+    let cfg = PoolConfig::with_ssd(16 << 10, 1024, ssd_cfg(dir.path(), 256 << 10, 8 << 20));
+    let (pool, _) = open(&cfg);
+    put(&pool, b"kept", &v);
+    ok(pool.evict(b"kept"), "evict");
+    assert_eq!(get(&pool, b"kept"), Some(v.clone()), "promoted");
+    let off = dram_offset(&pool, b"kept");
+    flip_arena_byte(&pool, off);
+    assert_eq!(
+        get(&pool, b"kept"),
+        Some(v.clone()),
+        "served from the SSD copy"
+    );
+    put(&pool, b"lost", &v);
+    let off = dram_offset(&pool, b"lost");
+    flip_arena_byte(&pool, off + 2999);
+    assert_eq!(
+        ok(pool.evict(b"lost"), "evict"),
+        Some(false),
+        "dropped, not demoted"
+    );
+    assert_eq!(get(&pool, b"lost"), None);
+    let s = pool.stats();
+    assert_eq!(s.dram_checksum_errors, 2, "{s:?}");
+    ok(pool.check_consistency(), "consistency");
+}
+
+/// Bytes an engine lands in reserved pages get their checksum at commit: a later flip is
+/// caught like any other.
+#[test]
+fn reserved_puts_are_checksummed_at_commit() {
+    let (pool, _) = open(&PoolConfig::dram_only(64 << 10, 4096));
+    let v = value(7, 1, 6000);
+    let res = ok(pool.reserve_puts(&[(b"r", v.len())]), "reserve").expect("fits");
+    let ReserveSlot::Arena { offset, .. } = res.slots()[0] else {
+        panic!("not reserved")
+    };
+    let (base, _) = pool.dram_region();
+    // SAFETY: the run is reserved for this put, inside the arena, and nothing reads it.
+    unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), (base + offset) as *mut u8, v.len()) };
+    assert_eq!(ok(res.commit(), "commit"), vec![PutOutcome::Stored]);
+    assert_eq!(get(&pool, b"r"), Some(v.clone()));
+    flip_arena_byte(&pool, offset + 17);
+    assert_eq!(get(&pool, b"r"), None);
+    assert_eq!(pool.stats().dram_checksum_errors, 1);
+}

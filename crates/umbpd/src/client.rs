@@ -6,6 +6,11 @@
 //! the one HTTP/2 connection. Do not use it from inside an async runtime (blocking there
 //! panics); async code can use [`crate::proto::umbp_client::UmbpClient`] directly.
 //!
+//! Every connection authenticates first (see [`crate::auth`]): the client proves the
+//! deployment secret ([`ClientOptions::secret`], else `mori_auth::Secret::deployment()`) and
+//! checks that the daemon holds it too, before any call; a mismatch is
+//! [`ClientError::Auth`] at [`Client::connect`].
+//!
 //! A dead daemon surfaces as an error, not a hang: the connection breaking (the daemon
 //! exited or was killed) fails calls in flight at once, HTTP/2 keep-alive pings detect a
 //! peer that stopped answering, and every call has a deadline
@@ -40,6 +45,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use mori_auth::Secret;
 use mori_io::{EngineConfig, IoEngine, Location, MemoryDesc};
 use mori_umbp::PoolStats;
 use tonic::transport::{Channel, Endpoint};
@@ -73,10 +79,19 @@ pub enum ClientError {
     Connect {
         /// The address.
         addr: String,
+        /// What failed (the transport error and its causes).
+        detail: String,
         /// The transport error.
         #[source]
         source: tonic::transport::Error,
     },
+    /// The daemon and this client do not share the deployment secret (the handshake failed,
+    /// or the daemon closed the connection during it): no call was made.
+    #[error("{0}")]
+    Auth(String),
+    /// This client's secret could not be loaded.
+    #[error("loading the deployment secret: {0}")]
+    Secret(#[source] mori_auth::Error),
     /// The daemon answered with an error status, or the call failed in transport (then the
     /// code is `UNAVAILABLE`, `CANCELLED`, `DEADLINE_EXCEEDED` or `UNKNOWN`).
     #[error("umbpd call failed: {0}")]
@@ -138,6 +153,22 @@ pub struct ClientOptions {
     /// included (see the module docs). `None`: the master's `peer_timeout` (or, from a master
     /// that does not tell it, `request_timeout`).
     pub peer_timeout: Option<Duration>,
+    /// The deployment secret proven to every daemon (and that every daemon must prove);
+    /// `None`: `mori_auth::Secret::deployment()` (`MORI_SECRET_FILE`, `MORI_SECRET`, else the
+    /// per-user default file).
+    pub secret: Option<Secret>,
+}
+
+impl ClientOptions {
+    /// The secret to use: [`ClientOptions::secret`], else the deployment secret.
+    pub fn resolve_secret(&self) -> Result<Arc<Secret>> {
+        match &self.secret {
+            Some(s) => Ok(Arc::new(s.clone())),
+            None => Secret::deployment()
+                .map(Arc::new)
+                .map_err(ClientError::Secret),
+        }
+    }
 }
 
 impl Default for ClientOptions {
@@ -150,6 +181,7 @@ impl Default for ClientOptions {
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(5),
             peer_timeout: None,
+            secret: None,
         }
     }
 }
@@ -202,6 +234,11 @@ pub struct Health {
     pub version: String,
     /// Milliseconds since it started serving.
     pub uptime_ms: u64,
+    /// Connections open at the daemon now.
+    pub connections_open: u64,
+    /// Connections the daemon dropped since it started because they did not prove the
+    /// deployment secret.
+    pub connections_refused: u64,
 }
 
 /// Most rounds of routing a put (each round excludes the peers that failed before).
@@ -263,6 +300,8 @@ struct Cluster {
     opts: ClientOptions,
     /// Deadline of each call to a peer on a get path.
     peer_deadline: Duration,
+    /// The resolved secret (for connections to peers).
+    secret: Arc<Secret>,
     /// Connections to peers, by peer id (with the address they were made for).
     peers: Mutex<HashMap<u64, (String, UmbpClient<Channel>)>>,
 }
@@ -275,7 +314,7 @@ impl Cluster {
         {
             return Ok(c.clone());
         }
-        let c = UmbpClient::new(lazy_channel(addr, &self.opts)?)
+        let c = UmbpClient::new(lazy_channel(addr, &self.opts, Arc::clone(&self.secret))?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         map.insert(id, (addr.to_string(), c.clone()));
@@ -353,10 +392,34 @@ fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
     Ok(endpoint)
 }
 
-/// A channel to `addr` that connects on first use (and reconnects after a failure), with
-/// the timeouts and keep-alive of `opts`. Must be called inside a tokio runtime.
-pub(crate) fn lazy_channel(addr: &str, opts: &ClientOptions) -> Result<Channel> {
-    Ok(endpoint(addr, opts)?.connect_lazy())
+/// An authenticated channel to `addr` ([`crate::auth`]) that connects on first use (and
+/// reconnects after a failure), with the timeouts and keep-alive of `opts`. Must be called
+/// inside a tokio runtime.
+pub fn lazy_channel(addr: &str, opts: &ClientOptions, secret: Arc<Secret>) -> Result<Channel> {
+    let ep = endpoint(addr, opts)?;
+    Ok(crate::auth::lazy_channel(&ep, secret, opts.connect_timeout))
+}
+
+/// An authenticated channel to `addr`, connected now: a daemon that does not share `secret`
+/// is [`ClientError::Auth`].
+pub async fn channel(addr: &str, opts: &ClientOptions, secret: Arc<Secret>) -> Result<Channel> {
+    let ep = endpoint(addr, opts)?;
+    crate::auth::channel(&ep, secret, opts.connect_timeout)
+        .await
+        .map_err(|source| connect_error(addr, source))
+}
+
+/// A failed connection as [`ClientError::Auth`] when the handshake failed, else
+/// [`ClientError::Connect`].
+fn connect_error(addr: &str, source: tonic::transport::Error) -> ClientError {
+    if let Some(h) = crate::auth::handshake_failure(&source) {
+        return ClientError::Auth(h.to_string());
+    }
+    ClientError::Connect {
+        addr: addr.to_string(),
+        detail: crate::auth::error_chain(&source),
+        source,
+    }
 }
 
 /// The deadline of peer calls: the option, else the master's `peer_timeout`, else the call
@@ -406,13 +469,8 @@ impl Client {
             .enable_all()
             .build()
             .map_err(ClientError::Runtime)?;
-        let endpoint = endpoint(addr, opts)?;
-        let channel = rt
-            .block_on(endpoint.connect())
-            .map_err(|source| ClientError::Connect {
-                addr: addr.to_string(),
-                source,
-            })?;
+        let secret = opts.resolve_secret()?;
+        let channel = rt.block_on(channel(addr, opts, Arc::clone(&secret)))?;
         let inner = UmbpClient::new(channel.clone())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -427,6 +485,7 @@ impl Client {
                     .max_encoding_message_size(MAX_MESSAGE_BYTES),
                 opts: peer_options(opts, peer_deadline),
                 peer_deadline,
+                secret,
                 peers: Mutex::new(HashMap::new()),
             }
         });
@@ -712,6 +771,7 @@ impl Client {
             corrupt_dropped: s.corrupt_dropped,
             ssd_recovery_corrupt_records: s.ssd_recovery_corrupt_records,
             ssd_recovery_skipped_bytes: s.ssd_recovery_skipped_bytes,
+            dram_checksum_errors: s.dram_checksum_errors,
             ssd_io: s.ssd_io.parse().ok(),
             // Daemons have no GPU tier.
             ..PoolStats::default()
@@ -913,6 +973,8 @@ impl Client {
             role: h.role,
             version: h.version,
             uptime_ms: h.uptime_ms,
+            connections_open: h.connections_open,
+            connections_refused: h.connections_refused,
         })
     }
 }

@@ -26,11 +26,23 @@
 //! | `lease_timeout`  | `UMBP_LEASE_TIMEOUT`  | `--lease-timeout`    | `5s`             |
 //! | `metadata`       | `UMBP_METADATA`       | `--metadata`         | `memory`         |
 //! | `metadata_namespace` | `UMBP_METADATA_NAMESPACE` | `--metadata-namespace` | `umbp` |
+//! | `secret_file`    | `UMBP_SECRET_FILE`    | `--secret-file`      | none (the deployment secret) |
+//! | `max_connections` | `UMBP_MAX_CONNECTIONS` | `--max-connections` | `1024`          |
+//! | `handshake_timeout` | `UMBP_HANDSHAKE_TIMEOUT` | `--handshake-timeout` | `5s`     |
 //!
 //! The pool settings (`dram_bytes` … `ssd_io`) apply to the standalone and peer roles;
 //! `master`, `advertise` and `heartbeat_interval` to peers; `peer_timeout`, `lease_timeout`,
 //! `metadata` and `metadata_namespace` to masters. A setting a role does not use is
 //! accepted and ignored (one file can serve every role).
+//!
+//! `secret_file`, `max_connections` and `handshake_timeout` apply to every role (see
+//! [`crate::auth`]): every connection to the daemon, and every connection it opens (to its
+//! master, to peers), proves the deployment secret before a byte of gRPC is read. The secret
+//! is read from `secret_file` (mode 0600, owned by the daemon's user), else from
+//! `MORI_SECRET_FILE` / `MORI_SECRET`, else from the per-user default file (see
+//! `mori_auth::Secret::deployment`). `max_connections` bounds the open connections
+//! (authenticated or still authenticating; at the limit the daemon stops accepting until one
+//! closes); a peer that has not authenticated within `handshake_timeout` is dropped.
 //!
 //! Besides these, `UMBP_CONFIG` (the file) and `UMBP_LOG` (the `tracing` filter) are
 //! recognised. An unknown TOML key, an unknown `UMBP_*` variable or an invalid value is a
@@ -144,10 +156,20 @@ pub struct Cli {
     /// Master: key prefix of the index in Redis.
     #[arg(long, value_name = "NAME")]
     pub metadata_namespace: Option<String>,
+    /// File holding the deployment secret (mode 0600); default: MORI_SECRET_FILE,
+    /// MORI_SECRET, else the per-user default secret.
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<String>,
+    /// Most connections open at once (authenticated or authenticating).
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<String>,
+    /// A connection that has not authenticated within this long is dropped, e.g. 5s.
+    #[arg(long, value_name = "DURATION")]
+    pub handshake_timeout: Option<String>,
 }
 
 /// The names of every setting, in printing order (TOML keys; see the module docs).
-pub const SETTINGS: [&str; 19] = [
+pub const SETTINGS: [&str; 22] = [
     "role",
     "listen",
     "dram_bytes",
@@ -167,7 +189,13 @@ pub const SETTINGS: [&str; 19] = [
     "lease_timeout",
     "metadata",
     "metadata_namespace",
+    "secret_file",
+    "max_connections",
+    "handshake_timeout",
 ];
+
+/// Largest `max_connections` accepted (each connection is a file descriptor).
+pub const MAX_CONNECTIONS_LIMIT: u64 = 1 << 20;
 
 /// Upper bound of `lease_timeout` (a remove waits at most this long for leases).
 const SHUTDOWN_BOUND: Duration = Duration::from_secs(60);
@@ -311,6 +339,12 @@ pub struct Config {
     pub metadata: Setting<String>,
     /// `metadata_namespace` (master role).
     pub metadata_namespace: Setting<String>,
+    /// `secret_file` (`None`: the deployment secret, `mori_auth::Secret::deployment`).
+    pub secret_file: Setting<Option<PathBuf>>,
+    /// `max_connections`.
+    pub max_connections: Setting<u64>,
+    /// `handshake_timeout`.
+    pub handshake_timeout: Setting<Duration>,
 }
 
 impl Default for Config {
@@ -335,6 +369,9 @@ impl Default for Config {
             lease_timeout: Setting::default(Duration::from_secs(5)),
             metadata: Setting::default("memory".to_string()),
             metadata_namespace: Setting::default("umbp".to_string()),
+            secret_file: Setting::default(None),
+            max_connections: Setting::default(1024),
+            handshake_timeout: Setting::default(Duration::from_secs(5)),
         }
     }
 }
@@ -414,6 +451,22 @@ impl Raw<'_> {
                 _ => Err(format!("`{s}` is not a boolean (true/false)")),
             },
             Raw::Toml(v) => Err(format!("expected a boolean, found {}", v.type_str())),
+        }
+    }
+
+    /// A plain non-negative integer.
+    fn count(&self) -> Result<u64, String> {
+        match self {
+            Raw::Toml(toml::Value::Integer(i)) => {
+                u64::try_from(*i).map_err(|_| format!("{i} is negative"))
+            }
+            Raw::Toml(toml::Value::String(_)) | Raw::Text(_) => {
+                let s = self.text()?;
+                s.trim()
+                    .parse::<u64>()
+                    .map_err(|_| format!("`{s}` is not a non-negative integer"))
+            }
+            Raw::Toml(v) => Err(format!("expected an integer, found {}", v.type_str())),
         }
     }
 
@@ -621,6 +674,15 @@ impl Config {
                 }
                 set(&mut self.metadata_namespace, s, source);
             }
+            "secret_file" => set(&mut self.secret_file, raw.opt_path()?, source),
+            "max_connections" => {
+                let n = raw.count()?;
+                if n == 0 || n > MAX_CONNECTIONS_LIMIT {
+                    return Err(format!("{n} is not in 1..={MAX_CONNECTIONS_LIMIT}"));
+                }
+                set(&mut self.max_connections, n, source);
+            }
+            "handshake_timeout" => set(&mut self.handshake_timeout, raw.duration()?, source),
             _ => return Ok(false),
         }
         Ok(true)
@@ -753,6 +815,21 @@ impl Config {
                 self.metadata_namespace.value.clone(),
                 &self.metadata_namespace.source,
             ),
+            "secret_file" => (
+                self.secret_file.value.as_ref().map_or_else(
+                    || "none (the deployment secret)".to_string(),
+                    |p| p.display().to_string(),
+                ),
+                &self.secret_file.source,
+            ),
+            "max_connections" => (
+                self.max_connections.value.to_string(),
+                &self.max_connections.source,
+            ),
+            "handshake_timeout" => (
+                format_duration(self.handshake_timeout.value),
+                &self.handshake_timeout.source,
+            ),
             _ => return None,
         })
     }
@@ -829,7 +906,7 @@ pub fn resolve(cli: &Cli, env: &[(String, String)]) -> Result<Config, ConfigErro
         cfg.apply(setting, Raw::Text(value), Source::Env(name.clone()))
             .map_err(|why| ConfigError(format!("invalid value for {name}: {why}")))?;
     }
-    let flags: [(&str, &Option<String>); 19] = [
+    let flags: [(&str, &Option<String>); 22] = [
         ("role", &cli.role),
         ("listen", &cli.listen),
         ("dram_bytes", &cli.dram_bytes),
@@ -849,6 +926,9 @@ pub fn resolve(cli: &Cli, env: &[(String, String)]) -> Result<Config, ConfigErro
         ("lease_timeout", &cli.lease_timeout),
         ("metadata", &cli.metadata),
         ("metadata_namespace", &cli.metadata_namespace),
+        ("secret_file", &cli.secret_file),
+        ("max_connections", &cli.max_connections),
+        ("handshake_timeout", &cli.handshake_timeout),
     ];
     for (setting, value) in flags {
         if let Some(v) = value {

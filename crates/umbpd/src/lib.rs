@@ -1,5 +1,7 @@
 //! `umbpd`, the UMBP daemon, and its Rust client.
 //!
+//! * [`auth`] — every connection proves the deployment secret (mori-auth) before gRPC; the
+//!   client-side connector. [`listener`] — the authenticated, bounded accept loop.
 //! * [`cli`] — the `umbpd` command ([`run_cli`]), run by the binary and by the Python wheel.
 //! * [`config`] — settings from a TOML file, `UMBP_*` environment variables and flags.
 //! * [`service`] — the gRPC service `umbp.v1.Umbp` (see `proto/umbp.proto`) over a
@@ -14,9 +16,11 @@
 
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod listener;
 pub mod master;
 pub mod master_server;
 pub mod peer;

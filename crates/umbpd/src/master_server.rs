@@ -13,6 +13,7 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use mori_auth::Secret;
 use mori_umbp::{MemoryStore, MetadataStore};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
@@ -20,6 +21,7 @@ use tracing::warn;
 
 use crate::client::lazy_channel;
 use crate::config::Config;
+use crate::listener::ListenerStats;
 use crate::master::{
     MasterConfig, MasterCore, MasterError, PeerLoad, RemoveStep, SystemClock, aggregate,
 };
@@ -37,10 +39,11 @@ use crate::proto::{
     StatsResponse,
 };
 use crate::server::{
-    DaemonError, MAX_MESSAGE_BYTES, Signals, announce, bind, remove_port_file, start_serving,
+    DaemonError, MAX_MESSAGE_BYTES, Security, Signals, announce, bind, remove_port_file,
+    start_serving,
     umbp_server,
 };
-use crate::service::status_of;
+use crate::service::{listener_counts, status_of};
 
 /// How often a waiting remove looks at the key's leases again.
 const REMOVE_POLL: Duration = Duration::from_millis(5);
@@ -61,17 +64,29 @@ pub struct MasterState {
     started: Instant,
     /// The core's `peer_timeout`: the deadline of every call to a peer (its clients' too).
     peer_timeout: Duration,
+    /// The deployment secret (the master's connections to its peers prove it).
+    secret: Arc<Secret>,
+    /// The listener's counters (reported by `Health`).
+    listener: Option<Arc<ListenerStats>>,
 }
 
 impl MasterState {
-    /// Wraps a core.
-    pub fn new(core: MasterCore) -> MasterState {
+    /// Wraps a core; connections to peers authenticate with `secret`.
+    pub fn new(core: MasterCore, secret: Arc<Secret>) -> MasterState {
         MasterState {
             peer_timeout: core.config().peer_timeout,
             core: Mutex::new(core),
             peer_clients: Mutex::new(HashMap::new()),
             started: Instant::now(),
+            secret,
+            listener: None,
         }
+    }
+
+    /// Reports the counters of the listener serving this master in `Health`.
+    pub fn with_listener_stats(mut self, stats: Arc<ListenerStats>) -> MasterState {
+        self.listener = Some(stats);
+        self
     }
 
     /// Runs `f` on the core on the blocking pool.
@@ -97,7 +112,8 @@ impl MasterState {
             return Ok(c.clone());
         }
         let opts = crate::client::peer_options(&crate::ClientOptions::default(), self.peer_timeout);
-        let channel = lazy_channel(addr, &opts).map_err(|e| Status::internal(e.to_string()))?;
+        let channel = lazy_channel(addr, &opts, Arc::clone(&self.secret))
+            .map_err(|e| Status::internal(e.to_string()))?;
         let c = UmbpClient::new(channel)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -283,12 +299,16 @@ impl Umbp for MasterService {
         &self,
         _req: Request<HealthRequest>,
     ) -> Result<Response<HealthResponse>, Status> {
+        let (connections_open, connections_refused) =
+            listener_counts(self.state.listener.as_deref());
         Ok(Response::new(HealthResponse {
             serving: true,
             role: "master".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             uptime_ms: millis(self.state.started.elapsed()),
             peer_timeout_ms: millis(self.state.peer_timeout),
+            connections_open,
+            connections_refused,
         }))
     }
 }
@@ -463,16 +483,20 @@ async fn open_metadata(cfg: &Config) -> Result<Box<dyn MetadataStore>, DaemonErr
 pub async fn run_master(cfg: &Config) -> Result<(), DaemonError> {
     let mut signals = Signals::install()?;
     let listener = bind(cfg.listen.value).await?;
+    let security = Security::load(cfg)?;
     let meta = open_metadata(cfg).await?;
     let core = MasterCore::new(master_config(cfg), Arc::new(SystemClock::default()), meta);
-    let state = Arc::new(MasterState::new(core));
+    let state = Arc::new(
+        MasterState::new(core, Arc::clone(&security.secret))
+            .with_listener_stats(Arc::clone(&security.stats)),
+    );
     let service = MasterService::new(Arc::clone(&state));
     let routes = tonic::service::Routes::new(umbp_server(service.clone())).add_service(
         MasterServer::new(service)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
     );
-    let serving = start_serving(listener, routes)?;
+    let serving = start_serving(listener, routes, &security)?;
     let tick_every = (cfg.peer_timeout.value / 4).max(Duration::from_millis(10));
     let ticker = tokio::spawn({
         let state = Arc::clone(&state);

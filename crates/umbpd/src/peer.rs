@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use mori_auth::Secret;
 use mori_umbp::CloseReport;
 use tonic::Status;
 use tonic::transport::Channel;
@@ -32,7 +33,7 @@ use crate::config::Config;
 use crate::proto::master_client::MasterClient;
 use crate::proto::{CommitEntry, CommitRequest, HeartbeatRequest, PeerReport, RegisterRequest};
 use crate::server::{
-    DaemonError, MAX_MESSAGE_BYTES, Signals, announce, bind, close_pool, open_pool,
+    DaemonError, MAX_MESSAGE_BYTES, Security, Signals, announce, bind, close_pool, open_pool,
     remove_port_file, start_serving, umbp_server,
 };
 use crate::service::{SharedPool, UmbpService, stats_response};
@@ -49,14 +50,19 @@ pub struct PeerLink {
 }
 
 impl PeerLink {
-    /// A link to the master at `addr` (connected lazily; calls time out after `timeout`).
-    pub fn new(addr: &str, timeout: Duration) -> Result<PeerLink, crate::ClientError> {
+    /// A link to the master at `addr` (connected lazily, authenticated with `secret`; calls
+    /// time out after `timeout`).
+    pub fn new(
+        addr: &str,
+        timeout: Duration,
+        secret: Arc<Secret>,
+    ) -> Result<PeerLink, crate::ClientError> {
         let opts = crate::ClientOptions {
             connect_timeout: timeout,
             request_timeout: Some(timeout),
             ..crate::ClientOptions::default()
         };
-        let master = MasterClient::new(lazy_channel(addr, &opts)?)
+        let master = MasterClient::new(lazy_channel(addr, &opts, secret)?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         Ok(PeerLink {
@@ -312,6 +318,7 @@ async fn heartbeat_loop(
 /// Runs a peer until a shutdown signal; returns the pool's close report.
 pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
     let mut signals = Signals::install()?;
+    let security = Security::load(cfg)?;
     let master_addr = cfg.master.value.clone().unwrap_or_default();
     let interval = cfg.heartbeat_interval.value;
     let mut pool_cfg = cfg.pool_config();
@@ -333,16 +340,23 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
     // Calls to the master time out well before it would declare this peer dead.
     let timeout = interval.max(Duration::from_millis(500)) * 2;
     let link = Arc::new(
-        PeerLink::new(&master_addr, timeout).map_err(|e| DaemonError::Io {
-            context: format!("master address {master_addr}"),
-            source: std::io::Error::other(e.to_string()),
+        PeerLink::new(&master_addr, timeout, Arc::clone(&security.secret)).map_err(|e| {
+            DaemonError::Io {
+                context: format!("master address {master_addr}"),
+                source: std::io::Error::other(e.to_string()),
+            }
         })?,
     );
     let data = crate::server::start_data_plane(&shared, cfg);
     let service = UmbpService::new(Arc::clone(&shared), "peer")
         .with_link(Arc::clone(&link))
-        .with_data_plane(data.clone());
-    let serving = start_serving(listener, tonic::service::Routes::new(umbp_server(service)))?;
+        .with_data_plane(data.clone())
+        .with_listener_stats(Arc::clone(&security.stats));
+    let serving = start_serving(
+        listener,
+        tonic::service::Routes::new(umbp_server(service)),
+        &security,
+    )?;
     let advertise = cfg.advertise.value.unwrap_or(serving.addr).to_string();
 
     // Register before publishing the address, retrying until the master answers.

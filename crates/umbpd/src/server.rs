@@ -11,14 +11,15 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use mori_auth::Secret;
 use mori_umbp::{CloseReport, LocalPool, RecoveryReport};
 use tokio::net::TcpListener;
 use tokio::signal::unix::{SignalKind, signal};
 use tonic::transport::Server;
-use tonic::transport::server::TcpIncoming;
 use tracing::{info, warn};
 
 use crate::config::Config;
+use crate::listener::{Limits, ListenerStats, MAX_STREAMS_PER_CONNECTION};
 use crate::proto::umbp_server::UmbpServer;
 use crate::service::{DataPlane, SharedPool, UmbpService};
 
@@ -29,6 +30,12 @@ pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 /// How long in-flight requests may run after a shutdown signal before the pool is closed
 /// regardless.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Interval of the daemon's HTTP/2 keep-alive pings on idle connections; a peer that does not
+/// answer within [`KEEPALIVE_TIMEOUT`] is dropped (and its connection slot freed).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// See [`KEEPALIVE_INTERVAL`].
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Errors that stop the daemon.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +58,9 @@ pub enum DaemonError {
     /// A background task panicked or was cancelled.
     #[error("task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
+    /// The deployment secret could not be loaded.
+    #[error("authentication: {0}")]
+    Secret(#[from] mori_auth::Error),
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonError {
@@ -117,6 +127,39 @@ impl Signals {
     }
 }
 
+/// How the daemon authenticates connections: its secret, the listener's limits and counters
+/// (see [`crate::auth`], [`crate::listener`]).
+#[derive(Clone, Debug)]
+pub struct Security {
+    /// The deployment secret (every connection, in and out, proves it).
+    pub secret: Arc<Secret>,
+    /// The listener's limits.
+    pub limits: Limits,
+    /// The listener's counters.
+    pub stats: Arc<ListenerStats>,
+}
+
+impl Security {
+    /// Loads the secret of `cfg` (`secret_file`, else the deployment secret) and says its
+    /// fingerprint (never the secret).
+    pub fn load(cfg: &Config) -> Result<Security, DaemonError> {
+        let (secret, from) = crate::auth::load_secret(cfg.secret_file.value.as_deref())?;
+        let fingerprint = secret.fingerprint();
+        say(&format!(
+            "authentication: deployment secret fingerprint {fingerprint} (from {from})"
+        ));
+        info!(%fingerprint, from = %from, "deployment secret loaded");
+        Ok(Security {
+            secret: Arc::new(secret),
+            limits: Limits {
+                max_connections: usize::try_from(cfg.max_connections.value).unwrap_or(usize::MAX),
+                handshake_timeout: cfg.handshake_timeout.value,
+            },
+            stats: Arc::new(ListenerStats::default()),
+        })
+    }
+}
+
 /// A gRPC server running in the background.
 pub(crate) struct Serving {
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
@@ -133,19 +176,28 @@ pub(crate) async fn bind(listen: SocketAddr) -> Result<TcpListener, DaemonError>
         .map_err(io_err(format!("binding {listen}")))
 }
 
-/// Serves `routes` on the bound `listener` in the background (message size limits applied by
-/// the caller on each service).
+/// Serves `routes` on the bound `listener` in the background, to authenticated connections
+/// only (message size limits applied by the caller on each service).
 pub(crate) fn start_serving(
     listener: TcpListener,
     routes: tonic::service::Routes,
+    security: &Security,
 ) -> Result<Serving, DaemonError> {
     let addr = listener
         .local_addr()
         .map_err(io_err("reading the bound address"))?;
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = crate::listener::incoming(
+        listener,
+        Arc::clone(&security.secret),
+        security.limits,
+        Arc::clone(&security.stats),
+    );
     let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(
         Server::builder()
+            .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
             .add_routes(routes)
             .serve_with_incoming_shutdown(incoming, async {
                 let _ = stop_rx.await;
@@ -241,11 +293,17 @@ pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
     // Signal handlers first, so a signal right after the address is published is handled.
     let mut signals = Signals::install()?;
     let listener = bind(cfg.listen.value).await?;
+    let security = Security::load(cfg)?;
     let shared = open_pool(cfg.pool_config()).await?;
     let data = start_data_plane(&shared, cfg);
     let service = UmbpService::new(Arc::clone(&shared), cfg.role.value.as_str())
-        .with_data_plane(data.clone());
-    let serving = start_serving(listener, tonic::service::Routes::new(umbp_server(service)))?;
+        .with_data_plane(data.clone())
+        .with_listener_stats(Arc::clone(&security.stats));
+    let serving = start_serving(
+        listener,
+        tonic::service::Routes::new(umbp_server(service)),
+        &security,
+    )?;
     announce(cfg, serving.addr)?;
     let served = serving.until_signal(&mut signals).await;
     stop_data_plane(data).await;
@@ -257,7 +315,7 @@ pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
     Ok(report)
 }
 
-/// Starts the data plane of a pool (an IO engine with the DRAM arena registered) on the
+/// Starts the data plane of a pool (an IO engine that leases arena bytes per request) on the
 /// listen address's IP; without it the daemon still serves the byte path.
 pub(crate) fn start_data_plane(shared: &SharedPool, cfg: &Config) -> Option<Arc<DataPlane>> {
     match DataPlane::start(shared, cfg.listen.value.ip()) {
@@ -269,10 +327,11 @@ pub(crate) fn start_data_plane(shared: &SharedPool, cfg: &Config) -> Option<Arc<
     }
 }
 
-/// Deregisters the arena (waiting for transfers in flight) before the pool closes.
+/// Stops the data plane before the pool closes. Leases end with the requests that hold
+/// them (which the pool's close waits for); this drops the engine, off the runtime.
 pub(crate) async fn stop_data_plane(data: Option<Arc<DataPlane>>) {
     if let Some(d) = data {
-        let _ = tokio::task::spawn_blocking(move || d.close()).await;
+        let _ = tokio::task::spawn_blocking(move || drop(d)).await;
     }
 }
 

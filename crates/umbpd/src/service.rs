@@ -1,7 +1,7 @@
 //! The gRPC service: each RPC of `umbp.v1.Umbp` runs the matching [`LocalPool`] call on
 //! tokio's blocking pool (the pool takes a mutex and may do SSD I/O).
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::ops::Range;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
@@ -11,6 +11,7 @@ use mori_umbp::{CloseReport, LocalPool, PoolStats, PutOutcome, ReadSlot, Reserve
 use tonic::{Request, Response, Status};
 use tracing::warn;
 
+use crate::listener::ListenerStats;
 use crate::peer::PeerLink;
 use crate::proto::umbp_server::Umbp;
 use crate::proto::{
@@ -102,15 +103,25 @@ fn status_of_failure(f: mori_io::Failure) -> Status {
     }
 }
 
-/// The daemon's side of the data plane: a mori.io engine with the pool's DRAM arena
-/// registered. The daemon drives every transfer itself, so clients never address the arena:
-/// for `BatchGetInto` it writes values from the arena into the client's registered buffer
-/// while the pool keeps them pinned (not under the pool lock: gets at one peer overlap); for
-/// `BatchPutFrom` it reserves arena pages, reads the values out of the client's buffer
-/// straight into them, then commits them (or frees the pages if the transfer failed).
+/// The daemon's side of the data plane: a mori.io engine that moves values between the
+/// pool's DRAM arena and clients' registered buffers. The daemon drives every transfer itself,
+/// and the arena is never registered as a whole: each request registers **exactly the pages
+/// of the values it moves** ([`ArenaLease`]; a value's pages hold that value and zeros, never
+/// an earlier value's bytes) for the duration of its transfer and deregisters them before it
+/// answers, so no engine can address any other part of the arena, and nothing at all outside
+/// a transfer. For `BatchGetInto` it writes the leased values (pinned by the
+/// pool, checksum-verified, not under the pool lock: gets at one peer overlap) into the
+/// client's buffer; for `BatchPutFrom` it reserves arena pages, leases exactly the reserved
+/// values' bytes, reads the values out of the client's buffer straight into them, ends the
+/// lease, then commits them (or frees the pages if the transfer failed).
+///
+/// The daemon connects only to engines the caller vouches for ([`check_engine_address`]).
 pub struct DataPlane {
     engine: IoEngine,
-    arena: MemoryDesc,
+    /// Start address and length of the pool's DRAM arena.
+    arena: (u64, u64),
+    /// Its page size (leases cover whole pages).
+    page: u64,
     timeout: Duration,
 }
 
@@ -118,7 +129,7 @@ impl std::fmt::Debug for DataPlane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataPlane")
             .field("engine", &self.engine.name())
-            .field("arena_bytes", &self.arena.len)
+            .field("arena_bytes", &self.arena.1)
             .finish()
     }
 }
@@ -126,11 +137,143 @@ impl std::fmt::Debug for DataPlane {
 /// A transfer that has not finished after this long fails the call.
 pub const DATA_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Whether the daemon may connect to a client's engine at `engine` for a call that arrived
+/// from `caller` (the gRPC connection's remote address, authenticated): only the caller's own
+/// host — the engine's IP is the caller's IP, or both are loopback (a client on the daemon's
+/// host). A client therefore cannot make the daemon connect to (and write values into, or
+/// read from) an engine on another host: the daemon only ever reaches back to where the
+/// authenticated call came from. Refused with `PERMISSION_DENIED`.
+pub fn check_engine_address(engine: SocketAddr, caller: Option<SocketAddr>) -> Result<(), Status> {
+    let Some(caller) = caller else {
+        return Err(Status::permission_denied(
+            "the data plane needs the caller's address, which this connection does not have",
+        ));
+    };
+    let (e, c) = (engine.ip().to_canonical(), caller.ip().to_canonical());
+    if !e.is_unspecified() && (e == c || (e.is_loopback() && c.is_loopback())) {
+        return Ok(());
+    }
+    Err(Status::permission_denied(format!(
+        "the data plane only connects to the caller's own host: engine address {engine} is \
+         not on {} (where this call came from)",
+        caller.ip()
+    )))
+}
+
+/// Arena bytes registered with the daemon's engine for one request: exactly the pages of the
+/// values it moves (adjacent runs — values stored together — share a region), deregistered by
+/// [`ArenaLease::release`] or on drop. Nothing else of the arena is ever addressable.
+struct ArenaLease<'a> {
+    engine: &'a IoEngine,
+    /// Each region with the arena range it covers, by start offset.
+    regions: Vec<(MemoryDesc, Range<u64>)>,
+}
+
+impl<'a> ArenaLease<'a> {
+    /// Registers the arena ranges `(offset, len)` (at `base`); empty ranges need none.
+    fn register(engine: &'a IoEngine, base: u64, ranges: &[(u64, u64)]) -> Result<Self, Status> {
+        let mut lease = ArenaLease {
+            engine,
+            regions: Vec::new(),
+        };
+        for r in coalesce(ranges) {
+            let mem = engine
+                .register(base + r.start, r.end - r.start, Location::Host)
+                .map_err(status_of_io)?;
+            lease.regions.push((mem, r));
+        }
+        Ok(lease)
+    }
+
+    /// The region holding arena range `[offset, offset + len)` and the offset within it.
+    fn locate(&self, offset: u64, len: u64) -> Option<(usize, u64)> {
+        let i = self
+            .regions
+            .partition_point(|(_, r)| r.start <= offset)
+            .checked_sub(1)?;
+        let r = &self.regions[i].1;
+        (offset + len <= r.end).then_some((i, offset - r.start))
+    }
+
+    /// Deregisters every region, waiting for transfers still using them. An error means some
+    /// transfer may still touch the leased bytes.
+    fn release(mut self) -> Result<(), Status> {
+        self.deregister_all()
+    }
+
+    fn deregister_all(&mut self) -> Result<(), Status> {
+        let mut first = Ok(());
+        for (mem, _) in self.regions.drain(..) {
+            if let Err(e) = self.engine.deregister(&mem) {
+                warn!(error = %e, "deregistering leased arena bytes");
+                if first.is_ok() {
+                    first = Err(status_of_io(e));
+                }
+            }
+        }
+        first
+    }
+}
+
+impl Drop for ArenaLease<'_> {
+    fn drop(&mut self) {
+        let _ = self.deregister_all();
+    }
+}
+
+/// Sorts non-empty ranges `(offset, len)` and merges those that touch exactly (one ends where
+/// the next starts); overlapping ranges (two reads of one value) merge too.
+fn coalesce(ranges: &[(u64, u64)]) -> Vec<Range<u64>> {
+    let mut sorted: Vec<Range<u64>> = ranges
+        .iter()
+        .filter(|(_, len)| *len > 0)
+        .map(|&(o, l)| o..o + l)
+        .collect();
+    sorted.sort_by_key(|r| r.start);
+    let mut out: Vec<Range<u64>> = Vec::with_capacity(sorted.len());
+    for r in sorted {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+/// One batch of a request: items moving between arena offsets and the client's buffer.
+#[derive(Default)]
+struct Items {
+    arena: Vec<u64>,
+    remote: Vec<u64>,
+    sizes: Vec<u64>,
+}
+
+impl Items {
+    fn push(&mut self, arena: u64, remote: u64, size: u64) {
+        if size > 0 {
+            self.arena.push(arena);
+            self.remote.push(remote);
+            self.sizes.push(size);
+        }
+    }
+
+    /// The arena pages of the items: `(offset, len)` rounded up to whole pages of `page`
+    /// bytes (values start on a page).
+    fn pages(&self, page: u64) -> Vec<(u64, u64)> {
+        self.arena
+            .iter()
+            .zip(&self.sizes)
+            .map(|(&o, &n)| (o, n.div_ceil(page) * page))
+            .collect()
+    }
+}
+
 impl DataPlane {
-    /// Starts an engine listening on `host` and registers the pool's arena with it.
+    /// Starts an engine listening on `host` for the pool's arena (nothing is registered
+    /// until a request leases values).
     pub fn start(pool: &SharedPool, host: IpAddr) -> Result<DataPlane, String> {
-        let (addr, len) = pool
-            .with(|p| Ok(p.dram_region()))
+        let ((addr, len), page) = pool
+            .with(|p| Ok((p.dram_region(), p.dram_page_bytes())))
             .map_err(|s| s.message().to_string())?;
         let name = format!("umbpd-{}-{:x}", std::process::id(), addr);
         let cfg = EngineConfig {
@@ -139,25 +282,22 @@ impl DataPlane {
             ..EngineConfig::default()
         };
         let engine = IoEngine::new(&name, cfg).map_err(|e| e.to_string())?;
-        let arena = engine
-            .register(addr as u64, len as u64, Location::Host)
-            .map_err(|e| e.to_string())?;
         Ok(DataPlane {
             engine,
-            arena,
+            arena: (addr as u64, len as u64),
+            page: page as u64,
             timeout: DATA_TIMEOUT,
         })
     }
 
-    /// Stops serving the arena (waits for transfers in flight): call before the pool closes.
-    pub fn close(&self) {
-        if let Err(e) = self.engine.deregister(&self.arena) {
-            warn!(error = %e, "deregistering the DRAM arena");
-        }
-    }
-
-    /// Parses a client's descriptors and connects to its engine.
-    fn client(&self, engine: &[u8], memory: &[u8]) -> Result<MemoryDesc, Status> {
+    /// Parses a client's descriptors, checks that the daemon may reach its engine (see
+    /// [`check_engine_address`]; `caller` is the call's remote address) and connects to it.
+    fn client(
+        &self,
+        engine: &[u8],
+        memory: &[u8],
+        caller: Option<SocketAddr>,
+    ) -> Result<MemoryDesc, Status> {
         let desc = EngineDesc::from_bytes(engine).map_err(status_of_io)?;
         let mem = MemoryDesc::from_bytes(memory).map_err(status_of_io)?;
         if mem.engine != desc.name {
@@ -165,11 +305,56 @@ impl DataPlane {
                 "the memory descriptor belongs to another engine",
             ));
         }
+        check_engine_address(desc.addr, caller)?;
         self.engine.connect(&desc).map_err(status_of_io)?;
         Ok(mem)
     }
 
+    /// Moves `items` between the leased arena bytes and `remote`: one batched transfer per
+    /// leased region, all in flight together, then waits for every one (until the deadline).
     fn run(
+        &self,
+        op: Op,
+        lease: &ArenaLease<'_>,
+        items: &Items,
+        remote: &MemoryDesc,
+    ) -> Result<(), Status> {
+        let mut per_region: Vec<Items> =
+            (0..lease.regions.len()).map(|_| Items::default()).collect();
+        for ((&a, &r), &n) in items.arena.iter().zip(&items.remote).zip(&items.sizes) {
+            let (i, at) = lease.locate(a, n).ok_or_else(|| {
+                Status::internal(format!("arena range [{a}, {a}+{n}) is not leased"))
+            })?;
+            per_region[i].push(at, r, n);
+        }
+        let mut transfers = Vec::with_capacity(per_region.len());
+        for ((mem, _), batch) in lease.regions.iter().zip(&per_region) {
+            if batch.sizes.is_empty() {
+                continue;
+            }
+            let submitted = self.engine.transfer(
+                op,
+                mem,
+                &batch.arena,
+                remote,
+                &batch.remote,
+                &batch.sizes,
+                None,
+            );
+            match submitted {
+                Ok(t) => transfers.push(t),
+                Err(e) => {
+                    // Those already in flight finish (or time out) before the lease ends.
+                    let _ = self.wait_all(transfers);
+                    return Err(status_of_io(e));
+                }
+            }
+        }
+        self.wait_all(transfers)
+    }
+
+    /// One batched transfer between registered `local` memory and `remote`, waited for.
+    fn run_one(
         &self,
         op: Op,
         local: &MemoryDesc,
@@ -193,18 +378,50 @@ impl DataPlane {
                 None,
             )
             .map_err(status_of_io)?;
-        match t.wait(Some(self.timeout)) {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(Status::deadline_exceeded(format!(
-                "data plane transfer unfinished after {:?}",
-                self.timeout
-            ))),
-            Err(f) => Err(status_of_failure(f)),
+        self.wait_all(vec![t])
+    }
+
+    /// Waits for every transfer (all within one deadline); the first failure is returned.
+    fn wait_all(&self, transfers: Vec<mori_io::Transfer>) -> Result<(), Status> {
+        let deadline = Instant::now() + self.timeout;
+        let mut failure = None;
+        for t in transfers {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let res = match t.wait(Some(left)) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(Status::deadline_exceeded(format!(
+                    "data plane transfer unfinished after {:?}",
+                    self.timeout
+                ))),
+                Err(f) => Err(status_of_failure(f)),
+            };
+            if let Err(e) = res {
+                failure.get_or_insert(e);
+            }
         }
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// Leases the arena bytes of `items`, moves them, and ends the lease (waiting for the
+    /// transfers). A failed deregistration (a transfer still in flight) is reported as a
+    /// deadline error, so the caller never reuses the bytes.
+    fn leased_transfer(&self, op: Op, items: &Items, remote: &MemoryDesc) -> Result<(), Status> {
+        if items.sizes.is_empty() {
+            return Ok(());
+        }
+        let lease = ArenaLease::register(&self.engine, self.arena.0, &items.pages(self.page))?;
+        let moved = self.run(op, &lease, items, remote);
+        let released = lease.release().map_err(|e| {
+            Status::deadline_exceeded(format!(
+                "leased arena bytes still in use after the deadline: {}",
+                e.message()
+            ))
+        });
+        moved.and(released)
     }
 
     /// Writes each found value into the client's buffer (DRAM values straight from the
-    /// arena; SSD values are answered inline).
+    /// arena, under a lease of exactly their bytes; SSD values are answered inline).
     fn write_slots(
         &self,
         slots: &[ReadSlot],
@@ -213,7 +430,7 @@ impl DataPlane {
         capacities: &[u64],
     ) -> Result<Vec<GetIntoResult>, Status> {
         let mut out = Vec::with_capacity(slots.len());
-        let (mut loc, mut rem, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+        let mut items = Items::default();
         for (i, slot) in slots.iter().enumerate() {
             let len = match slot {
                 ReadSlot::Miss => {
@@ -231,9 +448,7 @@ impl DataPlane {
             }
             match slot {
                 ReadSlot::Arena { offset, len } => {
-                    loc.push(*offset as u64);
-                    rem.push(offsets[i]);
-                    sizes.push(*len as u64);
+                    items.push(*offset as u64, offsets[i], *len as u64);
                     out.push(GetIntoResult {
                         found: true,
                         len: *len as u64,
@@ -250,7 +465,7 @@ impl DataPlane {
                 ReadSlot::Miss => {}
             }
         }
-        self.run(Op::Write, &self.arena, &loc, remote, &rem, &sizes)?;
+        self.leased_transfer(Op::Write, &items, remote)?;
         Ok(out)
     }
 
@@ -283,17 +498,15 @@ impl DataPlane {
                 .collect();
             return pool.batch_put(&pairs).map_err(status_of);
         };
-        let (mut loc, mut rem, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+        let mut items = Items::default();
         for (i, slot) in res.slots().iter().enumerate() {
-            if let ReserveSlot::Arena { offset, len } = *slot
-                && len > 0
-            {
-                loc.push(offset as u64);
-                rem.push(offsets[i]);
-                sizes.push(len as u64);
+            if let ReserveSlot::Arena { offset, len } = *slot {
+                items.push(offset as u64, offsets[i], len as u64);
             }
         }
-        match self.run(Op::Read, &self.arena, &loc, remote, &rem, &sizes) {
+        // The lease ends (the client can no longer reach the pages) before the values become
+        // readable.
+        match self.leased_transfer(Op::Read, &items, remote) {
             Ok(()) => res.commit().map_err(status_of),
             Err(e) if e.code() == tonic::Code::DeadlineExceeded => {
                 res.leak();
@@ -331,7 +544,7 @@ impl DataPlane {
             .register(buf.as_mut_ptr() as u64, total as u64, Location::Host)
             .map_err(status_of_io)?;
         let local_offsets: Vec<u64> = ranges.iter().map(|r| r.start as u64).collect();
-        let moved = self.run(Op::Read, &local, &local_offsets, remote, offsets, lens);
+        let moved = self.run_one(Op::Read, &local, &local_offsets, remote, offsets, lens);
         if let Err(e) = self.engine.deregister(&local) {
             // A request may still write into it: never free it.
             warn!(error = %e, "a staging buffer stays registered; leaking it");
@@ -353,6 +566,8 @@ pub struct UmbpService {
     link: Option<Arc<PeerLink>>,
     /// The data plane (`BatchGetInto`, `BatchPutFrom`), if the IO engine started.
     data: Option<Arc<DataPlane>>,
+    /// The listener's counters (reported by `Health`).
+    listener: Option<Arc<ListenerStats>>,
 }
 
 impl UmbpService {
@@ -364,7 +579,14 @@ impl UmbpService {
             started: Instant::now(),
             link: None,
             data: None,
+            listener: None,
         }
+    }
+
+    /// Reports the counters of the listener serving this service in `Health`.
+    pub fn with_listener_stats(mut self, stats: Arc<ListenerStats>) -> UmbpService {
+        self.listener = Some(stats);
+        self
     }
 
     /// Serves the data plane through `data`.
@@ -536,8 +758,20 @@ pub fn stats_response(s: PoolStats) -> StatsResponse {
         corrupt_dropped: s.corrupt_dropped,
         ssd_recovery_corrupt_records: s.ssd_recovery_corrupt_records,
         ssd_recovery_skipped_bytes: s.ssd_recovery_skipped_bytes,
+        dram_checksum_errors: s.dram_checksum_errors,
         ssd_io: s.ssd_io.map(|b| b.as_str().to_string()).unwrap_or_default(),
     }
+}
+
+/// Open and refused connections of a listener (zeros without one).
+pub fn listener_counts(stats: Option<&ListenerStats>) -> (u64, u64) {
+    use std::sync::atomic::Ordering;
+    stats.map_or((0, 0), |s| {
+        (
+            s.open.load(Ordering::Relaxed) as u64,
+            s.refused.load(Ordering::Relaxed),
+        )
+    })
 }
 
 fn no_data_plane() -> Status {
@@ -610,6 +844,7 @@ impl Umbp for UmbpService {
         req: Request<BatchGetIntoRequest>,
     ) -> Result<Response<BatchGetIntoResponse>, Status> {
         let data = self.data.clone().ok_or_else(no_data_plane)?;
+        let caller = req.remote_addr();
         let r = req.into_inner();
         let n = r.keys.len();
         if r.offsets.len() != n || r.capacities.len() != n {
@@ -619,7 +854,7 @@ impl Umbp for UmbpService {
         }
         let pool = Arc::clone(&self.pool);
         let results = tokio::task::spawn_blocking(move || {
-            let remote = data.client(&r.engine, &r.memory)?;
+            let remote = data.client(&r.engine, &r.memory, caller)?;
             let refs: Vec<&[u8]> = r.keys.iter().map(Vec::as_slice).collect();
             pool.with(|p| {
                 p.batch_read_with(&refs, |slots| {
@@ -637,6 +872,7 @@ impl Umbp for UmbpService {
         req: Request<BatchPutFromRequest>,
     ) -> Result<Response<BatchPutResponse>, Status> {
         let data = self.data.clone().ok_or_else(no_data_plane)?;
+        let caller = req.remote_addr();
         let r = req.into_inner();
         if r.offsets.len() != r.keys.len() || r.lens.len() != r.keys.len() {
             return Err(Status::invalid_argument(
@@ -654,7 +890,7 @@ impl Umbp for UmbpService {
                 lens,
             } = r;
             me.store_and_publish(keys, move |p, keys| {
-                let remote = data.client(&engine, &memory)?;
+                let remote = data.client(&engine, &memory, caller)?;
                 data.put_direct(p, &remote, keys, &offsets, &lens)
             })
             .await
@@ -700,12 +936,15 @@ impl Umbp for UmbpService {
         _req: Request<HealthRequest>,
     ) -> Result<Response<HealthResponse>, Status> {
         let serving = self.call(|_| Ok(())).await.is_ok();
+        let (connections_open, connections_refused) = listener_counts(self.listener.as_deref());
         Ok(Response::new(HealthResponse {
             serving,
             role: self.role.to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
             peer_timeout_ms: 0,
+            connections_open,
+            connections_refused,
         }))
     }
 }
@@ -769,7 +1008,7 @@ mod tests {
         let keys = vec![b"p0".to_vec(), b"p1".to_vec()];
         let (offs, lens) = ([0u64, 20_000], [10_000u64, 30_000]);
 
-        let remote = data.client(&desc, &smem.to_bytes()).unwrap();
+        let remote = data.client(&desc, &smem.to_bytes(), LOCAL_CALLER).unwrap();
         let out = shared
             .with_status(|p| data.put_direct(p, &remote, &keys, &offs, &lens))
             .unwrap();
@@ -787,7 +1026,7 @@ mod tests {
         let dmem = client
             .register(dst.as_mut_ptr() as u64, dst.len() as u64, Location::Host)
             .unwrap();
-        let dremote = data.client(&desc, &dmem.to_bytes()).unwrap();
+        let dremote = data.client(&desc, &dmem.to_bytes(), LOCAL_CALLER).unwrap();
         let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
         let read = |r: &MemoryDesc| {
             shared.with_status(|p| {
@@ -820,6 +1059,345 @@ mod tests {
                 p.check_consistency()
             })
             .unwrap();
-        data.close();
+    }
+
+    /// A call from this host (loopback).
+    const LOCAL_CALLER: Option<SocketAddr> = Some(SocketAddr::new(
+        IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        40000,
+    ));
+
+    fn engine(name: &str) -> IoEngine {
+        let cfg = EngineConfig {
+            host: IpAddr::from([127, 0, 0, 1]),
+            ..EngineConfig::default()
+        };
+        IoEngine::new(name, cfg).unwrap()
+    }
+
+    /// Reads `len` bytes at `offset` of `remote` into a fresh buffer of `rogue`.
+    fn read_remote(
+        rogue: &IoEngine,
+        remote: &MemoryDesc,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, String> {
+        let mut buf = vec![0u8; len as usize];
+        let local = rogue
+            .register(buf.as_mut_ptr() as u64, len, Location::Host)
+            .unwrap();
+        let res = match rogue.transfer(Op::Read, &local, &[0], remote, &[offset], &[len], None) {
+            Ok(t) => match t.wait(Some(Duration::from_secs(10))) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err("timed out".to_string()),
+                Err(f) => Err(format!("{:?}: {}", f.kind, f.message)),
+            },
+            Err(e) => Err(e.to_string()),
+        };
+        rogue.deregister(&local).unwrap();
+        res.map(|()| buf)
+    }
+
+    /// The arena is never registered as a whole: a request leases exactly its values' bytes
+    /// (adjacent values share one region). Through a leased region an engine reads exactly the
+    /// leased value — a bigger offset or a forged longer descriptor is refused as out of
+    /// range by the daemon — and once the lease ends the region is gone. With no request in
+    /// flight no region exists at all.
+    #[test]
+    fn leases_expose_exactly_the_leased_values() {
+        let page = 4096;
+        let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(64 * page, page)).unwrap();
+        let shared = SharedPool::new(pool);
+        let data = DataPlane::start(&shared, IpAddr::from([127, 0, 0, 1])).unwrap();
+        let values: Vec<Vec<u8>> = (0..4u8).map(|i| vec![i + 1; 3 * page - 100]).collect();
+        for (i, v) in values.iter().enumerate() {
+            shared
+                .with(|p| p.put(format!("k{i}").as_bytes(), v))
+                .unwrap();
+        }
+        let rogue = engine("lease-test-rogue");
+        rogue.connect(&data.engine.desc()).unwrap();
+        let probe = |id: u64, len: u64| MemoryDesc {
+            engine: data.engine.name().to_string(),
+            id,
+            len,
+            location: Location::Host,
+            ipc: None,
+        };
+        for id in 0..32 {
+            let err = read_remote(&rogue, &probe(id, data.arena.1), 0, 16).unwrap_err();
+            assert!(err.contains("not registered"), "region {id}: {err}");
+        }
+        let k1: &[u8] = b"k1";
+        let placed = shared
+            .with(|p| {
+                p.batch_read_with(&[k1], |slots| {
+                    let ReadSlot::Arena { offset, len } = slots[0] else {
+                        panic!("not in DRAM: {:?}", slots[0]);
+                    };
+                    let items = Items {
+                        arena: vec![offset as u64],
+                        remote: vec![0],
+                        sizes: vec![len as u64],
+                    };
+                    let lease =
+                        ArenaLease::register(&data.engine, data.arena.0, &items.pages(data.page))
+                            .unwrap();
+                    assert_eq!(lease.regions.len(), 1);
+                    let mem = lease.regions[0].0.clone();
+                    let pages = 3 * page as u64;
+                    assert_eq!(mem.len, pages, "exactly the value's pages");
+                    let got = read_remote(&rogue, &mem, 0, pages).unwrap();
+                    assert_eq!(&got[..len], &values[1][..]);
+                    assert!(got[len..].iter().all(|&b| b == 0), "the slack is zeros");
+                    let err = read_remote(&rogue, &mem, pages, 16).unwrap_err();
+                    assert!(err.contains("outside"), "{err}");
+                    let mut forged = mem.clone();
+                    forged.len = data.arena.1;
+                    for off in [pages, pages + 100, data.arena.1 - 16] {
+                        let err = read_remote(&rogue, &forged, off, 16).unwrap_err();
+                        assert!(err.contains("outside region"), "offset {off}: {err}");
+                    }
+                    lease.release().unwrap();
+                    let err = read_remote(&rogue, &mem, 0, 16).unwrap_err();
+                    assert!(err.contains("not registered"), "after release: {err}");
+                    offset
+                })
+            })
+            .unwrap();
+        assert_eq!(placed % page, 0);
+        assert_eq!(
+            coalesce(&[
+                (8192, 4096),
+                (0, 4096),
+                (4096, 4096),
+                (20000, 0),
+                (16384, 10)
+            ]),
+            vec![0..12288, 16384..16394]
+        );
+    }
+
+    /// The data plane only reaches back to the caller's own host.
+    #[test]
+    fn engines_must_be_on_the_callers_host() {
+        let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let ok = |e: &str, c: &str| check_engine_address(at(e), Some(at(c))).is_ok();
+        assert!(ok("127.0.0.1:5000", "127.0.0.1:40000"));
+        assert!(ok("127.0.0.2:5000", "127.0.0.1:40000"), "both loopback");
+        assert!(ok("[::1]:5000", "127.0.0.1:40000"), "both loopback");
+        assert!(ok("10.0.0.7:5000", "10.0.0.7:40000"));
+        assert!(ok("10.0.0.7:5000", "[::ffff:10.0.0.7]:40000"), "v4-mapped");
+        assert!(!ok("10.0.0.8:5000", "10.0.0.7:40000"), "another host");
+        assert!(
+            !ok("10.0.0.7:5000", "127.0.0.1:40000"),
+            "loopback caller, remote engine"
+        );
+        assert!(
+            !ok("127.0.0.1:5000", "10.0.0.7:40000"),
+            "remote caller, loopback engine"
+        );
+        assert!(!ok("0.0.0.0:5000", "0.0.0.0:40000"), "wildcard");
+        let e = check_engine_address(at("10.0.0.8:1"), None).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+    }
+
+    /// The daemon's get path verifies a value's checksum before it moves: a flipped byte in
+    /// the arena makes `BatchGetInto` a miss (counted), never wrong bytes in the buffer.
+    #[test]
+    fn a_corrupt_value_is_never_written_to_the_client() {
+        let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(256 << 10, 4096)).unwrap();
+        let shared = SharedPool::new(pool);
+        let data = DataPlane::start(&shared, IpAddr::from([127, 0, 0, 1])).unwrap();
+        let client = engine("checksum-test-client");
+        shared.with(|p| p.put(b"v", &[7u8; 5000])).unwrap();
+        let (base, _) = shared.with(|p| Ok(p.dram_region())).unwrap();
+        let offset = shared
+            .with(|p| p.batch_read_with(&[b"v"], |s| s[0].clone()))
+            .unwrap();
+        let ReadSlot::Arena { offset, .. } = offset else {
+            panic!("not in DRAM")
+        };
+        // SAFETY: inside the arena, no transfer in flight.
+        unsafe { *((base + offset + 10) as *mut u8) ^= 1 };
+        let mut dst = vec![0u8; 8192];
+        let dmem = client
+            .register(dst.as_mut_ptr() as u64, dst.len() as u64, Location::Host)
+            .unwrap();
+        let remote = data
+            .client(&client.desc().to_bytes(), &dmem.to_bytes(), LOCAL_CALLER)
+            .unwrap();
+        let out = shared
+            .with_status(|p| {
+                p.batch_read_with(&[b"v"], |slots| {
+                    data.write_slots(slots, &remote, &[0], &[8192])
+                })
+                .map_err(status_of)?
+            })
+            .unwrap();
+        assert!(!out[0].found);
+        client.deregister(&dmem).unwrap();
+        assert!(dst.iter().all(|&b| b == 0), "nothing written");
+        let stats = shared.with(|p| Ok(p.stats())).unwrap();
+        assert_eq!(stats.dram_checksum_errors, 1);
+    }
+}
+
+/// The per-get cost of scoping the data plane: leasing a value's bytes (register and
+/// deregister with the daemon's engine), the checksum check, and a whole get through the lease
+/// next to the same get from an arena registered once (what the daemon did before leases).
+/// A measurement, not a test:
+/// `cargo test --release -p mori-umbpd --lib lease_cost -- --ignored --nocapture`.
+#[cfg(test)]
+mod lease_cost {
+    use super::*;
+    use std::time::Instant;
+
+    /// Median seconds of `f` over `reps` runs of `iters` calls each, per call.
+    fn per_call(iters: usize, reps: usize, mut f: impl FnMut()) -> f64 {
+        let mut runs: Vec<f64> = (0..reps)
+            .map(|_| {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    f();
+                }
+                t.elapsed().as_secs_f64() / iters as f64
+            })
+            .collect();
+        runs.sort_by(f64::total_cmp);
+        runs[runs.len() / 2]
+    }
+
+    #[test]
+    #[ignore = "a measurement: run with --ignored --nocapture (release build)"]
+    fn lease_cost() {
+        let localhost = IpAddr::from([127, 0, 0, 1]);
+        let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(1 << 30, 4096)).unwrap();
+        let shared = SharedPool::new(pool);
+        let data = DataPlane::start(&shared, localhost).unwrap();
+        let client = IoEngine::new(
+            "lease-cost-client",
+            EngineConfig {
+                host: localhost,
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        let mut dst = vec![0u8; 128 << 20];
+        let dmem = client
+            .register(dst.as_mut_ptr() as u64, dst.len() as u64, Location::Host)
+            .unwrap();
+        let caller = Some(SocketAddr::new(localhost, 1));
+        let remote = data
+            .client(&client.desc().to_bytes(), &dmem.to_bytes(), caller)
+            .unwrap();
+        // The pre-lease daemon: the whole arena registered once.
+        let arena = data
+            .engine
+            .register(data.arena.0, data.arena.1, Location::Host)
+            .unwrap();
+        println!(
+            "{:>12} {:>5} {:>8} | {:>10} {:>10} {:>10} | {:>11} {:>11} {:>8}",
+            "value",
+            "batch",
+            "regions",
+            "lease µs",
+            "crc µs",
+            "per value",
+            "get(lease)",
+            "get(arena)",
+            "delta µs"
+        );
+        for (size, batch, adjacent) in [
+            (4096usize, 1usize, true),
+            (65536, 1, true),
+            (1 << 20, 1, true),
+            (4096, 16, true),
+            (4096 - 100, 16, false),
+            (65536, 16, true),
+            (65536 - 100, 16, false),
+            (1 << 20, 16, true),
+            (1 << 20, 128, true),
+            (1 << 20, 16, false),
+        ] {
+            let value: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+            let keys: Vec<Vec<u8>> = (0..batch)
+                .map(|i| format!("{size}/{batch}/{adjacent}/{i}").into_bytes())
+                .collect();
+            for k in &keys {
+                shared.with(|p| p.put(k, &value)).unwrap();
+                if !adjacent {
+                    // A value of another request between two of this one.
+                    let spacer = [k.as_slice(), b"/spacer"].concat();
+                    shared.with(|p| p.put(&spacer, b"x")).unwrap();
+                }
+            }
+            let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+            let slots = shared
+                .with(|p| p.batch_read_with(&refs, |s| s.to_vec()))
+                .unwrap();
+            let ranges: Vec<(u64, u64)> = slots
+                .iter()
+                .map(|s| match s {
+                    ReadSlot::Arena { offset, len } => (
+                        *offset as u64,
+                        (*len as u64).div_ceil(data.page) * data.page,
+                    ),
+                    other => panic!("not in DRAM: {other:?}"),
+                })
+                .collect();
+            let regions = coalesce(&ranges).len();
+            let lease = per_call(2000, 5, || {
+                let l = ArenaLease::register(&data.engine, data.arena.0, &ranges).unwrap();
+                l.release().unwrap();
+            });
+            let crc = per_call(200, 5, || {
+                std::hint::black_box(mori_umbp::crc32c(std::hint::black_box(&value)));
+            }) * batch as f64;
+            let offsets: Vec<u64> = (0..batch as u64).map(|i| i * size as u64).collect();
+            let caps = vec![size as u64; batch];
+            let iters = (64 << 20) / (size * batch).max(1);
+            let iters = iters.clamp(20, 2000);
+            let leased = per_call(iters, 5, || {
+                let out = shared
+                    .with_status(|p| {
+                        p.batch_read_with(&refs, |s| data.write_slots(s, &remote, &offsets, &caps))
+                            .map_err(status_of)?
+                    })
+                    .unwrap();
+                assert!(out.iter().all(|r| r.found));
+            });
+            let whole = per_call(iters, 5, || {
+                shared
+                    .with_status(|p| {
+                        p.batch_read_with(&refs, |s| {
+                            let loc: Vec<u64> = s
+                                .iter()
+                                .map(|s| match s {
+                                    ReadSlot::Arena { offset, .. } => *offset as u64,
+                                    _ => 0,
+                                })
+                                .collect();
+                            data.run_one(Op::Write, &arena, &loc, &remote, &offsets, &caps)
+                        })
+                        .map_err(status_of)?
+                    })
+                    .unwrap();
+            });
+            println!(
+                "{:>12} {:>5} {:>8} | {:>10.2} {:>10.2} {:>10.2} | {:>9.1}µs {:>9.1}µs {:>8.2}",
+                size,
+                batch,
+                regions,
+                lease * 1e6,
+                crc * 1e6,
+                lease * 1e6 / batch as f64,
+                leased * 1e6,
+                whole * 1e6,
+                (leased - whole) * 1e6
+            );
+        }
+        data.engine.deregister(&arena).unwrap();
+        client.deregister(&dmem).unwrap();
     }
 }

@@ -173,3 +173,47 @@ fn flag_overrides_env_overrides_file() {
     let out = d.stop(libc::SIGTERM, Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(0));
 }
+
+/// The authentication settings: printed with their sources, checked, and a secret file that
+/// others can read (or that is missing) stops the daemon before it listens.
+#[test]
+fn authentication_settings_are_checked_and_printed() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let sf = dir.path().join("secret");
+    std::fs::write(&sf, "a-deployment-secret-for-config-tests").unwrap();
+    std::fs::set_permissions(&sf, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let sfs = sf.to_str().unwrap();
+    let (code, out, err) = run(
+        &["--check-config", "--max-connections", "64"],
+        &[("UMBP_SECRET_FILE", sfs), ("UMBP_HANDSHAKE_TIMEOUT", "2s")],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    assert!(line(&out, "secret_file").contains(&format!("{sfs} (env UMBP_SECRET_FILE)")));
+    assert!(line(&out, "max_connections").contains("64 (flag --max-connections)"));
+    assert!(line(&out, "handshake_timeout").contains("2000ms (env UMBP_HANDSHAKE_TIMEOUT)"));
+    assert!(!out.contains("a-deployment-secret"), "{out}");
+    for (args, culprit) in [
+        (&["--max-connections", "0"][..], "--max-connections"),
+        (&["--max-connections", "many"][..], "--max-connections"),
+        (&["--handshake-timeout", "0s"][..], "--handshake-timeout"),
+    ] {
+        let mut all = vec!["--check-config"];
+        all.extend_from_slice(args);
+        let (code, _, err) = run(&all, &[]);
+        assert_eq!(code, Some(2), "{culprit}: {err}");
+        assert!(err.contains(culprit), "{err}");
+    }
+    // A secret file readable by others is refused at start (exit 1, naming the file).
+    std::fs::set_permissions(&sf, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let (code, _, err) = run(&["--secret-file", sfs], &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("accessible by other users") && err.contains(sfs),
+        "{err}"
+    );
+    let missing = dir.path().join("nope");
+    let (code, _, err) = run(&["--secret-file", missing.to_str().unwrap()], &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("nope"), "{err}");
+}

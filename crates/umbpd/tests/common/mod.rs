@@ -70,12 +70,24 @@ pub fn ssd_dir(dir: &Path) -> PathBuf {
 impl Daemon {
     /// Starts the daemon with `--port-file DIR/port` plus `args`, and waits until it listens.
     pub fn start(dir: &Path, args: &[&str], envs: &[(&str, &str)]) -> Daemon {
+        Daemon::start_with(dir, args, envs, |_| {})
+    }
+
+    /// [`Daemon::start`], with `configure` applied to the command before it is spawned.
+    pub fn start_with(
+        dir: &Path,
+        args: &[&str],
+        envs: &[(&str, &str)],
+        configure: impl FnOnce(&mut Command),
+    ) -> Daemon {
         let port_file = dir.join("port");
         let _ = std::fs::remove_file(&port_file);
         let pf = port_file.to_str().unwrap();
         let mut all = vec!["--port-file", pf];
         all.extend_from_slice(args);
-        let mut child = command(&all, envs)
+        let mut cmd = command(&all, envs);
+        configure(&mut cmd);
+        let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -118,6 +130,33 @@ impl Daemon {
     /// What it printed to stdout so far.
     pub fn stdout(&self) -> String {
         self.stdout.lock().unwrap().clone()
+    }
+
+    /// What it printed to stderr (its log) so far.
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// CPU time (user + system) the process's threads named `name` have used so far, from
+    /// /proc (a thread's name is truncated to 15 bytes there).
+    pub fn cpu_time_of_threads(&self, name: &str) -> Duration {
+        let mut ticks = 0u64;
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", self.pid())).unwrap();
+        for task in tasks {
+            let Ok(stat) = std::fs::read_to_string(task.unwrap().path().join("stat")) else {
+                continue; // the thread ended meanwhile
+            };
+            let (open, close) = (stat.find('(').unwrap(), stat.rfind(')').unwrap());
+            if &stat[open + 1..close] != name {
+                continue;
+            }
+            let f: Vec<&str> = stat[close + 2..].split_whitespace().collect();
+            // utime and stime: fields 14 and 15 of the line, 12 and 13 after the name.
+            ticks += f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+        }
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+        Duration::from_millis(ticks * 1000 / hz)
     }
 
     /// Sends `sig` without waiting.

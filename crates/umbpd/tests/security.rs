@@ -1,0 +1,419 @@
+//! Authentication and scoping of the real `umbpd` binary: every port proves the deployment
+//! secret before any RPC, a rogue peer cannot join a cluster, a raw HTTP/2 client is dropped,
+//! and the data plane only reaches back to the caller's own host.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::Daemon;
+use mori_auth::Secret;
+use mori_io::{EngineDesc, Location, MemoryDesc};
+use mori_umbpd::proto::master_client::MasterClient;
+use mori_umbpd::proto::umbp_client::UmbpClient;
+use mori_umbpd::proto::{
+    BatchGetIntoRequest, BatchPutFromRequest, CommitEntry, CommitRequest, ExistsRequest,
+    GetRequest, HeartbeatRequest, PutRequest, RegisterRequest,
+};
+use mori_umbpd::{Client, ClientError, ClientOptions};
+
+const GOOD: &str = "the-deployment-secret-of-this-test";
+const BAD: &str = "not-the-deployment-secret-at-all";
+
+/// A secret file (mode 0600) holding `text`.
+fn secret_file(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, format!("{text}\n")).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p
+}
+
+fn opts(secret: &str) -> ClientOptions {
+    ClientOptions {
+        secret: Some(Secret::new(secret.as_bytes().to_vec()).unwrap()),
+        connect_timeout: Duration::from_secs(5),
+        ..ClientOptions::default()
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A raw gRPC channel to `addr` authenticating with `secret` (connected on first use).
+fn raw_channel(addr: &str, secret: &str) -> tonic::transport::Channel {
+    let o = opts(secret);
+    let s = Arc::new(o.secret.clone().unwrap());
+    mori_umbpd::client::lazy_channel(addr, &o, s).unwrap()
+}
+
+fn standalone(dir: &Path) -> Daemon {
+    let sf = secret_file(dir, "secret", GOOD);
+    Daemon::start(
+        dir,
+        &["--secret-file", sf.to_str().unwrap(), "--dram-bytes", "8M"],
+        &[],
+    )
+}
+
+/// A client without the secret cannot connect, and over a raw channel none of its calls
+/// reach the pool: puts, gets and exists fail, nothing changes, and the right client then
+/// reads the original values. The daemon prints the secret's fingerprint, never the secret.
+#[test]
+fn a_client_with_the_wrong_secret_is_refused_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let fp = Secret::new(GOOD.as_bytes().to_vec()).unwrap().fingerprint();
+    let out = d.stdout();
+    assert!(out.contains(&format!("fingerprint {fp}")), "{out}");
+    assert!(!out.contains(GOOD), "the secret itself was printed:\n{out}");
+
+    let good = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    assert!(good.put(b"k", b"original").unwrap());
+
+    let err = Client::connect_with(&d.addr, &opts(BAD)).unwrap_err();
+    assert!(matches!(err, ClientError::Auth(_)), "{err:?}");
+    assert!(err.to_string().contains("authenticat"), "{err}");
+
+    let rt = runtime();
+    rt.block_on(async {
+        let mut rogue = UmbpClient::new(raw_channel(&d.addr, BAD));
+        let calls = [
+            rogue
+                .put(PutRequest {
+                    key: b"k".to_vec(),
+                    value: b"forged".to_vec(),
+                })
+                .await
+                .map(|_| ()),
+            rogue
+                .put(PutRequest {
+                    key: b"new".to_vec(),
+                    value: b"forged".to_vec(),
+                })
+                .await
+                .map(|_| ()),
+            rogue
+                .get(GetRequest { key: b"k".to_vec() })
+                .await
+                .map(|_| ()),
+            rogue
+                .exists(ExistsRequest { key: b"k".to_vec() })
+                .await
+                .map(|_| ()),
+        ];
+        for (i, c) in calls.into_iter().enumerate() {
+            let s = c.expect_err("a call without the secret went through");
+            assert_eq!(s.code(), tonic::Code::Unavailable, "call {i}: {s:?}");
+            let full = format!("{s:?}");
+            assert!(full.contains("authenticat"), "call {i}: {full}");
+        }
+    });
+    assert_eq!(good.get(b"k").unwrap(), Some(b"original".to_vec()));
+    assert!(!good.exists(b"new").unwrap());
+    assert_eq!(good.stats().unwrap().keys, 1);
+    let h = good.health().unwrap();
+    assert!(h.connections_refused >= 5, "{h:?}");
+    assert!(h.connections_open >= 1, "{h:?}");
+}
+
+/// Bytes of an HTTP/2 client that skips the handshake: the preface and an empty SETTINGS
+/// frame. The daemon closes the connection without answering a byte.
+#[test]
+fn a_raw_http2_connection_without_the_handshake_is_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let good = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let before = good.health().unwrap().connections_refused;
+    let mut s = TcpStream::connect(&d.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+    let closed = |e: &std::io::Error| {
+        matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+        )
+    };
+    // The daemon may already have closed (reset) the connection while we still write.
+    if let Err(e) = s.write_all(&hello) {
+        assert!(closed(&e), "{e}");
+    }
+    let mut buf = [0u8; 64];
+    match s.read(&mut buf) {
+        Ok(0) => {}
+        Ok(n) => panic!("the daemon answered {n} bytes: {:?}", &buf[..n]),
+        Err(e) => assert!(closed(&e), "{e}"),
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while good.health().unwrap().connections_refused == before {
+        assert!(
+            Instant::now() < deadline,
+            "the dropped connection was not counted"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A peer without the secret cannot join a cluster: neither a raw client calling
+/// Register / Heartbeat / Commit (impersonating the real peer's id) nor a real peer daemon
+/// started with another secret changes the master's peer list or index.
+#[test]
+fn a_rogue_peer_cannot_register_heartbeat_or_commit() {
+    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let sf = secret_file(dirs[0].path(), "secret", GOOD);
+    let sf = sf.to_str().unwrap();
+    let master = Daemon::start(
+        dirs[0].path(),
+        &["--role", "master", "--secret-file", sf],
+        &[],
+    );
+    let peer = Daemon::start(
+        dirs[1].path(),
+        &[
+            "--role",
+            "peer",
+            "--master",
+            &master.addr,
+            "--secret-file",
+            sf,
+            "--heartbeat-interval",
+            "100ms",
+            "--dram-bytes",
+            "8M",
+        ],
+        &[],
+    );
+    let c = Client::connect_with(&master.addr, &opts(GOOD)).unwrap();
+    let peers = |c: &Client| {
+        let info = c.cluster_info().unwrap().unwrap();
+        let mut v: Vec<(u64, String)> = info
+            .peers
+            .into_iter()
+            .map(|p| (p.peer_id, p.addr))
+            .collect();
+        v.sort();
+        v
+    };
+    let before = peers(&c);
+    assert_eq!(before.len(), 1, "{before:?}");
+    assert_eq!(before[0].1, peer.addr);
+    let peer_id = before[0].0;
+
+    let rt = runtime();
+    rt.block_on(async {
+        let mut rogue = MasterClient::new(raw_channel(&master.addr, BAD));
+        let reg = rogue
+            .register(RegisterRequest {
+                addr: "127.0.0.1:9".into(),
+                report: None,
+            })
+            .await;
+        let hb = rogue
+            .heartbeat(HeartbeatRequest {
+                peer_id,
+                report: None,
+                dropped: Vec::new(),
+            })
+            .await;
+        let commit = rogue
+            .commit(CommitRequest {
+                peer_id,
+                entries: vec![CommitEntry {
+                    key: b"stolen".to_vec(),
+                    len: 5,
+                    on_ssd: false,
+                }],
+            })
+            .await;
+        for (what, r) in [
+            ("register", reg.map(|_| ())),
+            ("heartbeat", hb.map(|_| ())),
+            ("commit", commit.map(|_| ())),
+        ] {
+            let s = r.expect_err(what);
+            assert_eq!(s.code(), tonic::Code::Unavailable, "{what}: {s:?}");
+        }
+    });
+
+    // A real peer daemon with another secret keeps failing to register.
+    let bad_sf = secret_file(dirs[2].path(), "secret", BAD);
+    let mut rogue_peer = common::command(
+        &[
+            "--role",
+            "peer",
+            "--master",
+            &master.addr,
+            "--secret-file",
+            bad_sf.to_str().unwrap(),
+            "--heartbeat-interval",
+            "100ms",
+            "--dram-bytes",
+            "8M",
+        ],
+        &[("UMBP_LOG", "warn")],
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        rogue_peer.try_wait().unwrap().is_none(),
+        "the rogue peer exited"
+    );
+    rogue_peer.kill().unwrap();
+    let out = rogue_peer.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("registering with the master failed"), "{err}");
+    assert!(err.contains("authenticat"), "{err}");
+
+    assert_eq!(peers(&c), before, "the master's peer list changed");
+    assert!(!c.exists(b"stolen").unwrap());
+    assert!(c.health().unwrap().connections_refused >= 4);
+    // The real peer still works.
+    assert!(c.put(b"real", b"value").unwrap());
+    assert_eq!(c.get(b"real").unwrap(), Some(b"value".to_vec()));
+}
+
+/// `BatchGetInto` / `BatchPutFrom` naming an engine that is not on the caller's host are
+/// refused before the daemon connects anywhere; the caller's own engine works.
+#[test]
+fn the_data_plane_refuses_engines_on_other_hosts() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    assert!(c.put(b"k", &[5u8; 3000]).unwrap());
+    // A foreign engine (TEST-NET-1: nothing listens there).
+    let engine = EngineDesc {
+        name: "foreign".into(),
+        addr: "192.0.2.1:7000".parse().unwrap(),
+        instance: 1,
+        host: "elsewhere".into(),
+    }
+    .to_bytes();
+    let memory = MemoryDesc {
+        engine: "foreign".into(),
+        id: 1,
+        len: 1 << 20,
+        location: Location::Host,
+        ipc: None,
+    }
+    .to_bytes();
+    let rt = runtime();
+    rt.block_on(async {
+        let mut raw = UmbpClient::new(raw_channel(&d.addr, GOOD));
+        let get = raw
+            .batch_get_into(BatchGetIntoRequest {
+                engine: engine.clone(),
+                memory: memory.clone(),
+                keys: vec![b"k".to_vec()],
+                offsets: vec![0],
+                capacities: vec![4096],
+            })
+            .await;
+        let put = raw
+            .batch_put_from(BatchPutFromRequest {
+                engine: engine.clone(),
+                memory: memory.clone(),
+                keys: vec![b"p".to_vec()],
+                offsets: vec![0],
+                lens: vec![100],
+            })
+            .await;
+        for (what, r) in [("get", get.map(|_| ())), ("put", put.map(|_| ()))] {
+            let s = r.expect_err(what);
+            assert_eq!(s.code(), tonic::Code::PermissionDenied, "{what}: {s:?}");
+            assert!(s.message().contains("caller's own host"), "{what}: {s:?}");
+        }
+    });
+    assert!(!c.exists(b"p").unwrap());
+    // The caller's own (loopback) engine is served.
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: `buf` outlives the registration (deregistered below) and is not used meanwhile.
+    let mem = unsafe { c.register(buf.as_mut_ptr() as u64, buf.len() as u64) }.unwrap();
+    let got = c.batch_get_into(&[b"k"], &mem, &[0], &[4096]).unwrap();
+    c.deregister(&mem).unwrap();
+    assert_eq!(got, vec![Some(3000)]);
+    assert_eq!(&buf[..3000], &[5u8; 3000][..]);
+}
+
+/// Out of file descriptors, the gRPC accept loop pauses instead of spinning (and says so at
+/// most about once per second); once connections close, clients are served again. Only the
+/// daemon's own threads (named `umbpd`: the runtime) are measured: mori.io's accept thread
+/// (`mori-io-accept-*`) is another crate's.
+#[test]
+fn running_out_of_file_descriptors_does_not_spin_the_accept_loop() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let sf = secret_file(dir.path(), "secret", GOOD);
+    let limit: libc::rlim_t = 96;
+    let d = Daemon::start_with(
+        dir.path(),
+        &[
+            "--secret-file",
+            sf.to_str().unwrap(),
+            "--dram-bytes",
+            "8M",
+            "--handshake-timeout",
+            "6s",
+        ],
+        &[("UMBP_LOG", "info,mori_transport=off")],
+        |cmd| {
+            // SAFETY: setrlimit is async-signal-safe and touches only the child.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let l = libc::rlimit {
+                        rlim_cur: limit,
+                        rlim_max: limit,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &l) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        },
+    );
+    // Silent connections (no handshake) use up the daemon's descriptors; the rest wait in
+    // the backlog while accept fails with EMFILE.
+    let silent: Vec<TcpStream> = (0..limit as usize + 20)
+        .map(|_| TcpStream::connect(&d.addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let cpu0 = d.cpu_time_of_threads("umbpd");
+    std::thread::sleep(Duration::from_millis(2000));
+    let used = d.cpu_time_of_threads("umbpd") - cpu0;
+    let log = d.stderr();
+    assert!(
+        used < Duration::from_millis(500),
+        "the accept loop spun: {used:?} of CPU in 2 s:\n{log}"
+    );
+    let pauses = log.matches("accepting connections failed").count();
+    assert!((1..=4).contains(&pauses), "{pauses} pause messages:\n{log}");
+    drop(silent);
+    // Served again once the silent connections are gone.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let c = loop {
+        match Client::connect_with(&d.addr, &opts(GOOD)) {
+            Ok(c) => break c,
+            Err(e) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "not served after the descriptors came back: {e}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    };
+    assert!(c.put(b"k", b"v").unwrap());
+}
