@@ -50,7 +50,7 @@ fn arena() {
         grown / MIB
     );
     for i in 0..32u8 {
-        let v = arena.get(&[i]).unwrap();
+        let v = arena.get(&[i]).unwrap().unwrap();
         assert!(
             v.len() == 1 << 20 && v.iter().all(|&b| b == i ^ 0x5a),
             "value {i}"

@@ -40,8 +40,7 @@ use crate::proto::{
 };
 use crate::server::{
     DaemonError, MAX_MESSAGE_BYTES, Security, Signals, announce, bind, remove_port_file,
-    start_serving,
-    umbp_server,
+    start_serving, umbp_server,
 };
 use crate::service::{listener_counts, status_of};
 

@@ -1117,11 +1117,15 @@ mod tests {
         }
         let rogue = engine("lease-test-rogue");
         rogue.connect(&data.engine.desc()).unwrap();
+        // A prober that knows the engine and its instance, guessing ids (and a key).
         let probe = |id: u64, len: u64| MemoryDesc {
             engine: data.engine.name().to_string(),
+            instance: data.engine.desc().instance,
             id,
+            key: 0,
             len,
             location: Location::Host,
+            writable: true,
             ipc: None,
         };
         for id in 0..32 {

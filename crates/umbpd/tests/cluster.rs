@@ -451,9 +451,14 @@ fn register_fake_peer(master: &str, addr: &str, keys: &[&[u8]]) {
         }),
         ssd_capacity_bytes: 0,
     };
-    let mut m = rt
-        .block_on(MasterClient::connect(format!("http://{master}")))
-        .unwrap();
+    // An authenticated channel, as a real peer's (the daemons here use the deployment secret).
+    let secret = std::sync::Arc::new(mori_auth::Secret::deployment().unwrap());
+    let channel = {
+        let _in_runtime = rt.enter();
+        mori_umbpd::client::lazy_channel(master, &mori_umbpd::ClientOptions::default(), secret)
+            .unwrap()
+    };
+    let mut m = MasterClient::new(channel);
     let id = rt
         .block_on(m.register(RegisterRequest {
             addr: addr.to_string(),

@@ -293,19 +293,24 @@ fn the_data_plane_refuses_engines_on_other_hosts() {
     let d = standalone(dir.path());
     let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
     assert!(c.put(b"k", &[5u8; 3000]).unwrap());
-    // A foreign engine (TEST-NET-1: nothing listens there).
+    // An engine address that is neither the caller's IP nor loopback (the unspecified
+    // address: were the check ever broken, a connection to it stays on this machine).
     let engine = EngineDesc {
         name: "foreign".into(),
-        addr: "192.0.2.1:7000".parse().unwrap(),
+        addr: "0.0.0.0:7000".parse().unwrap(),
         instance: 1,
         host: "elsewhere".into(),
+        local: String::new(),
     }
     .to_bytes();
     let memory = MemoryDesc {
         engine: "foreign".into(),
+        instance: 1,
         id: 1,
+        key: 1,
         len: 1 << 20,
         location: Location::Host,
+        writable: true,
         ipc: None,
     }
     .to_bytes();
