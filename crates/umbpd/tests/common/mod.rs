@@ -113,6 +113,16 @@ impl Daemon {
             assert!(Instant::now() < deadline, "umbpd did not start in 30 s");
             std::thread::sleep(Duration::from_millis(20));
         };
+        // The port file is written just before the "listening on" line; wait for the line too,
+        // so that everything printed at start (recovery counts, settings) has been read.
+        while !stdout.lock().unwrap().contains("listening on") {
+            assert!(
+                Instant::now() < deadline,
+                "umbpd wrote its port file but not its listening line in 30 s:\n{}",
+                stdout.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
         Daemon {
             child,
             addr,
