@@ -647,6 +647,7 @@ def test_ir(suite, prefix):
     _expect(suite, prefix)
 
 
+@pytest.mark.multigpu  # the examples put rank r on GPU r
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script,expect", [("triton_all_gather.py", "all-gather verified: True"),
                                            ("triton_all_reduce.py", "all-reduce verified: True"),
