@@ -207,10 +207,8 @@ impl DramArena {
         Ok(r)
     }
 
-    /// The value of `key`, borrowed from the arena, after checking it against the checksum
-    /// recorded when it was stored: a value whose bytes changed since is
-    /// [`Error::Corrupt`] (never returned). Does not count as a use.
-    pub fn get(&self, key: &[u8]) -> Result<Option<&[u8]>> {
+    /// Where the value of `key` is (arena offset, length) and its bytes, unchecked.
+    fn stored(&self, key: &[u8]) -> Result<Option<(usize, usize, &[u8])>> {
         let Some((start, len)) = self.pages.locate(key) else {
             return Ok(None);
         };
@@ -218,6 +216,16 @@ impl DramArena {
             key_or_location: key_display(key),
             detail: "DRAM run outside the arena".into(),
         })?;
+        Ok(Some((start, len, bytes)))
+    }
+
+    /// The value of `key`, borrowed from the arena, after checking it against the checksum
+    /// recorded when it was stored: a value whose bytes changed since is
+    /// [`Error::Corrupt`] (never returned). Does not count as a use.
+    pub fn get(&self, key: &[u8]) -> Result<Option<&[u8]>> {
+        let Some((start, len, bytes)) = self.stored(key)? else {
+            return Ok(None);
+        };
         match self.pages.checksum(key) {
             Some(want) if crc32c(bytes) != want => Err(checksum_mismatch(key, start, len)),
             _ => Ok(Some(bytes)),
@@ -259,13 +267,9 @@ impl DramArena {
     /// bytes), then checks the checksum: [`Error::Corrupt`] when it fails — the caller must
     /// then discard what `sink` received. Returns the value's length. Not a use.
     pub fn read_chunks(&self, key: &[u8], mut sink: impl FnMut(&[u8])) -> Result<Option<usize>> {
-        let Some((start, len)) = self.pages.locate(key) else {
+        let Some((start, len, bytes)) = self.stored(key)? else {
             return Ok(None);
         };
-        let bytes = self.buf.range(start, len).ok_or_else(|| Error::Corrupt {
-            key_or_location: key_display(key),
-            detail: "DRAM run outside the arena".into(),
-        })?;
         let mut crc = Crc32c::new();
         for chunk in bytes.chunks(FUSED_CHUNK) {
             crc.update(chunk);
