@@ -44,3 +44,21 @@ pub fn fuzz_config(cases: u32) -> proptest::test_runner::Config {
         ..proptest::test_runner::Config::default()
     }
 }
+
+/// A seed for random test data (time and pid), printed so that a failing run can be replayed.
+pub fn random_seed(test: &str) -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let seed = nanos ^ (u64::from(std::process::id()) << 32);
+    eprintln!("{test}: random seed {seed:#x}");
+    seed
+}
+
+/// This host's name as the kernel reports it.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}

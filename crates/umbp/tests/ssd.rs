@@ -11,6 +11,7 @@ use std::fs::{self, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use mori_testutil::random_seed;
 use mori_umbp::ssd::HEADER_LEN;
 use mori_umbp::{Error, SsdConfig, SsdIoBackend, SsdIoMode, SsdLog};
 
@@ -380,17 +381,6 @@ fn bad_magic_resyncs_on_the_next_record(io: SsdIoMode) {
     let (log, rep) = open(&c);
     assert_eq!(rep.corrupt_records_dropped, 0);
     check_all(&log, &model);
-}
-
-/// A seed for random test data, printed so that a failing run can be replayed.
-fn random_seed(test: &str) -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    let seed = nanos ^ (u64::from(std::process::id()) << 32);
-    eprintln!("{test}: random seed {seed:#x}");
-    seed
 }
 
 /// Puts `n` keys with random values of 1 to `max_len` bytes; returns them in put order.

@@ -9,23 +9,13 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{Daemon, bytes, run, ssd_dir};
+use mori_testutil::{hostname, random_seed};
 use mori_umbpd::Client;
 
 const EXIT_WAIT: Duration = Duration::from_secs(30);
 
 fn key(i: usize) -> Vec<u8> {
     format!("key-{i:05}").into_bytes()
-}
-
-/// A seed for random test data, printed so that a failing run can be replayed.
-fn random_seed(test: &str) -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    let seed = nanos ^ (u64::from(std::process::id()) << 32);
-    eprintln!("{test}: random seed {seed:#x}");
-    seed
 }
 
 /// Random values of 1 byte to `max_len` bytes for keys `0..n` (from `seed`).
@@ -37,13 +27,6 @@ fn values(seed: u64, n: usize, max_len: usize) -> Vec<Vec<u8>> {
             bytes(s, len)
         })
         .collect()
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .unwrap()
-        .trim()
-        .to_string()
 }
 
 /// The daemon arguments `args` plus `--ssd-dir SSD`.
