@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use mori_testutil::Lcg;
+use mori_testutil::{hostname, random_seed};
 use mori_umbp::{Error, LocalPool, PoolConfig, SsdConfig, SsdIoMode, SsdLog};
 
 /// What the child does (`open` or `no-fds`).
@@ -43,17 +44,6 @@ fn pool_cfg(dir: &Path) -> PoolConfig {
     PoolConfig::with_ssd(DRAM_BYTES, PAGE_BYTES, ssd_cfg(dir))
 }
 
-/// A seed for random test data, printed so that a failing run can be replayed.
-fn random_seed(test: &str) -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    let seed = nanos ^ (u64::from(std::process::id()) << 32);
-    eprintln!("{test}: random seed {seed:#x}");
-    seed
-}
-
 /// `n` keys with random values of 1 byte to 8 KiB, from `seed`.
 fn items(seed: u64, n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
     let mut rng = Lcg(seed);
@@ -63,14 +53,6 @@ fn items(seed: u64, n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
             (format!("key-{i:05}").into_bytes(), rng.bytes(len))
         })
         .collect()
-}
-
-/// This host's name as the kernel reports it.
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .unwrap()
-        .trim()
-        .to_string()
 }
 
 /// Runs this test binary's `child_entry` with `role` on `dir`.
@@ -304,9 +286,17 @@ fn recovery_damage_reaches_the_pool_stats() {
     pool.close().unwrap();
 
     let mut rng = Lcg(seed);
-    let victim = 1 + rng.below(items.len() as u64 - 2) as usize;
     let (log, _) = SsdLog::open(ssd_cfg(&ssd)).unwrap();
-    let (seg, off) = log.location(&items[victim].0).unwrap();
+    // A record followed by another in its segment: a damaged header at a segment's end reads
+    // as a torn tail (cut off), not as corruption to skip.
+    let places: Vec<(u64, u64)> = items
+        .iter()
+        .map(|(k, _)| log.location(k).unwrap())
+        .collect();
+    let followed = |&(seg, off): &(u64, u64)| places.iter().any(|&(s, o)| s == seg && o > off);
+    let candidates: Vec<usize> = (0..items.len()).filter(|&i| followed(&places[i])).collect();
+    let victim = candidates[rng.below(candidates.len() as u64) as usize];
+    let (seg, off) = places[victim];
     let path = log.segment_path(seg);
     drop(log);
     let at = off + rng.below(mori_umbp::ssd::HEADER_LEN as u64);
