@@ -514,8 +514,13 @@ impl IoEngine {
             && peer.same_host
             && let Some(blob) = &remote.ipc
             && let Some(prepared) =
-                self.importer
-                    .prepare(&remote.engine, guard.region(), blob, remote.len)?
+                self.importer.prepare(
+                    &remote.engine,
+                    peer.conns.first().and_then(|c| c.peer_pid()),
+                    guard.region(),
+                    blob,
+                    remote.len,
+                )?
         {
             return self.launch_ipc(
                 prepared,

@@ -144,19 +144,23 @@ pub struct Connection {
     /// go over the socket).
     direct_ok: Arc<AtomicBool>,
     local: bool,
+    /// The process serving the peer's same-host socket, as the kernel named it.
+    peer_pid: Option<u32>,
     stream: Arc<Stream>,
 }
 
 /// Opens the stream to `target` and, on a same-host socket, checks that the listening process
 /// is this user's and lets it copy our registered memory (see [`crate::direct::allow_peer`]).
-fn dial(target: &Target, peer: &str, timeout: Duration) -> Result<Stream> {
+/// Returns the stream and, on a same-host socket, the listening process's pid.
+fn dial(target: &Target, peer: &str, timeout: Duration) -> Result<(Stream, Option<u32>)> {
     let lost = |e: std::io::Error| Error::ConnectionLost {
         peer: peer.to_string(),
         detail: format!("cannot connect to {target}: {e}"),
     };
     match target {
-        Target::Tcp(addr) => Ok(Stream::Tcp(
-            TcpStream::connect_timeout(addr, timeout).map_err(lost)?,
+        Target::Tcp(addr) => Ok((
+            Stream::Tcp(TcpStream::connect_timeout(addr, timeout).map_err(lost)?),
+            None,
         )),
         Target::Unix(path) => {
             let s = Stream::Unix(UnixStream::connect(path).map_err(lost)?);
@@ -170,7 +174,7 @@ fn dial(target: &Target, peer: &str, timeout: Duration) -> Result<Stream> {
                 )));
             }
             crate::direct::allow_peer(owner.pid);
-            Ok(s)
+            Ok((s, Some(owner.pid)))
         }
     }
 }
@@ -186,7 +190,7 @@ impl Connection {
         timeout: Duration,
     ) -> Result<Arc<Self>> {
         let peer = expect.name.as_str();
-        let stream = dial(target, peer, timeout)?;
+        let (stream, peer_pid) = dial(target, peer, timeout)?;
         let ctx = |e| Error::io(format!("setting up the connection to {peer}"), e);
         stream.configure().map_err(ctx)?;
         stream.set_read_timeout(Some(timeout)).map_err(ctx)?;
@@ -227,6 +231,7 @@ impl Connection {
             alive: alive.clone(),
             direct_ok: direct_ok.clone(),
             local,
+            peer_pid,
             stream: stream.clone(),
         });
         {
@@ -297,6 +302,11 @@ impl Connection {
     /// Whether this is a same-host (Unix socket) connection.
     pub fn is_local(&self) -> bool {
         self.local
+    }
+
+    /// On a same-host connection, the pid of the peer's process (from the kernel).
+    pub fn peer_pid(&self) -> Option<u32> {
+        self.peer_pid
     }
 
     /// Queues a request; its transfer completes (or fails) later.

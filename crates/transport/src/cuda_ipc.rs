@@ -8,7 +8,9 @@
 //! Target side ([`Exporter`]): a GPU region is exported once, at registration, into a small
 //! blob carried by the memory descriptor: the IPC handle + offset (torch sub-allocations work),
 //! the device's PCI bus id, and a slot of this engine's **lease table**. The lease table is a
-//! memfd shared with peers (opened through `/proc/<pid>/fd/<fd>`); slot = (region id, users).
+//! memfd shared with peers, who open it through `/proc/<pid>/fd/<fd>` where the pid is the one
+//! the kernel reported for the engine's same-host socket (never the descriptor's) and the file
+//! must be this user's table of exactly the right size; slot = (region id, users).
 //! An initiator increments `users` and then checks the id before it touches the region, and
 //! decrements when its copy has finished; deregistration clears the id and then waits for
 //! `users` to reach 0. So a deregistered region fails new transfers with `UnknownRegion`, and
@@ -135,8 +137,7 @@ impl Drop for SharedMap {
 /// This engine's lease table (target side).
 struct LeaseTable {
     map: Arc<SharedMap>,
-    _file: File,
-    path: String,
+    file: File,
     nonce: u64,
     free: Vec<u32>,
 }
@@ -165,9 +166,8 @@ impl LeaseTable {
         words(0)?.store(TABLE_MAGIC, Ordering::SeqCst);
         words(1)?.store(nonce, Ordering::SeqCst);
         Ok(Self {
-            path: format!("/proc/{}/fd/{}", std::process::id(), file.as_raw_fd()),
             map: Arc::new(map),
-            _file: file,
+            file,
             nonce,
             free: (1..SLOTS as u32).rev().collect(),
         })
@@ -186,7 +186,8 @@ struct Blob {
     nonce: u64,
     ipc: IpcExport,
     bus_id: String,
-    table: String,
+    /// The lease table's descriptor number in the exporting process.
+    table_fd: u32,
 }
 
 impl Blob {
@@ -199,10 +200,9 @@ impl Blob {
         out.extend_from_slice(&self.slot.to_le_bytes());
         out.extend_from_slice(&self.nonce.to_le_bytes());
         out.extend_from_slice(&self.ipc.to_bytes());
-        for s in [&self.bus_id, &self.table] {
-            out.extend_from_slice(&(s.len() as u32).to_le_bytes());
-            out.extend_from_slice(s.as_bytes());
-        }
+        out.extend_from_slice(&(self.bus_id.len() as u32).to_le_bytes());
+        out.extend_from_slice(self.bus_id.as_bytes());
+        out.extend_from_slice(&self.table_fd.to_le_bytes());
         out
     }
 
@@ -227,15 +227,15 @@ impl Blob {
         let slot = u32_(take(4)?);
         let nonce = u64_(take(8)?);
         let ipc = IpcExport::from_bytes(take(IPC_EXPORT_BYTES)?).map_err(|_| bad())?;
-        let mut string = || -> Result<String> {
-            let n = u32_(take(4)?) as usize;
-            if n > 4096 {
-                return Err(bad());
-            }
-            String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())
-        };
-        let bus_id = string()?;
-        let table = string()?;
+        let n = u32_(take(4)?) as usize;
+        if n > 64 {
+            return Err(bad());
+        }
+        let bus_id = String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())?;
+        let table_fd = u32_(take(4)?);
+        if at != b.len() {
+            return Err(bad());
+        }
         Ok(Self {
             pid,
             ordinal,
@@ -245,7 +245,7 @@ impl Blob {
             nonce,
             ipc,
             bus_id,
-            table,
+            table_fd,
         })
     }
 }
@@ -316,7 +316,7 @@ impl Exporter {
             nonce: t.nonce,
             ipc,
             bus_id,
-            table: t.path.clone(),
+            table_fd: t.file.as_raw_fd() as u32,
         };
         drop(t);
         self.slots
@@ -448,8 +448,8 @@ struct Cached<T> {
     value: std::result::Result<T, String>,
 }
 
-/// (table path, nonce) → the peer's lease table.
-type Tables = HashMap<(String, u64), Cached<Arc<SharedMap>>>;
+/// (owner pid, table descriptor, nonce) → the peer's lease table.
+type Tables = HashMap<(u32, u32, u64), Cached<Arc<SharedMap>>>;
 /// (device ordinal, IPC handle) → the mapping and the offset it was opened with.
 type Mappings = HashMap<(usize, [u8; 64]), Cached<(Arc<IpcMapping>, u64)>>;
 
@@ -479,9 +479,14 @@ impl Importer {
     /// by `blob` (`remote_len` bytes, of engine `owner`). `Ok(None)`: it cannot (logged at
     /// debug level); use another route. `Err`: the peer region is deregistered (or the blob is
     /// malformed). On success the region is leased until the launch's copies finish.
+    ///
+    /// `owner_pid` is the process serving the owner's same-host socket, as the kernel named
+    /// it (`SO_PEERCRED`); without one (the peer is reached over TCP) the route is unavailable,
+    /// and a descriptor that names another process is not trusted.
     pub fn prepare(
         &self,
         owner: &str,
+        owner_pid: Option<u32>,
         local: &Region,
         blob: &[u8],
         remote_len: u64,
@@ -501,6 +506,22 @@ impl Importer {
             tracing::debug!("cuda_ipc to {owner:?} unavailable: {why}");
             Ok(None)
         };
+        match owner_pid {
+            None => {
+                return unavailable(
+                    "no same-host socket connection names the engine's process".into(),
+                );
+            }
+            Some(pid) if pid != blob.pid => {
+                tracing::warn!(
+                    "engine {owner:?}: its memory descriptor names process {} but its socket \
+                     is served by process {pid}; not using cuda_ipc",
+                    blob.pid
+                );
+                return Ok(None);
+            }
+            Some(_) => {}
+        }
         let (ordinal, local_host) = match local.location {
             Location::Cuda(d) => (d as usize, false),
             Location::Host => match self.ordinal_of_bus(&blob.bus_id) {
@@ -666,12 +687,11 @@ impl Importer {
 
     fn table(&self, owner: &str, blob: &Blob) -> std::result::Result<Arc<SharedMap>, String> {
         let mut tables = self.tables.lock().map_err(|_| poisoned().to_string())?;
-        let key = (blob.table.clone(), blob.nonce);
         tables
-            .entry(key)
+            .entry((blob.pid, blob.table_fd, blob.nonce))
             .or_insert_with(|| Cached {
                 owner: owner.to_string(),
-                value: open_table(&blob.table, blob.nonce),
+                value: open_table(blob.pid, blob.table_fd, blob.nonce),
             })
             .value
             .clone()
@@ -696,12 +716,31 @@ impl Importer {
     }
 }
 
-fn open_table(path: &str, nonce: u64) -> std::result::Result<Arc<SharedMap>, String> {
+/// Maps the lease table that process `pid` (checked by the caller to be the peer engine)
+/// holds open as descriptor `fd`: only a regular file of this user of exactly the table's
+/// size is mapped (a shorter file would fault on access), and only with the table's magic and
+/// the descriptor's nonce is it used.
+fn open_table(pid: u32, fd: u32, nonce: u64) -> std::result::Result<Arc<SharedMap>, String> {
+    use std::os::unix::fs::MetadataExt;
+    let path = format!("/proc/{pid}/fd/{fd}");
     let file = File::options()
         .read(true)
         .write(true)
-        .open(path)
+        .open(&path)
         .map_err(|e| format!("opening the peer's lease table {path}: {e}"))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("inspecting the peer's lease table {path}: {e}"))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_file() || meta.len() != TABLE_BYTES as u64 || meta.uid() != me {
+        return Err(format!(
+            "{path} is not a lease table (a {} of {} bytes owned by uid {})",
+            if meta.is_file() { "file" } else { "non-file" },
+            meta.len(),
+            meta.uid()
+        ));
+    }
     let map = SharedMap::map(&file, TABLE_BYTES)
         .map_err(|e| format!("mapping the peer's lease table {path}: {e}"))?;
     let word = |i| map.word(i).map(|w| w.load(Ordering::SeqCst));
@@ -994,13 +1033,46 @@ mod tests {
                 allocation_size: 1 << 21,
             },
             bus_id: "0000:18:00.0".into(),
-            table: "/proc/7/fd/9".into(),
+            table_fd: 9,
         };
         let bytes = b.encode();
         assert_eq!(Blob::decode(&bytes).unwrap(), b);
         assert!(Blob::decode(&bytes[..bytes.len() - 1]).is_err());
         assert!(Blob::decode(b"MIOCxx").is_err());
         assert!(Blob::decode(b"nope").is_err());
+        let mut long = bytes.clone();
+        long.push(0);
+        assert!(Blob::decode(&long).is_err(), "trailing bytes");
+    }
+
+    /// Only a lease table is mapped: a peer's descriptor naming a short file, a file of the
+    /// right size without the table's magic, or a pipe gets an error (never a fault on
+    /// access past the end of a short file).
+    #[test]
+    fn only_a_real_lease_table_is_mapped() {
+        use std::io::Write;
+        let me = std::process::id();
+        let fd_of = |f: &File| f.as_raw_fd() as u32;
+        let short = tempfile_with(&[0u8; 64]);
+        assert!(open_table(me, fd_of(&short), 0).err().unwrap().contains("not a lease table"));
+        let mut sized = tempfile_with(&[]);
+        sized.set_len(TABLE_BYTES as u64).unwrap();
+        sized.write_all(&TABLE_MAGIC.to_le_bytes()).unwrap();
+        assert!(open_table(me, fd_of(&sized), 5).err().unwrap().contains("not the lease table"));
+        let (r, _w) = std::io::pipe().unwrap();
+        let pipe_fd = r.as_raw_fd() as u32;
+        assert!(open_table(me, pipe_fd, 0).is_err());
+        assert!(open_table(me, 1 << 30, 0).is_err(), "no such descriptor");
+    }
+
+    fn tempfile_with(bytes: &[u8]) -> File {
+        // SAFETY: the name is NUL-terminated; the flags are plain bits.
+        let fd = unsafe { libc::memfd_create(c"mori-io-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor nothing else owns.
+        let mut f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        std::io::Write::write_all(&mut f, bytes).unwrap();
+        f
     }
 
     #[test]
@@ -1018,10 +1090,11 @@ mod tests {
     fn leases_hold_off_revocation_and_stale_ids_are_refused() {
         let exporter = Exporter::new();
         let table = exporter.table().unwrap();
-        let (path, nonce) = {
+        let (fd, nonce) = {
             let t = table.lock().unwrap();
-            (t.path.clone(), t.nonce)
+            (t.file.as_raw_fd() as u32, t.nonce)
         };
+        let me = std::process::id();
         let slot = {
             let mut t = table.lock().unwrap();
             let s = t.free.pop().unwrap();
@@ -1029,9 +1102,9 @@ mod tests {
             s
         };
         exporter.slots.lock().unwrap().insert(11, slot);
-        // The peer's view, opened by path like another process would.
-        let peer = open_table(&path, nonce).unwrap();
-        assert!(open_table(&path, nonce ^ 1).is_err(), "wrong nonce");
+        // The peer's view, opened through /proc like another process would.
+        let peer = open_table(me, fd, nonce).unwrap();
+        assert!(open_table(me, fd, nonce ^ 1).is_err(), "wrong nonce");
         assert!(matches!(
             Lease::acquire(peer.clone(), slot, 12, "t"),
             Err(Error::UnknownRegion(_))
