@@ -513,14 +513,13 @@ impl IoEngine {
         if self.config.cuda_ipc
             && peer.same_host
             && let Some(blob) = &remote.ipc
-            && let Some(prepared) =
-                self.importer.prepare(
-                    &remote.engine,
-                    peer.conns.first().and_then(|c| c.peer_pid()),
-                    guard.region(),
-                    blob,
-                    remote.len,
-                )?
+            && let Some(prepared) = self.importer.prepare(
+                &remote.engine,
+                peer.conns.first().and_then(|c| c.peer_pid()),
+                guard.region(),
+                blob,
+                remote.len,
+            )?
         {
             return self.launch_ipc(
                 prepared,

@@ -1054,11 +1054,21 @@ mod tests {
         let me = std::process::id();
         let fd_of = |f: &File| f.as_raw_fd() as u32;
         let short = tempfile_with(&[0u8; 64]);
-        assert!(open_table(me, fd_of(&short), 0).err().unwrap().contains("not a lease table"));
+        assert!(
+            open_table(me, fd_of(&short), 0)
+                .err()
+                .unwrap()
+                .contains("not a lease table")
+        );
         let mut sized = tempfile_with(&[]);
         sized.set_len(TABLE_BYTES as u64).unwrap();
         sized.write_all(&TABLE_MAGIC.to_le_bytes()).unwrap();
-        assert!(open_table(me, fd_of(&sized), 5).err().unwrap().contains("not the lease table"));
+        assert!(
+            open_table(me, fd_of(&sized), 5)
+                .err()
+                .unwrap()
+                .contains("not the lease table")
+        );
         let (r, _w) = std::io::pipe().unwrap();
         let pipe_fd = r.as_raw_fd() as u32;
         assert!(open_table(me, pipe_fd, 0).is_err());

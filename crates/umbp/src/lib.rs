@@ -61,7 +61,7 @@ pub use meta_redis::{RedisOptions, RedisStore};
 pub use pages::{PageTable, PinToken, Reserved};
 pub use pool::{
     CloseReport, DramHolds, GpuTierConfig, LocalPool, PoolConfig, PoolStats, PutOutcome,
-    PutReservation, ReadSlot, ReserveSlot, Residency,
+    PutReservation, ReadSlot, ReserveSlot, Residency, VerifyingReads,
 };
 pub use ssd::{CompactionReport, RecoveryReport, SsdConfig, SsdLog};
 pub use ssd_io::{SsdIoBackend, SsdIoMode};

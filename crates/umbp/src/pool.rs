@@ -205,6 +205,8 @@ pub struct PutReservation<'a> {
     keys: Vec<Vec<u8>>,
     runs: Vec<Option<Reserved>>,
     slots: Vec<ReserveSlot>,
+    /// Checksums taken by [`PutReservation::checksum_landed`], per item.
+    crcs: Vec<Option<u32>>,
 }
 
 impl PutReservation<'_> {
@@ -225,22 +227,41 @@ impl PutReservation<'_> {
         self.pool.lock().dram.write_reserved(run, 0, value)
     }
 
+    /// Checksums the values of `items` now (instead of in [`PutReservation::commit`]), so
+    /// a caller whose bytes land in parts can checksum each part while the next one lands.
+    ///
+    /// # Safety
+    /// The bytes of every item in `items` must be in place and nobody may write them any more
+    /// (their transfer has finished).
+    pub unsafe fn checksum_landed(&mut self, items: impl IntoIterator<Item = usize>) {
+        let page = self.pool.dram_page;
+        for i in items {
+            if let Some(Some(run)) = self.runs.get(i) {
+                // SAFETY: the run is reserved for this reservation alone and lies in the
+                // arena; its bytes are in place and no longer written (the caller's contract).
+                self.crcs[i] = Some(unsafe { self.pool.arena_crc(run.offset(page), run.len()) });
+            }
+        }
+    }
+
     /// Publishes the values (their bytes must all be in place): each reserved run becomes
     /// its key's DRAM value and is indexed — unless the key was stored meanwhile (another
     /// writer won), in which case its pages are freed and it is
     /// [`PutOutcome::AlreadyExists`]. On a metadata error the uncommitted rest is freed.
     pub fn commit(mut self) -> Result<Vec<PutOutcome>> {
         let pool = self.pool;
-        let page = pool.lock().dram.page_bytes();
-        // Checksums of the landed bytes, outside the pool lock.
+        let page = pool.dram_page;
+        // Checksums of the landed bytes not taken yet, outside the pool lock.
         let crcs: Vec<u32> = self
             .runs
             .iter()
-            .map(|run| match run {
+            .zip(&self.crcs)
+            .map(|(run, crc)| match (run, crc) {
+                (Some(_), Some(c)) => *c,
                 // SAFETY: the run is reserved for this reservation alone, lies in the arena,
                 // and its bytes are in place (the caller's contract): nobody writes it now.
-                Some(r) => unsafe { pool.arena_crc(r.offset(page), r.len()) },
-                None => 0,
+                (Some(r), None) => unsafe { pool.arena_crc(r.offset(page), r.len()) },
+                (None, _) => 0,
             })
             .collect();
         let mut inner = pool.lock();
@@ -319,6 +340,94 @@ impl Drop for PutReservation<'_> {
         for run in self.runs.iter_mut().filter_map(Option::take) {
             inner.dram.release_reserved(run);
         }
+    }
+}
+
+/// The values of a [`LocalPool::batch_read_verifying`] call, pinned, each verified against
+/// its checksum before the caller may see where it is.
+pub struct VerifyingReads<'a> {
+    pool: &'a LocalPool,
+    keys: &'a [&'a [u8]],
+    slots: Vec<ReadSlot>,
+    /// The checksum each arena slot's bytes must have; `None` once verified (or not kept).
+    crcs: Vec<Option<u32>>,
+}
+
+impl VerifyingReads<'_> {
+    /// The number of keys.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether there are no keys.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The length of slot `i`'s value (`None`: a miss), known before it is verified.
+    pub fn value_len(&self, i: usize) -> Option<usize> {
+        match &self.slots[i] {
+            ReadSlot::Arena { len, .. } => Some(*len),
+            ReadSlot::Bytes(v) => Some(v.len()),
+            ReadSlot::Miss => None,
+        }
+    }
+
+    /// Where slot `i`'s value was placed, not yet verified: `Some((arena offset, len))`
+    /// for a DRAM value (which may still turn out corrupt and become its SSD copy's bytes or
+    /// a miss), `None` otherwise.
+    pub fn placed(&self, i: usize) -> Option<(usize, usize)> {
+        match self.slots[i] {
+            ReadSlot::Arena { offset, len } => Some((offset, len)),
+            _ => None,
+        }
+    }
+
+    /// Checks the DRAM values of `range` against their checksums (without the pool lock)
+    /// and returns all slots, those of `range` verified: a value that fails is dropped from
+    /// DRAM (counted in `dram_checksum_errors`) and its slot becomes its SSD copy's bytes, or
+    /// a miss. Slots outside the verified ranges must not be read from the arena.
+    pub fn verify(&mut self, range: std::ops::Range<usize>) -> Result<&[ReadSlot]> {
+        let mut bad = Vec::new();
+        for i in range {
+            if let (ReadSlot::Arena { offset, len }, Some(want)) =
+                (&self.slots[i], self.crcs[i].take())
+            {
+                // SAFETY: the run is pinned until `batch_read_verifying` returns (pinned
+                // runs are never written, freed or reused) and lies in the arena.
+                if unsafe { self.pool.arena_crc(*offset, *len) } != want {
+                    bad.push(i);
+                }
+            }
+        }
+        if !bad.is_empty() {
+            self.replace_corrupt(&bad)?;
+        }
+        Ok(&self.slots)
+    }
+
+    fn replace_corrupt(&mut self, bad: &[usize]) -> Result<()> {
+        let meta = &*self.pool.meta;
+        let mut inner = self.pool.lock();
+        for &i in bad {
+            let ReadSlot::Arena { offset, len } = self.slots[i] else {
+                continue;
+            };
+            inner.counters.hits_dram = inner.counters.hits_dram.saturating_sub(1);
+            if !inner.drop_corrupt_dram(meta, self.keys[i], (offset, len))? {
+                inner.counters.misses += 1;
+                self.slots[i] = ReadSlot::Miss;
+                continue;
+            }
+            // Its SSD copy (promoted to DRAM again; not pinned: handed over as bytes).
+            let mut v = Vec::new();
+            let found = inner.read_pre(meta, self.keys[i], Out::Vec(&mut v), None)?;
+            self.slots[i] = match found {
+                Some(_) => ReadSlot::Bytes(v),
+                None => ReadSlot::Miss,
+            };
+        }
+        Ok(())
     }
 }
 
@@ -745,60 +854,37 @@ impl LocalPool {
         keys: &[&[u8]],
         f: impl FnOnce(&[ReadSlot]) -> R,
     ) -> Result<R> {
+        self.batch_read_verifying(keys, |reads| {
+            let slots = reads.verify(0..reads.len())?;
+            Ok(f(slots))
+        })?
+    }
+
+    /// [`LocalPool::batch_read_with`] for a caller that moves the values in parts and
+    /// checks each part just before it moves (so checksumming part `k + 1` overlaps moving
+    /// part `k`): `f` gets the placed reads, whose slots it can only see verified
+    /// ([`VerifyingReads::verify`]); their lengths and arena placement
+    /// ([`VerifyingReads::placed`]) are known before that, for sizing and leasing.
+    pub fn batch_read_verifying<R>(
+        &self,
+        keys: &[&[u8]],
+        f: impl FnOnce(&mut VerifyingReads<'_>) -> R,
+    ) -> Result<R> {
         let mut pins = Pins {
             pool: self,
             tokens: Vec::new(),
         };
-        let (mut slots, crcs) = self
+        let (slots, crcs) = self
             .lock()
             .place_reads(&*self.meta, keys, &mut pins.tokens)?;
-        self.verify_placed(keys, &mut slots, &crcs)?;
-        Ok(f(&slots))
+        let mut reads = VerifyingReads {
+            pool: self,
+            keys,
+            slots,
+            crcs,
+        };
+        Ok(f(&mut reads))
         // `pins` drops here (also when `f` unwinds): every pin is released.
-    }
-
-    /// Checks the DRAM values [`Inner::place_reads`] pinned against their checksums, outside
-    /// the pool lock (`crcs[i]`: the checksum of slot `i`'s value, for arena slots). A value
-    /// that fails is dropped from DRAM and its slot becomes its SSD copy's bytes, or a miss.
-    fn verify_placed(
-        &self,
-        keys: &[&[u8]],
-        slots: &mut [ReadSlot],
-        crcs: &[Option<u32>],
-    ) -> Result<()> {
-        let mut bad = Vec::new();
-        for (i, (slot, want)) in slots.iter().zip(crcs).enumerate() {
-            if let (ReadSlot::Arena { offset, len }, Some(want)) = (slot, want) {
-                // SAFETY: the run is pinned until `batch_read_with` returns (pinned runs are
-                // never written, freed or reused) and lies in the arena.
-                if unsafe { self.arena_crc(*offset, *len) } != *want {
-                    bad.push(i);
-                }
-            }
-        }
-        if bad.is_empty() {
-            return Ok(());
-        }
-        let mut inner = self.lock();
-        for i in bad {
-            let ReadSlot::Arena { offset, len } = slots[i] else {
-                continue;
-            };
-            inner.counters.hits_dram = inner.counters.hits_dram.saturating_sub(1);
-            if !inner.drop_corrupt_dram(&*self.meta, keys[i], (offset, len))? {
-                inner.counters.misses += 1;
-                slots[i] = ReadSlot::Miss;
-                continue;
-            }
-            // Its SSD copy (promoted to DRAM again; not pinned: handed over as bytes).
-            let mut v = Vec::new();
-            let found = inner.read_pre(&*self.meta, keys[i], Out::Vec(&mut v), None)?;
-            slots[i] = match found {
-                Some(_) => ReadSlot::Bytes(v),
-                None => ReadSlot::Miss,
-            };
-        }
-        Ok(())
     }
 
     /// Reserves DRAM pages for a batch of puts that will be written in place (by an IO
@@ -817,6 +903,7 @@ impl LocalPool {
             keys: Vec::with_capacity(items.len()),
             runs: Vec::with_capacity(items.len()),
             slots: Vec::with_capacity(items.len()),
+            crcs: vec![None; items.len()],
         };
         let mut inner = self.lock();
         for &(key, len) in items {
