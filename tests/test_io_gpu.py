@@ -1,4 +1,5 @@
-"""mori.io between GPUs (one process per GPU, GPU0 <-> GPU1): the cuda_ipc route for reads and
+"""mori.io between GPUs (one process per rank; rank r on GPU ``device_of(r)``, so GPU0 <-> GPU1
+with two GPUs, and two processes sharing GPU0 with one): the cuda_ipc route for reads and
 writes in both directions, random batch shapes (1 ... 16384 blocks, unaligned offsets, items
 above and below the copy-engine threshold), GPU <-> host (every read lands in a buffer that
 held other bytes), byte-exact against the source; bad offsets refused with nothing touched;
@@ -20,9 +21,14 @@ import pytest
 
 import mori
 from tests._io_batches import random_layout
-from tests._ranks import run_ranks
+from tests._ranks import device_of, run_ranks, skip_unless_gpus
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.torch]
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
+
+
+@pytest.fixture(autouse=True)
+def _gpus():
+    skip_unless_gpus(2)
 
 REGION = 48 << 20
 # (blocks, largest block): the last shape puts items above the 2 MiB copy-engine threshold.
@@ -74,9 +80,9 @@ def _setup(rank: int, bs, timeout: float = 20.0):
 
     from mori.io import IOEngine, MemoryDesc
 
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(device_of(rank))
     eng = IOEngine(f"io-gpu-{rank}-{os.getpid()}", timeout=timeout, cuda_ipc=True)
-    gbuf = torch.zeros(REGION, dtype=torch.uint8, device=f"cuda:{rank}")
+    gbuf = torch.zeros(REGION, dtype=torch.uint8, device=f"cuda:{device_of(rank)}")
     hbuf = np.zeros(REGION, dtype=np.uint8)
     gmem, hmem = eng.register(gbuf), eng.register(hbuf)
     assert gmem.cuda_ipc, "a torch CUDA tensor should be exportable for CUDA IPC"
@@ -184,8 +190,8 @@ def _gpu_host_rank(rank: int, uid: bytes) -> str:
         def transfer():
             if rank != 0:
                 return
-            # Local host memory <-> the peer's GPU: this engine's GPU0 maps GPU1's region
-            # (found by PCI bus id) and the copy engine moves the bytes.
+            # Local host memory <-> the peer's GPU: this engine maps the peer's region on the
+            # peer's GPU (found by PCI bus id) and the copy engine moves the bytes.
             t = eng.batch_write(hmem, lo, rg, ro, sz)
             assert t.route == "cuda_ipc", t.route
             assert t.wait(timeout=30)
@@ -323,3 +329,26 @@ def test_two_engines_in_one_process(shape):
     assert t.wait(timeout=30)
     want = _apply(np.zeros(REGION, dtype=np.uint8), lo, src.cpu().numpy(), ro, sz)
     _same(_gpu_bytes(dst), want, "same-process read")
+
+
+def test_cuda_ipc_only_to_a_peer_on_its_same_host_socket():
+    """The kernel names the peer process only on the same-host socket: a peer reached over TCP
+    (it opened no socket) gets no cuda_ipc route, and the bytes still arrive exactly."""
+    import torch
+
+    from mori.io import IOEngine
+
+    a = IOEngine("ipc-needs-socket-a", cuda_ipc=True)
+    b = IOEngine("ipc-needs-socket-b", cuda_ipc=True, same_host_direct=False)
+    a.connect(b.desc)
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda:0")
+    dst = torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    ma, mb = a.register(dst), b.register(src)
+    assert mb.cuda_ipc, "exported: only the route decides"
+    t = a.read(ma, 4096, mb, 0, 65536)
+    assert t.route == "tcp", t.route
+    assert t.wait(timeout=30)
+    got, want = dst.cpu().numpy(), src.cpu().numpy()
+    _same(got[4096 : 4096 + 65536], want[:65536], "read over tcp")
+    assert (got[:4096] == 7).all() and (got[4096 + 65536 :] == 7).all(), "nothing outside the item"

@@ -123,7 +123,8 @@ impl Drop for PinnedBuffer {
     }
 }
 
-/// Copies host bytes into device memory at `dst` (synchronous).
+/// Copies host bytes into device memory at `dst` and returns once they have arrived (other
+/// processes and peers see them from then on).
 ///
 /// # Safety
 /// `dst` must be device memory (or a mapped peer/IPC/VMM address) valid for `src.len()` bytes.
@@ -135,6 +136,14 @@ pub unsafe fn copy_host_to_device(device: Device, dst: u64, src: &[u8]) -> Resul
     // SAFETY: the caller guarantees dst; src is a live slice.
     check("cuMemcpyHtoD", unsafe {
         sys::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len())
+    })?;
+    // From pageable memory cuMemcpyHtoD returns once the bytes are staged, possibly before
+    // the DMA has written them: a peer told "done" right after could still see the old bytes
+    // (or have its own later write overwritten by ours, as a zero-fill on a GPU shared by
+    // eight processes did).
+    // SAFETY: the null stream is the legacy default stream of the current context.
+    check("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(std::ptr::null_mut())
     })
 }
 

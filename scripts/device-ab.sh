@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Same-run before/after of the host-side data paths, on the GPU machine (16 cores): the wheel in
+# .device/before/ (built from the commit before a change: `git worktree add /tmp/before REV`,
+# then scripts/build-wheel.sh there, copied to .device/before/) against .device/wheels/ (this
+# checkout). Rounds alternate before, after, before, after, so drift hits both alike. Measures
+#   umbp:  python -m mori bench umbp --only io   (master + 2 peers over loopback, mori.io rows)
+#   io:    python -m mori bench io --routes host (tcp, same-host direct)
+#   ipc:   benches/io_ipc_ab.py                   (cuda_ipc, two processes on GPU 0)
+# Each version runs its own bench code. Output: $OUT/ab.tgz (logs and JSON per round).
+# Usage: BUDGET=540 ROUNDS=2 WHAT="umbp io ipc" bash scripts/device-ab.sh
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+scratch=/tmp/dout-ab; rm -rf "$scratch"; mkdir -p "$scratch"
+repo=$PWD
+deadline=$(( $(date +%s) + ${BUDGET:-540} ))
+for which in before after; do
+  wheel=.device/wheels/mori-*.whl
+  [ "$which" = before ] && wheel=.device/before/mori-*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site-$which" --upgrade $wheel \
+    || { echo "installing the $which wheel failed"; exit 1; }
+done
+left() { echo $(( deadline - $(date +%s) )); }
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  for which in before after; do
+    dir=$scratch/$round-$which; mkdir -p "$dir"
+    export PYTHONPATH=/tmp/site-$which MORI_JIT_CACHE_DIR=/tmp/jit-$which
+    for what in ${WHAT:-umbp io ipc}; do
+      budget=$(left); [ "$budget" -gt 20 ] || { echo "out of time before $round-$which-$what"; break 3; }
+      case $what in
+        umbp) cmd=(python3 -m mori bench umbp --only io --out "$dir") ;;
+        io) cmd=(python3 -m mori bench io --routes host --trials "${TRIALS:-5}" --out "$dir") ;;
+        ipc) cmd=(python3 "$repo/benches/io_ipc_ab.py" --out "$dir/ipc.json") ;;
+      esac
+      (cd /tmp && timeout "$(( budget < 240 ? budget : 240 ))" "${cmd[@]}") > "$dir/$what.log" 2>&1
+      echo "$round $which $what rc=$?" | tee -a "$scratch/summary.txt"
+    done
+  done
+done
+tar czf "$OUT/ab.tgz" -C "$scratch" .
