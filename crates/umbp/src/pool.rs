@@ -82,7 +82,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use tracing::{debug, warn};
 
-use crate::crc::crc32c;
+use crate::crc::{crc32c, crc32c_combine};
 use crate::dram::DramArena;
 use crate::error::{Error, Result, key_display};
 use crate::gpu::GpuArena;
@@ -205,8 +205,9 @@ pub struct PutReservation<'a> {
     keys: Vec<Vec<u8>>,
     runs: Vec<Option<Reserved>>,
     slots: Vec<ReserveSlot>,
-    /// Checksums taken by [`PutReservation::checksum_landed`], per item.
-    crcs: Vec<Option<u32>>,
+    /// Per item, the checksum of its first `.1` bytes, taken by
+    /// [`PutReservation::checksum_landed`].
+    crcs: Vec<(u32, usize)>,
 }
 
 impl PutReservation<'_> {
@@ -227,21 +228,32 @@ impl PutReservation<'_> {
         self.pool.lock().dram.write_reserved(run, 0, value)
     }
 
-    /// Checksums the values of `items` now (instead of in [`PutReservation::commit`]), so
-    /// a caller whose bytes land in parts can checksum each part while the next one lands.
+    /// Checksums bytes `range` of item `i`'s value now (instead of in
+    /// [`PutReservation::commit`]), so a caller whose bytes land in parts can checksum each
+    /// part while the next one lands. Parts of one value are joined in order: a range that
+    /// does not start where the previous one ended is ignored (commit then checksums the
+    /// whole value).
     ///
     /// # Safety
-    /// The bytes of every item in `items` must be in place and nobody may write them any more
-    /// (their transfer has finished).
-    pub unsafe fn checksum_landed(&mut self, items: impl IntoIterator<Item = usize>) {
+    /// Those bytes must be in place and nobody may write them any more (their transfer has
+    /// finished).
+    pub unsafe fn checksum_landed(&mut self, i: usize, range: std::ops::Range<usize>) {
         let page = self.pool.dram_page;
-        for i in items {
-            if let Some(Some(run)) = self.runs.get(i) {
-                // SAFETY: the run is reserved for this reservation alone and lies in the
-                // arena; its bytes are in place and no longer written (the caller's contract).
-                self.crcs[i] = Some(unsafe { self.pool.arena_crc(run.offset(page), run.len()) });
-            }
+        let (Some(Some(run)), Some((crc, done))) = (self.runs.get(i), self.crcs.get_mut(i)) else {
+            return;
+        };
+        if range.start != *done || range.end > run.len() || range.is_empty() {
+            return;
         }
+        // SAFETY: the range lies in the run, which is reserved for this reservation alone and
+        // lies in the arena; its bytes are in place and no longer written (the caller's
+        // contract).
+        let part = unsafe {
+            self.pool
+                .arena_crc(run.offset(page) + range.start, range.len())
+        };
+        *crc = crc32c_combine(*crc, part, range.len());
+        *done = range.end;
     }
 
     /// Publishes the values (their bytes must all be in place): each reserved run becomes
@@ -256,12 +268,12 @@ impl PutReservation<'_> {
             .runs
             .iter()
             .zip(&self.crcs)
-            .map(|(run, crc)| match (run, crc) {
-                (Some(_), Some(c)) => *c,
+            .map(|(run, &(crc, done))| match run {
+                Some(r) if done == r.len() => crc,
                 // SAFETY: the run is reserved for this reservation alone, lies in the arena,
                 // and its bytes are in place (the caller's contract): nobody writes it now.
-                (Some(r), None) => unsafe { pool.arena_crc(r.offset(page), r.len()) },
-                (None, _) => 0,
+                Some(r) => unsafe { pool.arena_crc(r.offset(page), r.len()) },
+                None => 0,
             })
             .collect();
         let mut inner = pool.lock();
@@ -386,7 +398,7 @@ impl VerifyingReads<'_> {
     /// Checks the DRAM values of `range` against their checksums (without the pool lock)
     /// and returns all slots, those of `range` verified: a value that fails is dropped from
     /// DRAM (counted in `dram_checksum_errors`) and its slot becomes its SSD copy's bytes, or
-    /// a miss. Slots outside the verified ranges must not be read from the arena.
+    /// a miss. Slots outside the verified ranges are not verified yet.
     pub fn verify(&mut self, range: std::ops::Range<usize>) -> Result<&[ReadSlot]> {
         let mut bad = Vec::new();
         for i in range {
@@ -860,11 +872,12 @@ impl LocalPool {
         })?
     }
 
-    /// [`LocalPool::batch_read_with`] for a caller that moves the values in parts and
-    /// checks each part just before it moves (so checksumming part `k + 1` overlaps moving
-    /// part `k`): `f` gets the placed reads, whose slots it can only see verified
-    /// ([`VerifyingReads::verify`]); their lengths and arena placement
-    /// ([`VerifyingReads::placed`]) are known before that, for sizing and leasing.
+    /// [`LocalPool::batch_read_with`] for a caller that checks the values while it moves
+    /// them (so the checksum pass overlaps the transfer): `f` gets the placed reads, whose
+    /// lengths and arena placement ([`VerifyingReads::placed`]) it may use at once (to size,
+    /// lease and start moving the bytes), and whose slots it sees only verified
+    /// ([`VerifyingReads::verify`]): a value it moved before verifying must not be reported
+    /// found unless its verified slot still names the arena.
     pub fn batch_read_verifying<R>(
         &self,
         keys: &[&[u8]],
@@ -903,7 +916,7 @@ impl LocalPool {
             keys: Vec::with_capacity(items.len()),
             runs: Vec::with_capacity(items.len()),
             slots: Vec::with_capacity(items.len()),
-            crcs: vec![None; items.len()],
+            crcs: vec![(0, 0); items.len()],
         };
         let mut inner = self.lock();
         for &(key, len) in items {

@@ -260,13 +260,14 @@ impl Items {
     }
 }
 
-/// A request's values move in up to this many parts, so that checksumming one part overlaps
-/// moving another (a get verifies part `k + 1` while part `k` is written to the client; a
-/// put checksums part `k` while part `k + 1` lands): only one part's checksum is not hidden.
+/// A put's values land in up to this many parts, so that checksumming one part overlaps the
+/// landing of the next: only the last part's checksum is not hidden.
 const MAX_PARTS: usize = 16;
-/// ... of at least this many bytes each (a part is at least one value): each costs a
-/// mori.io transfer per leased region.
+/// ... of at least this many bytes each: each costs a mori.io transfer per leased region.
 const MIN_PART_BYTES: u64 = 256 << 10;
+/// Values larger than this land in pieces of this size (each checksummed as it lands; the
+/// pieces' checksums join into the value's), so that a single large value overlaps too.
+const PIECE_BYTES: u64 = 1 << 20;
 
 /// Cuts items of `sizes` (in order) into consecutive parts of about `total / MAX_PARTS`
 /// bytes, at least [`MIN_PART_BYTES`] each.
@@ -431,40 +432,44 @@ impl DataPlane {
         failure.map_or(Ok(()), Err)
     }
 
-    /// Leases the arena `pages` (`(offset, len)`), moves a request's values through the
-    /// lease in `n_parts` parts, and ends the lease (after every transfer finished). Part `k`'s
-    /// items come from `part(k)` just before it is submitted (a get verifies its values
-    /// there, while earlier parts move); `landed(k)` runs once part `k` has finished, while
-    /// later parts still move (a put checksums it there), and only while nothing failed.
-    /// Every submitted transfer is waited for (one deadline) before the first failure is
-    /// returned; a failed deregistration (a transfer still in flight) is reported as a
-    /// deadline error, so the caller never reuses the bytes.
+    /// Leases the arena `pages` (`(offset, len)`), moves a request's items through the lease
+    /// (`parts`, all submitted at once), and ends the lease once every transfer finished.
+    /// `meanwhile` runs while the parts move (a get verifies its values there); `landed(k)`
+    /// runs once part `k` has finished, while later parts still move (a put checksums it
+    /// there), and only while nothing failed. Every submitted transfer is waited for (one
+    /// deadline) before the first failure is returned; a failed deregistration (a transfer
+    /// still in flight) is reported as a deadline error, so the caller never reuses the bytes.
     fn leased(
         &self,
         op: Op,
         pages: &[(u64, u64)],
         remote: &MemoryDesc,
-        n_parts: usize,
-        mut part: impl FnMut(usize) -> Result<Items, Status>,
+        parts: &[Items],
+        meanwhile: impl FnOnce() -> Result<(), Status>,
         mut landed: impl FnMut(usize),
     ) -> Result<(), Status> {
         if pages.iter().all(|&(_, len)| len == 0) {
-            return Ok(());
+            return meanwhile();
         }
         let lease = ArenaLease::register(&self.engine, self.arena.0, pages)?;
         let deadline = Instant::now() + self.timeout;
-        let mut in_flight = Vec::with_capacity(n_parts);
+        let mut in_flight = Vec::with_capacity(parts.len());
         let mut failure = None;
-        for k in 0..n_parts {
-            match part(k).and_then(|items| self.submit(op, &lease, &items, remote)) {
-                Ok(transfers) => in_flight.push((k, transfers)),
+        for items in parts {
+            match self.submit(op, &lease, items, remote) {
+                Ok(transfers) => in_flight.push(transfers),
                 Err(e) => {
                     failure = Some(e);
                     break;
                 }
             }
         }
-        for (k, transfers) in in_flight {
+        if failure.is_none()
+            && let Err(e) = meanwhile()
+        {
+            failure = Some(e);
+        }
+        for (k, transfers) in in_flight.into_iter().enumerate() {
             match self.wait_until(transfers, deadline) {
                 Ok(()) if failure.is_none() => landed(k),
                 Ok(()) => {}
@@ -483,9 +488,10 @@ impl DataPlane {
     }
 
     /// Writes each found value into the client's buffer: DRAM values straight from the
-    /// arena, under a lease of exactly their bytes, each part verified against its checksums
-    /// just before it moves (a value that fails becomes its SSD copy, answered inline, or a
-    /// miss); SSD values are answered inline.
+    /// arena, under a lease of exactly their bytes, verified against their checksums while
+    /// they move (a value that fails is answered from its SSD copy, inline — the client
+    /// copies it over what arrived — or as a miss, never as found with the bytes that
+    /// arrived); SSD values are answered inline.
     fn write_slots(
         &self,
         reads: &mut VerifyingReads<'_>,
@@ -494,7 +500,7 @@ impl DataPlane {
         capacities: &[u64],
     ) -> Result<Vec<GetIntoResult>, Status> {
         let n = reads.len();
-        let mut sizes = vec![0u64; n];
+        let mut items = Items::default();
         let mut pages = Vec::new();
         for i in 0..n {
             let len = reads.value_len(i).unwrap_or(0) as u64;
@@ -505,29 +511,19 @@ impl DataPlane {
                 )));
             }
             if let Some((offset, len)) = reads.placed(i) {
-                sizes[i] = len as u64;
+                items.push(offset as u64, offsets[i], len as u64);
                 pages.push(self.pages_of(offset as u64, len as u64));
             }
         }
-        let parts = parts(&sizes);
         self.leased(
             Op::Write,
             &pages,
             remote,
-            parts.len(),
-            |k| {
-                let slots = reads.verify(parts[k].clone()).map_err(status_of)?;
-                let mut items = Items::default();
-                for i in parts[k].clone() {
-                    if let ReadSlot::Arena { offset, len } = slots[i] {
-                        items.push(offset as u64, offsets[i], len as u64);
-                    }
-                }
-                Ok(items)
-            },
+            std::slice::from_ref(&items),
+            || reads.verify(0..n).map(|_| ()).map_err(status_of),
             |_| {},
         )?;
-        // Every part was verified above; this only hands the slots over.
+        // Verified while the bytes moved; this only hands the slots over.
         let slots = reads.verify(0..n).map_err(status_of)?;
         Ok(slots
             .iter()
@@ -550,12 +546,13 @@ impl DataPlane {
     }
 
     /// Stores a `BatchPutFrom` batch: reserves arena pages for every value, reads the values
-    /// out of the client's buffer straight into them (mori.io reads, in parts: each part is
-    /// checksummed while the next lands), then commits them (first writer wins). A failed
-    /// transfer frees the pages, so nothing of the batch becomes readable; one still
-    /// unfinished at the deadline gives its pages up for good (it might still land). When
-    /// some value cannot be placed in DRAM (larger than the tier, or no room), the batch goes
-    /// through a staging buffer and [`LocalPool::batch_put`] (which may put it on SSD).
+    /// out of the client's buffer straight into them (mori.io reads, in parts of whole
+    /// values or [`PIECE_BYTES`] pieces: each part is checksummed while the next lands),
+    /// then commits them (first writer wins). A failed transfer frees the pages, so nothing
+    /// of the batch becomes readable; one still unfinished at the deadline gives its pages up
+    /// for good (it might still land). When some value cannot be placed in DRAM (larger than
+    /// the tier, or no room), the batch goes through a staging buffer and
+    /// [`LocalPool::batch_put`] (which may put it on SSD).
     fn put_direct(
         &self,
         pool: &LocalPool,
@@ -578,42 +575,48 @@ impl DataPlane {
                 .collect();
             return pool.batch_put(&pairs).map_err(status_of);
         };
-        let mut sizes = vec![0u64; keys.len()];
+        // (item, byte range within its value, arena offset of the value) per piece, in order.
+        let mut pieces: Vec<(usize, Range<u64>, u64)> = Vec::new();
         let mut pages = Vec::new();
         for (i, slot) in res.slots().iter().enumerate() {
             if let ReserveSlot::Arena { offset, len } = *slot {
-                sizes[i] = len as u64;
-                pages.push(self.pages_of(offset as u64, len as u64));
+                let (offset, len) = (offset as u64, len as u64);
+                pages.push(self.pages_of(offset, len));
+                let mut at = 0;
+                while at < len {
+                    let end = (at + PIECE_BYTES).min(len);
+                    pieces.push((i, at..end, offset));
+                    at = end;
+                }
             }
         }
-        let arena_of: Vec<Option<u64>> = res
-            .slots()
+        let sizes: Vec<u64> = pieces.iter().map(|(_, r, _)| r.end - r.start).collect();
+        let groups = parts(&sizes);
+        let part_items: Vec<Items> = groups
             .iter()
-            .map(|s| match *s {
-                ReserveSlot::Arena { offset, .. } => Some(offset as u64),
-                _ => None,
+            .map(|g| {
+                let mut items = Items::default();
+                for (i, r, at) in &pieces[g.clone()] {
+                    items.push(at + r.start, offsets[*i] + r.start, r.end - r.start);
+                }
+                items
             })
             .collect();
-        let parts = parts(&sizes);
         // The lease ends (the client can no longer reach the pages) before the values become
         // readable.
         let moved = self.leased(
             Op::Read,
             &pages,
             remote,
-            parts.len(),
+            &part_items,
+            || Ok(()),
             |k| {
-                let mut items = Items::default();
-                for i in parts[k].clone() {
-                    if let Some(at) = arena_of[i] {
-                        items.push(at, offsets[i], sizes[i]);
-                    }
+                for (i, r, _) in &pieces[groups[k].clone()] {
+                    // SAFETY: part `k`'s transfers have finished: its bytes are in place and
+                    // nothing writes them any more.
+                    unsafe { res.checksum_landed(*i, r.start as usize..r.end as usize) };
                 }
-                Ok(items)
             },
-            // SAFETY: part `k`'s transfers have finished: its bytes are in place and nothing
-            // writes them any more.
-            |k| unsafe { res.checksum_landed(parts[k].clone()) },
         );
         match moved {
             Ok(()) => res.commit().map_err(status_of),
@@ -1312,8 +1315,8 @@ mod tests {
     /// The daemon's get path verifies a value's checksum before it moves: a flipped byte in
     /// the arena makes `BatchGetInto` a miss (counted), never wrong bytes in the buffer.
     #[test]
-    fn a_corrupt_value_is_never_written_to_the_client() {
-        // Eight values of 300 000 bytes: each moves as its own part, verified just before.
+    fn a_corrupt_value_is_never_answered_as_found() {
+        // Eight values of 300 000 bytes, one corrupt in the middle of the batch.
         const N: usize = 8;
         const LEN: usize = 300_000;
         let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(8 << 20, 4096)).unwrap();
@@ -1325,7 +1328,6 @@ mod tests {
         for (i, k) in keys.iter().enumerate() {
             shared.with(|p| p.put(k, &vec![i as u8 + 1; LEN])).unwrap();
         }
-        assert_eq!(parts(&[LEN as u64; N]).len(), N);
         let (base, _) = shared.with(|p| Ok(p.dram_region())).unwrap();
         let bad = 5;
         let slot = shared
@@ -1356,8 +1358,8 @@ mod tests {
         for (i, r) in out.iter().enumerate() {
             let got = &dst[i * LEN..(i + 1) * LEN];
             if i == bad {
+                // What arrived there is unspecified (it moved while being checked).
                 assert!(!r.found, "the corrupt value is a miss");
-                assert!(got.iter().all(|&b| b == 0), "nothing of it written");
             } else {
                 assert!(
                     r.found && !r.inline && r.len == LEN as u64,
@@ -1374,30 +1376,42 @@ mod tests {
     /// reads back intact through the checksum-verifying get, with no checksum error.
     #[test]
     fn a_put_in_parts_is_checksummed_as_it_lands() {
-        const N: usize = 12;
-        const LEN: usize = 300_000;
-        let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(8 << 20, 4096)).unwrap();
+        // Values below and above PIECE_BYTES (a 3.5 MiB value lands in four pieces).
+        let lens: Vec<u64> = [300_000u64; 6]
+            .into_iter()
+            .chain([3_500_000, 1 << 20, (1 << 20) + 1])
+            .collect();
+        let total: u64 = lens.iter().sum();
+        let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(16 << 20, 4096)).unwrap();
         let shared = SharedPool::new(pool);
         let data = DataPlane::start(&shared, IpAddr::from([127, 0, 0, 1])).unwrap();
         let client = engine("parts-put-client");
-        let mut src: Vec<u8> = (0..N * LEN).map(|i| (i % 253) as u8).collect();
+        let mut src: Vec<u8> = (0..total).map(|i| (i % 253) as u8).collect();
         let smem = client
             .register(src.as_mut_ptr() as u64, src.len() as u64, Location::Host)
             .unwrap();
         let remote = data
             .client(&client.desc().to_bytes(), &smem.to_bytes(), LOCAL_CALLER)
             .unwrap();
-        let keys: Vec<Vec<u8>> = (0..N).map(|i| format!("p{i}").into_bytes()).collect();
-        let offsets: Vec<u64> = (0..N as u64).map(|i| i * LEN as u64).collect();
-        assert!(parts(&[LEN as u64; N]).len() > 1);
+        let keys: Vec<Vec<u8>> = (0..lens.len())
+            .map(|i| format!("p{i}").into_bytes())
+            .collect();
+        let offsets: Vec<u64> = lens
+            .iter()
+            .scan(0, |at, &l| {
+                *at += l;
+                Some(*at - l)
+            })
+            .collect();
         let out = shared
-            .with_status(|p| data.put_direct(p, &remote, &keys, &offsets, &[LEN as u64; N]))
+            .with_status(|p| data.put_direct(p, &remote, &keys, &offsets, &lens))
             .unwrap();
-        assert_eq!(out, vec![PutOutcome::Stored; N]);
+        assert_eq!(out, vec![PutOutcome::Stored; lens.len()]);
         client.deregister(&smem).unwrap();
         for (i, k) in keys.iter().enumerate() {
             let got = shared.with(|p| p.get(k)).unwrap().unwrap();
-            assert!(got == src[i * LEN..(i + 1) * LEN], "value {i}");
+            let (o, l) = (offsets[i] as usize, lens[i] as usize);
+            assert!(got == src[o..o + l], "value {i}");
         }
         let stats = shared.with(|p| Ok(p.stats())).unwrap();
         assert_eq!(stats.dram_checksum_errors, 0);
