@@ -6,11 +6,11 @@
 #   umbp:  python -m mori bench umbp --only io   (master + 2 peers over loopback, mori.io rows)
 #   io:    python -m mori bench io --routes host (tcp, same-host direct)
 #   ipc:   benches/io_ipc_ab.py                   (cuda_ipc, two processes on GPU 0)
-# Each version runs its own bench code. Output: $OUT/ab.tgz (logs and JSON per round).
-# Usage: BUDGET=540 ROUNDS=2 WHAT="umbp io ipc" bash scripts/device-ab.sh
+# Each version runs its own bench code. Output: $OUT/$TAG.tgz (default ab; logs and JSON per round).
+# Usage: BUDGET=540 ROUNDS=2 WHAT="umbp io ipc" TAG=ab bash scripts/device-ab.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-scratch=/tmp/dout-ab; rm -rf "$scratch"; mkdir -p "$scratch"
+scratch=/tmp/dout-${TAG:-ab}; rm -rf "$scratch"; mkdir -p "$scratch"
 repo=$PWD
 deadline=$(( $(date +%s) + ${BUDGET:-540} ))
 for which in before after; do
@@ -36,4 +36,4 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     done
   done
 done
-tar czf "$OUT/ab.tgz" -C "$scratch" .
+tar czf "$OUT/${TAG:-ab}.tgz" -C "$scratch" .
