@@ -2,11 +2,12 @@
 # Same-run before/after of the host-side data paths, on the GPU machine (16 cores): the wheel in
 # .device/before/ (built from the commit before a change: `git worktree add /tmp/before REV`,
 # then scripts/build-wheel.sh there, copied to .device/before/) against .device/wheels/ (this
-# checkout). Rounds alternate before, after, before, after, so drift hits both alike. Measures
-#   umbp:  python -m mori bench umbp --only io   (master + 2 peers over loopback, mori.io rows)
-#   io:    python -m mori bench io --routes host (tcp, same-host direct)
-#   ipc:   benches/io_ipc_ab.py                   (cuda_ipc, two processes on GPU 0)
-# Each version runs its own bench code. Output: $OUT/$TAG.tgz (default ab; logs and JSON per round).
+# checkout). Rounds alternate before, after, before, after, so drift hits both alike. Both
+# versions run the same measuring scripts, which use only public API present in both:
+#   umbp:  benches/umbp_ab.py                 (master + 2 peers over loopback, values over mori.io)
+#   io:    benches/io_ab.py --routes tcp,direct
+#   ipc:   benches/io_ab.py --routes cuda_ipc (two processes on GPU 0)
+# Output: $OUT/$TAG.tgz (default ab; logs and JSON per round).
 # Usage: BUDGET=540 ROUNDS=2 WHAT="umbp io ipc" TAG=ab bash scripts/device-ab.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -27,9 +28,9 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     for what in ${WHAT:-umbp io ipc}; do
       budget=$(left); [ "$budget" -gt 20 ] || { echo "out of time before $round-$which-$what"; break 3; }
       case $what in
-        umbp) cmd=(python3 -m mori bench umbp --only io --out "$dir") ;;
-        io) cmd=(python3 -m mori bench io --routes host --trials "${TRIALS:-5}" --out "$dir") ;;
-        ipc) cmd=(python3 "$repo/benches/io_ipc_ab.py" --out "$dir/ipc.json") ;;
+        umbp) cmd=(python3 "$repo/benches/umbp_ab.py" --bytes $((256 << 20)) --rounds 5 --out "$dir/umbp.json") ;;
+        io) cmd=(python3 "$repo/benches/io_ab.py" --routes tcp,direct --trials "${TRIALS:-30}" --out "$dir/io.json") ;;
+        ipc) cmd=(python3 "$repo/benches/io_ab.py" --routes cuda_ipc --trials "${TRIALS:-30}" --out "$dir/ipc.json") ;;
       esac
       (cd /tmp && timeout "$(( budget < 240 ? budget : 240 ))" "${cmd[@]}") > "$dir/$what.log" 2>&1
       echo "$round $which $what rc=$?" | tee -a "$scratch/summary.txt"
