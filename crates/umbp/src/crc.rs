@@ -102,7 +102,80 @@ pub fn crc32c(data: &[u8]) -> u32 {
 /// The CRC-32C of `A‖B` from `crc32c(A)`, `crc32c(B)` and `B`'s length (the pre- and
 /// post-inversions cancel), so parts of a value checksummed apart join into its checksum.
 pub fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: usize) -> u32 {
-    mul_mod(x_pow_8n(len_b), crc_a) ^ crc_b
+    match (crc_a, len_b) {
+        (0, _) => crc_b, // 0·x^n = 0 (also the checksum of nothing)
+        (_, CHUNK) => mul_mod(X_CHUNK, crc_a) ^ crc_b,
+        _ => mul_mod(x_pow_8n(len_b), crc_a) ^ crc_b,
+    }
+}
+
+/// Inputs of [`crc32c_each`] are cut into chunks of this many bytes, the unit of its threads.
+const CHUNK: usize = 1 << 20;
+const X_CHUNK: u32 = x_pow_8n(CHUNK);
+/// Below this many bytes in all, [`crc32c_each`] stays on the calling thread.
+const PARALLEL_BYTES: usize = 2 << 20;
+
+/// Threads [`crc32c_each`] uses for large inputs: a quarter of the CPUs, 1 to 4.
+fn crc_threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cpus / 4).clamp(1, 4)
+    })
+}
+
+/// The CRC-32C of each of `inputs`. Large inputs (together at least 2 MiB) are cut into 1 MiB
+/// chunks checksummed on several threads (a quarter of the CPUs, at most 4), and each input's
+/// chunks are joined with [`crc32c_combine`]: a checksum pass over many megabytes then keeps
+/// up with the transfer it overlaps.
+pub fn crc32c_each(inputs: &[&[u8]]) -> Vec<u32> {
+    each_on(inputs, crc_threads())
+}
+
+/// [`crc32c_each`] on up to `threads` threads.
+fn each_on(inputs: &[&[u8]], threads: usize) -> Vec<u32> {
+    let total: usize = inputs.iter().map(|b| b.len()).sum();
+    let threads = threads.min(total.div_ceil(CHUNK));
+    if threads <= 1 || total < PARALLEL_BYTES {
+        return inputs.iter().map(|b| crc32c(b)).collect();
+    }
+    // (input, chunk) in order; each thread takes a contiguous run of about total / threads bytes.
+    let chunks: Vec<(usize, &[u8])> = inputs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, b)| b.chunks(CHUNK).map(move |c| (i, c)))
+        .collect();
+    let mut crcs = vec![0u32; chunks.len()];
+    let share = total.div_ceil(threads);
+    std::thread::scope(|scope| {
+        let (mut rest_chunks, mut rest_crcs) = (&chunks[..], &mut crcs[..]);
+        while !rest_chunks.is_empty() {
+            let mut n = 0;
+            let mut bytes = 0;
+            while n < rest_chunks.len() && bytes < share {
+                bytes += rest_chunks[n].1.len();
+                n += 1;
+            }
+            let (mine, more) = rest_chunks.split_at(n);
+            let (out, more_out) = std::mem::take(&mut rest_crcs).split_at_mut(n);
+            (rest_chunks, rest_crcs) = (more, more_out);
+            let work = move || {
+                for ((_, c), o) in mine.iter().zip(out) {
+                    *o = crc32c(c);
+                }
+            };
+            if rest_chunks.is_empty() {
+                work(); // the last share on this thread
+            } else {
+                scope.spawn(work);
+            }
+        }
+    });
+    let mut out = vec![0u32; inputs.len()];
+    for (&(i, c), &crc) in chunks.iter().zip(&crcs) {
+        out[i] = crc32c_combine(out[i], crc, c.len());
+    }
+    out
 }
 
 fn update(state: u32, data: &[u8]) -> u32 {
@@ -231,6 +304,29 @@ mod tests {
             inc.update(b);
             assert_eq!(inc.finish(), sw, "incremental len {len}");
         }
+    }
+
+    #[test]
+    fn checksums_of_many_inputs_match_one_by_one() {
+        let data: Vec<u8> = (0..9_000_000u32).map(|i| (i ^ (i >> 9)) as u8).collect();
+        let cuts = [
+            0,
+            1,
+            4096,
+            1 << 20,
+            (1 << 20) + 5,
+            3_000_000,
+            8_999_999,
+            9_000_000,
+        ];
+        let inputs: Vec<&[u8]> = cuts.windows(2).map(|w| &data[w[0]..w[1]]).collect();
+        let want: Vec<u32> = inputs.iter().map(|b| crc32c(b)).collect();
+        for threads in [1, 2, 3, 4] {
+            assert_eq!(each_on(&inputs, threads), want, "{threads} threads");
+            assert_eq!(each_on(&[&data[..]], threads), vec![crc32c(&data)]);
+            assert!(each_on(&[], threads).is_empty());
+        }
+        assert_eq!(crc32c_each(&inputs), want);
     }
 
     #[test]

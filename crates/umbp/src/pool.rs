@@ -82,7 +82,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use tracing::{debug, warn};
 
-use crate::crc::{crc32c, crc32c_combine};
+use crate::crc::{crc32c_combine, crc32c_each};
 use crate::dram::DramArena;
 use crate::error::{Error, Result, key_display};
 use crate::gpu::GpuArena;
@@ -228,32 +228,43 @@ impl PutReservation<'_> {
         self.pool.lock().dram.write_reserved(run, 0, value)
     }
 
-    /// Checksums bytes `range` of item `i`'s value now (instead of in
-    /// [`PutReservation::commit`]), so a caller whose bytes land in parts can checksum each
-    /// part while the next one lands. Parts of one value are joined in order: a range that
-    /// does not start where the previous one ended is ignored (commit then checksums the
-    /// whole value).
+    /// Checksums the landed `pieces` now — `(item, byte range of its value)` — instead of in
+    /// [`PutReservation::commit`], so a caller whose bytes land in parts can checksum each
+    /// part while the next one lands. Pieces of one value are joined in order: a piece that
+    /// does not start where that value's previous piece ended is ignored (commit then
+    /// checksums the whole value).
     ///
     /// # Safety
-    /// Those bytes must be in place and nobody may write them any more (their transfer has
-    /// finished).
-    pub unsafe fn checksum_landed(&mut self, i: usize, range: std::ops::Range<usize>) {
+    /// The bytes of every piece must be in place and nobody may write them any more (their
+    /// transfer has finished).
+    pub unsafe fn checksum_landed(&mut self, pieces: &[(usize, std::ops::Range<usize>)]) {
         let page = self.pool.dram_page;
-        let (Some(Some(run)), Some((crc, done))) = (self.runs.get(i), self.crcs.get_mut(i)) else {
-            return;
-        };
-        if range.start != *done || range.end > run.len() || range.is_empty() {
-            return;
+        let mut runs = Vec::with_capacity(pieces.len());
+        for (i, range) in pieces {
+            let Some(Some(run)) = self.runs.get(*i) else {
+                continue;
+            };
+            if range.end <= run.len() {
+                runs.push((run.offset(page) + range.start, range.len()));
+            }
         }
-        // SAFETY: the range lies in the run, which is reserved for this reservation alone and
-        // lies in the arena; its bytes are in place and no longer written (the caller's
-        // contract).
-        let part = unsafe {
-            self.pool
-                .arena_crc(run.offset(page) + range.start, range.len())
-        };
-        *crc = crc32c_combine(*crc, part, range.len());
-        *done = range.end;
+        // SAFETY: each range lies in its run, reserved for this reservation alone and in the
+        // arena; the bytes are in place and no longer written (the caller's contract).
+        let mut crcs = unsafe { self.pool.arena_crcs(&runs) }.into_iter();
+        for (i, range) in pieces {
+            let Some(Some(run)) = self.runs.get(*i) else {
+                continue;
+            };
+            if range.end > run.len() {
+                continue;
+            }
+            let part = crcs.next().unwrap_or_default();
+            let (crc, done) = &mut self.crcs[*i];
+            if range.start == *done && !range.is_empty() {
+                *crc = crc32c_combine(*crc, part, range.len());
+                *done = range.end;
+            }
+        }
     }
 
     /// Publishes the values (their bytes must all be in place): each reserved run becomes
@@ -264,18 +275,24 @@ impl PutReservation<'_> {
         let pool = self.pool;
         let page = pool.dram_page;
         // Checksums of the landed bytes not taken yet, outside the pool lock.
-        let crcs: Vec<u32> = self
+        let missing: Vec<(usize, (usize, usize))> = self
             .runs
             .iter()
             .zip(&self.crcs)
-            .map(|(run, &(crc, done))| match run {
-                Some(r) if done == r.len() => crc,
-                // SAFETY: the run is reserved for this reservation alone, lies in the arena,
-                // and its bytes are in place (the caller's contract): nobody writes it now.
-                Some(r) => unsafe { pool.arena_crc(r.offset(page), r.len()) },
-                None => 0,
+            .enumerate()
+            .filter_map(|(i, (run, &(_, done)))| {
+                let r = run.as_ref()?;
+                (done != r.len()).then(|| (i, (r.offset(page), r.len())))
             })
             .collect();
+        let runs: Vec<(usize, usize)> = missing.iter().map(|(_, r)| *r).collect();
+        // SAFETY: each run is reserved for this reservation alone, lies in the arena, and its
+        // bytes are in place (the caller's contract): nobody writes it now.
+        let computed = unsafe { pool.arena_crcs(&runs) };
+        let mut crcs: Vec<u32> = self.crcs.iter().map(|&(crc, _)| crc).collect();
+        for ((i, _), crc) in missing.iter().zip(computed) {
+            crcs[*i] = crc;
+        }
         let mut inner = pool.lock();
         let meta = &*pool.meta;
         let mut out = Vec::with_capacity(self.runs.len());
@@ -400,18 +417,25 @@ impl VerifyingReads<'_> {
     /// DRAM (counted in `dram_checksum_errors`) and its slot becomes its SSD copy's bytes, or
     /// a miss. Slots outside the verified ranges are not verified yet.
     pub fn verify(&mut self, range: std::ops::Range<usize>) -> Result<&[ReadSlot]> {
-        let mut bad = Vec::new();
+        let mut checked = Vec::new(); // (slot, the checksum it must have)
+        let mut runs = Vec::new();
         for i in range {
             if let (ReadSlot::Arena { offset, len }, Some(want)) =
                 (&self.slots[i], self.crcs[i].take())
             {
-                // SAFETY: the run is pinned until `batch_read_verifying` returns (pinned
-                // runs are never written, freed or reused) and lies in the arena.
-                if unsafe { self.pool.arena_crc(*offset, *len) } != want {
-                    bad.push(i);
-                }
+                checked.push((i, want));
+                runs.push((*offset, *len));
             }
         }
+        // SAFETY: the runs are pinned until `batch_read_verifying` returns (pinned runs are
+        // never written, freed or reused) and lie in the arena.
+        let got = unsafe { self.pool.arena_crcs(&runs) };
+        let bad: Vec<usize> = checked
+            .iter()
+            .zip(got)
+            .filter(|((_, want), got)| want != got)
+            .map(|((i, _), _)| *i)
+            .collect();
         if !bad.is_empty() {
             self.replace_corrupt(&bad)?;
         }
@@ -836,21 +860,27 @@ impl LocalPool {
         self.dram_page
     }
 
-    /// The CRC-32C of `len` bytes at `offset` in the DRAM arena, read without the pool lock.
+    /// The CRC-32C of each `(offset, len)` run of the DRAM arena ([`crc32c_each`]: on several
+    /// threads when they are large), read without the pool lock.
     ///
     /// # Safety
-    /// `offset..offset + len` must lie in the arena, and nobody may write those bytes while
-    /// this runs: a pinned run, or a reserved run whose transfer has finished.
-    unsafe fn arena_crc(&self, offset: usize, len: usize) -> u32 {
+    /// Every run must lie in the arena, and nobody may write its bytes while this runs: a
+    /// pinned run, or a reserved run whose transfer has finished.
+    unsafe fn arena_crcs(&self, runs: &[(usize, usize)]) -> Vec<u32> {
         let (base, size) = self.dram_region;
-        debug_assert!(offset.checked_add(len).is_some_and(|end| end <= size));
-        if len == 0 {
-            return crc32c(&[]);
-        }
-        // SAFETY: the range lies in the live arena allocation (guaranteed by the caller; the
-        // arena lives as long as the pool) and is not written meanwhile.
-        let bytes = unsafe { std::slice::from_raw_parts((base + offset) as *const u8, len) };
-        crc32c(bytes)
+        let slices: Vec<&[u8]> = runs
+            .iter()
+            .map(|&(offset, len)| {
+                debug_assert!(offset.checked_add(len).is_some_and(|end| end <= size));
+                if len == 0 {
+                    return &[][..];
+                }
+                // SAFETY: each run lies in the live arena allocation and is not written
+                // meanwhile (the caller's contract).
+                unsafe { std::slice::from_raw_parts((base + offset) as *const u8, len) }
+            })
+            .collect();
+        crc32c_each(&slices)
     }
 
     /// Reads `keys` as [`LocalPool::batch_get`] does (hits, misses, LRU renewal, promotion

@@ -264,7 +264,7 @@ impl Items {
 /// landing of the next: only the last part's checksum is not hidden.
 const MAX_PARTS: usize = 16;
 /// ... of at least this many bytes each: each costs a mori.io transfer per leased region.
-const MIN_PART_BYTES: u64 = 256 << 10;
+const MIN_PART_BYTES: u64 = 1 << 20;
 /// Values larger than this land in pieces of this size (each checksummed as it lands; the
 /// pieces' checksums join into the value's), so that a single large value overlaps too.
 const PIECE_BYTES: u64 = 1 << 20;
@@ -611,11 +611,13 @@ impl DataPlane {
             &part_items,
             || Ok(()),
             |k| {
-                for (i, r, _) in &pieces[groups[k].clone()] {
-                    // SAFETY: part `k`'s transfers have finished: its bytes are in place and
-                    // nothing writes them any more.
-                    unsafe { res.checksum_landed(*i, r.start as usize..r.end as usize) };
-                }
+                let landed: Vec<(usize, Range<usize>)> = pieces[groups[k].clone()]
+                    .iter()
+                    .map(|(i, r, _)| (*i, r.start as usize..r.end as usize))
+                    .collect();
+                // SAFETY: part `k`'s transfers have finished: its bytes are in place and
+                // nothing writes them any more.
+                unsafe { res.checksum_landed(&landed) };
             },
         );
         match moved {
