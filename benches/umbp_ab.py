@@ -52,8 +52,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=4, help="rounds per shape, the first one a warm-up")
     ap.add_argument("--bytes", type=int, default=128 << 20, help="value bytes put and got per round")
+    ap.add_argument("--shapes", default=None, help="value_bytes x batch, comma-separated (e.g. 4194304x16,4096x128); default: all")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
 
     import mori
     from mori.umbp import Client
@@ -68,7 +70,7 @@ def main() -> None:
                 procs.append(_umbpd(tmp, f"peer{i}", "--role", "peer", "--master", master, "--dram-bytes", "1G")[0])
             client = Client(master=master)
             rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
-            for size, batch in SHAPES:
+            for size, batch in shapes:
                 calls = max(1, min(64, args.bytes // (size * batch)))
                 src = rng.integers(0, 256, batch * size, dtype=np.uint8)
                 dst = np.zeros_like(src)

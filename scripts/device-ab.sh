@@ -7,6 +7,9 @@
 #   umbp:  benches/umbp_ab.py                 (master + 2 peers over loopback, values over mori.io)
 #   io:    benches/io_ab.py --routes tcp,direct
 #   ipc:   benches/io_ab.py --routes cuda_ipc (two processes on GPU 0)
+# VARIANTS: which runs alternate (default "before after"); "after:VAR=value" runs the after
+# wheel with an environment variable set (e.g. after:MORI_CHECKSUM_THREADS=1).
+# SHAPES (umbp only): one run per shape, so the variants alternate shape by shape.
 # Output: $OUT/$TAG.tgz (default ab; logs and JSON per round).
 # Usage: BUDGET=540 ROUNDS=2 WHAT="umbp io ipc" TAG=ab bash scripts/device-ab.sh
 set -uo pipefail
@@ -22,18 +25,23 @@ for which in before after; do
 done
 left() { echo $(( deadline - $(date +%s) )); }
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for which in before after; do
-    dir=$scratch/$round-$which; mkdir -p "$dir"
-    export PYTHONPATH=/tmp/site-$which MORI_JIT_CACHE_DIR=/tmp/jit-$which
-    for what in ${WHAT:-umbp io ipc}; do
-      budget=$(left); [ "$budget" -gt 20 ] || { echo "out of time before $round-$which-$what"; break 3; }
-      case $what in
-        umbp) cmd=(python3 "$repo/benches/umbp_ab.py" --bytes $((256 << 20)) --rounds 5 --out "$dir/umbp.json") ;;
-        io) cmd=(python3 "$repo/benches/io_ab.py" --routes tcp,direct --trials "${TRIALS:-30}" --out "$dir/io.json") ;;
-        ipc) cmd=(python3 "$repo/benches/io_ab.py" --routes cuda_ipc --trials "${TRIALS:-30}" --out "$dir/ipc.json") ;;
-      esac
-      (cd /tmp && timeout "$(( budget < 240 ? budget : 240 ))" "${cmd[@]}") > "$dir/$what.log" 2>&1
-      echo "$round $which $what rc=$?" | tee -a "$scratch/summary.txt"
+  for what in ${WHAT:-umbp io ipc}; do
+    shapes=all; [ "$what" = umbp ] && shapes=${SHAPES:-all}
+    for shape in $shapes; do
+      for variant in ${VARIANTS:-before after}; do
+        which=${variant%%:*}; setting=; [ "$variant" != "$which" ] && setting=${variant#*:}
+        dir=$scratch/$round-${variant//[:=]/_}; mkdir -p "$dir"
+        budget=$(left); [ "$budget" -gt 20 ] || { echo "out of time before $round $variant $what $shape"; break 4; }
+        only=(); [ "$shape" != all ] && only=(--shapes "$shape")
+        case $what in
+          umbp) cmd=(python3 "$repo/benches/umbp_ab.py" --bytes $((256 << 20)) --rounds 5 "${only[@]}" --out "$dir/umbp-$shape.json") ;;
+          io) cmd=(python3 "$repo/benches/io_ab.py" --routes tcp,direct --trials "${TRIALS:-30}" --out "$dir/io.json") ;;
+          ipc) cmd=(python3 "$repo/benches/io_ab.py" --routes cuda_ipc --trials "${TRIALS:-30}" --out "$dir/ipc.json") ;;
+        esac
+        (cd /tmp && env PYTHONPATH="/tmp/site-$which" MORI_JIT_CACHE_DIR="/tmp/jit-$which" $setting \
+          timeout "$(( budget < 240 ? budget : 240 ))" "${cmd[@]}") > "$dir/$what-$shape.log" 2>&1
+        echo "$round $variant $what $shape rc=$?" | tee -a "$scratch/summary.txt"
+      done
     done
   done
 done

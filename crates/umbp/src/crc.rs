@@ -115,17 +115,31 @@ const X_CHUNK: u32 = x_pow_8n(CHUNK);
 /// Below this many bytes in all, [`crc32c_each`] stays on the calling thread.
 const PARALLEL_BYTES: usize = 2 << 20;
 
-/// Threads [`crc32c_each`] uses for large inputs: a quarter of the CPUs, 1 to 4.
+/// Threads [`crc32c_each`] uses for large inputs: `MORI_CHECKSUM_THREADS` (1 to 64), else a
+/// quarter of the CPUs, 1 to 4.
 fn crc_threads() -> usize {
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *THREADS.get_or_init(|| {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        (cpus / 4).clamp(1, 4)
+        let default = (cpus / 4).clamp(1, 4);
+        match std::env::var("MORI_CHECKSUM_THREADS") {
+            Ok(v) => match v.trim().parse::<usize>() {
+                Ok(n @ 1..=64) => n,
+                _ => {
+                    tracing::warn!(
+                        "MORI_CHECKSUM_THREADS={v:?} is not a thread count (1 to 64); using {default}"
+                    );
+                    default
+                }
+            },
+            Err(_) => default,
+        }
     })
 }
 
 /// The CRC-32C of each of `inputs`. Large inputs (together at least 2 MiB) are cut into 1 MiB
-/// chunks checksummed on several threads (a quarter of the CPUs, at most 4), and each input's
+/// chunks checksummed on several threads (`MORI_CHECKSUM_THREADS`, default a quarter of the
+/// CPUs, at most 4), and each input's
 /// chunks are joined with [`crc32c_combine`]: a checksum pass over many megabytes then keeps
 /// up with the transfer it overlaps.
 pub fn crc32c_each(inputs: &[&[u8]]) -> Vec<u32> {
