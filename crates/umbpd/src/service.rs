@@ -261,10 +261,12 @@ impl Items {
 }
 
 /// A put's values land in up to this many parts, so that checksumming one part overlaps the
-/// landing of the next: only the last part's checksum is not hidden.
-const MAX_PARTS: usize = 16;
-/// ... of at least this many bytes each: each costs a mori.io transfer per leased region.
-const MIN_PART_BYTES: u64 = 1 << 20;
+/// landing of the next: only the last part's checksum is not hidden (and it runs on several
+/// threads, see `crc32c_each`).
+const MAX_PARTS: usize = 8;
+/// ... of at least this many bytes each (the engine's request size, so parts add no
+/// requests): each costs a mori.io transfer per leased region.
+const MIN_PART_BYTES: u64 = 4 << 20;
 /// Values larger than this land in pieces of this size (each checksummed as it lands; the
 /// pieces' checksums join into the value's), so that a single large value overlaps too.
 const PIECE_BYTES: u64 = 1 << 20;
@@ -1435,7 +1437,7 @@ mod tests {
         assert!(p.windows(2).all(|w| w[0].end == w[1].start));
         assert_eq!((p[0].start, p.last().unwrap().end), (0, 128));
         // Zero-length items (exists / misses) ride along.
-        assert_eq!(parts(&[0, 0, 1 << 20, 0]), vec![0..3, 3..4]);
+        assert_eq!(parts(&[0, 0, 4 << 20, 0]), vec![0..3, 3..4]);
     }
 }
 
