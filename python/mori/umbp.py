@@ -56,6 +56,8 @@ def _key(key: Any, name: str = "key") -> bytes:
 def _keys(keys: Any, name: str = "keys") -> list[bytes]:
     """A list of keys (str or bytes) as bytes; a single str or bytes is refused (it would be
     read as one key per character)."""
+    if type(keys) is list and all(type(k) is bytes for k in keys):
+        return keys  # the common case, without a per-key call
     return [_key(k, f"{name}[{i}]") for i, k in enumerate(_args.sequence(keys, name, "keys (str or bytes)"))]
 
 
@@ -107,6 +109,17 @@ def _host_buffer(obj: Any, writable: bool) -> np.ndarray:
 def _ranges(offsets: Any, sizes: Any, n: int, size: int) -> tuple[list[int], list[int]]:
     """``offsets`` and ``sizes`` (sequences of ``n`` ints each) checked against a buffer of
     ``size`` bytes."""
+    if isinstance(offsets, np.ndarray) and offsets.dtype.kind in "iu":
+        offsets = offsets.tolist()
+    if isinstance(sizes, np.ndarray) and sizes.dtype.kind in "iu":
+        sizes = sizes.tolist()
+    if (
+        type(offsets) is list
+        and type(sizes) is list
+        and n == len(offsets) == len(sizes)
+        and all(type(o) is int and type(s) is int and 0 <= o and 0 <= s and o + s <= size for o, s in zip(offsets, sizes))
+    ):
+        return offsets, sizes  # the common case, checked without a call per item
     offs = [_args.integer(o, f"offsets[{i}]", minimum=0) for i, o in enumerate(_args.sequence(offsets, "offsets", "ints"))]
     lens = [_args.integer(s, f"sizes[{i}]", minimum=0) for i, s in enumerate(_args.sequence(sizes, "sizes", "ints"))]
     if not (n == len(offs) == len(lens)):
