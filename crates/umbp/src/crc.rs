@@ -101,7 +101,7 @@ pub fn crc32c(data: &[u8]) -> u32 {
 
 /// The CRC-32C of `A‖B` from `crc32c(A)`, `crc32c(B)` and `B`'s length (the pre- and
 /// post-inversions cancel), so parts of a value checksummed apart join into its checksum.
-pub fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: usize) -> u32 {
+fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: usize) -> u32 {
     match (crc_a, len_b) {
         (0, _) => crc_b, // 0·x^n = 0 (also the checksum of nothing)
         (_, CHUNK) => mul_mod(X_CHUNK, crc_a) ^ crc_b,

@@ -290,22 +290,24 @@ impl DramArena {
     ) -> std::result::Result<(), (Error, Reserved)> {
         let at = r.offset(self.pages.page_bytes());
         let crc = self.buf.range(at, r.len()).map_or(0, crc32c);
-        self.commit_reserved_crc(key, r, crc)
+        self.commit_reserved_crc(key, r, Some(crc))
     }
 
     /// [`DramArena::commit_reserved`] with the checksum already computed by the caller (from
-    /// the run's bytes, outside the pool lock).
+    /// the run's bytes, outside the pool lock), or none yet (recorded later by `seal`).
     pub(crate) fn commit_reserved_crc(
         &mut self,
         key: &[u8],
         r: Reserved,
-        crc: u32,
+        crc: Option<u32>,
     ) -> std::result::Result<(), (Error, Reserved)> {
         let (at, len) = (r.offset(self.pages.page_bytes()), r.len());
         self.pages.commit_reserved(key, r)?;
         // Whatever reached the slack while the run was exposed is gone.
         self.zero_slack(at, len);
-        self.pages.set_checksum(key, crc);
+        if let Some(crc) = crc {
+            self.pages.set_checksum(key, crc);
+        }
         Ok(())
     }
 

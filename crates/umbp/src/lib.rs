@@ -51,7 +51,7 @@ pub mod ssd_io;
 mod ssd_scan;
 mod uring;
 
-pub use crc::{crc32c, crc32c_combine, crc32c_each};
+pub use crc::{crc32c, crc32c_each};
 pub use dram::DramArena;
 pub use error::{Error, Result};
 pub use gpu::GpuArena;

@@ -82,7 +82,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use tracing::{debug, warn};
 
-use crate::crc::{crc32c_combine, crc32c_each};
+use crate::crc::crc32c_each;
 use crate::dram::DramArena;
 use crate::error::{Error, Result, key_display};
 use crate::gpu::GpuArena;
@@ -205,9 +205,6 @@ pub struct PutReservation<'a> {
     keys: Vec<Vec<u8>>,
     runs: Vec<Option<Reserved>>,
     slots: Vec<ReserveSlot>,
-    /// Per item, the checksum of its first `.1` bytes, taken by
-    /// [`PutReservation::checksum_landed`].
-    crcs: Vec<(u32, usize)>,
 }
 
 impl PutReservation<'_> {
@@ -228,71 +225,41 @@ impl PutReservation<'_> {
         self.pool.lock().dram.write_reserved(run, 0, value)
     }
 
-    /// Checksums the landed `pieces` now — `(item, byte range of its value)` — instead of in
-    /// [`PutReservation::commit`], so a caller whose bytes land in parts can checksum each
-    /// part while the next one lands. Pieces of one value are joined in order: a piece that
-    /// does not start where that value's previous piece ended is ignored (commit then
-    /// checksums the whole value).
-    ///
-    /// # Safety
-    /// The bytes of every piece must be in place and nobody may write them any more (their
-    /// transfer has finished).
-    pub unsafe fn checksum_landed(&mut self, pieces: &[(usize, std::ops::Range<usize>)]) {
-        let page = self.pool.dram_page;
-        let mut runs = Vec::with_capacity(pieces.len());
-        for (i, range) in pieces {
-            let Some(Some(run)) = self.runs.get(*i) else {
-                continue;
-            };
-            if range.end <= run.len() {
-                runs.push((run.offset(page) + range.start, range.len()));
-            }
-        }
-        // SAFETY: each range lies in its run, reserved for this reservation alone and in the
-        // arena; the bytes are in place and no longer written (the caller's contract).
-        let mut crcs = unsafe { self.pool.arena_crcs(&runs) }.into_iter();
-        for (i, range) in pieces {
-            let Some(Some(run)) = self.runs.get(*i) else {
-                continue;
-            };
-            if range.end > run.len() {
-                continue;
-            }
-            let part = crcs.next().unwrap_or_default();
-            let (crc, done) = &mut self.crcs[*i];
-            if range.start == *done && !range.is_empty() {
-                *crc = crc32c_combine(*crc, part, range.len());
-                *done = range.end;
-            }
-        }
-    }
-
     /// Publishes the values (their bytes must all be in place): each reserved run becomes
     /// its key's DRAM value and is indexed — unless the key was stored meanwhile (another
     /// writer won), in which case its pages are freed and it is
     /// [`PutOutcome::AlreadyExists`]. On a metadata error the uncommitted rest is freed.
-    pub fn commit(mut self) -> Result<Vec<PutOutcome>> {
+    pub fn commit(self) -> Result<Vec<PutOutcome>> {
+        self.commit_with(true)
+    }
+
+    /// [`PutReservation::commit`] without checksumming: the values are readable at once,
+    /// unverified until [`LocalPool::seal`] records their checksums (typically moments later,
+    /// off the put's path, so a put that lands its bytes in place answers without another pass
+    /// over them). A get of a value not sealed yet is served unchecked.
+    pub fn commit_unsealed(self) -> Result<Vec<PutOutcome>> {
+        self.commit_with(false)
+    }
+
+    fn commit_with(mut self, checksum: bool) -> Result<Vec<PutOutcome>> {
         let pool = self.pool;
         let page = pool.dram_page;
-        // Checksums of the landed bytes not taken yet, outside the pool lock.
-        let missing: Vec<(usize, (usize, usize))> = self
+        // Checksums of the landed bytes, outside the pool lock.
+        let runs: Vec<(usize, usize)> = self
             .runs
             .iter()
-            .zip(&self.crcs)
-            .enumerate()
-            .filter_map(|(i, (run, &(_, done)))| {
-                let r = run.as_ref()?;
-                (done != r.len()).then(|| (i, (r.offset(page), r.len())))
-            })
+            .map(|run| run.as_ref().map_or((0, 0), |r| (r.offset(page), r.len())))
             .collect();
-        let runs: Vec<(usize, usize)> = missing.iter().map(|(_, r)| *r).collect();
-        // SAFETY: each run is reserved for this reservation alone, lies in the arena, and its
-        // bytes are in place (the caller's contract): nobody writes it now.
-        let computed = unsafe { pool.arena_crcs(&runs) };
-        let mut crcs: Vec<u32> = self.crcs.iter().map(|&(crc, _)| crc).collect();
-        for ((i, _), crc) in missing.iter().zip(computed) {
-            crcs[*i] = crc;
-        }
+        let crcs: Vec<Option<u32>> = if checksum {
+            // SAFETY: each run is reserved for this reservation alone, lies in the arena, and
+            // its bytes are in place (the caller's contract): nobody writes it now.
+            unsafe { pool.arena_crcs(&runs) }
+                .into_iter()
+                .map(Some)
+                .collect()
+        } else {
+            vec![None; runs.len()]
+        };
         let mut inner = pool.lock();
         let meta = &*pool.meta;
         let mut out = Vec::with_capacity(self.runs.len());
@@ -883,6 +850,46 @@ impl LocalPool {
         crc32c_each(&slices)
     }
 
+    /// Records the checksums of those of `keys` that are DRAM values committed with
+    /// [`PutReservation::commit_unsealed`] and not sealed yet; from then on every read
+    /// verifies them. The values are pinned while their bytes are checksummed (without the
+    /// pool lock; on several threads when large), and a key removed or stored again
+    /// meanwhile is left alone. Returns how many were sealed.
+    pub fn seal(&self, keys: &[&[u8]]) -> Result<usize> {
+        let mut pins = Pins {
+            pool: self,
+            tokens: Vec::new(),
+        };
+        let mut todo = Vec::new(); // (key, run offset, len)
+        {
+            let mut inner = self.lock();
+            for &key in keys {
+                if inner.dram.checksum(key).is_some() {
+                    continue;
+                }
+                if let Some((offset, len, token)) = inner.dram.pin(key) {
+                    pins.tokens.push(token);
+                    todo.push((key, offset, len));
+                }
+            }
+        }
+        let runs: Vec<(usize, usize)> = todo.iter().map(|&(_, o, l)| (o, l)).collect();
+        // SAFETY: the runs are pinned (never written, freed or reused) and lie in the arena.
+        let crcs = unsafe { self.arena_crcs(&runs) };
+        let mut inner = self.lock();
+        let mut sealed = 0;
+        for (&(key, offset, len), crc) in todo.iter().zip(crcs) {
+            if inner.dram.locate(key) == Some((offset, len))
+                && inner.dram.checksum(key).is_none()
+                && inner.dram.set_checksum(key, crc)
+            {
+                sealed += 1;
+            }
+        }
+        drop(inner); // the pins are released after it (they take the lock)
+        Ok(sealed)
+    }
+
     /// Reads `keys` as [`LocalPool::batch_get`] does (hits, misses, LRU renewal, promotion
     /// of SSD hits), but instead of copying DRAM values out, runs `f` with each value's
     /// place: its run in the arena, or its bytes when it came from SSD. The DRAM values named
@@ -946,7 +953,6 @@ impl LocalPool {
             keys: Vec::with_capacity(items.len()),
             runs: Vec::with_capacity(items.len()),
             slots: Vec::with_capacity(items.len()),
-            crcs: vec![(0, 0); items.len()],
         };
         let mut inner = self.lock();
         for &(key, len) in items {

@@ -1340,3 +1340,48 @@ fn reserved_puts_are_checksummed_at_commit() {
     assert_eq!(get(&pool, b"r"), None);
     assert_eq!(pool.stats().dram_checksum_errors, 1);
 }
+
+/// Values committed unsealed are readable at once; `seal` records the checksums of those
+/// still stored (a key removed meanwhile, or stored again in another run, is left alone), and
+/// from then on a flipped byte is caught.
+#[test]
+fn unsealed_puts_are_sealed_later() {
+    let (pool, _) = open(&PoolConfig::dram_only(256 << 10, 4096));
+    let vals: Vec<Vec<u8>> = (0..3).map(|i| value(9, i, 5000 + i as usize)).collect();
+    let keys: [&[u8]; 3] = [b"u0", b"u1", b"u2"];
+    let items: Vec<(&[u8], usize)> = keys.iter().zip(&vals).map(|(k, v)| (*k, v.len())).collect();
+    let mut res = ok(pool.reserve_puts(&items), "reserve").expect("fits");
+    let offsets: Vec<usize> = res
+        .slots()
+        .iter()
+        .map(|s| match *s {
+            ReserveSlot::Arena { offset, .. } => offset,
+            _ => panic!("not reserved"),
+        })
+        .collect();
+    for (i, v) in vals.iter().enumerate() {
+        ok(res.write(i, v), "write");
+    }
+    assert_eq!(
+        ok(res.commit_unsealed(), "commit"),
+        vec![PutOutcome::Stored; 3]
+    );
+    assert_eq!(
+        get(&pool, b"u0"),
+        Some(vals[0].clone()),
+        "readable before sealing"
+    );
+    // u1 removed and stored again elsewhere before the seal: its new value is a plain put
+    // (checksummed already), so only u0 and u2 are sealed.
+    assert!(ok(pool.remove(b"u1"), "remove"));
+    assert_eq!(put(&pool, b"u1", b"again"), PutOutcome::Stored);
+    assert_eq!(ok(pool.seal(&keys), "seal"), 2);
+    assert_eq!(ok(pool.seal(&keys), "seal again"), 0);
+    assert_eq!(ok(pool.seal(&[b"absent"]), "seal absent"), 0);
+    flip_arena_byte(&pool, offsets[2] + 100);
+    assert_eq!(get(&pool, b"u2"), None, "sealed: the flip is caught");
+    assert_eq!(get(&pool, b"u0"), Some(vals[0].clone()));
+    assert_eq!(get(&pool, b"u1"), Some(b"again".to_vec()));
+    assert_eq!(pool.stats().dram_checksum_errors, 1);
+    ok(pool.check_consistency(), "consistency");
+}

@@ -260,37 +260,6 @@ impl Items {
     }
 }
 
-/// A put's values land in up to this many parts, so that checksumming one part overlaps the
-/// landing of the next: only the last part's checksum is not hidden (and it runs on several
-/// threads, see `crc32c_each`).
-const MAX_PARTS: usize = 8;
-/// ... of at least this many bytes each (the engine's request size, so parts add no
-/// requests): each costs a mori.io transfer per leased region.
-const MIN_PART_BYTES: u64 = 4 << 20;
-/// Values larger than this land in pieces of this size (each checksummed as it lands; the
-/// pieces' checksums join into the value's), so that a single large value overlaps too.
-const PIECE_BYTES: u64 = 1 << 20;
-
-/// Cuts items of `sizes` (in order) into consecutive parts of about `total / MAX_PARTS`
-/// bytes, at least [`MIN_PART_BYTES`] each.
-fn parts(sizes: &[u64]) -> Vec<Range<usize>> {
-    let total: u64 = sizes.iter().sum();
-    let target = (total / MAX_PARTS as u64).max(MIN_PART_BYTES);
-    let mut out = Vec::new();
-    let (mut start, mut bytes) = (0, 0u64);
-    for (i, &n) in sizes.iter().enumerate() {
-        bytes += n;
-        if bytes >= target {
-            out.push(start..i + 1);
-            (start, bytes) = (i + 1, 0);
-        }
-    }
-    if start < sizes.len() {
-        out.push(start..sizes.len());
-    }
-    out
-}
-
 impl DataPlane {
     /// Starts an engine listening on `host` for the pool's arena (nothing is registered
     /// until a request leases values).
@@ -434,59 +403,37 @@ impl DataPlane {
         failure.map_or(Ok(()), Err)
     }
 
-    /// Leases the arena `pages` (`(offset, len)`), moves a request's items through the lease
-    /// (`parts`, all submitted at once), and ends the lease once every transfer finished.
-    /// `meanwhile` runs while the parts move (a get verifies its values there); `landed(k)`
-    /// runs once part `k` has finished, while later parts still move (a put checksums it
-    /// there), and only while nothing failed. Every submitted transfer is waited for (one
-    /// deadline) before the first failure is returned; a failed deregistration (a transfer
-    /// still in flight) is reported as a deadline error, so the caller never reuses the bytes.
+    /// Leases the arena `pages` (`(offset, len)`), moves `items` through the lease, runs
+    /// `meanwhile` while they move (a get verifies its values there), and ends the lease once
+    /// every transfer finished (one deadline) — also after a failure, which is then returned.
+    /// A failed deregistration (a transfer still in flight) is reported as a deadline error,
+    /// so the caller never reuses the bytes.
     fn leased(
         &self,
         op: Op,
         pages: &[(u64, u64)],
         remote: &MemoryDesc,
-        parts: &[Items],
+        items: &Items,
         meanwhile: impl FnOnce() -> Result<(), Status>,
-        mut landed: impl FnMut(usize),
     ) -> Result<(), Status> {
         if pages.iter().all(|&(_, len)| len == 0) {
             return meanwhile();
         }
         let lease = ArenaLease::register(&self.engine, self.arena.0, pages)?;
         let deadline = Instant::now() + self.timeout;
-        let mut in_flight = Vec::with_capacity(parts.len());
-        let mut failure = None;
-        for items in parts {
-            match self.submit(op, &lease, items, remote) {
-                Ok(transfers) => in_flight.push(transfers),
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            }
-        }
-        if failure.is_none()
-            && let Err(e) = meanwhile()
-        {
-            failure = Some(e);
-        }
-        for (k, transfers) in in_flight.into_iter().enumerate() {
-            match self.wait_until(transfers, deadline) {
-                Ok(()) if failure.is_none() => landed(k),
-                Ok(()) => {}
-                Err(e) => {
-                    failure.get_or_insert(e);
-                }
-            }
-        }
+        let moved = self
+            .submit(op, &lease, items, remote)
+            .and_then(|transfers| {
+                let checked = meanwhile();
+                self.wait_until(transfers, deadline).and(checked)
+            });
         let released = lease.release().map_err(|e| {
             Status::deadline_exceeded(format!(
                 "leased arena bytes still in use after the deadline: {}",
                 e.message()
             ))
         });
-        failure.map_or(Ok(()), Err).and(released)
+        moved.and(released)
     }
 
     /// Writes each found value into the client's buffer: DRAM values straight from the
@@ -517,14 +464,9 @@ impl DataPlane {
                 pages.push(self.pages_of(offset as u64, len as u64));
             }
         }
-        self.leased(
-            Op::Write,
-            &pages,
-            remote,
-            std::slice::from_ref(&items),
-            || reads.verify(0..n).map(|_| ()).map_err(status_of),
-            |_| {},
-        )?;
+        self.leased(Op::Write, &pages, remote, &items, || {
+            reads.verify(0..n).map(|_| ()).map_err(status_of)
+        })?;
         // Verified while the bytes moved; this only hands the slots over.
         let slots = reads.verify(0..n).map_err(status_of)?;
         Ok(slots
@@ -548,13 +490,13 @@ impl DataPlane {
     }
 
     /// Stores a `BatchPutFrom` batch: reserves arena pages for every value, reads the values
-    /// out of the client's buffer straight into them (mori.io reads, in parts of whole
-    /// values or [`PIECE_BYTES`] pieces: each part is checksummed while the next lands),
-    /// then commits them (first writer wins). A failed transfer frees the pages, so nothing
-    /// of the batch becomes readable; one still unfinished at the deadline gives its pages up
-    /// for good (it might still land). When some value cannot be placed in DRAM (larger than
-    /// the tier, or no room), the batch goes through a staging buffer and
-    /// [`LocalPool::batch_put`] (which may put it on SSD).
+    /// out of the client's buffer straight into them (one batched mori.io read), then commits
+    /// them unsealed (first writer wins; the caller seals them off the call's path, see
+    /// [`LocalPool::seal`]). A failed transfer frees the pages, so nothing of the batch
+    /// becomes readable; one still unfinished at the deadline gives its pages up for good (it
+    /// might still land). When some value cannot be placed in DRAM (larger than the tier, or
+    /// no room), the batch goes through a staging buffer and [`LocalPool::batch_put`] (which
+    /// may put it on SSD, checksummed as it is stored).
     fn put_direct(
         &self,
         pool: &LocalPool,
@@ -568,7 +510,7 @@ impl DataPlane {
             let l = usize::try_from(l).map_err(|_| Status::invalid_argument("value too large"))?;
             items.push((k.as_slice(), l));
         }
-        let Some(mut res) = pool.reserve_puts(&items).map_err(status_of)? else {
+        let Some(res) = pool.reserve_puts(&items).map_err(status_of)? else {
             let (buf, ranges) = self.read_values(remote, offsets, lens)?;
             let pairs: Vec<(&[u8], &[u8])> = keys
                 .iter()
@@ -577,53 +519,18 @@ impl DataPlane {
                 .collect();
             return pool.batch_put(&pairs).map_err(status_of);
         };
-        // (item, byte range within its value, arena offset of the value) per piece, in order.
-        let mut pieces: Vec<(usize, Range<u64>, u64)> = Vec::new();
+        let mut items = Items::default();
         let mut pages = Vec::new();
         for (i, slot) in res.slots().iter().enumerate() {
             if let ReserveSlot::Arena { offset, len } = *slot {
-                let (offset, len) = (offset as u64, len as u64);
-                pages.push(self.pages_of(offset, len));
-                let mut at = 0;
-                while at < len {
-                    let end = (at + PIECE_BYTES).min(len);
-                    pieces.push((i, at..end, offset));
-                    at = end;
-                }
+                items.push(offset as u64, offsets[i], len as u64);
+                pages.push(self.pages_of(offset as u64, len as u64));
             }
         }
-        let sizes: Vec<u64> = pieces.iter().map(|(_, r, _)| r.end - r.start).collect();
-        let groups = parts(&sizes);
-        let part_items: Vec<Items> = groups
-            .iter()
-            .map(|g| {
-                let mut items = Items::default();
-                for (i, r, at) in &pieces[g.clone()] {
-                    items.push(at + r.start, offsets[*i] + r.start, r.end - r.start);
-                }
-                items
-            })
-            .collect();
         // The lease ends (the client can no longer reach the pages) before the values become
         // readable.
-        let moved = self.leased(
-            Op::Read,
-            &pages,
-            remote,
-            &part_items,
-            || Ok(()),
-            |k| {
-                let landed: Vec<(usize, Range<usize>)> = pieces[groups[k].clone()]
-                    .iter()
-                    .map(|(i, r, _)| (*i, r.start as usize..r.end as usize))
-                    .collect();
-                // SAFETY: part `k`'s transfers have finished: its bytes are in place and
-                // nothing writes them any more.
-                unsafe { res.checksum_landed(&landed) };
-            },
-        );
-        match moved {
-            Ok(()) => res.commit().map_err(status_of),
+        match self.leased(Op::Read, &pages, remote, &items, || Ok(())) {
+            Ok(()) => res.commit_unsealed().map_err(status_of),
             Err(e) if e.code() == tonic::Code::DeadlineExceeded => {
                 res.leak();
                 Err(e)
@@ -1005,11 +912,23 @@ impl Umbp for UmbpService {
                 offsets,
                 lens,
             } = r;
-            me.store_and_publish(keys, move |p, keys| {
-                let remote = data.client(&engine, &memory, caller)?;
-                data.put_direct(p, &remote, keys, &offsets, &lens)
-            })
-            .await
+            let stored = me
+                .store_and_publish(keys.clone(), move |p, keys| {
+                    let remote = data.client(&engine, &memory, caller)?;
+                    data.put_direct(p, &remote, keys, &offsets, &lens)
+                })
+                .await;
+            // The values are readable already; their checksums are recorded off the call's
+            // path (another blocking thread), so the put answers without another pass over
+            // its bytes.
+            let pool = Arc::clone(&me.pool);
+            tokio::task::spawn_blocking(move || {
+                let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+                if let Err(e) = pool.with(|p| p.seal(&refs)) {
+                    warn!(error = %e.message(), "sealing a put's DRAM values");
+                }
+            });
+            stored
         });
         let stored = task
             .await
@@ -1376,11 +1295,10 @@ mod tests {
         assert_eq!(stats.dram_checksum_errors, 1);
     }
 
-    /// A put in several parts is checksummed part by part as it lands: every value then
-    /// reads back intact through the checksum-verifying get, with no checksum error.
+    /// A data-plane put answers with its values unsealed (readable, not yet checksummed);
+    /// `seal` then records their checksums, after which a flipped byte is caught on read.
     #[test]
-    fn a_put_in_parts_is_checksummed_as_it_lands() {
-        // Values below and above PIECE_BYTES (a 3.5 MiB value lands in four pieces).
+    fn a_put_is_sealed_after_it_answers() {
         let lens: Vec<u64> = [300_000u64; 6]
             .into_iter()
             .chain([3_500_000, 1 << 20, (1 << 20) + 1])
@@ -1389,7 +1307,7 @@ mod tests {
         let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(16 << 20, 4096)).unwrap();
         let shared = SharedPool::new(pool);
         let data = DataPlane::start(&shared, IpAddr::from([127, 0, 0, 1])).unwrap();
-        let client = engine("parts-put-client");
+        let client = engine("sealed-put-client");
         let mut src: Vec<u8> = (0..total).map(|i| (i % 253) as u8).collect();
         let smem = client
             .register(src.as_mut_ptr() as u64, src.len() as u64, Location::Host)
@@ -1400,6 +1318,7 @@ mod tests {
         let keys: Vec<Vec<u8>> = (0..lens.len())
             .map(|i| format!("p{i}").into_bytes())
             .collect();
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
         let offsets: Vec<u64> = lens
             .iter()
             .scan(0, |at, &l| {
@@ -1412,32 +1331,36 @@ mod tests {
             .unwrap();
         assert_eq!(out, vec![PutOutcome::Stored; lens.len()]);
         client.deregister(&smem).unwrap();
-        for (i, k) in keys.iter().enumerate() {
-            let got = shared.with(|p| p.get(k)).unwrap().unwrap();
-            let (o, l) = (offsets[i] as usize, lens[i] as usize);
-            assert!(got == src[o..o + l], "value {i}");
-        }
-        let stats = shared.with(|p| Ok(p.stats())).unwrap();
-        assert_eq!(stats.dram_checksum_errors, 0);
-    }
-
-    #[test]
-    fn parts_cut_requests_by_bytes() {
-        assert!(parts(&[]).is_empty());
-        assert_eq!(parts(&[10]), vec![0..1]);
-        // Small values share a part of at least MIN_PART_BYTES.
-        let small = vec![4096u64; 200];
-        let p = parts(&small);
-        assert_eq!(p.len(), 200 * 4096 / MIN_PART_BYTES as usize + 1);
-        assert_eq!(p.iter().map(|r| r.len()).sum::<usize>(), 200);
-        // Large requests: at most MAX_PARTS (+ a remainder), in order, covering everything.
-        let big = vec![1u64 << 20; 128];
-        let p = parts(&big);
-        assert!(p.len() <= MAX_PARTS + 1, "{}", p.len());
-        assert!(p.windows(2).all(|w| w[0].end == w[1].start));
-        assert_eq!((p[0].start, p.last().unwrap().end), (0, 128));
-        // Zero-length items (exists / misses) ride along.
-        assert_eq!(parts(&[0, 0, 4 << 20, 0]), vec![0..3, 3..4]);
+        let read_all = || {
+            for (i, k) in keys.iter().enumerate() {
+                let got = shared.with(|p| p.get(k)).unwrap();
+                let (o, l) = (offsets[i] as usize, lens[i] as usize);
+                assert!(got.as_deref() == Some(&src[o..o + l]), "value {i}");
+            }
+        };
+        read_all(); // readable before they are sealed
+        assert_eq!(shared.with(|p| p.seal(&refs)).unwrap(), lens.len());
+        assert_eq!(shared.with(|p| p.seal(&refs)).unwrap(), 0, "sealed once");
+        read_all();
+        assert_eq!(
+            shared.with(|p| Ok(p.stats())).unwrap().dram_checksum_errors,
+            0
+        );
+        // Sealed: a flipped byte in the 3.5 MiB value is caught.
+        let (base, _) = shared.with(|p| Ok(p.dram_region())).unwrap();
+        let ReadSlot::Arena { offset, .. } = shared
+            .with(|p| p.batch_read_with(&[refs[6]], |s| s[0].clone()))
+            .unwrap()
+        else {
+            panic!("not in DRAM")
+        };
+        // SAFETY: inside the arena, no transfer in flight.
+        unsafe { *((base + offset + 3_000_000) as *mut u8) ^= 4 };
+        assert_eq!(shared.with(|p| p.get(refs[6])).unwrap(), None);
+        assert_eq!(
+            shared.with(|p| Ok(p.stats())).unwrap().dram_checksum_errors,
+            1
+        );
     }
 }
 
