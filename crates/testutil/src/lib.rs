@@ -1,4 +1,4 @@
-//! Helpers shared by mori's tests (a dev-dependency only).
+//! Helpers shared by mori's tests and `cargo bench` targets (a dev-dependency only).
 
 /// A small deterministic generator (64-bit LCG, high bits): reproducible test sequences
 /// without a random-number crate.
@@ -62,3 +62,4 @@ pub fn hostname() -> String {
         .map(|s| s.trim().to_string())
         .unwrap_or_default()
 }
+pub mod bench;
