@@ -17,19 +17,24 @@ step "python environment for the tests ($VENV)"
 # needed, ptxas bundled) lets it compile the mori.ir Triton kernels to sm_90 PTX the same way.
 "$VENV/bin/python" -m pip install -q "maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "nvidia-cuda-nvrtc==13.0.*" "triton==3.6.*"
 
-step "system packages: redis-server, redis-tools"
+step "system packages: redis-server, redis-tools, libfabric1"
 # The umbp metadata tests start their own redis-server processes on loopback ports (a single
 # server and a 3-node cluster); they fail instead of skipping when MORI_REQUIRE_REDIS=1.
-if command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1; then
-  echo "redis-server and redis-cli found: nothing to install"
+# mori-net's fabric tests load libfabric at run time (its tcp provider runs the RMA calls over
+# loopback); they fail instead of skipping when MORI_REQUIRE_LIBFABRIC=1.
+missing=()
+command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || missing+=(redis-server redis-tools)
+ldconfig -p 2>/dev/null | grep -q 'libfabric\.so\.1 ' || missing+=(libfabric1)
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "redis-server, redis-cli and libfabric found: nothing to install"
 elif [ "$(id -u)" -eq 0 ]; then
-  echo "redis-server/redis-cli missing: installing the system packages redis-server and redis-tools (apt-get install)"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null
+  echo "missing: installing the system packages ${missing[*]} (apt-get install)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 else
-  echo "redis-server/redis-cli missing: install them first (sudo apt-get install redis-server redis-tools)" >&2
+  echo "missing system packages: install them first (sudo apt-get install ${missing[*]})" >&2
   exit 1
 fi
-export MORI_REQUIRE_REDIS=1
+export MORI_REQUIRE_REDIS=1 MORI_REQUIRE_LIBFABRIC=1
 
 step "io_uring"
 # Rust tests cannot report a skip: where the kernel allows io_uring, MORI_REQUIRE_URING=1 makes

@@ -1,0 +1,730 @@
+//! One-sided RMA through libfabric (loaded at run time, see [`Library`]): reliable-datagram
+//! endpoints, memory registration with remote keys, posted writes and reads addressed by
+//! (remote key, offset), completions drained by [`Endpoint::poll`]. Posting never blocks: a
+//! full queue answers [`Posted::WouldBlock`] and the caller polls, then retries.
+
+pub mod ffi;
+mod library;
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_char, c_void};
+use std::ptr;
+
+pub use library::Library;
+
+use crate::error::{Error, Result};
+
+/// What a provider offers for reliable-datagram RMA (`fi_getinfo`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProviderInfo {
+    /// e.g. `tcp;ofi_rxm`, `verbs;ofi_rxm`, `efa`.
+    pub provider: String,
+    /// The fabric (for IP providers the subnet, e.g. `127.0.0.1/32`).
+    pub fabric: String,
+    /// The domain (the NIC, e.g. `mlx5_0`, or the interface `lo`).
+    pub domain: String,
+    /// Registers device (GPU) memory (`FI_HMEM`).
+    pub hmem: bool,
+    /// The memory registration mode granted (`FI_MR_*` bits).
+    pub mr_mode: i32,
+    pub max_msg_size: usize,
+    pub inject_size: usize,
+}
+
+/// Capabilities asked for: one-sided reads and writes, both directions.
+const RMA_CAPS: u64 =
+    ffi::FI_RMA | ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ | ffi::FI_REMOTE_WRITE;
+/// Registration modes mori-net handles (it then uses what the provider granted).
+const MR_MODES: i32 = ffi::FI_MR_LOCAL
+    | ffi::FI_MR_VIRT_ADDR
+    | ffi::FI_MR_ALLOCATED
+    | ffi::FI_MR_PROV_KEY
+    | ffi::FI_MR_ENDPOINT;
+
+/// `fi_getinfo` hints for RDM endpoints with RMA; `provider` / `node` narrow them.
+struct Hints {
+    lib: &'static Library,
+    info: *mut ffi::fi_info,
+}
+
+impl Hints {
+    fn new(lib: &'static Library, provider: Option<&str>) -> Result<Hints> {
+        // SAFETY: fi_dupinfo(NULL) allocates zeroed hints with every attribute structure.
+        let info = unsafe { (lib.dupinfo)(ptr::null()) };
+        if info.is_null() {
+            return Err(Error::Unavailable("fi_allocinfo failed".into()));
+        }
+        let hints = Hints { lib, info };
+        // SAFETY: `info` and its attribute structures were just allocated by libfabric.
+        unsafe {
+            (*info).caps = RMA_CAPS;
+            (*info).mode = ffi::FI_CONTEXT | ffi::FI_CONTEXT2;
+            (*(*info).ep_attr).type_ = ffi::FI_EP_RDM;
+            // A write completes once its bytes are at the target, not once they left here.
+            (*(*info).tx_attr).op_flags = ffi::FI_DELIVERY_COMPLETE;
+            (*(*info).domain_attr).mr_mode = MR_MODES;
+            if let Some(p) = provider {
+                let c = CString::new(p)
+                    .map_err(|_| Error::InvalidArgument("provider name holds a NUL".into()))?;
+                // fi_freeinfo frees it: it must come from malloc.
+                (*(*info).fabric_attr).prov_name = libc::strdup(c.as_ptr());
+            }
+        }
+        Ok(hints)
+    }
+
+    /// `fi_getinfo` for these hints (`node`: bind to that address).
+    fn query(&self, node: Option<&str>) -> Result<InfoList> {
+        let node = node
+            .map(CString::new)
+            .transpose()
+            .map_err(|_| Error::InvalidArgument("node holds a NUL".into()))?;
+        let mut out = ptr::null_mut();
+        let flags = if node.is_some() { 1u64 << 57 } else { 0 }; // FI_SOURCE
+        // SAFETY: valid hints; out receives a list freed by InfoList.
+        let ret = unsafe {
+            (self.lib.getinfo)(
+                ffi::API_VERSION,
+                node.as_ref().map_or(ptr::null(), |n| n.as_ptr()),
+                ptr::null(),
+                flags,
+                self.info,
+                &mut out,
+            )
+        };
+        if ret != 0 {
+            return Err(self.lib.fail("fi_getinfo", ret as isize));
+        }
+        Ok(InfoList {
+            lib: self.lib,
+            head: out,
+        })
+    }
+}
+
+impl Drop for Hints {
+    fn drop(&mut self) {
+        // SAFETY: allocated by fi_dupinfo, freed once.
+        unsafe { (self.lib.freeinfo)(self.info) };
+    }
+}
+
+/// A list returned by `fi_getinfo`, freed on drop.
+struct InfoList {
+    lib: &'static Library,
+    head: *mut ffi::fi_info,
+}
+
+impl InfoList {
+    fn iter(&self) -> impl Iterator<Item = &ffi::fi_info> {
+        let mut p = self.head;
+        std::iter::from_fn(move || {
+            // SAFETY: a node of the list, alive while `self` is.
+            let info = unsafe { p.as_ref()? };
+            p = info.next;
+            Some(info)
+        })
+    }
+}
+
+impl Drop for InfoList {
+    fn drop(&mut self) {
+        if !self.head.is_null() {
+            // SAFETY: the list from fi_getinfo, freed once.
+            unsafe { (self.lib.freeinfo)(self.head) };
+        }
+    }
+}
+
+fn c_string(p: *const c_char) -> String {
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: libfabric's attribute strings are NUL-terminated.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+fn describe(info: &ffi::fi_info) -> ProviderInfo {
+    // SAFETY: fi_getinfo fills every attribute pointer of the entries it returns.
+    let (fabric, domain, ep, tx) = unsafe {
+        (
+            &*info.fabric_attr,
+            &*info.domain_attr,
+            &*info.ep_attr,
+            &*info.tx_attr,
+        )
+    };
+    ProviderInfo {
+        provider: c_string(fabric.prov_name),
+        fabric: c_string(fabric.name),
+        domain: c_string(domain.name),
+        hmem: info.caps & ffi::FI_HMEM != 0,
+        mr_mode: domain.mr_mode,
+        max_msg_size: ep.max_msg_size,
+        inject_size: tx.inject_size,
+    }
+}
+
+/// Every provider, fabric and domain offering reliable-datagram RMA here.
+pub fn providers() -> Result<Vec<ProviderInfo>> {
+    let lib = Library::get()?;
+    let hints = Hints::new(lib, None)?;
+    match hints.query(None) {
+        Ok(list) => Ok(list.iter().map(describe).collect()),
+        Err(Error::Fabric { code, .. }) if code == libc::ENODATA => Ok(Vec::new()),
+        Err(e) => Err(e),
+    }
+}
+
+/// A peer's registered memory as the peer described it: what a write or read names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRegion {
+    /// The base the peer's provider addresses the region by (its virtual address, or 0 when
+    /// the provider addresses regions by offset).
+    pub base: u64,
+    pub len: u64,
+    pub key: u64,
+}
+
+/// Memory registered with an endpoint's domain; deregistered on drop (before the endpoint).
+pub struct Region<'e> {
+    ep: &'e Endpoint,
+    mr: *mut ffi::fid_mr,
+    addr: u64,
+    len: u64,
+}
+
+impl Region<'_> {
+    /// What a peer needs to name this region.
+    pub fn remote(&self) -> RemoteRegion {
+        // SAFETY: a live registration.
+        let key = unsafe { (*self.mr).key };
+        RemoteRegion {
+            base: if self.ep.mr_mode & ffi::FI_MR_VIRT_ADDR != 0 {
+                self.addr
+            } else {
+                0
+            },
+            len: self.len,
+            key,
+        }
+    }
+
+    fn desc(&self) -> *mut c_void {
+        // SAFETY: a live registration.
+        unsafe { (*self.mr).mem_desc }
+    }
+}
+
+impl Drop for Region<'_> {
+    fn drop(&mut self) {
+        // SAFETY: a live registration, closed once.
+        let ret = unsafe { ((*(*self.mr).fid.ops).close)(&mut (*self.mr).fid) };
+        if ret != 0 {
+            tracing::warn!("fi_close(mr): {}", self.ep.lib.strerror(-ret));
+        }
+    }
+}
+
+/// A random key of `bytes` bytes (1..=8) from the kernel, never 0.
+fn random_key(bytes: usize) -> Result<u64> {
+    loop {
+        let mut b = [0u8; 8];
+        // SAFETY: getrandom writes at most 8 bytes into `b`.
+        let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), 8, 0) };
+        if n != 8 {
+            return Err(Error::Unavailable(format!(
+                "no random bytes for a memory key: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let key = u64::from_le_bytes(b) & (u64::MAX >> (64 - 8 * bytes));
+        if key != 0 {
+            return Ok(key);
+        }
+    }
+}
+
+/// The outcome of posting an operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Posted {
+    /// In flight; its completion carries this id.
+    Id(u64),
+    /// The queue is full: poll, then post again.
+    WouldBlock,
+}
+
+/// A finished operation: its id and its outcome.
+#[derive(Debug)]
+pub struct Completion {
+    pub id: u64,
+    pub result: Result<()>,
+}
+
+/// The provider's scratch space of one posted operation and its id; boxed so that its address
+/// stays fixed until the completion hands it back.
+#[repr(C)]
+struct Op {
+    ctx: ffi::fi_context2,
+    id: u64,
+}
+
+/// A reliable-datagram endpoint with its fabric, domain, completion queue and address vector.
+/// Not shared between threads; progress is made by [`Endpoint::poll`] (software providers need
+/// it called on the target side too).
+pub struct Endpoint {
+    lib: &'static Library,
+    info: *mut ffi::fi_info,
+    fabric: *mut ffi::fid_fabric,
+    domain: *mut ffi::fid_domain,
+    cq: *mut ffi::fid_cq,
+    av: *mut ffi::fid_av,
+    ep: *mut ffi::fid_ep,
+    mr_mode: i32,
+    /// Width of the provider's memory keys (bytes, at most 8).
+    key_bytes: usize,
+    provider: ProviderInfo,
+    in_flight: RefCell<HashMap<u64, Box<Op>>>,
+    next_id: Cell<u64>,
+}
+
+impl Endpoint {
+    /// Opens an endpoint of `provider` (e.g. `tcp;ofi_rxm`), bound to `node` (an address of
+    /// this host) when given; the first matching domain is used.
+    pub fn open(provider: &str, node: Option<&str>) -> Result<Endpoint> {
+        let lib = Library::get()?;
+        let hints = Hints::new(lib, Some(provider))?;
+        let list = hints.query(node)?;
+        let first = list
+            .iter()
+            .next()
+            .ok_or_else(|| Error::Unavailable(format!("no {provider} domain offers RMA here")))?;
+        // SAFETY: an entry of a live list; fi_dupinfo copies it for the endpoint's lifetime.
+        let info = unsafe { (lib.dupinfo)(first) };
+        drop(list);
+        if info.is_null() {
+            return Err(Error::Unavailable("fi_dupinfo failed".into()));
+        }
+        // SAFETY: fi_dupinfo copied every attribute structure.
+        let provider_info = describe(unsafe { &*info });
+        // SAFETY: as above.
+        let key_bytes = unsafe { (*(*info).domain_attr).mr_key_size }.clamp(1, 8);
+        let mut e = Endpoint {
+            lib,
+            info,
+            fabric: ptr::null_mut(),
+            domain: ptr::null_mut(),
+            cq: ptr::null_mut(),
+            av: ptr::null_mut(),
+            ep: ptr::null_mut(),
+            mr_mode: provider_info.mr_mode,
+            key_bytes,
+            provider: provider_info,
+            in_flight: RefCell::new(HashMap::new()),
+            next_id: Cell::new(1),
+        };
+        e.setup()?;
+        Ok(e)
+    }
+
+    /// Fabric, domain, completion queue, address vector, endpoint; bound and enabled. On
+    /// error, Drop closes whatever was opened.
+    fn setup(&mut self) -> Result<()> {
+        let lib = self.lib;
+        let check = |call: &str, ret: i32| {
+            if ret == 0 {
+                Ok(())
+            } else {
+                Err(lib.fail(call, ret as isize))
+            }
+        };
+        // SAFETY: every pointer passed is either `self.info` (alive) or an object opened just
+        // before; each call follows the header's inline definition through the ops table.
+        unsafe {
+            check(
+                "fi_fabric",
+                (lib.fabric)((*self.info).fabric_attr, &mut self.fabric, ptr::null_mut()),
+            )?;
+            check(
+                "fi_domain",
+                ((*(*self.fabric).ops).domain)(
+                    self.fabric,
+                    self.info,
+                    &mut self.domain,
+                    ptr::null_mut(),
+                ),
+            )?;
+            let mut cq_attr = ffi::fi_cq_attr {
+                size: 0,
+                flags: 0,
+                format: ffi::FI_CQ_FORMAT_DATA,
+                wait_obj: ffi::FI_WAIT_NONE,
+                signaling_vector: 0,
+                wait_cond: 0,
+                wait_set: ptr::null_mut(),
+            };
+            check(
+                "fi_cq_open",
+                ((*(*self.domain).ops).cq_open)(
+                    self.domain,
+                    &mut cq_attr,
+                    &mut self.cq,
+                    ptr::null_mut(),
+                ),
+            )?;
+            let mut av_attr = ffi::fi_av_attr {
+                type_: ffi::FI_AV_TABLE,
+                rx_ctx_bits: 0,
+                count: 0,
+                ep_per_node: 0,
+                name: ptr::null(),
+                map_addr: ptr::null_mut(),
+                flags: 0,
+            };
+            check(
+                "fi_av_open",
+                ((*(*self.domain).ops).av_open)(
+                    self.domain,
+                    &mut av_attr,
+                    &mut self.av,
+                    ptr::null_mut(),
+                ),
+            )?;
+            check(
+                "fi_endpoint",
+                ((*(*self.domain).ops).endpoint)(
+                    self.domain,
+                    self.info,
+                    &mut self.ep,
+                    ptr::null_mut(),
+                ),
+            )?;
+            let ep_fid = &mut (*self.ep).fid as *mut ffi::fid;
+            check(
+                "fi_ep_bind(cq)",
+                ((*(*ep_fid).ops).bind)(
+                    ep_fid,
+                    &mut (*self.cq).fid,
+                    ffi::FI_TRANSMIT | ffi::FI_RECV,
+                ),
+            )?;
+            check(
+                "fi_ep_bind(av)",
+                ((*(*ep_fid).ops).bind)(ep_fid, &mut (*self.av).fid, 0),
+            )?;
+            check(
+                "fi_enable",
+                ((*(*ep_fid).ops).control)(ep_fid, ffi::FI_ENABLE, ptr::null_mut()),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The provider, fabric and domain this endpoint runs on.
+    pub fn provider(&self) -> &ProviderInfo {
+        &self.provider
+    }
+
+    /// This endpoint's address, for peers' [`Endpoint::insert_peer`].
+    pub fn name(&self) -> Result<Vec<u8>> {
+        let mut buf = vec![0u8; 256];
+        let mut len = buf.len();
+        // SAFETY: a live endpoint; getname writes at most `len` bytes and sets `len`.
+        let ret = unsafe {
+            ((*(*self.ep).cm).getname)(&mut (*self.ep).fid, buf.as_mut_ptr().cast(), &mut len)
+        };
+        if ret != 0 {
+            return Err(self.lib.fail("fi_getname", ret as isize));
+        }
+        buf.truncate(len);
+        Ok(buf)
+    }
+
+    /// Adds a peer by its [`Endpoint::name`]; returns the handle operations address it by.
+    pub fn insert_peer(&self, name: &[u8]) -> Result<u64> {
+        let mut addr: ffi::fi_addr_t = ffi::FI_ADDR_UNSPEC;
+        // SAFETY: a live address vector; one address of the provider's format.
+        let ret = unsafe {
+            ((*(*self.av).ops).insert)(
+                self.av,
+                name.as_ptr().cast(),
+                1,
+                &mut addr,
+                0,
+                ptr::null_mut(),
+            )
+        };
+        if ret != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "fi_av_insert took {ret} of 1 peer addresses (not an address of {}?)",
+                self.provider.provider
+            )));
+        }
+        Ok(addr)
+    }
+
+    /// Registers `len` bytes at `addr` for local use and remote reads and writes.
+    ///
+    /// # Safety
+    /// The memory must stay valid (and not be freed) until the returned region is dropped;
+    /// peers holding its [`Region::remote`] may read and write it meanwhile.
+    pub unsafe fn register(&self, addr: u64, len: u64) -> Result<Region<'_>> {
+        let len_usize =
+            usize::try_from(len).map_err(|_| Error::InvalidArgument("region too large".into()))?;
+        let access = ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ | ffi::FI_REMOTE_WRITE;
+        // Without FI_MR_PROV_KEY the key is ours to choose: an unguessable one, as wide as the
+        // provider's keys are (a peer can only reach a region whose key it was given).
+        let requested_key = if self.mr_mode & ffi::FI_MR_PROV_KEY != 0 {
+            0
+        } else {
+            random_key(self.key_bytes)?
+        };
+        let mut mr = ptr::null_mut();
+        // SAFETY: the caller guarantees the memory; a live domain.
+        let ret = unsafe {
+            ((*(*self.domain).mr).reg)(
+                &mut (*self.domain).fid,
+                addr as *const c_void,
+                len_usize,
+                access,
+                0,
+                requested_key,
+                0,
+                &mut mr,
+                ptr::null_mut(),
+            )
+        };
+        if ret != 0 {
+            return Err(self.lib.fail("fi_mr_reg", ret as isize));
+        }
+        let region = Region {
+            ep: self,
+            mr,
+            addr,
+            len,
+        };
+        if self.mr_mode & ffi::FI_MR_ENDPOINT != 0 {
+            // SAFETY: a live registration and endpoint (fi_mr_bind, then fi_mr_enable).
+            unsafe {
+                let fid = &mut (*mr).fid as *mut ffi::fid;
+                let ret = ((*(*fid).ops).bind)(fid, &mut (*self.ep).fid, 0);
+                if ret != 0 {
+                    return Err(self.lib.fail("fi_mr_bind", ret as isize));
+                }
+                let ret = ((*(*fid).ops).control)(fid, ffi::FI_ENABLE, ptr::null_mut());
+                if ret != 0 {
+                    return Err(self.lib.fail("fi_mr_enable", ret as isize));
+                }
+            }
+        }
+        Ok(region)
+    }
+
+    /// Posts a write of `len` bytes from `local` at `local_offset` to the peer's `remote` at
+    /// `remote_offset`. Both ranges are checked against their regions first.
+    pub fn write(
+        &self,
+        local: &Region<'_>,
+        local_offset: u64,
+        len: u64,
+        peer: u64,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+    ) -> Result<Posted> {
+        self.post(true, local, local_offset, len, peer, remote, remote_offset)
+    }
+
+    /// Posts a read of `len` bytes of the peer's `remote` at `remote_offset` into `local` at
+    /// `local_offset`.
+    pub fn read(
+        &self,
+        local: &Region<'_>,
+        local_offset: u64,
+        len: u64,
+        peer: u64,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+    ) -> Result<Posted> {
+        self.post(false, local, local_offset, len, peer, remote, remote_offset)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post(
+        &self,
+        write: bool,
+        local: &Region<'_>,
+        local_offset: u64,
+        len: u64,
+        peer: u64,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+    ) -> Result<Posted> {
+        let inside =
+            |off: u64, region_len: u64| off.checked_add(len).is_some_and(|e| e <= region_len);
+        if !inside(local_offset, local.len) || !inside(remote_offset, remote.len) {
+            return Err(Error::InvalidArgument(format!(
+                "{len} bytes at local {local_offset} / remote {remote_offset} lie outside the \
+                 regions ({} / {} bytes)",
+                local.len, remote.len
+            )));
+        }
+        if !std::ptr::eq(local.ep, self) {
+            return Err(Error::InvalidArgument(
+                "the local region belongs to another endpoint".into(),
+            ));
+        }
+        let id = self.next_id.get();
+        self.next_id.set(id + 1);
+        let mut op = Box::new(Op {
+            ctx: ffi::fi_context2 {
+                internal: [ptr::null_mut(); 8],
+            },
+            id,
+        });
+        let ctx = (&mut *op as *mut Op).cast::<c_void>();
+        let buf = (local.addr + local_offset) as *mut c_void;
+        let desc = if self.mr_mode & ffi::FI_MR_LOCAL != 0 {
+            local.desc()
+        } else {
+            ptr::null_mut()
+        };
+        let addr = remote.base + remote_offset;
+        // SAFETY: a live endpoint; the local range lies in a live registration (checked
+        // above); `op` stays boxed in `in_flight` until its completion is read.
+        let ret = unsafe {
+            let rma = (*self.ep).rma;
+            if write {
+                ((*rma).write)(
+                    self.ep,
+                    buf,
+                    len as usize,
+                    desc,
+                    peer,
+                    addr,
+                    remote.key,
+                    ctx,
+                )
+            } else {
+                ((*rma).read)(
+                    self.ep,
+                    buf,
+                    len as usize,
+                    desc,
+                    peer,
+                    addr,
+                    remote.key,
+                    ctx,
+                )
+            }
+        };
+        match ret {
+            0 => {
+                self.in_flight.borrow_mut().insert(id, op);
+                Ok(Posted::Id(id))
+            }
+            r if r == -ffi::FI_EAGAIN => Ok(Posted::WouldBlock),
+            r => Err(self.lib.fail(if write { "fi_write" } else { "fi_read" }, r)),
+        }
+    }
+
+    /// Operations posted and not completed yet.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.borrow().len()
+    }
+
+    /// Makes progress and moves finished operations into `out`; returns how many.
+    pub fn poll(&self, out: &mut Vec<Completion>) -> Result<usize> {
+        const BATCH: usize = 16;
+        let mut entries: [std::mem::MaybeUninit<ffi::fi_cq_data_entry>; BATCH] =
+            [const { std::mem::MaybeUninit::uninit() }; BATCH];
+        // SAFETY: a live completion queue; it writes at most BATCH entries of the queue's
+        // format (FI_CQ_FORMAT_DATA).
+        let n = unsafe { ((*(*self.cq).ops).read)(self.cq, entries.as_mut_ptr().cast(), BATCH) };
+        if n > 0 {
+            for e in &entries[..n as usize] {
+                // SAFETY: the first n entries were written.
+                let ctx = unsafe { e.assume_init_ref() }.op_context.cast::<Op>();
+                out.push(Completion {
+                    id: self.finish(ctx)?,
+                    result: Ok(()),
+                });
+            }
+            return Ok(n as usize);
+        }
+        if n == -ffi::FI_EAGAIN || n == 0 {
+            return Ok(0);
+        }
+        if n != -ffi::FI_EAVAIL {
+            return Err(self.lib.fail("fi_cq_read", n));
+        }
+        // SAFETY: zeroed is a valid fi_cq_err_entry (no err_data buffer offered).
+        let mut err: ffi::fi_cq_err_entry = unsafe { std::mem::zeroed() };
+        // SAFETY: a live completion queue and one entry to fill.
+        let r = unsafe { ((*(*self.cq).ops).readerr)(self.cq, &mut err, 0) };
+        if r != 1 {
+            return Err(self.lib.fail("fi_cq_readerr", r.min(-1)));
+        }
+        let id = self.finish(err.op_context.cast::<Op>())?;
+        out.push(Completion {
+            id,
+            result: Err(Error::Fabric {
+                call: "completion".into(),
+                code: err.err,
+                message: format!(
+                    "{} (provider error {})",
+                    self.lib.strerror(err.err),
+                    err.prov_errno
+                ),
+            }),
+        });
+        Ok(1)
+    }
+
+    /// The id of a completed operation, whose scratch space is released.
+    fn finish(&self, ctx: *const Op) -> Result<u64> {
+        if ctx.is_null() {
+            return Err(Error::InvalidArgument(
+                "a completion without an operation context".into(),
+            ));
+        }
+        // SAFETY: every context posted is a boxed Op kept in `in_flight` until here.
+        let id = unsafe { (*ctx).id };
+        self.in_flight
+            .borrow_mut()
+            .remove(&id)
+            .map(|_| id)
+            .ok_or_else(|| Error::InvalidArgument(format!("completion of unknown operation {id}")))
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        // Children before parents: endpoint, address vector, completion queue, domain, fabric.
+        let fids: [*mut ffi::fid; 5] = [
+            self.ep.cast(),
+            self.av.cast(),
+            self.cq.cast(),
+            self.domain.cast(),
+            self.fabric.cast(),
+        ];
+        for fid in fids {
+            if fid.is_null() {
+                continue;
+            }
+            // SAFETY: each object was opened by this endpoint and is closed once (the fid is
+            // the first member of each object structure).
+            let ret = unsafe { ((*(*fid).ops).close)(fid) };
+            if ret != 0 {
+                tracing::warn!("fi_close: {}", self.lib.strerror(-ret));
+            }
+        }
+        if !self.in_flight.get_mut().is_empty() {
+            // Their scratch space may still be referenced by a provider that did not flush
+            // them on close: never free it.
+            std::mem::forget(std::mem::take(self.in_flight.get_mut()));
+        }
+        // SAFETY: fi_dupinfo's copy, freed once.
+        unsafe { (self.lib.freeinfo)(self.info) };
+    }
+}
