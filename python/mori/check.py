@@ -28,6 +28,7 @@ def gather() -> dict[str, Any]:
         info, err = _try(gpu.device_info, i)
         devices.append(info if info is not None else {"ordinal": i, "error": err})
     nvrtc, nvrtc_err = _try(gpu.nvrtc_version)
+    fabric, fabric_err = _try(_core.fabric_providers)
     cache = jit.cache_dir()
     return {
         "mori_version": __version__,
@@ -36,6 +37,7 @@ def gather() -> dict[str, Any]:
         "devices": {"count": count, "error": count_err, "list": devices},
         "nvrtc": {"version": nvrtc, "error": nvrtc_err},
         "topology": topology.detect(),
+        "fabric": {"providers": fabric, "error": fabric_err},
         "nvls_off": {k: os.environ.get(k) for k in NVLS_OFF},
         "jit_cache": {"dir": str(cache), "entries": len(list(cache.iterdir())) if cache.is_dir() else 0},
     }
@@ -65,6 +67,17 @@ def render(report: dict[str, Any]) -> str:
     nv = report["nvrtc"]
     lines.append(f"NVRTC       : {_fmt_version(nv['version'])}" if nv["error"] is None else f"NVRTC       : not available: {nv['error']}")
     lines += ["", topology.report().rstrip(), ""]
+    fab = report["fabric"]
+    if fab["error"] is not None:
+        lines += [f"Fabric (libfabric): not available: {fab['error']}", ""]
+    else:
+        found = fab["providers"]
+        lines.append(f"Fabric (libfabric {found[0]['library'] if found else ''}): {len(found)} RMA domain(s)")
+        for p in found:
+            biggest = "unbounded" if p["max_msg_size"] >= 1 << 60 else f"{p['max_msg_size']} B"
+            lines.append(f"  {p['provider']:<16} {p['domain']:<8} {p['fabric']:<16} GPU memory: {'yes' if p['hmem'] else 'no'}  "
+                         f"max message {biggest}  inject {p['inject_size']} B")
+        lines.append("")
     lines.append("NVLink multicast kept off (NVLS):")
     for name, want in NVLS_OFF.items():
         have = report["nvls_off"][name]

@@ -30,6 +30,8 @@ pub enum Error {
     UmbpRemote(mori_umbpd::ClientError),
     /// Kernel parameters (a wrong field, an unknown entry point).
     Collective(mori_collective::Error),
+    /// The fabric layer (libfabric missing, a provider call that failed).
+    Net(mori_net::Error),
     /// A transfer that failed (what every waiter of it sees).
     TransferFailed(mori_io::Failure),
     InvalidArgument(String),
@@ -78,6 +80,12 @@ impl From<mori_shmem::Error> for Error {
             mori_shmem::Error::Bootstrap(b) => Error::Bootstrap(b),
             other => Error::Shmem(other),
         }
+    }
+}
+
+impl From<mori_net::Error> for Error {
+    fn from(e: mori_net::Error) -> Self {
+        Error::Net(e)
     }
 }
 
@@ -131,6 +139,14 @@ impl From<Error> for PyErr {
                     mori_io::Error::Stale(_) => StaleDescriptorError::new_err(msg),
                     mori_io::Error::StillInUse(_) => StillInUseError::new_err(msg),
                     _ => TransportError::new_err(msg),
+                }
+            }
+            Error::Net(e) => {
+                let msg = e.to_string();
+                match e {
+                    mori_net::Error::Unavailable(_) => LibraryNotFoundError::new_err(msg),
+                    mori_net::Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+                    mori_net::Error::Fabric { .. } => TransportError::new_err(msg),
                 }
             }
             Error::Umbp(e) => {

@@ -7,6 +7,7 @@ mod errors;
 mod gpu;
 mod io;
 mod jit;
+mod net;
 mod shmem;
 mod umbp;
 
@@ -88,6 +89,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bootstrap::get_unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap::unique_id_root_addr, m)?)?;
     m.add_class::<bootstrap::Bootstrap>()?;
+    m.add_function(wrap_pyfunction!(net::fabric_providers, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::driver_version, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::device_count, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::nvrtc_version, m)?)?;

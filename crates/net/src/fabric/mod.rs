@@ -166,12 +166,24 @@ fn describe(info: &ffi::fi_info) -> ProviderInfo {
     }
 }
 
-/// Every provider, fabric and domain offering reliable-datagram RMA here.
+/// Every provider, fabric and domain offering reliable-datagram RMA here (each once: the
+/// first of libfabric's entries for it, its preferred one).
 pub fn providers() -> Result<Vec<ProviderInfo>> {
     let lib = Library::get()?;
     let hints = Hints::new(lib, None)?;
     match hints.query(None) {
-        Ok(list) => Ok(list.iter().map(describe).collect()),
+        Ok(list) => {
+            let mut out: Vec<ProviderInfo> = Vec::new();
+            for p in list.iter().map(describe) {
+                let seen = out.iter().any(|q| {
+                    (&q.provider, &q.fabric, &q.domain) == (&p.provider, &p.fabric, &p.domain)
+                });
+                if !seen {
+                    out.push(p);
+                }
+            }
+            Ok(out)
+        }
         Err(Error::Fabric { code, .. }) if code == libc::ENODATA => Ok(Vec::new()),
         Err(e) => Err(e),
     }
