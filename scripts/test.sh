@@ -35,6 +35,8 @@ else
   exit 1
 fi
 export MORI_REQUIRE_REDIS=1 MORI_REQUIRE_LIBFABRIC=1
+# mori-net's two-host tests make their own network namespaces and veth pair: root only.
+if [ "$(id -u)" -eq 0 ]; then export MORI_REQUIRE_NETNS=1; fi
 
 step "io_uring"
 # Rust tests cannot report a skip: where the kernel allows io_uring, MORI_REQUIRE_URING=1 makes
