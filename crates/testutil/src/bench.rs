@@ -129,6 +129,7 @@ impl Bench {
             None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../benches/results"),
         };
         std::fs::create_dir_all(&dir)?;
+        let dir = std::fs::canonicalize(&dir)?;
         let path = dir.join(format!("cargo-{}-{host}-{stamp}.json", self.suite));
         let config: Vec<String> = self
             .config
@@ -138,12 +139,14 @@ impl Bench {
         let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
         let record = format!(
             "{{\n \"benchmark\": {},\n \"harness\": \"cargo bench (mori-testutil)\",\n \
-             \"date\": {},\n \"host\": {},\n \"cpus\": {cpus},\n \"quick\": {},\n \
+             \"env\": {{\"date\": {}, \"host\": {}, \"mori_version\": {}, \"cpus\": {cpus}}},\n \
+             \"quick\": {},\n \
              \"method\": \"per call: median, p10 and p90 over samples of iters calls each \
              (a sample lasts about {} ms)\",\n \"config\": {{{}}},\n \"cases\": [\n  {}\n ]\n}}\n",
             json_str(&self.suite),
             json_str(&stamp),
             json_str(&host),
+            json_str(env!("CARGO_PKG_VERSION")),
             self.quick,
             if self.quick {
                 QUICK_SAMPLE_TIME
