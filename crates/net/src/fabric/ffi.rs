@@ -33,6 +33,7 @@ pub const FI_REMOTE_CQ_DATA: u64 = 1 << 17;
 pub const FI_COMPLETION: u64 = 1 << 24;
 pub const FI_DELIVERY_COMPLETE: u64 = 1 << 28;
 pub const FI_HMEM: u64 = 1 << 47;
+pub const FI_SOURCE: u64 = 1 << 57;
 pub const FI_CONTEXT2: u64 = 1 << 52;
 pub const FI_CONTEXT: u64 = 1 << 59;
 pub const FI_ADDR_UNSPEC: fi_addr_t = u64::MAX;

@@ -81,7 +81,7 @@ impl Hints {
             .transpose()
             .map_err(|_| Error::InvalidArgument("node holds a NUL".into()))?;
         let mut out = ptr::null_mut();
-        let flags = if node.is_some() { 1u64 << 57 } else { 0 }; // FI_SOURCE
+        let flags = if node.is_some() { ffi::FI_SOURCE } else { 0 };
         // SAFETY: valid hints; out receives a list freed by InfoList.
         let ret = unsafe {
             (self.lib.getinfo)(
