@@ -439,6 +439,79 @@ fn value_of(r: GetResponse) -> Option<Vec<u8>> {
     r.found.then_some(r.value)
 }
 
+/// Consecutive ranges of items whose value bytes (`lens`) stay within one request's budget
+/// (at least one item each): a batch of any size goes in several calls instead of failing
+/// on the gRPC message limit.
+fn by_bytes(lens: &[usize]) -> Vec<std::ops::Range<usize>> {
+    let budget = crate::service::REPLY_BYTES as usize;
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0usize);
+    for (i, &n) in lens.iter().enumerate() {
+        if i > start && bytes + n > budget {
+            out.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += n;
+    }
+    if start < lens.len() {
+        out.push(start..lens.len());
+    }
+    out
+}
+
+/// Values larger than this do not fit one gRPC message: the bytes API refuses them (the
+/// registered-buffer API, `batch_put_from` / `batch_get_into`, has no such limit).
+pub const MAX_BYTES_VALUE: usize = MAX_MESSAGE_BYTES - (1 << 20);
+
+fn check_value_sizes<'a>(values: impl IntoIterator<Item = &'a [u8]>) -> Result<()> {
+    for v in values {
+        if v.len() > MAX_BYTES_VALUE {
+            return Err(tonic::Status::invalid_argument(format!(
+                "a value of {} bytes exceeds the bytes API's {MAX_BYTES_VALUE}; put it from a \
+                 registered buffer (batch_put_from)",
+                v.len()
+            ))
+            .into());
+        }
+    }
+    Ok(())
+}
+
+/// Asks `peer` for `keys` until every one is answered (a daemon answers as many as fit in one
+/// reply); `call` makes one `BatchGet` call.
+async fn batch_get_all<F, Fut>(
+    keys: Vec<Vec<u8>>,
+    mut call: F,
+) -> std::result::Result<Vec<GetResponse>, tonic::Status>
+where
+    F: FnMut(BatchGetRequest) -> Fut,
+    Fut: Future<
+        Output = std::result::Result<
+            tonic::Response<crate::proto::BatchGetResponse>,
+            tonic::Status,
+        >,
+    >,
+{
+    let mut out = Vec::with_capacity(keys.len());
+    while out.len() < keys.len() {
+        let rest = keys[out.len()..].to_vec();
+        let asked = rest.len();
+        let r = call(BatchGetRequest { keys: rest }).await?.into_inner();
+        let answered = match r.answered as usize {
+            0 => asked, // a daemon that answers everything at once
+            n => n,
+        };
+        if answered > asked || r.values.len() != answered {
+            return Err(tonic::Status::internal(format!(
+                "daemon answered {} values for {answered} of {asked} keys",
+                r.values.len()
+            )));
+        }
+        out.extend(r.values);
+    }
+    Ok(out)
+}
+
 impl Client {
     /// Connects to the daemon at `addr` (`host:port`, or a `http://` URI) with
     /// [`ClientOptions::default`].
@@ -522,16 +595,26 @@ impl Client {
         let keys: Vec<&[u8]> = items.iter().map(|(k, _)| *k).collect();
         let lens: Vec<u64> = items.iter().map(|(_, v)| v.len() as u64).collect();
         self.cluster_put_with(c, &keys, &lens, |mut pc, idxs| {
-            let req = BatchPutRequest {
-                items: idxs
-                    .iter()
-                    .map(|&i| KeyValue {
-                        key: items[i].0.to_vec(),
-                        value: items[i].1.to_vec(),
-                    })
-                    .collect(),
-            };
-            Box::pin(async move { Ok(pc.batch_put(req).await?.into_inner().stored) })
+            let sizes: Vec<usize> = idxs.iter().map(|&i| items[i].1.len()).collect();
+            let reqs: Vec<BatchPutRequest> = by_bytes(&sizes)
+                .into_iter()
+                .map(|part| BatchPutRequest {
+                    items: idxs[part]
+                        .iter()
+                        .map(|&i| KeyValue {
+                            key: items[i].0.to_vec(),
+                            value: items[i].1.to_vec(),
+                        })
+                        .collect(),
+                })
+                .collect();
+            Box::pin(async move {
+                let mut stored = Vec::new();
+                for req in reqs {
+                    stored.extend(pc.batch_put(req).await?.into_inner().stored);
+                }
+                Ok(stored)
+            })
         })
     }
 
@@ -628,13 +711,16 @@ impl Client {
             let mut out: Vec<Option<Vec<u8>>> = vec![None; keys.len()];
             let mut tasks = tokio::task::JoinSet::new();
             for (peer, (addr, idxs)) in groups {
-                let mut pc = c.peer(peer, &addr)?;
-                let req = BatchGetRequest {
-                    keys: idxs.iter().map(|&i| keys[i].to_vec()).collect(),
-                };
+                let pc = c.peer(peer, &addr)?;
+                let wanted: Vec<Vec<u8>> = idxs.iter().map(|&i| keys[i].to_vec()).collect();
                 let deadline = c.peer_deadline;
                 tasks.spawn(async move {
-                    let res = within(deadline, &addr, pc.batch_get(req)).await;
+                    let res = batch_get_all(wanted, |req| {
+                        let mut pc = pc.clone();
+                        let addr = addr.clone();
+                        async move { within(deadline, &addr, pc.batch_get(req)).await }
+                    })
+                    .await;
                     (peer, idxs, res)
                 });
             }
@@ -643,8 +729,8 @@ impl Client {
                 let (peer, idxs, res) =
                     done.map_err(|e| tonic::Status::internal(format!("client task failed: {e}")))?;
                 match res {
-                    Ok(r) => {
-                        for (i, v) in idxs.into_iter().zip(r.into_inner().values) {
+                    Ok(values) => {
+                        for (i, v) in idxs.into_iter().zip(values) {
                             out[i] = value_of(v);
                         }
                     }
@@ -664,6 +750,7 @@ impl Client {
     /// Stores `value` under `key`. Returns `false` when the key was already present (the
     /// stored value is unchanged; keys are immutable).
     pub fn put(&self, key: &[u8], value: &[u8]) -> Result<bool> {
+        check_value_sizes([value])?;
         if let Some(c) = &self.cluster {
             return Ok(self
                 .cluster_put(c, &[(key, value)])?
@@ -713,20 +800,26 @@ impl Client {
     /// Puts each pair in order (one `stored` flag each, as [`Client::put`]). On an error the
     /// pairs before the failing one stay stored (against a master: any subset may be).
     pub fn batch_put(&self, items: &[(&[u8], &[u8])]) -> Result<Vec<bool>> {
+        check_value_sizes(items.iter().map(|(_, v)| *v))?;
         if let Some(c) = &self.cluster {
             return self.cluster_put(c, items);
         }
-        let req = BatchPutRequest {
-            items: items
-                .iter()
-                .map(|(k, v)| KeyValue {
-                    key: k.to_vec(),
-                    value: v.to_vec(),
-                })
-                .collect(),
-        };
-        let mut c = self.inner.clone();
-        Ok(self.rt.block_on(c.batch_put(req))?.into_inner().stored)
+        let lens: Vec<usize> = items.iter().map(|(_, v)| v.len()).collect();
+        let mut stored = Vec::with_capacity(items.len());
+        for part in by_bytes(&lens) {
+            let req = BatchPutRequest {
+                items: items[part]
+                    .iter()
+                    .map(|(k, v)| KeyValue {
+                        key: k.to_vec(),
+                        value: v.to_vec(),
+                    })
+                    .collect(),
+            };
+            let mut c = self.inner.clone();
+            stored.extend(self.rt.block_on(c.batch_put(req))?.into_inner().stored);
+        }
+        Ok(stored)
     }
 
     /// The values of `keys`, in order.
@@ -734,11 +827,12 @@ impl Client {
         if let Some(c) = &self.cluster {
             return self.cluster_get(c, keys);
         }
-        let req = BatchGetRequest {
-            keys: keys.iter().map(|k| k.to_vec()).collect(),
-        };
-        let mut c = self.inner.clone();
-        let values = self.rt.block_on(c.batch_get(req))?.into_inner().values;
+        let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
+        let c = self.inner.clone();
+        let values = self.rt.block_on(batch_get_all(keys, |req| {
+            let mut c = c.clone();
+            async move { c.batch_get(req).await }
+        }))?;
         Ok(values.into_iter().map(value_of).collect())
     }
 
@@ -1131,5 +1225,31 @@ async fn put_from_at(
                 .stored)
         }
         Err(s) => Err(s),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_are_cut_by_value_bytes() {
+        let budget = crate::service::REPLY_BYTES as usize;
+        assert!(by_bytes(&[]).is_empty());
+        assert_eq!(by_bytes(&[10, 20, 30]), vec![0..3]);
+        // 4 MiB values: 16 per call; a value over the budget goes alone.
+        let four = vec![4 << 20; 40];
+        assert_eq!(by_bytes(&four), vec![0..16, 16..32, 32..40]);
+        assert_eq!(
+            by_bytes(&[1, budget + 1, 1, 1]),
+            vec![0..1, 1..2, 2..4],
+            "an oversized value is its own call"
+        );
+        // No call carries more than the budget, or one value.
+        let mixed: Vec<usize> = (0..500).map(|i| (i * 7919) % (9 << 20)).collect();
+        for r in by_bytes(&mixed) {
+            let total: usize = mixed[r.clone()].iter().sum();
+            assert!(total <= budget || r.len() == 1, "{r:?}: {total}");
+        }
     }
 }

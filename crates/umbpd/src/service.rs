@@ -801,6 +801,10 @@ fn no_data_plane() -> Status {
     Status::unimplemented("this umbpd serves no data plane (its IO engine did not start)")
 }
 
+/// Value bytes one `BatchGet` reply carries at most (beyond its first value): well under the
+/// gRPC message limit, so any batch is answered in parts instead of failing.
+pub const REPLY_BYTES: u64 = 64 << 20;
+
 fn get_response(value: Option<Vec<u8>>) -> GetResponse {
     GetResponse {
         found: value.is_some(),
@@ -943,12 +947,27 @@ impl Umbp for UmbpService {
         let BatchGetRequest { keys } = req.into_inner();
         let values = self
             .call(move |p| {
-                let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+                // As many keys as fit in one reply (lengths from the index, nothing read
+                // twice); the client asks again for the rest.
+                let mut take = 0;
+                let mut bytes = 0u64;
+                for k in &keys {
+                    let len = p.location(k)?.map_or(0, |l| l.len);
+                    if take > 0 && bytes + len > REPLY_BYTES {
+                        break;
+                    }
+                    bytes += len;
+                    take += 1;
+                }
+                let refs: Vec<&[u8]> = keys[..take].iter().map(Vec::as_slice).collect();
                 p.batch_get(&refs)
             })
             .await?;
+        let answered = u32::try_from(values.len())
+            .map_err(|_| Status::invalid_argument("too many keys in one call"))?;
         Ok(Response::new(BatchGetResponse {
             values: values.into_iter().map(get_response).collect(),
+            answered,
         }))
     }
 

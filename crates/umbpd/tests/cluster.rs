@@ -26,6 +26,12 @@ struct Cluster {
 /// A master and two peers started with `peer_args` (and each its own SSD directory if
 /// `ssd`).
 fn cluster(peer_args: &[&str], ssd: bool) -> Cluster {
+    cluster_with(peer_args, ssd, PEER_TIMEOUT)
+}
+
+/// [`cluster`] with the master's `--peer-timeout` (also the client's per-call deadline to a
+/// peer on a get path).
+fn cluster_with(peer_args: &[&str], ssd: bool, peer_timeout: &str) -> Cluster {
     let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
     let master = Daemon::start(
         dirs[0].path(),
@@ -33,7 +39,7 @@ fn cluster(peer_args: &[&str], ssd: bool) -> Cluster {
             "--role",
             "master",
             "--peer-timeout",
-            PEER_TIMEOUT,
+            peer_timeout,
             "--lease-timeout",
             "2s",
         ],
@@ -560,4 +566,28 @@ fn a_hung_peer_fails_a_get_within_the_peer_timeout() {
     within("get with peer_timeout 400 ms", short, &mut || {
         assert_eq!(c.get(b"on-hung-1").unwrap(), None);
     });
+}
+
+/// Through a master: a bytes batch larger than one call carries is split per peer both ways
+/// and comes back byte-exact.
+#[test]
+fn cluster_batches_beyond_one_message_are_split_both_ways() {
+    // A 64 MiB reply of a debug-built peer on a busy machine can take more than the other
+    // tests' 1 s peer deadline (which would make its keys misses).
+    let cl = cluster_with(&["--dram-bytes", "300M"], false, "20s");
+    let c = Client::connect(&cl.master.addr).unwrap();
+    let n = 48; // 192 MiB over two peers: each peer's part is more than one 64 MiB reply
+    let keys: Vec<Vec<u8>> = (0..n).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 77, 4 << 20)).collect();
+    let items: Vec<(&[u8], &[u8])> = keys
+        .iter()
+        .zip(&values)
+        .map(|(k, v)| (k.as_slice(), v.as_slice()))
+        .collect();
+    assert_eq!(c.batch_put(&items).unwrap(), vec![true; n]);
+    let want: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let got = c.batch_get(&want).unwrap();
+    for (i, g) in got.iter().enumerate() {
+        assert!(g.as_deref() == Some(values[i].as_slice()), "value {i}");
+    }
 }

@@ -448,3 +448,36 @@ fn host_names_for_listen_and_version_says_the_build() {
     };
     assert!(stdout.contains(build), "{stdout}");
 }
+
+/// A bytes batch larger than one call carries (24 × 4 MiB = 96 MiB; calls carry 64 MiB of
+/// values, so a batch of any size stays under the 256 MiB message limit) goes in several calls
+/// both ways and comes back byte-exact, misses in place; a single value too large for the
+/// bytes API is refused with the way out named.
+#[test]
+fn batches_beyond_one_message_are_split_both_ways() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), &["--dram-bytes", "200M"], &[]);
+    let c = Client::connect(&d.addr).unwrap();
+    let n = 24;
+    let keys: Vec<Vec<u8>> = (0..n).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 1000, 4 << 20)).collect();
+    let items: Vec<(&[u8], &[u8])> = keys
+        .iter()
+        .zip(&values)
+        .map(|(k, v)| (k.as_slice(), v.as_slice()))
+        .collect();
+    assert_eq!(c.batch_put(&items).unwrap(), vec![true; n]);
+    let mut want: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    want.insert(20, b"missing");
+    let got = c.batch_get(&want).unwrap();
+    assert_eq!(got.len(), n + 1);
+    assert_eq!(got[20], None);
+    for (i, g) in got.iter().enumerate().filter(|(i, _)| *i != 20) {
+        let v = if i < 20 { &values[i] } else { &values[i - 1] };
+        assert!(g.as_deref() == Some(v.as_slice()), "value {i}");
+    }
+    let huge = vec![0u8; 300 << 20];
+    let err = c.put(b"huge", &huge).unwrap_err().to_string();
+    assert!(err.contains("batch_put_from"), "{err}");
+    assert!(!c.exists(b"huge").unwrap());
+}
