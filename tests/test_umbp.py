@@ -654,3 +654,33 @@ def test_embedded_uring_backend_or_a_reported_skip(tmp_path):
     with Client(dram_bytes="1M", ssd_dir=tmp_path / "u", ssd_io="auto") as c:
         assert c.stats()["ssd_io"] == "uring"
         assert c.get("u0") == value
+
+
+def test_embedded_batch_calls_on_host_buffers_are_one_call_and_byte_exact(tmp_path):
+    """Embedded batch_put_from / batch_get_into on a host buffer (one Rust call per batch):
+    random unaligned slots, values in DRAM and on SSD, a miss, a slot too small, the destination
+    holding other bytes first."""
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    c = Client(dram_bytes=1 << 20, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 << 20, segment_bytes=4 << 20)
+    n = 120
+    sizes = [int(s) for s in rng.integers(1, 40_000, n)]
+    offs, at = [], 0
+    for s in sizes:
+        at += int(rng.integers(0, 64))  # unaligned gaps between the slots
+        offs.append(at)
+        at += s
+    src = rng.integers(0, 256, at, dtype=np.uint8)
+    keys = [f"eb-{i}" for i in range(n)]
+    assert c.batch_put_from(keys, src, offs, sizes) == [True] * n
+    assert c.batch_put_from(keys[:3], src, offs[:3], sizes[:3]) == [False] * 3
+    assert c.stats()["ssd_keys"] > 0, "some values went to SSD (DRAM is 1 MiB)"
+    dst = np.full_like(src, 0xA5)
+    lens = c.batch_get_into(keys + ["missing"], dst, offs + [0], sizes + [10])
+    assert lens == sizes + [None]
+    for o, s in zip(offs, sizes):
+        assert dst[o : o + s].tobytes() == src[o : o + s].tobytes()
+    with pytest.raises(errors.InvalidArgumentError):
+        c.batch_get_into(keys[:1], dst, [0], [sizes[0] - 1])  # the value does not fit its slot
+    with pytest.raises(errors.InvalidArgumentError):
+        c.batch_put_from(["x"], src, [src.size - 1], [2])  # outside the buffer
+    assert not c.exists("x")

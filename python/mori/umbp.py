@@ -287,8 +287,12 @@ class Client:
             handle, base = region
             batch = self._pool.batch_get_into if into_buffer else self._pool.batch_put_from
             return batch(keys, handle, [base + o for o in offs], lens)
-        one = self.get_into if into_buffer else self.put_from
-        return [one(k, arr[o : o + s]) for k, o, s in zip(keys, offs, lens)]
+        if self._remote:
+            one = self.get_into if into_buffer else self.put_from
+            return [one(k, arr[o : o + s]) for k, o, s in zip(keys, offs, lens)]
+        # Embedded: the whole batch in one call, the GIL released.
+        batch = self._pool.batch_get_into_host if into_buffer else self._pool.batch_put_from_host
+        return batch(keys, address(arr) if arr.size else 0, arr.size, offs, lens)
 
     def put(self, key: str | bytes, value: bytes) -> bool:
         """Stores ``value``; False if the key already existed (keys are immutable; that is a

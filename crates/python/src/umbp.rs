@@ -92,6 +92,39 @@ unsafe fn raw_slice<'a>(ptr: usize, len: usize) -> Result<&'a mut [u8]> {
     Ok(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
 }
 
+/// The byte ranges `offsets[i] .. offsets[i] + sizes[i]` of `n` items in a buffer of `len`
+/// bytes, each checked to lie inside it.
+fn host_ranges(
+    n: usize,
+    len: usize,
+    offsets: &[u64],
+    sizes: &[u64],
+) -> Result<Vec<std::ops::Range<usize>>> {
+    if offsets.len() != n || sizes.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "keys, offsets and sizes differ in length ({n}, {}, {})",
+            offsets.len(),
+            sizes.len()
+        )));
+    }
+    offsets
+        .iter()
+        .zip(sizes)
+        .enumerate()
+        .map(|(i, (&o, &s))| {
+            let end = o
+                .checked_add(s)
+                .filter(|&e| e <= len as u64)
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "item {i}: [{o}, {o}+{s}) lies outside the buffer of {len} bytes"
+                    ))
+                })?;
+            Ok(o as usize..end as usize)
+        })
+        .collect()
+}
+
 /// The address of a CUDA buffer of `len` bytes (null only when empty).
 fn device_address(ptr: usize, len: usize) -> Result<u64> {
     if ptr == 0 && len > 0 {
@@ -229,6 +262,61 @@ impl UmbpPool {
 
     fn exists(&self, key: &[u8]) -> Result<bool> {
         self.with(|p| Ok(p.exists(key)?))
+    }
+
+    /// `put_from` of many values in one call (one pool call, the GIL released): value `i` is
+    /// `sizes[i]` bytes at `offsets[i]` of the `len`-byte host buffer at `ptr`.
+    fn batch_put_from_host(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Vec<u8>>,
+        ptr: usize,
+        len: usize,
+        offsets: Vec<u64>,
+        sizes: Vec<u64>,
+    ) -> Result<Vec<bool>> {
+        py.detach(|| {
+            // SAFETY: mori.umbp passes a live contiguous buffer of len bytes, kept alive and
+            // not written for the call.
+            let buf: &[u8] = unsafe { raw_slice(ptr, len)? };
+            let ranges = host_ranges(keys.len(), len, &offsets, &sizes)?;
+            let pairs: Vec<(&[u8], &[u8])> = keys
+                .iter()
+                .zip(&ranges)
+                .map(|(k, r)| (k.as_slice(), &buf[r.clone()]))
+                .collect();
+            self.with(|p| {
+                Ok(p.batch_put(&pairs)?
+                    .into_iter()
+                    .map(|o| o == PutOutcome::Stored)
+                    .collect())
+            })
+        })
+    }
+
+    /// `get_into` of many keys in one call (the GIL released): value `i` goes to
+    /// `offsets[i]` of the `len`-byte writable host buffer at `ptr`, at most `sizes[i]` bytes
+    /// (a longer value raises, as `get_into`). Returns each value's length, or None.
+    fn batch_get_into_host(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Vec<u8>>,
+        ptr: usize,
+        len: usize,
+        offsets: Vec<u64>,
+        sizes: Vec<u64>,
+    ) -> Result<Vec<Option<usize>>> {
+        py.detach(|| {
+            // SAFETY: mori.umbp passes a live, writable contiguous buffer of len bytes.
+            let buf = unsafe { raw_slice(ptr, len)? };
+            let ranges = host_ranges(keys.len(), len, &offsets, &sizes)?;
+            self.with(|p| {
+                keys.iter()
+                    .zip(ranges)
+                    .map(|(k, r)| Ok(p.get_into(k, &mut buf[r])?))
+                    .collect()
+            })
+        })
     }
 
     /// `items`: (key, value) pairs of `bytes`; values are borrowed, not copied.
