@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use mori_net::Error;
-use mori_net::fabric::{Completion, Endpoint, Posted, RemoteRegion, providers};
+use mori_net::fabric::{Completion, Endpoint, Posted, Region, RemoteRegion, providers};
 use mori_testutil::{Lcg, random_seed};
 
 const PROVIDER: &str = "tcp;ofi_rxm";
@@ -52,6 +52,29 @@ fn post_retrying(a: &Endpoint, b: &Endpoint, mut post: impl FnMut(&Endpoint) -> 
                 b.poll(&mut Vec::new()).expect("poll");
             }
         }
+    }
+}
+
+/// `b` added as `a`'s peer, `local` registered with `a` and `target` with `b`.
+///
+/// # Safety
+/// Both buffers must outlive the regions returned (drop the regions first).
+unsafe fn link<'e>(
+    a: &'e Endpoint,
+    b: &'e Endpoint,
+    local: &mut [u8],
+    target: &mut [u8],
+) -> (u64, Region<'e>, Region<'e>) {
+    let peer = a.insert_peer(&b.name().unwrap()).unwrap();
+    // SAFETY: the caller keeps both buffers alive longer than the regions.
+    unsafe {
+        (
+            peer,
+            a.register(local.as_mut_ptr() as u64, local.len() as u64)
+                .unwrap(),
+            b.register(target.as_mut_ptr() as u64, target.len() as u64)
+                .unwrap(),
+        )
     }
 }
 
@@ -133,16 +156,8 @@ fn out_of_range_is_refused_before_posting() {
     let Some((a, b)) = pair() else { return };
     let mut local = vec![7u8; 1 << 20];
     let mut target = vec![1u8; 1 << 20];
-    let peer = a.insert_peer(&b.name().unwrap()).unwrap();
     // SAFETY: both buffers outlive their regions, which are dropped first.
-    let (lr, tr) = unsafe {
-        (
-            a.register(local.as_mut_ptr() as u64, local.len() as u64)
-                .unwrap(),
-            b.register(target.as_mut_ptr() as u64, target.len() as u64)
-                .unwrap(),
-        )
-    };
+    let (peer, lr, tr) = unsafe { link(&a, &b, &mut local, &mut target) };
     let remote = tr.remote();
     for (lo, ro, len) in [
         (0, (1 << 20) - 10, 11),
@@ -172,16 +187,8 @@ fn forged_keys_fail_and_touch_nothing() {
         let Some((a, b)) = pair() else { return };
         let mut local = vec![7u8; 1 << 16];
         let mut target = vec![1u8; 1 << 16];
-        let peer = a.insert_peer(&b.name().unwrap()).unwrap();
         // SAFETY: both buffers outlive their regions, which are dropped first.
-        let (lr, tr) = unsafe {
-            (
-                a.register(local.as_mut_ptr() as u64, local.len() as u64)
-                    .unwrap(),
-                b.register(target.as_mut_ptr() as u64, target.len() as u64)
-                    .unwrap(),
-            )
-        };
+        let (peer, lr, tr) = unsafe { link(&a, &b, &mut local, &mut target) };
         let remote = tr.remote();
         assert_ne!(remote.key, 0, "an unguessable key");
         assert_ne!(Some(remote.key), real_key, "a fresh key per registration");

@@ -378,6 +378,22 @@ fn start_target(hosts: &Hosts, seed: u64) -> (Child, Vec<String>) {
     (target, fields)
 }
 
+/// The initiator in the second namespace, running `ops` operations against the target that
+/// announced `target` (its `ready` fields), and its messages once it has started.
+fn start_initiator(
+    hosts: &Hosts,
+    target: &[String],
+    ops: usize,
+) -> (Child, std::sync::mpsc::Receiver<String>) {
+    let mut args = vec![hosts.addr[1].clone()];
+    args.extend_from_slice(&target[..4]);
+    args.push(ops.to_string());
+    let mut init = hosts.spawn(1, "init", &args);
+    let rx = messages(&mut init);
+    assert_eq!(next(&rx, "start", Duration::from_secs(30)), "started");
+    (init, rx)
+}
+
 #[test]
 fn random_rma_across_namespaces_is_byte_exact() {
     if fabric_here().is_none() {
@@ -388,20 +404,7 @@ fn random_rma_across_namespaces_is_byte_exact() {
     };
     let seed = random_seed("random_rma_across_namespaces_is_byte_exact");
     let (mut target, t) = start_target(&hosts, seed);
-    let mut init = hosts.spawn(
-        1,
-        "init",
-        &[
-            hosts.addr[1].clone(),
-            t[0].clone(),
-            t[1].clone(),
-            t[2].clone(),
-            t[3].clone(),
-            "400".into(),
-        ],
-    );
-    let rx = messages(&mut init);
-    assert_eq!(next(&rx, "start", Duration::from_secs(30)), "started");
+    let (mut init, rx) = start_initiator(&hosts, &t, 400);
     let verdict = next(&rx, "verdict", Duration::from_secs(120));
     assert_eq!(verdict, "ok", "seed {seed}");
     drop(target.stdin.take());
@@ -420,20 +423,7 @@ fn a_target_killed_mid_batch_fails_the_initiator_within_the_timeout() {
     let seed = random_seed("a_target_killed_mid_batch");
     let (mut target, t) = start_target(&hosts, seed);
     // Enough operations to still be running when the target dies.
-    let mut init = hosts.spawn(
-        1,
-        "init",
-        &[
-            hosts.addr[1].clone(),
-            t[0].clone(),
-            t[1].clone(),
-            t[2].clone(),
-            t[3].clone(),
-            "1000000".into(),
-        ],
-    );
-    let rx = messages(&mut init);
-    assert_eq!(next(&rx, "start", Duration::from_secs(30)), "started");
+    let (mut init, rx) = start_initiator(&hosts, &t, 1_000_000);
     std::thread::sleep(Duration::from_millis(300));
     target.kill().unwrap();
     target.wait().unwrap();
