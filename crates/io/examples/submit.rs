@@ -18,17 +18,6 @@ use mori_io::{Batch, EngineConfig, EngineDesc, IoEngine, Location, MemoryDesc, O
 const N: usize = 10_000;
 const BLOCK: u64 = 4096;
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
-        .collect()
-}
-
 fn config(direct: bool) -> EngineConfig {
     EngineConfig {
         timeout: Duration::from_secs(60),
@@ -43,7 +32,11 @@ fn target() {
     let mem = eng
         .register(buf.as_ptr() as u64, buf.len() as u64, Location::Host)
         .expect("register");
-    println!("{} {}", hex(&eng.desc().to_bytes()), hex(&mem.to_bytes()));
+    println!(
+        "{} {}",
+        hex::encode(eng.desc().to_bytes()),
+        hex::encode(mem.to_bytes())
+    );
     std::io::stdout().flush().expect("stdout");
     let mut line = String::new();
     let _ = std::io::stdin().lock().read_line(&mut line); // until the parent is done
@@ -76,8 +69,10 @@ fn main() {
         .read_line(&mut line)
         .expect("target descriptors");
     let mut parts = line.split_whitespace();
-    let desc = EngineDesc::from_bytes(&unhex(parts.next().expect("desc"))).expect("desc");
-    let remote = MemoryDesc::from_bytes(&unhex(parts.next().expect("mem"))).expect("mem");
+    let desc = EngineDesc::from_bytes(&hex::decode(parts.next().expect("desc")).expect("hex"))
+        .expect("desc");
+    let remote = MemoryDesc::from_bytes(&hex::decode(parts.next().expect("mem")).expect("hex"))
+        .expect("mem");
 
     let local = vec![0u8; (N * BLOCK as usize).max(128 << 20)];
     let offs: Vec<u64> = (0..N as u64).map(|i| i * BLOCK).collect();

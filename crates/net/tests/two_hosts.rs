@@ -21,17 +21,6 @@ use mori_testutil::{Lcg, random_seed};
 const PROVIDER: &str = "tcp;ofi_rxm";
 const REGION: usize = 8 << 20;
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
-        .collect()
-}
-
 /// A peer's message to the test: `@peer <msg>` on its own line.
 fn say(msg: &str) {
     println!("\n{MARK}{msg}");
@@ -230,7 +219,7 @@ fn peer_process() {
             let r = region.remote();
             say(&format!(
                 "ready {} {} {} {seed}",
-                hex(&ep.name().unwrap()),
+                hex::encode(ep.name().unwrap()),
                 r.key,
                 r.base
             ));
@@ -248,7 +237,7 @@ fn peer_process() {
             drop(buf);
         }
         "init" => {
-            let name = unhex(&args[1]);
+            let name = hex::decode(&args[1]).expect("hex");
             let remote = RemoteRegion {
                 key: args[2].parse().unwrap(),
                 base: args[3].parse().unwrap(),
