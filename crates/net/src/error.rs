@@ -13,6 +13,10 @@ pub enum Error {
         code: i32,
         message: String,
     },
+    /// An operation did not complete within the endpoint's timeout (a peer or link that went
+    /// away without the provider noticing).
+    #[error("timed out: {0}")]
+    Timeout(String),
     /// A request names memory outside a registered region, or an unknown peer.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

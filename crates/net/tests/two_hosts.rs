@@ -51,6 +51,7 @@ fn required(var: &str) -> bool {
 struct Hosts {
     ns: [String; 2],
     addr: [String; 2],
+    veth: [String; 2],
 }
 
 impl Hosts {
@@ -68,14 +69,15 @@ impl Hosts {
         let id = std::process::id() % 250 + 1;
         let ns = [format!("mori-{tag}-{id}-a"), format!("mori-{tag}-{id}-b")];
         let subnet = format!("10.213.{id}");
-        let hosts = Hosts {
-            ns: ns.clone(),
-            addr: [format!("{subnet}.1"), format!("{subnet}.2")],
-        };
         let veth = [
             format!("mv{id}{}a", &tag[..1]),
             format!("mv{id}{}b", &tag[..1]),
         ];
+        let hosts = Hosts {
+            ns: ns.clone(),
+            addr: [format!("{subnet}.1"), format!("{subnet}.2")],
+            veth: veth.clone(),
+        };
         let steps: Vec<Vec<String>> = vec![
             vec!["netns".into(), "add".into(), ns[0].clone()],
             vec!["netns".into(), "add".into(), ns[1].clone()],
@@ -245,6 +247,9 @@ fn peer_process() {
             };
             let seed: u64 = args[4].parse().unwrap();
             let ops: usize = args[5].parse().unwrap();
+            if let Some(secs) = args.get(6) {
+                ep.set_timeout(Some(Duration::from_secs(secs.parse().unwrap())));
+            }
             let mut target_model = Lcg(seed).bytes(REGION);
             let mut local = vec![0u8; 2 * REGION];
             local[..REGION].copy_from_slice(&Lcg(seed ^ 0xabcd).bytes(REGION));
@@ -373,10 +378,12 @@ fn start_initiator(
     hosts: &Hosts,
     target: &[String],
     ops: usize,
+    op_timeout_secs: Option<u64>,
 ) -> (Child, std::sync::mpsc::Receiver<String>) {
     let mut args = vec![hosts.addr[1].clone()];
     args.extend_from_slice(&target[..4]);
     args.push(ops.to_string());
+    args.extend(op_timeout_secs.map(|s| s.to_string()));
     let mut init = hosts.spawn(1, "init", &args);
     let rx = messages(&mut init);
     assert_eq!(next(&rx, "start", Duration::from_secs(30)), "started");
@@ -393,7 +400,7 @@ fn random_rma_across_namespaces_is_byte_exact() {
     };
     let seed = random_seed("random_rma_across_namespaces_is_byte_exact");
     let (mut target, t) = start_target(&hosts, seed);
-    let (mut init, rx) = start_initiator(&hosts, &t, 400);
+    let (mut init, rx) = start_initiator(&hosts, &t, 400, None);
     let verdict = next(&rx, "verdict", Duration::from_secs(120));
     assert_eq!(verdict, "ok", "seed {seed}");
     drop(target.stdin.take());
@@ -412,7 +419,7 @@ fn a_target_killed_mid_batch_fails_the_initiator_within_the_timeout() {
     let seed = random_seed("a_target_killed_mid_batch");
     let (mut target, t) = start_target(&hosts, seed);
     // Enough operations to still be running when the target dies.
-    let (mut init, rx) = start_initiator(&hosts, &t, 1_000_000);
+    let (mut init, rx) = start_initiator(&hosts, &t, 1_000_000, None);
     std::thread::sleep(Duration::from_millis(300));
     target.kill().unwrap();
     target.wait().unwrap();
@@ -429,5 +436,46 @@ fn a_target_killed_mid_batch_fails_the_initiator_within_the_timeout() {
         "the failure took {:?}",
         killed_at.elapsed()
     );
+    init.wait().unwrap();
+}
+
+/// The link dropped (the target's veth taken down) while operations are in flight: nothing
+/// tells TCP the peer is gone, so the endpoint's operation timeout (3 s here) fails them.
+#[test]
+fn a_link_dropped_mid_batch_fails_the_initiator_within_its_timeout() {
+    if fabric_here().is_none() {
+        return;
+    }
+    let Some(hosts) = Hosts::new("link") else {
+        return;
+    };
+    let seed = random_seed("a_link_dropped_mid_batch");
+    let (mut target, t) = start_target(&hosts, seed);
+    let (mut init, rx) = start_initiator(&hosts, &t, 1_000_000, Some(3));
+    std::thread::sleep(Duration::from_millis(300));
+    ip(
+        Some(hosts.ns[0].as_str()),
+        &["link", "set", &hosts.veth[0], "down"],
+    )
+    .unwrap();
+    let dropped_at = Instant::now();
+    let verdict = next(
+        &rx,
+        "verdict after the link went down",
+        Duration::from_secs(25),
+    );
+    eprintln!("after the link went down: {verdict}");
+    assert!(
+        verdict.starts_with("failed") && verdict.contains("timed out"),
+        "{verdict}"
+    );
+    assert!(
+        dropped_at.elapsed() < Duration::from_secs(10),
+        "the failure took {:?}",
+        dropped_at.elapsed()
+    );
+    drop(target.stdin.take());
+    let _ = target.kill();
+    target.wait().unwrap();
     init.wait().unwrap();
 }

@@ -147,6 +147,7 @@ impl From<Error> for PyErr {
                     mori_net::Error::Unavailable(_) => LibraryNotFoundError::new_err(msg),
                     mori_net::Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
                     mori_net::Error::Fabric { .. } => TransportError::new_err(msg),
+                    mori_net::Error::Timeout(_) => TimeoutError::new_err(msg),
                 }
             }
             Error::Umbp(e) => {

@@ -10,6 +10,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char, c_void};
 use std::ptr;
+use std::time::{Duration, Instant};
 
 pub use library::Library;
 
@@ -280,6 +281,7 @@ pub struct Completion {
 struct Op {
     ctx: ffi::fi_context2,
     id: u64,
+    posted: Instant,
 }
 
 /// A reliable-datagram endpoint with its fabric, domain, completion queue and address vector.
@@ -298,7 +300,11 @@ pub struct Endpoint {
     key_bytes: usize,
     provider: ProviderInfo,
     in_flight: RefCell<HashMap<u64, Box<Op>>>,
+    /// Operations already reported as timed out, kept until the provider hands them back.
+    expired: RefCell<HashMap<u64, Box<Op>>>,
     next_id: Cell<u64>,
+    timeout: Cell<Option<Duration>>,
+    last_expiry_scan: Cell<Instant>,
 }
 
 impl Endpoint {
@@ -334,7 +340,10 @@ impl Endpoint {
             key_bytes,
             provider: provider_info,
             in_flight: RefCell::new(HashMap::new()),
+            expired: RefCell::new(HashMap::new()),
             next_id: Cell::new(1),
+            timeout: Cell::new(None),
+            last_expiry_scan: Cell::new(Instant::now()),
         };
         e.setup()?;
         Ok(e)
@@ -593,6 +602,7 @@ impl Endpoint {
                 internal: [ptr::null_mut(); 8],
             },
             id,
+            posted: Instant::now(),
         });
         let ctx = (&mut *op as *mut Op).cast::<c_void>();
         let buf = (local.addr + local_offset) as *mut c_void;
@@ -640,9 +650,50 @@ impl Endpoint {
         }
     }
 
-    /// Operations posted and not completed yet.
+    /// Operations posted and neither completed nor reported as timed out.
     pub fn in_flight(&self) -> usize {
         self.in_flight.borrow().len()
+    }
+
+    /// An operation not completed `timeout` after it was posted is reported by
+    /// [`Endpoint::poll`] as failed ([`Error::Timeout`]) — a peer or link that went away
+    /// without the provider noticing (TCP keeps retrying for minutes). The provider may still
+    /// complete it later: a read that timed out can still land in its local range, so do not
+    /// reuse that range until the endpoint is closed. None (the default): no timeout.
+    pub fn set_timeout(&self, timeout: Option<Duration>) {
+        self.timeout.set(timeout);
+    }
+
+    /// Moves operations older than the timeout to `expired`, reporting each once.
+    fn expire(&self, out: &mut Vec<Completion>) -> usize {
+        let Some(timeout) = self.timeout.get() else {
+            return 0;
+        };
+        let now = Instant::now();
+        // A scan per millisecond at most: the table may hold many operations.
+        if now.duration_since(self.last_expiry_scan.get()) < Duration::from_millis(1) {
+            return 0;
+        }
+        self.last_expiry_scan.set(now);
+        let mut in_flight = self.in_flight.borrow_mut();
+        let late: Vec<u64> = in_flight
+            .iter()
+            .filter(|(_, op)| now.duration_since(op.posted) >= timeout)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in &late {
+            if let Some(op) = in_flight.remove(id) {
+                self.expired.borrow_mut().insert(*id, op);
+                out.push(Completion {
+                    id: *id,
+                    result: Err(Error::Timeout(format!(
+                        "operation {id} unfinished after {timeout:?} on {}",
+                        self.provider.provider
+                    ))),
+                });
+            }
+        }
+        late.len()
     }
 
     /// Makes progress and moves finished operations into `out`; returns how many.
@@ -653,19 +704,21 @@ impl Endpoint {
         // SAFETY: a live completion queue; it writes at most BATCH entries of the queue's
         // format (FI_CQ_FORMAT_DATA).
         let n = unsafe { ((*(*self.cq).ops).read)(self.cq, entries.as_mut_ptr().cast(), BATCH) };
+        let expired = self.expire(out);
         if n > 0 {
+            let mut reported = expired;
             for e in &entries[..n as usize] {
                 // SAFETY: the first n entries were written.
                 let ctx = unsafe { e.assume_init_ref() }.op_context.cast::<Op>();
-                out.push(Completion {
-                    id: self.finish(ctx)?,
-                    result: Ok(()),
-                });
+                if let Some(id) = self.finish(ctx)? {
+                    out.push(Completion { id, result: Ok(()) });
+                    reported += 1;
+                }
             }
-            return Ok(n as usize);
+            return Ok(reported);
         }
         if n == -ffi::FI_EAGAIN || n == 0 {
-            return Ok(0);
+            return Ok(expired);
         }
         if n != -ffi::FI_EAVAIL {
             return Err(self.lib.fail("fi_cq_read", n));
@@ -677,7 +730,9 @@ impl Endpoint {
         if r != 1 {
             return Err(self.lib.fail("fi_cq_readerr", r.min(-1)));
         }
-        let id = self.finish(err.op_context.cast::<Op>())?;
+        let Some(id) = self.finish(err.op_context.cast::<Op>())? else {
+            return Ok(expired); // reported already, as timed out
+        };
         out.push(Completion {
             id,
             result: Err(Error::Fabric {
@@ -690,23 +745,29 @@ impl Endpoint {
                 ),
             }),
         });
-        Ok(1)
+        Ok(expired + 1)
     }
 
-    /// The id of a completed operation, whose scratch space is released.
-    fn finish(&self, ctx: *const Op) -> Result<u64> {
+    /// The id of a completed operation, whose scratch space is released; None for one
+    /// reported as timed out already.
+    fn finish(&self, ctx: *const Op) -> Result<Option<u64>> {
         if ctx.is_null() {
             return Err(Error::InvalidArgument(
                 "a completion without an operation context".into(),
             ));
         }
-        // SAFETY: every context posted is a boxed Op kept in `in_flight` until here.
+        // SAFETY: every context posted is a boxed Op kept in `in_flight` or `expired` until
+        // here.
         let id = unsafe { (*ctx).id };
-        self.in_flight
-            .borrow_mut()
-            .remove(&id)
-            .map(|_| id)
-            .ok_or_else(|| Error::InvalidArgument(format!("completion of unknown operation {id}")))
+        if self.in_flight.borrow_mut().remove(&id).is_some() {
+            return Ok(Some(id));
+        }
+        if self.expired.borrow_mut().remove(&id).is_some() {
+            return Ok(None);
+        }
+        Err(Error::InvalidArgument(format!(
+            "completion of unknown operation {id}"
+        )))
     }
 }
 
@@ -731,10 +792,12 @@ impl Drop for Endpoint {
                 tracing::warn!("fi_close: {}", self.lib.strerror(-ret));
             }
         }
-        if !self.in_flight.get_mut().is_empty() {
-            // Their scratch space may still be referenced by a provider that did not flush
-            // them on close: never free it.
-            std::mem::forget(std::mem::take(self.in_flight.get_mut()));
+        for ops in [self.in_flight.get_mut(), self.expired.get_mut()] {
+            if !ops.is_empty() {
+                // Their scratch space may still be referenced by a provider that did not
+                // flush them on close: never free it.
+                std::mem::forget(std::mem::take(ops));
+            }
         }
         // SAFETY: fi_dupinfo's copy, freed once.
         unsafe { (self.lib.freeinfo)(self.info) };
