@@ -579,6 +579,36 @@ impl DataPlane {
     }
 }
 
+/// Seals data-plane puts off their calls' path (see [`LocalPool::seal`]): one thread per
+/// daemon, fed the keys of each put; keys queued meanwhile are sealed together. It stops when
+/// the service (every sender) is gone.
+#[derive(Debug)]
+struct Sealer {
+    keys: std::sync::mpsc::Sender<Vec<Vec<u8>>>,
+}
+
+impl Sealer {
+    fn start(pool: Arc<SharedPool>) -> std::io::Result<Sealer> {
+        let (keys, rx) = std::sync::mpsc::channel::<Vec<Vec<u8>>>();
+        std::thread::Builder::new()
+            .name("umbpd-seal".into())
+            .spawn(move || {
+                while let Ok(mut batch) = rx.recv() {
+                    while let Ok(more) = rx.try_recv() {
+                        batch.extend(more);
+                    }
+                    let refs: Vec<&[u8]> = batch.iter().map(Vec::as_slice).collect();
+                    if let Err(e) = pool.with(|p| p.seal(&refs)) {
+                        // A closed pool at shutdown, or an I/O error: the values stay
+                        // readable, unchecked.
+                        tracing::debug!(error = %e.message(), "sealing DRAM values");
+                    }
+                }
+            })?;
+        Ok(Sealer { keys })
+    }
+}
+
 /// The `umbp.v1.Umbp` service over one [`SharedPool`].
 #[derive(Debug, Clone)]
 pub struct UmbpService {
@@ -591,6 +621,8 @@ pub struct UmbpService {
     data: Option<Arc<DataPlane>>,
     /// The listener's counters (reported by `Health`).
     listener: Option<Arc<ListenerStats>>,
+    /// Seals data-plane puts, started with the first one.
+    sealer: Arc<std::sync::OnceLock<Option<Sealer>>>,
 }
 
 impl UmbpService {
@@ -603,6 +635,19 @@ impl UmbpService {
             link: None,
             data: None,
             listener: None,
+            sealer: Arc::new(std::sync::OnceLock::new()),
+        }
+    }
+
+    /// Queues `keys` (just committed unsealed) for sealing.
+    fn seal_later(&self, keys: Vec<Vec<u8>>) {
+        let sealer = self.sealer.get_or_init(|| {
+            Sealer::start(Arc::clone(&self.pool))
+                .map_err(|e| warn!(error = %e, "no sealing thread: data-plane puts stay unsealed"))
+                .ok()
+        });
+        if let Some(s) = sealer {
+            let _ = s.keys.send(keys);
         }
     }
 
@@ -923,15 +968,9 @@ impl Umbp for UmbpService {
                 })
                 .await;
             // The values are readable already; their checksums are recorded off the call's
-            // path (another blocking thread), so the put answers without another pass over
-            // its bytes.
-            let pool = Arc::clone(&me.pool);
-            tokio::task::spawn_blocking(move || {
-                let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-                if let Err(e) = pool.with(|p| p.seal(&refs)) {
-                    warn!(error = %e.message(), "sealing a put's DRAM values");
-                }
-            });
+            // path (the sealing thread), so the put answers without another pass over its
+            // bytes.
+            me.seal_later(keys);
             stored
         });
         let stored = task
@@ -1312,6 +1351,53 @@ mod tests {
         }
         let stats = shared.with(|p| Ok(p.stats())).unwrap();
         assert_eq!(stats.dram_checksum_errors, 1);
+    }
+
+    /// The sealing thread seals what it is sent: a byte flipped in a value some time after
+    /// its keys were queued is caught on read (a value flipped before it was sealed would be
+    /// read unchecked, so each try uses a fresh value).
+    #[test]
+    fn the_sealing_thread_seals_queued_values() {
+        let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(4 << 20, 4096)).unwrap();
+        let shared = Arc::new(SharedPool::new(pool));
+        let keys: Vec<Vec<u8>> = (0..40).map(|i| format!("s{i}").into_bytes()).collect();
+        let items: Vec<(&[u8], usize)> = keys.iter().map(|k| (k.as_slice(), 5000)).collect();
+        let offsets = shared
+            .with(|p| {
+                let mut res = p.reserve_puts(&items)?.expect("fits");
+                let offsets: Vec<usize> = res
+                    .slots()
+                    .iter()
+                    .map(|s| match *s {
+                        ReserveSlot::Arena { offset, .. } => offset,
+                        _ => unreachable!("reserved"),
+                    })
+                    .collect();
+                for i in 0..items.len() {
+                    res.write(i, &[i as u8; 5000])?;
+                }
+                res.commit_unsealed()?;
+                Ok(offsets)
+            })
+            .unwrap();
+        let sealer = Sealer::start(Arc::clone(&shared)).unwrap();
+        sealer.keys.send(keys.clone()).unwrap();
+        let (base, _) = shared.with(|p| Ok(p.dram_region())).unwrap();
+        let mut caught = false;
+        for (i, k) in keys.iter().enumerate() {
+            std::thread::sleep(Duration::from_millis(50));
+            // SAFETY: inside the arena; nothing moves these bytes meanwhile.
+            unsafe { *((base + offsets[i] + 7) as *mut u8) ^= 1 };
+            if shared.with(|p| p.get(k)).unwrap().is_none() {
+                caught = true;
+                break;
+            }
+        }
+        assert!(caught, "no value was sealed in 2 s");
+        assert_eq!(
+            shared.with(|p| Ok(p.stats())).unwrap().dram_checksum_errors,
+            1
+        );
     }
 
     /// A data-plane put answers with its values unsealed (readable, not yet checksummed);
