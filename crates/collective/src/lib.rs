@@ -7,6 +7,7 @@
 pub mod ccl;
 pub mod ep;
 mod error;
+pub mod host;
 mod launch;
 pub mod params;
 

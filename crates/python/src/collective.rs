@@ -76,6 +76,28 @@ fn pack(
 }
 
 /// The parameter bytes one launch of `entry` passes (what `Kernel.__call__` hands the driver).
+/// Waits, with the GIL released, until the int32 at host address `ptr` (pinned memory the GPU
+/// writes, e.g. mori.ep's received counts) equals `expected`; False after `timeout_s`
+/// seconds.
+#[pyfunction]
+pub fn wait_host_i32(py: Python<'_>, ptr: usize, expected: i32, timeout_s: f64) -> PyResult<bool> {
+    if ptr == 0 || ptr % 4 != 0 {
+        return Err(crate::errors::InvalidArgumentError::new_err(format!(
+            "wait_host_i32: {ptr:#x} is not an aligned int32 address"
+        )));
+    }
+    let timeout = std::time::Duration::try_from_secs_f64(timeout_s).map_err(|_| {
+        crate::errors::InvalidArgumentError::new_err(format!(
+            "wait_host_i32: timeout {timeout_s} is not a duration"
+        ))
+    })?;
+    // SAFETY: mori.ep passes the address of a live pinned int32 it keeps alive for the call;
+    // only the GPU (and this wait) touch it meanwhile.
+    Ok(py.detach(|| unsafe {
+        mori_collective::host::wait_word(ptr as *const i32, expected, timeout)
+    }))
+}
+
 #[pyfunction]
 #[pyo3(signature = (entry, *fields, **named))]
 pub fn kernel_params<'py>(

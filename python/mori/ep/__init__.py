@@ -265,16 +265,12 @@ class Buffer:
         """Spins until the GPU has published this dispatch's totals (the normal mode's one host
         synchronisation); returns [rows received, rows per local expert..., bad ids]."""
         info, seq = self._host_info_np, self._seq
-        if info[0] != seq:
-            deadline = time.monotonic() + HOST_WAIT_TIMEOUT_S
-            spins = 0
-            while info[0] != seq:
-                spins += 1
-                if spins % 4096 == 0 and time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"mori.ep dispatch: no counts from the GPU after {HOST_WAIT_TIMEOUT_S:.0f} s; "
-                        "did every rank call dispatch?"
-                    )
+        # Spins in Rust with the GIL released (other Python threads run meanwhile).
+        if info[0] != seq and not _core.wait_host_i32(self._host_info_ptr, seq, HOST_WAIT_TIMEOUT_S):
+            raise TimeoutError(
+                f"mori.ep dispatch: no counts from the GPU after {HOST_WAIT_TIMEOUT_S:.0f} s; "
+                "did every rank call dispatch?"
+            )
         return info[1:].tolist()
 
     def get_dispatch_layout(self, topk_idx: Any, *, stream: Any = None):
