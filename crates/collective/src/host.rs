@@ -25,7 +25,7 @@ pub unsafe fn wait_word(word: *const i32, expected: i32, timeout: Duration) -> b
             return true;
         }
         reads = reads.wrapping_add(1);
-        if reads % 256 == 0 {
+        if reads.is_multiple_of(256) {
             let waited = start.elapsed();
             if waited >= timeout {
                 return w.load(Ordering::Acquire) == expected;

@@ -81,7 +81,7 @@ fn pack(
 /// seconds.
 #[pyfunction]
 pub fn wait_host_i32(py: Python<'_>, ptr: usize, expected: i32, timeout_s: f64) -> PyResult<bool> {
-    if ptr == 0 || ptr % 4 != 0 {
+    if ptr == 0 || !ptr.is_multiple_of(4) {
         return Err(crate::errors::InvalidArgumentError::new_err(format!(
             "wait_host_i32: {ptr:#x} is not an aligned int32 address"
         )));
