@@ -74,6 +74,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &PoolStats) -> PyResult<Bound<'py, PyDict
     )?;
     d.set_item("ssd_recovery_skipped_bytes", s.ssd_recovery_skipped_bytes)?;
     d.set_item("dram_checksum_errors", s.dram_checksum_errors)?;
+    d.set_item("dram_unsealed", s.dram_unsealed)?;
     d.set_item("ssd_io", s.ssd_io.map(|b| b.as_str()))?;
     Ok(d)
 }

@@ -180,6 +180,12 @@ impl PageTable {
         self.entries.get(key).and_then(|e| e.crc)
     }
 
+    /// How many stored values have no checksum recorded (in the DRAM arena: values committed
+    /// unsealed and not sealed yet). O(values).
+    pub fn unchecksummed(&self) -> usize {
+        self.entries.values().filter(|e| e.crc.is_none()).count()
+    }
+
     /// Records the checksum of the value of `key` (the arena computes it from the bytes it
     /// stored). Returns whether the key exists.
     pub(crate) fn set_checksum(&mut self, key: &[u8], crc: u32) -> bool {

@@ -507,6 +507,9 @@ pub struct PoolStats {
     /// DRAM values whose bytes failed their CRC-32C when read (dropped from DRAM; served from
     /// their SSD copy when they have one, a miss otherwise).
     pub dram_checksum_errors: u64,
+    /// DRAM values committed unsealed (a daemon's data-plane puts) whose checksum is not
+    /// recorded yet: read unchecked until [`LocalPool::seal`] reaches them.
+    pub dram_unsealed: u64,
     /// The SSD tier's I/O backend (`None` without an SSD tier).
     pub ssd_io: Option<SsdIoBackend>,
 }
@@ -1128,6 +1131,7 @@ impl LocalPool {
             ssd_recovery_corrupt_records: c.recovery_corrupt_records,
             ssd_recovery_skipped_bytes: c.recovery_skipped_bytes,
             dram_checksum_errors: c.dram_checksum_errors,
+            dram_unsealed: inner.dram.unchecksummed() as u64,
             ssd_io: inner.ssd.as_ref().map(SsdLog::io_backend),
         }
     }

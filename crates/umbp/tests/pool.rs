@@ -1366,6 +1366,7 @@ fn unsealed_puts_are_sealed_later() {
         ok(res.commit_unsealed(), "commit"),
         vec![PutOutcome::Stored; 3]
     );
+    assert_eq!(pool.stats().dram_unsealed, 3);
     assert_eq!(
         get(&pool, b"u0"),
         Some(vals[0].clone()),
@@ -1375,7 +1376,13 @@ fn unsealed_puts_are_sealed_later() {
     // (checksummed already), so only u0 and u2 are sealed.
     assert!(ok(pool.remove(b"u1"), "remove"));
     assert_eq!(put(&pool, b"u1", b"again"), PutOutcome::Stored);
+    assert_eq!(
+        pool.stats().dram_unsealed,
+        2,
+        "u1's new value is checksummed"
+    );
     assert_eq!(ok(pool.seal(&keys), "seal"), 2);
+    assert_eq!(pool.stats().dram_unsealed, 0);
     assert_eq!(ok(pool.seal(&keys), "seal again"), 0);
     assert_eq!(ok(pool.seal(&[b"absent"]), "seal absent"), 0);
     flip_arena_byte(&pool, offsets[2] + 100);

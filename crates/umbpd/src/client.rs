@@ -866,6 +866,7 @@ impl Client {
             ssd_recovery_corrupt_records: s.ssd_recovery_corrupt_records,
             ssd_recovery_skipped_bytes: s.ssd_recovery_skipped_bytes,
             dram_checksum_errors: s.dram_checksum_errors,
+            dram_unsealed: s.dram_unsealed,
             ssd_io: s.ssd_io.parse().ok(),
             // Daemons have no GPU tier.
             ..PoolStats::default()

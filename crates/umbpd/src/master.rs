@@ -764,6 +764,7 @@ pub fn aggregate(peers: &[PeerSummary], keys: usize) -> StatsResponse {
         t.ssd_recovery_corrupt_records += s.ssd_recovery_corrupt_records;
         t.ssd_recovery_skipped_bytes += s.ssd_recovery_skipped_bytes;
         t.dram_checksum_errors += s.dram_checksum_errors;
+        t.dram_unsealed += s.dram_unsealed;
     }
     t
 }

@@ -827,6 +827,7 @@ pub fn stats_response(s: PoolStats) -> StatsResponse {
         ssd_recovery_corrupt_records: s.ssd_recovery_corrupt_records,
         ssd_recovery_skipped_bytes: s.ssd_recovery_skipped_bytes,
         dram_checksum_errors: s.dram_checksum_errors,
+        dram_unsealed: s.dram_unsealed,
         ssd_io: s.ssd_io.map(|b| b.as_str().to_string()).unwrap_or_default(),
     }
 }
@@ -1444,7 +1445,10 @@ mod tests {
             }
         };
         read_all(); // readable before they are sealed
+        let unsealed = || shared.with(|p| Ok(p.stats())).unwrap().dram_unsealed;
+        assert_eq!(unsealed(), lens.len() as u64);
         assert_eq!(shared.with(|p| p.seal(&refs)).unwrap(), lens.len());
+        assert_eq!(unsealed(), 0);
         assert_eq!(shared.with(|p| p.seal(&refs)).unwrap(), 0, "sealed once");
         read_all();
         assert_eq!(
