@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use mori_net::fabric::{Endpoint, Posted, RemoteRegion};
+use mori_net::fabric::{Endpoint, Posted, RemoteRegion, Rma};
 use mori_testutil::bench::Bench;
 
 const PROVIDER: &str = "tcp;ofi_rxm";
@@ -63,11 +63,15 @@ fn fabric_cases(b: &mut Bench) {
     let run_one = |write: bool, local_off: u64, remote_off: u64, len: u64| {
         let mut done = Vec::new();
         loop {
-            let r = if write {
-                ep.write(&lr, local_off, len, peer, &remote, remote_off)
-            } else {
-                ep.read(&lr, local_off, len, peer, &remote, remote_off)
-            };
+            let r = ep.post(
+                if write { Rma::Write } else { Rma::Read },
+                &lr,
+                local_off,
+                len,
+                peer,
+                &remote,
+                remote_off,
+            );
             if let Posted::Id(_) = r.expect("post") {
                 break;
             }
@@ -98,11 +102,15 @@ fn fabric_cases(b: &mut Bench) {
                 while posted < IN_FLIGHT {
                     let off = (next % slots) * block;
                     next += 1;
-                    let r = if write {
-                        ep.write(&lr, off, block, peer, &remote, off)
-                    } else {
-                        ep.read(&lr, off, block, peer, &remote, off)
-                    };
+                    let r = ep.post(
+                        if write { Rma::Write } else { Rma::Read },
+                        &lr,
+                        off,
+                        block,
+                        peer,
+                        &remote,
+                        off,
+                    );
                     match r.expect("post") {
                         Posted::Id(_) => posted += 1,
                         Posted::WouldBlock => {

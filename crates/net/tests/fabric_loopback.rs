@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use mori_net::Error;
-use mori_net::fabric::{Completion, Endpoint, Posted, Region, RemoteRegion, providers};
+use mori_net::fabric::{Completion, Endpoint, Posted, Region, RemoteRegion, Rma, providers};
 use mori_testutil::{Lcg, random_seed};
 
 const PROVIDER: &str = "tcp;ofi_rxm";
@@ -127,13 +127,16 @@ fn random_writes_and_reads_are_byte_exact() {
         let ro = rng.below((LEN - len) as u64) as usize;
         let write = round % 2 == 0;
         let id = post_retrying(&a, &b, |a| {
-            if write {
-                a.write(&lr, lo as u64, len as u64, peer, &remote, ro as u64)
-                    .unwrap()
-            } else {
-                a.read(&lr, lo as u64, len as u64, peer, &remote, ro as u64)
-                    .unwrap()
-            }
+            a.post(
+                if write { Rma::Write } else { Rma::Read },
+                &lr,
+                lo as u64,
+                len as u64,
+                peer,
+                &remote,
+                ro as u64,
+            )
+            .unwrap()
         });
         wait(&a, &b, id)
             .result
@@ -164,14 +167,18 @@ fn out_of_range_is_refused_before_posting() {
         ((1 << 20) - 1, 0, 2),
         (0, u64::MAX, 1),
     ] {
-        let err = a.write(&lr, lo, len, peer, &remote, ro).unwrap_err();
+        let err = a
+            .post(Rma::Write, &lr, lo, len, peer, &remote, ro)
+            .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
-        let err = a.read(&lr, lo, len, peer, &remote, ro).unwrap_err();
+        let err = a
+            .post(Rma::Read, &lr, lo, len, peer, &remote, ro)
+            .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
     }
     assert_eq!(a.in_flight(), 0);
     // A region of another endpoint is not this endpoint's local memory.
-    let err = a.write(&tr, 0, 1, peer, &remote, 0).unwrap_err();
+    let err = a.post(Rma::Write, &tr, 0, 1, peer, &remote, 0).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
     drop((lr, tr));
     assert!(target.iter().all(|&x| x == 1) && local.iter().all(|&x| x == 7));
@@ -195,7 +202,9 @@ fn forged_keys_fail_and_touch_nothing() {
         real_key = Some(remote.key);
         let Some(flip) = forged else {
             // The control: the real key writes.
-            let id = post_retrying(&a, &b, |a| a.write(&lr, 0, 16, peer, &remote, 100).unwrap());
+            let id = post_retrying(&a, &b, |a| {
+                a.post(Rma::Write, &lr, 0, 16, peer, &remote, 100).unwrap()
+            });
             wait(&a, &b, id).result.unwrap();
             drop((lr, tr));
             assert!(
@@ -206,9 +215,13 @@ fn forged_keys_fail_and_touch_nothing() {
         };
         let key = remote.key ^ flip ^ 0x10; // never the real key
         let bad = RemoteRegion { key, ..remote };
-        let id = post_retrying(&a, &b, |a| a.write(&lr, 0, 4096, peer, &bad, 0).unwrap());
+        let id = post_retrying(&a, &b, |a| {
+            a.post(Rma::Write, &lr, 0, 4096, peer, &bad, 0).unwrap()
+        });
         let w = wait(&a, &b, id).result;
-        let id = post_retrying(&a, &b, |a| a.read(&lr, 8192, 4096, peer, &bad, 0).unwrap());
+        let id = post_retrying(&a, &b, |a| {
+            a.post(Rma::Read, &lr, 8192, 4096, peer, &bad, 0).unwrap()
+        });
         let r = wait(&a, &b, id).result;
         assert!(
             w.is_err() && r.is_err(),

@@ -15,7 +15,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use mori_net::fabric::{Endpoint, Posted, RemoteRegion};
+use mori_net::fabric::{Endpoint, Posted, RemoteRegion, Rma};
 use mori_testutil::{Lcg, random_seed};
 
 const PROVIDER: &str = "tcp;ofi_rxm";
@@ -279,12 +279,17 @@ fn peer_process() {
                         let ro = k * slot + rng.below((slot - len) as u64) as usize;
                         let write = rng.below(2) == 0;
                         loop {
-                            let posted = if write {
-                                ep.write(&lr, lo as u64, len as u64, peer, &remote, ro as u64)
-                            } else {
-                                ep.read(&lr, lo as u64, len as u64, peer, &remote, ro as u64)
-                            }
-                            .map_err(|e| e.to_string())?;
+                            let posted = ep
+                                .post(
+                                    if write { Rma::Write } else { Rma::Read },
+                                    &lr,
+                                    lo as u64,
+                                    len as u64,
+                                    peer,
+                                    &remote,
+                                    ro as u64,
+                                )
+                                .map_err(|e| e.to_string())?;
                             match posted {
                                 Posted::Id(id) => {
                                     ids.push(id);
@@ -321,7 +326,15 @@ fn peer_process() {
                 // The whole target region read back into the second half.
                 deadline = Instant::now() + Duration::from_secs(20);
                 let id = loop {
-                    match ep.read(&lr, REGION as u64, REGION as u64, peer, &remote, 0) {
+                    match ep.post(
+                        Rma::Read,
+                        &lr,
+                        REGION as u64,
+                        REGION as u64,
+                        peer,
+                        &remote,
+                        0,
+                    ) {
                         Ok(Posted::Id(id)) => break id,
                         Ok(Posted::WouldBlock) => {
                             ep.poll(&mut done).map_err(|e| e.to_string())?;

@@ -240,23 +240,26 @@ impl Drop for Region<'_> {
     }
 }
 
-/// A random key of `bytes` bytes (1..=8) from the kernel, never 0.
+/// A random key of `bytes` bytes (1..=8) from the OS, never 0.
 fn random_key(bytes: usize) -> Result<u64> {
     loop {
         let mut b = [0u8; 8];
-        // SAFETY: getrandom writes at most 8 bytes into `b`.
-        let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), 8, 0) };
-        if n != 8 {
-            return Err(Error::Unavailable(format!(
-                "no random bytes for a memory key: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
+        getrandom::fill(&mut b)
+            .map_err(|e| Error::Unavailable(format!("no random bytes for a memory key: {e}")))?;
         let key = u64::from_le_bytes(b) & (u64::MAX >> (64 - 8 * bytes));
         if key != 0 {
             return Ok(key);
         }
     }
+}
+
+/// Which way an operation moves bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rma {
+    /// Local memory to the peer's.
+    Write,
+    /// The peer's memory to local.
+    Read,
 }
 
 /// The outcome of posting an operation.
@@ -542,38 +545,13 @@ impl Endpoint {
         Ok(region)
     }
 
-    /// Posts a write of `len` bytes from `local` at `local_offset` to the peer's `remote` at
-    /// `remote_offset`. Both ranges are checked against their regions first.
-    pub fn write(
-        &self,
-        local: &Region<'_>,
-        local_offset: u64,
-        len: u64,
-        peer: u64,
-        remote: &RemoteRegion,
-        remote_offset: u64,
-    ) -> Result<Posted> {
-        self.post(true, local, local_offset, len, peer, remote, remote_offset)
-    }
-
-    /// Posts a read of `len` bytes of the peer's `remote` at `remote_offset` into `local` at
-    /// `local_offset`.
-    pub fn read(
-        &self,
-        local: &Region<'_>,
-        local_offset: u64,
-        len: u64,
-        peer: u64,
-        remote: &RemoteRegion,
-        remote_offset: u64,
-    ) -> Result<Posted> {
-        self.post(false, local, local_offset, len, peer, remote, remote_offset)
-    }
-
+    /// Posts `op` of `len` bytes between `local` at `local_offset` and the peer's `remote` at
+    /// `remote_offset` ([`Rma::Write`]: local to remote). Both ranges are checked against their
+    /// regions first.
     #[allow(clippy::too_many_arguments)]
-    fn post(
+    pub fn post(
         &self,
-        write: bool,
+        op: Rma,
         local: &Region<'_>,
         local_offset: u64,
         len: u64,
@@ -597,14 +575,14 @@ impl Endpoint {
         }
         let id = self.next_id.get();
         self.next_id.set(id + 1);
-        let mut op = Box::new(Op {
+        let mut scratch = Box::new(Op {
             ctx: ffi::fi_context2 {
                 internal: [ptr::null_mut(); 8],
             },
             id,
             posted: Instant::now(),
         });
-        let ctx = (&mut *op as *mut Op).cast::<c_void>();
+        let ctx = (&mut *scratch as *mut Op).cast::<c_void>();
         let buf = (local.addr + local_offset) as *mut c_void;
         let desc = if self.mr_mode & ffi::FI_MR_LOCAL != 0 {
             local.desc()
@@ -613,10 +591,10 @@ impl Endpoint {
         };
         let addr = remote.base + remote_offset;
         // SAFETY: a live endpoint; the local range lies in a live registration (checked
-        // above); `op` stays boxed in `in_flight` until its completion is read.
+        // above); `scratch` stays boxed in `in_flight` until its completion is read.
         let ret = unsafe {
             let rma = (*self.ep).rma;
-            if write {
+            if op == Rma::Write {
                 ((*rma).write)(
                     self.ep,
                     buf,
@@ -642,11 +620,18 @@ impl Endpoint {
         };
         match ret {
             0 => {
-                self.in_flight.borrow_mut().insert(id, op);
+                self.in_flight.borrow_mut().insert(id, scratch);
                 Ok(Posted::Id(id))
             }
             r if r == -ffi::FI_EAGAIN => Ok(Posted::WouldBlock),
-            r => Err(self.lib.fail(if write { "fi_write" } else { "fi_read" }, r)),
+            r => Err(self.lib.fail(
+                if op == Rma::Write {
+                    "fi_write"
+                } else {
+                    "fi_read"
+                },
+                r,
+            )),
         }
     }
 
