@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import queue
 import traceback
 from typing import Any, Callable
 
@@ -34,7 +35,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     outcomes = {}
     try:
         for _ in range(world_size if expect is None else expect):
-            rank, ok, value = results.get(timeout=timeout)
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                silent = sorted(set(range(world_size)) - set(outcomes))
+                raise AssertionError(f"ranks {silent} did not report within {timeout:.0f} s (their stacks are above)") from None
             outcomes[rank] = (ok, value)
     finally:
         for p in procs:
