@@ -49,7 +49,7 @@ def parse_engine(desc: bytes) -> EngineInfo:
 
 
 def parse_region(desc: bytes) -> RegionInfo:
-    assert desc[:4] == b"MIM2", desc[:4]
+    assert desc[:4] == b"MIM3", desc[:4]
     engine, at = _string(desc, 4)
     instance, rid, key, nbytes = struct.unpack_from("<QQQQ", desc, at)
     writable = desc[at + 32 + 4] == 1
@@ -106,11 +106,15 @@ class RawClient:
 
     def hello(self, name: str, instance: int = 1) -> tuple[str, int]:
         n = name.encode()
-        self.sock.sendall(b"MIOH" + bytes([2]) + struct.pack("<QI", instance, len(n)) + n)
+        # Wire version 3: name, then the fabric endpoint address (none here).
+        self.sock.sendall(b"MIOH" + bytes([3]) + struct.pack("<QI", instance, len(n)) + n + struct.pack("<I", 0))
         head = recv_exact(self.sock, 17)
         assert head[:4] == b"MIOH", head
         instance, n = struct.unpack_from("<QI", head, 5)
-        return recv_exact(self.sock, n).decode(), instance
+        name = recv_exact(self.sock, n).decode()
+        (fabric_len,) = struct.unpack("<I", recv_exact(self.sock, 4))
+        recv_exact(self.sock, fabric_len)
+        return name, instance
 
     def send_request(
         self,

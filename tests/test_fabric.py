@@ -47,3 +47,31 @@ def test_a_missing_library_is_a_clear_error(tmp_path):
     env = dict(os.environ, MORI_LIBFABRIC_PATH=str(tmp_path / "libfabric.so.1"))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stdout
     assert out.startswith("LibraryNotFoundError") and "install libfabric1" in out, out
+
+
+def test_loading_libfabric_leaves_the_programs_signal_handlers_alone():
+    """Some libfabric providers install handlers for SIGTERM, SIGSEGV, ... when they initialise
+    (a daemon then exits 1 on SIGTERM instead of shutting down cleanly); mori puts the
+    program's own back. Checked in a fresh interpreter: the caught-signal mask of the standard
+    signals (1..31) is the same before and after listing providers and opening an engine with a
+    fabric endpoint."""
+    _providers()
+    import subprocess
+    import sys
+
+    code = (
+        "import re\n"
+        "def caught():\n"
+        "    s = open('/proc/self/status').read()\n"
+        "    return int(re.search(r'SigCgt:\\s*(\\w+)', s).group(1), 16) & 0x7fffffff\n"
+        "before = caught()\n"
+        "from mori import _core\n"
+        "from mori.io import IOEngine\n"
+        "_core.fabric_providers()\n"
+        "e = IOEngine('sig', fabric='always', fabric_provider='tcp;ofi_rxm')\n"
+        "print(before, caught(), e.fabric_provider)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    before, after, provider = out.stdout.split()
+    assert provider == "tcp;ofi_rxm", out
+    assert before == after, f"signals caught before {int(before):#x}, after {int(after):#x}"

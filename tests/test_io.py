@@ -154,7 +154,9 @@ def test_bad_input_is_refused_before_anything_moves(pair):
         eng.batch_write(mem, [0, 0, 999], peer.mem, [0, 0, 0], [1, 1, 2])
     # a forged descriptor (bigger than the real region): the target refuses the whole request
     forged = bytearray(peer.mem.pack())
-    forged[-12:-4] = (peer.mem.nbytes * 2).to_bytes(8, "little")
+    at = 8 + int.from_bytes(forged[4:8], "little") + 24  # tag, engine name, instance, id, key
+    assert int.from_bytes(forged[at : at + 8], "little") == peer.mem.nbytes
+    forged[at : at + 8] = (peer.mem.nbytes * 2).to_bytes(8, "little")
     t = eng.batch_write(mem, [0, 0], MemoryDesc.unpack(bytes(forged)), [0, peer.mem.nbytes + 5], [10, 10])
     with pytest.raises(errors.TransportError, match="outside"):
         t.wait(timeout=30)

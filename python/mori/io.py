@@ -64,7 +64,7 @@ class MemoryDesc:
 Transfer = _core.Transfer
 """A transfer in flight: ``wait(timeout)`` (True once done, False if ``timeout`` passed first;
 raises if it failed), ``done()``, ``status`` (``"pending"``, ``"done"`` or ``"failed"``),
-``route`` (``"cuda_ipc"``, ``"direct"``, ``"local"`` or ``"tcp"``), or ``await`` it. Submissions return the
+``route`` (``"cuda_ipc"``, ``"direct"``, ``"local"``, ``"fabric"`` or ``"tcp"``), or ``await`` it. Submissions return the
 extension's object itself (no wrapper to build on the submission path)."""
 
 
@@ -137,6 +137,8 @@ class IOEngine:
         secret: bytes | str | None = None,
         handshake_timeout: float = 10.0,
         max_connections: int = 1024,
+        fabric: str | None = None,
+        fabric_provider: str | None = None,
     ):
         """``host``: the address to listen on, an IP address or a host name (resolved here:
         its first IPv4 address, else its first address). ``port``: 0..65535 (0: any free
@@ -164,6 +166,14 @@ class IOEngine:
         ``max_connections``: connections served at once (a quarter of them at most still in
         their handshake; at most 64 per peer engine).
 
+        ``fabric``: when the engine opens a libfabric endpoint and moves host memory through it
+        by one-sided RMA (route ``"fabric"``): ``"auto"`` (default) where a provider for an RDMA
+        NIC is present, for peers on other hosts; ``"remote"`` the same with any RMA provider,
+        software ones included (an error if none opens); ``"always"`` for every peer that has
+        one, on this host too (tests, benchmarks); ``"off"``. None: ``MORI_IO_FABRIC``, else
+        ``"auto"``. ``fabric_provider``: e.g. ``"verbs;ofi_rxm"`` or ``"tcp;ofi_rxm"`` (None:
+        ``MORI_FABRIC_PROVIDER``, else the first one found). See docs/net.md.
+
         Every argument is checked here: a wrong type raises
         :class:`~mori.errors.ArgumentTypeError`, a wrong value
         :class:`~mori.errors.InvalidArgumentError`, each naming the argument."""
@@ -185,9 +195,13 @@ class IOEngine:
             secret = _args.byte_value(secret, "secret")
         handshake_timeout = _args.number(handshake_timeout, "handshake_timeout", positive=True)
         max_connections = _args.integer(max_connections, "max_connections", minimum=1)
+        if fabric is not None:
+            fabric = _args.text(fabric, "fabric")
+        if fabric_provider is not None:
+            fabric_provider = _args.text(fabric_provider, "fabric_provider")
         self._inner = _core.IoEngine(
             name, host, port, connections_per_peer, timeout, chunk_bytes, same_host_direct, cuda_ipc, copy_engine_threshold, ipc_blocks, secret,
-            handshake_timeout, max_connections,
+            handshake_timeout, max_connections, fabric, fabric_provider,
         )
         # Objects whose deregistration could not stop a peer in time: kept alive (never
         # freed) for the engine's lifetime, so no peer ever writes into reused memory.
@@ -226,6 +240,11 @@ class IOEngine:
     def desc(self) -> bytes:
         """This engine's descriptor: send it to peers, which pass it to :meth:`connect`."""
         return self._inner.desc
+
+    @property
+    def fabric_provider(self) -> str | None:
+        """The libfabric provider of the engine's fabric endpoint (None: it opened none)."""
+        return self._inner.fabric_provider
 
     def register(self, obj: Any) -> MemoryDesc:
         """Registers a numpy array, a tensor or ``(ptr, nbytes, device)``. Read-only arrays are

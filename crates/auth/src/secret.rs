@@ -52,6 +52,20 @@ impl Secret {
         &self.0
     }
 
+    /// 8 bytes only holders of this secret can compute: the first 8 bytes of
+    /// HMAC-SHA256(secret, label | 0 | context), little-endian. For masking values sent
+    /// alongside a descriptor (e.g. a fabric memory key), so the descriptor alone is not enough.
+    pub fn derive_u64(&self, label: &str, context: &[u8]) -> u64 {
+        use hmac::{Hmac, Mac};
+        let mut m =
+            <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
+        m.update(label.as_bytes());
+        m.update(&[0]);
+        m.update(context);
+        let out = m.finalize().into_bytes();
+        u64::from_le_bytes(out[..8].try_into().expect("an HMAC-SHA256 has 32 bytes"))
+    }
+
     /// The first 8 bytes of SHA-256("mori-secret-fingerprint" | secret), in hex.
     pub fn fingerprint(&self) -> String {
         let mut h = Sha256::new();

@@ -1,22 +1,25 @@
 //! `cargo bench -p mori-io`: the host side of mori.io between two engines of this process over
 //! loopback — submitting a 10 000-block batch (the call returning, not the data moving), and
-//! whole transfers (submission to completion) over TCP and the same-host socket with direct
-//! copies. See mori_testutil::bench for the method and where the record goes.
+//! whole transfers (submission to completion) over TCP, the same-host socket with direct
+//! copies, and the fabric route (libfabric's `tcp;ofi_rxm` over loopback, when libfabric is
+//! installed). See mori_testutil::bench for the method and where the record goes.
 
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use mori_io::{EngineConfig, IoEngine, Location, MemoryDesc, Op, Secret};
+use mori_io::{EngineConfig, FabricMode, IoEngine, Location, MemoryDesc, Op, Route, Secret};
 use mori_testutil::bench::Bench;
 
 const REGION: usize = 64 << 20;
 const WAIT: Duration = Duration::from_secs(30);
 
-fn engine(name: &str, secret: &Secret, same_host_direct: bool) -> IoEngine {
+fn engine(name: &str, secret: &Secret, same_host_direct: bool, fabric: FabricMode) -> IoEngine {
     let cfg = EngineConfig {
         host: IpAddr::from([127, 0, 0, 1]),
         same_host_direct,
         cuda_ipc: false,
+        fabric,
+        fabric_provider: Some("tcp;ofi_rxm".into()),
         secret: Some(secret.clone()),
         ..EngineConfig::default()
     };
@@ -35,11 +38,26 @@ fn region(e: &IoEngine, len: usize, fill: u8) -> (Vec<u8>, MemoryDesc) {
 fn main() {
     let mut b = Bench::new("io");
     let secret = Secret::random().expect("secret");
-    let target = engine("bench-target", &secret, true);
+    let fabric = match mori_net::fabric::providers() {
+        Ok(_) => FabricMode::Always,
+        Err(e) => {
+            b.config("fabric", format!("not measured: {e}"));
+            FabricMode::Off
+        }
+    };
+    let target = engine("bench-target", &secret, true, fabric);
     let (_tbuf, tmem) = region(&target, REGION, 1);
     b.config("region_bytes", REGION);
-    for (route, direct) in [("tcp", false), ("direct", true)] {
-        let me = engine(&format!("bench-{route}"), &secret, direct);
+    let mut routes = vec![
+        (Route::Tcp, false, FabricMode::Off),
+        (Route::Direct, true, FabricMode::Off),
+    ];
+    if fabric != FabricMode::Off {
+        routes.push((Route::Fabric, false, fabric));
+    }
+    for (expected, direct, mode) in routes {
+        let route = expected.name();
+        let me = engine(&format!("bench-{route}"), &secret, direct, mode);
         me.connect(&target.desc()).expect("connect");
         let (lbuf, lmem) = region(&me, REGION, 2);
 
@@ -74,6 +92,7 @@ fn main() {
                     let t = me
                         .transfer(op, &lmem, &offs, &tmem, &offs, &sizes, None)
                         .expect("submit");
+                    assert_eq!(t.route(), expected, "{name}: the route measured");
                     assert!(t.wait(Some(WAIT)).expect("transfer"), "unfinished");
                 });
             }

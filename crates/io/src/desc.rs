@@ -5,9 +5,10 @@ use std::net::SocketAddr;
 
 use mori_transport::{Error, Location, Result};
 
-// Version 2 of both: engines carry their same-host socket, regions their key and instance.
+// Engines (version 2) carry their same-host socket; regions (version 3) their key, instance,
+// CUDA IPC export and fabric registration.
 const ENGINE_TAG: &[u8; 4] = b"MIE2";
-const MEMORY_TAG: &[u8; 4] = b"MIM2";
+const MEMORY_TAG: &[u8; 4] = b"MIM3";
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&(s.len() as u32).to_le_bytes());
@@ -110,6 +111,17 @@ pub struct MemoryDesc {
     /// GPU regions exported for CUDA IPC at registration: what a same-host peer needs to map
     /// the region (IPC handle, device, lease slot). Absent: peers use TCP.
     pub ipc: Option<Vec<u8>>,
+    /// The region's registration with its engine's fabric endpoint. Absent: no fabric route.
+    pub fabric: Option<FabricDesc>,
+}
+
+/// How a peer names a region on the fabric: the base its provider addresses it by, and its
+/// memory key masked with a value only holders of the deployment secret compute
+/// (`fabric::mask`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FabricDesc {
+    pub base: u64,
+    pub masked_key: u64,
 }
 
 impl MemoryDesc {
@@ -122,9 +134,21 @@ impl MemoryDesc {
         out.extend_from_slice(&self.len.to_le_bytes());
         out.extend_from_slice(&self.location.encode().to_le_bytes());
         out.push(u8::from(self.writable));
-        if let Some(ipc) = &self.ipc {
-            out.extend_from_slice(&(ipc.len() as u32).to_le_bytes());
-            out.extend_from_slice(ipc);
+        match &self.ipc {
+            Some(ipc) => {
+                out.push(1);
+                out.extend_from_slice(&(ipc.len() as u32).to_le_bytes());
+                out.extend_from_slice(ipc);
+            }
+            None => out.push(0),
+        }
+        match &self.fabric {
+            Some(f) => {
+                out.push(1);
+                out.extend_from_slice(&f.base.to_le_bytes());
+                out.extend_from_slice(&f.masked_key.to_le_bytes());
+            }
+            None => out.push(0),
         }
         out
     }
@@ -144,15 +168,24 @@ impl MemoryDesc {
             1 => true,
             _ => return Err(bad()),
         };
-        // Optional trailer: the CUDA IPC export.
-        let ipc = if c.0.is_empty() {
-            None
-        } else {
-            let n = c.u32()? as usize;
-            if n > 16 << 10 {
-                return Err(bad());
+        let ipc = match c.take(1)?[0] {
+            0 => None,
+            1 => {
+                let n = c.u32()? as usize;
+                if n > 16 << 10 {
+                    return Err(bad());
+                }
+                Some(c.take(n)?.to_vec())
             }
-            Some(c.take(n)?.to_vec())
+            _ => return Err(bad()),
+        };
+        let fabric = match c.take(1)?[0] {
+            0 => None,
+            1 => Some(FabricDesc {
+                base: c.u64()?,
+                masked_key: c.u64()?,
+            }),
+            _ => return Err(bad()),
         };
         if !c.0.is_empty() {
             return Err(bad());
@@ -166,6 +199,7 @@ impl MemoryDesc {
             location,
             writable,
             ipc,
+            fabric,
         })
     }
 }
@@ -193,6 +227,7 @@ mod tests {
             location: Location::Cuda(3),
             writable: true,
             ipc: None,
+            fabric: None,
         };
         assert_eq!(MemoryDesc::from_bytes(&m.to_bytes()).unwrap(), m);
         let h = MemoryDesc {
@@ -203,6 +238,10 @@ mod tests {
         assert_eq!(MemoryDesc::from_bytes(&h.to_bytes()).unwrap(), h);
         let g = MemoryDesc {
             ipc: Some(b"MIOC-blob".to_vec()),
+            fabric: Some(FabricDesc {
+                base: 0x7f00_0000_1000,
+                masked_key: 0xfeed_beef_0bad_cafe,
+            }),
             ..m.clone()
         };
         assert_eq!(MemoryDesc::from_bytes(&g.to_bytes()).unwrap(), g);

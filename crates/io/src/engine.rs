@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mori_auth::Secret;
+use mori_net::fabric::{RemoteRegion, Rma};
 use mori_transport::batch::first_out_of_range;
 use mori_transport::connection::{BatchRequest, Connection, Job, Target};
 use mori_transport::cuda_ipc::{self, Exporter, Importer, IpcConfig, Prepared};
@@ -19,7 +20,8 @@ use mori_transport::{
     Batch, Error, Location, Notifications, Registry, Result, Route, Transfer, UseGuard,
 };
 
-use crate::desc::{EngineDesc, MemoryDesc};
+use crate::desc::{EngineDesc, FabricDesc, MemoryDesc};
+use crate::fabric::{self, FabricJob, FabricMode, FabricPlane};
 
 /// Settings of an engine.
 #[derive(Debug, Clone)]
@@ -59,6 +61,11 @@ pub struct EngineConfig {
     pub handshake_timeout: Duration,
     /// Notifications kept until taken; a notified write beyond it is refused (busy).
     pub max_notifications: usize,
+    /// Whether the engine opens a libfabric endpoint, and for which peers it is the route.
+    pub fabric: FabricMode,
+    /// The libfabric provider (e.g. `verbs;ofi_rxm`, `tcp;ofi_rxm`); None: `MORI_FABRIC_PROVIDER`,
+    /// else the first one offering RMA (software ones only where the mode allows them).
+    pub fabric_provider: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -78,6 +85,8 @@ impl Default for EngineConfig {
             max_connections_per_peer: 64,
             handshake_timeout: Duration::from_secs(10),
             max_notifications: 1 << 16,
+            fabric: FabricMode::Auto,
+            fabric_provider: None,
         }
     }
 }
@@ -102,6 +111,8 @@ struct Peer {
     local: bool,
     conns: Arc<[Arc<Connection>]>,
     next: AtomicUsize,
+    /// The peer's handle on this engine's fabric endpoint, when the fabric is its route.
+    fabric: Option<u64>,
 }
 
 impl Peer {
@@ -137,6 +148,40 @@ pub struct IoEngine {
     notifications: Arc<Notifications>,
     exporter: Exporter,
     importer: Importer,
+    fabric: Option<FabricPlane>,
+}
+
+/// The engine's fabric endpoint as its mode asks: None for `off`, and for `auto` where no
+/// RDMA provider is present; an error where `remote` or `always` cannot open one.
+fn open_fabric(config: &EngineConfig) -> Result<Option<FabricPlane>> {
+    let software_ok = match config.fabric {
+        FabricMode::Off => return Ok(None),
+        FabricMode::Auto => false,
+        FabricMode::Remote | FabricMode::Always => true,
+    };
+    let provider = match fabric::choose_provider(config.fabric_provider.as_deref(), software_ok) {
+        Ok(Some(p)) => p,
+        Ok(None) if !software_ok => return Ok(None),
+        Ok(None) => {
+            return Err(Error::InvalidArgument(
+                "the fabric route was asked for, but no libfabric provider offers RMA here                  (install libfabric, e.g. the libfabric1 package; `mori check` lists providers)"
+                    .into(),
+            ));
+        }
+        Err(e) => return Err(e),
+    };
+    let node = (!config.host.is_unspecified()).then(|| config.host.to_string());
+    match FabricPlane::start(&provider, node.as_deref(), config.timeout) {
+        Ok(plane) => {
+            tracing::debug!("mori.io fabric endpoint on {provider}");
+            Ok(Some(plane))
+        }
+        Err(e) if !software_ok => {
+            tracing::info!("no fabric route: {provider} did not open ({e})");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Identifies this host: kernel boot id + host name.
@@ -184,6 +229,7 @@ impl IoEngine {
         } else {
             None
         };
+        let fabric = open_fabric(&config)?;
         let registry = Arc::new(Registry::new());
         let notifications = Arc::new(Notifications::new(config.max_notifications));
         let server = Server::start(
@@ -192,6 +238,10 @@ impl IoEngine {
                 me: Hello {
                     name: name.to_string(),
                     instance,
+                    fabric: fabric
+                        .as_ref()
+                        .map(|f| f.name().to_vec())
+                        .unwrap_or_default(),
                 },
                 secret: secret.clone(),
                 unix_path: local.clone(),
@@ -223,8 +273,20 @@ impl IoEngine {
                 ce_threshold: config.ce_threshold,
                 blocks: config.ipc_blocks,
             }),
+            fabric,
             config,
         })
+    }
+
+    /// The libfabric provider of this engine's fabric endpoint (None: it has none).
+    pub fn fabric_provider(&self) -> Option<&str> {
+        self.fabric.as_ref().map(FabricPlane::provider)
+    }
+
+    /// The fabric endpoint's address (what peers get in the hello). Not a secret: a host that
+    /// can reach the endpoint still needs a region's unmasked key to touch it.
+    pub fn fabric_address(&self) -> Option<&[u8]> {
+        self.fabric.as_ref().map(FabricPlane::name)
     }
 
     pub fn name(&self) -> &str {
@@ -249,6 +311,11 @@ impl IoEngine {
         Hello {
             name: self.name.clone(),
             instance: self.instance,
+            fabric: self
+                .fabric
+                .as_ref()
+                .map(|f| f.name().to_vec())
+                .unwrap_or_default(),
         }
     }
 
@@ -284,6 +351,27 @@ impl IoEngine {
             Location::Cuda(_) if self.config.cuda_ipc && writable => self.exporter.export(&r),
             _ => None,
         };
+        // Host memory is registered with the fabric endpoint too (GPU memory is not yet: it
+        // needs a provider with FI_HMEM).
+        let fabric = match (&self.fabric, location) {
+            (Some(plane), Location::Host) => {
+                // SAFETY: the caller keeps the memory valid until deregister, which closes
+                // this registration (register's contract).
+                let remote = unsafe { plane.register(r.id, addr, len, writable) };
+                match remote {
+                    Ok(remote) => Some(FabricDesc {
+                        base: remote.base,
+                        masked_key: remote.key
+                            ^ fabric::mask(&self.secret, self.instance, r.id, r.key),
+                    }),
+                    Err(e) => {
+                        let _ = self.registry.deregister(r.id, self.config.timeout, &|_| {});
+                        return Err(e);
+                    }
+                }
+            }
+            _ => None,
+        };
         Ok(MemoryDesc {
             engine: self.name.clone(),
             instance: self.instance,
@@ -293,6 +381,7 @@ impl IoEngine {
             location,
             writable,
             ipc,
+            fabric,
         })
     }
 
@@ -307,7 +396,16 @@ impl IoEngine {
         let deregistered = self
             .registry
             .deregister(mem.id, self.config.timeout, &|id| self.server.fence(id));
-        deregistered.and(revoked.map_err(|e| Error::StillInUse(e.to_string())))
+        // Peers' fabric operations: closing the registration ends them (a provider serves no
+        // operation on a closed region; on a software provider they run on the fabric thread,
+        // which closes it between two of them).
+        let closed = match &self.fabric {
+            Some(plane) if mem.fabric.is_some() => plane.deregister(mem.id),
+            _ => Ok(()),
+        };
+        deregistered
+            .and(closed)
+            .and(revoked.map_err(|e| Error::StillInUse(e.to_string())))
     }
 
     fn own(&self, mem: &MemoryDesc) -> Result<()> {
@@ -336,6 +434,16 @@ impl IoEngine {
         }
         let same_host = peer.host == self.host;
         let (local, conns) = self.open_connections(peer, same_host)?;
+        // The fabric address comes from the peer's hello, after it proved the secret.
+        let fabric = match &self.fabric {
+            Some(plane)
+                if (self.config.fabric == FabricMode::Always || !same_host)
+                    && !conns[0].peer_fabric().is_empty() =>
+            {
+                Some(plane.add_peer(conns[0].peer_fabric())?)
+            }
+            _ => None,
+        };
         let old = self.peers.lock().map_err(|_| poisoned())?.insert(
             peer.name.clone(),
             Arc::new(Peer {
@@ -344,6 +452,7 @@ impl IoEngine {
                 local,
                 conns,
                 next: AtomicUsize::new(0),
+                fabric,
             }),
         );
         if let Some(old) = old {
@@ -365,6 +474,7 @@ impl IoEngine {
         let expect = Hello {
             name: peer.name.clone(),
             instance: peer.instance,
+            fabric: Vec::new(), // whatever the peer's hello says
         };
         let open_all = |target: &Target| {
             (0..self.config.connections_per_peer)
@@ -533,6 +643,24 @@ impl IoEngine {
                 peer,
             );
         }
+        // Host memory on both sides, a peer reached over the fabric: one-sided RMA.
+        if let (Some(plane), Some(handle), Some(remote_fabric)) =
+            (&self.fabric, peer.fabric, remote.fabric)
+            && guard.region().location == Location::Host
+            && remote.location == Location::Host
+        {
+            return Ok(self.launch_fabric(
+                plane,
+                handle,
+                op,
+                guard,
+                remote,
+                remote_fabric,
+                batch,
+                notify,
+                peer,
+            ));
+        }
         // Same host, host memory on both sides: the target copies straight from/to us.
         let direct = peer.local
             && guard.region().location == Location::Host
@@ -623,6 +751,60 @@ impl IoEngine {
             finish,
         )?;
         Ok(transfer)
+    }
+
+    /// Hands a batch to the fabric thread. A notified write sends its tag over the peer's
+    /// connection once every operation is back, and completes when the peer recorded it.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_fabric(
+        &self,
+        plane: &FabricPlane,
+        handle: u64,
+        op: Op,
+        guard: Arc<UseGuard>,
+        remote: &MemoryDesc,
+        remote_fabric: FabricDesc,
+        batch: Batch,
+        notify: Option<&[u8]>,
+        peer: Arc<Peer>,
+    ) -> Transfer {
+        let transfer = Transfer::on_route(1, Route::Fabric);
+        let done = transfer.clone();
+        let tag = notify.map(<[u8]>::to_vec);
+        let (remote_id, remote_key) = (remote.id, remote.key);
+        let local = guard.clone();
+        let finish: fabric::Finish = Box::new(move |outcome| match (outcome, tag) {
+            (Err(e), _) => done.part_done(Err(&e)),
+            (Ok(()), Some(tag)) => peer.pick().submit(Job {
+                kind: Kind::Write,
+                remote_region: remote_id,
+                remote_key,
+                batch: Arc::new(Batch::default()),
+                range: 0..0,
+                local,
+                notify: tag,
+                transfer: done,
+            }),
+            (Ok(()), None) => done.part_done(Ok(())),
+        });
+        plane.run(FabricJob {
+            op: match op {
+                Op::Read => Rma::Read,
+                Op::Write => Rma::Write,
+            },
+            local: guard,
+            peer: handle,
+            peer_name: remote.engine.clone(),
+            remote: RemoteRegion {
+                base: remote_fabric.base,
+                len: remote.len,
+                key: remote_fabric.masked_key
+                    ^ fabric::mask(&self.secret, remote.instance, remote.id, remote.key),
+            },
+            batch: Arc::new(batch),
+            finish,
+        });
+        transfer
     }
 
     /// Notifications received so far (each returned once).

@@ -6,16 +6,19 @@
 //! request names a region and its random key, so only descriptors that were handed out reach
 //! memory, and a descriptor of a restarted engine is refused.
 //!
-//! Routes, chosen per transfer by memory location: cuda_ipc (same host, the peer region is GPU
-//! memory: this engine's GPU copies through an IPC mapping), the same-host direct path (host
-//! memory on both sides, over the peer's Unix socket), and TCP (anything else, and the
-//! fallback when a faster route is unavailable).
+//! Routes, chosen per transfer by memory location and peer: cuda_ipc (same host, the peer
+//! region is GPU memory: this engine's GPU copies through an IPC mapping), the same-host direct
+//! path (host memory on both sides, over the peer's Unix socket), fabric (host memory, a peer
+//! on another host, both engines with a libfabric endpoint: one-sided RMA, see [`FabricMode`]),
+//! and TCP (anything else, and the fallback when a faster route is unavailable).
 
 mod desc;
 mod engine;
+mod fabric;
 
-pub use desc::{EngineDesc, MemoryDesc};
+pub use desc::{EngineDesc, FabricDesc, MemoryDesc};
 pub use engine::{EngineConfig, IoEngine, Notification, Op};
+pub use fabric::{FabricMode, mask as fabric_key_mask};
 pub use mori_auth::Secret;
 pub use mori_transport::cuda_ipc::{DEFAULT_CE_THRESHOLD, ce_threshold_from_env};
 pub use mori_transport::{

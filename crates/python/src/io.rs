@@ -4,7 +4,7 @@ use std::net::{IpAddr, ToSocketAddrs};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use mori_io::{Batch, EngineConfig, EngineDesc, Location, MemoryDesc, Op, Status};
+use mori_io::{Batch, EngineConfig, EngineDesc, FabricMode, Location, MemoryDesc, Op, Status};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyBytes;
@@ -113,7 +113,7 @@ pub struct IoEngine {
 impl IoEngine {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (name, host="127.0.0.1", port=0, connections_per_peer=2, timeout=30.0, chunk_bytes=4194304, same_host_direct=true, cuda_ipc=true, ce_threshold=None, ipc_blocks=0, secret=None, handshake_timeout=10.0, max_connections=1024))]
+    #[pyo3(signature = (name, host="127.0.0.1", port=0, connections_per_peer=2, timeout=30.0, chunk_bytes=4194304, same_host_direct=true, cuda_ipc=true, ce_threshold=None, ipc_blocks=0, secret=None, handshake_timeout=10.0, max_connections=1024, fabric=None, fabric_provider=None))]
     fn new(
         name: &str,
         host: &str,
@@ -128,7 +128,13 @@ impl IoEngine {
         secret: Option<&[u8]>,
         handshake_timeout: f64,
         max_connections: usize,
+        fabric: Option<&str>,
+        fabric_provider: Option<String>,
     ) -> Result<Self> {
+        let fabric = match fabric {
+            Some(mode) => FabricMode::parse(mode)?,
+            None => FabricMode::from_env()?,
+        };
         let handshake_timeout = Duration::try_from_secs_f64(handshake_timeout)
             .ok()
             .filter(|d| !d.is_zero())
@@ -166,6 +172,8 @@ impl IoEngine {
                 .map_err(|e| Error::InvalidArgument(format!("secret: {e}")))?,
             handshake_timeout,
             max_connections,
+            fabric,
+            fabric_provider,
             ..EngineConfig::default()
         };
         Ok(Self {
@@ -181,6 +189,11 @@ impl IoEngine {
     #[getter]
     fn desc<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.inner.desc().to_bytes())
+    }
+
+    #[getter]
+    fn fabric_provider(&self) -> Option<String> {
+        self.inner.fabric_provider().map(str::to_string)
     }
 
     /// Registers `nbytes` at `ptr` (device -1 = host memory); returns the memory descriptor.
@@ -351,7 +364,8 @@ impl Transfer {
         }
     }
 
-    /// The path the bytes take: "tcp", "direct" (same-host process_vm copy) or "cuda_ipc".
+    /// The path the bytes take: "tcp", "direct" (same-host process_vm copy), "local" (payloads
+    /// over the same-host socket), "cuda_ipc" or "fabric" (libfabric RMA).
     #[getter]
     fn route(&self) -> &'static str {
         self.inner.route().name()

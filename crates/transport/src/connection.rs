@@ -146,6 +146,8 @@ pub struct Connection {
     local: bool,
     /// The process serving the peer's same-host socket, as the kernel named it.
     peer_pid: Option<u32>,
+    /// The peer's fabric endpoint address, from its hello (empty: it has none).
+    peer_fabric: Vec<u8>,
     stream: Arc<Stream>,
 }
 
@@ -232,6 +234,7 @@ impl Connection {
             direct_ok: direct_ok.clone(),
             local,
             peer_pid,
+            peer_fabric: they.fabric,
             stream: stream.clone(),
         });
         {
@@ -307,6 +310,12 @@ impl Connection {
     /// On a same-host connection, the pid of the peer's process (from the kernel).
     pub fn peer_pid(&self) -> Option<u32> {
         self.peer_pid
+    }
+
+    /// The peer's fabric endpoint address as its hello gave it, after it proved the secret
+    /// (empty: it has none).
+    pub fn peer_fabric(&self) -> &[u8] {
+        &self.peer_fabric
     }
 
     /// Queues a request; its transfer completes (or fails) later.

@@ -77,6 +77,8 @@ pub enum Route {
     CudaIpc = 2,
     /// Same host: payloads over the engine's Unix socket (when the direct copy is refused).
     Local = 3,
+    /// One-sided RMA through the engines' fabric endpoints (libfabric, mori-net).
+    Fabric = 4,
 }
 
 impl Route {
@@ -86,6 +88,7 @@ impl Route {
             Route::Direct => "direct",
             Route::CudaIpc => "cuda_ipc",
             Route::Local => "local",
+            Route::Fabric => "fabric",
         }
     }
     fn from_u8(v: u8) -> Route {
@@ -93,6 +96,7 @@ impl Route {
             1 => Route::Direct,
             2 => Route::CudaIpc,
             3 => Route::Local,
+            4 => Route::Fabric,
             _ => Route::Tcp,
         }
     }

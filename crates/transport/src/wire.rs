@@ -1,6 +1,7 @@
 //! Frames of the mori.io data plane (little-endian), after the mori-auth handshake.
 //!
-//! hello:    "MIOH" | version u8 | instance u64 | name_len u32 | name    (each side, once)
+//! hello:    "MIOH" | version u8 | instance u64 | name_len u32 | name | fabric_len u32 | fabric
+//!           (each side, once; fabric: the engine's libfabric endpoint address, may be empty)
 //! request:  "MIOQ" | kind u8 | id u64 | region u64 | key u64 | items u32 | notify_len u32
 //!           | items × (offset u64, len u64) | notify
 //!           | kind 1 (write): payload (items' bytes)
@@ -19,10 +20,13 @@ use crate::error::{Code, Error, Result};
 pub const HELLO: [u8; 4] = *b"MIOH";
 pub const REQUEST: [u8; 4] = *b"MIOQ";
 pub const RESPONSE: [u8; 4] = *b"MIOR";
-pub const VERSION: u8 = 2;
+/// 3: the hello carries the fabric endpoint address.
+pub const VERSION: u8 = 3;
 pub const MAX_ITEMS: u32 = 1 << 20;
 pub const MAX_NOTIFY: u32 = 64 << 10;
 const MAX_NAME: u32 = 4096;
+/// Longest fabric endpoint address in a hello (libfabric's are at most a few dozen bytes).
+const MAX_FABRIC_NAME: u32 = 1024;
 const MAX_MSG: u32 = 64 << 10;
 /// Items read per step, so a header that claims many items costs memory only as they arrive.
 const ITEMS_PER_READ: usize = 4096;
@@ -67,6 +71,10 @@ pub struct Item {
 pub struct Hello {
     pub name: String,
     pub instance: u64,
+    /// The address of the engine's fabric endpoint (libfabric `fi_getname`), empty when it
+    /// has none. Sent only after the peer proved the secret: what a forged descriptor cannot
+    /// redirect.
+    pub fabric: Vec<u8>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,6 +133,8 @@ pub fn write_hello(w: &mut impl Write, me: &Hello) -> Result<()> {
     out.extend_from_slice(&me.instance.to_le_bytes());
     out.extend_from_slice(&(me.name.len() as u32).to_le_bytes());
     out.extend_from_slice(me.name.as_bytes());
+    out.extend_from_slice(&(me.fabric.len() as u32).to_le_bytes());
+    out.extend_from_slice(&me.fabric);
     w.write_all(&out)
         .and_then(|()| w.flush())
         .map_err(ioe("sending hello"))
@@ -149,7 +159,17 @@ pub fn read_hello(r: &mut impl Read) -> Result<Hello> {
     let mut name = vec![0u8; len as usize];
     r.read_exact(&mut name).map_err(ioe("reading hello"))?;
     let name = String::from_utf8(name).map_err(|_| bad("hello name is not UTF-8"))?;
-    Ok(Hello { name, instance })
+    let len = u32::from_le_bytes(read_array(r).map_err(ioe("reading hello"))?);
+    if len > MAX_FABRIC_NAME {
+        return Err(bad("hello fabric address too long"));
+    }
+    let mut fabric = vec![0u8; len as usize];
+    r.read_exact(&mut fabric).map_err(ioe("reading hello"))?;
+    Ok(Hello {
+        name,
+        instance,
+        fabric,
+    })
 }
 
 /// Header bytes of a request (the payload follows separately).
@@ -341,6 +361,7 @@ mod tests {
         let me = Hello {
             name: "engine-a".into(),
             instance: 42,
+            fabric: vec![2, 0, 0x1f, 0x90, 127, 0, 0, 1],
         };
         let mut hello = Vec::new();
         write_hello(&mut hello, &me).unwrap();

@@ -1221,6 +1221,7 @@ mod tests {
             location: Location::Host,
             writable: true,
             ipc: None,
+            fabric: None,
         };
         for id in 0..32 {
             let err = read_remote(&rogue, &probe(id, data.arena.1), 0, 16).unwrap_err();

@@ -171,7 +171,7 @@ fn flag_overrides_env_overrides_file() {
     assert_eq!(c.stats().unwrap().dram_capacity_bytes, 2 << 20);
     drop(c);
     let out = d.stop(libc::SIGTERM, Duration::from_secs(30));
-    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
 }
 
 /// The authentication settings: printed with their sources, checked, and a secret file that

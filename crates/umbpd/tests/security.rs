@@ -312,6 +312,7 @@ fn the_data_plane_refuses_engines_on_other_hosts() {
         location: Location::Host,
         writable: true,
         ipc: None,
+        fabric: None,
     }
     .to_bytes();
     let rt = runtime();

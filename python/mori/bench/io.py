@@ -1,5 +1,9 @@
 """``mori bench io``: mori.io transfers between two processes on one host, over TCP on
 loopback and over the same-host direct path (process_vm_readv/writev), measured in the same run;
+with libfabric installed, also the fabric route (``fabric="always"``: one-sided RMA through the
+``tcp;ofi_rxm`` provider on loopback, or ``MORI_FABRIC_PROVIDER``), beside the ceiling of that
+path in the same run: one TCP socket streaming the same block sizes between the two processes,
+and a memcpy of the largest batch;
 with two GPUs (and torch), also cuda_ipc GPU0 <-> GPU1: the default route (one gather/scatter
 launch per batch, the copy engine for items >= the threshold) beside the copy engine for every
 item (``copy_engine_threshold=0``), in the same run. Block size × batch size, reads and writes:
@@ -87,10 +91,10 @@ class _Verify:
         return self.checks.check(label, "" if theirs == ours else "the destination's bytes differ from the source's")
 
 
-def _target(conn, nbytes: int) -> None:
+def _target(conn, nbytes: int, fabric: bool) -> None:
     from mori.io import IOEngine
 
-    eng = IOEngine("bench-target", timeout=60.0)
+    eng = IOEngine("bench-target", timeout=60.0, fabric="always" if fabric else "off")
     buf = np.zeros(nbytes, dtype=np.uint8)
     mem = eng.register(buf)
     conn.send((eng.desc, mem.pack()))
@@ -101,10 +105,21 @@ def run(trials: int, out_dir: str, routes: str = "all", ipc_blocks: int = 0) -> 
     record: dict[str, Any] = {"benchmark": "io", "env": environment(), "method": __doc__.strip(), "transports": [],
                               "config": {"trials": trials, "ipc_blocks": ipc_blocks}}
     checks = Checks()
-    if routes in ("all", "host"):
-        record["transports"] += ["tcp loopback", "same-host direct"]
+    if routes in ("all", "host", "fabric"):
+        transports = {"all": ["tcp", "direct", "fabric"], "host": ["tcp", "direct"], "fabric": ["tcp", "fabric"]}[routes]
+        if "fabric" in transports:
+            why = _fabric_missing()
+            if why is not None:
+                if routes == "fabric":
+                    raise RuntimeError(f"--routes fabric: {why}")
+                print(f"\nfabric: skipped ({why})")
+                transports.remove("fabric")
+                record["fabric"] = {"skipped": why}
+        record["transports"] += [{"tcp": "tcp loopback", "direct": "same-host direct", "fabric": "fabric (libfabric RMA)"}[t] for t in transports]
         record["config"].update(connections_per_peer=2, chunk_bytes=4 << 20)
-        record["results"], record["submit_10000_blocks_us"] = _host_cases(trials, checks)
+        record["results"], record["submit_10000_blocks_us"] = _host_cases(trials, checks, transports)
+        if "fabric" in transports:
+            record["ceilings"] = _ceilings(trials)
     if routes in ("all", "cuda_ipc"):
         record["cuda_ipc"] = _gpu_cases(trials, ipc_blocks, checks)  # None: skipped (reason printed)
         if record["cuda_ipc"] is not None:
@@ -115,14 +130,26 @@ def run(trials: int, out_dir: str, routes: str = "all", ipc_blocks: int = 0) -> 
     return record
 
 
-def _host_cases(trials: int, checks: Checks) -> tuple[list[dict[str, Any]], float]:
-    """tcp and same-host direct between two processes: the sweep's rows and the µs of Python
-    time to submit a 10 000-block batch."""
+def _fabric_missing() -> str | None:
+    """Why the fabric route cannot be measured here (None: it can)."""
+    from mori import _core
+    from mori.errors import MoriError
+
+    try:
+        found = _core.fabric_providers()
+    except MoriError as e:
+        return str(e)
+    return None if found else "no libfabric provider offers RMA here"
+
+
+def _host_cases(trials: int, checks: Checks, transports: list[str]) -> tuple[list[dict[str, Any]], float]:
+    """``transports`` (tcp, direct, fabric) between two processes: the sweep's rows and the µs
+    of Python time to submit a 10 000-block batch over tcp."""
     from mori.io import IOEngine, MemoryDesc
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(child, MAX_BATCH_BYTES))
+    proc = ctx.Process(target=_target, args=(child, MAX_BATCH_BYTES, "fabric" in transports))
     proc.start()
     try:
         desc, raw = conn.recv()
@@ -130,8 +157,9 @@ def _host_cases(trials: int, checks: Checks) -> tuple[list[dict[str, Any]], floa
         local = np.random.default_rng(int.from_bytes(os.urandom(8), "little")).integers(0, 256, MAX_BATCH_BYTES, dtype=np.uint8)
         verify = _Verify(conn, local, checks)
         rows = []
-        for transport in ("tcp", "direct"):
-            with IOEngine(f"bench-client-{transport}", timeout=60.0, same_host_direct=transport == "direct") as eng:
+        for transport in transports:
+            with IOEngine(f"bench-client-{transport}", timeout=60.0, same_host_direct=transport == "direct",
+                          fabric="always" if transport == "fabric" else "off") as eng:
                 eng.connect(desc)
                 mem = eng.register(local)
                 print(f"\n== {transport} ==")
@@ -164,7 +192,10 @@ def _sweep(eng, mem, remote, trials: int, transport: str, verify: _Verify) -> li
             row: dict[str, Any] = {"transport": transport, "block_bytes": block, "batch": batch, "verified": True}
             for op in ("write", "read"):  # the read brings back what the checked write left
                 fn = eng.batch_write if op == "write" else eng.batch_read
-                fn(mem, offs, remote, offs, sizes).wait()  # warm-up
+                t = fn(mem, offs, remote, offs, sizes)  # warm-up
+                if t.route != transport:
+                    raise RuntimeError(f"{transport}: the transfer took the {t.route} route")
+                t.wait()
                 times = []
                 for i in range(trials):
                     if i == trials - 1:
@@ -202,6 +233,73 @@ def _submit_cost(eng, mem, remote, trials: int, verify: _Verify) -> float:
     verify.after_last("tcp write of 10 000 x 4 KiB (submission timing)", n * 4096)
     print(f"submit p99: {percentile(submit, 0.99) * 1e6:.0f} µs")
     return median(submit) * 1e6
+
+
+def _stream_receiver(port: int, total: int, conn) -> None:
+    """Receives ``total`` bytes on one TCP connection to 127.0.0.1:``port`` per round, into a
+    buffer of that size, and answers each round with the number of bytes it got."""
+    import socket
+
+    buf = bytearray(total)
+    view = memoryview(buf)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        while conn.recv() == "round":
+            got = 0
+            while got < total:
+                n = s.recv_into(view[got:])
+                if n == 0:
+                    raise ConnectionError("the stream closed early")
+                got += n
+            conn.send(got)
+
+
+def _ceilings(trials: int) -> dict[str, Any]:
+    """The path's ceiling measured now: one TCP socket between two processes on loopback moving
+    MAX_BATCH_BYTES in sendall calls of each block size (GB/s, median), and a memcpy of that
+    many bytes in this process."""
+    import socket
+
+    src = np.random.default_rng(1).integers(0, 256, MAX_BATCH_BYTES, dtype=np.uint8)
+    view = memoryview(src)
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        proc = ctx.Process(target=_stream_receiver, args=(server.getsockname()[1], MAX_BATCH_BYTES, child))
+        proc.start()
+        peer, _ = server.accept()
+        stream = {}
+        try:
+            print("\n== ceilings: one TCP stream between the two processes, memcpy ==")
+            for block in (64 << 10, 1 << 20, 16 << 20):
+                times = []
+                for _ in range(max(trials, 3)):
+                    conn.send("round")
+                    t0 = time.perf_counter()
+                    for off in range(0, MAX_BATCH_BYTES, block):
+                        peer.sendall(view[off : off + block])
+                    got = conn.recv()
+                    times.append(time.perf_counter() - t0)
+                    if got != MAX_BATCH_BYTES:
+                        raise RuntimeError(f"the stream delivered {got} of {MAX_BATCH_BYTES} bytes")
+                stream[str(block)] = MAX_BATCH_BYTES / median(times) / 1e9
+                print(f"stream, {human_bytes(block)} sends: {stream[str(block)]:.2f} GB/s")
+        finally:
+            conn.send("stop")
+            peer.close()
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(max(trials, 3)):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    if not np.array_equal(dst, src):
+        raise RuntimeError("memcpy produced other bytes")
+    memcpy = MAX_BATCH_BYTES / median(times) / 1e9
+    print(f"memcpy of {human_bytes(MAX_BATCH_BYTES)}: {memcpy:.2f} GB/s")
+    return {"tcp_stream_gbps": stream, "memcpy_gbps": memcpy, "bytes": MAX_BATCH_BYTES}
 
 
 GPU_BLOCKS = [4 << 10, 16 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
@@ -324,9 +422,10 @@ def _gpu_cases(trials: int, ipc_blocks: int, checks: Checks) -> dict[str, Any] |
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=positive_int, default=5, help="timed batches per point (median)")
     add_out_argument(p)
-    p.add_argument("--routes", choices=("all", "host", "cuda_ipc"), default="all",
-                   help="host: tcp and same-host direct only; cuda_ipc: GPU0 <-> GPU1 only (needs PyTorch and 2 GPUs with "
-                   "peer access); all: both, cuda_ipc skipped with the reason where it cannot run")
+    p.add_argument("--routes", choices=("all", "host", "fabric", "cuda_ipc"), default="all",
+                   help="host: tcp and same-host direct only; fabric: the fabric route beside tcp and the path's ceilings "
+                   "(needs libfabric); cuda_ipc: GPU0 <-> GPU1 only (needs PyTorch and 2 GPUs with peer access); all: "
+                   "everything, fabric and cuda_ipc skipped with the reason where they cannot run")
     p.add_argument("--ipc-blocks", type=nonnegative_int, default=0,
                    help="thread blocks of a gather/scatter launch (0: the engine's default, two per SM)")
 

@@ -51,11 +51,14 @@ pub const FI_EP_RDM: c_int = 3;
 pub const FI_AV_TABLE: c_int = 2;
 pub const FI_CQ_FORMAT_DATA: c_int = 3;
 pub const FI_WAIT_NONE: c_int = 0;
+pub const FI_WAIT_UNSPEC: c_int = 1;
 // Control commands.
 pub const FI_ENABLE: c_int = 6;
 // Errors (positive errno values; calls return them negated).
 pub const FI_EAGAIN: isize = libc::EAGAIN as isize;
 pub const FI_EAVAIL: isize = 259;
+pub const FI_ETIMEDOUT: isize = libc::ETIMEDOUT as isize;
+pub const FI_ECANCELED: isize = libc::ECANCELED as isize;
 
 #[repr(C)]
 pub struct fi_tx_attr {
@@ -313,6 +316,17 @@ pub struct fi_ops_cq {
     pub read: unsafe extern "C" fn(*mut fid_cq, *mut c_void, usize) -> ssize_t,
     pub readfrom: unsafe extern "C" fn(*mut fid_cq, *mut c_void, usize, *mut fi_addr_t) -> ssize_t,
     pub readerr: unsafe extern "C" fn(*mut fid_cq, *mut fi_cq_err_entry, u64) -> ssize_t,
+    pub sread:
+        unsafe extern "C" fn(*mut fid_cq, *mut c_void, usize, *const c_void, c_int) -> ssize_t,
+    pub sreadfrom: unsafe extern "C" fn(
+        *mut fid_cq,
+        *mut c_void,
+        usize,
+        *mut fi_addr_t,
+        *const c_void,
+        c_int,
+    ) -> ssize_t,
+    pub signal: unsafe extern "C" fn(*mut fid_cq) -> c_int,
 }
 
 #[repr(C)]

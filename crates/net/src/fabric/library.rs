@@ -32,7 +32,7 @@ impl Library {
     /// The process's libfabric, loaded once; the error says why it is not available.
     pub fn get() -> Result<&'static Library> {
         static LIB: OnceLock<std::result::Result<Library, String>> = OnceLock::new();
-        LIB.get_or_init(|| Library::load().map_err(|e| e.to_string()))
+        LIB.get_or_init(|| keeping_signal_handlers(Library::load).map_err(|e| e.to_string()))
             .as_ref()
             .map_err(|why| Error::Unavailable(why.clone()))
     }
@@ -134,4 +134,35 @@ fn dl_error() -> String {
     }
     // SAFETY: non-null, NUL-terminated.
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+/// Runs `f` (a libfabric call that may initialise providers) and puts back every signal
+/// handler it replaced. Some providers install handlers for SIGTERM, SIGSEGV and others when
+/// they initialise (libfabric 1.17 on Debian: SIGINT, SIGILL, SIGABRT, SIGBUS, SIGSEGV,
+/// SIGTERM), which would take over the embedding program's own (a daemon's clean shutdown on
+/// SIGTERM, Python's KeyboardInterrupt); a library must not do that.
+pub(crate) fn keeping_signal_handlers<T>(f: impl FnOnce() -> T) -> T {
+    let signals: Vec<i32> = (1..=libc::SIGRTMAX())
+        .filter(|&s| s != libc::SIGKILL && s != libc::SIGSTOP)
+        .collect();
+    let current = |sig: i32| {
+        // SAFETY: all-zero bytes are a valid sigaction (no handler, empty mask).
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: with a null new action, sigaction only reads the current one into `old`.
+        let ok = unsafe { libc::sigaction(sig, std::ptr::null(), &mut old) } == 0;
+        ok.then_some(old)
+    };
+    let before: Vec<Option<libc::sigaction>> = signals.iter().map(|&s| current(s)).collect();
+    let out = f();
+    for (&sig, was) in signals.iter().zip(&before) {
+        let (Some(was), Some(now)) = (was, current(sig)) else {
+            continue;
+        };
+        if now.sa_sigaction != was.sa_sigaction || now.sa_flags != was.sa_flags {
+            // SAFETY: restores the action read above for the same signal.
+            unsafe { libc::sigaction(sig, was, std::ptr::null_mut()) };
+            tracing::debug!("libfabric replaced the handler of signal {sig}: restored");
+        }
+    }
+    out
 }

@@ -13,6 +13,7 @@ use std::ptr;
 use std::time::{Duration, Instant};
 
 pub use library::Library;
+use library::keeping_signal_handlers;
 
 use crate::error::{Error, Result};
 
@@ -84,7 +85,7 @@ impl Hints {
         let mut out = ptr::null_mut();
         let flags = if node.is_some() { ffi::FI_SOURCE } else { 0 };
         // SAFETY: valid hints; out receives a list freed by InfoList.
-        let ret = unsafe {
+        let ret = keeping_signal_handlers(|| unsafe {
             (self.lib.getinfo)(
                 ffi::API_VERSION,
                 node.as_ref().map_or(ptr::null(), |n| n.as_ptr()),
@@ -93,7 +94,7 @@ impl Hints {
                 self.info,
                 &mut out,
             )
-        };
+        });
         if ret != 0 {
             return Err(self.lib.fail("fi_getinfo", ret as isize));
         }
@@ -253,6 +254,32 @@ fn random_key(bytes: usize) -> Result<u64> {
     }
 }
 
+/// Wakes an [`Endpoint::wait`] from another thread.
+pub struct Waker {
+    lib: &'static Library,
+    cq: *mut ffi::fid_cq,
+}
+
+// SAFETY: fi_cq_signal may be called from any thread; the queue outlives the waker (see
+// `wake`).
+unsafe impl Send for Waker {}
+// SAFETY: as above; signalling takes no state of the waker.
+unsafe impl Sync for Waker {}
+
+impl Waker {
+    /// Makes the endpoint's current or next `wait` return.
+    ///
+    /// # Safety
+    /// The endpoint it came from must still be open.
+    pub unsafe fn wake(&self) {
+        // SAFETY: the caller guarantees the queue is alive; signal is thread-safe.
+        let ret = unsafe { ((*(*self.cq).ops).signal)(self.cq) };
+        if ret != 0 {
+            tracing::debug!("fi_cq_signal: {}", self.lib.strerror(-ret));
+        }
+    }
+}
+
 /// Which way an operation moves bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rma {
@@ -303,6 +330,8 @@ pub struct Endpoint {
     key_bytes: usize,
     provider: ProviderInfo,
     in_flight: RefCell<HashMap<u64, Box<Op>>>,
+    /// The completion queue has a wait object ([`Endpoint::wait`] blocks in the provider).
+    waits: bool,
     /// Operations already reported as timed out, kept until the provider hands them back.
     expired: RefCell<HashMap<u64, Box<Op>>>,
     next_id: Cell<u64>,
@@ -343,12 +372,13 @@ impl Endpoint {
             key_bytes,
             provider: provider_info,
             in_flight: RefCell::new(HashMap::new()),
+            waits: false,
             expired: RefCell::new(HashMap::new()),
             next_id: Cell::new(1),
             timeout: Cell::new(None),
             last_expiry_scan: Cell::new(Instant::now()),
         };
-        e.setup()?;
+        keeping_signal_handlers(|| e.setup())?;
         Ok(e)
     }
 
@@ -379,24 +409,33 @@ impl Endpoint {
                     ptr::null_mut(),
                 ),
             )?;
-            let mut cq_attr = ffi::fi_cq_attr {
-                size: 0,
-                flags: 0,
-                format: ffi::FI_CQ_FORMAT_DATA,
-                wait_obj: ffi::FI_WAIT_NONE,
-                signaling_vector: 0,
-                wait_cond: 0,
-                wait_set: ptr::null_mut(),
-            };
-            check(
-                "fi_cq_open",
-                ((*(*self.domain).ops).cq_open)(
+            // A queue with a wait object when the provider has one (waiting blocks in the
+            // provider, which wakes on peers' traffic), else one that is only polled.
+            for wait_obj in [ffi::FI_WAIT_UNSPEC, ffi::FI_WAIT_NONE] {
+                let mut cq_attr = ffi::fi_cq_attr {
+                    size: 0,
+                    flags: 0,
+                    format: ffi::FI_CQ_FORMAT_DATA,
+                    wait_obj,
+                    signaling_vector: 0,
+                    wait_cond: 0,
+                    wait_set: ptr::null_mut(),
+                };
+                let ret = ((*(*self.domain).ops).cq_open)(
                     self.domain,
                     &mut cq_attr,
                     &mut self.cq,
                     ptr::null_mut(),
-                ),
-            )?;
+                );
+                if ret == 0 {
+                    self.waits = wait_obj != ffi::FI_WAIT_NONE;
+                    break;
+                }
+                self.cq = ptr::null_mut();
+                if wait_obj == ffi::FI_WAIT_NONE {
+                    check("fi_cq_open", ret)?;
+                }
+            }
             let mut av_attr = ffi::fi_av_attr {
                 type_: ffi::FI_AV_TABLE,
                 rx_ctx_bits: 0,
@@ -494,9 +533,27 @@ impl Endpoint {
     /// The memory must stay valid (and not be freed) until the returned region is dropped;
     /// peers holding its [`Region::remote`] may read and write it meanwhile.
     pub unsafe fn register(&self, addr: u64, len: u64) -> Result<Region<'_>> {
+        let access = ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ | ffi::FI_REMOTE_WRITE;
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.register_with(addr, len, access) }
+    }
+
+    /// Registers `len` bytes at `addr` that peers may only read (their writes fail at the
+    /// provider); this side may still write from it.
+    ///
+    /// # Safety
+    /// As [`Endpoint::register`].
+    pub unsafe fn register_read_only(&self, addr: u64, len: u64) -> Result<Region<'_>> {
+        let access = ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ;
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.register_with(addr, len, access) }
+    }
+
+    /// # Safety
+    /// As [`Endpoint::register`].
+    unsafe fn register_with(&self, addr: u64, len: u64, access: u64) -> Result<Region<'_>> {
         let len_usize =
             usize::try_from(len).map_err(|_| Error::InvalidArgument("region too large".into()))?;
-        let access = ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ | ffi::FI_REMOTE_WRITE;
         // Without FI_MR_PROV_KEY the key is ours to choose: an unguessable one, as wide as the
         // provider's keys are (a peer can only reach a region whose key it was given).
         let requested_key = if self.mr_mode & ffi::FI_MR_PROV_KEY != 0 {
@@ -683,12 +740,56 @@ impl Endpoint {
 
     /// Makes progress and moves finished operations into `out`; returns how many.
     pub fn poll(&self, out: &mut Vec<Completion>) -> Result<usize> {
+        self.complete(out, None)
+    }
+
+    /// As [`Endpoint::poll`], but when nothing is finished waits up to `timeout` for a
+    /// completion, making progress meanwhile (serving peers' operations as they arrive, on
+    /// providers that need it), or until a [`Waker`] wakes it. Where the provider's queue has
+    /// no wait object, polls once and sleeps briefly instead.
+    pub fn wait(&self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize> {
+        if self.waits {
+            return self.complete(out, Some(timeout));
+        }
+        let n = self.complete(out, None)?;
+        if n == 0 {
+            std::thread::sleep(timeout.min(Duration::from_micros(100)));
+        }
+        Ok(n)
+    }
+
+    /// Something another thread can wake [`Endpoint::wait`] with (None: the provider's queue
+    /// has no wait object, and `wait` never sleeps long).
+    pub fn waker(&self) -> Option<Waker> {
+        self.waits.then_some(Waker {
+            lib: self.lib,
+            cq: self.cq,
+        })
+    }
+
+    /// Reads completions (blocking up to `timeout` when given) into `out`.
+    fn complete(&self, out: &mut Vec<Completion>, timeout: Option<Duration>) -> Result<usize> {
         const BATCH: usize = 16;
         let mut entries: [std::mem::MaybeUninit<ffi::fi_cq_data_entry>; BATCH] =
             [const { std::mem::MaybeUninit::uninit() }; BATCH];
+        let buf = entries.as_mut_ptr().cast();
         // SAFETY: a live completion queue; it writes at most BATCH entries of the queue's
-        // format (FI_CQ_FORMAT_DATA).
-        let n = unsafe { ((*(*self.cq).ops).read)(self.cq, entries.as_mut_ptr().cast(), BATCH) };
+        // format (FI_CQ_FORMAT_DATA). sread only on a queue opened with a wait object.
+        let n = unsafe {
+            match timeout {
+                None => ((*(*self.cq).ops).read)(self.cq, buf, BATCH),
+                Some(t) => {
+                    let ms = t.as_millis().clamp(1, i32::MAX as u128) as i32;
+                    let n = ((*(*self.cq).ops).sread)(self.cq, buf, BATCH, ptr::null(), ms);
+                    // Timed out or woken: nothing finished.
+                    if [ffi::FI_ETIMEDOUT, ffi::FI_ECANCELED, libc::EINTR as isize].contains(&-n) {
+                        -ffi::FI_EAGAIN
+                    } else {
+                        n
+                    }
+                }
+            }
+        };
         let expired = self.expire(out);
         if n > 0 {
             let mut reported = expired;
