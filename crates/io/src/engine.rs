@@ -151,6 +151,28 @@ pub struct IoEngine {
     fabric: Option<FabricPlane>,
 }
 
+/// Announces a write that moved by another route (cuda_ipc, fabric): an empty write request
+/// carrying the tag, over the peer's connection; `done` completes when the peer recorded it.
+fn send_tag(
+    peer: &Peer,
+    remote_region: u64,
+    remote_key: u64,
+    local: Arc<UseGuard>,
+    tag: Vec<u8>,
+    done: Transfer,
+) {
+    peer.pick().submit(Job {
+        kind: Kind::Write,
+        remote_region,
+        remote_key,
+        batch: Arc::new(Batch::default()),
+        range: 0..0,
+        local,
+        notify: tag,
+        transfer: done,
+    });
+}
+
 /// The engine's fabric endpoint as its mode asks: None for `off`, and for `auto` where no
 /// RDMA provider is present; an error where `remote` or `always` cannot open one.
 fn open_fabric(config: &EngineConfig) -> Result<Option<FabricPlane>> {
@@ -724,16 +746,7 @@ impl IoEngine {
                 detail: "the peer's connections closed during a cuda_ipc transfer".into(),
             })),
             Ok(()) => match tag {
-                Some(tag) => peer.pick().submit(Job {
-                    kind: Kind::Write,
-                    remote_region: remote_id,
-                    remote_key,
-                    batch: Arc::new(Batch::default()),
-                    range: 0..0,
-                    local,
-                    notify: tag,
-                    transfer: done,
-                }),
+                Some(tag) => send_tag(&peer, remote_id, remote_key, local, tag, done),
                 None => done.part_done(Ok(())),
             },
         });
@@ -775,16 +788,7 @@ impl IoEngine {
         let local = guard.clone();
         let finish: fabric::Finish = Box::new(move |outcome| match (outcome, tag) {
             (Err(e), _) => done.part_done(Err(&e)),
-            (Ok(()), Some(tag)) => peer.pick().submit(Job {
-                kind: Kind::Write,
-                remote_region: remote_id,
-                remote_key,
-                batch: Arc::new(Batch::default()),
-                range: 0..0,
-                local,
-                notify: tag,
-                transfer: done,
-            }),
+            (Ok(()), Some(tag)) => send_tag(&peer, remote_id, remote_key, local, tag, done),
             (Ok(()), None) => done.part_done(Ok(())),
         });
         plane.run(FabricJob {

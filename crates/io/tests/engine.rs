@@ -21,18 +21,6 @@ fn engine_with(name: &str, direct: bool) -> IoEngine {
     IoEngine::new(name, cfg).unwrap()
 }
 
-/// Non-overlapping (offset) layout of `sizes` in a region, with random gaps.
-fn layout(rng: &mut Lcg, sizes: &[u64]) -> (Vec<u64>, u64) {
-    let mut offs = Vec::with_capacity(sizes.len());
-    let mut pos = 0;
-    for s in sizes {
-        pos += rng.next() % 7;
-        offs.push(pos);
-        pos += s;
-    }
-    (offs, pos + 7)
-}
-
 #[test]
 fn random_batches_read_and_write_byte_exact_over_tcp() {
     random_batches(false);
@@ -53,8 +41,8 @@ fn random_batches(direct: bool) {
     let mut rng = Lcg(42);
     for &n in &[1usize, 3, 100, 2000] {
         let sizes: Vec<u64> = (0..n).map(|_| 1 + rng.next() % 5000).collect();
-        let (loff, llen) = layout(&mut rng, &sizes);
-        let (roff, rlen) = layout(&mut rng, &sizes);
+        let (loff, llen) = rng.layout(&sizes);
+        let (roff, rlen) = rng.layout(&sizes);
         let mut local = rng.bytes(llen as usize);
         let mut remote = rng.bytes(rlen as usize);
         let lm = a

@@ -46,18 +46,6 @@ fn engines(tag: &str) -> Option<(IoEngine, IoEngine)> {
     Some((a, b))
 }
 
-/// Non-overlapping layout of `sizes` with random gaps.
-fn layout(rng: &mut Lcg, sizes: &[u64]) -> (Vec<u64>, u64) {
-    let mut offs = Vec::with_capacity(sizes.len());
-    let mut pos = 0;
-    for s in sizes {
-        pos += rng.next() % 7;
-        offs.push(pos);
-        pos += s;
-    }
-    (offs, pos + 7)
-}
-
 #[test]
 fn random_batches_move_byte_exact_over_the_fabric_route() {
     let Some((a, b)) = engines("random") else {
@@ -75,8 +63,8 @@ fn random_batches_move_byte_exact_over_the_fabric_route() {
     ];
     for (n, max) in shapes {
         let sizes: Vec<u64> = (0..n).map(|_| 1 + rng.next() % max).collect();
-        let (loff, llen) = layout(&mut rng, &sizes);
-        let (roff, rlen) = layout(&mut rng, &sizes);
+        let (loff, llen) = rng.layout(&sizes);
+        let (roff, rlen) = rng.layout(&sizes);
         let mut local = rng.bytes(llen as usize);
         let mut remote = rng.bytes(rlen as usize);
         let lm = a

@@ -25,6 +25,19 @@ impl Lcg {
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
         (0..n).map(|_| self.next() as u8).collect()
     }
+
+    /// Offsets for items of `sizes` laid out in order without overlap, with random gaps of
+    /// 0..7 bytes (so most are unaligned), and the length of region they need.
+    pub fn layout(&mut self, sizes: &[u64]) -> (Vec<u64>, u64) {
+        let mut offs = Vec::with_capacity(sizes.len());
+        let mut pos = 0;
+        for s in sizes {
+            pos += self.next() % 7;
+            offs.push(pos);
+            pos += s;
+        }
+        (offs, pos + 7)
+    }
 }
 
 /// Settings of the bounded property tests that fuzz mori's decoders: `cases` cases per
