@@ -46,7 +46,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use mori_auth::Secret;
-use mori_io::{EngineConfig, IoEngine, Location, MemoryDesc};
+use mori_io::{EngineConfig, FabricMode, IoEngine, Location, MemoryDesc};
 use mori_umbp::PoolStats;
 use tonic::transport::{Channel, Endpoint};
 
@@ -886,6 +886,7 @@ impl Client {
         );
         let cfg = EngineConfig {
             host: self.data_host,
+            fabric: FabricMode::from_env()?,
             ..EngineConfig::default()
         };
         let engine = IoEngine::new(&name, cfg)?;

@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use mori_io::{EngineConfig, EngineDesc, IoEngine, Location, MemoryDesc, Op};
+use mori_io::{EngineConfig, EngineDesc, FabricMode, IoEngine, Location, MemoryDesc, Op};
 use mori_umbp::{
     CloseReport, LocalPool, PoolStats, PutOutcome, ReadSlot, ReserveSlot, VerifyingReads,
 };
@@ -271,9 +271,13 @@ impl DataPlane {
         let cfg = EngineConfig {
             host,
             timeout: DATA_TIMEOUT,
+            fabric: FabricMode::from_env().map_err(|e| format!("MORI_IO_FABRIC: {e}"))?,
             ..EngineConfig::default()
         };
         let engine = IoEngine::new(&name, cfg).map_err(|e| e.to_string())?;
+        if let Some(provider) = engine.fabric_provider() {
+            tracing::info!(provider, "data plane: fabric endpoint open");
+        }
         Ok(DataPlane {
             engine,
             arena: (addr as u64, len as u64),
@@ -340,7 +344,14 @@ impl DataPlane {
                 None,
             );
             match submitted {
-                Ok(t) => transfers.push(t),
+                Ok(t) => {
+                    tracing::debug!(
+                        route = t.route().name(),
+                        items = batch.sizes.len(),
+                        "data-plane transfer"
+                    );
+                    transfers.push(t);
+                }
                 Err(e) => {
                     // Those already in flight finish (or time out) before the lease ends.
                     let _ = self.wait_until(transfers, Instant::now() + self.timeout);
@@ -376,6 +387,11 @@ impl DataPlane {
                 None,
             )
             .map_err(status_of_io)?;
+        tracing::debug!(
+            route = t.route().name(),
+            items = sizes.len(),
+            "data-plane transfer"
+        );
         self.wait_until(vec![t], Instant::now() + self.timeout)
     }
 
