@@ -263,6 +263,31 @@ def test_a_client_with_the_wrong_secret_is_refused(start_umbpd, tmp_path):
         Client(master=d.addr, secret_file=secret_file)
 
 
+def test_the_data_plane_proves_the_configured_secret(umbpd_bin, tmp_path, monkeypatch):
+    """A daemon given --secret-file and a client given that secret move registered-buffer values
+    over mori.io although each process's default secret (MORI_SECRET here) differs: both data
+    planes prove the configured secret, not the process default (which across hosts differs)."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("the-deployment-secret-of-the-data-plane\n")
+    secret_file.chmod(0o600)
+    d = Umbpd(umbpd_bin, tmp_path / "dp", "--dram-bytes", "8M", "--secret-file", str(secret_file),
+              env={"MORI_SECRET": "the-daemon-process-default-secret"})
+    monkeypatch.setenv("MORI_SECRET", "the-client-process-default-secret")
+    try:
+        c = Client(master=d.addr, secret_file=secret_file)
+        buf = np.zeros(1 << 20, dtype=np.uint8)
+        c.register(buf)
+        value = np.random.default_rng(7).integers(0, 256, 300_000, dtype=np.uint8)
+        buf[: len(value)] = value
+        assert c.batch_put_from(["dp"], buf, [0], [len(value)]) == [True]  # past SMALL_CALL_BYTES: mori.io
+        buf[:] = 0
+        assert c.batch_get_into(["dp"], buf, [4096], [len(value)]) == [len(value)]
+        assert buf[4096 : 4096 + len(value)].tobytes() == value.tobytes()
+    finally:
+        code, out = d.stop()
+    assert code == 0, out
+
+
 # --------------------------------------------------------------------------------------------
 # Cluster: a master and two peers
 # --------------------------------------------------------------------------------------------

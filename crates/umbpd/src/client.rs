@@ -254,6 +254,8 @@ pub struct Client {
     data: Mutex<Option<Arc<DataEngine>>>,
     /// The address the data plane listens on (this host's side of the daemon connection).
     data_host: IpAddr,
+    /// The secret the client proves, which its data plane proves too.
+    secret: Arc<Secret>,
     rt: tokio::runtime::Runtime,
 }
 
@@ -558,7 +560,7 @@ impl Client {
                     .max_encoding_message_size(MAX_MESSAGE_BYTES),
                 opts: peer_options(opts, peer_deadline),
                 peer_deadline,
-                secret,
+                secret: Arc::clone(&secret),
                 peers: Mutex::new(HashMap::new()),
             }
         });
@@ -567,6 +569,7 @@ impl Client {
             cluster,
             data: Mutex::new(None),
             data_host: local_ip_towards(addr),
+            secret,
             rt,
         })
     }
@@ -886,6 +889,7 @@ impl Client {
         );
         let cfg = EngineConfig {
             host: self.data_host,
+            secret: Some((*self.secret).clone()),
             fabric: FabricMode::from_env()?,
             ..EngineConfig::default()
         };

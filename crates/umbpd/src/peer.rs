@@ -347,7 +347,7 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
             }
         })?,
     );
-    let data = crate::server::start_data_plane(&shared, cfg);
+    let data = crate::server::start_data_plane(&shared, cfg, &security.secret);
     let service = UmbpService::new(Arc::clone(&shared), "peer")
         .with_link(Arc::clone(&link))
         .with_data_plane(data.clone())

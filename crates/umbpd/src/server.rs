@@ -295,7 +295,7 @@ pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
     let listener = bind(cfg.listen.value).await?;
     let security = Security::load(cfg)?;
     let shared = open_pool(cfg.pool_config()).await?;
-    let data = start_data_plane(&shared, cfg);
+    let data = start_data_plane(&shared, cfg, &security.secret);
     let service = UmbpService::new(Arc::clone(&shared), cfg.role.value.as_str())
         .with_data_plane(data.clone())
         .with_listener_stats(Arc::clone(&security.stats));
@@ -316,9 +316,14 @@ pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
 }
 
 /// Starts the data plane of a pool (an IO engine that leases arena bytes per request) on the
-/// listen address's IP; without it the daemon still serves the byte path.
-pub(crate) fn start_data_plane(shared: &SharedPool, cfg: &Config) -> Option<Arc<DataPlane>> {
-    match DataPlane::start(shared, cfg.listen.value.ip()) {
+/// listen address's IP, proving the daemon's secret; without it the daemon still serves the
+/// byte path.
+pub(crate) fn start_data_plane(
+    shared: &SharedPool,
+    cfg: &Config,
+    secret: &Secret,
+) -> Option<Arc<DataPlane>> {
+    match DataPlane::start(shared, cfg.listen.value.ip(), secret) {
         Ok(d) => Some(Arc::new(d)),
         Err(e) => {
             warn!(error = %e, "the IO engine did not start: serving the byte path only");

@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
+use mori_auth::Secret;
 use mori_io::{EngineConfig, EngineDesc, FabricMode, IoEngine, Location, MemoryDesc, Op};
 use mori_umbp::{
     CloseReport, LocalPool, PoolStats, PutOutcome, ReadSlot, ReserveSlot, VerifyingReads,
@@ -263,7 +264,7 @@ impl Items {
 impl DataPlane {
     /// Starts an engine listening on `host` for the pool's arena (nothing is registered
     /// until a request leases values).
-    pub fn start(pool: &SharedPool, host: IpAddr) -> Result<DataPlane, String> {
+    pub fn start(pool: &SharedPool, host: IpAddr, secret: &Secret) -> Result<DataPlane, String> {
         let ((addr, len), page) = pool
             .with(|p| Ok((p.dram_region(), p.dram_page_bytes())))
             .map_err(|s| s.message().to_string())?;
@@ -271,6 +272,7 @@ impl DataPlane {
         let cfg = EngineConfig {
             host,
             timeout: DATA_TIMEOUT,
+            secret: Some(secret.clone()),
             fabric: FabricMode::from_env().map_err(|e| format!("MORI_IO_FABRIC: {e}"))?,
             ..EngineConfig::default()
         };
@@ -1101,7 +1103,7 @@ mod tests {
         let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(256 << 10, 4096)).unwrap();
         let shared = SharedPool::new(pool);
         let localhost = IpAddr::from([127, 0, 0, 1]);
-        let data = DataPlane::start(&shared, localhost).unwrap();
+        let data = DataPlane::start(&shared, localhost, &Secret::deployment().unwrap()).unwrap();
         let client = IoEngine::new(
             "svc-test-client",
             EngineConfig {
@@ -1218,7 +1220,12 @@ mod tests {
         let page = 4096;
         let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(64 * page, page)).unwrap();
         let shared = SharedPool::new(pool);
-        let data = DataPlane::start(&shared, IpAddr::from([127, 0, 0, 1])).unwrap();
+        let data = DataPlane::start(
+            &shared,
+            IpAddr::from([127, 0, 0, 1]),
+            &Secret::deployment().unwrap(),
+        )
+        .unwrap();
         let values: Vec<Vec<u8>> = (0..4u8).map(|i| vec![i + 1; 3 * page - 100]).collect();
         for (i, v) in values.iter().enumerate() {
             shared
@@ -1320,7 +1327,12 @@ mod tests {
         const LEN: usize = 300_000;
         let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(8 << 20, 4096)).unwrap();
         let shared = SharedPool::new(pool);
-        let data = DataPlane::start(&shared, IpAddr::from([127, 0, 0, 1])).unwrap();
+        let data = DataPlane::start(
+            &shared,
+            IpAddr::from([127, 0, 0, 1]),
+            &Secret::deployment().unwrap(),
+        )
+        .unwrap();
         let client = engine("checksum-test-client");
         let keys: Vec<Vec<u8>> = (0..N).map(|i| format!("v{i}").into_bytes()).collect();
         let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
@@ -1429,7 +1441,12 @@ mod tests {
         let total: u64 = lens.iter().sum();
         let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(16 << 20, 4096)).unwrap();
         let shared = SharedPool::new(pool);
-        let data = DataPlane::start(&shared, IpAddr::from([127, 0, 0, 1])).unwrap();
+        let data = DataPlane::start(
+            &shared,
+            IpAddr::from([127, 0, 0, 1]),
+            &Secret::deployment().unwrap(),
+        )
+        .unwrap();
         let client = engine("sealed-put-client");
         let mut src: Vec<u8> = (0..total).map(|i| (i % 253) as u8).collect();
         let smem = client
@@ -1521,7 +1538,7 @@ mod lease_cost {
         let localhost = IpAddr::from([127, 0, 0, 1]);
         let (pool, _) = LocalPool::open(mori_umbp::PoolConfig::dram_only(1 << 30, 4096)).unwrap();
         let shared = SharedPool::new(pool);
-        let data = DataPlane::start(&shared, localhost).unwrap();
+        let data = DataPlane::start(&shared, localhost, &Secret::deployment().unwrap()).unwrap();
         let client = IoEngine::new(
             "lease-cost-client",
             EngineConfig {
