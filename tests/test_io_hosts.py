@@ -20,7 +20,6 @@ import json
 import os
 import queue
 import secrets
-import shutil
 import subprocess
 import sys
 import threading
@@ -29,57 +28,20 @@ from pathlib import Path
 
 import pytest
 
+from tests._netns import Hosts, hosts_or_skip
+
 PEER = Path(__file__).with_name("_io_hosts_peer.py")
 SIZE = 32 << 20
 SHAPES = [[1, 1], [3, 5000], [100, 60_000], [16_384, 1500], [2, 9 << 20]]
 
 
-def _required(var: str) -> bool:
-    return os.environ.get(var) == "1"
-
-
-def _skip_or_fail(var: str, why: str) -> None:
-    if _required(var):
-        pytest.fail(f"{var}=1 but {why}")
-    pytest.skip(why)
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-class Hosts:
-    """Two namespaces and a veth pair between them (10.214.N.1 and .2); removed on close."""
-
-    def __init__(self, tag: str):
-        n = os.getpid() % 250 + 1
-        self.ns = [f"mori-io-{tag}-{n}-a", f"mori-io-{tag}-{n}-b"]
-        self.veth = [f"mi{n}{tag[0]}a", f"mi{n}{tag[0]}b"]
-        self.addr = [f"10.214.{n}.1", f"10.214.{n}.2"]
-        _ip("netns", "add", self.ns[0])
-        _ip("netns", "add", self.ns[1])
-        _ip("link", "add", self.veth[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.veth[1], "netns", self.ns[1])
-        for i in range(2):
-            _ip("-n", self.ns[i], "addr", "add", f"{self.addr[i]}/24", "dev", self.veth[i])
-            _ip("-n", self.ns[i], "link", "set", self.veth[i], "up")
-            _ip("-n", self.ns[i], "link", "set", "lo", "up")
-
-    def link(self, up: bool) -> None:
-        _ip("-n", self.ns[0], "link", "set", self.veth[0], "up" if up else "down")
-
-    def close(self) -> None:
-        for ns in self.ns:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-
-
 class Peer:
-    """tests/_io_hosts_peer.py in namespace ``ns`` under host name ``host``."""
+    """tests/_io_hosts_peer.py in namespace ``i`` of ``hosts`` under host name ``host``."""
 
-    def __init__(self, ns: str, host: str, secret: str):
+    def __init__(self, hosts: Hosts, i: int, host: str, secret: str):
         env = dict(os.environ, MORI_SECRET=secret, PYTHONPATH=os.pathsep.join(sys.path))
-        script = f'hostname {host} && exec "{sys.executable}" "{PEER}"'
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", script],
+            hosts.command(i, host, [sys.executable, str(PEER)]),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )
         self.lines: queue.Queue[str] = queue.Queue()
@@ -120,33 +82,19 @@ class Peer:
 
 @pytest.fixture
 def hosts(request):
-    if os.geteuid() != 0:
-        _skip_or_fail("MORI_REQUIRE_NETNS", "network namespaces need root")
-    if not (shutil.which("ip") and shutil.which("unshare")):
-        _skip_or_fail("MORI_REQUIRE_NETNS", "needs the ip and unshare commands")
-    from mori import _core
-    from mori.errors import LibraryNotFoundError
-
-    try:
-        _core.fabric_providers()
-    except LibraryNotFoundError as e:
-        _skip_or_fail("MORI_REQUIRE_LIBFABRIC", f"libfabric not available: {e}")
-    try:
-        h = Hosts(request.node.name.split("_")[1][:3])
-    except subprocess.CalledProcessError as e:
-        _skip_or_fail("MORI_REQUIRE_NETNS", f"cannot set up namespaces: {e.stderr!r}")
+    h = hosts_or_skip("io" + request.node.name.split("_")[1][:2])
     yield h
     h.close()
 
 
 def _target(hosts: Hosts, secret: str, fabric: str, seed: int) -> tuple[Peer, dict]:
-    target = Peer(hosts.ns[0], "mori-host-a", secret)
+    target = Peer(hosts, 0, "mori-host-a", secret)
     return target, target.ask("start", name="target", host=hosts.addr[0], fabric=fabric, size=SIZE, seed=seed)
 
 
 def _pair(hosts: Hosts, fabric: str, seed: int, secret: str) -> tuple[Peer, Peer, dict]:
     target, t = _target(hosts, secret, fabric, seed)
-    initiator = Peer(hosts.ns[1], "mori-host-b", secret)
+    initiator = Peer(hosts, 1, "mori-host-b", secret)
     initiator.ask("start", name="initiator", host=hosts.addr[1], fabric=fabric, size=1 << 20, seed=seed + 7)
     initiator.ask("connect", desc=t["desc"])
     return target, initiator, t

@@ -1,0 +1,77 @@
+"""Two hosts emulated on one machine for the cross-host tests: two network namespaces joined by
+a veth pair, with addresses the test assigns (10.214.N.1 and .2), and processes started in a
+namespace under their own host name (a UTS namespace), so mori sees them on different hosts.
+
+Needs root and the ``ip`` and ``unshare`` commands; ``hosts_or_skip`` skips with the reason
+elsewhere, or fails where MORI_REQUIRE_NETNS=1 (scripts/test.sh sets it as root).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def skip_or_fail(var: str, why: str) -> None:
+    if os.environ.get(var) == "1":
+        pytest.fail(f"{var}=1 but {why}")
+    pytest.skip(why)
+
+
+def require_libfabric() -> None:
+    from mori import _core
+    from mori.errors import LibraryNotFoundError
+
+    try:
+        _core.fabric_providers()
+    except LibraryNotFoundError as e:
+        skip_or_fail("MORI_REQUIRE_LIBFABRIC", f"libfabric not available: {e}")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+class Hosts:
+    """Two namespaces and a veth pair between them; removed on close."""
+
+    def __init__(self, tag: str):
+        n = os.getpid() % 250 + 1
+        self.ns = [f"mori-{tag}-{n}-a", f"mori-{tag}-{n}-b"]
+        self.veth = [f"m{n}{tag[:2]}a", f"m{n}{tag[:2]}b"]
+        self.addr = [f"10.214.{n}.1", f"10.214.{n}.2"]
+        _ip("netns", "add", self.ns[0])
+        _ip("netns", "add", self.ns[1])
+        _ip("link", "add", self.veth[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.veth[1], "netns", self.ns[1])
+        for i in range(2):
+            _ip("-n", self.ns[i], "addr", "add", f"{self.addr[i]}/24", "dev", self.veth[i])
+            _ip("-n", self.ns[i], "link", "set", self.veth[i], "up")
+            _ip("-n", self.ns[i], "link", "set", "lo", "up")
+
+    def link(self, up: bool) -> None:
+        _ip("-n", self.ns[0], "link", "set", self.veth[0], "up" if up else "down")
+
+    def command(self, i: int, hostname: str, argv: list[str]) -> list[str]:
+        """``argv`` run in namespace ``i`` under host name ``hostname``."""
+        quoted = " ".join(f"'{a}'" for a in argv)
+        return ["ip", "netns", "exec", self.ns[i], "unshare", "--uts", "sh", "-c", f"hostname {hostname} && exec {quoted}"]
+
+    def close(self) -> None:
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def hosts_or_skip(tag: str) -> Hosts:
+    if os.geteuid() != 0:
+        skip_or_fail("MORI_REQUIRE_NETNS", "network namespaces need root")
+    if not (shutil.which("ip") and shutil.which("unshare")):
+        skip_or_fail("MORI_REQUIRE_NETNS", "needs the ip and unshare commands")
+    require_libfabric()
+    try:
+        return Hosts(tag)
+    except subprocess.CalledProcessError as e:
+        skip_or_fail("MORI_REQUIRE_NETNS", f"cannot set up namespaces: {e.stderr!r}")
+        raise
