@@ -4,7 +4,9 @@ namespace and host name), driven by JSON commands on stdin, one answer per line 
 Commands: ``start`` (engine + a registered region of seeded random bytes), ``connect``,
 ``exercise`` (random batches against a peer's region, every read checked against this side's
 model of that region; answers the model's SHA-256), ``hash`` (of this side's region),
-``big_write`` (answers ``submitted``, then the outcome of batches meant to be cut short).
+``big_write`` (answers ``submitted``, then the outcome of batches meant to be cut short);
+for ``benches/io_hosts.py``: ``timed`` (whole transfers, verified), ``stream_listen`` /
+``stream_send`` (a raw TCP stream between the two, the path's ceiling).
 """
 
 from __future__ import annotations
@@ -98,6 +100,82 @@ class Peer:
             return {"outcome": "done", "seconds": time.monotonic() - began}
         except Exception as e:  # the failure is the answer
             return {"outcome": "failed", "error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - began}
+
+
+    def timed(self, mem: str, block: int, batch: int, trials: int) -> dict:
+        """Whole transfers (submission to completion) of ``batch`` × ``block`` to and from the
+        peer's region: median GB/s of writes, then of reads; the last write is read back into
+        zeroed memory and compared, and the last read must bring back what was written."""
+        from mori.io import MemoryDesc
+
+        remote = MemoryDesc(bytes.fromhex(mem))
+        n = block * batch
+        local = np.random.default_rng(block + batch).integers(0, 256, 2 * n, dtype=np.uint8)
+        lm = self.engine.register(local)
+        offs = np.arange(batch, dtype=np.int64) * block
+        sizes = np.full(batch, block, dtype=np.int64)
+        out = {"block_bytes": block, "batch": batch}
+        for op in ("write", "read"):
+            fn = self.engine.batch_write if op == "write" else self.engine.batch_read
+            loff = offs if op == "write" else offs + n  # reads land in the second half
+            fn(lm, loff, remote, offs, sizes).wait()
+            times = []
+            for _ in range(trials):
+                if op == "read":
+                    local[n:] = 0
+                t0 = time.perf_counter()
+                t = fn(lm, loff, remote, offs, sizes)
+                t.wait()
+                times.append(time.perf_counter() - t0)
+            out["route"] = t.route
+            out[f"{op}_gbps"] = n / sorted(times)[len(times) // 2] / 1e9
+        out["verified"] = bool(np.array_equal(local[n:], local[:n]))
+        self.engine.deregister(lm)
+        return out
+
+    def stream_listen(self, host: str, total: int) -> dict:
+        """A TCP listener receiving ``total`` bytes per round on each connection, answering each
+        round with one byte (the ceiling of the path: a raw socket stream)."""
+        import socket
+        import threading
+
+        server = socket.create_server((host, 0))
+
+        def serve() -> None:
+            buf = bytearray(total)
+            view = memoryview(buf)
+            while True:  # one connection at a time, each for as many rounds as it sends
+                conn, _ = server.accept()
+                with conn:
+                    while True:
+                        got = 0
+                        while got < total:
+                            k = conn.recv_into(view[got:])
+                            if k == 0:
+                                break
+                            got += k
+                        if got < total:
+                            break
+                        conn.sendall(b"!")
+
+        threading.Thread(target=serve, daemon=True).start()
+        return {"port": server.getsockname()[1]}
+
+    def stream_send(self, host: str, port: int, total: int, block: int, trials: int) -> dict:
+        """GB/s of ``total`` bytes sent in ``block``-byte sendall calls to a ``stream_listen``
+        (median of ``trials`` rounds, each until the listener acknowledged it)."""
+        import socket
+
+        src = memoryview(np.random.default_rng(3).integers(0, 256, total, dtype=np.uint8))
+        times = []
+        with socket.create_connection((host, port)) as s:
+            for _ in range(trials):
+                t0 = time.perf_counter()
+                for off in range(0, total, block):
+                    s.sendall(src[off : off + block])
+                assert s.recv(1) == b"!"
+                times.append(time.perf_counter() - t0)
+        return {"gbps": total / sorted(times)[len(times) // 2] / 1e9}
 
 
 def _say(obj: dict) -> None:

@@ -16,68 +16,16 @@ MORI_REQUIRE_NETNS=1 / MORI_REQUIRE_LIBFABRIC=1 (scripts/test.sh sets them as ro
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import secrets
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from tests._netns import Hosts, hosts_or_skip
+from tests._netns import Hosts, Peer, hosts_or_skip
 
-PEER = Path(__file__).with_name("_io_hosts_peer.py")
 SIZE = 32 << 20
 SHAPES = [[1, 1], [3, 5000], [100, 60_000], [16_384, 1500], [2, 9 << 20]]
-
-
-class Peer:
-    """tests/_io_hosts_peer.py in namespace ``i`` of ``hosts`` under host name ``host``."""
-
-    def __init__(self, hosts: Hosts, i: int, host: str, secret: str):
-        env = dict(os.environ, MORI_SECRET=secret, PYTHONPATH=os.pathsep.join(sys.path))
-        self.proc = subprocess.Popen(
-            hosts.command(i, host, [sys.executable, str(PEER)]),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-
-    def send(self, op: str, **kw) -> None:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-
-    def answer(self, timeout: float = 120.0, *, failure_expected: bool = False) -> dict:
-        try:
-            got = json.loads(self.lines.get(timeout=timeout))
-        except queue.Empty:
-            raise AssertionError(f"no answer within {timeout} s") from None
-        assert failure_expected or "error" not in got, got["error"]
-        return got
-
-    def ask(self, op: str, timeout: float = 120.0, **kw) -> dict:
-        self.send(op, **kw)
-        return self.answer(timeout)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=30)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture
