@@ -39,7 +39,8 @@ const MAX_OP_BYTES: u64 = 8 << 20;
 pub enum FabricMode {
     /// Never.
     Off,
-    /// When a provider for an RDMA NIC (not a software one) is present: for peers on other hosts.
+    /// When a provider for an RDMA NIC (verbs, efa, cxi, opx, psm2, psm3) is present: for peers
+    /// on other hosts.
     Auto,
     /// For peers on other hosts, with any RMA provider (the software `tcp;ofi_rxm` included);
     /// failing to open one is an error.
@@ -70,8 +71,9 @@ impl FabricMode {
     }
 }
 
-/// Providers that run in software over sockets or shared memory: never chosen by `auto`.
-const SOFTWARE_PROVIDERS: [&str; 5] = ["tcp", "udp", "sockets", "shm", "sm2"];
+/// Core providers that drive RDMA hardware: the only ones `auto` chooses (libfabric also ships
+/// software ones — tcp, udp, sockets, net, shm, sm2, ... — which `remote` and `always` accept).
+const HARDWARE_PROVIDERS: [&str; 6] = ["verbs", "efa", "cxi", "opx", "psm2", "psm3"];
 
 /// The provider an engine opens: `wanted` (or `MORI_FABRIC_PROVIDER`) if given; otherwise
 /// the first RMA provider found, skipping software ones unless `software_ok`. None: none here.
@@ -90,15 +92,15 @@ pub fn choose_provider(wanted: Option<&str>, software_ok: bool) -> Result<Option
         }
         Err(e) => return Err(net_error(e, "")),
     };
-    let software = |p: &str| {
+    let hardware = |p: &str| {
         p.split(';')
             .next()
-            .is_some_and(|core| SOFTWARE_PROVIDERS.contains(&core))
+            .is_some_and(|core| HARDWARE_PROVIDERS.contains(&core))
     };
     Ok(found
         .into_iter()
         .map(|p| p.provider)
-        .find(|p| software_ok || !software(p)))
+        .find(|p| software_ok || hardware(p)))
 }
 
 /// The value a region's fabric key is masked with in its descriptor: only holders of the
@@ -532,5 +534,41 @@ fn post(
         if ops.len() >= MAX_IN_FLIGHT {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `auto` never opens a software provider: on this machine libfabric offers only software
+    /// ones (tcp, net, udp, shm ...), so `auto` finds none, while `remote` takes one.
+    #[test]
+    fn auto_takes_only_providers_of_rdma_hardware() {
+        if std::env::var("MORI_FABRIC_PROVIDER").is_ok() {
+            eprintln!("skipped: MORI_FABRIC_PROVIDER chooses the provider");
+            return;
+        }
+        if mori_net::fabric::providers().is_err() {
+            assert!(
+                std::env::var("MORI_REQUIRE_LIBFABRIC").as_deref() != Ok("1"),
+                "MORI_REQUIRE_LIBFABRIC=1 but libfabric is unavailable"
+            );
+            return;
+        }
+        let found = mori_net::fabric::providers().unwrap();
+        let hardware = found
+            .iter()
+            .any(|p| HARDWARE_PROVIDERS.contains(&p.provider.split(';').next().unwrap_or("")));
+        let auto = choose_provider(None, false).unwrap();
+        assert_eq!(
+            auto.is_some(),
+            hardware,
+            "auto chose {auto:?} among {found:?}"
+        );
+        if let Some(p) = auto {
+            assert!(HARDWARE_PROVIDERS.contains(&p.split(';').next().unwrap()));
+        }
+        assert!(choose_provider(None, true).unwrap().is_some());
     }
 }
