@@ -421,9 +421,11 @@ impl IoEngine {
         // Peers' fabric operations: closing the registration ends them (a provider serves no
         // operation on a closed region; on a software provider they run on the fabric thread,
         // which closes it between two of them).
+        // Whatever the descriptor says: a caller's copy without its fabric part must not leave
+        // the registration open.
         let closed = match &self.fabric {
-            Some(plane) if mem.fabric.is_some() => plane.deregister(mem.id),
-            _ => Ok(()),
+            Some(plane) => plane.deregister(mem.id),
+            None => Ok(()),
         };
         deregistered
             .and(closed)
