@@ -14,7 +14,7 @@
 //! holders of the deployment secret can compute ([`mask`]), so a descriptor alone does not
 //! open the region to a host without the secret.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender, TryRecvError};
@@ -84,6 +84,11 @@ pub fn choose_provider(wanted: Option<&str>, software_ok: bool) -> Result<Option
     {
         return Ok(Some(p));
     }
+    // No RDMA device: `auto` has nothing to find, and loading libfabric (its providers probe
+    // the machine: a quarter of a second on the CI machine) would only slow every engine's start.
+    if !software_ok && !rdma_devices_present() {
+        return Ok(None);
+    }
     let found = match mori_net::fabric::providers() {
         Ok(found) => found,
         Err(mori_net::Error::Unavailable(why)) => {
@@ -101,6 +106,14 @@ pub fn choose_provider(wanted: Option<&str>, software_ok: bool) -> Result<Option
         .into_iter()
         .map(|p| p.provider)
         .find(|p| software_ok || hardware(p)))
+}
+
+/// Whether the kernel lists an RDMA device: InfiniBand, RoCE, iWARP, EFA and Omni-Path ones
+/// appear in /sys/class/infiniband, Slingshot ones in /sys/class/cxi.
+fn rdma_devices_present() -> bool {
+    ["/sys/class/infiniband", "/sys/class/cxi"]
+        .iter()
+        .any(|dir| std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_some()))
 }
 
 /// The value a region's fabric key is masked with in its descriptor: only holders of the
@@ -353,7 +366,8 @@ impl Running {
 /// The fabric thread's loop: commands, posting, completions, until the plane is dropped.
 fn serve(ep: &Endpoint, rx: &Receiver<Command>, signals: &Signals, timeout: Duration) {
     let mut regions: HashMap<u64, Region<'_>> = HashMap::new();
-    let mut running: HashMap<u64, Running> = HashMap::new();
+    // By batch number: iterating it is oldest first.
+    let mut running: BTreeMap<u64, Running> = BTreeMap::new();
     let mut ops: HashMap<u64, u64> = HashMap::new(); // operation id -> batch
     let mut next_batch = 0u64;
     let mut done = Vec::new();
@@ -456,22 +470,15 @@ fn serve(ep: &Endpoint, rx: &Receiver<Command>, signals: &Signals, timeout: Dura
                 });
             }
         }
-        let finished: Vec<u64> = running
-            .iter()
-            .filter(|(_, r)| r.in_flight == 0 && r.all_posted())
-            .map(|(&b, _)| b)
-            .collect();
-        for b in finished {
-            if let Some(r) = running.remove(&b) {
-                (r.job.finish)(r.failed.map_or(Ok(()), Err));
-            }
+        for (_, r) in running.extract_if(.., |_, r| r.in_flight == 0 && r.all_posted()) {
+            (r.job.finish)(r.failed.map_or(Ok(()), Err));
         }
         if !running.is_empty() && ops.is_empty() {
             std::thread::yield_now();
         }
     }
     // The plane was dropped (its engine is closing): fail what is left.
-    for (_, r) in running.drain() {
+    for (_, r) in std::mem::take(&mut running) {
         (r.job.finish)(Err(Error::ConnectionLost {
             peer: r.job.peer_name.clone(),
             detail: "the engine closed its fabric endpoint".into(),
@@ -484,15 +491,10 @@ fn serve(ep: &Endpoint, rx: &Receiver<Command>, signals: &Signals, timeout: Dura
 fn post(
     ep: &Endpoint,
     regions: &HashMap<u64, Region<'_>>,
-    running: &mut HashMap<u64, Running>,
+    running: &mut BTreeMap<u64, Running>,
     ops: &mut HashMap<u64, u64>,
 ) {
-    let mut order: Vec<u64> = running.keys().copied().collect();
-    order.sort_unstable();
-    for b in order {
-        let Some(r) = running.get_mut(&b) else {
-            continue;
-        };
+    for (&b, r) in running.iter_mut() {
         let Some(local) = regions.get(&r.job.local.region().id) else {
             r.failed = Some(Error::InvalidArgument(
                 "the local region is not registered with the fabric".into(),
