@@ -114,51 +114,131 @@ fn random_batches_move_byte_exact_over_the_fabric_route() {
     }
 }
 
-/// An attacker's raw endpoint that reached the engine's fabric address.
-struct Attacker {
-    ep: Endpoint,
-    target: u64,
+/// What the attacker process (`attacker_process`) does with one attempt: 4096 bytes at offset
+/// 0 of the region, with this key.
+#[derive(Clone, Copy)]
+struct Attempt {
+    op: Rma,
+    key: u64,
 }
 
-impl Attacker {
-    fn new(engine: &IoEngine) -> Attacker {
+/// An attempt's outcome as the attacker saw it.
+#[derive(Debug)]
+struct Outcome {
+    succeeded: bool,
+    /// A read brought back bytes (its buffer starts zeroed).
+    bytes_came_back: bool,
+}
+
+/// Runs `attempts` against region `m` of `engine` from another process: this test binary
+/// again, running `attacker_process` with its orders in `MORI_IO_ATTACK`, a fresh raw
+/// libfabric endpoint per attempt (a wrong key makes the provider drop the connection). It has
+/// the engine's fabric address and the descriptor's base and length, and no secret.
+fn attack(engine: &IoEngine, m: &MemoryDesc, attempts: &[Attempt]) -> Vec<Outcome> {
+    let mut orders = format!(
+        "{} {} {}",
+        hex::encode(engine.fabric_address().unwrap()),
+        m.fabric.unwrap().base,
+        m.len
+    );
+    for a in attempts {
+        let op = if a.op == Rma::Write { 'w' } else { 'r' };
+        orders.push_str(&format!(" {op}:{}", a.key));
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "attacker_process",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("MORI_IO_ATTACK", orders)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Vec<Outcome> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix("@attack "))
+        .map(|l| Outcome {
+            succeeded: l.starts_with("ok"),
+            bytes_came_back: l.split(' ').nth(1) == Some("1"),
+        })
+        .collect();
+    assert_eq!(
+        got.len(),
+        attempts.len(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    got
+}
+
+/// The attacker (run by `attack` as another process; returns at once otherwise).
+#[test]
+fn attacker_process() {
+    let Ok(orders) = std::env::var("MORI_IO_ATTACK") else {
+        return;
+    };
+    let mut words = orders.split(' ');
+    let address = hex::decode(words.next().unwrap()).unwrap();
+    let base: u64 = words.next().unwrap().parse().unwrap();
+    let len: u64 = words.next().unwrap().parse().unwrap();
+    for order in words {
+        let (op, key) = order.split_once(':').unwrap();
+        let op = if op == "w" { Rma::Write } else { Rma::Read };
+        let key: u64 = key.parse().unwrap();
         let ep = Endpoint::open(PROVIDER, Some("127.0.0.1")).unwrap();
         ep.set_timeout(Some(Duration::from_secs(5)));
-        let target = ep.insert_peer(engine.fabric_address().unwrap()).unwrap();
-        Attacker { ep, target }
+        let target = ep.insert_peer(&address).unwrap();
+        let mut buf = vec![if op == Rma::Write { 0xa5u8 } else { 0 }; 4096];
+        let remote = RemoteRegion { base, len, key };
+        let result = raw_op(&ep, target, op, &mut buf, &remote);
+        let came_back = op == Rma::Read && buf.iter().any(|&x| x != 0);
+        let (word, why) = match result {
+            Ok(()) => ("ok", String::new()),
+            Err(e) => ("refused", e),
+        };
+        println!("\n@attack {word} {} {why}", u8::from(came_back));
     }
+}
 
-    /// Moves `buf.len()` bytes between `buf` and the region at offset 0 with `key`.
-    fn try_op(&self, op: Rma, buf: &mut [u8], m: &MemoryDesc, key: u64) -> Result<(), String> {
-        // SAFETY: `buf` outlives the registration (dropped at the end of this call).
-        let local = unsafe { self.ep.register(buf.as_mut_ptr() as u64, buf.len() as u64) }
-            .map_err(|e| e.to_string())?;
-        let remote = RemoteRegion {
-            base: m.fabric.unwrap().base,
-            len: m.len,
-            key,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let id = loop {
-            match self
-                .ep
-                .post(op, &local, 0, buf.len() as u64, self.target, &remote, 0)
-            {
-                Ok(Posted::Id(id)) => break id,
-                Ok(Posted::WouldBlock) => {
-                    let _ = self.ep.poll(&mut Vec::new());
-                    assert!(Instant::now() < deadline, "could not post");
+/// One RMA operation on a raw endpoint, waited for.
+fn raw_op(
+    ep: &Endpoint,
+    peer: u64,
+    op: Rma,
+    buf: &mut [u8],
+    remote: &RemoteRegion,
+) -> Result<(), String> {
+    // SAFETY: `buf` outlives the registration (dropped at the end of this call).
+    let local = unsafe { ep.register(buf.as_mut_ptr() as u64, buf.len() as u64) }
+        .map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let id = loop {
+        match ep.post(op, &local, 0, buf.len() as u64, peer, remote, 0) {
+            Ok(Posted::Id(id)) => break id,
+            Ok(Posted::WouldBlock) => {
+                let _ = ep.poll(&mut Vec::new());
+                if Instant::now() > deadline {
+                    return Err("could not post".into());
                 }
-                Err(e) => return Err(e.to_string()),
             }
-        };
-        let mut done = Vec::new();
-        loop {
-            self.ep.poll(&mut done).map_err(|e| e.to_string())?;
-            if let Some(Completion { result, .. }) = done.iter().find(|c| c.id == id) {
-                return result.as_ref().map(|_| ()).map_err(|e| e.to_string());
-            }
-            assert!(Instant::now() < deadline, "operation never completed");
+            Err(e) => return Err(e.to_string()),
+        }
+    };
+    let mut done = Vec::new();
+    loop {
+        ep.poll(&mut done).map_err(|e| e.to_string())?;
+        if let Some(Completion { result, .. }) = done.iter().find(|c| c.id == id) {
+            return result.as_ref().map(|_| ()).map_err(|e| e.to_string());
+        }
+        if Instant::now() > deadline {
+            return Err("never completed".into());
         }
     }
 }
@@ -179,26 +259,47 @@ fn a_descriptor_without_the_secret_reaches_nothing() {
     let masked = m.fabric.unwrap().masked_key;
     let real = masked ^ fabric_key_mask(&secret(), m.instance, m.id, m.key);
     // The descriptor's key as it travels, and keys near it: refused, nothing written or read.
-    for forged in [masked, masked ^ 1, m.key, 0] {
-        let attacker = Attacker::new(&b);
-        let mut payload = vec![0xa5u8; 4096];
-        let wrote = attacker.try_op(Rma::Write, &mut payload, &m, forged);
-        assert!(wrote.is_err(), "a write with key {forged:#x} succeeded");
-        let attacker = Attacker::new(&b);
-        let mut got = vec![0u8; 4096];
-        let read = attacker.try_op(Rma::Read, &mut got, &m, forged);
-        assert!(read.is_err(), "a read with key {forged:#x} succeeded");
+    let forged = [masked, masked ^ 1, m.key, 0];
+    let attempts: Vec<Attempt> = forged
+        .iter()
+        .flat_map(|&key| {
+            [
+                Attempt {
+                    op: Rma::Write,
+                    key,
+                },
+                Attempt { op: Rma::Read, key },
+            ]
+        })
+        .collect();
+    for (a, o) in attempts.iter().zip(attack(&b, &m, &attempts)) {
         assert!(
-            got.iter().all(|&x| x == 0),
-            "bytes came back with key {forged:#x}"
+            !o.succeeded && !o.bytes_came_back,
+            "key {:#x}: {o:?}",
+            a.key
         );
     }
     assert!(target.iter().all(|&x| x == 0x5a), "the region was written");
     // The same attack with the key a holder of the secret computes does reach the region:
     // the refusals above came from the key, not from the way the attack was made.
-    let attacker = Attacker::new(&b);
-    let mut payload = vec![0xa5u8; 4096];
-    attacker.try_op(Rma::Write, &mut payload, &m, real).unwrap();
+    let reached = attack(
+        &b,
+        &m,
+        &[
+            Attempt {
+                op: Rma::Write,
+                key: real,
+            },
+            Attempt {
+                op: Rma::Read,
+                key: real,
+            },
+        ],
+    );
+    assert!(
+        reached.iter().all(|o| o.succeeded) && reached[1].bytes_came_back,
+        "{reached:?}"
+    );
     assert!(target[..4096].iter().all(|&x| x == 0xa5));
     assert!(target[4096..].iter().all(|&x| x == 0x5a));
     // Deregistered through a copy of the descriptor without its fabric part: the fabric
@@ -210,9 +311,15 @@ fn a_descriptor_without_the_secret_reaches_nothing() {
     .unwrap();
     // After deregistration even the real key reaches nothing.
     target.fill(0x11);
-    let attacker = Attacker::new(&b);
-    let mut payload = vec![0xa5u8; 4096];
-    assert!(attacker.try_op(Rma::Write, &mut payload, &m, real).is_err());
+    let after = attack(
+        &b,
+        &m,
+        &[Attempt {
+            op: Rma::Write,
+            key: real,
+        }],
+    );
+    assert!(!after[0].succeeded, "{after:?}");
     assert!(
         target.iter().all(|&x| x == 0x11),
         "a deregistered region was written"
@@ -243,13 +350,15 @@ fn read_only_regions_refuse_writes_and_a_stale_descriptor_fails() {
     // The provider refuses too, for a holder of the real key (the registration's access).
     let real =
         rom.fabric.unwrap().masked_key ^ fabric_key_mask(&secret(), rom.instance, rom.id, rom.key);
-    let attacker = Attacker::new(&b);
-    let mut payload = vec![0xeeu8; 4096];
-    assert!(
-        attacker
-            .try_op(Rma::Write, &mut payload, &rom, real)
-            .is_err()
+    let refused = attack(
+        &b,
+        &rom,
+        &[Attempt {
+            op: Rma::Write,
+            key: real,
+        }],
     );
+    assert!(!refused[0].succeeded, "{refused:?}");
     assert!(ro.iter().all(|&x| x == 3), "a read-only region was written");
     // Reads from it work.
     let t = a
