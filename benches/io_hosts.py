@@ -18,7 +18,6 @@ import argparse
 import os
 import secrets
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mori.bench._common import environment, write_record  # noqa: E402
+from mori.bench.io import memcpy_gbps  # noqa: E402
 from tests._netns import Hosts, Peer  # noqa: E402
 
 SHAPES = [(4 << 10, 1024), (64 << 10, 128), (64 << 10, 1024), (1 << 20, 128), (16 << 20, 8)]
@@ -86,14 +86,7 @@ def main() -> int:
             initiator.close()
     finally:
         hosts.close()
-    src = np.random.default_rng(4).integers(0, 256, STREAM_BYTES, dtype=np.uint8)
-    dst = np.empty_like(src)
-    times = []
-    for _ in range(max(args.trials, 3)):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    memcpy = STREAM_BYTES / sorted(times)[len(times) // 2] / 1e9
+    memcpy = memcpy_gbps(np.random.default_rng(4).integers(0, 256, STREAM_BYTES, dtype=np.uint8), args.trials)
     print(f"\nmemcpy of {STREAM_BYTES >> 20} MiB: {memcpy:.2f} GB/s")
     if failed:
         print("verification failed, no record written:\n  " + "\n  ".join(failed), file=sys.stderr)
