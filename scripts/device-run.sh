@@ -26,6 +26,11 @@ for wheel in .device/baselines/*.whl; do
 done
 export PYTHONPATH="$SITE:$PWD"
 export MORI_JIT_CACHE_DIR=${MORI_JIT_CACHE_DIR:-/tmp/mori-jit}
+# libfabric copied along by scripts/device-libfabric.sh (the GPU machine has none).
+if [ -e .device/libfabric/libfabric.so.1 ]; then
+  export LD_LIBRARY_PATH="$PWD/.device/libfabric${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export MORI_REQUIRE_LIBFABRIC=1
+fi
 [ $# -gt 0 ] || set -- check tests
 echo "MORI_TEST_WORLD=${MORI_TEST_WORLD:-2 (default)}"
 status=0

@@ -75,8 +75,12 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"Fabric (libfabric {found[0]['library'] if found else ''}): {len(found)} RMA domain(s)")
         for p in found:
             biggest = "unbounded" if p["max_msg_size"] >= 1 << 60 else f"{p['max_msg_size']} B"
-            lines.append(f"  {p['provider']:<16} {p['domain']:<8} {p['fabric']:<16} GPU memory: {'yes' if p['hmem'] else 'no'}  "
+            gpu_mem = "FI_HMEM" if p["hmem"] else "staged"
+            lines.append(f"  {p['provider']:<16} {p['domain']:<8} {p['fabric']:<16} GPU memory: {gpu_mem:<7}  "
                          f"max message {biggest}  inject {p['inject_size']} B")
+        if found:
+            lines.append("  GPU memory: FI_HMEM = the provider offers to register it with the NIC (mori.io route 'fabric' where the "
+                         "registration succeeds); staged = copied through pinned host slots (route 'fabric_staged')")
         lines.append("")
     lines.append("NVLink multicast kept off (NVLS):")
     for name, want in NVLS_OFF.items():

@@ -40,12 +40,14 @@ __all__ = ["IOEngine", "MemoryDesc", "Session", "Transfer"]
 
 
 class MemoryDesc:
-    """A registered region, local (keeps the registered object alive) or a peer's (unpacked)."""
+    """A registered region, local (keeps the registered object alive) or a peer's (unpacked).
+    ``fabric``: its engine registered it with its fabric endpoint's NIC, so peers reach it by
+    one-sided RMA (False for GPU memory the provider cannot register: peers use TCP)."""
 
     def __init__(self, raw: bytes, owner: Any = None):
         self._raw = _args.byte_value(raw, "a memory descriptor")
         self._owner = owner
-        self.engine, self.id, self.nbytes, device, self.cuda_ipc, self.writable = _core.io_memory_desc_info(self._raw)
+        self.engine, self.id, self.nbytes, device, self.cuda_ipc, self.writable, self.fabric = _core.io_memory_desc_info(self._raw)
         self.device = None if device < 0 else device
 
     def pack(self) -> bytes:
@@ -57,6 +59,7 @@ class MemoryDesc:
 
     def __repr__(self) -> str:
         where = "host" if self.device is None else f"cuda:{self.device}" + (", cuda_ipc" if self.cuda_ipc else "")
+        where += ", fabric" if self.fabric else ""
         ro = "" if self.writable else ", read-only"
         return f"MemoryDesc(engine={self.engine!r}, id={self.id}, nbytes={self.nbytes}, {where}{ro})"
 
@@ -64,7 +67,7 @@ class MemoryDesc:
 Transfer = _core.Transfer
 """A transfer in flight: ``wait(timeout)`` (True once done, False if ``timeout`` passed first;
 raises if it failed), ``done()``, ``status`` (``"pending"``, ``"done"`` or ``"failed"``),
-``route`` (``"cuda_ipc"``, ``"direct"``, ``"local"``, ``"fabric"`` or ``"tcp"``), or ``await`` it. Submissions return the
+``route`` (``"cuda_ipc"``, ``"direct"``, ``"local"``, ``"fabric"``, ``"fabric_staged"`` or ``"tcp"``), or ``await`` it. Submissions return the
 extension's object itself (no wrapper to build on the submission path)."""
 
 
@@ -139,6 +142,8 @@ class IOEngine:
         max_connections: int = 1024,
         fabric: str | None = None,
         fabric_provider: str | None = None,
+        fabric_nic: str | None = None,
+        fabric_gpu: int | None = None,
     ):
         """``host``: the address to listen on, an IP address or a host name (resolved here:
         its first IPv4 address, else its first address). ``port``: 0..65535 (0: any free
@@ -166,13 +171,16 @@ class IOEngine:
         ``max_connections``: connections served at once (a quarter of them at most still in
         their handshake; at most 64 per peer engine).
 
-        ``fabric``: when the engine opens a libfabric endpoint and moves host memory through it
-        by one-sided RMA (route ``"fabric"``): ``"auto"`` (default) where a provider for an RDMA
+        ``fabric``: when the engine opens a libfabric endpoint and moves memory through it by
+        one-sided RMA (route ``"fabric"``; ``"fabric_staged"`` when this side's GPU memory is
+        copied through pinned host slots because the provider cannot register GPU memory): ``"auto"`` (default) where a provider for an RDMA
         NIC is present, for peers on other hosts; ``"remote"`` the same with any RMA provider,
         software ones included (an error if none opens); ``"always"`` for every peer that has
         one, on this host too (tests, benchmarks); ``"off"``. None: ``MORI_IO_FABRIC``, else
         ``"auto"``. ``fabric_provider``: e.g. ``"verbs;ofi_rxm"`` or ``"tcp;ofi_rxm"`` (None:
-        ``MORI_FABRIC_PROVIDER``, else the first one found). See docs/net.md.
+        ``MORI_FABRIC_PROVIDER``, else the first one found). ``fabric_nic``: the provider's
+        domain to open, e.g. ``"mlx5_1"`` (None: ``MORI_FABRIC_NIC``, else the domain nearest
+        CUDA device ``fabric_gpu`` when given, else the provider's first). See docs/net.md.
 
         Every argument is checked here: a wrong type raises
         :class:`~mori.errors.ArgumentTypeError`, a wrong value
@@ -199,9 +207,13 @@ class IOEngine:
             fabric = _args.text(fabric, "fabric")
         if fabric_provider is not None:
             fabric_provider = _args.text(fabric_provider, "fabric_provider")
+        if fabric_nic is not None:
+            fabric_nic = _args.text(fabric_nic, "fabric_nic")
+        if fabric_gpu is not None:
+            fabric_gpu = _args.integer(fabric_gpu, "fabric_gpu", minimum=0, maximum=(1 << 31) - 1)
         self._inner = _core.IoEngine(
             name, host, port, connections_per_peer, timeout, chunk_bytes, same_host_direct, cuda_ipc, copy_engine_threshold, ipc_blocks, secret,
-            handshake_timeout, max_connections, fabric, fabric_provider,
+            handshake_timeout, max_connections, fabric, fabric_provider, fabric_nic, fabric_gpu,
         )
         # Objects whose deregistration could not stop a peer in time: kept alive (never
         # freed) for the engine's lifetime, so no peer ever writes into reused memory.
@@ -245,6 +257,12 @@ class IOEngine:
     def fabric_provider(self) -> str | None:
         """The libfabric provider of the engine's fabric endpoint (None: it opened none)."""
         return self._inner.fabric_provider
+
+    @property
+    def fabric_nic(self) -> str | None:
+        """The provider's domain (the NIC, e.g. ``mlx5_0``; ``lo`` for tcp on loopback) the
+        engine's fabric endpoint opened (None: it opened none)."""
+        return self._inner.fabric_nic
 
     def register(self, obj: Any) -> MemoryDesc:
         """Registers a numpy array, a tensor or ``(ptr, nbytes, device)``. Read-only arrays are

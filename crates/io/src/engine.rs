@@ -66,6 +66,11 @@ pub struct EngineConfig {
     /// The libfabric provider (e.g. `verbs;ofi_rxm`, `tcp;ofi_rxm`); None: `MORI_FABRIC_PROVIDER`,
     /// else the first one offering RMA (software ones only where the mode allows them).
     pub fabric_provider: Option<String>,
+    /// The provider's domain (NIC, e.g. `mlx5_1`) the endpoint opens; None: `MORI_FABRIC_NIC`,
+    /// else the one nearest GPU `fabric_gpu`, else the provider's first.
+    pub fabric_nic: Option<String>,
+    /// The CUDA device whose nearest NIC the endpoint opens (when `fabric_nic` is not given).
+    pub fabric_gpu: Option<u32>,
 }
 
 impl Default for EngineConfig {
@@ -87,6 +92,8 @@ impl Default for EngineConfig {
             max_notifications: 1 << 16,
             fabric: FabricMode::Auto,
             fabric_provider: None,
+            fabric_nic: None,
+            fabric_gpu: None,
         }
     }
 }
@@ -193,7 +200,13 @@ fn open_fabric(config: &EngineConfig) -> Result<Option<FabricPlane>> {
         Err(e) => return Err(e),
     };
     let node = (!config.host.is_unspecified()).then(|| config.host.to_string());
-    match FabricPlane::start(&provider, node.as_deref(), config.timeout) {
+    match FabricPlane::start(
+        &provider,
+        node.as_deref(),
+        fabric::choose_nic(&provider, config.fabric_nic.as_deref(), config.fabric_gpu)?.as_deref(),
+        gpus_present(),
+        config.timeout,
+    ) {
         Ok(plane) => {
             tracing::debug!("mori.io fabric endpoint on {provider}");
             Ok(Some(plane))
@@ -204,6 +217,12 @@ fn open_fabric(config: &EngineConfig) -> Result<Option<FabricPlane>> {
         }
         Err(e) => Err(e),
     }
+}
+
+/// Whether the NVIDIA driver lists a GPU (asked without initialising CUDA): only then does the
+/// fabric endpoint prefer a domain that registers GPU memory.
+fn gpus_present() -> bool {
+    std::fs::read_dir("/proc/driver/nvidia/gpus").is_ok_and(|mut e| e.next().is_some())
 }
 
 /// Identifies this host: kernel boot id + host name.
@@ -302,7 +321,12 @@ impl IoEngine {
 
     /// The libfabric provider of this engine's fabric endpoint (None: it has none).
     pub fn fabric_provider(&self) -> Option<&str> {
-        self.fabric.as_ref().map(FabricPlane::provider)
+        self.fabric.as_ref().map(|f| f.provider().provider.as_str())
+    }
+
+    /// The provider's domain (NIC) this engine's fabric endpoint opened.
+    pub fn fabric_nic(&self) -> Option<&str> {
+        self.fabric.as_ref().map(|f| f.provider().domain.as_str())
     }
 
     /// The fabric endpoint's address (what peers get in the hello). Not a secret: a host that
@@ -373,26 +397,32 @@ impl IoEngine {
             Location::Cuda(_) if self.config.cuda_ipc && writable => self.exporter.export(&r),
             _ => None,
         };
-        // Host memory is registered with the fabric endpoint too (GPU memory is not yet: it
-        // needs a provider with FI_HMEM).
-        let fabric = match (&self.fabric, location) {
-            (Some(plane), Location::Host) => {
+        // With a fabric endpoint, memory is registered with it too: host memory, and GPU
+        // memory where the provider registers it (FI_HMEM). Other GPU memory is staged for this
+        // engine's own operations, and peers reach it over TCP (no fabric part).
+        let fabric = match &self.fabric {
+            Some(plane) => {
+                let cuda = match location {
+                    Location::Host => None,
+                    Location::Cuda(ordinal) => Some(ordinal),
+                };
                 // SAFETY: the caller keeps the memory valid until deregister, which closes
                 // this registration (register's contract).
-                let remote = unsafe { plane.register(r.id, addr, len, writable) };
-                match remote {
-                    Ok(remote) => Some(FabricDesc {
+                let local = unsafe { plane.register(r.id, addr, len, writable, cuda) };
+                match local {
+                    Ok(fabric::Local::Registered(remote)) => Some(FabricDesc {
                         base: remote.base,
                         masked_key: remote.key
                             ^ fabric::mask(&self.secret, self.instance, r.id, r.key),
                     }),
+                    Ok(fabric::Local::Staged) => None,
                     Err(e) => {
                         let _ = self.registry.deregister(r.id, self.config.timeout, &|_| {});
                         return Err(e);
                     }
                 }
             }
-            _ => None,
+            None => None,
         };
         Ok(MemoryDesc {
             engine: self.name.clone(),
@@ -667,11 +697,10 @@ impl IoEngine {
                 peer,
             );
         }
-        // Host memory on both sides, a peer reached over the fabric: one-sided RMA.
+        // A peer reached over the fabric, its memory registered with its NIC: one-sided RMA
+        // (this side's GPU memory through staging slots where the NIC cannot register it).
         if let (Some(plane), Some(handle), Some(remote_fabric)) =
             (&self.fabric, peer.fabric, remote.fabric)
-            && guard.region().location == Location::Host
-            && remote.location == Location::Host
         {
             return Ok(self.launch_fabric(
                 plane,
@@ -783,7 +812,12 @@ impl IoEngine {
         notify: Option<&[u8]>,
         peer: Arc<Peer>,
     ) -> Transfer {
-        let transfer = Transfer::on_route(1, Route::Fabric);
+        let route = if plane.is_staged(guard.region().id) {
+            Route::FabricStaged
+        } else {
+            Route::Fabric
+        };
+        let transfer = Transfer::on_route(1, route);
         let done = transfer.clone();
         let tag = notify.map(<[u8]>::to_vec);
         let (remote_id, remote_key) = (remote.id, remote.key);

@@ -192,7 +192,7 @@ fn attacker_process() {
         let (op, key) = order.split_once(':').unwrap();
         let op = if op == "w" { Rma::Write } else { Rma::Read };
         let key: u64 = key.parse().unwrap();
-        let ep = Endpoint::open(PROVIDER, Some("127.0.0.1")).unwrap();
+        let ep = Endpoint::open(PROVIDER, Some("127.0.0.1"), None, false).unwrap();
         ep.set_timeout(Some(Duration::from_secs(5)));
         let target = ep.insert_peer(&address).unwrap();
         let mut buf = vec![if op == Rma::Write { 0xa5u8 } else { 0 }; 4096];

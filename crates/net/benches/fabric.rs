@@ -38,7 +38,8 @@ fn fabric_cases(b: &mut Bench) {
     let target = {
         let stop = stop.clone();
         std::thread::spawn(move || {
-            let ep = Endpoint::open(PROVIDER, Some("127.0.0.1")).expect("target endpoint");
+            let ep =
+                Endpoint::open(PROVIDER, Some("127.0.0.1"), None, false).expect("target endpoint");
             let mut buf = vec![1u8; REGION];
             // SAFETY: `buf` outlives the region (both dropped at the end of this thread).
             let region = unsafe { ep.register(buf.as_mut_ptr() as u64, REGION as u64) }.unwrap();
@@ -51,7 +52,7 @@ fn fabric_cases(b: &mut Bench) {
         })
     };
     let (name, remote) = rx.recv().expect("the target's address");
-    let ep = Endpoint::open(PROVIDER, Some("127.0.0.1")).expect("endpoint");
+    let ep = Endpoint::open(PROVIDER, Some("127.0.0.1"), None, false).expect("endpoint");
     let peer = ep.insert_peer(&name).unwrap();
     // The last 4 MiB of `local` are scratch for the checks, outside the timed slots.
     let scratch = (REGION - (4 << 20)) as u64;

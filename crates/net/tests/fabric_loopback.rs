@@ -16,7 +16,7 @@ const PROVIDER: &str = "tcp;ofi_rxm";
 
 /// Both endpoints, or None (after printing why) where the fabric is unavailable.
 fn pair() -> Option<(Endpoint, Endpoint)> {
-    let open = || Endpoint::open(PROVIDER, Some("127.0.0.1"));
+    let open = || Endpoint::open(PROVIDER, Some("127.0.0.1"), None, false);
     match (open(), open()) {
         (Ok(a), Ok(b)) => Some((a, b)),
         (Err(e), _) | (_, Err(e)) => {
@@ -237,4 +237,50 @@ fn forged_keys_fail_and_touch_nothing() {
             "a forged key's read wrote the initiator"
         );
     }
+}
+
+/// Memory registered for local use only (what mori.io's staging slots are) is out of a peer's
+/// reach even with its real key, while the same endpoint's operations use it.
+#[test]
+fn a_local_only_region_refuses_peers_holding_its_key() {
+    let Some((a, b)) = pair() else { return };
+    let mut local = vec![7u8; 1 << 16];
+    let mut slots = vec![1u8; 1 << 16];
+    let mut open = vec![3u8; 1 << 16];
+    // SAFETY: the buffers outlive their regions, which are dropped first.
+    let (peer, lr, tr) = unsafe { link(&a, &b, &mut local, &mut open) };
+    // SAFETY: as above.
+    let private = unsafe { b.register_local(slots.as_mut_ptr() as u64, slots.len() as u64) }
+        .expect("register_local");
+    // Its own endpoint writes from it to a peer's open region (first: on this provider a
+    // refused access closes the connection between the two).
+    let back = b.insert_peer(&a.name().unwrap()).unwrap();
+    let id = post_retrying(&b, &a, |b| {
+        b.post(Rma::Write, &private, 0, 64, back, &lr.remote(), 512)
+            .unwrap()
+    });
+    wait(&b, &a, id).result.unwrap();
+    let stolen = private.remote();
+    let id = post_retrying(&a, &b, |a| {
+        a.post(Rma::Write, &lr, 0, 4096, peer, &stolen, 0).unwrap()
+    });
+    let w = wait(&a, &b, id).result;
+    let id = post_retrying(&a, &b, |a| {
+        a.post(Rma::Read, &lr, 8192, 4096, peer, &stolen, 0)
+            .unwrap()
+    });
+    let r = wait(&a, &b, id).result;
+    assert!(
+        w.is_err() && r.is_err(),
+        "its real key reached a local-only region: write {w:?}, read {r:?}"
+    );
+    drop((lr, tr, private));
+    assert!(
+        slots.iter().all(|&x| x == 1),
+        "a peer wrote local-only memory"
+    );
+    assert!(
+        local[..512].iter().all(|&x| x == 7) && local[512..576].iter().all(|&x| x == 1),
+        "the owner's own write from local-only memory landed, nothing else changed"
+    );
 }

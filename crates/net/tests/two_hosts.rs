@@ -211,7 +211,7 @@ fn peer_process() {
         .split_whitespace()
         .map(str::to_string)
         .collect();
-    let ep = Endpoint::open(PROVIDER, Some(&args[0])).expect("endpoint");
+    let ep = Endpoint::open(PROVIDER, Some(&args[0]), None, false).expect("endpoint");
     match role.as_str() {
         "target" => {
             let seed: u64 = args[1].parse().unwrap();

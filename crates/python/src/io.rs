@@ -113,7 +113,7 @@ pub struct IoEngine {
 impl IoEngine {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (name, host="127.0.0.1", port=0, connections_per_peer=2, timeout=30.0, chunk_bytes=4194304, same_host_direct=true, cuda_ipc=true, ce_threshold=None, ipc_blocks=0, secret=None, handshake_timeout=10.0, max_connections=1024, fabric=None, fabric_provider=None))]
+    #[pyo3(signature = (name, host="127.0.0.1", port=0, connections_per_peer=2, timeout=30.0, chunk_bytes=4194304, same_host_direct=true, cuda_ipc=true, ce_threshold=None, ipc_blocks=0, secret=None, handshake_timeout=10.0, max_connections=1024, fabric=None, fabric_provider=None, fabric_nic=None, fabric_gpu=None))]
     fn new(
         name: &str,
         host: &str,
@@ -130,6 +130,8 @@ impl IoEngine {
         max_connections: usize,
         fabric: Option<&str>,
         fabric_provider: Option<String>,
+        fabric_nic: Option<String>,
+        fabric_gpu: Option<u32>,
     ) -> Result<Self> {
         let fabric = match fabric {
             Some(mode) => FabricMode::parse(mode)?,
@@ -174,6 +176,8 @@ impl IoEngine {
             max_connections,
             fabric,
             fabric_provider,
+            fabric_nic,
+            fabric_gpu,
             ..EngineConfig::default()
         };
         Ok(Self {
@@ -194,6 +198,11 @@ impl IoEngine {
     #[getter]
     fn fabric_provider(&self) -> Option<String> {
         self.inner.fabric_provider().map(str::to_string)
+    }
+
+    #[getter]
+    fn fabric_nic(&self) -> Option<String> {
+        self.inner.fabric_nic().map(str::to_string)
     }
 
     /// Registers `nbytes` at `ptr` (device -1 = host memory); returns the memory descriptor.
@@ -314,7 +323,7 @@ impl IoEngine {
 
 /// Parses a memory descriptor into (engine, id, nbytes, device, exported for CUDA IPC).
 #[pyfunction]
-pub fn io_memory_desc_info(mem: &[u8]) -> Result<(String, u64, u64, i32, bool, bool)> {
+pub fn io_memory_desc_info(mem: &[u8]) -> Result<(String, u64, u64, i32, bool, bool, bool)> {
     let m = MemoryDesc::from_bytes(mem)?;
     Ok((
         m.engine,
@@ -323,6 +332,7 @@ pub fn io_memory_desc_info(mem: &[u8]) -> Result<(String, u64, u64, i32, bool, b
         m.location.encode(),
         m.ipc.is_some(),
         m.writable,
+        m.fabric.is_some(),
     ))
 }
 

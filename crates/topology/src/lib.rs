@@ -8,7 +8,11 @@
 //! order ("fastest first") can differ unless `CUDA_DEVICE_ORDER=PCI_BUS_ID` is set, so
 //! consumers that hold a CUDA device should match it here by PCI bus id
 //! ([`Topology::gpu_by_pci_bus_id`]), not by index.
+//!
+//! NIC choice: [`rdma_devices_by_distance`] ranks RDMA devices by their PCIe distance
+//! ([`PciDistance`]) from a GPU; [`Topology::nearest_rdma_device`] picks the first.
 
+mod affinity;
 mod nics;
 mod nvml;
 mod pci;
@@ -17,6 +21,10 @@ mod render;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+pub use affinity::{
+    PciDistance, pci_distance_in, rdma_device_distance_in, rdma_device_of_fabric_domain,
+    rdma_devices_by_distance,
+};
 pub use nics::detect_nics_in;
 pub use pci::normalize_pci_bus_id;
 
@@ -160,6 +168,20 @@ pub struct NicInfo {
     pub rdma_devices: Vec<String>,
     /// sysfs `operstate`: "up", "down", "unknown", ...
     pub operstate: String,
+    /// PCIe distance to each GPU of [`Topology::gpus`], for NICs with RDMA devices (GPUDirect
+    /// RDMA traffic takes this path). Empty for other NICs and from [`detect_nics_in`], which
+    /// knows no GPUs.
+    #[serde(default)]
+    pub gpu_distances: Vec<GpuDistance>,
+}
+
+/// How far a NIC is from one GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuDistance {
+    /// NVML index of the GPU ([`GpuInfo::index`]).
+    pub gpu: u32,
+    /// PCIe distance between the GPU and the NIC.
+    pub distance: PciDistance,
 }
 
 /// Probes NVML and sysfs (`/sys`) and returns what could be found. Never fails: a missing
@@ -171,7 +193,8 @@ pub fn detect() -> Topology {
         gpus,
         links,
     } = nvml::detect_gpus(sysfs);
-    let nics = detect_nics_in(sysfs);
+    let mut nics = detect_nics_in(sysfs);
+    affinity::fill_gpu_distances(sysfs, &gpus, &mut nics);
     tracing::debug!(gpus = gpus.len(), nics = nics.len(), "topology detected");
     Topology {
         nvml: status,
@@ -211,5 +234,14 @@ impl Topology {
         self.gpus
             .iter()
             .find(|g| !g.pci_bus_id.is_empty() && g.pci_bus_id == wanted)
+    }
+
+    /// The RDMA device of [`Topology::nics`] nearest the GPU at `gpu_bus_id` (any common
+    /// spelling; it need not be in [`Topology::gpus`], so a CUDA bus id works without NVML),
+    /// with its distance; reads the PCI tree in `/sys`. `None` when no NIC has RDMA devices.
+    pub fn nearest_rdma_device(&self, gpu_bus_id: &str) -> Option<(String, PciDistance)> {
+        rdma_devices_by_distance(&self.nics, Path::new("/sys"), gpu_bus_id)
+            .into_iter()
+            .next()
     }
 }

@@ -83,6 +83,8 @@ fn nic_info(dir: &Path, name: String, rdma: &[(String, PathBuf)]) -> Option<NicI
         speed_mbps,
         rdma_devices,
         operstate,
+        // Filled by detect(), which knows the GPUs.
+        gpu_distances: Vec::new(),
     })
 }
 
@@ -104,14 +106,14 @@ fn rdma_devices(sysfs_root: &Path) -> Vec<(String, PathBuf)> {
 }
 
 /// The nearest directory at or above `device` named like a PCI bus id.
-fn pci_ancestor(device: &Path) -> Option<PathBuf> {
+pub(crate) fn pci_ancestor(device: &Path) -> Option<PathBuf> {
     device
         .ancestors()
         .find(|p| dir_name(p).is_some_and(|n| is_pci_bus_id(&n)))
         .map(Path::to_path_buf)
 }
 
-fn dir_name(path: &Path) -> Option<String> {
+pub(crate) fn dir_name(path: &Path) -> Option<String> {
     path.file_name().map(|n| n.to_string_lossy().into_owned())
 }
 

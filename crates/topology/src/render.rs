@@ -1,11 +1,14 @@
 //! The human-readable report printed by `mori check`.
 
-use crate::{NicInfo, NvmlStatus, PeerLink, Topology};
+use crate::{NicInfo, NvmlStatus, PciDistance, PeerLink, Topology};
 use std::fmt::Write;
 
 const LEGEND: &str = "Legend: X = self, NV# = # NVLinks, ? = unknown,
         PIX = at most one PCIe switch, PXB = several PCIe switches, PHB = PCIe host bridge,
         NODE = across host bridges in one NUMA node, SYS = across NUMA nodes";
+
+const NIC_LEGEND: &str = "NIC-to-GPU distance: switch = behind one PCIe switch, \
+host = same PCIe host bridge, node = same NUMA node, sys = across NUMA nodes, ? = unknown";
 
 pub(crate) fn render_text(topo: &Topology) -> String {
     let mut out = String::new();
@@ -142,10 +145,30 @@ fn render_nics(out: &mut String, nics: &[NicInfo]) {
         } else {
             nic.rdma_devices.join(",")
         };
-        let _ = writeln!(
+        let _ = write!(
             out,
             "  {:<16} {:<10} {:<14} NUMA {:<3} {:>12}  {:<8} rdma: {}",
             nic.name, kind, pci, numa, speed, nic.operstate, rdma
         );
+        let mut sep = "  ";
+        for d in &nic.gpu_distances {
+            let _ = write!(out, "{sep}GPU{}:{}", d.gpu, short_distance(d.distance));
+            sep = " ";
+        }
+        let _ = writeln!(out);
+    }
+    if nics.iter().any(|n| !n.gpu_distances.is_empty()) {
+        let _ = writeln!(out, "{NIC_LEGEND}");
+    }
+}
+
+/// Short enough for one cell per GPU on a NIC's line.
+fn short_distance(d: PciDistance) -> &'static str {
+    match d {
+        PciDistance::SameSwitch => "switch",
+        PciDistance::SameRootComplex => "host",
+        PciDistance::SameNumaNode => "node",
+        PciDistance::OtherNumaNode => "sys",
+        PciDistance::Unknown => "?",
     }
 }

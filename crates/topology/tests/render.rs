@@ -1,7 +1,8 @@
 //! render_text / to_json / lookups on hand-built topologies.
 
 use mori_topology::{
-    GpuInfo, NicInfo, NicKind, NvmlStatus, PciPath, PeerLink, Topology, normalize_pci_bus_id,
+    GpuDistance, GpuInfo, NicInfo, NicKind, NvmlStatus, PciDistance, PciPath, PeerLink, Topology,
+    normalize_pci_bus_id,
 };
 
 fn gpu(index: u32, bus: &str, numa: i32) -> GpuInfo {
@@ -40,6 +41,16 @@ fn nvlinked_pair() -> Topology {
             speed_mbps: Some(400_000),
             rdma_devices: vec!["mlx5_0".to_owned()],
             operstate: "up".to_owned(),
+            gpu_distances: vec![
+                GpuDistance {
+                    gpu: 0,
+                    distance: PciDistance::SameSwitch,
+                },
+                GpuDistance {
+                    gpu: 1,
+                    distance: PciDistance::OtherNumaNode,
+                },
+            ],
         }],
     }
 }
@@ -90,6 +101,27 @@ fn render_nvlink_matrix() {
     assert!(text.contains("sm_90"), "{text}");
     assert!(text.contains("mlx5_0"), "{text}");
     assert!(text.contains("CUDA_DEVICE_ORDER=PCI_BUS_ID"), "{text}");
+    let ib0 = text.lines().find(|l| l.contains("ib0")).unwrap();
+    assert!(
+        ib0.ends_with("rdma: mlx5_0  GPU0:switch GPU1:sys"),
+        "{text}"
+    );
+    assert!(text.contains("NIC-to-GPU distance: switch = "), "{text}");
+}
+
+#[test]
+fn render_nic_without_rdma_has_no_distances() {
+    let mut topo = nvlinked_pair();
+    let nic = &mut topo.nics[0];
+    nic.name = "eth0".to_owned();
+    nic.kind = NicKind::Ethernet;
+    nic.rdma_devices.clear();
+    nic.gpu_distances.clear();
+    let text = topo.render_text();
+    let eth0 = text.lines().find(|l| l.contains("eth0")).unwrap();
+    assert!(eth0.ends_with("rdma: -"), "{text}");
+    assert!(!text.contains("GPU0:"), "{text}");
+    assert!(!text.contains("NIC-to-GPU distance"), "{text}");
 }
 
 #[test]
@@ -141,6 +173,13 @@ fn json_shape() {
         json["nics"][0]["rdma_devices"],
         serde_json::json!(["mlx5_0"])
     );
+    assert_eq!(
+        json["nics"][0]["gpu_distances"],
+        serde_json::json!([
+            { "gpu": 0, "distance": "same_switch" },
+            { "gpu": 1, "distance": "other_numa_node" },
+        ])
+    );
 
     let pcie: serde_json::Value = serde_json::from_str(&pcie_triple().to_json()).unwrap();
     assert_eq!(
@@ -173,6 +212,16 @@ fn json_round_trip() {
         let back: Topology = serde_json::from_str(&topo.to_json()).unwrap();
         assert_eq!(back, topo);
     }
+}
+
+#[test]
+fn json_without_gpu_distances_still_reads() {
+    let mut json: serde_json::Value = serde_json::from_str(&nvlinked_pair().to_json()).unwrap();
+    let nic = json["nics"][0].as_object_mut().unwrap();
+    nic.remove("gpu_distances");
+    let back: Topology = serde_json::from_value(json).unwrap();
+    assert!(back.nics[0].gpu_distances.is_empty());
+    assert_eq!(back.nics[0].rdma_devices, ["mlx5_0"]);
 }
 
 #[test]

@@ -79,6 +79,9 @@ pub enum Route {
     Local = 3,
     /// One-sided RMA through the engines' fabric endpoints (libfabric, mori-net).
     Fabric = 4,
+    /// The fabric, this side's GPU memory copied through pinned host slots (the provider cannot
+    /// register GPU memory).
+    FabricStaged = 5,
 }
 
 impl Route {
@@ -89,6 +92,7 @@ impl Route {
             Route::CudaIpc => "cuda_ipc",
             Route::Local => "local",
             Route::Fabric => "fabric",
+            Route::FabricStaged => "fabric_staged",
         }
     }
     fn from_u8(v: u8) -> Route {
@@ -97,6 +101,7 @@ impl Route {
             2 => Route::CudaIpc,
             3 => Route::Local,
             4 => Route::Fabric,
+            5 => Route::FabricStaged,
             _ => Route::Tcp,
         }
     }

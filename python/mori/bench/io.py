@@ -3,7 +3,11 @@ loopback and over the same-host direct path (process_vm_readv/writev), measured 
 with libfabric installed, also the fabric route (``fabric="always"``: one-sided RMA through the
 ``tcp;ofi_rxm`` provider on loopback, or ``MORI_FABRIC_PROVIDER``), beside the ceiling of that
 path in the same run: one TCP socket streaming the same block sizes between the two processes,
-and a memcpy of the largest batch;
+and a memcpy of the largest batch; with ``--memory gpu`` (torch, a GPU), the client's region is
+GPU memory instead (the target's stays host memory): tcp stages it through host buffers, and the
+fabric route registers it with the NIC where the provider can (route ``fabric``) or copies it
+through pinned slots (route ``fabric_staged``), beside the same run's GPU -> pinned host copy
+(torch) as a further ceiling;
 with two GPUs (and torch), also cuda_ipc GPU0 <-> GPU1: the default route (one gather/scatter
 launch per batch, the copy engine for items >= the threshold) beside the copy engine for every
 item (``copy_engine_threshold=0``), in the same run. Block size × batch size, reads and writes:
@@ -38,12 +42,15 @@ BATCHES = [1, 8, 128, 1024, 8192]
 MAX_BATCH_BYTES = 256 << 20
 
 
-def _digest(buf, nbytes: int) -> str:
+def _digest(buf, nbytes: int, as_host: bool = False) -> str:
     """Fingerprint of the first ``nbytes`` of a region: blake2b for a host array; for a CUDA
     tensor (``nbytes`` a multiple of 8) the sum of its 64-bit words times their odd positions,
-    modulo 2^64, computed on the GPU (no copy to the host)."""
+    modulo 2^64, computed on the GPU (no copy to the host), or with ``as_host`` the blake2b of
+    its bytes copied to the host (to compare with a host region)."""
     if isinstance(buf, np.ndarray):
         return hashlib.blake2b(buf[:nbytes]).hexdigest()
+    if as_host:
+        return hashlib.blake2b(buf[:nbytes].cpu().numpy()).hexdigest()
     import torch
 
     words = buf[:nbytes].view(torch.int64)
@@ -75,8 +82,9 @@ class _Verify:
     """The checks of one route: each timing's last transfer poisons its destination first and
     compares fingerprints after it."""
 
-    def __init__(self, conn, local, checks: Checks):
+    def __init__(self, conn, local, checks: Checks, target_on_host: bool = True):
         self.conn, self.local, self.checks = conn, local, checks
+        self.target_on_host = target_on_host
 
     def before_last(self, op: str, nbytes: int) -> None:
         if op == "write":
@@ -87,7 +95,7 @@ class _Verify:
 
     def after_last(self, label: str, nbytes: int) -> bool:
         self.conn.send(("digest", nbytes))
-        theirs, ours = self.conn.recv(), _digest(self.local, nbytes)
+        theirs, ours = self.conn.recv(), _digest(self.local, nbytes, as_host=self.target_on_host)
         return self.checks.check(label, "" if theirs == ours else "the destination's bytes differ from the source's")
 
 
@@ -101,9 +109,9 @@ def _target(conn, nbytes: int, fabric: bool) -> None:
     _serve(conn, buf)
 
 
-def run(trials: int, out_dir: str, routes: str = "all", ipc_blocks: int = 0) -> dict[str, Any]:
+def run(trials: int, out_dir: str, routes: str = "all", ipc_blocks: int = 0, memory: str = "host") -> dict[str, Any]:
     record: dict[str, Any] = {"benchmark": "io", "env": environment(), "method": __doc__.strip(), "transports": [],
-                              "config": {"trials": trials, "ipc_blocks": ipc_blocks}}
+                              "config": {"trials": trials, "ipc_blocks": ipc_blocks, "memory": memory}}
     checks = Checks()
     if routes in ("all", "host", "fabric"):
         transports = {"all": ["tcp", "direct", "fabric"], "host": ["tcp", "direct"], "fabric": ["tcp", "fabric"]}[routes]
@@ -117,9 +125,11 @@ def run(trials: int, out_dir: str, routes: str = "all", ipc_blocks: int = 0) -> 
                 record["fabric"] = {"skipped": why}
         record["transports"] += [{"tcp": "tcp loopback", "direct": "same-host direct", "fabric": "fabric (libfabric RMA)"}[t] for t in transports]
         record["config"].update(connections_per_peer=2, chunk_bytes=4 << 20)
-        record["results"], record["submit_10000_blocks_us"] = _host_cases(trials, checks, transports)
+        record["results"], record["submit_10000_blocks_us"] = _host_cases(trials, checks, transports, memory)
         if "fabric" in transports:
             record["ceilings"] = _ceilings(trials)
+            if memory == "gpu":
+                record["ceilings"]["gpu_to_pinned_gbps"] = _gpu_to_pinned_gbps(trials)
     if routes in ("all", "cuda_ipc"):
         record["cuda_ipc"] = _gpu_cases(trials, ipc_blocks, checks)  # None: skipped (reason printed)
         if record["cuda_ipc"] is not None:
@@ -142,9 +152,10 @@ def _fabric_missing() -> str | None:
     return None if found else "no libfabric provider offers RMA here"
 
 
-def _host_cases(trials: int, checks: Checks, transports: list[str]) -> tuple[list[dict[str, Any]], float]:
+def _host_cases(trials: int, checks: Checks, transports: list[str], memory: str = "host") -> tuple[list[dict[str, Any]], float]:
     """``transports`` (tcp, direct, fabric) between two processes: the sweep's rows and the µs
-    of Python time to submit a 10 000-block batch over tcp."""
+    of Python time to submit a 10 000-block batch over tcp. ``memory``: where the client's
+    region is (host, or gpu: a CUDA tensor)."""
     from mori.io import IOEngine, MemoryDesc
 
     ctx = mp.get_context("spawn")
@@ -155,6 +166,10 @@ def _host_cases(trials: int, checks: Checks, transports: list[str]) -> tuple[lis
         desc, raw = conn.recv()
         remote = MemoryDesc.unpack(raw)
         local = np.random.default_rng(int.from_bytes(os.urandom(8), "little")).integers(0, 256, MAX_BATCH_BYTES, dtype=np.uint8)
+        if memory == "gpu":
+            import torch
+
+            local = torch.from_numpy(local).cuda()
         verify = _Verify(conn, local, checks)
         rows = []
         for transport in transports:
@@ -162,8 +177,9 @@ def _host_cases(trials: int, checks: Checks, transports: list[str]) -> tuple[lis
                           fabric="always" if transport == "fabric" else "off") as eng:
                 eng.connect(desc)
                 mem = eng.register(local)
-                print(f"\n== {transport} ==")
-                rows += _sweep(eng, mem, remote, trials, transport, verify)
+                route = "fabric_staged" if transport == "fabric" and memory == "gpu" and not mem.fabric else transport
+                print(f"\n== {route} ({memory} memory) ==")
+                rows += _sweep(eng, mem, remote, trials, route, verify)
                 if transport == "tcp":
                     submit_us = _submit_cost(eng, mem, remote, trials, verify)
                 eng.deregister(mem)
@@ -294,6 +310,27 @@ def _ceilings(trials: int) -> dict[str, Any]:
     return {"tcp_stream_gbps": stream, "memcpy_gbps": memcpy, "bytes": MAX_BATCH_BYTES}
 
 
+def _gpu_to_pinned_gbps(trials: int) -> float:
+    """GB/s of copying MAX_BATCH_BYTES from GPU memory into pinned host memory with torch
+    (median of at least 3), checked: what staging GPU memory through host slots costs at most."""
+    import torch
+
+    src = torch.randint(0, 256, (MAX_BATCH_BYTES,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty(MAX_BATCH_BYTES, dtype=torch.uint8, pin_memory=True)
+    times = []
+    for _ in range(max(trials, 3)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    if not torch.equal(dst, src.cpu()):
+        raise RuntimeError("the GPU -> pinned copy produced other bytes")
+    gbps = MAX_BATCH_BYTES / median(times) / 1e9
+    print(f"GPU -> pinned host copy of {human_bytes(MAX_BATCH_BYTES)}: {gbps:.2f} GB/s")
+    return gbps
+
+
 def memcpy_gbps(src: np.ndarray, trials: int) -> float:
     """GB/s of copying ``src`` into a fresh array in this process (median of at least 3),
     checked."""
@@ -351,7 +388,7 @@ def _gpu_cases(trials: int, ipc_blocks: int, checks: Checks) -> dict[str, Any] |
         gen = torch.Generator(device="cuda:0").manual_seed(int.from_bytes(os.urandom(7), "little"))
         local = torch.randint(0, 256, (GPU_REGION,), dtype=torch.uint8, device="cuda:0", generator=gen)
         torch.cuda.synchronize()
-        verify = _Verify(conn, local, checks)
+        verify = _Verify(conn, local, checks, target_on_host=False)
         engines = {
             "kernel": IOEngine("bench-gpu-kernel", timeout=60.0, cuda_ipc=True, ipc_blocks=ipc_blocks),
             "copy engine": IOEngine("bench-gpu-ce", timeout=60.0, cuda_ipc=True, copy_engine_threshold=0),
@@ -432,6 +469,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host: tcp and same-host direct only; fabric: the fabric route beside tcp and the path's ceilings "
                    "(needs libfabric); cuda_ipc: GPU0 <-> GPU1 only (needs PyTorch and 2 GPUs with peer access); all: "
                    "everything, fabric and cuda_ipc skipped with the reason where they cannot run")
+    p.add_argument("--memory", choices=("host", "gpu"), default="host",
+                   help="the client's region for the host routes: host memory, or GPU memory (needs PyTorch and a GPU; "
+                   "the fabric route then registers or stages it)")
     p.add_argument("--ipc-blocks", type=nonnegative_int, default=0,
                    help="thread blocks of a gather/scatter launch (0: the engine's default, two per SM)")
 
@@ -440,9 +480,11 @@ def main(args: argparse.Namespace) -> int:
     # --routes cuda_ipc measures nothing else: without what it needs, fail instead of writing an
     # empty record (with --routes all it is skipped, with the reason, beside the host rows).
     gpu_only = args.routes == "cuda_ipc"
-    failed = preflight("io", args.out, needs=[TORCH] if gpu_only else [], gpus=2 if gpu_only else 0, peer_access=gpu_only,
-                       what="--routes cuda_ipc" if gpu_only else "")
+    gpu_memory = args.memory == "gpu"
+    failed = preflight("io", args.out, needs=[TORCH] if gpu_only or gpu_memory else [],
+                       gpus=2 if gpu_only else 1 if gpu_memory else 0, peer_access=gpu_only,
+                       what="--routes cuda_ipc" if gpu_only else "--memory gpu" if gpu_memory else "")
     if failed is not None:
         return failed
-    run(args.trials, args.out, args.routes, args.ipc_blocks)
+    run(args.trials, args.out, args.routes, args.ipc_blocks, args.memory)
     return 0

@@ -251,6 +251,44 @@ pub struct fi_ops_mr {
         *mut *mut fid_mr,
         *mut c_void,
     ) -> c_int,
+    #[allow(clippy::type_complexity)]
+    pub regv: unsafe extern "C" fn(
+        *mut fid,
+        *const libc::iovec,
+        usize,
+        u64,
+        u64,
+        u64,
+        u64,
+        *mut *mut fid_mr,
+        *mut c_void,
+    ) -> c_int,
+    pub regattr: unsafe extern "C" fn(*mut fid, *const fi_mr_attr, u64, *mut *mut fid_mr) -> c_int,
+}
+
+/// `enum fi_hmem_iface`: where registered memory lives.
+pub const FI_HMEM_SYSTEM: c_int = 0;
+pub const FI_HMEM_CUDA: c_int = 1;
+
+/// `struct fi_mr_attr` as of the 1.13 API (what mori-net asks for); the members later
+/// versions appended are zero and read only by callers asking for those versions.
+#[repr(C)]
+pub struct fi_mr_attr {
+    pub mr_iov: *const libc::iovec,
+    pub iov_count: usize,
+    pub access: u64,
+    pub offset: u64,
+    pub requested_key: u64,
+    pub context: *mut c_void,
+    pub auth_key_size: usize,
+    pub auth_key: *mut u8,
+    pub iface: c_int,
+    /// The union of device ids (`cuda`: the CUDA device ordinal, as an int).
+    pub device: u64,
+    pub hmem_data: *mut c_void,
+    pub page_size: usize,
+    pub base_mr: *const c_void,
+    pub sub_mr_cnt: usize,
 }
 
 #[repr(C)]

@@ -26,7 +26,8 @@ pub struct ProviderInfo {
     pub fabric: String,
     /// The domain (the NIC, e.g. `mlx5_0`, or the interface `lo`).
     pub domain: String,
-    /// Registers device (GPU) memory (`FI_HMEM`).
+    /// Registers CUDA device memory itself (`FI_HMEM`; whether a registration then succeeds
+    /// also depends on how libfabric was built: see [`Endpoint::register_cuda`]).
     pub hmem: bool,
     /// The memory registration mode granted (`FI_MR_*` bits).
     pub mr_mode: i32,
@@ -44,14 +45,15 @@ const MR_MODES: i32 = ffi::FI_MR_LOCAL
     | ffi::FI_MR_PROV_KEY
     | ffi::FI_MR_ENDPOINT;
 
-/// `fi_getinfo` hints for RDM endpoints with RMA; `provider` / `node` narrow them.
+/// `fi_getinfo` hints for RDM endpoints with RMA; `provider` / `node` narrow them, `hmem`
+/// asks for registration of device memory too.
 struct Hints {
     lib: &'static Library,
     info: *mut ffi::fi_info,
 }
 
 impl Hints {
-    fn new(lib: &'static Library, provider: Option<&str>) -> Result<Hints> {
+    fn new(lib: &'static Library, provider: Option<&str>, hmem: bool) -> Result<Hints> {
         // SAFETY: fi_dupinfo(NULL) allocates zeroed hints with every attribute structure.
         let info = unsafe { (lib.dupinfo)(ptr::null()) };
         if info.is_null() {
@@ -60,12 +62,12 @@ impl Hints {
         let hints = Hints { lib, info };
         // SAFETY: `info` and its attribute structures were just allocated by libfabric.
         unsafe {
-            (*info).caps = RMA_CAPS;
+            (*info).caps = RMA_CAPS | if hmem { ffi::FI_HMEM } else { 0 };
             (*info).mode = ffi::FI_CONTEXT | ffi::FI_CONTEXT2;
             (*(*info).ep_attr).type_ = ffi::FI_EP_RDM;
             // A write completes once its bytes are at the target, not once they left here.
             (*(*info).tx_attr).op_flags = ffi::FI_DELIVERY_COMPLETE;
-            (*(*info).domain_attr).mr_mode = MR_MODES;
+            (*(*info).domain_attr).mr_mode = MR_MODES | if hmem { ffi::FI_MR_HMEM } else { 0 };
             if let Some(p) = provider {
                 let c = CString::new(p)
                     .map_err(|_| Error::InvalidArgument("provider name holds a NUL".into()))?;
@@ -172,23 +174,26 @@ fn describe(info: &ffi::fi_info) -> ProviderInfo {
 /// first of libfabric's entries for it, its preferred one).
 pub fn providers() -> Result<Vec<ProviderInfo>> {
     let lib = Library::get()?;
-    let hints = Hints::new(lib, None)?;
-    match hints.query(None) {
-        Ok(list) => {
-            let mut out: Vec<ProviderInfo> = Vec::new();
-            for p in list.iter().map(describe) {
-                let seen = out.iter().any(|q| {
-                    (&q.provider, &q.fabric, &q.domain) == (&p.provider, &p.fabric, &p.domain)
-                });
-                if !seen {
-                    out.push(p);
-                }
-            }
-            Ok(out)
+    let listed = |hmem: bool| -> Result<Vec<ProviderInfo>> {
+        match Hints::new(lib, None, hmem)?.query(None) {
+            Ok(list) => Ok(list.iter().map(describe).collect()),
+            Err(Error::Fabric { code, .. }) if code == libc::ENODATA => Ok(Vec::new()),
+            Err(e) => Err(e),
         }
-        Err(Error::Fabric { code, .. }) if code == libc::ENODATA => Ok(Vec::new()),
-        Err(e) => Err(e),
+    };
+    let same = |a: &ProviderInfo, b: &ProviderInfo| {
+        (&a.provider, &a.fabric, &a.domain) == (&b.provider, &b.fabric, &b.domain)
+    };
+    // Device memory is offered only to callers asking for it: a second query says where.
+    let with_hmem = listed(true)?;
+    let mut out: Vec<ProviderInfo> = Vec::new();
+    for mut p in listed(false)? {
+        if !out.iter().any(|q| same(q, &p)) {
+            p.hmem = with_hmem.iter().any(|q| same(q, &p));
+            out.push(p);
+        }
     }
+    Ok(out)
 }
 
 /// A peer's registered memory as the peer described it: what a write or read names.
@@ -207,6 +212,8 @@ pub struct Region<'e> {
     mr: *mut ffi::fid_mr,
     addr: u64,
     len: u64,
+    /// Device memory (registered with `FI_HMEM`): operations always pass its descriptor.
+    device: bool,
 }
 
 impl Region<'_> {
@@ -334,6 +341,9 @@ pub struct Endpoint {
     waits: bool,
     /// Operations already reported as timed out, kept until the provider hands them back.
     expired: RefCell<HashMap<u64, Box<Op>>>,
+    /// Operations reported as timed out that the provider has since handed back: their
+    /// buffers are the caller's again ([`Endpoint::take_released`]).
+    released: RefCell<Vec<u64>>,
     next_id: Cell<u64>,
     timeout: Cell<Option<Duration>>,
     last_expiry_scan: Cell<Instant>,
@@ -341,20 +351,43 @@ pub struct Endpoint {
 
 impl Endpoint {
     /// Opens an endpoint of `provider` (e.g. `tcp;ofi_rxm`), bound to `node` (an address of
-    /// this host) when given; the first matching domain is used.
-    pub fn open(provider: &str, node: Option<&str>) -> Result<Endpoint> {
+    /// this host) when given, on `domain` (a NIC, e.g. `mlx5_1`) when given, else on the first
+    /// matching domain. `hmem`: prefer a domain that registers device memory (falling back to
+    /// one that does not; [`ProviderInfo::hmem`] says which was opened).
+    pub fn open(
+        provider: &str,
+        node: Option<&str>,
+        domain: Option<&str>,
+        hmem: bool,
+    ) -> Result<Endpoint> {
         let lib = Library::get()?;
-        let hints = Hints::new(lib, Some(provider))?;
-        let list = hints.query(node)?;
-        let first = list
-            .iter()
-            .next()
-            .ok_or_else(|| Error::Unavailable(format!("no {provider} domain offers RMA here")))?;
-        // SAFETY: an entry of a live list; fi_dupinfo copies it for the endpoint's lifetime.
-        let info = unsafe { (lib.dupinfo)(first) };
-        drop(list);
+        let wanted = |info: &&ffi::fi_info| domain.is_none_or(|d| describe(info).domain == d);
+        let mut info = ptr::null_mut();
+        for ask_hmem in [true, false] {
+            if ask_hmem && !hmem {
+                continue;
+            }
+            match Hints::new(lib, Some(provider), ask_hmem)?.query(node) {
+                Ok(list) => {
+                    if let Some(first) = list.iter().find(wanted) {
+                        // SAFETY: an entry of a live list; fi_dupinfo copies it for the
+                        // endpoint's lifetime.
+                        info = unsafe { (lib.dupinfo)(first) };
+                        if info.is_null() {
+                            return Err(Error::Unavailable("fi_dupinfo failed".into()));
+                        }
+                        break;
+                    }
+                }
+                Err(Error::Fabric { code, .. }) if ask_hmem && code == libc::ENODATA => {}
+                Err(e) => return Err(e),
+            }
+        }
         if info.is_null() {
-            return Err(Error::Unavailable("fi_dupinfo failed".into()));
+            return Err(Error::Unavailable(match domain {
+                Some(d) => format!("no {provider} domain {d:?} offers RMA here"),
+                None => format!("no {provider} domain offers RMA here"),
+            }));
         }
         // SAFETY: fi_dupinfo copied every attribute structure.
         let provider_info = describe(unsafe { &*info });
@@ -374,6 +407,7 @@ impl Endpoint {
             in_flight: RefCell::new(HashMap::new()),
             waits: false,
             expired: RefCell::new(HashMap::new()),
+            released: RefCell::new(Vec::new()),
             next_id: Cell::new(1),
             timeout: Cell::new(None),
             last_expiry_scan: Cell::new(Instant::now()),
@@ -535,7 +569,45 @@ impl Endpoint {
     pub unsafe fn register(&self, addr: u64, len: u64) -> Result<Region<'_>> {
         let access = ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ | ffi::FI_REMOTE_WRITE;
         // SAFETY: the caller's guarantee, passed on.
-        unsafe { self.register_with(addr, len, access) }
+        unsafe { self.register_with(addr, len, access, None) }
+    }
+
+    /// Registers `len` bytes at `addr` as a source and destination of this endpoint's own
+    /// operations only: peers cannot reach it, whatever key they try.
+    ///
+    /// # Safety
+    /// As [`Endpoint::register`].
+    pub unsafe fn register_local(&self, addr: u64, len: u64) -> Result<Region<'_>> {
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.register_with(addr, len, ffi::FI_READ | ffi::FI_WRITE, None) }
+    }
+
+    /// Registers `len` bytes of CUDA device memory (of device `ordinal`) at `addr` with the
+    /// NIC itself (`FI_HMEM`), for peers' reads and, if `writable`, writes. Fails when the
+    /// endpoint's domain does not offer `FI_HMEM`, or when libfabric was built without CUDA
+    /// (its providers then refuse CUDA memory: `fi_mr_regattr` answers an error).
+    ///
+    /// # Safety
+    /// As [`Endpoint::register`].
+    pub unsafe fn register_cuda(
+        &self,
+        addr: u64,
+        len: u64,
+        ordinal: u32,
+        writable: bool,
+    ) -> Result<Region<'_>> {
+        if !self.provider.hmem {
+            return Err(Error::Unavailable(format!(
+                "domain {} of {} does not register device memory (no FI_HMEM)",
+                self.provider.domain, self.provider.provider
+            )));
+        }
+        let mut access = ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ;
+        if writable {
+            access |= ffi::FI_REMOTE_WRITE;
+        }
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.register_with(addr, len, access, Some(ordinal)) }
     }
 
     /// Registers `len` bytes at `addr` that peers may only read (their writes fail at the
@@ -546,12 +618,20 @@ impl Endpoint {
     pub unsafe fn register_read_only(&self, addr: u64, len: u64) -> Result<Region<'_>> {
         let access = ffi::FI_READ | ffi::FI_WRITE | ffi::FI_REMOTE_READ;
         // SAFETY: the caller's guarantee, passed on.
-        unsafe { self.register_with(addr, len, access) }
+        unsafe { self.register_with(addr, len, access, None) }
     }
 
+    /// `cuda`: the memory is on that CUDA device (registered through `fi_mr_regattr`).
+    ///
     /// # Safety
     /// As [`Endpoint::register`].
-    unsafe fn register_with(&self, addr: u64, len: u64, access: u64) -> Result<Region<'_>> {
+    unsafe fn register_with(
+        &self,
+        addr: u64,
+        len: u64,
+        access: u64,
+        cuda: Option<u32>,
+    ) -> Result<Region<'_>> {
         let len_usize =
             usize::try_from(len).map_err(|_| Error::InvalidArgument("region too large".into()))?;
         // Without FI_MR_PROV_KEY the key is ours to choose: an unguessable one, as wide as the
@@ -562,28 +642,66 @@ impl Endpoint {
             random_key(self.key_bytes)?
         };
         let mut mr = ptr::null_mut();
-        // SAFETY: the caller guarantees the memory; a live domain.
-        let ret = unsafe {
-            ((*(*self.domain).mr).reg)(
-                &mut (*self.domain).fid,
-                addr as *const c_void,
-                len_usize,
-                access,
-                0,
-                requested_key,
-                0,
-                &mut mr,
-                ptr::null_mut(),
-            )
+        let (call, ret) = match cuda {
+            // SAFETY: the caller guarantees the memory; a live domain.
+            None => ("fi_mr_reg", unsafe {
+                ((*(*self.domain).mr).reg)(
+                    &mut (*self.domain).fid,
+                    addr as *const c_void,
+                    len_usize,
+                    access,
+                    0,
+                    requested_key,
+                    0,
+                    &mut mr,
+                    ptr::null_mut(),
+                )
+            }),
+            Some(ordinal) => {
+                // SAFETY: a live domain's registration ops table, read only up to its size.
+                let ops = unsafe { &*(*self.domain).mr };
+                if ops.size < std::mem::size_of::<ffi::fi_ops_mr>() {
+                    return Err(Error::Unavailable(format!(
+                        "{} has no fi_mr_regattr",
+                        self.provider.provider
+                    )));
+                }
+                let iov = libc::iovec {
+                    iov_base: addr as *mut c_void,
+                    iov_len: len_usize,
+                };
+                let attr = ffi::fi_mr_attr {
+                    mr_iov: &iov,
+                    iov_count: 1,
+                    access,
+                    offset: 0,
+                    requested_key,
+                    context: ptr::null_mut(),
+                    auth_key_size: 0,
+                    auth_key: ptr::null_mut(),
+                    iface: ffi::FI_HMEM_CUDA,
+                    device: u64::from(ordinal),
+                    hmem_data: ptr::null_mut(),
+                    page_size: 0,
+                    base_mr: ptr::null(),
+                    sub_mr_cnt: 0,
+                };
+                // SAFETY: the caller guarantees the memory; a live domain whose ops table
+                // reaches regattr (checked above); attr and iov outlive the call.
+                ("fi_mr_regattr", unsafe {
+                    (ops.regattr)(&mut (*self.domain).fid, &attr, 0, &mut mr)
+                })
+            }
         };
         if ret != 0 {
-            return Err(self.lib.fail("fi_mr_reg", ret as isize));
+            return Err(self.lib.fail(call, ret as isize));
         }
         let region = Region {
             ep: self,
             mr,
             addr,
             len,
+            device: cuda.is_some(),
         };
         if self.mr_mode & ffi::FI_MR_ENDPOINT != 0 {
             // SAFETY: a live registration and endpoint (fi_mr_bind, then fi_mr_enable).
@@ -641,7 +759,7 @@ impl Endpoint {
         });
         let ctx = (&mut *scratch as *mut Op).cast::<c_void>();
         let buf = (local.addr + local_offset) as *mut c_void;
-        let desc = if self.mr_mode & ffi::FI_MR_LOCAL != 0 {
+        let desc = if self.mr_mode & ffi::FI_MR_LOCAL != 0 || local.device {
             local.desc()
         } else {
             ptr::null_mut()
@@ -736,6 +854,12 @@ impl Endpoint {
             }
         }
         late.len()
+    }
+
+    /// Ids of operations reported as timed out whose completion (or error) has arrived since:
+    /// the provider no longer uses their buffers. Each id is returned once.
+    pub fn take_released(&self) -> Vec<u64> {
+        std::mem::take(&mut *self.released.borrow_mut())
     }
 
     /// Makes progress and moves finished operations into `out`; returns how many.
@@ -849,6 +973,7 @@ impl Endpoint {
             return Ok(Some(id));
         }
         if self.expired.borrow_mut().remove(&id).is_some() {
+            self.released.borrow_mut().push(id);
             return Ok(None);
         }
         Err(Error::InvalidArgument(format!(
