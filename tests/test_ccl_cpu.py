@@ -38,35 +38,23 @@ def test_reduce_ops_by_name_or_torch_enum_like():
         ccl.parse_op("avg")
 
 
-def test_algorithm_by_size_and_override():
-    c = ccl.CclConfig()
-    assert ccl.choose_algorithm(64 << 10, 2, c) == "one_shot"
-    assert ccl.choose_algorithm(4 << 20, 2, c) == "one_shot"
-    assert ccl.choose_algorithm((4 << 20) + 2, 2, c) == "two_shot"
-    assert ccl.choose_algorithm(1 << 20, 8, c) == "two_shot"
-    assert ccl.choose_algorithm(1 << 10, 2, ccl.CclConfig(one_shot_max_bytes=0)) == "two_shot"
-    assert ccl.choose_algorithm(1 << 30, 2, c, "one_shot") == "one_shot"
+def _planner(world: int, rank: int, config: ccl.CclConfig, base: int = 0):
+    from mori import _core
+
+    return _core.CclRuntime(None, base, rank, world, *config._runtime_args())
+
+
+def test_algorithm_by_size_rank_count_and_override():
+    def algo(world, nbytes, config=ccl.CclConfig(), algorithm=None):
+        (entry, _, _), *_ = _planner(world, 0, config).all_reduce(None, 0, 0, nbytes // 4, "float32", "sum", algorithm)
+        return entry.removeprefix("ccl_all_reduce_").removesuffix("_f32_sum")
+
+    assert algo(2, 64 << 10) == "one_shot" and algo(2, 4 << 20) == "one_shot"
+    assert algo(2, (4 << 20) + 4) == "two_shot" and algo(8, 1 << 20) == "two_shot"
+    assert algo(2, 1 << 10, ccl.CclConfig(one_shot_max_bytes=0)) == "two_shot"
+    assert algo(2, 1 << 30, algorithm="one_shot") == "one_shot"
     with pytest.raises(errors.InvalidArgumentError, match="algorithm"):
-        ccl.choose_algorithm(16, 2, c, "ring")
-
-
-@pytest.mark.parametrize("length,max_piece,quantum", [(0, 8, 8), (1, 8, 8), (17, 8, 8), (64, 8, 8), (1000, 96, 8), (5, 3, 4)])
-def test_pieces_cover_the_range_on_boundaries(length, max_piece, quantum):
-    pieces = ccl.split_pieces(length, max_piece, quantum)
-    assert pieces[0][0] == 0 and pieces[-1][1] == max(0, length)
-    for (a, b), (c, _) in zip(pieces, pieces[1:]):
-        assert b == c
-    for a, b in pieces:
-        assert a % quantum == 0 and b - a <= max(quantum, max_piece)
-
-
-def test_byte_parts_are_vector_aligned_and_cover():
-    for length in (0, 1, 15, 16, 17, 1000, 4097):
-        for parts in (1, 2, 3, 7):
-            got = [ccl._part(length, parts, k) for k in range(parts)]
-            assert got[0][0] == 0 and got[-1][1] == length
-            assert all(a % ccl.VECTOR == 0 or a == b == length for a, b in got)  # empty tail parts sit at the end
-            assert all(b == c for (_, b), (c, _) in zip(got, got[1:]))
+        algo(2, 16, algorithm="ring")
 
 
 def test_splits_are_checked():
@@ -80,15 +68,6 @@ def test_splits_are_checked():
         ccl.check_splits([1, 2], 2, 4, "output")
     with pytest.raises(errors.InvalidArgumentError, match=">= 0"):
         ccl.check_splits([-1, 5], 2, 4, "output")
-
-
-def test_signatures_separate_calls():
-    base = ccl.signature(1, 2, 0, 1000, 1)
-    assert base == ccl.signature(1, 2, 0, 1000, 1)
-    others = {ccl.signature(1, 2, 1, 1000, 1), ccl.signature(1, 2, 0, 1001, 1), ccl.signature(2, 2, 0, 1000, 1),
-              ccl.signature(1, 4, 0, 1000, 1), ccl.signature(1, 2, 0, 1000, 2)}
-    assert base not in others and len(others) == 5
-    assert all(0 <= s < 1 << 64 for s in others)
 
 
 def test_shared_constants_match_the_kernel():
@@ -179,16 +158,30 @@ class _Buf:
     ptr = 0x7F00_0000_0000
 
 
-def fake_comm(world, rank, config):
+class _Recorder:
+    """The communicator's Rust runtime in planning mode: each call's launches are recorded as
+    mori.ccl used to launch them (entry, grid, block, shared, stream, parameter bytes)."""
+
+    def __init__(self, rt, threads: int, records: list):
+        self.rt, self.threads, self.records = rt, threads, records
+
+    def __getattr__(self, name: str):
+        plan = getattr(self.rt, name)
+
+        def call(stream, *args):
+            for entry, grid, params in plan(None, *args):
+                self.records.append((entry, grid, self.threads, 0, stream, params.hex()))
+
+        return call
+
+
+def fake_comm(world, rank, config, records):
     c = object.__new__(ccl.Communicator)
     c.config, c.rank, c.world_size, c.device = config, rank, world, 0
-    c.slot_bytes = config.buffer_bytes // world // 256 * 256
-    area = c.slot_bytes * world
-    c._recv_offset = ccl.STATE_BYTES + ccl.FLAGS_BYTES
-    c._gather_offset = c._recv_offset + 2 * area
-    c._parity_stride = area
-    c._timeout_ns = int(config.timeout_s * 1e9)
+    c._rt = _Recorder(_planner(world, rank, config, _Buf.ptr), config.threads, records)
+    c.slot_bytes = c._rt.rt.slot_bytes
     c._buffer = _Buf()
+    c._stream = lambda stream: stream
     c._tensor = lambda *a, **k: None
     c._reduce_dtypes = lambda: None
     return c
@@ -221,33 +214,11 @@ def scenarios():
 def test_collectives_launch_what_they_launched_before(name, world, rank, config, call):
     import hashlib
 
-    from mori import _core
-
     records = []
-
-    def kernel(entry):
-        def launch(stream, grid, block, *fields, shared=0):
-            records.append((entry, grid, block, shared, stream, _core.kernel_params(entry, *fields).hex()))
-
-        return launch
-
-    c = fake_comm(world, rank, config)
-    c._kernel = kernel
+    c = fake_comm(world, rank, config, records)
     call(c)
     digest, count = OLD_LAUNCHES[name]
     assert len(records) == count and hashlib.sha256(repr(records).encode()).hexdigest()[:32] == digest, records
-
-
-def test_flag_area_and_grids():
-    src = KERNEL.read_text()
-    # One u64 flag (epoch << 32 | signature) per [parity][phase][block][source].
-    assert "u64* flags = reinterpret_cast<u64*>(a.base + FLAGS_OFFSET);" in src
-    assert ccl.FLAGS_BYTES == 2 * 2 * ccl.MAX_BLOCKS * ccl.MAX_RANKS * 8
-    c = ccl.CclConfig()
-    assert ccl._grid(1, ccl.BLOCK_BYTES, c) == 1 and ccl._grid(4096, ccl.BLOCK_BYTES, c) == 1
-    assert ccl._grid(64 << 10, ccl.BLOCK_BYTES, c) == 8
-    assert ccl._grid(4 << 20, ccl.BLOCK_BYTES, c) == c.max_blocks
-    assert ccl._grid(1 << 20, ccl.BLOCK_BYTES, ccl.CclConfig(max_blocks=8)) == 8
 
 
 def test_kernel_entries_exist_for_every_dtype_and_op():

@@ -28,19 +28,11 @@ from mori.errors import InvalidArgumentError, MismatchError, MoriError, TimeoutE
 
 MAX_RANKS = 8  # kernels/collective/ccl.cu: MAX_RANKS
 MAX_BLOCKS = 128  # kernels/collective/ccl.cu: MAX_BLOCKS
-STATE_BYTES = 256
-FLAGS_BYTES = 2 * 2 * MAX_BLOCKS * MAX_RANKS * 8  # [parity][phase][block][source]: u64 (epoch << 32 | signature)
-ERROR_TIMEOUT, ERROR_MISMATCH = 1, 2
-VECTOR = 16  # bytes per vector access; pieces and slices start on these boundaries
-# Every collective uses one block per BLOCK_BYTES of its per-block-split segment, up to
-# CclConfig.max_blocks: one 16-byte vector per thread of a 512-thread block, so a small call's
-# blocks each move their share in one round of loads and stores (docs/ccl.md, "Latency").
-BLOCK_BYTES = 8 << 10
+ERROR_TIMEOUT, ERROR_MISMATCH = 1, 2  # bits of the state's error word (ccl.cu)
 
 REDUCE_OPS = ("sum", "max", "min")
 ALGORITHMS = ("one_shot", "two_shot")
 _DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-_OP_CODES = {"all_reduce_one_shot": 1, "all_reduce_two_shot": 2, "reduce_scatter": 3, "all_gather": 4, "all_to_all": 5, "broadcast": 6}
 
 @dataclass(frozen=True, kw_only=True)
 class CclConfig:
@@ -50,7 +42,7 @@ class CclConfig:
     and a gather area). One launch moves at most ``buffer_bytes / ranks`` per peer; larger
     tensors go in several launches. ``one_shot_max_bytes``: all-reduces up to this size use the
     one-shot algorithm (None: 4 MiB on 2 ranks, 256 KiB on more). ``max_blocks``/``threads``:
-    the grid of the large-size kernels (smaller calls use one block per ``BLOCK_BYTES``).
+    the grid of the large-size kernels (smaller calls use one block per 8 KiB).
     ``timeout_s``: how long a kernel waits for a peer before it records a timeout and returns.
     """
 
@@ -61,16 +53,15 @@ class CclConfig:
     timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.buffer_bytes < (1 << 16) or self.buffer_bytes % 4096:
-            raise InvalidArgumentError(f"buffer_bytes must be a multiple of 4096 and at least 64 KiB, got {self.buffer_bytes}")
-        if not 1 <= self.max_blocks <= MAX_BLOCKS:
-            raise InvalidArgumentError(f"max_blocks must be in 1..{MAX_BLOCKS}, got {self.max_blocks}")
-        if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise InvalidArgumentError(f"threads must be a multiple of 32 in 32..1024, got {self.threads}")
+        for name in ("buffer_bytes", "max_blocks", "threads"):
+            if getattr(self, name) < 0:
+                raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.one_shot_max_bytes is not None and self.one_shot_max_bytes < 0:
             raise InvalidArgumentError("one_shot_max_bytes must be >= 0")
-        if not self.timeout_s > 0:
-            raise InvalidArgumentError(f"timeout_s must be positive, got {self.timeout_s}")
+        _core.ccl_check_config(*self._runtime_args())  # the kernels' limits (crates/collective)
+
+    def _runtime_args(self) -> tuple:
+        return self.buffer_bytes, self.one_shot_max_bytes, self.max_blocks, self.threads, float(self.timeout_s)
 
 
 def parse_op(op: Any) -> str:
@@ -80,27 +71,6 @@ def parse_op(op: Any) -> str:
     if name not in REDUCE_OPS:
         raise InvalidArgumentError(f"unsupported reduction {op!r}: use one of {REDUCE_OPS}")
     return name
-
-
-def choose_algorithm(nbytes: int, world: int, config: CclConfig, algorithm: str | None = None) -> str:
-    """The all-reduce algorithm for ``nbytes`` on ``world`` ranks (``algorithm`` overrides)."""
-    if algorithm is not None:
-        if algorithm not in ALGORITHMS:
-            raise InvalidArgumentError(f"unknown all-reduce algorithm {algorithm!r}: use one of {ALGORITHMS}")
-        return algorithm
-    limit = config.one_shot_max_bytes
-    if limit is None:
-        limit = (4 << 20) if world == 2 else (256 << 10)
-    return "one_shot" if nbytes <= limit else "two_shot"
-
-
-def split_pieces(length: int, max_piece: int, quantum: int) -> list[tuple[int, int]]:
-    """[start, end) pieces of ``length`` units, each at most ``max_piece`` and starting on a
-    multiple of ``quantum``. Ranks that agree on ``length`` agree on the pieces."""
-    if length <= 0:
-        return [(0, 0)]
-    step = max(quantum, max_piece // quantum * quantum)
-    return [(s, min(length, s + step)) for s in range(0, length, step)]
 
 
 def check_splits(splits: Sequence[int] | None, world: int, rows: int, what: str) -> list[int]:
@@ -117,20 +87,6 @@ def check_splits(splits: Sequence[int] | None, world: int, rows: int, what: str)
     if sum(splits) != rows:
         raise InvalidArgumentError(f"{what} split sizes sum to {sum(splits)}, but the tensor has {rows} rows")
     return splits
-
-
-def signature(*parts: int) -> int:
-    """A 64-bit mix of a call's parameters; ranks compare them on the GPU to catch mismatches."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h ^= (int(p) & 0xFFFFFFFFFFFFFFFF) + 0x9E3779B97F4A7C15 + ((h << 6) & 0xFFFFFFFFFFFFFFFF) + (h >> 2)
-        h = (h * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h
-
-
-def _grid(nbytes: int, per_block: int, config: CclConfig) -> int:
-    return max(1, min(config.max_blocks, -(-nbytes // per_block)))
 
 
 class Communicator:
@@ -166,44 +122,26 @@ class Communicator:
             if pe != self.rank and shmem._s().peer_addr(0, pe) is None:
                 raise InvalidArgumentError(f"PE {pe} is not reachable by load/store from PE {self.rank}: mori.ccl needs one node")
         self.device = shmem.device()
-        self.slot_bytes = self.config.buffer_bytes // self.world_size // 256 * 256
-        area = self.slot_bytes * self.world_size
-        self._recv_offset = STATE_BYTES + FLAGS_BYTES
-        self._gather_offset = self._recv_offset + 2 * area
-        total = self._gather_offset + 2 * area
         self._buffer = None
+        # Plans and launches are Rust's (crates/collective/src/communicator.rs): this planner
+        # knows the buffer's size before it exists.
+        needed = _core.CclRuntime(None, 0, self.rank, self.world_size, *self.config._runtime_args()).buffer_bytes_needed
         # Compile/load the kernels first: NVRTC may take a while, and on one rank only (a warm
         # cache elsewhere). The collective calloc below ends in a barrier, so every rank starts
         # its first collective together instead of a peer's kernel timing out meanwhile.
-        self._module = shmem._s().load_variant("collective/ccl")
-        self._kernels: dict[str, Any] = {}
-        self._buffer = shmem.calloc(total)  # zeroed: epoch 0, no flags raised, no error
-        self._state = shmem._as_tensor(self._buffer.ptr, STATE_BYTES, (STATE_BYTES // 4,), torch.int32, self.device, self._buffer)
-        self._parity_stride = area
-        self._timeout_ns = int(self.config.timeout_s * 1e9)
+        module = shmem._s().load_variant("collective/ccl")
+        self._buffer = shmem.calloc(needed)  # zeroed: epoch 0, no flags raised, no error
+        self._rt = _core.CclRuntime(module, self._buffer.ptr, self.rank, self.world_size, *self.config._runtime_args())
+        self.slot_bytes = self._rt.slot_bytes
+        # The state words at the buffer's start: launches done (u64), then the error bits.
+        self._state = shmem._as_tensor(self._buffer.ptr, 16, (4,), torch.int32, self.device, self._buffer)
 
     # ---- plumbing -----------------------------------------------------------------------------
 
-    def _kernel(self, entry: str) -> Any:
-        kernel = self._kernels.get(entry)
-        if kernel is None:
-            kernel = self._kernels[entry] = _core.Kernel(self._module, entry)
-        return kernel
-
-    def _launch(self, entry: str, grid: int, stream: Any, inp: int, out: int, count: int = 0, total: int = 0,
-                out_stride: int = 0, slice_count: int = 0, send_offset: Sequence[int] = (), send_bytes: Sequence[int] = (),
-                out_offset: Sequence[int] = (), recv_bytes: Sequence[int] = (), sig_send: Sequence[int] = (),
-                sig_expect: Sequence[int] = ()) -> None:
-        """One launch of ``entry`` with the kernels' CclArgs (crates/collective), field for field;
-        the per-rank arrays hold up to MAX_RANKS entries, zero after the given ones."""
+    def _stream(self, stream: Any) -> int:
         if self._buffer is None:
             raise MoriError("this mori.ccl Communicator was closed")
-        self._kernel(entry)(
-            gpu._stream_handle(stream, self.device), grid, self.config.threads,
-            self._buffer.ptr, self._recv_offset, self._gather_offset, self._parity_stride, self.slot_bytes, inp, out,
-            self._timeout_ns, count, total, out_stride, slice_count,
-            send_offset, send_bytes, out_offset, recv_bytes, sig_send, sig_expect,
-        )
+        return gpu._stream_handle(stream, self.device)
 
     def _tensor(self, t: Any, what: str, dtypes: tuple | None = None) -> None:
         import torch
@@ -243,28 +181,7 @@ class Communicator:
             if out.dtype != tensor.dtype or out.numel() != tensor.numel():
                 raise InvalidArgumentError(f"out must match tensor: {tensor.dtype} x {tensor.numel()}, got {out.dtype} x {out.numel()}")
             self._overlap_check(out, tensor, True, "all_reduce")
-        es = tensor.element_size()
-        n, count = self.world_size, tensor.numel()
-        algo = choose_algorithm(count * es, n, self.config, algorithm)
-        suffix = f"{_DTYPES[str(tensor.dtype).removeprefix('torch.')]}_{opname}"
-        quantum = VECTOR // es
-        if algo == "one_shot":
-            max_piece = self.slot_bytes // es
-        else:
-            max_piece = (self.slot_bytes // es // quantum * quantum) * n
-        for start, end in split_pieces(count, max_piece, quantum):
-            length = end - start
-            if algo == "one_shot":
-                sizes = (length, 0, 0, 0)  # count, total, out_stride, slice_count
-                grid = _grid(length * es, BLOCK_BYTES, self.config)
-            else:
-                slice_len = -(-length // n)
-                slice_len = -(-slice_len // quantum) * quantum
-                sizes = (slice_len, length, slice_len, slice_len)
-                grid = _grid(slice_len * es, BLOCK_BYTES, self.config)
-            sig = [signature(_OP_CODES[f"all_reduce_{algo}"], es, REDUCE_OPS.index(opname), length, grid)] * MAX_RANKS
-            self._launch(f"ccl_all_reduce_{algo}_{suffix}", grid, stream, tensor.data_ptr() + start * es,
-                         out.data_ptr() + start * es, *sizes, sig_send=sig, sig_expect=sig)
+        self._rt.all_reduce(self._stream(stream), tensor.data_ptr(), out.data_ptr(), tensor.numel(), _dtype(tensor), opname, algorithm)
         return out
 
     def reduce_scatter(self, output: Any, input: Any, op: Any = "sum", *, stream: Any = None):  # noqa: A002 - torch's name
@@ -283,45 +200,15 @@ class Communicator:
         es, m = input.element_size(), output.numel()
         if output.data_ptr() != input.data_ptr() + self.rank * m * es:
             self._overlap_check(output, input, False, "reduce_scatter")
-        suffix = f"{_DTYPES[str(input.dtype).removeprefix('torch.')]}_{opname}"
-        for start, end in split_pieces(m, self.slot_bytes // es, VECTOR // es):
-            length = end - start
-            # Slice r of this piece is input[r*M + start : r*M + end]: stride M from the piece start.
-            grid = _grid(length * es, BLOCK_BYTES, self.config)
-            sig = [signature(_OP_CODES["reduce_scatter"], es, REDUCE_OPS.index(opname), length, m, grid)] * MAX_RANKS
-            self._launch(f"ccl_reduce_scatter_{suffix}", grid, stream, input.data_ptr() + start * es,
-                         output.data_ptr() + start * es, m, m * (n - 1) + length, 0, length, sig_send=sig, sig_expect=sig)
+        self._rt.reduce_scatter(self._stream(stream), input.data_ptr(), output.data_ptr(), m, _dtype(input), opname)
         return output
 
-    def _exchange(self, kind: int, inp: Any, out: Any, send: list[tuple[int, int]], recv: list[tuple[int, int]],
+    def _exchange(self, kind: str, inp: Any, out: Any, send: list[tuple[int, int]], recv: list[tuple[int, int]],
                   extra: int, agreed: bool, stream: Any) -> None:
-        """Push-exchange launches. ``send[p]`` = (byte offset in input, bytes) for rank p;
-        ``recv[r]`` = (byte offset in output, bytes) from rank r. ``agreed``: every rank has the
-        same longest segment, so all derive the same pieces and grid from it; otherwise one
-        launch (the caller checked it fits) on the full grid."""
-        n = self.world_size
-        longest = max([b for _, b in send] + [b for _, b in recv] + [0])
-        if agreed:
-            parts = max(1, -(-longest // self.slot_bytes))
-            grid = _grid(max(1, -(-longest // parts)), BLOCK_BYTES, self.config)
-        else:
-            parts, grid = 1, self.config.max_blocks
-        for k in range(parts):
-            send_offset, send_bytes, sig_send, out_offset, recv_bytes, sig_expect = [], [], [], [], [], []
-            for p in range(n):
-                s_off, s_len = send[p]
-                s_lo, s_hi = _part(s_len, parts, k)
-                send_offset.append(s_off + s_lo)
-                send_bytes.append(s_hi - s_lo)
-                sig_send.append(signature(kind, extra, s_hi - s_lo, grid, parts, k))
-                r_off, r_len = recv[p]
-                r_lo, r_hi = _part(r_len, parts, k)
-                out_offset.append(r_off + r_lo)
-                recv_bytes.append(r_hi - r_lo)
-                sig_expect.append(signature(kind, extra, r_hi - r_lo, grid, parts, k))
-            self._launch("ccl_push", grid, stream, inp.data_ptr(), out.data_ptr(), send_offset=send_offset,
-                         send_bytes=send_bytes, out_offset=out_offset, recv_bytes=recv_bytes, sig_send=sig_send,
-                         sig_expect=sig_expect)
+        """Push-exchange launches (planned in Rust). ``send[p]`` = (byte offset in input,
+        bytes) for rank p; ``recv[r]`` = (byte offset in output, bytes) from rank r. ``agreed``:
+        every rank has the same longest segment, so all derive the same pieces from it."""
+        self._rt.exchange(self._stream(stream), kind, inp.data_ptr(), out.data_ptr(), send, recv, extra, agreed)
 
     def all_gather(self, output: Any, input: Any, *, stream: Any = None):  # noqa: A002 - torch's name
         """``output`` = every rank's ``input`` concatenated in rank order (numel ranks x input),
@@ -333,7 +220,7 @@ class Communicator:
             raise InvalidArgumentError(f"all_gather: output must hold {n} x input elements of one dtype")
         if input.data_ptr() != output.data_ptr() + self.rank * nb:
             self._overlap_check(output, input, False, "all_gather")
-        self._exchange(_OP_CODES["all_gather"], input, output, [(0, nb)] * n, [(r * nb, nb) for r in range(n)], 0, True, stream)
+        self._exchange("all_gather", input, output, [(0, nb)] * n, [(r * nb, nb) for r in range(n)], 0, True, stream)
         return output
 
     def all_to_all(self, output: Any, input: Any, output_split_sizes: Sequence[int] | None = None,
@@ -357,13 +244,9 @@ class Communicator:
         if ins[self.rank] != outs[self.rank]:
             raise InvalidArgumentError(f"all_to_all: this rank sends itself {ins[self.rank]} rows but expects {outs[self.rank]}")
         equal = input_split_sizes is None and output_split_sizes is None
-        if not equal and max(b for _, b in send + recv) > self.slot_bytes:
-            # Ranks could split unequal sizes into different numbers of launches: refuse instead.
-            raise InvalidArgumentError(
-                f"all_to_all with split sizes moves at most {self.slot_bytes} bytes per rank pair per call "
-                f"(CclConfig.buffer_bytes / ranks); got {max(b for _, b in send + recv)}"
-            )
-        self._exchange(_OP_CODES["all_to_all"], input, output, send, recv, row, equal, stream)
+        # With split sizes, ranks could cut unequal sizes into different numbers of launches: the
+        # planner refuses a segment above one slot instead.
+        self._exchange("all_to_all", input, output, send, recv, row, equal, stream)
         return output
 
     def broadcast(self, tensor: Any, src: int, *, out: Any = None, stream: Any = None):
@@ -383,7 +266,7 @@ class Communicator:
         # The root sends to everyone (itself: a local copy unless in place); the others send nothing.
         send = [(0, nb if self.rank == src else 0)] * n
         recv = [(0, nb if r == src else 0) for r in range(n)]
-        self._exchange(_OP_CODES["broadcast"], tensor, out, send, recv, src, True, stream)
+        self._exchange("broadcast", tensor, out, send, recv, src, True, stream)
         return out
 
     # ---- state --------------------------------------------------------------------------------
@@ -427,11 +310,8 @@ class Communicator:
         return f"mori.ccl.Communicator(rank {self.rank}/{self.world_size}, {self.config!r})"
 
 
-def _part(length: int, parts: int, k: int) -> tuple[int, int]:
-    """Part k of ``parts`` of ``length`` bytes, on 16-byte boundaries."""
-    per = -(-length // parts)
-    per = -(-per // VECTOR) * VECTOR
-    return min(length, k * per), min(length, (k + 1) * per)
+def _dtype(t: Any) -> str:
+    return _DTYPES[str(t.dtype).removeprefix("torch.")]
 
 
 _default: Communicator | None = None

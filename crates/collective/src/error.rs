@@ -31,8 +31,12 @@ pub enum Error {
         entry: &'static str,
         given: &'static str,
     },
+    #[error("{0}")]
+    InvalidArgument(String),
     #[error(transparent)]
     Gpu(#[from] mori_gpu::Error),
+    #[error("mori.shmem: {0}")]
+    Shmem(#[from] mori_shmem::Error),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

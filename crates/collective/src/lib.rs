@@ -5,6 +5,7 @@
 //! (`tests/nvrtc_layout.rs`).
 
 pub mod ccl;
+pub mod communicator;
 pub mod ep;
 mod error;
 pub mod host;

@@ -3,6 +3,11 @@
 
 use std::sync::{Arc, Mutex};
 
+use mori_collective::KernelParams;
+use mori_collective::communicator::{
+    Algorithm, CclConfig, Communicator, DType, Exchange, Launch, ReduceOp, plan_all_reduce,
+    plan_exchange, plan_reduce_scatter,
+};
 use mori_collective::params::CType;
 use mori_collective::{Packed, Packer, Value};
 use mori_gpu::StreamHandle;
@@ -159,5 +164,224 @@ impl Kernel {
             self.kernel
                 .launch(cfg, StreamHandle::from_raw(stream), params)
         }?)
+    }
+}
+
+/// mori.ccl's host runtime for one rank (`mori_collective::communicator`): each collective is
+/// planned and launched in Rust, one call from Python. Without a module it only plans: each
+/// call then returns its launches (entry, grid, parameter bytes) instead of launching them.
+#[pyclass(frozen, module = "mori._core")]
+pub struct CclRuntime {
+    session: Option<Arc<Mutex<Option<mori_shmem::Shmem>>>>,
+    inner: Communicator,
+}
+
+/// A launch as Python sees a planned one: entry, grid, the kernel's parameter bytes.
+type PlannedLaunch = (String, u32, Vec<u8>);
+
+impl CclRuntime {
+    /// Launches `plan` on `stream` (None: only plans, and returns the launches).
+    fn run(&self, plan: Vec<Launch>, stream: Option<usize>) -> Result<Option<Vec<PlannedLaunch>>> {
+        let Some(stream) = stream else {
+            return Ok(Some(
+                self.inner
+                    .prepare(plan)
+                    .into_iter()
+                    .map(|l| (l.entry, l.grid, l.args.packed().bytes().to_vec()))
+                    .collect(),
+            ));
+        };
+        match &self.session {
+            Some(s) if s.lock().map_err(|_| finalized())?.is_some() => {}
+            _ => return Err(finalized()),
+        }
+        // SAFETY: mori.ccl checked every tensor the plan addresses (on this rank's GPU, the
+        // sizes planned) and keeps them alive until the stream ran the kernels; the buffer
+        // stays allocated until Communicator.close, after this GPU's work.
+        unsafe { self.inner.launch(plan, StreamHandle::from_raw(stream)) }?;
+        Ok(None)
+    }
+}
+
+fn ccl_config(
+    buffer_bytes: u64,
+    one_shot_max_bytes: Option<u64>,
+    max_blocks: u32,
+    threads: u32,
+    timeout_s: f64,
+) -> Result<CclConfig> {
+    let invalid = |m: String| mori_collective::Error::InvalidArgument(m);
+    if timeout_s.is_nan() || timeout_s <= 0.0 {
+        return Err(invalid(format!("timeout_s must be positive, got {timeout_s}")).into());
+    }
+    let timeout = std::time::Duration::try_from_secs_f64(timeout_s)
+        .map_err(|_| invalid(format!("timeout_s {timeout_s} is too large")))?;
+    let config = CclConfig {
+        buffer_bytes,
+        one_shot_max_bytes,
+        max_blocks,
+        threads,
+        timeout,
+    };
+    config.validate()?;
+    Ok(config)
+}
+
+/// Checks a communicator's sizes (mori.ccl's CclConfig) against the kernels' limits.
+#[pyfunction]
+pub fn ccl_check_config(
+    buffer_bytes: u64,
+    one_shot_max_bytes: Option<u64>,
+    max_blocks: u32,
+    threads: u32,
+    timeout_s: f64,
+) -> Result<()> {
+    ccl_config(
+        buffer_bytes,
+        one_shot_max_bytes,
+        max_blocks,
+        threads,
+        timeout_s,
+    )
+    .map(|_| ())
+}
+
+#[pymethods]
+impl CclRuntime {
+    /// `module`: the `collective/ccl` variant loaded for the session (None: a planner only);
+    /// `base`: this rank's address of the zeroed symmetric buffer of `buffer_bytes_needed`
+    /// bytes, which the caller keeps allocated while launches may run.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        module: Option<&ShmemModule>,
+        base: u64,
+        rank: usize,
+        world: usize,
+        buffer_bytes: u64,
+        one_shot_max_bytes: Option<u64>,
+        max_blocks: u32,
+        threads: u32,
+        timeout_s: f64,
+    ) -> Result<Self> {
+        let config = ccl_config(
+            buffer_bytes,
+            one_shot_max_bytes,
+            max_blocks,
+            threads,
+            timeout_s,
+        )?;
+        // SAFETY: mori.ccl allocates `base` collectively from the symmetric heap and frees it
+        // only after this rank's GPU work finished (Communicator.close).
+        let inner =
+            unsafe { Communicator::new(module.map(|m| m.module), base, rank, world, config) }?;
+        Ok(Self {
+            session: module.map(|m| m.session.clone()),
+            inner,
+        })
+    }
+
+    /// Bytes each peer owns in a receive area (the most one launch moves per rank pair).
+    #[getter]
+    fn slot_bytes(&self) -> u64 {
+        self.inner.geometry().slot_bytes
+    }
+
+    /// Bytes of the symmetric buffer this communicator uses.
+    #[getter]
+    fn buffer_bytes_needed(&self) -> u64 {
+        self.inner.geometry().buffer_bytes()
+    }
+
+    /// An all-reduce of `count` elements, launched on `stream` (None: planned only).
+    #[pyo3(signature = (stream, input, output, count, dtype, op, algorithm=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce(
+        &self,
+        stream: Option<usize>,
+        input: u64,
+        output: u64,
+        count: u64,
+        dtype: &str,
+        op: &str,
+        algorithm: Option<&str>,
+    ) -> Result<Option<Vec<PlannedLaunch>>> {
+        let (dtype, op) = (DType::parse(dtype)?, ReduceOp::parse(op)?);
+        let algorithm = algorithm.map(Algorithm::parse).transpose()?;
+        let plan = plan_all_reduce(
+            self.inner.geometry(),
+            self.inner.config(),
+            input,
+            output,
+            count,
+            dtype,
+            op,
+            algorithm,
+        );
+        self.run(plan, stream)
+    }
+
+    /// A reduce-scatter into `m` elements per rank, launched on `stream` (None: planned only).
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter(
+        &self,
+        stream: Option<usize>,
+        input: u64,
+        output: u64,
+        m: u64,
+        dtype: &str,
+        op: &str,
+    ) -> Result<Option<Vec<PlannedLaunch>>> {
+        let (dtype, op) = (DType::parse(dtype)?, ReduceOp::parse(op)?);
+        let plan = plan_reduce_scatter(
+            self.inner.geometry(),
+            self.inner.config(),
+            input,
+            output,
+            m,
+            dtype,
+            op,
+        );
+        self.run(plan, stream)
+    }
+
+    /// A push exchange (`kind`: "all_gather", "all_to_all" or "broadcast"): `send[p]` = (byte
+    /// offset in input, bytes) for rank p, `recv[r]` = (byte offset in output, bytes) from rank
+    /// r; launched on `stream` (None: planned only).
+    #[allow(clippy::too_many_arguments)]
+    fn exchange(
+        &self,
+        stream: Option<usize>,
+        kind: &str,
+        input: u64,
+        output: u64,
+        send: Vec<(u64, u64)>,
+        recv: Vec<(u64, u64)>,
+        extra: u64,
+        agreed: bool,
+    ) -> Result<Option<Vec<PlannedLaunch>>> {
+        let kind = match kind {
+            "all_gather" => Exchange::AllGather,
+            "all_to_all" => Exchange::AllToAll,
+            "broadcast" => Exchange::Broadcast,
+            other => {
+                return Err(mori_collective::Error::InvalidArgument(format!(
+                    "unknown exchange {other:?}: use all_gather, all_to_all or broadcast"
+                ))
+                .into());
+            }
+        };
+        let plan = plan_exchange(
+            self.inner.geometry(),
+            self.inner.config(),
+            kind,
+            input,
+            output,
+            &send,
+            &recv,
+            extra,
+            agreed,
+        )?;
+        self.run(plan, stream)
     }
 }

@@ -53,6 +53,7 @@ impl From<mori_collective::Error> for Error {
     fn from(e: mori_collective::Error) -> Self {
         match e {
             mori_collective::Error::Gpu(g) => Error::Gpu(g),
+            mori_collective::Error::Shmem(s) => Error::from(s),
             other => Error::Collective(other),
         }
     }

@@ -121,6 +121,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<shmem::ShmemModule>()?;
     m.add_class::<shmem::Registered>()?;
     m.add_class::<collective::Kernel>()?;
+    m.add_class::<collective::CclRuntime>()?;
+    m.add_function(wrap_pyfunction!(collective::ccl_check_config, m)?)?;
     m.add_function(wrap_pyfunction!(collective::kernel_params, m)?)?;
     m.add_function(wrap_pyfunction!(collective::wait_host_i32, m)?)?;
     m.add_class::<io::IoEngine>()?;
