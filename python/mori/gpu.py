@@ -264,7 +264,10 @@ def _stream_handle(stream: Any, device: int) -> int:
     if stream is None:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
-            return torch.cuda.current_stream(device).cuda_stream
+            # The raw handle without building a torch.cuda.Stream: 0.14 against 3.5 µs per
+            # call (benches/ccl_host_profile.py on an H200), most of an eager collective's host time.
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
         return 0
     if isinstance(stream, int):
         return stream
