@@ -287,3 +287,76 @@ def test_low_latency_combine_reference_ties_each_weight_to_its_expert(world, fp8
     ref.check_ll_combine(got.to(torch.bfloat16), want)
     with pytest.raises(AssertionError, match="low-latency combine off"):
         ref.check_ll_combine(swapped.to(torch.bfloat16), want)
+
+
+# ---- mori.ep's launches, made by the Rust runtime (crates/collective/src/ep_runtime.rs) ----------
+# Each expected launch is packed by `_core.kernel_params` from the field values in the order
+# mori.ep's Python passed them before the runtime moved to Rust (transcribed below), so the
+# runtime must fill every field of every launch the same way.
+
+
+def test_the_rust_runtime_launches_what_mori_ep_launched_before():
+    import random
+
+    from mori import _core
+
+    def packed(entry, *fields):
+        return _core.kernel_params(entry, *fields)
+
+    rng = random.Random(11)
+    for w, e, h, k, tmax, tll in [(2, 8, 256, 2, 64, 16), (4, 64, 7168, 8, 4096, 128), (8, 256, 2048, 8, 512, 0)]:
+        el = e // w
+        a = [rng.getrandbits(40) << 4 for _ in range(12)]
+        recv, rank_m, expert_m, comb, counters, host_info = a[0:5], a[5:7], a[7:9], a[9], a[10], a[11]
+        ll = [rng.getrandbits(40) << 4 for _ in range(8)] + [2] if tll else None
+        rt = _core.EpRuntime(None, None, (w, e, h, k, tmax, tll), a, ll)
+        n, topk_idx, weights, x, scales, meta, out, y = 37, *[rng.getrandbits(40) << 4 for _ in range(7)]
+
+        def prepare(parity, notify, seq):
+            nw = n * w
+            return ("ep_prepare", w + 1, 1024, 0, packed(
+                "ep_prepare", topk_idx, n, k, el, w, e, meta, meta + 4 * nw, meta + 8 * nw, meta + 4 * (2 * nw + w),
+                meta + 4 * (2 * nw + w + e), counters, int(notify), rank_m[parity], expert_m[parity], host_info, seq))
+
+        def layout_part(offset):
+            return meta + 4 * offset
+
+        nw = n * w
+        send_list, per_rank, rank_matrix, slot = layout_part(nw), layout_part(2 * nw), layout_part(2 * nw + w + e), meta
+        assert rt.layout_len(n) == 2 * nw + w + e + w * w
+        # A layout, two dispatches (parity 0 then 1, sequence 1 then 2), a layout after them.
+        assert rt.layout(None, topk_idx, n, meta) == [prepare(0, False, 0)]
+        for parity, seq, fp8 in ((0, 1, False), (1, 2, True)):
+            row_bytes, cols = (h, h // 128) if fp8 else (2 * h, 0)
+            got_seq, got = rt.dispatch(None, x, row_bytes, scales if fp8 else 0, cols, topk_idx, weights, n, meta, 24)
+            assert got_seq == seq
+            assert got == [prepare(parity, True, seq), ("ep_dispatch", 24, 512, 0, packed(
+                "ep_dispatch", x, row_bytes, scales if fp8 else 0, cols, topk_idx, weights, n, k, el, w, send_list, per_rank,
+                rank_matrix, *recv, counters))]
+        assert rt.layout(None, topk_idx, n, meta) == [prepare(0, False, 2)]
+        num_recv = 91
+        for on_heap in (False, True):
+            want = [] if on_heap else [("ep_combine_send", 20, 512, 0, packed(
+                "ep_combine_send", y, 2 * h, num_recv, w, rank_matrix, comb, tmax, counters))]
+            want.append(("ep_combine_reduce", 20, 512, 0, packed(
+                "ep_combine_reduce", y, int(on_heap), comb, tmax, h, n, w, slot, rank_matrix, out)))
+            assert rt.combine(None, y, on_heap, num_recv, n, meta, out, 20) == want
+        assert rt.combine(None, y, False, 0, 0, meta, out, 20)[-1][0] == "ep_combine_send", "no reduce for no tokens"
+        if not tll:
+            with pytest.raises(errors.InvalidArgumentError, match="low-latency"):
+                rt.ll_dispatch_send(None, x, topk_idx, n, True)
+            continue
+        rows, llmeta, wts, llcomb, sent0, sent1, sent2, state, chunks = ll
+        outputs = [rng.getrandbits(40) << 4 for _ in range(6)]
+        ids_pos = outputs[5]
+        half = 4 * w * tll * k
+        assert rt.ll_dispatch_send(None, x, topk_idx, n, True) == [("ep_ll_dispatch_send", 64, 512, 0, packed(
+            "ep_ll_dispatch_send", x, topk_idx, n, k, h, el, w, tll, 1, chunks, rows, llmeta, sent0, state))]
+        assert rt.ll_dispatch_recv(None, False, outputs) == [("ep_ll_dispatch_recv", el, 1024, 4 * w * tll, packed(
+            "ep_ll_dispatch_recv", k, h, el, w, tll, 0, 64, rows, llmeta, sent0, *outputs[:5], ids_pos, ids_pos + half, state,
+            state + 8))]
+        assert rt.ll_combine_send(None, y, topk_idx, weights, n, ids_pos) == [("ep_ll_combine_send", 64, 512, 0, packed(
+            "ep_ll_combine_send", y, topk_idx, weights, n, k, h, el, w, tll, chunks, ids_pos, ids_pos + half, wts, sent1, llcomb,
+            sent2, state))]
+        assert rt.ll_combine_recv(None, topk_idx, n, out) == [("ep_ll_combine_recv", 64, 512, 0, packed(
+            "ep_ll_combine_recv", topk_idx, n, k, h, el, w, tll, chunks, 64, llcomb, sent2, out, state, state + 12))]

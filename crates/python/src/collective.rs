@@ -8,6 +8,7 @@ use mori_collective::communicator::{
     Algorithm, CclConfig, Communicator, DType, Exchange, Launch, ReduceOp, plan_all_reduce,
     plan_exchange, plan_reduce_scatter,
 };
+use mori_collective::ep_runtime;
 use mori_collective::params::CType;
 use mori_collective::{Packed, Packer, Value};
 use mori_gpu::StreamHandle;
@@ -383,5 +384,255 @@ impl CclRuntime {
             agreed,
         )?;
         self.run(plan, stream)
+    }
+}
+
+/// mori.ep's host runtime for one rank (`mori_collective::ep_runtime`): each operation's
+/// launches filled in Rust from typed parameter structs, one call from Python. Without modules
+/// it only plans: each call then returns its launches (entry, grid, block, shared bytes,
+/// parameter bytes) instead of making them.
+#[pyclass(frozen, module = "mori._core")]
+pub struct EpRuntime {
+    session: Option<Arc<Mutex<Option<mori_shmem::Shmem>>>>,
+    inner: ep_runtime::EpRuntime,
+}
+
+/// A launch as Python sees a planned EP one.
+type PlannedEp = Option<Vec<(&'static str, u32, u32, u32, Vec<u8>)>>;
+
+impl EpRuntime {
+    /// The stream to launch on (None: plan only), after checking the session is alive.
+    fn stream(&self, stream: Option<usize>) -> Result<Option<StreamHandle>> {
+        let Some(stream) = stream else {
+            return Ok(None);
+        };
+        match &self.session {
+            Some(s) if s.lock().map_err(|_| finalized())?.is_some() => {}
+            _ => return Err(finalized()),
+        }
+        Ok(Some(StreamHandle::from_raw(stream)))
+    }
+
+    fn layout(&self, base: u64, num_tokens: u32) -> ep_runtime::Layout {
+        let s = self.inner_shape();
+        ep_runtime::Layout {
+            base,
+            num_tokens: u64::from(num_tokens),
+            num_ranks: u64::from(s.num_ranks),
+            num_experts: u64::from(s.num_experts),
+        }
+    }
+
+    fn inner_shape(&self) -> &ep_runtime::EpShape {
+        self.inner.shape()
+    }
+}
+
+fn planned(stream: Option<StreamHandle>, launches: Vec<ep_runtime::Planned>) -> PlannedEp {
+    stream.is_none().then_some(launches)
+}
+
+#[pymethods]
+impl EpRuntime {
+    /// `shape`: (ranks, experts, hidden, topk, max tokens per rank, low-latency max tokens);
+    /// `normal`: addresses (recv_x, recv_scales, recv_idx, recv_w, recv_src, rank_matrix[0],
+    /// rank_matrix[1], expert_matrix[0], expert_matrix[1], comb, counters, host_info);
+    /// `low_latency`: (rows, meta, wts, comb, sent[0], sent[1], sent[2], state, chunks) or None.
+    /// The modules (`ep/intranode`, `ep/low_latency`) are None for a planner.
+    #[new]
+    #[pyo3(signature = (intranode, low_latency_module, shape, normal, low_latency=None))]
+    fn new(
+        intranode: Option<&ShmemModule>,
+        low_latency_module: Option<&ShmemModule>,
+        shape: (u32, u32, u32, u32, u32, u32),
+        normal: [u64; 12],
+        low_latency: Option<[u64; 9]>,
+    ) -> Result<Self> {
+        let shape = ep_runtime::EpShape {
+            num_ranks: shape.0,
+            num_experts: shape.1,
+            hidden: shape.2,
+            topk: shape.3,
+            max_tokens: shape.4,
+            low_latency_max_tokens: shape.5,
+        };
+        let n = normal;
+        let normal = ep_runtime::NormalBuffers {
+            recv_x: n[0],
+            recv_scales: n[1],
+            recv_idx: n[2],
+            recv_w: n[3],
+            recv_src: n[4],
+            rank_matrix: [n[5], n[6]],
+            expert_matrix: [n[7], n[8]],
+            comb: n[9],
+            counters: n[10],
+            host_info: n[11],
+        };
+        let ll = low_latency.map(|l| ep_runtime::LowLatencyBuffers {
+            rows: l[0],
+            meta: l[1],
+            wts: l[2],
+            comb: l[3],
+            sent: [l[4], l[5], l[6]],
+            state: l[7],
+            chunks: l[8] as u32,
+        });
+        let modules = intranode.map(|m| (m.module, low_latency_module.map(|l| l.module)));
+        // SAFETY: mori.ep allocates every address (symmetric tensors, device counters, pinned
+        // host words) for the Buffer's lifetime, which outlives this runtime.
+        let inner = unsafe { ep_runtime::EpRuntime::new(shape, normal, ll, modules) }?;
+        Ok(Self {
+            session: intranode.map(|m| m.session.clone()),
+            inner,
+        })
+    }
+
+    /// int32 elements of a normal dispatch's per-call layout area for `num_tokens` tokens.
+    fn layout_len(&self, num_tokens: u64) -> u64 {
+        let s = self.inner_shape();
+        ep_runtime::Layout::len(num_tokens, u64::from(s.num_ranks), u64::from(s.num_experts))
+    }
+
+    /// The routing layout only (no exchange), into the area at `layout`.
+    #[pyo3(name = "layout")]
+    fn py_layout(
+        &self,
+        stream: Option<usize>,
+        topk_idx: u64,
+        n: u32,
+        layout: u64,
+    ) -> Result<PlannedEp> {
+        let stream = self.stream(stream)?;
+        let area = self.layout(layout, n);
+        // SAFETY: mori.ep checked topk_idx ([n, topk] int64) and allocated the area for n
+        // tokens; both live until the stream ran the kernel.
+        let l = unsafe { self.inner.layout(topk_idx, n, &area, stream) }?;
+        Ok(planned(stream, l))
+    }
+
+    /// A normal dispatch's launches; returns (the sequence number its totals are published
+    /// with, the planned launches or None).
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &self,
+        stream: Option<usize>,
+        x: u64,
+        row_bytes: u64,
+        scales: u64,
+        scale_cols: u32,
+        topk_idx: u64,
+        weights: u64,
+        n: u32,
+        layout: u64,
+        sms: u32,
+    ) -> Result<(i32, PlannedEp)> {
+        let stream = self.stream(stream)?;
+        let area = self.layout(layout, n);
+        // SAFETY: mori.ep checked every tensor's dtype and shape and keeps them alive until
+        // the stream ran the kernels.
+        let (seq, l) = unsafe {
+            self.inner.dispatch(
+                x, row_bytes, scales, scale_cols, topk_idx, weights, n, &area, sms, stream,
+            )
+        }?;
+        Ok((seq, planned(stream, l)))
+    }
+
+    /// Waits, with the GIL released, until dispatch `seq`'s totals are published; False after
+    /// `timeout_s`.
+    fn wait_dispatched(&self, py: Python<'_>, seq: i32, timeout_s: f64) -> bool {
+        let timeout = std::time::Duration::from_secs_f64(timeout_s.max(0.0));
+        py.detach(|| self.inner.wait_dispatched(seq, timeout))
+    }
+
+    /// A normal combine's launches.
+    #[allow(clippy::too_many_arguments)]
+    fn combine(
+        &self,
+        stream: Option<usize>,
+        y: u64,
+        y_on_heap: bool,
+        num_recv: u32,
+        num_tokens: u32,
+        layout: u64,
+        out: u64,
+        sms: u32,
+    ) -> Result<PlannedEp> {
+        let stream = self.stream(stream)?;
+        let area = self.layout(layout, num_tokens);
+        // SAFETY: as dispatch.
+        let l = unsafe {
+            self.inner
+                .combine(y, y_on_heap, num_recv, num_tokens, &area, out, sms, stream)
+        }?;
+        Ok(planned(stream, l))
+    }
+
+    fn ll_dispatch_send(
+        &self,
+        stream: Option<usize>,
+        x: u64,
+        topk_idx: u64,
+        n: u32,
+        use_fp8: bool,
+    ) -> Result<PlannedEp> {
+        let stream = self.stream(stream)?;
+        // SAFETY: as dispatch.
+        let l = unsafe { self.inner.ll_dispatch_send(x, topk_idx, n, use_fp8, stream) }?;
+        Ok(planned(stream, l))
+    }
+
+    /// `outputs`: (recv_x, recv_scales or 0, recv_count, src_info, layout_range, ids_pos).
+    fn ll_dispatch_recv(
+        &self,
+        stream: Option<usize>,
+        use_fp8: bool,
+        outputs: [u64; 6],
+    ) -> Result<PlannedEp> {
+        let stream = self.stream(stream)?;
+        let out = ep_runtime::LlReceived {
+            recv_x: outputs[0],
+            recv_scales: outputs[1],
+            recv_count: outputs[2],
+            src_info: outputs[3],
+            layout_range: outputs[4],
+            ids_pos: outputs[5],
+        };
+        // SAFETY: as dispatch.
+        let l = unsafe { self.inner.ll_dispatch_recv(use_fp8, &out, stream) }?;
+        Ok(planned(stream, l))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn ll_combine_send(
+        &self,
+        stream: Option<usize>,
+        y: u64,
+        topk_idx: u64,
+        weights: u64,
+        n: u32,
+        ids_pos: u64,
+    ) -> Result<PlannedEp> {
+        let stream = self.stream(stream)?;
+        // SAFETY: as dispatch.
+        let l = unsafe {
+            self.inner
+                .ll_combine_send(y, topk_idx, weights, n, ids_pos, stream)
+        }?;
+        Ok(planned(stream, l))
+    }
+
+    fn ll_combine_recv(
+        &self,
+        stream: Option<usize>,
+        topk_idx: u64,
+        n: u32,
+        out: u64,
+    ) -> Result<PlannedEp> {
+        let stream = self.stream(stream)?;
+        // SAFETY: as dispatch.
+        let l = unsafe { self.inner.ll_combine_recv(topk_idx, n, out, stream) }?;
+        Ok(planned(stream, l))
     }
 }

@@ -122,6 +122,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<shmem::Registered>()?;
     m.add_class::<collective::Kernel>()?;
     m.add_class::<collective::CclRuntime>()?;
+    m.add_class::<collective::EpRuntime>()?;
     m.add_function(wrap_pyfunction!(collective::ccl_check_config, m)?)?;
     m.add_function(wrap_pyfunction!(collective::kernel_params, m)?)?;
     m.add_function(wrap_pyfunction!(collective::wait_host_i32, m)?)?;

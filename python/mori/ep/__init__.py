@@ -34,7 +34,6 @@ MAX_EXPERTS = 4096  # ep_prepare's shared-memory histogram
 MAX_RANKS = 8  # ep::MAX_RANKS in kernels/ep/mori_ep.cuh
 SCALE_BLOCK = 128
 LL_META_STRIDE = 16  # META_STRIDE in kernels/ep/low_latency.cu
-LL_SEND_BLOCKS = 64  # grid of the low-latency send halves (part of the completion count)
 LL_MAX_ENTRIES = 48 * 1024  # ranks * low_latency_max_tokens: the receive half's shared memory
 HOST_WAIT_TIMEOUT_S = 60.0
 
@@ -68,6 +67,15 @@ class EpConfig:
 
 def _ptr(t: Any) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def runtime_addresses(recv_x: Any, recv_scales: Any, recv_idx: Any, recv_w: Any, recv_src: Any, rank_matrix: Any,
+                      expert_matrix: Any, comb: Any, counters: Any, host_info: Any) -> list[int]:
+    """The normal mode's addresses in the order the Rust runtime takes them (the two count
+    matrices by call parity)."""
+    return [recv_x.data_ptr(), recv_scales.data_ptr(), recv_idx.data_ptr(), recv_w.data_ptr(), recv_src.data_ptr(),
+            rank_matrix[0].data_ptr(), rank_matrix[1].data_ptr(), expert_matrix[0].data_ptr(), expert_matrix[1].data_ptr(),
+            comb.data_ptr(), counters.data_ptr(), host_info.data_ptr()]
 
 
 class Handle:
@@ -180,22 +188,18 @@ class Buffer:
         self._host_info = torch.zeros(3 + self.experts_per_rank, dtype=torch.int32, pin_memory=True)
         self._host_info_np = self._host_info.numpy()
         # Addresses used on every call, read once.
-        self._counters_ptr, self._host_info_ptr = self._counters.data_ptr(), self._host_info.data_ptr()
-        self._rank_matrix_ptrs = [self._rank_matrix[i].data_ptr() for i in range(2)]
-        self._expert_matrix_ptrs = [self._expert_matrix[i].data_ptr() for i in range(2)]
-        self._recv_ptrs = tuple(t.data_ptr() for t in (self._recv_x, self._recv_scales, self._recv_idx, self._recv_w, self._recv_src))
-        self._seq = 0
-        self._calls = 0
         self.profile: list[dict[str, float]] | None = None  # set to [] to record phase timings
-
-        # Each launch fills the entry's parameter struct (crates/collective) from the fields,
-        # passed in the kernel's parameter order.
-        m = shmem._s().load_variant("ep/intranode")
-        self._k_prepare = _core.Kernel(m, "ep_prepare")
-        self._k_dispatch = _core.Kernel(m, "ep_dispatch")
-        self._k_combine_send = _core.Kernel(m, "ep_combine_send")
-        self._k_combine_reduce = _core.Kernel(m, "ep_combine_reduce")
         self._ll = _LowLatency(self) if config.low_latency_max_tokens else None
+        # Launches, their parameter structs and the call sequence live in Rust
+        # (crates/collective/src/ep_runtime.rs); this class checks tensors and owns memory.
+        self._rt = _core.EpRuntime(
+            shmem._s().load_variant("ep/intranode"),
+            shmem._s().load_variant("ep/low_latency") if self._ll else None,
+            (w, config.num_experts, h, k, t, config.low_latency_max_tokens),
+            runtime_addresses(self._recv_x, self._recv_scales, self._recv_idx, self._recv_w, self._recv_src, self._rank_matrix,
+                              self._expert_matrix, self._comb, self._counters, self._host_info),
+            self._ll.addresses() if self._ll else None,
+        )
 
     # ---- shared plumbing ------------------------------------------------------------------
 
@@ -240,33 +244,20 @@ class Buffer:
 
     # ---- normal mode ----------------------------------------------------------------------
 
-    def _prepare(self, topk_idx: Any, n: int, stream: int, notify: bool) -> Handle:
-        """Launches ep_prepare into a new per-call area; returns its handle (num_recv is filled
-        in by dispatch after the host wait)."""
+    def _handle(self, topk_idx: Any, n: int) -> Handle:
+        """A handle with a new per-call layout area (num_recv is filled in by dispatch after
+        the host wait)."""
         import torch
 
-        w, e = self.num_ranks, self.config.num_experts
-        h = Handle(torch.empty(2 * n * w + w + e + w * w, dtype=torch.int32, device=topk_idx.device), n, w, e)
-        base = h.meta.data_ptr()
-        parity = self._calls % 2
-        if notify:
-            self._calls += 1
-            self._seq = self._seq % 0x7FFFFFFF + 1
-        self._k_prepare(
-            stream, w + 1, 1024,
-            topk_idx.data_ptr(), n, self.config.topk, self.experts_per_rank, w, e,
-            base, base + 4 * n * w, base + 8 * n * w, base + 4 * (2 * n * w + w), base + 4 * (2 * n * w + w + e),
-            self._counters_ptr, int(notify), self._rank_matrix_ptrs[parity], self._expert_matrix_ptrs[parity],
-            self._host_info_ptr, self._seq,
-        )
-        return h
+        meta = torch.empty(self._rt.layout_len(n), dtype=torch.int32, device=topk_idx.device)
+        return Handle(meta, n, self.num_ranks, self.config.num_experts)
 
-    def _wait_host_info(self) -> list[int]:
-        """Spins until the GPU has published this dispatch's totals (the normal mode's one host
-        synchronisation); returns [rows received, rows per local expert..., bad ids]."""
-        info, seq = self._host_info_np, self._seq
+    def _wait_host_info(self, seq: int) -> list[int]:
+        """Spins until the GPU has published dispatch ``seq``'s totals (the normal mode's one
+        host synchronisation); returns [rows received, rows per local expert..., bad ids]."""
+        info = self._host_info_np
         # Spins in Rust with the GIL released (other Python threads run meanwhile).
-        if info[0] != seq and not _core.wait_host_i32(self._host_info_ptr, seq, HOST_WAIT_TIMEOUT_S):
+        if info[0] != seq and not self._rt.wait_dispatched(seq, HOST_WAIT_TIMEOUT_S):
             raise TimeoutError(
                 f"mori.ep dispatch: no counts from the GPU after {HOST_WAIT_TIMEOUT_S:.0f} s; "
                 "did every rank call dispatch?"
@@ -277,7 +268,8 @@ class Buffer:
         """(num_tokens_per_rank [ranks] int32, num_tokens_per_expert [experts] int32,
         is_token_in_rank [T, ranks] bool, slot [T, ranks] int32), computed on the GPU."""
         topk_idx, n = self._check_topk(topk_idx, self.config.max_tokens_per_rank)
-        h = self._prepare(topk_idx, n, self._stream(stream), notify=False)
+        h = self._handle(topk_idx, n)
+        self._rt.layout(self._stream(stream), topk_idx.data_ptr(), n, h.meta.data_ptr())
         return h.num_tokens_per_rank, h.num_tokens_per_expert, h.is_token_in_rank, h.slot
 
     def dispatch(
@@ -303,22 +295,17 @@ class Buffer:
             raise InvalidArgumentError(f"topk_weights must be float32 [{n}, {cfg.topk}]")
         x, topk_weights = x.contiguous(), topk_weights.contiguous()
         marks = self._marks(stream)
-        s = self._stream(stream)
-        w, el = self.num_ranks, self.experts_per_rank
-        handle = self._prepare(topk_idx, n, s, notify=True)
-        marks("prepare")
-        # The dispatch kernel needs only what ep_prepare leaves on the GPU, so it is queued at
-        # once and the host waits for the received count (for the output shapes) meanwhile.
+        w = self.num_ranks
+        handle = self._handle(topk_idx, n)
+        # The layout (with the count exchange) and the dispatch, launched together: the dispatch
+        # needs only what the layout kernel leaves on the GPU, so the host waits for the received
+        # count (for the output shapes) while both run.
         row_bytes = cfg.hidden * (1 if scales is not None else 2)
         scale_cols = cfg.hidden // SCALE_BLOCK if scales is not None else 0
-        self._k_dispatch(
-            s, num_sms or cfg.num_sms, 512,
-            x.data_ptr(), row_bytes, _ptr(scales), scale_cols, topk_idx.data_ptr(), topk_weights.data_ptr(), n,
-            cfg.topk, el, w, handle._ptr("send_list"), handle._ptr("per_rank"), handle._ptr("rank_matrix"),
-            *self._recv_ptrs, self._counters_ptr,
-        )
-        marks("dispatch")
-        info = self._wait_host_info()
+        seq, _ = self._rt.dispatch(self._stream(stream), x.data_ptr(), row_bytes, _ptr(scales), scale_cols, topk_idx.data_ptr(),
+                                   topk_weights.data_ptr(), n, handle.meta.data_ptr(), num_sms or cfg.num_sms)
+        marks("launch")
+        info = self._wait_host_info(seq)
         marks("end")
         if info[-1]:
             # Out-of-range ids were skipped on the GPU like -1, so every rank's kernels still
@@ -355,22 +342,12 @@ class Buffer:
             raise InvalidArgumentError(f"y must be bfloat16 [{handle.num_recv}, {cfg.hidden}], got {y.dtype} {tuple(y.shape)}")
         y = y.contiguous()
         s = self._stream(stream)
-        sms = num_sms or cfg.num_sms
-        row_bytes = cfg.hidden * 2
         zero_copy = handle.num_recv > 0 and y.data_ptr() == self._comb_in.data_ptr()
         if zero_copy:
             shmem.barrier_all(stream=s)  # every rank's expert outputs are complete
-        else:
-            self._k_combine_send(
-                s, sms, 512, y.data_ptr(), row_bytes, handle.num_recv, self.num_ranks, handle._ptr("rank_matrix"),
-                self._comb.data_ptr(), cfg.max_tokens_per_rank, self._counters_ptr,
-            )
         out = torch.empty((handle.num_tokens, cfg.hidden), dtype=torch.bfloat16, device=y.device)
-        if handle.num_tokens:
-            self._k_combine_reduce(
-                s, sms, 512, y.data_ptr(), int(zero_copy), self._comb.data_ptr(), cfg.max_tokens_per_rank, cfg.hidden,
-                handle.num_tokens, self.num_ranks, handle._ptr("slot"), handle._ptr("rank_matrix"), out.data_ptr(),
-            )
+        self._rt.combine(s, y.data_ptr(), zero_copy, handle.num_recv, handle.num_tokens, handle.meta.data_ptr(), out.data_ptr(),
+                         num_sms or cfg.num_sms)
         if zero_copy:
             shmem.barrier_all(stream=s)  # peers are done reading this rank's outputs
         return out
@@ -422,11 +399,13 @@ class _LowLatency:
         # Row chunks per warp: a multiple of 32 vectors each (whole warps for the FP8 shuffles).
         vecs = h // 8
         self.chunks = next(c for c in (4, 2, 1) if vecs % (32 * c) == 0) if vecs % 32 == 0 else 1
-        m = shmem._s().load_variant("ep/low_latency")
-        self._k_dispatch_send = _core.Kernel(m, "ep_ll_dispatch_send")
-        self._k_dispatch_recv = _core.Kernel(m, "ep_ll_dispatch_recv")
-        self._k_combine_send = _core.Kernel(m, "ep_ll_combine_send")
-        self._k_combine_recv = _core.Kernel(m, "ep_ll_combine_recv")
+
+    def addresses(self) -> list[int]:
+        """What the Rust runtime launches with: rows, meta, weights, combine rows, the three
+        sent-count rows, the state words, and the row chunks per warp."""
+        sent = [self._sent[i].data_ptr() for i in range(3)]
+        return [self._rows.data_ptr(), self._meta.data_ptr(), self._wts.data_ptr(), self._comb.data_ptr(), *sent,
+                self._state.data_ptr(), self.chunks]
 
     def dispatch(self, x: Any, topk_idx: Any, use_fp8: bool, stream: Any, return_recv_hook: bool) -> LowLatencyDispatchResult:
         import torch
@@ -447,19 +426,13 @@ class _LowLatency:
         src_info = torch.empty((el, self.entries), dtype=torch.int32, device=dev)
         layout_range = torch.empty((el, w), dtype=torch.int64, device=dev)
         ids_pos = torch.empty((2, w, tm, k), dtype=torch.int32, device=dev)
-        self._k_dispatch_send(
-            s, LL_SEND_BLOCKS, 512, x.data_ptr(), topk_idx.data_ptr(), n, k, h, el, w, tm, int(use_fp8), self.chunks,
-            self._rows.data_ptr(), self._meta.data_ptr(), self._sent[0].data_ptr(), self._state.data_ptr(),
-        )
-        state = self._state.data_ptr()
+        rt = buf._rt
+        rt.ll_dispatch_send(s, x.data_ptr(), topk_idx.data_ptr(), n, use_fp8)
+        outputs = [recv_x.data_ptr(), _ptr(recv_scales), recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
+                   ids_pos.data_ptr()]
 
         def receive() -> None:
-            self._k_dispatch_recv(
-                s, el, 1024, k, h, el, w, tm, int(use_fp8), LL_SEND_BLOCKS, self._rows.data_ptr(), self._meta.data_ptr(),
-                self._sent[0].data_ptr(), recv_x.data_ptr(), _ptr(recv_scales), recv_count.data_ptr(), src_info.data_ptr(),
-                layout_range.data_ptr(), ids_pos[0].data_ptr(), ids_pos[1].data_ptr(), state, state + 8,
-                shared=4 * self.entries,
-            )
+            rt.ll_dispatch_recv(s, use_fp8, outputs)
 
         if not return_recv_hook:
             receive()
@@ -473,7 +446,7 @@ class _LowLatency:
         import torch
 
         buf, cfg = self.buf, self.buf.config
-        w, el, h, k, tm = buf.num_ranks, buf.experts_per_rank, cfg.hidden, cfg.topk, cfg.low_latency_max_tokens
+        el, h, k, tm = buf.experts_per_rank, cfg.hidden, cfg.topk, cfg.low_latency_max_tokens
         topk_idx, n = buf._check_topk(topk_idx, tm)
         if n != handle.num_tokens:
             raise InvalidArgumentError(f"topk_idx has {n} tokens, the dispatch had {handle.num_tokens}")
@@ -487,18 +460,11 @@ class _LowLatency:
         elif out.dtype != torch.bfloat16 or tuple(out.shape) != (n, h) or not out.is_contiguous():
             raise InvalidArgumentError(f"out must be contiguous bfloat16 [{n}, {h}]")
         s = buf._stream(stream)
-        state = self._state.data_ptr()
-        self._k_combine_send(
-            s, LL_SEND_BLOCKS, 512, y.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), n, k, h, el, w, tm,
-            self.chunks, handle.ids_pos[0].data_ptr(), handle.ids_pos[1].data_ptr(), self._wts.data_ptr(),
-            self._sent[1].data_ptr(), self._comb.data_ptr(), self._sent[2].data_ptr(), state,
-        )
+        rt = buf._rt
+        rt.ll_combine_send(s, y.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), n, handle.ids_pos.data_ptr())
 
         def receive() -> None:
-            self._k_combine_recv(
-                s, LL_SEND_BLOCKS, 512, topk_idx.data_ptr(), n, k, h, el, w, tm, self.chunks, LL_SEND_BLOCKS,
-                self._comb.data_ptr(), self._sent[2].data_ptr(), out.data_ptr(), state, state + 12,
-            )
+            rt.ll_combine_recv(s, topk_idx.data_ptr(), n, out.data_ptr())
 
         if not return_recv_hook:
             receive()

@@ -1,0 +1,603 @@
+//! mori.ep's host runtime: the launches of normal-mode dispatch/combine and of the low-latency
+//! halves, each filled from typed parameter structs ([`crate::ep`]) with the buffer addresses
+//! fixed at construction, and the call-sequence state (the sequence number the GPU publishes
+//! with the received counts, the double-buffer parity). The caller (mori.ep's Python, or a Rust
+//! program) owns the memory: symmetric buffers from mori.shmem, per-call outputs, and the
+//! pinned host words the GPU publishes into.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use mori_gpu::StreamHandle;
+use mori_gpu::jit::Module;
+use mori_gpu::kernels::LaunchConfig;
+
+use crate::ep::{
+    EpCombineReduce, EpCombineSend, EpDispatch, EpLlCombineRecv, EpLlCombineSend, EpLlDispatchRecv,
+    EpLlDispatchSend, EpPrepare,
+};
+use crate::error::{Error, Result};
+use crate::launch::Kernel;
+use crate::params::{DevicePtr, KernelParams};
+
+/// Blocks of the low-latency send halves (the receive halves count their completions).
+pub const LL_SEND_BLOCKS: u32 = 64;
+
+/// The sizes an EP buffer is built for (mori.ep's `EpConfig` and the group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EpShape {
+    pub num_ranks: u32,
+    pub num_experts: u32,
+    pub hidden: u32,
+    pub topk: u32,
+    pub max_tokens: u32,
+    pub low_latency_max_tokens: u32,
+}
+
+impl EpShape {
+    pub fn experts_per_rank(&self) -> u32 {
+        self.num_experts / self.num_ranks
+    }
+}
+
+/// Addresses of the normal mode's buffers (this rank's view of the symmetric ones).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NormalBuffers {
+    pub recv_x: u64,
+    pub recv_scales: u64,
+    pub recv_idx: u64,
+    pub recv_w: u64,
+    pub recv_src: u64,
+    /// By call parity: a rank one dispatch ahead writes the other half.
+    pub rank_matrix: [u64; 2],
+    pub expert_matrix: [u64; 2],
+    pub comb: u64,
+    /// The kernels' `Counters` (device memory).
+    pub counters: u64,
+    /// Pinned host words the GPU publishes a dispatch's totals into: [seq, rows, per expert..., bad ids].
+    pub host_info: u64,
+}
+
+/// Addresses of the low-latency mode's buffers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LowLatencyBuffers {
+    pub rows: u64,
+    pub meta: u64,
+    pub wts: u64,
+    pub comb: u64,
+    /// Rows sent by dispatch, weights sent, rows sent by combine (one `[ranks]` i64 row each).
+    pub sent: [u64; 3],
+    /// `[dispatch seq, combine seq, dispatch-recv ticket, combine-recv ticket]` (i32).
+    pub state: u64,
+    /// Row chunks per warp.
+    pub chunks: u32,
+}
+
+/// The per-call int32 area a normal dispatch's layout lives in: slot `[T, ranks]` | send list
+/// `[ranks, T]` | tokens per rank | tokens per expert | rank matrix `[ranks, ranks]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub base: u64,
+    pub num_tokens: u64,
+    pub num_ranks: u64,
+    pub num_experts: u64,
+}
+
+impl Layout {
+    /// Its length in int32 elements.
+    pub fn len(num_tokens: u64, num_ranks: u64, num_experts: u64) -> u64 {
+        2 * num_tokens * num_ranks + num_ranks + num_experts + num_ranks * num_ranks
+    }
+    fn at(&self, elements: u64) -> DevicePtr {
+        DevicePtr(self.base + 4 * elements)
+    }
+    pub fn slot(&self) -> DevicePtr {
+        self.at(0)
+    }
+    pub fn send_list(&self) -> DevicePtr {
+        self.at(self.num_tokens * self.num_ranks)
+    }
+    pub fn per_rank(&self) -> DevicePtr {
+        self.at(2 * self.num_tokens * self.num_ranks)
+    }
+    pub fn per_expert(&self) -> DevicePtr {
+        self.at(2 * self.num_tokens * self.num_ranks + self.num_ranks)
+    }
+    pub fn rank_matrix(&self) -> DevicePtr {
+        self.at(2 * self.num_tokens * self.num_ranks + self.num_ranks + self.num_experts)
+    }
+}
+
+/// Outputs of a low-latency dispatch's receive half.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LlReceived {
+    pub recv_x: u64,
+    /// 0 for BF16.
+    pub recv_scales: u64,
+    pub recv_count: u64,
+    pub src_info: u64,
+    pub layout_range: u64,
+    /// `[2, ranks, max_tokens, topk]` int32: local expert ids, then packed positions.
+    pub ids_pos: u64,
+}
+
+/// Sequence state of the normal mode.
+#[derive(Debug, Default)]
+struct Calls {
+    /// Dispatches so far (their parity picks the count matrices).
+    calls: u64,
+    /// What the next dispatch's totals are published with (1 ..= i32::MAX, wrapping).
+    seq: i32,
+}
+
+/// A planned launch: its entry, grid, block, shared bytes and parameter bytes.
+pub type Planned = (&'static str, u32, u32, u32, Vec<u8>);
+
+/// One rank's EP runtime.
+pub struct EpRuntime {
+    shape: EpShape,
+    normal: NormalBuffers,
+    ll: Option<LowLatencyBuffers>,
+    /// The kernels by entry (empty: a planner only, launches are returned, not made).
+    kernels: Vec<Kernel>,
+    calls: Mutex<Calls>,
+}
+
+/// A launch to make: kernel entry, shape and parameters.
+struct Launch {
+    entry: &'static str,
+    grid: u32,
+    block: u32,
+    shared: u32,
+    params: crate::params::Packed,
+}
+
+fn launch<P: KernelParams>(
+    entry: &'static str,
+    grid: u32,
+    block: u32,
+    shared: u32,
+    p: P,
+) -> Launch {
+    Launch {
+        entry,
+        grid,
+        block,
+        shared,
+        params: p.packed(),
+    }
+}
+
+fn int(v: u32) -> i32 {
+    v as i32
+}
+
+impl EpRuntime {
+    /// `modules`: the `ep/intranode` module and, with low-latency buffers, `ep/low_latency`
+    /// (None: plans only).
+    ///
+    /// # Safety
+    /// Every address in `normal` and `ll` must stay valid (the symmetric ones on every rank) as
+    /// long as launches of this runtime may run; `host_info` is pinned host memory of
+    /// `4 * (3 + experts_per_rank)` bytes.
+    pub unsafe fn new(
+        shape: EpShape,
+        normal: NormalBuffers,
+        ll: Option<LowLatencyBuffers>,
+        modules: Option<(Module, Option<Module>)>,
+    ) -> Result<Self> {
+        if shape.num_ranks == 0 || !shape.num_experts.is_multiple_of(shape.num_ranks) {
+            return Err(Error::InvalidArgument(format!(
+                "{} experts do not divide over {} ranks",
+                shape.num_experts, shape.num_ranks
+            )));
+        }
+        if let Some((_, ll_module)) = &modules
+            && ll.is_some() != ll_module.is_some()
+        {
+            return Err(Error::InvalidArgument(
+                "low-latency buffers and the low-latency module come together".into(),
+            ));
+        }
+        let mut kernels = Vec::new();
+        if let Some((intranode, low_latency)) = &modules {
+            for entry in [
+                "ep_prepare",
+                "ep_dispatch",
+                "ep_combine_send",
+                "ep_combine_reduce",
+            ] {
+                kernels.push(Kernel::load(intranode, entry)?);
+            }
+            if let Some(m) = low_latency {
+                for entry in [
+                    "ep_ll_dispatch_send",
+                    "ep_ll_dispatch_recv",
+                    "ep_ll_combine_send",
+                    "ep_ll_combine_recv",
+                ] {
+                    kernels.push(Kernel::load(m, entry)?);
+                }
+            }
+        }
+        Ok(Self {
+            shape,
+            normal,
+            ll,
+            kernels,
+            calls: Mutex::new(Calls::default()),
+        })
+    }
+
+    pub fn shape(&self) -> &EpShape {
+        &self.shape
+    }
+
+    fn ll(&self) -> Result<&LowLatencyBuffers> {
+        self.ll
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("this buffer has no low-latency buffers".into()))
+    }
+
+    /// Makes the launches (or, planning, returns them).
+    ///
+    /// # Safety
+    /// Every address in the launches must be valid for the kernels until they have run.
+    unsafe fn run(
+        &self,
+        launches: Vec<Launch>,
+        stream: Option<StreamHandle>,
+    ) -> Result<Vec<Planned>> {
+        let Some(stream) = stream else {
+            return Ok(launches
+                .into_iter()
+                .map(|l| {
+                    (
+                        l.entry,
+                        l.grid,
+                        l.block,
+                        l.shared,
+                        l.params.bytes().to_vec(),
+                    )
+                })
+                .collect());
+        };
+        for l in launches {
+            let kernel = self
+                .kernels
+                .iter()
+                .find(|k| k.entry() == l.entry)
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!("{} is not loaded (a planner only?)", l.entry))
+                })?;
+            let cfg = LaunchConfig {
+                grid: l.grid,
+                block: l.block,
+                shared_mem_bytes: l.shared,
+            };
+            // SAFETY: the caller's guarantee for the per-call addresses, `new`'s for the rest.
+            unsafe { kernel.launch(cfg, stream, l.params)? };
+        }
+        Ok(Vec::new())
+    }
+
+    fn prepare(
+        &self,
+        topk_idx: u64,
+        n: u32,
+        layout: &Layout,
+        notify: bool,
+    ) -> Result<(Launch, i32)> {
+        let s = &self.shape;
+        let mut calls = self
+            .calls
+            .lock()
+            .map_err(|_| Error::InvalidArgument("the EP call state is poisoned".into()))?;
+        let parity = (calls.calls % 2) as usize;
+        if notify {
+            calls.calls += 1;
+            calls.seq = calls.seq % 0x7FFF_FFFF + 1;
+        }
+        let p = EpPrepare {
+            topk_idx: DevicePtr(topk_idx),
+            num_tokens: int(n),
+            topk: int(s.topk),
+            experts_per_rank: int(s.experts_per_rank()),
+            num_ranks: int(s.num_ranks),
+            num_experts: int(s.num_experts),
+            slot: layout.slot(),
+            send_list: layout.send_list(),
+            tokens_per_rank: layout.per_rank(),
+            tokens_per_expert: layout.per_expert(),
+            rank_matrix_out: layout.rank_matrix(),
+            counters: DevicePtr(self.normal.counters),
+            notify: i32::from(notify),
+            rank_matrix: DevicePtr(self.normal.rank_matrix[parity]),
+            expert_matrix: DevicePtr(self.normal.expert_matrix[parity]),
+            host_info: DevicePtr(self.normal.host_info),
+            seq: calls.seq,
+        };
+        Ok((launch("ep_prepare", s.num_ranks + 1, 1024, 0, p), calls.seq))
+    }
+
+    /// The routing layout of `n` tokens into `layout` (no exchange with the peers).
+    ///
+    /// # Safety
+    /// `topk_idx` (`n` x topk int64) and the layout area must be valid device memory until the
+    /// kernel has run.
+    pub unsafe fn layout(
+        &self,
+        topk_idx: u64,
+        n: u32,
+        layout: &Layout,
+        stream: Option<StreamHandle>,
+    ) -> Result<Vec<Planned>> {
+        let (l, _) = self.prepare(topk_idx, n, layout, false)?;
+        // SAFETY: the caller's guarantee.
+        unsafe { self.run(vec![l], stream) }
+    }
+
+    /// A normal dispatch: the layout with the count exchange, then the rows. Returns the
+    /// sequence number the GPU publishes this dispatch's totals with (in `host_info[0]`).
+    ///
+    /// # Safety
+    /// Every per-call address (`x`: n rows of `row_bytes`; `scales`: n x `scale_cols` f32 or 0;
+    /// `topk_idx`, `weights`: n x topk; the layout area) valid until the kernels have run.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn dispatch(
+        &self,
+        x: u64,
+        row_bytes: u64,
+        scales: u64,
+        scale_cols: u32,
+        topk_idx: u64,
+        weights: u64,
+        n: u32,
+        layout: &Layout,
+        sms: u32,
+        stream: Option<StreamHandle>,
+    ) -> Result<(i32, Vec<Planned>)> {
+        let s = &self.shape;
+        let b = &self.normal;
+        let (prepare, seq) = self.prepare(topk_idx, n, layout, true)?;
+        let d = EpDispatch {
+            x: DevicePtr(x),
+            row_bytes,
+            scales: DevicePtr(scales),
+            scale_cols: int(scale_cols),
+            topk_idx: DevicePtr(topk_idx),
+            topk_w: DevicePtr(weights),
+            num_tokens: int(n),
+            topk: int(s.topk),
+            experts_per_rank: int(s.experts_per_rank()),
+            num_ranks: int(s.num_ranks),
+            send_list: layout.send_list(),
+            tokens_per_rank: layout.per_rank(),
+            rank_matrix: layout.rank_matrix(),
+            recv_x: DevicePtr(b.recv_x),
+            recv_scales: DevicePtr(b.recv_scales),
+            recv_idx: DevicePtr(b.recv_idx),
+            recv_w: DevicePtr(b.recv_w),
+            recv_src: DevicePtr(b.recv_src),
+            counters: DevicePtr(b.counters),
+        };
+        let launches = vec![prepare, launch("ep_dispatch", sms, 512, 0, d)];
+        // SAFETY: the caller's guarantee.
+        let planned = unsafe { self.run(launches, stream)? };
+        Ok((seq, planned))
+    }
+
+    /// Waits (spinning, then yielding) until the GPU published dispatch `seq`'s totals; false
+    /// after `timeout`.
+    pub fn wait_dispatched(&self, seq: i32, timeout: Duration) -> bool {
+        // SAFETY: host_info is live pinned memory the GPU writes (new's contract).
+        unsafe { crate::host::wait_word(self.normal.host_info as *const i32, seq, timeout) }
+    }
+
+    /// A normal combine of `num_recv` received rows `y` back into `out` (`num_tokens` rows):
+    /// the copy into the source ranks' combine buffers (skipped when `y` is the heap's combine
+    /// input: `y_on_heap`, the caller then fences all ranks around this call) and the reduce.
+    ///
+    /// # Safety
+    /// `y` (`num_recv` rows), `out` (`num_tokens` rows) and the layout area valid until the
+    /// kernels have run.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn combine(
+        &self,
+        y: u64,
+        y_on_heap: bool,
+        num_recv: u32,
+        num_tokens: u32,
+        layout: &Layout,
+        out: u64,
+        sms: u32,
+        stream: Option<StreamHandle>,
+    ) -> Result<Vec<Planned>> {
+        let s = &self.shape;
+        let b = &self.normal;
+        let row_bytes = u64::from(s.hidden) * 2;
+        let mut launches = Vec::with_capacity(2);
+        if !y_on_heap {
+            let p = EpCombineSend {
+                y: DevicePtr(y),
+                row_bytes,
+                num_recv: int(num_recv),
+                num_ranks: int(s.num_ranks),
+                rank_matrix: layout.rank_matrix(),
+                comb_buf: DevicePtr(b.comb),
+                max_tokens: u64::from(s.max_tokens),
+                counters: DevicePtr(b.counters),
+            };
+            launches.push(launch("ep_combine_send", sms, 512, 0, p));
+        }
+        if num_tokens > 0 {
+            let p = EpCombineReduce {
+                y: DevicePtr(y),
+                y_on_heap: i32::from(y_on_heap),
+                comb_buf: DevicePtr(b.comb),
+                max_tokens: u64::from(s.max_tokens),
+                hidden: int(s.hidden),
+                num_tokens: int(num_tokens),
+                num_ranks: int(s.num_ranks),
+                slot: layout.slot(),
+                rank_matrix: layout.rank_matrix(),
+                out: DevicePtr(out),
+            };
+            launches.push(launch("ep_combine_reduce", sms, 512, 0, p));
+        }
+        // SAFETY: the caller's guarantee.
+        unsafe { self.run(launches, stream) }
+    }
+
+    /// The low-latency dispatch's send half.
+    ///
+    /// # Safety
+    /// `x` (`n` x hidden bf16) and `topk_idx` valid until the kernel has run.
+    pub unsafe fn ll_dispatch_send(
+        &self,
+        x: u64,
+        topk_idx: u64,
+        n: u32,
+        use_fp8: bool,
+        stream: Option<StreamHandle>,
+    ) -> Result<Vec<Planned>> {
+        let (s, ll) = (&self.shape, self.ll()?);
+        let p = EpLlDispatchSend {
+            x: DevicePtr(x),
+            topk_idx: DevicePtr(topk_idx),
+            num_tokens: int(n),
+            topk: int(s.topk),
+            hidden: int(s.hidden),
+            experts_per_rank: int(s.experts_per_rank()),
+            num_ranks: int(s.num_ranks),
+            max_tokens: int(s.low_latency_max_tokens),
+            use_fp8: i32::from(use_fp8),
+            chunks: int(ll.chunks),
+            rows: DevicePtr(ll.rows),
+            meta: DevicePtr(ll.meta),
+            sent: DevicePtr(ll.sent[0]),
+            state: DevicePtr(ll.state),
+        };
+        let l = launch("ep_ll_dispatch_send", LL_SEND_BLOCKS, 512, 0, p);
+        // SAFETY: the caller's guarantee.
+        unsafe { self.run(vec![l], stream) }
+    }
+
+    /// The low-latency dispatch's receive half, into `out`.
+    ///
+    /// # Safety
+    /// Every output address valid until the kernel has run.
+    pub unsafe fn ll_dispatch_recv(
+        &self,
+        use_fp8: bool,
+        out: &LlReceived,
+        stream: Option<StreamHandle>,
+    ) -> Result<Vec<Planned>> {
+        let (s, ll) = (&self.shape, self.ll()?);
+        let entries = s.num_ranks * s.low_latency_max_tokens;
+        let half = u64::from(entries * s.topk) * 4;
+        let p = EpLlDispatchRecv {
+            topk: int(s.topk),
+            hidden: int(s.hidden),
+            experts_per_rank: int(s.experts_per_rank()),
+            num_ranks: int(s.num_ranks),
+            max_tokens: int(s.low_latency_max_tokens),
+            use_fp8: i32::from(use_fp8),
+            send_blocks: int(LL_SEND_BLOCKS),
+            rows: DevicePtr(ll.rows),
+            meta: DevicePtr(ll.meta),
+            sent: DevicePtr(ll.sent[0]),
+            recv_x: DevicePtr(out.recv_x),
+            recv_scales: DevicePtr(out.recv_scales),
+            recv_count: DevicePtr(out.recv_count),
+            recv_src_info: DevicePtr(out.src_info),
+            layout_range: DevicePtr(out.layout_range),
+            handle_ids: DevicePtr(out.ids_pos),
+            handle_pos: DevicePtr(out.ids_pos + half),
+            state: DevicePtr(ll.state),
+            ticket: DevicePtr(ll.state + 8),
+        };
+        let l = launch(
+            "ep_ll_dispatch_recv",
+            s.experts_per_rank(),
+            1024,
+            4 * entries,
+            p,
+        );
+        // SAFETY: the caller's guarantee.
+        unsafe { self.run(vec![l], stream) }
+    }
+
+    /// The low-latency combine's send half: expert outputs `y` back to their tokens' ranks.
+    ///
+    /// # Safety
+    /// `y`, `topk_idx`, `weights` (`n` x topk f32) and the dispatch's `ids_pos` valid until the
+    /// kernel has run.
+    pub unsafe fn ll_combine_send(
+        &self,
+        y: u64,
+        topk_idx: u64,
+        weights: u64,
+        n: u32,
+        ids_pos: u64,
+        stream: Option<StreamHandle>,
+    ) -> Result<Vec<Planned>> {
+        let (s, ll) = (&self.shape, self.ll()?);
+        let half = u64::from(s.num_ranks * s.low_latency_max_tokens * s.topk) * 4;
+        let p = EpLlCombineSend {
+            y: DevicePtr(y),
+            topk_idx: DevicePtr(topk_idx),
+            topk_w: DevicePtr(weights),
+            num_tokens: int(n),
+            topk: int(s.topk),
+            hidden: int(s.hidden),
+            experts_per_rank: int(s.experts_per_rank()),
+            num_ranks: int(s.num_ranks),
+            max_tokens: int(s.low_latency_max_tokens),
+            chunks: int(ll.chunks),
+            handle_ids: DevicePtr(ids_pos),
+            handle_pos: DevicePtr(ids_pos + half),
+            wts: DevicePtr(ll.wts),
+            wts_sent: DevicePtr(ll.sent[1]),
+            comb: DevicePtr(ll.comb),
+            comb_sent: DevicePtr(ll.sent[2]),
+            state: DevicePtr(ll.state),
+        };
+        let l = launch("ep_ll_combine_send", LL_SEND_BLOCKS, 512, 0, p);
+        // SAFETY: the caller's guarantee.
+        unsafe { self.run(vec![l], stream) }
+    }
+
+    /// The low-latency combine's receive half: the weighted sums into `out` (`n` x hidden bf16).
+    ///
+    /// # Safety
+    /// `topk_idx` and `out` valid until the kernel has run.
+    pub unsafe fn ll_combine_recv(
+        &self,
+        topk_idx: u64,
+        n: u32,
+        out: u64,
+        stream: Option<StreamHandle>,
+    ) -> Result<Vec<Planned>> {
+        let (s, ll) = (&self.shape, self.ll()?);
+        let p = EpLlCombineRecv {
+            topk_idx: DevicePtr(topk_idx),
+            num_tokens: int(n),
+            topk: int(s.topk),
+            hidden: int(s.hidden),
+            experts_per_rank: int(s.experts_per_rank()),
+            num_ranks: int(s.num_ranks),
+            max_tokens: int(s.low_latency_max_tokens),
+            chunks: int(ll.chunks),
+            send_blocks: int(LL_SEND_BLOCKS),
+            comb: DevicePtr(ll.comb),
+            comb_sent: DevicePtr(ll.sent[2]),
+            out: DevicePtr(out),
+            state: DevicePtr(ll.state),
+            ticket: DevicePtr(ll.state + 12),
+        };
+        let l = launch("ep_ll_combine_recv", LL_SEND_BLOCKS, 512, 0, p);
+        // SAFETY: the caller's guarantee.
+        unsafe { self.run(vec![l], stream) }
+    }
+}
