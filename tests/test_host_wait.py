@@ -1,6 +1,7 @@
-"""The EP/CCL host wait (mori-collective's ``host::wait_word`` behind ``_core.wait_host_i32``):
-it ends when the word is set, times out otherwise, and holds no GIL while it spins — what
-``mori.ep``'s dispatch uses to wait for the GPU's received counts."""
+"""The EP host wait (mori-collective's ``host::wait_word`` behind ``EpRuntime.wait_dispatched``,
+what ``mori.ep``'s dispatch uses to wait for the GPU's received counts): it ends when the word
+is set, times out otherwise, and holds no GIL while it spins. The runtime here only plans (no
+GPU); its published-totals word is a numpy array's."""
 
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ from mori import _core
 from mori.errors import InvalidArgumentError
 
 
+def _runtime(host_info: int):
+    addresses = [0x10000 * (i + 1) for i in range(11)] + [host_info]
+    return _core.EpRuntime(None, None, (2, 8, 256, 2, 64, 0), addresses)
+
+
 def test_the_wait_ends_when_the_word_is_set_and_other_threads_run_meanwhile():
     word = np.zeros(4, dtype=np.int32)
+    rt = _runtime(word.ctypes.data)
     ticks = [0]
     stop = threading.Event()
 
@@ -25,14 +32,14 @@ def test_the_wait_ends_when_the_word_is_set_and_other_threads_run_meanwhile():
 
     def setter():  # needs the GIL too: a wait that held it would time out
         time.sleep(0.15)
-        word[1] = 42
+        word[0] = 42
 
     threads = [threading.Thread(target=busy, daemon=True), threading.Thread(target=setter, daemon=True)]
     for t in threads:
         t.start()
     try:
         t0, before = time.monotonic(), ticks[0]
-        ok = _core.wait_host_i32(word.ctypes.data + 4, 42, 3.0)
+        ok = rt.wait_dispatched(42, 3.0)
         waited, during = time.monotonic() - t0, ticks[0] - before
     finally:
         stop.set()
@@ -45,12 +52,13 @@ def test_the_wait_ends_when_the_word_is_set_and_other_threads_run_meanwhile():
 
 def test_a_word_never_set_times_out_and_bad_addresses_are_refused():
     word = np.zeros(1, dtype=np.int32)
+    rt = _runtime(word.ctypes.data)
     t0 = time.monotonic()
-    assert not _core.wait_host_i32(word.ctypes.data, 5, 0.05)
+    assert not rt.wait_dispatched(5, 0.05)
     assert 0.04 < time.monotonic() - t0 < 5
-    with pytest.raises(InvalidArgumentError):
-        _core.wait_host_i32(word.ctypes.data + 1, 5, 0.01)
-    with pytest.raises(InvalidArgumentError):
-        _core.wait_host_i32(0, 5, 0.01)
-    with pytest.raises(InvalidArgumentError):
-        _core.wait_host_i32(word.ctypes.data, 5, -1.0)
+    with pytest.raises(InvalidArgumentError, match="aligned"):
+        _runtime(word.ctypes.data + 1)
+    with pytest.raises(InvalidArgumentError, match="aligned"):
+        _runtime(0)
+    with pytest.raises(InvalidArgumentError, match="duration"):
+        rt.wait_dispatched(5, -1.0)

@@ -192,6 +192,12 @@ impl EpRuntime {
                 shape.num_experts, shape.num_ranks
             )));
         }
+        if normal.host_info == 0 || !normal.host_info.is_multiple_of(4) {
+            return Err(Error::InvalidArgument(format!(
+                "host_info {:#x} is not an aligned int32 address",
+                normal.host_info
+            )));
+        }
         if let Some((_, ll_module)) = &modules
             && ll.is_some() != ll_module.is_some()
         {

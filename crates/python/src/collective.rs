@@ -12,7 +12,6 @@ use mori_collective::ep_runtime;
 use mori_collective::params::CType;
 use mori_collective::{Packed, Packer, Value};
 use mori_gpu::StreamHandle;
-use mori_gpu::kernels::LaunchConfig;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
@@ -82,28 +81,6 @@ fn pack(
 }
 
 /// The parameter bytes one launch of `entry` passes (what `Kernel.__call__` hands the driver).
-/// Waits, with the GIL released, until the int32 at host address `ptr` (pinned memory the GPU
-/// writes, e.g. mori.ep's received counts) equals `expected`; False after `timeout_s`
-/// seconds.
-#[pyfunction]
-pub fn wait_host_i32(py: Python<'_>, ptr: usize, expected: i32, timeout_s: f64) -> PyResult<bool> {
-    if ptr == 0 || !ptr.is_multiple_of(4) {
-        return Err(crate::errors::InvalidArgumentError::new_err(format!(
-            "wait_host_i32: {ptr:#x} is not an aligned int32 address"
-        )));
-    }
-    let timeout = std::time::Duration::try_from_secs_f64(timeout_s).map_err(|_| {
-        crate::errors::InvalidArgumentError::new_err(format!(
-            "wait_host_i32: timeout {timeout_s} is not a duration"
-        ))
-    })?;
-    // SAFETY: mori.ep passes the address of a live pinned int32 it keeps alive for the call;
-    // only the GPU (and this wait) touch it meanwhile.
-    Ok(py.detach(|| unsafe {
-        mori_collective::host::wait_word(ptr as *const i32, expected, timeout)
-    }))
-}
-
 #[pyfunction]
 #[pyo3(signature = (entry, *fields, **named))]
 pub fn kernel_params<'py>(
@@ -114,58 +91,6 @@ pub fn kernel_params<'py>(
 ) -> Result<Bound<'py, PyBytes>> {
     let packed = pack(mori_collective::packer(entry)?, fields, named)?;
     Ok(PyBytes::new(py, packed.bytes()))
-}
-
-/// One of mori's EP/CCL kernels in a module loaded for a shmem session.
-#[pyclass(frozen, module = "mori._core")]
-pub struct Kernel {
-    session: Arc<Mutex<Option<mori_shmem::Shmem>>>,
-    kernel: mori_collective::Kernel,
-}
-
-#[pymethods]
-impl Kernel {
-    #[new]
-    fn new(module: &ShmemModule, entry: &str) -> Result<Self> {
-        Ok(Self {
-            session: module.session.clone(),
-            kernel: mori_collective::Kernel::load(&module.module, entry)?,
-        })
-    }
-
-    #[getter]
-    fn entry(&self) -> &'static str {
-        self.kernel.entry()
-    }
-
-    /// Launches the kernel on `stream` (async): its parameter struct filled from `fields` in
-    /// struct order and `named` by field name.
-    #[pyo3(signature = (stream, grid, block, *fields, shared=0, **named))]
-    fn __call__(
-        &self,
-        stream: usize,
-        grid: u32,
-        block: u32,
-        fields: &Bound<'_, PyTuple>,
-        shared: u32,
-        named: Option<&Bound<'_, PyDict>>,
-    ) -> Result<()> {
-        let params = pack(self.kernel.packer(), fields, named)?;
-        if self.session.lock().map_err(|_| finalized())?.is_none() {
-            return Err(finalized());
-        }
-        let cfg = LaunchConfig {
-            grid,
-            block,
-            shared_mem_bytes: shared,
-        };
-        // SAFETY: the addresses come from mori.ep / mori.ccl, which keep what they point at
-        // alive until the kernels ran (the contract of any CUDA launch).
-        Ok(unsafe {
-            self.kernel
-                .launch(cfg, StreamHandle::from_raw(stream), params)
-        }?)
-    }
 }
 
 /// mori.ccl's host runtime for one rank (`mori_collective::communicator`): each collective is
@@ -541,9 +466,13 @@ impl EpRuntime {
 
     /// Waits, with the GIL released, until dispatch `seq`'s totals are published; False after
     /// `timeout_s`.
-    fn wait_dispatched(&self, py: Python<'_>, seq: i32, timeout_s: f64) -> bool {
-        let timeout = std::time::Duration::from_secs_f64(timeout_s.max(0.0));
-        py.detach(|| self.inner.wait_dispatched(seq, timeout))
+    fn wait_dispatched(&self, py: Python<'_>, seq: i32, timeout_s: f64) -> Result<bool> {
+        let timeout = std::time::Duration::try_from_secs_f64(timeout_s).map_err(|_| {
+            mori_collective::Error::InvalidArgument(format!(
+                "timeout {timeout_s} s is not a duration"
+            ))
+        })?;
+        Ok(py.detach(|| self.inner.wait_dispatched(seq, timeout)))
     }
 
     /// A normal combine's launches.

@@ -120,12 +120,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<shmem::Shmem>()?;
     m.add_class::<shmem::ShmemModule>()?;
     m.add_class::<shmem::Registered>()?;
-    m.add_class::<collective::Kernel>()?;
     m.add_class::<collective::CclRuntime>()?;
     m.add_class::<collective::EpRuntime>()?;
     m.add_function(wrap_pyfunction!(collective::ccl_check_config, m)?)?;
     m.add_function(wrap_pyfunction!(collective::kernel_params, m)?)?;
-    m.add_function(wrap_pyfunction!(collective::wait_host_i32, m)?)?;
     m.add_class::<io::IoEngine>()?;
     m.add_class::<io::Transfer>()?;
     m.add_function(wrap_pyfunction!(io::io_memory_desc_info, m)?)?;
