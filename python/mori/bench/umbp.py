@@ -7,7 +7,8 @@ master and 2 peers; values as gRPC bytes, and over mori.io for registered buffer
 ``batch_exists_prefix`` of 1024 keys from 1 and 4 threads, p50/p99), ``batch_exists_prefix`` of
 64 keys (p50/p99), tier hit rates on a synthetic
 multi-turn prefix-cache trace whose working set is larger than DRAM, and Redis SET/GET through
-``redis-benchmark`` with the same value sizes as a baseline (when redis-server is installed),
+``redis-benchmark`` with the same value sizes as a baseline (when redis-server is installed;
+4 clients one request at a time, and the same pipelined 16 deep),
 and multi-client registered-buffer gets (1, 2, 4 client threads, each with its own client and
 engine, reading the same 1 MiB values; ``io_concurrent_gets``). ``--only io`` runs just the
 cluster's mori.io rows and the multi-client gets.
@@ -17,6 +18,11 @@ or of the installed wheel (``python -m mori.umbpd``); its path and build are pri
 recorded (``daemon``). A debug build is refused unless ``--allow-debug-daemon`` is given.
 
 GB/s counts value bytes moved per second; ops/s counts keys. Medians of repeated timed loops.
+
+Pinning, the same for every system: with at least two CPUs, the clients (this process, its
+threads, ``redis-benchmark``) run on the first half of the CPUs this process may use and every
+server (``umbpd`` daemons, ``redis-server``) on the second half; the record's ``pinning`` says
+which (one CPU: nothing is pinned, and it says so).
 
 Verified: values are fresh random bytes per run, and each key's value carries its index (the
 registered-buffer puts: each batch's first value its batch number), so a get that returned
@@ -313,24 +319,54 @@ def _prefix_trace(ssd_dir: str) -> dict[str, Any]:
             "dram_hit_rate": st["hits_dram"] / max(reads, 1), "ssd_hit_rate": st["hits_ssd"] / max(reads, 1)}
 
 
+def _mooncake_missing() -> str:
+    """Why Mooncake Store is not measured in this run."""
+    import importlib.util
+
+    if importlib.util.find_spec("mooncake") is None:
+        return "not importable here (no module named 'mooncake'; pip install mooncake-transfer-engine)"
+    return "importable, but this benchmark does not drive Mooncake Store yet"
+
+
+def _pinning() -> dict[str, list[int]]:
+    """{"client": CPUs, "servers": CPUs}: the halves of this process's CPUs (empty: no pinning)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return {"client": [], "servers": []}
+    half = len(cpus) // 2
+    return {"client": cpus[:half], "servers": cpus[half:]}
+
+
+PINNING = _pinning()
+
+
+def _on(cpus: list[int]):
+    """A ``preexec_fn`` that pins the child to ``cpus`` (None when there is nothing to pin)."""
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+
 def _redis_baseline(tmp: str) -> list[dict[str, Any]]:
     if not (shutil.which("redis-server") and shutil.which("redis-benchmark")):
         print("  redis-server / redis-benchmark not installed: baseline skipped")
         return []
     port = free_port()
     server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", tmp],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_on(PINNING["servers"]))
     rows = []
     try:
         time.sleep(0.5)
-        for size in SIZES:
-            n = max(200, min(20000, (256 << 20) // size))
-            out = subprocess.run(["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(n),
-                                  "-c", "4", "-q", "--csv"], capture_output=True, text=True, timeout=300).stdout
-            for line in out.splitlines()[1:]:
-                name, rps = [f.strip('"') for f in line.split(",")[:2]]
-                rows.append({"op": name, "value_bytes": size, "ops": float(rps), "gbps": float(rps) * size / 1e9})
-                print(f"  redis    {human_bytes(size):>8} {name:<4} {float(rps):9.0f}/s {float(rps) * size / 1e9:6.2f} GB/s")
+        for pipeline in (1, 16):
+            for size in SIZES:
+                n = max(200, min(20000, (256 << 20) // size))
+                out = subprocess.run(["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(n),
+                                      "-c", "4", "-P", str(pipeline), "-q", "--csv"], capture_output=True, text=True, timeout=300,
+                                     preexec_fn=_on(PINNING["client"])).stdout
+                for line in out.splitlines()[1:]:
+                    name, rps = [f.strip('"') for f in line.split(",")[:2]]
+                    rows.append({"op": name, "value_bytes": size, "pipeline": pipeline, "ops": float(rps),
+                                 "gbps": float(rps) * size / 1e9})
+                    print(f"  redis    {human_bytes(size):>8} {name:<4} -P {pipeline:<2} {float(rps):9.0f}/s "
+                          f"{float(rps) * size / 1e9:6.2f} GB/s")
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -389,7 +425,8 @@ def _umbpd(daemon: Daemon, tmp: str, name: str, *args: str) -> tuple[subprocess.
     port_file = Path(tmp) / f"{name}.port"
     log = Path(tmp) / f"{name}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*daemon.cmd, "--port-file", str(port_file), *args], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*daemon.cmd, "--port-file", str(port_file), *args], stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=_on(PINNING["servers"]))
     deadline = time.monotonic() + 30
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -421,7 +458,7 @@ def _run_io_only(out_dir: str, daemon: Daemon) -> dict[str, Any]:
     """``--only io``: master + 2 peers, the ``2peers-io`` rows and the multi-client gets."""
     from mori.umbp import Client
 
-    record: dict[str, Any] = {"benchmark": "umbp", "only": "io", "env": environment(),
+    record: dict[str, Any] = {"benchmark": "umbp", "only": "io", "env": environment(), "pinning": PINNING,
                               "method": __doc__.strip()}
     record["daemon"], record["daemon_build"] = daemon.record(), daemon.build
     checks = Checks()
@@ -447,10 +484,13 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
     from mori.umbp import Client
 
     daemon = daemon or find_daemon(None)
+    if PINNING["client"]:
+        os.sched_setaffinity(0, PINNING["client"])  # this process and its client threads
+    print(f"pinning: clients on CPUs {PINNING['client'] or 'any'}, servers on {PINNING['servers'] or 'any'}")
     if only == "io":
         return _run_io_only(out_dir, daemon)
     record: dict[str, Any] = {"benchmark": "umbp", "env": environment(), "method": __doc__.strip(),
-                              "extension_build": _core.build_profile()}
+                              "extension_build": _core.build_profile(), "pinning": PINNING}
     checks = Checks()
     with tempfile.TemporaryDirectory() as tmp:
         record["memcpy_gbps"] = _memcpy_gbps(checks)
@@ -489,6 +529,8 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         record["results"] = rows
         print("Redis baseline (redis-benchmark, 4 clients):")
         record["redis"] = _redis_baseline(tmp)
+        record["mooncake"], record["baseline_errors"] = None, {"mooncake": _mooncake_missing()}
+        print(f"Mooncake Store baseline: not measured ({record['baseline_errors']['mooncake']})")
         print("prefix-cache trace (working set ≈ 3× DRAM):")
         record["trace"] = _prefix_trace(os.path.join(tmp, "ssd"))
         t = record["trace"]
