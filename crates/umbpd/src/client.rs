@@ -58,7 +58,9 @@ use crate::proto::{
     GetRequest, GetResponse, HealthRequest, KeyValue, PutRequest, ReleaseLeaseRequest,
     RemoveRequest, RouteGetRequest, RoutePutRequest, StatsRequest,
 };
-use crate::server::MAX_MESSAGE_BYTES;
+use crate::server::{
+    H2_CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, H2_STREAM_WINDOW_BYTES, MAX_MESSAGE_BYTES,
+};
 
 /// Errors of [`Client`].
 #[derive(Debug, thiserror::Error)]
@@ -385,6 +387,9 @@ fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
     endpoint = endpoint
         .connect_timeout(opts.connect_timeout)
         .tcp_nodelay(true)
+        .max_frame_size(H2_MAX_FRAME_BYTES)
+        .initial_stream_window_size(H2_STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(H2_CONNECTION_WINDOW_BYTES)
         .http2_keep_alive_interval(opts.keepalive_interval)
         .keep_alive_timeout(opts.keepalive_timeout)
         .keep_alive_while_idle(true);

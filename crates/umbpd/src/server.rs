@@ -27,6 +27,16 @@ use crate::service::{DataPlane, SharedPool, UmbpService};
 /// with room for batches of them.
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 
+/// HTTP/2 flow control and framing of the daemon's and clients' connections: values of a
+/// mebibyte and more move in frames of up to a mebibyte (the protocol's default is 16 KiB) under
+/// windows that hold a whole batch message in flight (the defaults stop a stream every one or
+/// two mebibytes for a window update).
+pub const H2_MAX_FRAME_BYTES: u32 = 1 << 20;
+/// See [`H2_MAX_FRAME_BYTES`].
+pub const H2_STREAM_WINDOW_BYTES: u32 = 16 << 20;
+/// See [`H2_MAX_FRAME_BYTES`].
+pub const H2_CONNECTION_WINDOW_BYTES: u32 = 64 << 20;
+
 /// How long in-flight requests may run after a shutdown signal before the pool is closed
 /// regardless.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -196,6 +206,9 @@ pub(crate) fn start_serving(
     let server = tokio::spawn(
         Server::builder()
             .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+            .max_frame_size(H2_MAX_FRAME_BYTES)
+            .initial_stream_window_size(H2_STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(H2_CONNECTION_WINDOW_BYTES)
             .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
             .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
             .add_routes(routes)
