@@ -28,7 +28,6 @@ use mori_gpu::{Device, Event, PinnedBuffer, Stream};
 use mori_net::fabric::{
     Completion, Endpoint, Posted, ProviderInfo, Region, RemoteRegion, Rma, Waker,
 };
-use mori_topology::PciDistance;
 use mori_transport::{Batch, Error, Result, UseGuard};
 
 /// Longest wait inside the provider with nothing in flight (a command wakes it sooner).
@@ -144,21 +143,12 @@ pub fn choose_nic(
         .filter(|p| p.provider == provider)
         .map(|p| p.domain);
     let sysfs = std::path::Path::new("/sys");
-    let nearest = domains
-        .map(|d| {
-            let device = mori_topology::rdma_device_of_fabric_domain(&d);
-            (
-                mori_topology::rdma_device_distance_in(sysfs, device, &gpu_bus),
-                d,
-            )
-        })
-        .min();
-    match nearest {
-        Some((distance, domain)) if distance != PciDistance::Unknown => {
+    match mori_topology::nearest_fabric_domain(sysfs, domains, &gpu_bus) {
+        Some((domain, distance)) => {
             tracing::debug!("fabric NIC {domain} for GPU {gpu} ({})", distance.name());
             Ok(Some(domain))
         }
-        _ => {
+        None => {
             tracing::debug!("no {provider} domain placed near GPU {gpu}: the provider's first");
             Ok(None)
         }

@@ -183,6 +183,26 @@ pub fn rdma_device_distance_in(sysfs_root: &Path, device: &str, gpu_bus_id: &str
     distance(locate(sysfs_root, gpu_bus_id).as_ref(), place.as_ref())
 }
 
+/// Of a provider's fabric `domains` (libfabric names: `mlx5_0`, `rdmap16s27-rdm`, `cxi0`, ...),
+/// the one whose RDMA device is nearest the GPU at `gpu_bus_id`, with its distance; ties go to
+/// the first name in sort order. None when no domain's device is placed (`lo`, `eth0` of a
+/// software provider, or a tree without those devices).
+pub fn nearest_fabric_domain(
+    sysfs_root: &Path,
+    domains: impl IntoIterator<Item = String>,
+    gpu_bus_id: &str,
+) -> Option<(String, PciDistance)> {
+    domains
+        .into_iter()
+        .map(|d| {
+            let device = rdma_device_of_fabric_domain(&d);
+            (rdma_device_distance_in(sysfs_root, device, gpu_bus_id), d)
+        })
+        .filter(|(distance, _)| *distance != PciDistance::Unknown)
+        .min()
+        .map(|(distance, d)| (d, distance))
+}
+
 /// Fills [`NicInfo::gpu_distances`] of every RDMA-capable NIC with its distance to each GPU.
 pub(crate) fn fill_gpu_distances(sysfs_root: &Path, gpus: &[GpuInfo], nics: &mut [NicInfo]) {
     let places: Vec<(u32, Option<PciPlace>)> = gpus
@@ -331,6 +351,27 @@ mod tests {
         assert_eq!(d("cxi0", GPU1), PciDistance::SameRootComplex);
         assert_eq!(d("cxi0", GPU0), PciDistance::OtherNumaNode);
         assert_eq!(d("mlx5_7", GPU0), PciDistance::Unknown);
+        // A provider's domains, ranked for each GPU: libfabric's names map to the devices.
+        class(
+            "class/infiniband",
+            "mlx5_3",
+            "pci0000:9a/0000:9a:02.0/0000:9d:00.0",
+        );
+        let domains = || {
+            ["lo", "mlx5_3", "rdmap27s0-rdm", "cxi0", "mlx5_7"]
+                .map(String::from)
+                .to_vec()
+        };
+        assert_eq!(
+            nearest_fabric_domain(root, domains(), GPU0),
+            Some(("rdmap27s0-rdm".into(), PciDistance::SameSwitch))
+        );
+        // GPU1: cxi0 and mlx5_3 sit behind the same root port: the tie goes to the first name.
+        assert_eq!(
+            nearest_fabric_domain(root, domains(), GPU1),
+            Some(("cxi0".into(), PciDistance::SameRootComplex))
+        );
+        assert_eq!(nearest_fabric_domain(root, ["lo".to_string()], GPU0), None);
     }
 
     #[test]

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 pub use affinity::{
-    PciDistance, pci_distance_in, rdma_device_distance_in, rdma_device_of_fabric_domain,
-    rdma_devices_by_distance,
+    PciDistance, nearest_fabric_domain, pci_distance_in, rdma_device_distance_in,
+    rdma_device_of_fabric_domain, rdma_devices_by_distance,
 };
 pub use nics::detect_nics_in;
 pub use pci::normalize_pci_bus_id;
