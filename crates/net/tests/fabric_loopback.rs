@@ -1,7 +1,8 @@
 //! Two libfabric endpoints of this process over loopback (`tcp;ofi_rxm`, the software provider
 //! that runs the same RMA calls as verbs/efa over TCP): random writes and reads, byte-exact,
 //! with unaligned offsets and sizes from 1 byte to 4 MiB; ranges outside a region refused
-//! before posting; a forged key fails its completion with the target's bytes untouched.
+//! before posting; a forged key fails its completion with the target's bytes untouched; a
+//! local-only region refuses another process holding its key.
 //!
 //! Skips (printing why) where libfabric or the provider is missing, unless
 //! `MORI_REQUIRE_LIBFABRIC=1` (scripts/test.sh installs it and sets that).
@@ -239,8 +240,61 @@ fn forged_keys_fail_and_touch_nothing() {
     }
 }
 
+/// The attacker of `a_local_only_region_refuses_peers_holding_its_key`, run as another process
+/// (this test binary again, with `MORI_NET_ATTACK=NAME KEY BASE LEN ...`: the victim endpoint's
+/// address, then key, base and length of each target region in turn). For each target it writes
+/// 4 KiB of 0xA5 at offset 0, then reads 4 KiB back, and prints `@attack write=ok|err read=ok|err`.
+#[test]
+fn attacker_process() {
+    let Ok(spec) = std::env::var("MORI_NET_ATTACK") else {
+        return; // an ordinary test run: nothing to do
+    };
+    let f: Vec<&str> = spec.split_whitespace().collect();
+    let ep = Endpoint::open(PROVIDER, Some("127.0.0.1"), None, false).expect("endpoint");
+    let victim = ep
+        .insert_peer(&hex::decode(f[0]).expect("hex"))
+        .expect("peer");
+    let mut buf = vec![0xA5u8; 8192];
+    // SAFETY: `buf` outlives the region (dropped first, below).
+    let lr = unsafe { ep.register(buf.as_mut_ptr() as u64, buf.len() as u64) }.expect("register");
+    for t in f[1..].chunks(3) {
+        let target = RemoteRegion {
+            key: t[0].parse().unwrap(),
+            base: t[1].parse().unwrap(),
+            len: t[2].parse().unwrap(),
+        };
+        let run = |op: Rma, local_offset: u64| -> &'static str {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let id = loop {
+                match ep.post(op, &lr, local_offset, 4096, victim, &target, 0) {
+                    Ok(Posted::Id(id)) => break id,
+                    Ok(Posted::WouldBlock) if Instant::now() < deadline => {
+                        ep.poll(&mut Vec::new()).expect("poll");
+                    }
+                    _ => return "err",
+                }
+            };
+            let mut done = Vec::new();
+            while Instant::now() < deadline {
+                ep.poll(&mut done).expect("poll");
+                if let Some(c) = done.iter().find(|c| c.id == id) {
+                    return if c.result.is_ok() { "ok" } else { "err" };
+                }
+            }
+            "err"
+        };
+        let w = run(Rma::Write, 0);
+        let r = run(Rma::Read, 4096);
+        println!("\n@attack write={w} read={r}");
+    }
+    drop(lr);
+    drop(buf);
+}
+
 /// Memory registered for local use only (what mori.io's staging slots are) is out of a peer's
-/// reach even with its real key, while the same endpoint's operations use it.
+/// reach even with its real key, while the same endpoint's operations use it. The attacker is
+/// another process ([`attacker_process`]); as a control it first reaches an ordinary region of
+/// the same endpoint with that region's key (so the attack itself works).
 #[test]
 fn a_local_only_region_refuses_peers_holding_its_key() {
     let Some((a, b)) = pair() else { return };
@@ -248,33 +302,57 @@ fn a_local_only_region_refuses_peers_holding_its_key() {
     let mut slots = vec![1u8; 1 << 16];
     let mut open = vec![3u8; 1 << 16];
     // SAFETY: the buffers outlive their regions, which are dropped first.
-    let (peer, lr, tr) = unsafe { link(&a, &b, &mut local, &mut open) };
+    let (_, lr, tr) = unsafe { link(&a, &b, &mut local, &mut open) };
     // SAFETY: as above.
     let private = unsafe { b.register_local(slots.as_mut_ptr() as u64, slots.len() as u64) }
         .expect("register_local");
-    // Its own endpoint writes from it to a peer's open region (first: on this provider a
-    // refused access closes the connection between the two).
+    // Its own endpoint writes from it to a peer's open region.
     let back = b.insert_peer(&a.name().unwrap()).unwrap();
     let id = post_retrying(&b, &a, |b| {
         b.post(Rma::Write, &private, 0, 64, back, &lr.remote(), 512)
             .unwrap()
     });
     wait(&b, &a, id).result.unwrap();
-    let stolen = private.remote();
-    let id = post_retrying(&a, &b, |a| {
-        a.post(Rma::Write, &lr, 0, 4096, peer, &stolen, 0).unwrap()
-    });
-    let w = wait(&a, &b, id).result;
-    let id = post_retrying(&a, &b, |a| {
-        a.post(Rma::Read, &lr, 8192, 4096, peer, &stolen, 0)
-            .unwrap()
-    });
-    let r = wait(&a, &b, id).result;
-    assert!(
-        w.is_err() && r.is_err(),
-        "its real key reached a local-only region: write {w:?}, read {r:?}"
+    let (open_r, stolen) = (tr.remote(), private.remote());
+    let spec = format!(
+        "{} {} {} {} {} {} {}",
+        hex::encode(b.name().unwrap()),
+        open_r.key,
+        open_r.base,
+        open_r.len,
+        stolen.key,
+        stolen.base,
+        stolen.len
+    );
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "attacker_process", "--nocapture"])
+        .env("MORI_NET_ATTACK", spec)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("attacker process");
+    // Serve (the software provider needs the target's progress) until the attacker is done.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the attacker did not finish");
+        b.poll(&mut Vec::new()).expect("progress");
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
+    let said: Vec<&str> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("@attack "))
+        .collect();
+    assert_eq!(
+        said,
+        ["write=ok read=ok", "write=err read=err"],
+        "the control reaches the open region, the local-only one refuses: {out}"
     );
     drop((lr, tr, private));
+    assert!(
+        open[..4096].iter().all(|&x| x == 0xA5),
+        "the control's write landed"
+    );
     assert!(
         slots.iter().all(|&x| x == 1),
         "a peer wrote local-only memory"
