@@ -10,18 +10,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mori_auth::Secret;
-use mori_net::fabric::{RemoteRegion, Rma};
 use mori_transport::batch::first_out_of_range;
-use mori_transport::connection::{BatchRequest, Connection, Job, Target};
-use mori_transport::cuda_ipc::{self, Exporter, Importer, IpcConfig, Prepared};
+use mori_transport::connection::{Connection, Target};
+use mori_transport::cuda_ipc::{self, Exporter, Importer, IpcConfig};
 use mori_transport::server::{Server, ServerConfig};
-use mori_transport::wire::{Hello, Kind};
+use mori_transport::wire::Hello;
 use mori_transport::{
-    Batch, Error, Location, Notifications, Registry, Result, Route, Transfer, UseGuard,
+    Batch, Error, Location, Notifications, Registry, Result, Transfer,
 };
 
 use crate::desc::{EngineDesc, FabricDesc, MemoryDesc};
-use crate::fabric::{self, FabricJob, FabricMode, FabricPlane};
+use crate::fabric::{self, FabricMode, FabricPlane};
+use crate::plane::{FabricRoute, IpcPlane, Offer, Plane, StreamPlane, Taken};
 
 /// Settings of an engine.
 #[derive(Debug, Clone)]
@@ -111,26 +111,26 @@ pub enum Op {
     Write,
 }
 
-struct Peer {
+pub(crate) struct Peer {
     desc: EngineDesc,
-    same_host: bool,
+    pub(crate) same_host: bool,
     /// Connected over the peer's same-host socket (direct copies possible).
-    local: bool,
-    conns: Arc<[Arc<Connection>]>,
+    pub(crate) local: bool,
+    pub(crate) conns: Arc<[Arc<Connection>]>,
     next: AtomicUsize,
     /// The peer's handle on this engine's fabric endpoint, when the fabric is its route.
-    fabric: Option<u64>,
+    pub(crate) fabric: Option<u64>,
 }
 
 impl Peer {
     /// Usable while any connection is up (transfers skip dead ones).
-    fn alive(&self) -> bool {
+    pub(crate) fn alive(&self) -> bool {
         self.conns.iter().any(|c| c.is_alive())
     }
     fn fully_alive(&self) -> bool {
         self.conns.iter().all(|c| c.is_alive())
     }
-    fn pick(&self) -> Arc<Connection> {
+    pub(crate) fn pick(&self) -> Arc<Connection> {
         let n = self.conns.len();
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         (0..n)
@@ -156,28 +156,6 @@ pub struct IoEngine {
     exporter: Exporter,
     importer: Importer,
     fabric: Option<FabricPlane>,
-}
-
-/// Announces a write that moved by another route (cuda_ipc, fabric): an empty write request
-/// carrying the tag, over the peer's connection; `done` completes when the peer recorded it.
-fn send_tag(
-    peer: &Peer,
-    remote_region: u64,
-    remote_key: u64,
-    local: Arc<UseGuard>,
-    tag: Vec<u8>,
-    done: Transfer,
-) {
-    peer.pick().submit(Job {
-        kind: Kind::Write,
-        remote_region,
-        remote_key,
-        batch: Arc::new(Batch::default()),
-        range: 0..0,
-        local,
-        notify: tag,
-        transfer: done,
-    });
 }
 
 /// The engine's fabric endpoint as its mode asks: None for `off`, and for `auto` where no
@@ -673,178 +651,38 @@ impl IoEngine {
                 detail: "every connection is down; connect again".into(),
             });
         }
-        // Same host and a peer GPU region exported for CUDA IPC: this engine's GPU copies.
-        if self.config.cuda_ipc
-            && peer.same_host
-            && let Some(blob) = &remote.ipc
-            && let Some(prepared) = self.importer.prepare(
-                &remote.engine,
-                peer.conns.first().and_then(|c| c.peer_pid()),
-                guard.region(),
-                blob,
-                remote.len,
-            )?
-        {
-            return self.launch_ipc(
-                prepared,
-                op,
-                guard,
-                local_offsets,
-                remote,
-                remote_offsets,
-                sizes,
-                notify,
-                peer,
-            );
-        }
-        // A peer reached over the fabric, its memory registered with its NIC: one-sided RMA
-        // (this side's GPU memory through staging slots where the NIC cannot register it).
-        if let (Some(plane), Some(handle), Some(remote_fabric)) =
-            (&self.fabric, peer.fabric, remote.fabric)
-        {
-            return Ok(self.launch_fabric(
-                plane,
-                handle,
-                op,
-                guard,
-                remote,
-                remote_fabric,
-                batch,
-                notify,
-                peer,
-            ));
-        }
-        // Same host, host memory on both sides: the target copies straight from/to us.
-        let direct = peer.local
-            && guard.region().location == Location::Host
-            && remote.location == Location::Host
-            && peer.conns.iter().all(|c| c.direct_ok());
-        let kind = match (op, direct) {
-            (Op::Read, false) => Kind::Read,
-            (Op::Write, false) => Kind::Write,
-            (Op::Read, true) => Kind::DirectRead,
-            (Op::Write, true) => Kind::DirectWrite,
+        // Fastest plane first; the stream plane takes whatever the others decline.
+        let ipc = IpcPlane {
+            importer: &self.importer,
+            timeout: self.config.timeout,
         };
-        // One hand-over to one connection: its sender cuts the batch into requests of about
-        // chunk_bytes and deals them round-robin over the live connections (one hand-over to
-        // each, off this thread); a notified write stays on its connection, in order, so its
-        // last request lands last.
-        let share = (notify.is_none() && peer.conns.len() > 1).then(|| peer.conns.clone());
-        Ok(peer.pick().submit_batch(
-            BatchRequest {
-                kind,
-                remote_region: remote.id,
-                remote_key: remote.key,
-                batch,
-                local: guard,
-                notify: notify.map(<[u8]>::to_vec).unwrap_or_default(),
-                chunk_bytes: self.config.chunk_bytes,
-                route: match (direct, peer.local) {
-                    (true, _) => Route::Direct,
-                    (false, true) => Route::Local,
-                    (false, false) => Route::Tcp,
-                },
-            },
-            share,
-        ))
-    }
-
-    /// Hands a prepared batch to the cuda_ipc executor. The transfer completes when the GPU is
-    /// done and the peer is still connected; a notified write then sends the tag (an empty
-    /// write request) and completes when the peer has recorded it.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_ipc(
-        &self,
-        prepared: Prepared,
-        op: Op,
-        guard: Arc<UseGuard>,
-        local_offsets: &[u64],
-        remote: &MemoryDesc,
-        remote_offsets: &[u64],
-        sizes: &[u64],
-        notify: Option<&[u8]>,
-        peer: Arc<Peer>,
-    ) -> Result<Transfer> {
-        let transfer = Transfer::on_route(1, Route::CudaIpc);
-        let done = transfer.clone();
-        let tag = notify.map(<[u8]>::to_vec);
-        let (remote_id, remote_key) = (remote.id, remote.key);
-        let (name, local) = (remote.engine.clone(), guard.clone());
-        let finish: cuda_ipc::Finish = Box::new(move |outcome| match outcome {
-            Err(e) => done.part_done(Err(&e)),
-            Ok(()) if !peer.alive() => done.part_done(Err(&Error::ConnectionLost {
-                peer: name,
-                detail: "the peer's connections closed during a cuda_ipc transfer".into(),
-            })),
-            Ok(()) => match tag {
-                Some(tag) => send_tag(&peer, remote_id, remote_key, local, tag, done),
-                None => done.part_done(Ok(())),
-            },
+        let fabric = self.fabric.as_ref().map(|plane| FabricRoute {
+            plane,
+            secret: &self.secret,
         });
-        let region = *guard.region();
-        self.importer.launch(
-            prepared,
-            op == Op::Write,
-            &region,
-            local_offsets,
-            remote_offsets,
-            sizes,
-            &remote.engine,
-            self.config.timeout,
-            Box::new(guard),
-            finish,
-        )?;
-        Ok(transfer)
-    }
-
-    /// Hands a batch to the fabric thread. A notified write sends its tag over the peer's
-    /// connection once every operation is back, and completes when the peer recorded it.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_fabric(
-        &self,
-        plane: &FabricPlane,
-        handle: u64,
-        op: Op,
-        guard: Arc<UseGuard>,
-        remote: &MemoryDesc,
-        remote_fabric: FabricDesc,
-        batch: Batch,
-        notify: Option<&[u8]>,
-        peer: Arc<Peer>,
-    ) -> Transfer {
-        let route = if plane.is_staged(guard.region().id) {
-            Route::FabricStaged
-        } else {
-            Route::Fabric
+        let stream = StreamPlane {
+            chunk_bytes: self.config.chunk_bytes,
         };
-        let transfer = Transfer::on_route(1, route);
-        let done = transfer.clone();
-        let tag = notify.map(<[u8]>::to_vec);
-        let (remote_id, remote_key) = (remote.id, remote.key);
-        let local = guard.clone();
-        let finish: fabric::Finish = Box::new(move |outcome| match (outcome, tag) {
-            (Err(e), _) => done.part_done(Err(&e)),
-            (Ok(()), Some(tag)) => send_tag(&peer, remote_id, remote_key, local, tag, done),
-            (Ok(()), None) => done.part_done(Ok(())),
-        });
-        plane.run(FabricJob {
-            op: match op {
-                Op::Read => Rma::Read,
-                Op::Write => Rma::Write,
-            },
+        let planes: [Option<&dyn Plane>; 3] = [
+            self.config.cuda_ipc.then_some(&ipc as &dyn Plane),
+            fabric.as_ref().map(|f| f as &dyn Plane),
+            Some(&stream),
+        ];
+        let mut offer = Offer {
+            op,
             local: guard,
-            peer: handle,
-            peer_name: remote.engine.clone(),
-            remote: RemoteRegion {
-                base: remote_fabric.base,
-                len: remote.len,
-                key: remote_fabric.masked_key
-                    ^ fabric::mask(&self.secret, remote.instance, remote.id, remote.key),
-            },
-            batch: Arc::new(batch),
-            finish,
-        });
-        transfer
+            remote,
+            batch,
+            notify,
+            peer,
+        };
+        for plane in planes.into_iter().flatten() {
+            match plane.offer(offer)? {
+                Taken::Launched(transfer) => return Ok(transfer),
+                Taken::Declined(back) => offer = back,
+            }
+        }
+        unreachable!("the stream plane takes every offer")
     }
 
     /// Notifications received so far (each returned once).

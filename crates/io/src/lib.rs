@@ -10,11 +10,13 @@
 //! region is GPU memory: this engine's GPU copies through an IPC mapping), the same-host direct
 //! path (host memory on both sides, over the peer's Unix socket), fabric (host memory, a peer
 //! on another host, both engines with a libfabric endpoint: one-sided RMA, see [`FabricMode`]),
-//! and TCP (anything else, and the fallback when a faster route is unavailable).
+//! and TCP (anything else, and the fallback when a faster route is unavailable). Each route is a
+//! plane behind one trait (`plane.rs`); a batch goes to the first that reaches the peer's region.
 
 mod desc;
 mod engine;
 mod fabric;
+mod plane;
 
 pub use desc::{EngineDesc, FabricDesc, MemoryDesc};
 pub use engine::{EngineConfig, IoEngine, Notification, Op};
