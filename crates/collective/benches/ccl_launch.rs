@@ -5,49 +5,24 @@
 //! one PE an all-reduce leaves its input as it was, and the all-gather copies it, checked after
 //! the timed calls. Without a GPU it says so and writes nothing (CI). See mori_testutil::bench.
 
-use std::net::IpAddr;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod common;
 
-use mori_bootstrap::{Bootstrap, create_unique_id_on};
+use std::time::Instant;
+
+use common::{BURST, bursts, single_pe};
 use mori_collective::communicator::{
     CclConfig, Communicator, DType, Exchange, ReduceOp, plan_all_reduce,
 };
-use mori_gpu::{Device, DeviceBuffer, Stream};
-use mori_shmem::Shmem;
+use mori_gpu::{DeviceBuffer, Stream};
 use mori_testutil::bench::Bench;
 
 const ELEMENTS: u64 = 1024;
-const BURST: u64 = 128;
-
-/// Runs `launch` `iters` times in bursts, draining `stream` between bursts; the launching time.
-fn bursts(iters: u64, stream: &Stream, mut launch: impl FnMut()) -> Duration {
-    let mut spent = Duration::ZERO;
-    let mut left = iters;
-    while left > 0 {
-        let n = left.min(BURST);
-        let t0 = Instant::now();
-        for _ in 0..n {
-            launch();
-        }
-        spent += t0.elapsed();
-        stream.synchronize().expect("stream");
-        left -= n;
-    }
-    spent
-}
 
 fn main() {
-    let gpus = mori_gpu::device_count();
-    if !matches!(gpus, Ok(n) if n > 0) {
-        println!("ccl_launch: skipped (needs a GPU: {gpus:?})");
+    let Some((shmem, device)) = single_pe("ccl_launch") else {
         return;
-    }
+    };
     let mut bench = Bench::new("ccl-launch");
-    let id = create_unique_id_on(IpAddr::from([127, 0, 0, 1])).expect("unique id");
-    let boot = Bootstrap::connect(&id, 0, 1, Duration::from_secs(30)).expect("bootstrap");
-    let device = Device::get(0).expect("GPU 0");
-    let shmem = Shmem::init(Arc::new(boot), device, 1 << 30).expect("shmem");
     let config = CclConfig::default();
     let comm = Communicator::create(&shmem, config).expect("communicator");
     let stream = Stream::new(device).expect("stream");

@@ -7,6 +7,7 @@
 pub mod ccl;
 pub mod communicator;
 pub mod ep;
+pub mod ep_buffers;
 pub mod ep_runtime;
 mod error;
 pub mod host;
