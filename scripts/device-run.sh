@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root:
-#   bash scripts/device-run.sh [step ...]      steps: check demo precompile tests tests:<args> bench:<name>[:args] py:<script>
+#   bash scripts/device-run.sh [step ...]      steps: check demo precompile tests tests:<args> bench:<name>[:args] py:<script> bin:<name>
+# bin:<name> runs a cargo bench executable built here and copied to .device/bin/<name>
+# (docs/development.md), its record written under $OUT.
 # Installs the wheel built by scripts/build-wheel.sh (copied along in .device/) into a scratch
 # folder, then runs each step, writing logs and JSON under $OUT (or ./device-out).
 # The wheel holds the Python package too: rebuild it after changing python/, not only crates/.
@@ -69,6 +71,10 @@ for step in "$@"; do
     py:*)
       script=${step#py:}
       python3 "$script" 2>&1 | tee "$OUT/$(basename "$script" .py).txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    bin:*)
+      name=${step#bin:}
+      MORI_BENCH_OUT="$OUT" ".device/bin/$name" --bench 2>&1 | tee "$OUT/bin-$name.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac

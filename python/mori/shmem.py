@@ -134,6 +134,13 @@ def node_team() -> tuple[int, int, int]:
     return _s().node_team
 
 
+def nodes() -> list[list[int]]:
+    """Every node's PEs (consecutive ranks), nodes in order of their first PE. PEs share a node
+    when they run on one host (and, where set, have the same ``MORI_NODE``); a PE reaches the
+    heaps of its node's PEs by load/store."""
+    return _s().nodes
+
+
 def heap_size() -> int:
     return _s().heap_size
 

@@ -66,6 +66,11 @@ impl Shmem {
             Ok((t.first_pe, t.n_pes, t.my_index))
         })
     }
+    /// Every node's PEs, nodes ordered by their first PE.
+    #[getter]
+    fn nodes(&self) -> Result<Vec<Vec<usize>>> {
+        self.with(|s| Ok(s.nodes().to_vec()))
+    }
     #[getter]
     fn device(&self) -> Result<usize> {
         self.with(|s| Ok(s.device().ordinal()))

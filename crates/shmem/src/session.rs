@@ -35,6 +35,8 @@ pub struct Shmem {
     allocator: Mutex<SymmetricAllocator>,
     state: DeviceState,
     node: NodeTeam,
+    /// Every node's PEs, nodes ordered by their first PE.
+    nodes: Vec<Vec<usize>>,
     /// Modules whose `mori_shmem_state` holds this session's state.
     configured: Mutex<HashSet<Module>>,
     finalized: bool,
@@ -44,18 +46,33 @@ fn poisoned() -> Error {
     Error::InvalidArgument("an earlier panic poisoned the shmem session".into())
 }
 
-/// Identifies the host (kernel boot id + host name): PEs with equal keys share a node.
-fn host_key() -> String {
+/// Identifies the node: the host (kernel boot id + host name), split further by `MORI_NODE`
+/// when set (so tests can run several "nodes" on one host; it never joins PEs of different
+/// hosts). PEs with equal keys share a node: they map each other's heaps.
+fn node_key() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    format!("{}|{}", boot.trim(), name.trim())
+    let split = std::env::var("MORI_NODE").unwrap_or_default();
+    format!("{}|{}|{}", boot.trim(), name.trim(), split.trim())
+}
+
+/// The PEs of each node, nodes ordered by their first PE.
+fn group_nodes(keys: &[&str]) -> Vec<Vec<usize>> {
+    let mut nodes: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (pe, key) in keys.iter().enumerate() {
+        match nodes.iter_mut().find(|(k, _)| k == key) {
+            Some((_, pes)) => pes.push(pe),
+            None => nodes.push((key, vec![pe])),
+        }
+    }
+    nodes.into_iter().map(|(_, pes)| pes).collect()
 }
 
 /// What each PE tells the others at init.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct PeInfo {
     heap_size: u64,
-    /// [`host_key`]: equal keys share a node.
+    /// [`node_key`]: equal keys share a node.
     host: String,
     /// PCI bus id of the PE's GPU.
     bus: String,
@@ -141,7 +158,7 @@ impl Shmem {
         }
         let mine = PeInfo {
             heap_size,
-            host: host_key(),
+            host: node_key(),
             bus: device.pci_bus_id()?,
             pid: std::process::id(),
             pid_ns: pid_namespace(),
@@ -163,7 +180,18 @@ impl Shmem {
             )));
         }
         let same_node: Vec<bool> = hellos.iter().map(|h| h.host == mine.host).collect();
-        let node_pes: Vec<usize> = (0..n).filter(|&pe| same_node[pe]).collect();
+        let nodes = group_nodes(&hellos.iter().map(|h| h.host.as_str()).collect::<Vec<_>>());
+        let node_pes = nodes
+            .iter()
+            .find(|pes| pes.contains(&me))
+            .ok_or_else(|| Error::InvalidArgument("this PE is in no node".into()))?;
+        // The device API addresses a node's PEs as one range (node_first_pe .. + node_n_pes).
+        if node_pes.windows(2).any(|w| w[1] != w[0] + 1) {
+            return Err(Error::InvalidArgument(format!(
+                "the PEs of a node must have consecutive ranks; PE {me}'s node has PEs {node_pes:?} \
+                 (order the ranks by host, or by MORI_NODE)"
+            )));
+        }
         let node = NodeTeam {
             first_pe: node_pes[0],
             n_pes: node_pes.len(),
@@ -252,6 +280,7 @@ impl Shmem {
             allocator: Mutex::new(allocator),
             state,
             node,
+            nodes,
             configured: Mutex::new(HashSet::new()),
             finalized: false,
         })
@@ -275,6 +304,11 @@ impl Shmem {
     pub fn n_pes(&self) -> usize {
         self.state.n_pes as usize
     }
+    /// Every node's PEs (consecutive ranks), nodes ordered by their first PE.
+    pub fn nodes(&self) -> &[Vec<usize>] {
+        &self.nodes
+    }
+
     pub fn node_team(&self) -> NodeTeam {
         self.node
     }
@@ -532,5 +566,27 @@ mod tests {
         let mut huge = b;
         huge[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(PeInfo::decode(&huge).is_err());
+    }
+
+    #[test]
+    fn nodes_group_pes_by_key_in_order_of_their_first_pe() {
+        assert_eq!(group_nodes(&["a", "a", "b", "b"]), vec![vec![0, 1], vec![2, 3]]);
+        assert_eq!(group_nodes(&["b", "a", "b"]), vec![vec![0, 2], vec![1]]);
+        assert_eq!(group_nodes(&["x"]), vec![vec![0]]);
+    }
+
+    #[test]
+    fn mori_node_splits_a_host_and_never_joins_hosts() {
+        // SAFETY: this test binary's tests do not read MORI_NODE concurrently except here.
+        unsafe { std::env::set_var("MORI_NODE", "1") };
+        let one = node_key();
+        unsafe { std::env::set_var("MORI_NODE", "2") };
+        let two = node_key();
+        unsafe { std::env::remove_var("MORI_NODE") };
+        let plain = node_key();
+        assert_ne!(one, two);
+        assert_ne!(one, plain);
+        // The override extends the host's key: another host's PE with MORI_NODE=1 differs.
+        assert!(one.starts_with(plain.trim_end_matches('|')));
     }
 }

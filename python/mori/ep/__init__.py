@@ -166,6 +166,10 @@ class Buffer:
         self.rank, self.num_ranks = shmem.my_pe(), shmem.n_pes()
         if self.num_ranks > MAX_RANKS:
             raise InvalidArgumentError(f"intranode EP supports up to {MAX_RANKS} ranks, got {self.num_ranks}")
+        if len(shmem.nodes()) > 1:
+            # The kernels reach peers' buffers by load/store; PEs on other nodes are not mapped.
+            raise InvalidArgumentError(f"mori.ep needs every rank on one node; the ranks are on nodes {shmem.nodes()} "
+                                       "(internode EP is not built yet)")
         if config.num_experts % self.num_ranks:
             raise InvalidArgumentError(f"{config.num_experts} experts do not divide over {self.num_ranks} ranks")
         self.device = shmem.device()
