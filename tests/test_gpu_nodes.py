@@ -49,10 +49,10 @@ def test_mori_node_splits_a_host_into_nodes():
     if WORLD % 2:
         pytest.skip(f"two nodes need an even world, got {WORLD}")
     skip_unless_gpus(WORLD)
-    from mori import Bootstrap
+    import mori
 
     half = WORLD // 2
-    results = run_ranks(_node_rank, WORLD, Bootstrap.create_unique_id(), timeout=180)
+    results = run_ranks(_node_rank, WORLD, mori.get_unique_id(), timeout=180)
     expected_nodes = [list(range(half)), list(range(half, WORLD))]
     for rank, r in sorted(results.items()):
         assert r["nodes"] == expected_nodes, (rank, r["nodes"])
