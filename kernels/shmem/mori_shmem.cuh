@@ -39,11 +39,49 @@ struct State {
     u64 heap_base;   // this PE's heap
     u64 heap_size;
     u64 peer_base[MAX_PES];  // where each PE's heap is mapped here; 0 = not load/store reachable
+    u64 proxy_ring;          // the proxy's ring (ProxyRing, pinned host memory); 0 = no proxy
 };
 
 // Internal area at the start of every heap (crates/shmem/src/state.rs keeps the same numbers).
 constexpr u64 BARRIER_FLAGS_OFFSET = 0;                 // u64[MAX_PES]: epoch announced by PE i
 constexpr u64 BARRIER_EPOCH_OFFSET = 8 * MAX_PES;       // u64: this PE's last barrier epoch
+constexpr u64 PROXY_TICKETS_OFFSET = 8 * MAX_PES + 8;   // u64: proxy tickets this PE's threads took
+
+// ---- the proxy (crates/shmem/src/proxy/ring.rs keeps the same layout and codes) ---------------
+// PEs this GPU cannot load/store (on other nodes) are reached through a proxy thread on the
+// host: a GPU thread takes a ticket, writes a 64-byte entry into a ring in pinned host memory,
+// and the proxy moves the data with mori.io and reports completion in the ring's header.
+constexpr u64 PROXY_SLOTS = 1024;
+struct ProxyEntry {
+    u64 ticket;  // ticket + 1, written last: the entry is ready
+    u32 op;      // ProxyOp
+    u32 pe;
+    u64 dst;     // heap offset (at pe for puts and updates, here for gets)
+    u64 src;     // heap offset (here for puts, at pe for gets)
+    u64 bytes;
+    u64 aux;     // heap offset of the word a signal or update changes, at pe
+    u64 value;   // signal / update operand, or an inline put's bytes
+    u32 code;    // update: kind | width << 8
+    u32 pad;
+};
+struct ProxyRing {
+    u64 consumed;   // entries the proxy has taken: slot t % PROXY_SLOTS is free once t < consumed + PROXY_SLOTS
+    u64 completed;  // every ticket below it is done
+    u64 error;      // nonzero once an operation failed or a peer was lost (never cleared)
+    u64 pad[5];
+    ProxyEntry entries[PROXY_SLOTS];
+};
+enum ProxyOp : u32 {
+    PROXY_PUT = 1,
+    PROXY_PUT_SIGNAL = 2,
+    PROXY_PUT_INLINE = 3,
+    PROXY_GET = 4,
+    PROXY_UPDATE = 5,
+    PROXY_FENCE = 6,
+    PROXY_MISUSE = 7,
+};
+enum ProxyUpdate : u32 { UPDATE_SET = 0, UPDATE_ADD = 1, UPDATE_AND = 2, UPDATE_OR = 3, UPDATE_XOR = 4 };
+enum ProxyMisuse : u64 { MISUSE_NOT_ON_HEAP = 1, MISUSE_NO_RETURN_PATH = 2 };
 
 enum Cmp : int { CMP_EQ = 0, CMP_NE = 1, CMP_GT = 2, CMP_GE = 3, CMP_LT = 4, CMP_LE = 5 };
 enum SignalOp : int { SIGNAL_SET = 0, SIGNAL_ADD = 1 };
@@ -75,10 +113,144 @@ __device__ __forceinline__ T* ptr(T* dest, int pe) {
     return static_cast<T*>(ptr(static_cast<const void*>(dest), pe));
 }
 
+// ---- the proxy ----------------------------------------------------------------------------
+
+namespace detail {
+__device__ __forceinline__ ProxyRing* proxy() { return reinterpret_cast<ProxyRing*>(mori_shmem_state.proxy_ring); }
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* addr) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(addr) : "memory");
+    return v;
+}
+// Offset of local address `a` on this PE's heap, or ~0 when it is not on the heap.
+__device__ __forceinline__ u64 heap_offset(const void* a) {
+    const u64 off = reinterpret_cast<u64>(a) - mori_shmem_state.heap_base;
+    return off < mori_shmem_state.heap_size ? off : ~0ull;
+}
+}  // namespace detail
+
+// Whether the proxy reported a failure (an operation failed or a PE was lost): every wait in
+// this header gives up when it does, and the host raises the proxy's error.
+__device__ __forceinline__ bool proxy_failed() {
+    ProxyRing* r = detail::proxy();
+    return r && detail::ld_acquire_sys(&r->error) != 0;
+}
+
+// Whether `pe` is reached through the proxy (a valid PE this GPU cannot load/store).
+__device__ __forceinline__ bool via_proxy(int pe) {
+    const State& s = mori_shmem_state;
+    return s.proxy_ring && pe >= 0 && pe < s.n_pes && s.peer_base[pe] == 0;
+}
+
+// Posts one request; returns its ticket. Called by one thread (warp/block forms pick a leader).
+__device__ __forceinline__ u64 proxy_post(u32 op, int pe, u64 dst, u64 src, u64 bytes, u64 aux, u64 value, u32 code) {
+    ProxyRing* r = detail::proxy();
+    u64* tickets = reinterpret_cast<u64*>(mori_shmem_state.heap_base + PROXY_TICKETS_OFFSET);
+    const u64 t = atomicAdd(reinterpret_cast<unsigned long long*>(tickets), 1ull);
+    while (t >= detail::ld_acquire_sys(&r->consumed) + PROXY_SLOTS) {
+        if (proxy_failed()) return t;
+    }
+    volatile ProxyEntry* e = &r->entries[t % PROXY_SLOTS];
+    e->op = op;
+    e->pe = static_cast<u32>(pe);
+    e->dst = dst;
+    e->src = src;
+    e->bytes = bytes;
+    e->aux = aux;
+    e->value = value;
+    e->code = code;
+    __threadfence_system();
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(&r->entries[t % PROXY_SLOTS].ticket), "l"(t + 1) : "memory");
+    return t;
+}
+
+// Waits until request `t` is done (or the proxy failed).
+__device__ __forceinline__ void proxy_wait(u64 t) {
+    ProxyRing* r = detail::proxy();
+    while (detail::ld_acquire_sys(&r->completed) <= t && !proxy_failed()) {
+    }
+}
+
+// Waits until every request this PE's threads posted so far is done.
+__device__ __forceinline__ void proxy_quiet() {
+    ProxyRing* r = detail::proxy();
+    if (!r) return;
+    u64* tickets = reinterpret_cast<u64*>(mori_shmem_state.heap_base + PROXY_TICKETS_OFFSET);
+    const u64 taken = atomicAdd(reinterpret_cast<unsigned long long*>(tickets), 0ull);
+    while (detail::ld_acquire_sys(&r->completed) < taken && !proxy_failed()) {
+    }
+}
+
+// Reports a call the proxy cannot serve; the host raises it (misuse_reason in ring.rs).
+__device__ __forceinline__ void proxy_misuse(u64 code, int pe) { proxy_post(PROXY_MISUSE, pe, 0, 0, 0, 0, code, 0); }
+
+// Puts `bytes` from local `src` (on the heap) to symmetric `dest` at `pe` through the proxy.
+__device__ __forceinline__ u64 proxy_put(void* dest, const void* src, usize bytes, int pe) {
+    const u64 s = detail::heap_offset(src), d = detail::heap_offset(dest);
+    if (s == ~0ull || d == ~0ull) {
+        proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
+        return 0;
+    }
+    return proxy_post(PROXY_PUT, pe, d, s, bytes, 0, 0, 0);
+}
+__device__ __forceinline__ u64 proxy_get(void* dest, const void* src, usize bytes, int pe) {
+    const u64 s = detail::heap_offset(src), d = detail::heap_offset(dest);
+    if (s == ~0ull || d == ~0ull) {
+        proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
+        return 0;
+    }
+    return proxy_post(PROXY_GET, pe, d, s, bytes, 0, 0, 0);
+}
+// An update (signal or non-fetching atomic) of the `width`-byte word `word` at `pe`.
+__device__ __forceinline__ void proxy_update(const void* word, u64 value, u32 kind, u32 width, int pe) {
+    const u64 w = detail::heap_offset(word);
+    if (w == ~0ull) {
+        proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
+        return;
+    }
+    proxy_post(PROXY_UPDATE, pe, 0, 0, 0, w, value, kind | (width << 8));
+}
+
+// Applies an update to a word of this PE's heap (the proxy's kernel; system-scope atomics).
+__device__ __forceinline__ void apply_update(u64 addr, u64 value, u32 code) {
+    const u32 kind = code & 0xffu, width = (code >> 8) & 0xffu;
+    if (width == 8) {
+        unsigned long long* w = reinterpret_cast<unsigned long long*>(addr);
+        switch (kind) {
+            case UPDATE_SET: atomicExch_system(w, value); break;
+            case UPDATE_ADD: atomicAdd_system(w, value); break;
+            case UPDATE_AND: atomicAnd_system(w, value); break;
+            case UPDATE_OR: atomicOr_system(w, value); break;
+            default: atomicXor_system(w, value); break;
+        }
+    } else {
+        unsigned int* w = reinterpret_cast<unsigned int*>(addr);
+        const unsigned int v = static_cast<unsigned int>(value);
+        switch (kind) {
+            case UPDATE_SET: atomicExch_system(w, v); break;
+            case UPDATE_ADD: atomicAdd_system(w, v); break;
+            case UPDATE_AND: atomicAnd_system(w, v); break;
+            case UPDATE_OR: atomicOr_system(w, v); break;
+            default: atomicXor_system(w, v); break;
+        }
+    }
+}
+
 // ---- ordering -------------------------------------------------------------------------------
 
-__device__ __forceinline__ void fence() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-__device__ __forceinline__ void quiet() { asm volatile("fence.sc.sys;" ::: "memory"); }
+namespace detail {
+__device__ __forceinline__ void memory_fence() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+}  // namespace detail
+// With a proxy, fence() also posts a fence request (the proxy starts later requests once the
+// earlier ones are done) and quiet() waits for every request this PE posted.
+__device__ __forceinline__ void fence() {
+    detail::memory_fence();
+    if (detail::proxy()) proxy_post(PROXY_FENCE, 0, 0, 0, 0, 0, 0, 0);
+}
+__device__ __forceinline__ void quiet() {
+    asm volatile("fence.sc.sys;" ::: "memory");
+    proxy_quiet();
+}
 
 // ---- memory copies: scope = thread (one thread), warp (all lanes), block (all threads) -------
 
@@ -88,44 +260,115 @@ __device__ __forceinline__ void copy(void* dst, const void* src, usize n, usize 
 }
 }  // namespace detail
 
-// put: local `src` -> symmetric `dest` on `pe`.
+// put: local `src` -> symmetric `dest` on `pe`. Through the proxy `src` must be on the heap; the
+// warp/block forms post one request for the group, after every member's earlier writes.
 __device__ __forceinline__ void putmem_nbi(void* dest, const void* src, usize bytes, int pe) {
+    if (via_proxy(pe)) {
+        proxy_put(dest, src, bytes, pe);
+        return;
+    }
     detail::copy(ptr(dest, pe), src, bytes, 0, 1);
 }
 __device__ __forceinline__ void putmem_nbi_warp(void* dest, const void* src, usize bytes, int pe) {
+    if (via_proxy(pe)) {
+        detail::memory_fence();
+        __syncwarp();
+        if (lane_id() == 0) proxy_put(dest, src, bytes, pe);
+        __syncwarp();
+        return;
+    }
     detail::copy(ptr(dest, pe), src, bytes, lane_id(), 32);
 }
 __device__ __forceinline__ void putmem_nbi_block(void* dest, const void* src, usize bytes, int pe) {
+    if (via_proxy(pe)) {
+        detail::memory_fence();
+        __syncthreads();
+        if (threadIdx.x == 0) proxy_put(dest, src, bytes, pe);
+        __syncthreads();
+        return;
+    }
     detail::copy(ptr(dest, pe), src, bytes, threadIdx.x, blockDim.x);
 }
-// Blocking forms: the group has issued every store when they return (source reusable).
-__device__ __forceinline__ void putmem(void* dest, const void* src, usize bytes, int pe) { putmem_nbi(dest, src, bytes, pe); }
+// Blocking forms: the group has issued every store when they return (source reusable); through
+// the proxy they return once the request is done.
+__device__ __forceinline__ void putmem(void* dest, const void* src, usize bytes, int pe) {
+    if (via_proxy(pe)) {
+        proxy_wait(proxy_put(dest, src, bytes, pe));
+        return;
+    }
+    putmem_nbi(dest, src, bytes, pe);
+}
 __device__ __forceinline__ void putmem_warp(void* dest, const void* src, usize bytes, int pe) {
+    if (via_proxy(pe)) {
+        detail::memory_fence();
+        __syncwarp();
+        if (lane_id() == 0) proxy_wait(proxy_put(dest, src, bytes, pe));
+        __syncwarp();
+        return;
+    }
     putmem_nbi_warp(dest, src, bytes, pe);
     __syncwarp();
 }
 __device__ __forceinline__ void putmem_block(void* dest, const void* src, usize bytes, int pe) {
+    if (via_proxy(pe)) {
+        detail::memory_fence();
+        __syncthreads();
+        if (threadIdx.x == 0) proxy_wait(proxy_put(dest, src, bytes, pe));
+        __syncthreads();
+        return;
+    }
     putmem_nbi_block(dest, src, bytes, pe);
     __syncthreads();
 }
 
 // get: symmetric `src` on `pe` -> local `dest`. Blocking forms: `dest` holds the data for the
 // whole group when they return.
+// Through the proxy `dest` must be on the heap; an nbi get's data is there after quiet().
 __device__ __forceinline__ void getmem_nbi(void* dest, const void* src, usize bytes, int pe) {
+    if (via_proxy(pe)) {
+        proxy_get(dest, src, bytes, pe);
+        return;
+    }
     detail::copy(dest, ptr(src, pe), bytes, 0, 1);
 }
 __device__ __forceinline__ void getmem_nbi_warp(void* dest, const void* src, usize bytes, int pe) {
+    if (via_proxy(pe)) {
+        if (lane_id() == 0) proxy_get(dest, src, bytes, pe);
+        __syncwarp();
+        return;
+    }
     detail::copy(dest, ptr(src, pe), bytes, lane_id(), 32);
 }
 __device__ __forceinline__ void getmem_nbi_block(void* dest, const void* src, usize bytes, int pe) {
+    if (via_proxy(pe)) {
+        if (threadIdx.x == 0) proxy_get(dest, src, bytes, pe);
+        __syncthreads();
+        return;
+    }
     detail::copy(dest, ptr(src, pe), bytes, threadIdx.x, blockDim.x);
 }
-__device__ __forceinline__ void getmem(void* dest, const void* src, usize bytes, int pe) { getmem_nbi(dest, src, bytes, pe); }
+__device__ __forceinline__ void getmem(void* dest, const void* src, usize bytes, int pe) {
+    if (via_proxy(pe)) {
+        proxy_wait(proxy_get(dest, src, bytes, pe));
+        return;
+    }
+    getmem_nbi(dest, src, bytes, pe);
+}
 __device__ __forceinline__ void getmem_warp(void* dest, const void* src, usize bytes, int pe) {
+    if (via_proxy(pe)) {
+        if (lane_id() == 0) proxy_wait(proxy_get(dest, src, bytes, pe));
+        __syncwarp();
+        return;
+    }
     getmem_nbi_warp(dest, src, bytes, pe);
     __syncwarp();
 }
 __device__ __forceinline__ void getmem_block(void* dest, const void* src, usize bytes, int pe) {
+    if (via_proxy(pe)) {
+        if (threadIdx.x == 0) proxy_wait(proxy_get(dest, src, bytes, pe));
+        __syncthreads();
+        return;
+    }
     getmem_nbi_block(dest, src, bytes, pe);
     __syncthreads();
 }
@@ -156,10 +399,27 @@ MORI_SHMEM_TYPED(_block)
 // Scalars.
 template <typename T>
 __device__ __forceinline__ void p(T* dest, T value, int pe) {
+    static_assert(sizeof(T) <= 8, "p() puts scalars of at most 8 bytes");
+    if (via_proxy(pe)) {
+        const u64 d = detail::heap_offset(dest);
+        if (d == ~0ull) {
+            proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
+            return;
+        }
+        u64 bits = 0;
+        memcpy(&bits, &value, sizeof(T));
+        proxy_post(PROXY_PUT_INLINE, pe, d, 0, sizeof(T), 0, bits, 0);
+        return;
+    }
     *static_cast<volatile T*>(ptr(dest, pe)) = value;
 }
+// Through the proxy g() is not served (no return path yet): it reports the misuse, returns 0.
 template <typename T>
 __device__ __forceinline__ T g(const T* src, int pe) {
+    if (via_proxy(pe)) {
+        proxy_misuse(MISUSE_NO_RETURN_PATH, pe);
+        return T(0);
+    }
     return *static_cast<const volatile T*>(ptr(src, pe));
 }
 
@@ -182,6 +442,10 @@ __device__ __forceinline__ u32 load_acquire(const u32* addr) {
 // Sets or adds `value` to the 64-bit signal `sig` on `pe`, as a release: everything this
 // thread wrote before is visible at `pe` before the signal is.
 __device__ __forceinline__ void signal_op(u64* sig, u64 value, int op, int pe) {
+    if (via_proxy(pe)) {
+        proxy_update(sig, value, op == SIGNAL_ADD ? UPDATE_ADD : UPDATE_SET, 8, pe);
+        return;
+    }
     u64* remote = ptr(sig, pe);
     if (op == SIGNAL_ADD) {
         asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(remote), "l"(value) : "memory");
@@ -190,8 +454,25 @@ __device__ __forceinline__ void signal_op(u64* sig, u64 value, int op, int pe) {
     }
 }
 
+namespace detail {
+// One proxy request for a put with its signal: the signal is applied once the data landed.
+__device__ __forceinline__ u64 proxy_put_signal(void* dest, const void* src, usize bytes, u64* sig, u64 value, int op,
+                                                int pe) {
+    const u64 s = heap_offset(src), d = heap_offset(dest), w = heap_offset(sig);
+    if (s == ~0ull || d == ~0ull || w == ~0ull) {
+        proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
+        return 0;
+    }
+    return proxy_post(PROXY_PUT_SIGNAL, pe, d, s, bytes, w, value, (op == SIGNAL_ADD ? UPDATE_ADD : UPDATE_SET) | (8u << 8));
+}
+}  // namespace detail
+
 __device__ __forceinline__ void putmem_signal_nbi(void* dest, const void* src, usize bytes, u64* sig, u64 value,
                                                   int op, int pe) {
+    if (via_proxy(pe)) {
+        detail::proxy_put_signal(dest, src, bytes, sig, value, op, pe);
+        return;
+    }
     putmem_nbi(dest, src, bytes, pe);
     signal_op(sig, value, op, pe);
 }
@@ -201,17 +482,31 @@ __device__ __forceinline__ void putmem_signal(void* dest, const void* src, usize
 }
 __device__ __forceinline__ void putmem_signal_warp(void* dest, const void* src, usize bytes, u64* sig, u64 value,
                                                    int op, int pe) {
+    if (via_proxy(pe)) {
+        detail::memory_fence();
+        __syncwarp();
+        if (lane_id() == 0) detail::proxy_put_signal(dest, src, bytes, sig, value, op, pe);
+        __syncwarp();
+        return;
+    }
     putmem_nbi_warp(dest, src, bytes, pe);
     // Each lane's stores reach system scope before lane 0's release is issued.
-    fence();
+    detail::memory_fence();
     __syncwarp();
     if (lane_id() == 0) signal_op(sig, value, op, pe);
     __syncwarp();
 }
 __device__ __forceinline__ void putmem_signal_block(void* dest, const void* src, usize bytes, u64* sig, u64 value,
                                                     int op, int pe) {
+    if (via_proxy(pe)) {
+        detail::memory_fence();
+        __syncthreads();
+        if (threadIdx.x == 0) detail::proxy_put_signal(dest, src, bytes, sig, value, op, pe);
+        __syncthreads();
+        return;
+    }
     putmem_nbi_block(dest, src, bytes, pe);
-    fence();
+    detail::memory_fence();
     __syncthreads();
     if (threadIdx.x == 0) signal_op(sig, value, op, pe);
     __syncthreads();
@@ -253,7 +548,8 @@ __device__ __forceinline__ T wait_until(T* ivar, int cmp, T value) {
     static_assert(sizeof(T) == 4 || sizeof(T) == 8, "wait_until works on 32- and 64-bit words");
     // Every poll is an acquire load. Measured on 2xH200 (benches/NOTES.md): relaxed polling
     // followed by an acquire fence or an acquire re-load made the put+signal round trip slower.
-    for (;;) {
+    const bool proxied = detail::proxy() != nullptr;
+    for (unsigned polls = 1;; ++polls) {
         T seen;
         if constexpr (sizeof(T) == 8) {
             const u64 raw = load_acquire(reinterpret_cast<const u64*>(ivar));
@@ -263,6 +559,8 @@ __device__ __forceinline__ T wait_until(T* ivar, int cmp, T value) {
             seen = *reinterpret_cast<const T*>(&raw);
         }
         if (compare(seen, cmp, value)) return seen;
+        // A PE on another node may never signal once the proxy failed (lost peer): give up.
+        if (proxied && (polls & 1023u) == 0 && proxy_failed()) return seen;
     }
 }
 __device__ __forceinline__ u64 signal_wait_until(u64* sig, int cmp, u64 value) { return wait_until(sig, cmp, value); }
@@ -286,56 +584,74 @@ template <typename T, typename U>
 __device__ __forceinline__ T as(U v) { return *reinterpret_cast<T*>(&v); }
 }  // namespace detail
 
+// Through the proxy: the non-fetching forms (add, inc, and, or, xor, set) are posted as updates
+// the target's proxy applies; the fetching forms, swap and compare-swap need a return path the
+// proxy does not have yet: they report the misuse and return 0.
+namespace detail {
 template <typename T>
-__device__ __forceinline__ T atomic_fetch_add(T* dest, T value, int pe) {
-    using U = detail::word_t<T>;
-    return detail::as<T>(atomicAdd_system(detail::remote_word(dest, pe), detail::as<U>(value)));
+__device__ __forceinline__ u64 bits(T v) {
+    return static_cast<u64>(as<word_t<T>>(v));
 }
-template <typename T> __device__ __forceinline__ void atomic_add(T* dest, T value, int pe) { atomic_fetch_add(dest, value, pe); }
+__device__ __forceinline__ bool fetch_via_proxy(int pe) {
+    if (!via_proxy(pe)) return false;
+    proxy_misuse(MISUSE_NO_RETURN_PATH, pe);
+    return true;
+}
+}  // namespace detail
+
+#define MORI_SHMEM_ATOMIC(NAME, KIND, SYSTEM_ATOMIC)                                                          \
+    template <typename T>                                                                                   \
+    __device__ __forceinline__ T atomic_fetch_##NAME(T* dest, T value, int pe) {                            \
+        using U = detail::word_t<T>;                                                                        \
+        if (detail::fetch_via_proxy(pe)) return T(0);                                                    \
+        return detail::as<T>(SYSTEM_ATOMIC(detail::remote_word(dest, pe), detail::as<U>(value)));           \
+    }                                                                                                       \
+    template <typename T>                                                                                   \
+    __device__ __forceinline__ void atomic_##NAME(T* dest, T value, int pe) {                               \
+        using U = detail::word_t<T>;                                                                        \
+        if (via_proxy(pe)) {                                                                                \
+            proxy_update(dest, detail::bits(value), KIND, sizeof(U), pe);                                   \
+            return;                                                                                         \
+        }                                                                                                   \
+        SYSTEM_ATOMIC(detail::remote_word(dest, pe), detail::as<U>(value));                                 \
+    }
+MORI_SHMEM_ATOMIC(add, UPDATE_ADD, atomicAdd_system)
+MORI_SHMEM_ATOMIC(and, UPDATE_AND, atomicAnd_system)
+MORI_SHMEM_ATOMIC(or, UPDATE_OR, atomicOr_system)
+MORI_SHMEM_ATOMIC(xor, UPDATE_XOR, atomicXor_system)
+#undef MORI_SHMEM_ATOMIC
+
 template <typename T> __device__ __forceinline__ T atomic_fetch_inc(T* dest, int pe) { return atomic_fetch_add(dest, T(1), pe); }
-template <typename T> __device__ __forceinline__ void atomic_inc(T* dest, int pe) { atomic_fetch_add(dest, T(1), pe); }
-
-template <typename T>
-__device__ __forceinline__ T atomic_fetch_and(T* dest, T value, int pe) {
-    using U = detail::word_t<T>;
-    return detail::as<T>(atomicAnd_system(detail::remote_word(dest, pe), detail::as<U>(value)));
-}
-template <typename T> __device__ __forceinline__ void atomic_and(T* dest, T value, int pe) { atomic_fetch_and(dest, value, pe); }
-
-template <typename T>
-__device__ __forceinline__ T atomic_fetch_or(T* dest, T value, int pe) {
-    using U = detail::word_t<T>;
-    return detail::as<T>(atomicOr_system(detail::remote_word(dest, pe), detail::as<U>(value)));
-}
-template <typename T> __device__ __forceinline__ void atomic_or(T* dest, T value, int pe) { atomic_fetch_or(dest, value, pe); }
-
-template <typename T>
-__device__ __forceinline__ T atomic_fetch_xor(T* dest, T value, int pe) {
-    using U = detail::word_t<T>;
-    return detail::as<T>(atomicXor_system(detail::remote_word(dest, pe), detail::as<U>(value)));
-}
-template <typename T> __device__ __forceinline__ void atomic_xor(T* dest, T value, int pe) { atomic_fetch_xor(dest, value, pe); }
+template <typename T> __device__ __forceinline__ void atomic_inc(T* dest, int pe) { atomic_add(dest, T(1), pe); }
 
 template <typename T>
 __device__ __forceinline__ T atomic_swap(T* dest, T value, int pe) {
     using U = detail::word_t<T>;
+    if (detail::fetch_via_proxy(pe)) return T(0);
     return detail::as<T>(atomicExch_system(detail::remote_word(dest, pe), detail::as<U>(value)));
 }
 template <typename T>
 __device__ __forceinline__ T atomic_compare_swap(T* dest, T expected, T value, int pe) {
     using U = detail::word_t<T>;
+    if (detail::fetch_via_proxy(pe)) return T(0);
     return detail::as<T>(
         atomicCAS_system(detail::remote_word(dest, pe), detail::as<U>(expected), detail::as<U>(value)));
 }
 template <typename T>
 __device__ __forceinline__ T atomic_fetch(const T* src, int pe) {
     using U = detail::word_t<T>;
+    if (detail::fetch_via_proxy(pe)) return T(0);
     // An atomic read: OR with zero.
     return detail::as<T>(atomicOr_system(detail::remote_word(const_cast<T*>(src), pe), U(0)));
 }
 template <typename T>
 __device__ __forceinline__ void atomic_set(T* dest, T value, int pe) {
-    atomic_swap(dest, value, pe);
+    using U = detail::word_t<T>;
+    if (via_proxy(pe)) {
+        proxy_update(dest, detail::bits(value), UPDATE_SET, sizeof(U), pe);
+        return;
+    }
+    atomicExch_system(detail::remote_word(dest, pe), detail::as<U>(value));
 }
 
 // ---- barrier across PEs -----------------------------------------------------------------------
@@ -344,20 +660,27 @@ __device__ __forceinline__ void atomic_set(T* dest, T value, int pe) {
 // puts issued before it visible everywhere. At most one block per PE may be in a barrier at a
 // time (the epoch counter is per PE, not per block).
 __device__ __forceinline__ void barrier_all_block() {
-    fence();
+    detail::memory_fence();
     __syncthreads();
     if (threadIdx.x == 0) {
         const State& s = mori_shmem_state;
+        // Requests to PEs on other nodes are done (their data visible there) before we arrive.
+        proxy_quiet();
         u64* flags = reinterpret_cast<u64*>(s.heap_base + BARRIER_FLAGS_OFFSET);
         volatile u64* epoch_slot = reinterpret_cast<volatile u64*>(s.heap_base + BARRIER_EPOCH_OFFSET);
         const u64 epoch = *epoch_slot + 1;
         *epoch_slot = epoch;
         for (int pe = 0; pe < s.n_pes; ++pe) {
-            if (s.peer_base[pe]) store_release(ptr(flags + s.my_pe, pe), epoch);
+            if (s.peer_base[pe]) {
+                store_release(ptr(flags + s.my_pe, pe), epoch);
+            } else if (via_proxy(pe)) {
+                proxy_update(flags + s.my_pe, epoch, UPDATE_SET, 8, pe);
+            }
         }
         for (int pe = 0; pe < s.n_pes; ++pe) {
-            if (s.peer_base[pe]) {
+            if (s.peer_base[pe] || via_proxy(pe)) {
                 while (load_acquire(flags + pe) < epoch) {
+                    if (proxy_failed()) break;
                 }
             }
         }

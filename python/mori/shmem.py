@@ -141,6 +141,20 @@ def nodes() -> list[list[int]]:
     return _s().nodes
 
 
+def has_proxy() -> bool:
+    """Whether some PEs are reached through the proxy (PEs on other nodes): the device API's
+    puts, gets, signals, non-fetching atomics, fence, quiet and barrier then work with them too,
+    with the rules in docs/shmem.md ("PEs on other nodes")."""
+    return _s().has_proxy
+
+
+def check() -> None:
+    """Raises :class:`mori.errors.TransportError` when the proxy failed (a transfer to a PE on
+    another node failed, a PE was lost, or a kernel made a call the proxy cannot serve). Device
+    waits give up once it failed; :func:`barrier_all` raises it too."""
+    _s().check()
+
+
 def heap_size() -> int:
     return _s().heap_size
 

@@ -138,6 +138,13 @@ impl Bootstrap {
         self.world_size
     }
 
+    /// The address this process reaches the root from: one the other ranks can route to
+    /// (where services of this rank, e.g. the shmem proxy's data plane, listen).
+    pub fn local_ip(&self) -> Option<std::net::IpAddr> {
+        let conn = self.conn.lock().ok()?;
+        conn.stream.local_addr().ok().map(|a| a.ip())
+    }
+
     /// Timeout applied to each collective.
     pub fn timeout(&self) -> Duration {
         Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))

@@ -35,6 +35,7 @@ const COPY_SRC: &str = include_str!("../../../kernels/copy/copy.cu");
 const COPY_BULK_SRC: &str = include_str!("../../../kernels/copy/copy_bulk.cu");
 const GATHER_SCATTER_SRC: &str = include_str!("../../../kernels/copy/gather_scatter.cu");
 const SHMEM_BARRIER_SRC: &str = include_str!("../../../kernels/shmem/barrier.cu");
+const SHMEM_PROXY_SRC: &str = include_str!("../../../kernels/shmem/proxy.cu");
 const EP_INTRANODE_SRC: &str = include_str!("../../../kernels/ep/intranode.cu");
 const CCL_SRC: &str = include_str!("../../../kernels/collective/ccl.cu");
 const EP_LOW_LATENCY_SRC: &str = include_str!("../../../kernels/ep/low_latency.cu");
@@ -99,6 +100,16 @@ pub fn shmem_barrier_spec() -> KernelSpec {
     }
 }
 
+/// The shmem proxy's kernel: applies updates from PEs on other nodes to this PE's heap.
+pub fn shmem_proxy_spec() -> KernelSpec {
+    KernelSpec {
+        name: "shmem/proxy".into(),
+        file: "shmem/proxy.cu".into(),
+        source: SHMEM_PROXY_SRC.into(),
+        defines: Vec::new(),
+    }
+}
+
 /// mori.ep's intranode (NVLink) layout/notify/dispatch/combine kernels.
 pub fn ep_intranode_spec() -> KernelSpec {
     KernelSpec {
@@ -135,6 +146,7 @@ pub fn variants() -> Vec<KernelSpec> {
     all.push(copy_bulk_spec());
     all.push(gather_scatter_spec());
     all.push(shmem_barrier_spec());
+    all.push(shmem_proxy_spec());
     all.push(ep_intranode_spec());
     all.push(ep_low_latency_spec());
     all.push(ccl_spec());

@@ -79,6 +79,7 @@ impl From<mori_shmem::Error> for Error {
         match e {
             mori_shmem::Error::Gpu(g) => Error::Gpu(g),
             mori_shmem::Error::Bootstrap(b) => Error::Bootstrap(b),
+            mori_shmem::Error::Io(e) => Error::Io(e),
             other => Error::Shmem(other),
         }
     }
@@ -125,6 +126,7 @@ impl From<Error> for PyErr {
                     mori_shmem::Error::OutOfMemory { .. } => OutOfMemoryError::new_err(msg),
                     mori_shmem::Error::Mismatch(_) => MismatchError::new_err(msg),
                     mori_shmem::Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+                    mori_shmem::Error::Proxy(_) => TransportError::new_err(msg),
                     _ => MoriError::new_err(msg),
                 }
             }

@@ -108,6 +108,15 @@ impl Shmem {
     fn barrier_all(&self, py: Python<'_>) -> Result<()> {
         py.detach(|| self.with(|s| Ok(s.barrier_all()?)))
     }
+    /// Raises the proxy's failure, if it failed.
+    fn check(&self) -> Result<()> {
+        self.with(|s| Ok(s.check()?))
+    }
+    /// Whether PEs this GPU cannot load/store are reached through the proxy.
+    #[getter]
+    fn has_proxy(&self) -> Result<bool> {
+        self.with(|s| Ok(s.has_proxy()))
+    }
     fn barrier_all_on_stream(&self, stream: usize) -> Result<()> {
         self.with(|s| Ok(s.barrier_all_on_stream(StreamHandle::from_raw(stream))?))
     }

@@ -8,6 +8,12 @@ pub enum Error {
     Gpu(#[from] mori_gpu::Error),
     #[error(transparent)]
     Bootstrap(#[from] mori_bootstrap::Error),
+    /// Setting up the proxy's data plane (its mori.io engine).
+    #[error(transparent)]
+    Io(#[from] mori_io::Error),
+    /// The proxy that reaches PEs on other nodes failed (a transfer, a lost peer, a misuse).
+    #[error("mori.shmem proxy: {0}")]
+    Proxy(String),
     /// The heap cannot hold the request.
     #[error(
         "symmetric heap exhausted: cannot allocate {requested} bytes (aligned to {align}); {free} of {capacity} bytes free, largest free block {largest} bytes. Raise MORI_SHMEM_HEAP_SIZE"

@@ -6,11 +6,13 @@
 //! a peer's copy at `peer_base[pe] + offset` through the device API in
 //! `kernels/shmem/mori_shmem.cuh`; the per-PE state reaches each module as its
 //! `mori_shmem_state` constant, written when [`Shmem::load`] first loads the module in a session.
-//! Peers that are not reachable by load/store keep a zero base (the place for a proxy transport).
+//! Peers that are not reachable by load/store (other nodes) keep a zero base; the device API
+//! reaches them through the [`proxy`]: a ring of requests a host thread moves with mori.io.
 
 mod alloc;
 mod error;
 mod heap;
+pub mod proxy;
 mod session;
 mod state;
 

@@ -14,7 +14,8 @@ use mori_gpu::{Device, IpcExport, IpcMapping, StreamHandle};
 use crate::alloc::SymmetricAllocator;
 use crate::error::{Error, Result};
 use crate::heap::SymmetricHeap;
-use crate::state::{DeviceState, INTERNAL_BYTES, MAX_PES, STATE_SYMBOL};
+use crate::proxy::Proxy;
+use crate::state::{DeviceState, INTERNAL_BYTES, MAX_PES, PROXY_TICKETS_OFFSET, STATE_SYMBOL};
 
 /// One session per process at a time: modules' `mori_shmem_state` describes a single heap.
 static ACTIVE: AtomicBool = AtomicBool::new(false);
@@ -37,6 +38,8 @@ pub struct Shmem {
     node: NodeTeam,
     /// Every node's PEs, nodes ordered by their first PE.
     nodes: Vec<Vec<usize>>,
+    /// Reaches the PEs this GPU cannot load/store (None: every pair of PEs can).
+    proxy: Option<Proxy>,
     /// Modules whose `mori_shmem_state` holds this session's state.
     configured: Mutex<HashSet<Module>>,
     finalized: bool,
@@ -207,6 +210,10 @@ impl Shmem {
         let reachable: Vec<bool> = (0..n)
             .map(|pe| row[pe] == 1 && rows[pe].get(me) == Some(&1))
             .collect();
+        // Every PE sees every row, so all agree whether any pair needs the proxy (its start is
+        // collective).
+        let mutual = |p: usize, q: usize| rows[p].get(q) == Some(&1) && rows[q].get(p) == Some(&1);
+        let needs_proxy = (0..n).any(|p| (0..n).any(|q| p != q && !mutual(p, q)));
 
         // The fd-passing sockets of this session live in a private folder (mode 0700, owned by
         // this user) inside the node's first PE's private folder, named by PE 0 for everyone.
@@ -257,6 +264,18 @@ impl Shmem {
         for (pe, base) in peer_base.iter_mut().enumerate().take(n) {
             *base = heap.base_of(pe).unwrap_or(0);
         }
+        let proxy = if needs_proxy {
+            let via: Vec<bool> = (0..n).map(|pe| pe != me && peer_base[pe] == 0).collect();
+            Some(Proxy::start(
+                &bootstrap,
+                device,
+                heap.local_base(),
+                heap.size(),
+                &via,
+            )?)
+        } else {
+            None
+        };
         let state = DeviceState {
             my_pe: me as i32,
             n_pes: n as i32,
@@ -265,6 +284,7 @@ impl Shmem {
             heap_base: heap.local_base(),
             heap_size: heap.size(),
             peer_base,
+            proxy_ring: proxy.as_ref().map_or(0, Proxy::ring_addr),
         };
         let allocator = SymmetricAllocator::new(INTERNAL_BYTES, heap.size());
         bootstrap.barrier()?;
@@ -281,6 +301,7 @@ impl Shmem {
             state,
             node,
             nodes,
+            proxy,
             configured: Mutex::new(HashSet::new()),
             finalized: false,
         })
@@ -409,10 +430,44 @@ impl Shmem {
         (base != 0 && pe < self.n_pes() && offset < self.heap_size()).then_some(base + offset)
     }
 
-    /// Waits for this GPU's work, then for every PE (host-side barrier).
+    /// Waits for this GPU's work (and the proxy's requests it posted), then for every PE
+    /// (host-side barrier). A failed proxy raises here.
     pub fn barrier_all(&self) -> Result<()> {
         self.device.synchronize()?;
-        Ok(self.bootstrap.barrier()?)
+        self.drain_proxy()?;
+        self.bootstrap.barrier()?;
+        self.check()
+    }
+
+    /// Waits until every request this PE's GPU posted to the proxy is done.
+    fn drain_proxy(&self) -> Result<()> {
+        let Some(proxy) = &self.proxy else {
+            return Ok(());
+        };
+        let mut word = [0u8; 8];
+        // SAFETY: the ticket counter is a u64 in the heap's internal area, mapped on our device.
+        unsafe {
+            mori_gpu::copy_device_to_host(
+                self.device,
+                &mut word,
+                self.heap_base() + PROXY_TICKETS_OFFSET,
+            )?
+        };
+        proxy.drain(u64::from_le_bytes(word), self.bootstrap.timeout())
+    }
+
+    /// The proxy's failure, if it failed (an operation to a PE on another node, a lost PE, a
+    /// misuse the GPU reported).
+    pub fn check(&self) -> Result<()> {
+        match self.proxy.as_ref().and_then(Proxy::failure) {
+            Some(why) => Err(Error::Proxy(why)),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether PEs this GPU cannot load/store are reached through the proxy.
+    pub fn has_proxy(&self) -> bool {
+        self.proxy.is_some()
     }
 
     /// Enqueues a barrier across all PEs on `stream`: later work on the stream starts only when
@@ -497,8 +552,15 @@ impl Shmem {
     pub fn finalize(mut self) -> Result<()> {
         self.finalized = true;
         let synced = self.device.synchronize();
+        let drained = synced.is_ok().then(|| self.drain_proxy());
+        // From here on peers closing their connections is expected.
+        if let Some(p) = &self.proxy {
+            p.closing();
+        }
         let barrier = self.bootstrap.barrier();
+        self.proxy = None;
         synced?;
+        drained.unwrap_or(Ok(()))?;
         barrier?;
         Ok(())
     }

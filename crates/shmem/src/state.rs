@@ -4,9 +4,13 @@
 /// Most PEs one session can address (the size of the peer table in constant memory).
 pub const MAX_PES: usize = 64;
 
-/// Bytes at the start of every heap reserved for mori (barrier flags and epoch); user
-/// allocations start after it.
+/// Bytes at the start of every heap reserved for mori (barrier flags and epoch, the proxy's
+/// ticket counter); user allocations start after it.
 pub const INTERNAL_BYTES: u64 = 64 * 1024;
+
+/// Offset in the internal area of the proxy's ticket counter (`PROXY_TICKETS_OFFSET` in the
+/// header: after the barrier flags and epoch).
+pub const PROXY_TICKETS_OFFSET: u64 = 8 * MAX_PES as u64 + 8;
 
 /// Name of the state variable in a module.
 pub const STATE_SYMBOL: &str = "mori_shmem_state";
@@ -23,6 +27,8 @@ pub struct DeviceState {
     pub heap_size: u64,
     /// Where each PE's heap is mapped in this process; 0 = not load/store reachable.
     pub peer_base: [u64; MAX_PES],
+    /// The proxy's ring (pinned host memory the GPU maps); 0 = no proxy (one node).
+    pub proxy_ring: u64,
 }
 
 impl DeviceState {
@@ -44,12 +50,19 @@ mod tests {
 
     #[test]
     fn layout_matches_the_device_header() {
-        // 4 ints + heap_base + heap_size + the peer table; no padding.
-        assert_eq!(std::mem::size_of::<DeviceState>(), 16 + 16 + 8 * MAX_PES);
+        // 4 ints + heap_base + heap_size + the peer table + the proxy ring; no padding.
+        assert_eq!(std::mem::size_of::<DeviceState>(), 16 + 16 + 8 * MAX_PES + 8);
         assert_eq!(std::mem::offset_of!(DeviceState, heap_base), 16);
         assert_eq!(std::mem::offset_of!(DeviceState, peer_base), 32);
+        assert_eq!(
+            std::mem::offset_of!(DeviceState, proxy_ring),
+            32 + 8 * MAX_PES
+        );
         let header = include_str!("../../../kernels/shmem/mori_shmem.cuh");
         assert!(header.contains(&format!("constexpr int MAX_PES = {MAX_PES};")));
         assert!(header.contains(STATE_SYMBOL));
+        assert!(header.contains("u64 proxy_ring;"));
+        // The proxy's ticket counter sits in the internal area, after the barrier words.
+        assert!(header.contains("constexpr u64 PROXY_TICKETS_OFFSET = 8 * MAX_PES + 8;"));
     }
 }

@@ -1,0 +1,586 @@
+//! The shmem proxy: how a GPU reaches PEs it cannot load/store (PEs on other nodes). GPU
+//! threads post requests into a ring in pinned host memory ([`ring`]); one thread per PE drains
+//! it and moves the data with a mori.io engine of its own: puts and gets between the two PEs'
+//! heaps (registered with the engines, reached over the best route mori.io has between them: the
+//! fabric where both NICs registered GPU memory, else its TCP plane), and updates (signals,
+//! non-fetching atomics) as notified writes that the target's proxy applies to its heap with a
+//! one-thread kernel, in arrival order. Every connection proves the deployment secret and every
+//! access names a registered region with its key (mori.io's guarantees); an update's target
+//! word is checked against the heap before it is applied.
+//!
+//! Completion. A request is done when its transfer is (for a put with a signal: once the
+//! signal, sent with the data as one notified write, was recorded by the target; it is applied
+//! there right after). A failed transfer, a lost peer or a malformed request sets the ring's
+//! error: GPU waits give up and the host raises [`Error::Proxy`] at its next barrier.
+
+pub mod ring;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use mori_bootstrap::Bootstrap;
+use mori_gpu::jit::Function;
+use mori_gpu::kernels::{LaunchConfig, launch, shmem_proxy_spec};
+use mori_gpu::{Device, PinnedBuffer, Stream};
+use mori_io::{
+    EngineConfig, EngineDesc, FabricMode, IoEngine, Location, MemoryDesc, Op as IoOp, Status,
+    Transfer,
+};
+
+use crate::error::{Error, Result};
+use ring::{Consumer, Entry, Op, RING_BYTES, SLOTS, Update};
+
+/// Updates applied per kernel launch.
+const APPLY_BATCH: usize = 1024;
+/// How often the proxy checks that its peers' connections are up.
+const LIVENESS_EVERY: Duration = Duration::from_millis(50);
+/// An idle proxy spins this long before it starts sleeping between polls.
+const SPIN: Duration = Duration::from_micros(200);
+const NAP: Duration = Duration::from_micros(20);
+/// First byte of an update's notification tag.
+const UPDATE_TAG: u8 = 0xA5;
+const UPDATE_TAG_BYTES: usize = 1 + 4 + 8 + 8;
+
+/// The notification tag carrying an update of the word at heap offset `offset`.
+fn encode_update(offset: u64, value: u64, update: Update) -> Vec<u8> {
+    let mut tag = Vec::with_capacity(UPDATE_TAG_BYTES);
+    tag.push(UPDATE_TAG);
+    tag.extend_from_slice(&update.encode().to_le_bytes());
+    tag.extend_from_slice(&offset.to_le_bytes());
+    tag.extend_from_slice(&value.to_le_bytes());
+    tag
+}
+
+/// An update a peer sent, if the tag is one and its word lies (aligned) inside a heap of
+/// `heap_size` bytes: (offset, value, update).
+fn decode_update(tag: &[u8], heap_size: u64) -> Option<(u64, u64, Update)> {
+    if tag.len() != UPDATE_TAG_BYTES || tag[0] != UPDATE_TAG {
+        return None;
+    }
+    let update = Update::decode(u32::from_le_bytes(tag[1..5].try_into().ok()?))?;
+    let offset = u64::from_le_bytes(tag[5..13].try_into().ok()?);
+    let value = u64::from_le_bytes(tag[13..21].try_into().ok()?);
+    let width = u64::from(update.width);
+    let fits = offset
+        .checked_add(width)
+        .is_some_and(|end| end <= heap_size);
+    (fits && offset.is_multiple_of(width)).then_some((offset, value, update))
+}
+
+/// Length-prefixed engine and heap descriptors: what each PE tells the others.
+fn encode_hello(engine: &EngineDesc, heap: &MemoryDesc) -> Vec<u8> {
+    let (e, h) = (engine.to_bytes(), heap.to_bytes());
+    let mut out = (e.len() as u32).to_le_bytes().to_vec();
+    out.extend_from_slice(&e);
+    out.extend_from_slice(&h);
+    out
+}
+
+fn decode_hello(b: &[u8]) -> Result<(EngineDesc, MemoryDesc)> {
+    let bad = || Error::InvalidArgument("malformed shmem proxy record from a peer".into());
+    let n = u32::from_le_bytes(b.get(..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
+    let e = b.get(4..4 + n).ok_or_else(bad)?;
+    let h = b.get(4 + n..).ok_or_else(bad)?;
+    Ok((EngineDesc::from_bytes(e)?, MemoryDesc::from_bytes(h)?))
+}
+
+/// A PE the proxy serves: its engine's name and its heap.
+struct Remote {
+    name: String,
+    heap: MemoryDesc,
+}
+
+struct InFlight {
+    ticket: u64,
+    transfer: Transfer,
+    /// The scratch slot an inline put sends from (free again when it is done).
+    scratch: Option<u64>,
+}
+
+/// What the proxy thread shares with the session.
+struct Shared {
+    stop: AtomicBool,
+    /// Peers going away is expected from now on (an orderly finalize).
+    closing: AtomicBool,
+    failure: Mutex<Option<String>>,
+}
+
+/// A running proxy. Dropping it stops the thread and closes its engine.
+pub struct Proxy {
+    ring: PinnedBuffer,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Proxy {
+    /// Collective over `bootstrap`: every PE calls it (those without PEs to proxy too, for the
+    /// exchange). `via_proxy[pe]`: whether this PE reaches `pe` through the proxy.
+    pub(crate) fn start(
+        bootstrap: &Bootstrap,
+        device: Device,
+        heap_base: u64,
+        heap_size: u64,
+        via_proxy: &[bool],
+    ) -> Result<Proxy> {
+        let me = bootstrap.rank();
+        let mut nonce = [0u8; 8];
+        getrandom::fill(&mut nonce)
+            .map_err(|e| Error::InvalidArgument(format!("no random bytes from the OS: {e}")))?;
+        let config = EngineConfig {
+            host: bootstrap
+                .local_ip()
+                .unwrap_or(std::net::IpAddr::from([127, 0, 0, 1])),
+            // Peers on this host are emulated nodes: they use the same planes as real ones.
+            same_host_direct: false,
+            cuda_ipc: false,
+            timeout: bootstrap.timeout(),
+            fabric: FabricMode::from_env()?,
+            ..EngineConfig::default()
+        };
+        let name = format!("shmem-pe{me}-{}", hex::encode(nonce));
+        let engine = IoEngine::new(&name, config)?;
+        let heap = engine.register(heap_base, heap_size, Location::Cuda(device.ordinal() as u32))?;
+        let scratch = PinnedBuffer::new(device, 8 * SLOTS as usize)?;
+        let scratch_desc = engine.register(scratch.ptr(), 8 * SLOTS, Location::Host)?;
+        let hellos = bootstrap.allgather(&encode_hello(&engine.desc(), &heap))?;
+        let mut remotes: Vec<Option<Remote>> = Vec::with_capacity(hellos.len());
+        for (pe, bytes) in hellos.iter().enumerate() {
+            if !via_proxy.get(pe).copied().unwrap_or(false) {
+                remotes.push(None);
+                continue;
+            }
+            let (desc, their_heap) = decode_hello(bytes)?;
+            engine.connect(&desc)?;
+            remotes.push(Some(Remote {
+                name: desc.name.clone(),
+                heap: their_heap,
+            }));
+        }
+        let apply = mori_gpu::jit::load(device, &shmem_proxy_spec())?
+            .function("mori_shmem_proxy_apply")?;
+        let items = PinnedBuffer::new(device, 24 * APPLY_BATCH)?;
+        let stream = Stream::new(device)?;
+        let ring = PinnedBuffer::new(device, RING_BYTES)?;
+        // SAFETY: the ring is zeroed pinned memory of RING_BYTES (page aligned), kept alive by
+        // the Proxy, which joins the thread before dropping it.
+        let consumer = unsafe { Consumer::new(ring.ptr() as *mut u8) };
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            failure: Mutex::new(None),
+        });
+        let mut worker = Worker {
+            engine,
+            heap,
+            heap_base,
+            heap_size,
+            scratch,
+            scratch_desc,
+            free_scratch: (0..SLOTS).rev().collect(),
+            remotes,
+            consumer,
+            in_flight: Vec::new(),
+            fenced: None,
+            device,
+            stream,
+            apply,
+            items,
+            shared: shared.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("mori-shmem-proxy-{me}"))
+            .spawn(move || worker.run())
+            .map_err(|e| Error::InvalidArgument(format!("starting the proxy thread: {e}")))?;
+        // Every PE's engine listens and knows its peers before any GPU posts.
+        bootstrap.barrier()?;
+        tracing::debug!("shmem PE {me}: proxy {name} serves PEs {:?}", via_proxy);
+        Ok(Proxy {
+            ring,
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// The ring's address for the device state (host pointer = device pointer under UVA).
+    pub(crate) fn ring_addr(&self) -> u64 {
+        self.ring.ptr()
+    }
+
+    /// Why the proxy failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.shared.failure.lock().ok().and_then(|f| f.clone())
+    }
+
+    /// Waits until every request GPU threads took a ticket for (`tickets`, read from the heap's
+    /// internal area) is done; an error when the proxy failed or `timeout` passed first.
+    pub(crate) fn drain(&self, tickets: u64, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            if let Some(f) = self.failure() {
+                return Err(Error::Proxy(f));
+            }
+            // SAFETY: COMPLETED is the ring's second header word, written by the proxy thread
+            // atomically; the ring lives as long as self.
+            let completed = unsafe {
+                std::sync::atomic::AtomicU64::from_ptr((self.ring.ptr() + 8) as *mut u64)
+                    .load(Ordering::Acquire)
+            };
+            if completed >= tickets {
+                return Ok(());
+            }
+            if start.elapsed() > timeout {
+                return Err(Error::Proxy(format!(
+                    "{} proxy requests still not done after {timeout:?}",
+                    tickets - completed
+                )));
+            }
+            std::thread::sleep(NAP);
+        }
+    }
+
+    /// From now on peers closing their connections is expected (every PE is finalizing).
+    pub(crate) fn closing(&self) {
+        self.shared.closing.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            tracing::error!("the shmem proxy thread panicked");
+        }
+    }
+}
+
+/// The proxy thread's state.
+struct Worker {
+    engine: IoEngine,
+    heap: MemoryDesc,
+    heap_base: u64,
+    heap_size: u64,
+    scratch: PinnedBuffer,
+    scratch_desc: MemoryDesc,
+    free_scratch: Vec<u64>,
+    remotes: Vec<Option<Remote>>,
+    consumer: Consumer,
+    in_flight: Vec<InFlight>,
+    /// A fence request waiting for everything before it.
+    fenced: Option<u64>,
+    device: Device,
+    stream: Stream,
+    apply: Function,
+    items: PinnedBuffer,
+    shared: Arc<Shared>,
+}
+
+impl Worker {
+    fn run(&mut self) {
+        if let Err(e) = self.device.bind() {
+            self.fail(format!("binding the GPU in the proxy thread: {e}"));
+        }
+        let mut last_check = Instant::now();
+        let mut idle_since = Instant::now();
+        while !self.shared.stop.load(Ordering::Acquire) {
+            let mut busy = self.take_requests();
+            busy |= self.reap();
+            busy |= self.apply_updates();
+            if last_check.elapsed() >= LIVENESS_EVERY {
+                self.check_peers();
+                last_check = Instant::now();
+            }
+            if busy || !self.in_flight.is_empty() {
+                idle_since = Instant::now();
+            } else if idle_since.elapsed() > SPIN {
+                std::thread::sleep(NAP);
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Records the first failure and raises the ring's error (GPU waits give up).
+    fn fail(&mut self, why: String) {
+        if let Ok(mut f) = self.shared.failure.lock()
+            && f.is_none()
+        {
+            tracing::error!("shmem proxy: {why}");
+            *f = Some(why);
+        }
+        self.consumer.fail(1);
+    }
+
+    fn failed(&self) -> bool {
+        self.consumer.error() != 0
+    }
+
+    fn take_requests(&mut self) -> bool {
+        let mut took = false;
+        while self.fenced.is_none() && !self.free_scratch.is_empty() {
+            let Some(next) = self.consumer.take() else {
+                break;
+            };
+            took = true;
+            match next {
+                Err(m) => {
+                    self.fail(format!(
+                        "malformed request {} from the GPU (op {}, update code {:#x})",
+                        m.ticket, m.op, m.sig_op
+                    ));
+                    self.consumer.finish(m.ticket);
+                }
+                Ok(e) if self.failed() => self.consumer.finish(e.ticket),
+                Ok(e) => {
+                    if let Err(why) = self.start(&e) {
+                        self.fail(why);
+                        self.consumer.finish(e.ticket);
+                    }
+                }
+            }
+        }
+        took
+    }
+
+    fn remote(&self, e: &Entry) -> std::result::Result<&Remote, String> {
+        self.remotes
+            .get(e.pe as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| format!("request {} names PE {}, which this proxy does not serve", e.ticket, e.pe))
+    }
+
+    /// Starts request `e` (or finishes it at once: fences, misuse).
+    fn start(&mut self, e: &Entry) -> std::result::Result<(), String> {
+        let one = |off: u64| [off];
+        let transfer = match e.op {
+            Op::Fence => {
+                if self.in_flight.is_empty() {
+                    self.consumer.finish(e.ticket);
+                } else {
+                    self.fenced = Some(e.ticket);
+                }
+                return Ok(());
+            }
+            Op::Misuse => {
+                return Err(format!(
+                    "PE {}: {} (request {})",
+                    e.pe,
+                    ring::misuse_reason(e.value),
+                    e.ticket
+                ));
+            }
+            Op::Put | Op::PutSignal => {
+                let r = self.remote(e)?;
+                let tag = (e.op == Op::PutSignal).then(|| {
+                    encode_update(e.aux, e.value, e.update.expect("checked by the ring"))
+                });
+                self.engine.transfer(
+                    IoOp::Write,
+                    &self.heap,
+                    &one(e.src),
+                    &r.heap,
+                    &one(e.dst),
+                    &[e.bytes],
+                    tag.as_deref(),
+                )
+            }
+            Op::Get => {
+                let r = self.remote(e)?;
+                self.engine.transfer(
+                    IoOp::Read,
+                    &self.heap,
+                    &one(e.dst),
+                    &r.heap,
+                    &one(e.src),
+                    &[e.bytes],
+                    None,
+                )
+            }
+            Op::PutInline => {
+                if !(1..=8).contains(&e.bytes) {
+                    return Err(format!("inline put of {} bytes (1..8)", e.bytes));
+                }
+                self.remote(e)?;
+                let slot = self.free_scratch.pop().expect("taken only with a free slot");
+                let at = 8 * slot as usize;
+                self.scratch.as_mut_slice()[at..at + 8].copy_from_slice(&e.value.to_le_bytes());
+                let r = self.remote(e)?;
+                let t = self.engine.transfer(
+                    IoOp::Write,
+                    &self.scratch_desc,
+                    &one(8 * slot),
+                    &r.heap,
+                    &one(e.dst),
+                    &[e.bytes],
+                    None,
+                );
+                return self.track(e.ticket, t, Some(slot));
+            }
+            Op::Update => {
+                let r = self.remote(e)?;
+                let tag = encode_update(e.aux, e.value, e.update.expect("checked by the ring"));
+                self.engine
+                    .transfer(IoOp::Write, &self.heap, &[], &r.heap, &[], &[], Some(&tag))
+            }
+        };
+        self.track(e.ticket, transfer, None)
+    }
+
+    fn track(
+        &mut self,
+        ticket: u64,
+        transfer: mori_io::Result<Transfer>,
+        scratch: Option<u64>,
+    ) -> std::result::Result<(), String> {
+        match transfer {
+            Ok(transfer) => {
+                self.in_flight.push(InFlight {
+                    ticket,
+                    transfer,
+                    scratch,
+                });
+                Ok(())
+            }
+            Err(e) => {
+                self.free_scratch.extend(scratch);
+                Err(format!("request {ticket}: {e}"))
+            }
+        }
+    }
+
+    /// Finishes the requests whose transfers are done.
+    fn reap(&mut self) -> bool {
+        let mut done = Vec::new();
+        self.in_flight.retain(|f| match f.transfer.status() {
+            Status::Pending => true,
+            status => {
+                done.push((f.ticket, f.scratch, status));
+                false
+            }
+        });
+        let reaped = !done.is_empty();
+        for (ticket, scratch, status) in done {
+            self.free_scratch.extend(scratch);
+            if let Status::Failed(why) = status {
+                self.fail(format!("request {ticket}: {why}"));
+            }
+            self.consumer.finish(ticket);
+        }
+        if let Some(t) = self.fenced
+            && self.in_flight.is_empty()
+        {
+            self.consumer.finish(t);
+            self.fenced = None;
+        }
+        reaped
+    }
+
+    /// Applies the updates peers sent (in the order they were recorded).
+    fn apply_updates(&mut self) -> bool {
+        let notes = self.engine.take_notifications();
+        if notes.is_empty() {
+            return false;
+        }
+        let mut batch: Vec<u64> = Vec::with_capacity(3 * notes.len().min(APPLY_BATCH));
+        for n in &notes {
+            let known = self.remotes.iter().flatten().any(|r| r.name == n.from);
+            match decode_update(&n.tag, self.heap_size) {
+                Some((offset, value, update)) if known => {
+                    batch.extend([self.heap_base + offset, value, u64::from(update.encode())]);
+                }
+                _ => {
+                    // Authenticated (the deployment secret) but not a proxy's update of this heap.
+                    tracing::warn!(
+                        "shmem proxy: dropped a notification from {:?} ({} bytes) that is no valid update",
+                        n.from,
+                        n.tag.len()
+                    );
+                }
+            }
+            if batch.len() == 3 * APPLY_BATCH {
+                self.launch_apply(&batch);
+                batch.clear();
+            }
+        }
+        if !batch.is_empty() {
+            self.launch_apply(&batch);
+        }
+        true
+    }
+
+    fn launch_apply(&mut self, batch: &[u64]) {
+        let bytes: Vec<u8> = batch.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.items.as_mut_slice()[..bytes.len()].copy_from_slice(&bytes);
+        let mut items = self.items.ptr();
+        let mut n = (batch.len() / 3) as i32;
+        let mut args = [
+            &mut items as *mut u64 as *mut std::ffi::c_void,
+            &mut n as *mut i32 as *mut std::ffi::c_void,
+        ];
+        let cfg = LaunchConfig {
+            grid: 1,
+            block: 1,
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel takes (const u64* items, int n); items holds n triples of checked
+        // heap addresses and stays untouched until the stream is drained below.
+        let launched = unsafe { launch(self.apply, cfg, self.stream.handle(), &mut args) }
+            .and_then(|()| self.stream.synchronize());
+        if let Err(e) = launched {
+            self.fail(format!("applying peers' updates: {e}"));
+        }
+    }
+
+    /// A peer whose connections all closed, while no one is finalizing, is lost.
+    fn check_peers(&mut self) {
+        if self.shared.closing.load(Ordering::Acquire) || self.failed() {
+            return;
+        }
+        let lost = self
+            .remotes
+            .iter()
+            .enumerate()
+            .find_map(|(pe, r)| r.as_ref().filter(|r| !self.engine.is_connected(&r.name)).map(|_| pe));
+        if let Some(pe) = lost {
+            self.fail(format!("PE {pe} (reached through the proxy) was lost: its connections closed"));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ring::UpdateKind;
+
+    #[test]
+    fn updates_round_trip_and_out_of_heap_or_misaligned_words_are_refused() {
+        let u = Update {
+            kind: UpdateKind::Add,
+            width: 8,
+        };
+        let tag = encode_update(4096, 7, u);
+        assert_eq!(decode_update(&tag, 1 << 20), Some((4096, 7, u)));
+        // The last word of the heap is fine, one past it is not, nor a misaligned one.
+        let last = encode_update((1 << 20) - 8, 1, u);
+        assert!(decode_update(&last, 1 << 20).is_some());
+        assert!(decode_update(&encode_update(1 << 20, 1, u), 1 << 20).is_none());
+        assert!(decode_update(&encode_update(u64::MAX - 3, 1, u), 1 << 20).is_none());
+        assert!(decode_update(&encode_update(4100, 1, u), 1 << 20).is_none());
+        let narrow = Update {
+            kind: UpdateKind::Set,
+            width: 4,
+        };
+        assert!(decode_update(&encode_update(4100, 1, narrow), 1 << 20).is_some());
+        // Not an update: wrong magic, wrong length, unknown code.
+        let mut other = tag.clone();
+        other[0] = 0;
+        assert!(decode_update(&other, 1 << 20).is_none());
+        assert!(decode_update(&tag[..20], 1 << 20).is_none());
+        let mut code = tag;
+        code[1] = 9;
+        assert!(decode_update(&code, 1 << 20).is_none());
+    }
+}
