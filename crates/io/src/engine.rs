@@ -347,7 +347,21 @@ impl IoEngine {
     /// for peers to read and write. The memory must stay valid until
     /// [`deregister`](Self::deregister).
     pub fn register(&self, addr: u64, len: u64, location: Location) -> Result<MemoryDesc> {
-        self.register_with(addr, len, location, true)
+        self.register_with(addr, len, location, true, false)
+    }
+
+    /// [`register`](Self::register) for device memory moved while its owner's kernels run
+    /// (kernels that wait on the GPU for the transfers they asked for, as the shmem proxy's
+    /// do): its copies through the TCP plane use a non-blocking stream of their own instead of
+    /// waiting for the legacy default stream's work. Ordering with the GPU's work is the
+    /// caller's.
+    pub fn register_independent(
+        &self,
+        addr: u64,
+        len: u64,
+        location: Location,
+    ) -> Result<MemoryDesc> {
+        self.register_with(addr, len, location, true, true)
     }
 
     /// Registers memory peers may only read (and this engine may only write from): writes to
@@ -358,7 +372,7 @@ impl IoEngine {
         len: u64,
         location: Location,
     ) -> Result<MemoryDesc> {
-        self.register_with(addr, len, location, false)
+        self.register_with(addr, len, location, false, false)
     }
 
     fn register_with(
@@ -367,8 +381,14 @@ impl IoEngine {
         len: u64,
         location: Location,
         writable: bool,
+        independent: bool,
     ) -> Result<MemoryDesc> {
-        let r = self.registry.register(addr, len, location, writable)?;
+        let r = if independent {
+            self.registry
+                .register_independent(addr, len, location, writable)?
+        } else {
+            self.registry.register(addr, len, location, writable)?
+        };
         // GPU memory is exported for CUDA IPC once, here (None when it cannot be: peers then
         // use TCP). Read-only memory is never exported: a mapping could be written.
         let ipc = match location {

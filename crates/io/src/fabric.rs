@@ -556,7 +556,9 @@ struct Stager<'e> {
 impl<'e> Stager<'e> {
     fn new(ep: &'e Endpoint, ordinal: u32) -> Result<Self> {
         let device = Device::get(ordinal as usize)?;
-        let stream = Stream::new(device)?;
+        // Ordered with the legacy default stream: a piece is copied after the work queued there
+        // before the transfer (mori.io's contract for local GPU memory).
+        let stream = Stream::new_blocking(device)?;
         let ring = PinnedBuffer::new(device, STAGE_SLOTS * STAGE_SLOT_BYTES as usize)?;
         // SAFETY: the ring lives until this stager drops, after its registration closed;
         // registered for this endpoint's own operations only.

@@ -144,7 +144,13 @@ impl Plane for FabricRoute<'_> {
         let (Some(handle), Some(remote_fabric)) = (o.peer.fabric, o.remote.fabric) else {
             return Ok(Taken::Declined(o));
         };
-        let route = if self.plane.is_staged(o.local.region().id) {
+        let staged = self.plane.is_staged(o.local.region().id);
+        if staged && o.local.region().independent {
+            // Staging copies are ordered with the legacy default stream; an independent
+            // region's must not be: the stream plane copies it on a stream of its own.
+            return Ok(Taken::Declined(o));
+        }
+        let route = if staged {
             Route::FabricStaged
         } else {
             Route::Fabric

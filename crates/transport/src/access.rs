@@ -30,8 +30,13 @@ pub fn receive_into(r: &mut impl Read, region: &Region, offset: u64, len: u64) -
                 r.read_exact(chunk)
                     .map_err(|e| Error::io("receiving payload", e))?;
                 // SAFETY: device range inside the registered region, guard held by the caller.
-                unsafe { mori_gpu::copy_host_to_device(device, addr + at, chunk)? };
-                Ok(())
+                unsafe {
+                    if region.independent {
+                        own_stream_copy(device, addr + at, chunk.as_ptr() as u64, chunk.len())
+                    } else {
+                        Ok(mori_gpu::copy_host_to_device(device, addr + at, chunk)?)
+                    }
+                }
             })
         }
     }
@@ -52,12 +57,47 @@ pub fn send_from(w: &mut impl Write, region: &Region, offset: u64, len: u64) -> 
             let device = Device::get(ordinal as usize)?;
             through_staging(len, |chunk, at| {
                 // SAFETY: device range inside the registered region, guard held by the caller.
-                unsafe { mori_gpu::copy_device_to_host(device, chunk, addr + at)? };
+                unsafe {
+                    if region.independent {
+                        own_stream_copy(device, chunk.as_mut_ptr() as u64, addr + at, chunk.len())?
+                    } else {
+                        mori_gpu::copy_device_to_host(device, chunk, addr + at)?
+                    }
+                };
                 w.write_all(chunk)
                     .map_err(|e| Error::io("sending payload", e))
             })
         }
     }
+}
+
+thread_local! {
+    /// Each data-plane thread's own non-blocking stream per device, for independent regions.
+    static OWN_STREAMS: std::cell::RefCell<Vec<(Device, mori_gpu::Stream)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Copies `len` bytes between host and device memory (unified addressing) on this thread's own
+/// non-blocking stream (an independent region's copies wait for no kernel), and returns once
+/// they have arrived.
+///
+/// # Safety
+/// `src` readable and `dst` writable for `len` bytes, not overlapping.
+unsafe fn own_stream_copy(device: Device, dst: u64, src: u64, len: usize) -> Result<()> {
+    OWN_STREAMS.with(|streams| {
+        let mut streams = streams.borrow_mut();
+        let at = match streams.iter().position(|(d, _)| *d == device) {
+            Some(i) => i,
+            None => {
+                streams.push((device, mori_gpu::Stream::new(device)?));
+                streams.len() - 1
+            }
+        };
+        let stream = &streams[at].1;
+        // SAFETY: forwarded contract; the copy is waited for before the ranges may change.
+        unsafe { mori_gpu::copy_async(device, dst, src, len, stream.handle())? };
+        Ok(stream.synchronize()?)
+    })
 }
 
 /// Moves `len` bytes of device memory through one host bounce buffer, at most `STAGING` bytes

@@ -49,6 +49,9 @@ pub struct Region {
     /// False for memory the owner may not have written (read-only buffers): writes to it, and
     /// reads into it, are refused.
     pub writable: bool,
+    /// Device memory whose copies run on a stream of their own instead of after the legacy
+    /// default stream's work (see [`Registry::register_independent`]).
+    pub independent: bool,
 }
 
 impl Region {
@@ -122,12 +125,40 @@ impl Registry {
     }
 
     /// Registers `len` bytes at `addr`. The caller keeps the memory valid until it deregisters.
+    /// Device memory is copied after the work queued earlier on the legacy default stream
+    /// (torch's default stream), so data a kernel wrote there before a transfer is what moves.
     pub fn register(
         &self,
         addr: u64,
         len: u64,
         location: Location,
         writable: bool,
+    ) -> Result<Region> {
+        self.insert(addr, len, location, writable, false)
+    }
+
+    /// [`register`](Self::register) for device memory that is moved while its owner's kernels
+    /// run (the shmem proxy's heap: a kernel waits on the GPU for the transfer it asked for, so
+    /// a copy queued behind it would never start). Its copies use a non-blocking stream of
+    /// their own; ordering with the GPU's work is the owner's (the proxy's requests are posted
+    /// after the data they move was written).
+    pub fn register_independent(
+        &self,
+        addr: u64,
+        len: u64,
+        location: Location,
+        writable: bool,
+    ) -> Result<Region> {
+        self.insert(addr, len, location, writable, true)
+    }
+
+    fn insert(
+        &self,
+        addr: u64,
+        len: u64,
+        location: Location,
+        writable: bool,
+        independent: bool,
     ) -> Result<Region> {
         if addr == 0 && len > 0 {
             return Err(Error::InvalidArgument(
@@ -144,6 +175,7 @@ impl Registry {
             len,
             location,
             writable,
+            independent,
         };
         let entry = Arc::new(Entry {
             region,

@@ -141,7 +141,10 @@ impl Proxy {
         };
         let name = format!("shmem-pe{me}-{}", hex::encode(nonce));
         let engine = IoEngine::new(&name, config)?;
-        let heap = engine.register(heap_base, heap_size, Location::Cuda(device.ordinal() as u32))?;
+        // Kernels wait on the GPU for the transfers they asked for: the heap's copies must not
+        // queue behind them.
+        let heap =
+            engine.register_independent(heap_base, heap_size, Location::Cuda(device.ordinal() as u32))?;
         let scratch = PinnedBuffer::new(device, 8 * SLOTS as usize)?;
         let scratch_desc = engine.register(scratch.ptr(), 8 * SLOTS, Location::Host)?;
         let hellos = bootstrap.allgather(&encode_hello(&engine.desc(), &heap))?;
