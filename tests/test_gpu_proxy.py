@@ -255,6 +255,7 @@ def suite():
     return by_case(run_ranks(_suite, WORLD, mori.get_unique_id(), timeout=RANKS_TIMEOUT_S), WORLD, _suite_names())
 
 
+@pytest.mark.timeout(RANKS_TIMEOUT_S + 60)  # the first test runs the whole suite (and compiles its kernels)
 @pytest.mark.parametrize("name", _suite_names())
 def test_proxy(suite, name):
     assert_ok({name: suite[name]})
@@ -288,6 +289,7 @@ def _killed(rank: int, uid: bytes) -> dict:
         return {"waited": waited, "error": str(e)}
 
 
+@pytest.mark.timeout(240)
 def test_a_rank_killed_on_one_node_fails_the_other_node_instead_of_hanging():
     if WORLD % 2:
         pytest.skip(f"two nodes need an even world, got {WORLD}")
