@@ -12,6 +12,7 @@ killed on one node makes the other node's waiting kernels return and raise withi
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -70,6 +71,8 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
             results[name] = "ok"
         except Exception:
             results[name] = traceback.format_exc()
+            # At once: a partner left waiting on the GPU would otherwise hide it.
+            print(f"rank {rank}: {name} failed:\n{results[name]}", file=sys.stderr, flush=True)
         finally:
             torch.cuda.synchronize()
             while live:
