@@ -66,6 +66,8 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         return t
 
     def check(name, fn):
+        if os.environ.get("MORI_TEST_PROGRESS"):
+            print(f"rank {rank}: {name}", file=sys.stderr, flush=True)
         try:
             fn()
             results[name] = "ok"
