@@ -436,6 +436,10 @@ impl Shmem {
         self.device.synchronize()?;
         self.drain_proxy()?;
         self.bootstrap.barrier()?;
+        // Every PE's requests are done, so their updates are recorded here: apply them.
+        if let Some(p) = &self.proxy {
+            p.settle(self.bootstrap.timeout())?;
+        }
         self.check()
     }
 
@@ -632,7 +636,10 @@ mod tests {
 
     #[test]
     fn nodes_group_pes_by_key_in_order_of_their_first_pe() {
-        assert_eq!(group_nodes(&["a", "a", "b", "b"]), vec![vec![0, 1], vec![2, 3]]);
+        assert_eq!(
+            group_nodes(&["a", "a", "b", "b"]),
+            vec![vec![0, 1], vec![2, 3]]
+        );
         assert_eq!(group_nodes(&["b", "a", "b"]), vec![vec![0, 2], vec![1]]);
         assert_eq!(group_nodes(&["x"]), vec![vec![0]]);
     }

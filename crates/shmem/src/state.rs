@@ -51,7 +51,10 @@ mod tests {
     #[test]
     fn layout_matches_the_device_header() {
         // 4 ints + heap_base + heap_size + the peer table + the proxy ring; no padding.
-        assert_eq!(std::mem::size_of::<DeviceState>(), 16 + 16 + 8 * MAX_PES + 8);
+        assert_eq!(
+            std::mem::size_of::<DeviceState>(),
+            16 + 16 + 8 * MAX_PES + 8
+        );
         assert_eq!(std::mem::offset_of!(DeviceState, heap_base), 16);
         assert_eq!(std::mem::offset_of!(DeviceState, peer_base), 32);
         assert_eq!(

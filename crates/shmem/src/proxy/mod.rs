@@ -15,7 +15,7 @@
 
 pub mod ring;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -102,6 +102,10 @@ struct InFlight {
 /// What the proxy thread shares with the session.
 struct Shared {
     stop: AtomicBool,
+    /// Settle requests the host made, and the last one the proxy answered: every update
+    /// recorded before a request is applied once `settled` reaches it.
+    settle_request: AtomicU64,
+    settled: AtomicU64,
     /// Peers going away is expected from now on (an orderly finalize).
     closing: AtomicBool,
     failure: Mutex<Option<String>>,
@@ -143,8 +147,11 @@ impl Proxy {
         let engine = IoEngine::new(&name, config)?;
         // Kernels wait on the GPU for the transfers they asked for: the heap's copies must not
         // queue behind them.
-        let heap =
-            engine.register_independent(heap_base, heap_size, Location::Cuda(device.ordinal() as u32))?;
+        let heap = engine.register_independent(
+            heap_base,
+            heap_size,
+            Location::Cuda(device.ordinal() as u32),
+        )?;
         let scratch = PinnedBuffer::new(device, 8 * SLOTS as usize)?;
         let scratch_desc = engine.register(scratch.ptr(), 8 * SLOTS, Location::Host)?;
         let hellos = bootstrap.allgather(&encode_hello(&engine.desc(), &heap))?;
@@ -161,16 +168,21 @@ impl Proxy {
                 heap: their_heap,
             }));
         }
-        let apply = mori_gpu::jit::load(device, &shmem_proxy_spec())?
-            .function("mori_shmem_proxy_apply")?;
+        let apply =
+            mori_gpu::jit::load(device, &shmem_proxy_spec())?.function("mori_shmem_proxy_apply")?;
         let items = PinnedBuffer::new(device, 24 * APPLY_BATCH)?;
         let stream = Stream::new(device)?;
         let ring = PinnedBuffer::new(device, RING_BYTES)?;
         // SAFETY: the ring is zeroed pinned memory of RING_BYTES (page aligned), kept alive by
         // the Proxy, which joins the thread before dropping it.
         let consumer = unsafe { Consumer::new(ring.ptr() as *mut u8) };
+        // Load the kernel now, with nothing waiting on the GPU (a first launch may have to
+        // load it lazily, which can wait for running kernels).
+        run_apply_kernel(apply, &stream, &items, 0)?;
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
+            settle_request: AtomicU64::new(0),
+            settled: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             failure: Mutex::new(None),
         });
@@ -243,6 +255,25 @@ impl Proxy {
         }
     }
 
+    /// Waits until every update peers' requests delivered here so far is applied to the heap
+    /// (a peer's request is done once its update is recorded here, not yet applied).
+    pub(crate) fn settle(&self, timeout: Duration) -> Result<()> {
+        let want = self.shared.settle_request.fetch_add(1, Ordering::AcqRel) + 1;
+        let start = Instant::now();
+        while self.shared.settled.load(Ordering::Acquire) < want {
+            if let Some(f) = self.failure() {
+                return Err(Error::Proxy(f));
+            }
+            if start.elapsed() > timeout {
+                return Err(Error::Proxy(format!(
+                    "peers' updates still not applied after {timeout:?}"
+                )));
+            }
+            std::thread::sleep(NAP);
+        }
+        Ok(())
+    }
+
     /// From now on peers closing their connections is expected (every PE is finalizing).
     pub(crate) fn closing(&self) {
         self.shared.closing.store(true, Ordering::Release);
@@ -289,9 +320,12 @@ impl Worker {
         let mut last_check = Instant::now();
         let mut idle_since = Instant::now();
         while !self.shared.stop.load(Ordering::Acquire) {
+            let settle = self.shared.settle_request.load(Ordering::Acquire);
             let mut busy = self.take_requests();
             busy |= self.reap();
             busy |= self.apply_updates();
+            // Everything recorded before the request was taken (and applied) just now.
+            self.shared.settled.store(settle, Ordering::Release);
             if last_check.elapsed() >= LIVENESS_EVERY {
                 self.check_peers();
                 last_check = Instant::now();
@@ -352,7 +386,12 @@ impl Worker {
         self.remotes
             .get(e.pe as usize)
             .and_then(Option::as_ref)
-            .ok_or_else(|| format!("request {} names PE {}, which this proxy does not serve", e.ticket, e.pe))
+            .ok_or_else(|| {
+                format!(
+                    "request {} names PE {}, which this proxy does not serve",
+                    e.ticket, e.pe
+                )
+            })
     }
 
     /// Starts request `e` (or finishes it at once: fences, misuse).
@@ -377,9 +416,8 @@ impl Worker {
             }
             Op::Put | Op::PutSignal => {
                 let r = self.remote(e)?;
-                let tag = (e.op == Op::PutSignal).then(|| {
-                    encode_update(e.aux, e.value, e.update.expect("checked by the ring"))
-                });
+                let tag = (e.op == Op::PutSignal)
+                    .then(|| encode_update(e.aux, e.value, e.update.expect("checked by the ring")));
                 self.engine.transfer(
                     IoOp::Write,
                     &self.heap,
@@ -407,7 +445,10 @@ impl Worker {
                     return Err(format!("inline put of {} bytes (1..8)", e.bytes));
                 }
                 self.remote(e)?;
-                let slot = self.free_scratch.pop().expect("taken only with a free slot");
+                let slot = self
+                    .free_scratch
+                    .pop()
+                    .expect("taken only with a free slot");
                 let at = 8 * slot as usize;
                 self.scratch.as_mut_slice()[at..at + 8].copy_from_slice(&e.value.to_le_bytes());
                 let r = self.remote(e)?;
@@ -517,22 +558,7 @@ impl Worker {
     fn launch_apply(&mut self, batch: &[u64]) {
         let bytes: Vec<u8> = batch.iter().flat_map(|v| v.to_le_bytes()).collect();
         self.items.as_mut_slice()[..bytes.len()].copy_from_slice(&bytes);
-        let mut items = self.items.ptr();
-        let mut n = (batch.len() / 3) as i32;
-        let mut args = [
-            &mut items as *mut u64 as *mut std::ffi::c_void,
-            &mut n as *mut i32 as *mut std::ffi::c_void,
-        ];
-        let cfg = LaunchConfig {
-            grid: 1,
-            block: 1,
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the kernel takes (const u64* items, int n); items holds n triples of checked
-        // heap addresses and stays untouched until the stream is drained below.
-        let launched = unsafe { launch(self.apply, cfg, self.stream.handle(), &mut args) }
-            .and_then(|()| self.stream.synchronize());
-        if let Err(e) = launched {
+        if let Err(e) = run_apply_kernel(self.apply, &self.stream, &self.items, batch.len() / 3) {
             self.fail(format!("applying peers' updates: {e}"));
         }
     }
@@ -542,15 +568,41 @@ impl Worker {
         if self.shared.closing.load(Ordering::Acquire) || self.failed() {
             return;
         }
-        let lost = self
-            .remotes
-            .iter()
-            .enumerate()
-            .find_map(|(pe, r)| r.as_ref().filter(|r| !self.engine.is_connected(&r.name)).map(|_| pe));
+        let lost = self.remotes.iter().enumerate().find_map(|(pe, r)| {
+            r.as_ref()
+                .filter(|r| !self.engine.is_connected(&r.name))
+                .map(|_| pe)
+        });
         if let Some(pe) = lost {
-            self.fail(format!("PE {pe} (reached through the proxy) was lost: its connections closed"));
+            self.fail(format!(
+                "PE {pe} (reached through the proxy) was lost: its connections closed"
+            ));
         }
     }
+}
+
+/// Runs the apply kernel over the first `n` triples of `items` and waits for it.
+fn run_apply_kernel(
+    apply: Function,
+    stream: &Stream,
+    items: &PinnedBuffer,
+    n: usize,
+) -> mori_gpu::Result<()> {
+    let mut ptr = items.ptr();
+    let mut n = n as i32;
+    let mut args = [
+        &mut ptr as *mut u64 as *mut std::ffi::c_void,
+        &mut n as *mut i32 as *mut std::ffi::c_void,
+    ];
+    let cfg = LaunchConfig {
+        grid: 1,
+        block: 1,
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the kernel takes (const u64* items, int n); items holds n triples of checked heap
+    // addresses and stays untouched until the stream is drained below.
+    unsafe { launch(apply, cfg, stream.handle(), &mut args) }?;
+    stream.synchronize()
 }
 
 #[cfg(test)]

@@ -63,8 +63,12 @@ impl Op {
 /// Why the GPU refused a call to a PE on another node (`ProxyMisuse` in the header).
 pub fn misuse_reason(code: u64) -> &'static str {
     match code {
-        1 => "the source (or destination) of a put/get to a PE on another node must be on the symmetric heap",
-        2 => "fetching atomics and g() to a PE on another node are not supported (the proxy has no return path yet)",
+        1 => {
+            "the source (or destination) of a put/get to a PE on another node must be on the symmetric heap"
+        }
+        2 => {
+            "fetching atomics and g() to a PE on another node are not supported (the proxy has no return path yet)"
+        }
         _ => "an unknown misuse code",
     }
 }
@@ -241,7 +245,8 @@ impl Consumer {
         while self.finished.remove(&self.completed) {
             self.completed += 1;
         }
-        self.word(COMPLETED).store(self.completed, Ordering::Release);
+        self.word(COMPLETED)
+            .store(self.completed, Ordering::Release);
     }
 
     /// Tickets read so far.
@@ -256,9 +261,9 @@ impl Consumer {
 
     /// Publishes an error code (kept if one is already set: the first error is the cause).
     pub fn fail(&self, code: u64) {
-        let _ = self
-            .word(ERROR)
-            .compare_exchange(0, code.max(1), Ordering::AcqRel, Ordering::Acquire);
+        let _ =
+            self.word(ERROR)
+                .compare_exchange(0, code.max(1), Ordering::AcqRel, Ordering::Acquire);
     }
 
     pub fn error(&self) -> u64 {
