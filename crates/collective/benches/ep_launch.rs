@@ -147,7 +147,10 @@ fn main() {
     let mut back = vec![0u8; fresh.len()];
     // SAFETY: out holds TOKENS rows; the stream is drained.
     unsafe { mori_gpu::copy_device_to_host(device, &mut back, out.ptr()) }.expect("read");
-    assert!(back == fresh, "combine of the received rows is not the tokens' rows");
+    assert!(
+        back == fresh,
+        "combine of the received rows is not the tokens' rows"
+    );
 
     bench.config("pes", 1);
     bench.config("tokens", TOKENS);

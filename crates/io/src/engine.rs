@@ -15,9 +15,7 @@ use mori_transport::connection::{Connection, Target};
 use mori_transport::cuda_ipc::{self, Exporter, Importer, IpcConfig};
 use mori_transport::server::{Server, ServerConfig};
 use mori_transport::wire::Hello;
-use mori_transport::{
-    Batch, Error, Location, Notifications, Registry, Result, Transfer,
-};
+use mori_transport::{Batch, Error, Location, Notifications, Registry, Result, Transfer};
 
 use crate::desc::{EngineDesc, FabricDesc, MemoryDesc};
 use crate::fabric::{self, FabricMode, FabricPlane};

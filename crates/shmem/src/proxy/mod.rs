@@ -30,7 +30,7 @@ use mori_io::{
 };
 
 use crate::error::{Error, Result};
-use ring::{Consumer, Entry, Op, RING_BYTES, SLOTS, Update};
+use ring::{Consumer, Entry, Op, RING_BYTES, SLOTS, Update, UpdateKind};
 
 /// Updates applied per kernel launch.
 const APPLY_BATCH: usize = 1024;
@@ -111,9 +111,59 @@ struct Shared {
     failure: Mutex<Option<String>>,
 }
 
+/// Host memory the proxy owns (its ring, the inline puts' scratch): pinned and mapped for the
+/// GPU when the heap is GPU memory, plain (8-byte words, zeroed) when it is host memory.
+enum HostMemory {
+    Pinned(PinnedBuffer),
+    Plain(Vec<u64>),
+}
+
+impl HostMemory {
+    fn new(device: Option<Device>, bytes: usize) -> Result<HostMemory> {
+        Ok(match device {
+            Some(d) => HostMemory::Pinned(PinnedBuffer::new(d, bytes)?),
+            None => HostMemory::Plain(vec![0u64; bytes.div_ceil(8)]),
+        })
+    }
+
+    fn ptr(&self) -> u64 {
+        match self {
+            HostMemory::Pinned(p) => p.ptr(),
+            HostMemory::Plain(v) => v.as_ptr() as u64,
+        }
+    }
+
+    fn write(&mut self, at: usize, bytes: &[u8]) {
+        match self {
+            HostMemory::Pinned(p) => p.as_mut_slice()[at..at + bytes.len()].copy_from_slice(bytes),
+            HostMemory::Plain(v) => {
+                // SAFETY: the words are plain memory owned here; the range is checked by the
+                // slice indexing below.
+                let all = unsafe {
+                    std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * 8)
+                };
+                all[at..at + bytes.len()].copy_from_slice(bytes);
+            }
+        }
+    }
+}
+
+/// How the updates peers send are applied to this PE's heap.
+enum Applier {
+    /// GPU heap: a one-thread kernel on the proxy's stream (system-scope atomics).
+    Gpu {
+        device: Device,
+        stream: Stream,
+        apply: Function,
+        items: PinnedBuffer,
+    },
+    /// Host heap: host atomics.
+    Host,
+}
+
 /// A running proxy. Dropping it stops the thread and closes its engine.
 pub struct Proxy {
-    ring: PinnedBuffer,
+    ring: HostMemory,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
@@ -124,6 +174,34 @@ impl Proxy {
     pub(crate) fn start(
         bootstrap: &Bootstrap,
         device: Device,
+        heap_base: u64,
+        heap_size: u64,
+        via_proxy: &[bool],
+    ) -> Result<Proxy> {
+        Self::start_on(bootstrap, Some(device), heap_base, heap_size, via_proxy)
+    }
+
+    /// [`start`](Self::start) for a heap in host memory: the same ring, protocol, engine and
+    /// thread, with updates applied by host atomics. It lets the proxy run, and be tested,
+    /// without a GPU; requests are then posted by host threads following the ring's protocol
+    /// ([`ring::test_producer`]).
+    ///
+    /// # Safety
+    /// `heap_base` must point to `heap_size` bytes of host memory, 8-byte aligned, that stay
+    /// valid (and are accessed by others only atomically where peers update them) as long as
+    /// the proxy.
+    pub unsafe fn start_host(
+        bootstrap: &Bootstrap,
+        heap_base: u64,
+        heap_size: u64,
+        via_proxy: &[bool],
+    ) -> Result<Proxy> {
+        Self::start_on(bootstrap, None, heap_base, heap_size, via_proxy)
+    }
+
+    fn start_on(
+        bootstrap: &Bootstrap,
+        device: Option<Device>,
         heap_base: u64,
         heap_size: u64,
         via_proxy: &[bool],
@@ -145,14 +223,17 @@ impl Proxy {
         };
         let name = format!("shmem-pe{me}-{}", hex::encode(nonce));
         let engine = IoEngine::new(&name, config)?;
-        // Kernels wait on the GPU for the transfers they asked for: the heap's copies must not
-        // queue behind them.
-        let heap = engine.register_independent(
-            heap_base,
-            heap_size,
-            Location::Cuda(device.ordinal() as u32),
-        )?;
-        let scratch = PinnedBuffer::new(device, 8 * SLOTS as usize)?;
+        let heap = match device {
+            // Kernels wait on the GPU for the transfers they asked for: the heap's copies must
+            // not queue behind them.
+            Some(d) => engine.register_independent(
+                heap_base,
+                heap_size,
+                Location::Cuda(d.ordinal() as u32),
+            )?,
+            None => engine.register(heap_base, heap_size, Location::Host)?,
+        };
+        let scratch = HostMemory::new(device, 8 * SLOTS as usize)?;
         let scratch_desc = engine.register(scratch.ptr(), 8 * SLOTS, Location::Host)?;
         let hellos = bootstrap.allgather(&encode_hello(&engine.desc(), &heap))?;
         let mut remotes: Vec<Option<Remote>> = Vec::with_capacity(hellos.len());
@@ -168,17 +249,28 @@ impl Proxy {
                 heap: their_heap,
             }));
         }
-        let apply =
-            mori_gpu::jit::load(device, &shmem_proxy_spec())?.function("mori_shmem_proxy_apply")?;
-        let items = PinnedBuffer::new(device, 24 * APPLY_BATCH)?;
-        let stream = Stream::new(device)?;
-        let ring = PinnedBuffer::new(device, RING_BYTES)?;
-        // SAFETY: the ring is zeroed pinned memory of RING_BYTES (page aligned), kept alive by
+        let applier = match device {
+            Some(device) => {
+                let apply = mori_gpu::jit::load(device, &shmem_proxy_spec())?
+                    .function("mori_shmem_proxy_apply")?;
+                let items = PinnedBuffer::new(device, 24 * APPLY_BATCH)?;
+                let stream = Stream::new(device)?;
+                // Load the kernel now, with nothing waiting on the GPU (a first launch may have
+                // to load it lazily, which can wait for running kernels).
+                run_apply_kernel(apply, &stream, &items, 0)?;
+                Applier::Gpu {
+                    device,
+                    stream,
+                    apply,
+                    items,
+                }
+            }
+            None => Applier::Host,
+        };
+        let ring = HostMemory::new(device, RING_BYTES)?;
+        // SAFETY: the ring is zeroed memory of RING_BYTES (8-byte aligned words), kept alive by
         // the Proxy, which joins the thread before dropping it.
         let consumer = unsafe { Consumer::new(ring.ptr() as *mut u8) };
-        // Load the kernel now, with nothing waiting on the GPU (a first launch may have to
-        // load it lazily, which can wait for running kernels).
-        run_apply_kernel(apply, &stream, &items, 0)?;
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             settle_request: AtomicU64::new(0),
@@ -198,10 +290,7 @@ impl Proxy {
             consumer,
             in_flight: Vec::new(),
             fenced: None,
-            device,
-            stream,
-            apply,
-            items,
+            applier,
             shared: shared.clone(),
         };
         let thread = std::thread::Builder::new()
@@ -218,8 +307,8 @@ impl Proxy {
         })
     }
 
-    /// The ring's address for the device state (host pointer = device pointer under UVA).
-    pub(crate) fn ring_addr(&self) -> u64 {
+    /// The ring's address (for the device state: host pointer = device pointer under UVA).
+    pub fn ring_addr(&self) -> u64 {
         self.ring.ptr()
     }
 
@@ -230,7 +319,7 @@ impl Proxy {
 
     /// Waits until every request GPU threads took a ticket for (`tickets`, read from the heap's
     /// internal area) is done; an error when the proxy failed or `timeout` passed first.
-    pub(crate) fn drain(&self, tickets: u64, timeout: Duration) -> Result<()> {
+    pub fn drain(&self, tickets: u64, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         loop {
             if let Some(f) = self.failure() {
@@ -257,7 +346,7 @@ impl Proxy {
 
     /// Waits until every update peers' requests delivered here so far is applied to the heap
     /// (a peer's request is done once its update is recorded here, not yet applied).
-    pub(crate) fn settle(&self, timeout: Duration) -> Result<()> {
+    pub fn settle(&self, timeout: Duration) -> Result<()> {
         let want = self.shared.settle_request.fetch_add(1, Ordering::AcqRel) + 1;
         let start = Instant::now();
         while self.shared.settled.load(Ordering::Acquire) < want {
@@ -275,7 +364,7 @@ impl Proxy {
     }
 
     /// From now on peers closing their connections is expected (every PE is finalizing).
-    pub(crate) fn closing(&self) {
+    pub fn closing(&self) {
         self.shared.closing.store(true, Ordering::Release);
     }
 }
@@ -297,7 +386,7 @@ struct Worker {
     heap: MemoryDesc,
     heap_base: u64,
     heap_size: u64,
-    scratch: PinnedBuffer,
+    scratch: HostMemory,
     scratch_desc: MemoryDesc,
     free_scratch: Vec<u64>,
     remotes: Vec<Option<Remote>>,
@@ -305,16 +394,15 @@ struct Worker {
     in_flight: Vec<InFlight>,
     /// A fence request waiting for everything before it.
     fenced: Option<u64>,
-    device: Device,
-    stream: Stream,
-    apply: Function,
-    items: PinnedBuffer,
+    applier: Applier,
     shared: Arc<Shared>,
 }
 
 impl Worker {
     fn run(&mut self) {
-        if let Err(e) = self.device.bind() {
+        if let Applier::Gpu { device, .. } = &self.applier
+            && let Err(e) = device.bind()
+        {
             self.fail(format!("binding the GPU in the proxy thread: {e}"));
         }
         let mut last_check = Instant::now();
@@ -449,8 +537,8 @@ impl Worker {
                     .free_scratch
                     .pop()
                     .expect("taken only with a free slot");
-                let at = 8 * slot as usize;
-                self.scratch.as_mut_slice()[at..at + 8].copy_from_slice(&e.value.to_le_bytes());
+                self.scratch
+                    .write(8 * slot as usize, &e.value.to_le_bytes());
                 let r = self.remote(e)?;
                 let t = self.engine.transfer(
                     IoOp::Write,
@@ -555,10 +643,30 @@ impl Worker {
         true
     }
 
+    /// Applies `batch` (triples of checked heap address, value, update code) in order.
     fn launch_apply(&mut self, batch: &[u64]) {
-        let bytes: Vec<u8> = batch.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.items.as_mut_slice()[..bytes.len()].copy_from_slice(&bytes);
-        if let Err(e) = run_apply_kernel(self.apply, &self.stream, &self.items, batch.len() / 3) {
+        let applied = match &mut self.applier {
+            Applier::Gpu {
+                stream,
+                apply,
+                items,
+                ..
+            } => {
+                let bytes: Vec<u8> = batch.iter().flat_map(|v| v.to_le_bytes()).collect();
+                items.as_mut_slice()[..bytes.len()].copy_from_slice(&bytes);
+                run_apply_kernel(*apply, stream, items, batch.len() / 3)
+            }
+            Applier::Host => {
+                for t in batch.chunks_exact(3) {
+                    let update = Update::decode(t[2] as u32).expect("encoded by apply_updates");
+                    // SAFETY: decode_update checked the word lies, aligned, inside the heap,
+                    // which start_host's caller keeps valid and accesses atomically.
+                    unsafe { apply_on_host(t[0], t[1], update) };
+                }
+                Ok(())
+            }
+        };
+        if let Err(e) = applied {
             self.fail(format!("applying peers' updates: {e}"));
         }
     }
@@ -577,6 +685,37 @@ impl Worker {
             self.fail(format!(
                 "PE {pe} (reached through the proxy) was lost: its connections closed"
             ));
+        }
+    }
+}
+
+/// Applies one update to the word at `addr` with host atomics.
+///
+/// # Safety
+/// `addr` is a live word of `update.width` bytes, aligned, accessed by others only atomically.
+unsafe fn apply_on_host(addr: u64, value: u64, update: Update) {
+    use std::sync::atomic::AtomicU32;
+    let o = Ordering::AcqRel;
+    if update.width == 8 {
+        // SAFETY: the caller's contract.
+        let w = unsafe { AtomicU64::from_ptr(addr as *mut u64) };
+        match update.kind {
+            UpdateKind::Set => w.store(value, Ordering::Release),
+            UpdateKind::Add => drop(w.fetch_add(value, o)),
+            UpdateKind::And => drop(w.fetch_and(value, o)),
+            UpdateKind::Or => drop(w.fetch_or(value, o)),
+            UpdateKind::Xor => drop(w.fetch_xor(value, o)),
+        }
+    } else {
+        // SAFETY: the caller's contract.
+        let w = unsafe { AtomicU32::from_ptr(addr as *mut u32) };
+        let v = value as u32;
+        match update.kind {
+            UpdateKind::Set => w.store(v, Ordering::Release),
+            UpdateKind::Add => drop(w.fetch_add(v, o)),
+            UpdateKind::And => drop(w.fetch_and(v, o)),
+            UpdateKind::Or => drop(w.fetch_or(v, o)),
+            UpdateKind::Xor => drop(w.fetch_xor(v, o)),
         }
     }
 }
@@ -608,7 +747,6 @@ fn run_apply_kernel(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ring::UpdateKind;
 
     #[test]
     fn updates_round_trip_and_out_of_heap_or_misaligned_words_are_refused() {

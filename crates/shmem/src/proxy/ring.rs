@@ -168,7 +168,7 @@ unsafe impl Send for Consumer {}
 
 impl Consumer {
     /// # Safety
-    /// `base` must point to [`RING_BYTES`] zeroed bytes, 64-byte aligned, that stay valid as
+    /// `base` must point to [`RING_BYTES`] zeroed bytes, 8-byte aligned, that stay valid as
     /// long as the consumer, written otherwise only by producers following the protocol.
     pub unsafe fn new(base: *mut u8) -> Consumer {
         Consumer {
@@ -306,7 +306,8 @@ pub mod test_producer {
         t
     }
 
-    /// Waits until the proxy has finished ticket `t`; false when it reported an error first.
+    /// Waits until the proxy has finished ticket `t`; false when it reported an error (a
+    /// failed request is finished too, so the error is looked at first).
     ///
     /// # Safety
     /// As for [`post`].
@@ -319,11 +320,11 @@ pub mod test_producer {
             )
         };
         loop {
-            if completed.load(Ordering::Acquire) > t {
-                return true;
-            }
             if error.load(Ordering::Acquire) != 0 {
                 return false;
+            }
+            if completed.load(Ordering::Acquire) > t {
+                return true;
             }
             std::hint::spin_loop();
         }

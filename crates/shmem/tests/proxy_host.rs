@@ -1,0 +1,354 @@
+//! The shmem proxy without a GPU: two PEs in one process, each with a heap in host memory and
+//! its proxy (`Proxy::start_host`: the same ring, protocol, mori.io engine and thread as on a
+//! GPU; updates applied by host atomics instead of the one-thread kernel). Host threads post
+//! requests the way the device header does (`ring::test_producer`). Checked: bytes of puts,
+//! gets and inline puts (destinations start different from the sources); a signal's data is
+//! there once the signal is seen; concurrent updates add up after `settle`; a fence orders a
+//! put before a later update; misuse and a lost peer fail the ring (waiters give up) instead of
+//! hanging; an orderly close is not a loss. The GPU path (the header's posting, the apply
+//! kernel) is tested by tests/test_gpu_proxy.py on the GPU machine.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use mori_bootstrap::{Bootstrap, create_unique_id_on};
+use mori_shmem::proxy::Proxy;
+use mori_shmem::proxy::ring::{Entry, Op, Update, UpdateKind, test_producer};
+
+const HEAP: usize = 4 << 20;
+const WAIT: Duration = Duration::from_secs(20);
+
+/// One PE: its bootstrap (kept for the session), heap, proxy and ticket counter.
+struct Pe {
+    /// Dropped first: the proxy's engine may write into the heap until it stops.
+    proxy: Option<Proxy>,
+    heap: Vec<u64>,
+    tickets: AtomicU64,
+    _boot: Bootstrap,
+}
+
+impl Pe {
+    fn base(&self) -> u64 {
+        self.heap.as_ptr() as u64
+    }
+    fn bytes(&self, off: usize, n: usize) -> Vec<u8> {
+        // SAFETY: inside the heap; peers' writes to these bytes are done (the caller waited).
+        unsafe { std::slice::from_raw_parts((self.base() as *const u8).add(off), n).to_vec() }
+    }
+    fn fill(&mut self, off: usize, data: &[u8]) {
+        // SAFETY: inside the heap, which this PE owns.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                (self.base() as *mut u8).add(off),
+                data.len(),
+            )
+        }
+    }
+    fn word(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: an aligned word inside the heap, updated by the proxy only atomically.
+        unsafe { AtomicU64::from_ptr((self.base() as *mut u8).add(off) as *mut u64) }
+    }
+    fn ring(&self) -> *mut u8 {
+        self.proxy.as_ref().expect("proxy").ring_addr() as *mut u8
+    }
+    fn post(&self, e: Entry) -> u64 {
+        // SAFETY: the ring belongs to this PE's live proxy; one counter per ring.
+        unsafe { test_producer::post(self.ring(), &self.tickets, &e) }
+    }
+    /// Waits for request `t`; false when the proxy failed first.
+    fn wait(&self, t: u64) -> bool {
+        // SAFETY: as in post.
+        unsafe { test_producer::wait(self.ring(), t) }
+    }
+    fn failure(&self) -> Option<String> {
+        self.proxy.as_ref().and_then(Proxy::failure)
+    }
+}
+
+/// Two PEs, each reaching the other through its proxy.
+fn two_pes() -> (Pe, Pe) {
+    let id = create_unique_id_on(IpAddr::from([127, 0, 0, 1])).expect("unique id");
+    let start = |rank: usize| {
+        let id = id.clone();
+        std::thread::spawn(move || {
+            let boot = Bootstrap::connect(&id, rank, 2, WAIT).expect("bootstrap");
+            let heap = vec![0u64; HEAP / 8];
+            let via = [rank != 0, rank != 1];
+            // SAFETY: the heap lives in the returned Pe, as long as its proxy (dropped first).
+            let proxy =
+                unsafe { Proxy::start_host(&boot, heap.as_ptr() as u64, HEAP as u64, &via) }
+                    .expect("proxy");
+            Pe {
+                _boot: boot,
+                heap,
+                proxy: Some(proxy),
+                tickets: AtomicU64::new(0),
+            }
+        })
+    };
+    let (a, b) = (start(0), start(1));
+    (a.join().expect("PE 0"), b.join().expect("PE 1"))
+}
+
+fn entry(op: Op, pe: u32) -> Entry {
+    Entry {
+        ticket: 0,
+        op,
+        pe,
+        dst: 0,
+        src: 0,
+        bytes: 0,
+        aux: 0,
+        value: 0,
+        update: None,
+    }
+}
+
+fn pattern(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn puts_gets_and_inline_puts_move_exact_bytes() {
+    let (mut a, mut b) = two_pes();
+    b.fill(0, &vec![0xEE; HEAP]);
+    let mut at = 4096usize;
+    for (i, n) in [1usize, 4097, (1 << 20) + 3].into_iter().enumerate() {
+        let data = pattern(i as u64 + 1, n);
+        a.fill(at, &data);
+        let t = a.post(Entry {
+            dst: at as u64 + 8,
+            src: at as u64,
+            bytes: n as u64,
+            ..entry(Op::Put, 1)
+        });
+        assert!(a.wait(t), "put of {n} bytes: {:?}", a.failure());
+        assert_eq!(b.bytes(at + 8, n), data, "put of {n} bytes");
+        assert_eq!(
+            b.bytes(at + 7, 1),
+            [0xEE],
+            "a byte before the put's range changed"
+        );
+        // Back again by a get into a fresh place of A's heap.
+        let back = at + (2 << 20);
+        let t = a.post(Entry {
+            dst: back as u64,
+            src: at as u64 + 8,
+            bytes: n as u64,
+            ..entry(Op::Get, 1)
+        });
+        assert!(a.wait(t), "get of {n} bytes: {:?}", a.failure());
+        assert_eq!(a.bytes(back, n), data, "get of {n} bytes");
+        at += n + 64;
+    }
+    for width in 1..=8u64 {
+        let off = (7 << 19) + 16 * width as usize;
+        let t = a.post(Entry {
+            dst: off as u64,
+            bytes: width,
+            value: 0x0807_0605_0403_0201,
+            ..entry(Op::PutInline, 1)
+        });
+        assert!(a.wait(t));
+        let want: Vec<u8> = (1..=width as u8).collect();
+        assert_eq!(
+            b.bytes(off, width as usize),
+            want,
+            "inline put of {width} bytes"
+        );
+        assert_eq!(b.bytes(off + width as usize, 1), [0xEE]);
+    }
+    assert!(a.failure().is_none() && b.failure().is_none());
+}
+
+#[test]
+fn signals_follow_their_data_updates_add_up_and_fences_order() {
+    let (mut a, b) = two_pes();
+    let n = 300_001;
+    let data = pattern(99, n);
+    a.fill(1 << 20, &data);
+    let sig = 64usize;
+    a.post(Entry {
+        dst: 1 << 20,
+        src: 1 << 20,
+        bytes: n as u64,
+        aux: sig as u64,
+        value: 1,
+        update: Some(Update {
+            kind: UpdateKind::Add,
+            width: 8,
+        }),
+        ..entry(Op::PutSignal, 1)
+    });
+    // B "waits on the GPU" for the signal, then reads the data.
+    let start = Instant::now();
+    while b.word(sig).load(Ordering::Acquire) < 1 {
+        assert!(start.elapsed() < WAIT, "no signal: {:?}", a.failure());
+        std::hint::spin_loop();
+    }
+    assert_eq!(
+        b.bytes(1 << 20, n),
+        data,
+        "data not there when the signal was"
+    );
+
+    // Four threads add to a 64-bit and a 32-bit counter on B.
+    let a = Arc::new(a);
+    let threads: Vec<_> = (0..4u64)
+        .map(|th| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                for i in 0..500u64 {
+                    for (off, width) in [(128u64, 8u8), (136, 4)] {
+                        a.post(Entry {
+                            aux: off,
+                            value: th * 1000 + i,
+                            update: Some(Update {
+                                kind: UpdateKind::Add,
+                                width,
+                            }),
+                            ..entry(Op::Update, 1)
+                        });
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let proxy_a = a.proxy.as_ref().unwrap();
+    proxy_a
+        .drain(a.tickets.load(Ordering::Acquire), WAIT)
+        .expect("A's requests done");
+    b.proxy.as_ref().unwrap().settle(WAIT).expect("B applied");
+    let want: u64 = (0..4u64)
+        .flat_map(|th| (0..500).map(move |i| th * 1000 + i))
+        .sum();
+    assert_eq!(b.word(128).load(Ordering::Acquire), want);
+    assert_eq!(
+        b.word(136).load(Ordering::Acquire) as u32,
+        want as u32,
+        "32-bit counter"
+    );
+    assert_eq!(
+        b.word(136).load(Ordering::Acquire) >> 32,
+        0,
+        "a 32-bit update spilled into the next word"
+    );
+
+    // A put, a fence, then a separate update: B sees the update only with the data in place
+    // (rounds, since without the fence the update only sometimes overtakes the put).
+    for round in 1..=12u64 {
+        let big = pattern(round, 1 << 20);
+        // SAFETY: A's heap; nothing else writes this range now.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                big.as_ptr(),
+                (a.base() as *mut u8).add(2 << 20),
+                big.len(),
+            )
+        };
+        a.post(Entry {
+            dst: 2 << 20,
+            src: 2 << 20,
+            bytes: big.len() as u64,
+            ..entry(Op::Put, 1)
+        });
+        a.post(entry(Op::Fence, 0));
+        a.post(Entry {
+            aux: 192,
+            value: round,
+            update: Some(Update {
+                kind: UpdateKind::Set,
+                width: 8,
+            }),
+            ..entry(Op::Update, 1)
+        });
+        let start = Instant::now();
+        while b.word(192).load(Ordering::Acquire) != round {
+            assert!(start.elapsed() < WAIT, "no update after the fence");
+            std::hint::spin_loop();
+        }
+        assert_eq!(
+            b.bytes(2 << 20, big.len()),
+            big,
+            "round {round}: the update overtook the fenced put"
+        );
+        // The next round rewrites A's source: its put must be done first.
+        a.proxy
+            .as_ref()
+            .unwrap()
+            .drain(a.tickets.load(Ordering::Acquire), WAIT)
+            .unwrap();
+    }
+    assert!(a.failure().is_none() && b.failure().is_none());
+}
+
+#[test]
+fn misuse_and_requests_out_of_range_fail_the_ring_instead_of_hanging() {
+    let (a, b) = two_pes();
+    let t = a.post(Entry {
+        value: 2,
+        ..entry(Op::Misuse, 1)
+    });
+    assert!(!a.wait(t) || a.failure().is_some());
+    let why = a.failure().expect("a misuse fails the proxy");
+    assert!(why.contains("return path"), "{why}");
+    // Later requests are finished without running, so waiters do not hang.
+    let t = a.post(Entry {
+        dst: 0,
+        src: 0,
+        bytes: 8,
+        ..entry(Op::Put, 1)
+    });
+    assert!(!a.wait(t));
+
+    // A put reaching past the target's heap is refused by mori.io's range check.
+    let t = b.post(Entry {
+        dst: HEAP as u64 - 4,
+        src: 0,
+        bytes: 8,
+        ..entry(Op::Put, 0)
+    });
+    assert!(!b.wait(t));
+    let why = b.failure().expect("out of range");
+    assert!(why.contains("outside"), "{why}");
+}
+
+#[test]
+fn a_lost_peer_fails_the_ring_and_an_orderly_close_does_not() {
+    let (a, mut b) = two_pes();
+    // B goes away while A is not closing: A's proxy reports it within its liveness period.
+    drop(b.proxy.take());
+    let start = Instant::now();
+    while a.failure().is_none() {
+        assert!(start.elapsed() < WAIT, "the lost peer was not noticed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(a.failure().unwrap().contains("lost"), "{:?}", a.failure());
+    let t = a.post(Entry {
+        bytes: 8,
+        ..entry(Op::Put, 1)
+    });
+    assert!(!a.wait(t), "a request after the loss must not wait forever");
+
+    // Both closing (finalize): a peer going away is expected.
+    let (c, mut d) = two_pes();
+    c.proxy.as_ref().unwrap().closing();
+    d.proxy.as_ref().unwrap().closing();
+    drop(d.proxy.take());
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(c.failure().is_none(), "{:?}", c.failure());
+}
