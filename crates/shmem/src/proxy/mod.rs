@@ -399,7 +399,21 @@ struct Worker {
 }
 
 impl Worker {
+    /// The thread's body. A panic (a bug) must not leave GPU threads waiting on a proxy that
+    /// is gone: it fails the ring like any other failure.
     fn run(&mut self) {
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve()));
+        if let Err(panic) = ran {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            self.fail(format!("the proxy thread panicked (a bug in mori): {what}"));
+        }
+    }
+
+    fn serve(&mut self) {
         if let Applier::Gpu { device, .. } = &self.applier
             && let Err(e) = device.bind()
         {
