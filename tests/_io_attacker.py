@@ -49,7 +49,7 @@ def parse_engine(desc: bytes) -> EngineInfo:
 
 
 def parse_region(desc: bytes) -> RegionInfo:
-    assert desc[:4] == b"MIM3", desc[:4]
+    assert desc[:4] == b"MIM4", desc[:4]
     engine, at = _string(desc, 4)
     instance, rid, key, nbytes = struct.unpack_from("<QQQQ", desc, at)
     writable = desc[at + 32 + 4] == 1
@@ -106,14 +106,16 @@ class RawClient:
 
     def hello(self, name: str, instance: int = 1) -> tuple[str, int]:
         n = name.encode()
-        # Wire version 3: name, then the fabric endpoint address (none here).
-        self.sock.sendall(b"MIOH" + bytes([3]) + struct.pack("<QI", instance, len(n)) + n + struct.pack("<I", 0))
+        # Wire version 4: name, then the list of fabric endpoint addresses (none here).
+        self.sock.sendall(b"MIOH" + bytes([4]) + struct.pack("<QI", instance, len(n)) + n + struct.pack("<I", 0))
         head = recv_exact(self.sock, 17)
         assert head[:4] == b"MIOH", head
         instance, n = struct.unpack_from("<QI", head, 5)
         name = recv_exact(self.sock, n).decode()
-        (fabric_len,) = struct.unpack("<I", recv_exact(self.sock, 4))
-        recv_exact(self.sock, fabric_len)
+        (endpoints,) = struct.unpack("<I", recv_exact(self.sock, 4))
+        for _ in range(endpoints):
+            (length,) = struct.unpack("<I", recv_exact(self.sock, 4))
+            recv_exact(self.sock, length)
         return name, instance
 
     def send_request(

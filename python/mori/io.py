@@ -179,8 +179,9 @@ class IOEngine:
         one, on this host too (tests, benchmarks); ``"off"``. None: ``MORI_IO_FABRIC``, else
         ``"auto"``. ``fabric_provider``: e.g. ``"verbs;ofi_rxm"`` or ``"tcp;ofi_rxm"`` (None:
         ``MORI_FABRIC_PROVIDER``, else the first one found). ``fabric_nic``: the provider's
-        domain to open, e.g. ``"mlx5_1"`` (None: ``MORI_FABRIC_NIC``, else the domain nearest
-        CUDA device ``fabric_gpu`` when given, else the provider's first). See docs/net.md.
+        domain to open, e.g. ``"mlx5_1"``, or several, comma-separated (``"mlx5_0,mlx5_1"``:
+        one endpoint each, batches striped over them) (None: ``MORI_FABRIC_NIC``, else the
+        domain nearest CUDA device ``fabric_gpu`` when given, else the provider's first). See docs/net.md.
 
         Every argument is checked here: a wrong type raises
         :class:`~mori.errors.ArgumentTypeError`, a wrong value
@@ -261,7 +262,8 @@ class IOEngine:
     @property
     def fabric_nic(self) -> str | None:
         """The provider's domain (the NIC, e.g. ``mlx5_0``; ``lo`` for tcp on loopback) the
-        engine's fabric endpoint opened (None: it opened none)."""
+        engine's fabric endpoint opened, or the NICs it stripes over, comma-separated (None: it
+        opened none)."""
         return self._inner.fabric_nic
 
     def register(self, obj: Any) -> MemoryDesc:

@@ -8,7 +8,9 @@ use mori_transport::{Error, Location, Result};
 // Engines (version 2) carry their same-host socket; regions (version 3) their key, instance,
 // CUDA IPC export and fabric registration.
 const ENGINE_TAG: &[u8; 4] = b"MIE2";
-const MEMORY_TAG: &[u8; 4] = b"MIM3";
+const MEMORY_TAG: &[u8; 4] = b"MIM4";
+/// Most fabric registrations one descriptor carries (one per NIC the engine stripes over).
+const MAX_FABRIC_NICS: usize = 16;
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&(s.len() as u32).to_le_bytes());
@@ -111,8 +113,9 @@ pub struct MemoryDesc {
     /// GPU regions exported for CUDA IPC at registration: what a same-host peer needs to map
     /// the region (IPC handle, device, lease slot). Absent: peers use TCP.
     pub ipc: Option<Vec<u8>>,
-    /// The region's registration with its engine's fabric endpoint. Absent: no fabric route.
-    pub fabric: Option<FabricDesc>,
+    /// The region's registrations with its engine's fabric endpoints, one per NIC in the order
+    /// of the engine's hello. Empty: no fabric route to it.
+    pub fabric: Vec<FabricDesc>,
 }
 
 /// How a peer names a region on the fabric: the base its provider addresses it by, and its
@@ -142,13 +145,10 @@ impl MemoryDesc {
             }
             None => out.push(0),
         }
-        match &self.fabric {
-            Some(f) => {
-                out.push(1);
-                out.extend_from_slice(&f.base.to_le_bytes());
-                out.extend_from_slice(&f.masked_key.to_le_bytes());
-            }
-            None => out.push(0),
+        out.push(self.fabric.len() as u8);
+        for f in &self.fabric {
+            out.extend_from_slice(&f.base.to_le_bytes());
+            out.extend_from_slice(&f.masked_key.to_le_bytes());
         }
         out
     }
@@ -179,14 +179,17 @@ impl MemoryDesc {
             }
             _ => return Err(bad()),
         };
-        let fabric = match c.take(1)?[0] {
-            0 => None,
-            1 => Some(FabricDesc {
+        let nics = c.take(1)?[0] as usize;
+        if nics > MAX_FABRIC_NICS {
+            return Err(bad());
+        }
+        let mut fabric = Vec::with_capacity(nics);
+        for _ in 0..nics {
+            fabric.push(FabricDesc {
                 base: c.u64()?,
                 masked_key: c.u64()?,
-            }),
-            _ => return Err(bad()),
-        };
+            });
+        }
         if !c.0.is_empty() {
             return Err(bad());
         }
@@ -227,7 +230,7 @@ mod tests {
             location: Location::Cuda(3),
             writable: true,
             ipc: None,
-            fabric: None,
+            fabric: Vec::new(),
         };
         assert_eq!(MemoryDesc::from_bytes(&m.to_bytes()).unwrap(), m);
         let h = MemoryDesc {
@@ -238,10 +241,16 @@ mod tests {
         assert_eq!(MemoryDesc::from_bytes(&h.to_bytes()).unwrap(), h);
         let g = MemoryDesc {
             ipc: Some(b"MIOC-blob".to_vec()),
-            fabric: Some(FabricDesc {
-                base: 0x7f00_0000_1000,
-                masked_key: 0xfeed_beef_0bad_cafe,
-            }),
+            fabric: vec![
+                FabricDesc {
+                    base: 0x7f00_0000_1000,
+                    masked_key: 0xfeed_beef_0bad_cafe,
+                },
+                FabricDesc {
+                    base: 0x1000,
+                    masked_key: 7,
+                },
+            ],
             ..m.clone()
         };
         assert_eq!(MemoryDesc::from_bytes(&g.to_bytes()).unwrap(), g);

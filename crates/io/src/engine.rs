@@ -116,8 +116,9 @@ pub(crate) struct Peer {
     pub(crate) local: bool,
     pub(crate) conns: Arc<[Arc<Connection>]>,
     next: AtomicUsize,
-    /// The peer's handle on this engine's fabric endpoint, when the fabric is its route.
-    pub(crate) fabric: Option<u64>,
+    /// The peer's handle on each of this engine's fabric endpoints (endpoint i paired with
+    /// the peer's endpoint i), when the fabric is its route; empty otherwise.
+    pub(crate) fabric: Vec<u64>,
 }
 
 impl Peer {
@@ -153,20 +154,22 @@ pub struct IoEngine {
     notifications: Arc<Notifications>,
     exporter: Exporter,
     importer: Importer,
-    fabric: Option<FabricPlane>,
+    /// One plane per NIC the engine stripes over (empty: no fabric route).
+    fabric: Vec<FabricPlane>,
 }
 
-/// The engine's fabric endpoint as its mode asks: None for `off`, and for `auto` where no
-/// RDMA provider is present; an error where `remote` or `always` cannot open one.
-fn open_fabric(config: &EngineConfig) -> Result<Option<FabricPlane>> {
+/// The engine's fabric endpoints as its mode asks, one per NIC (`fabric_nic` may list several:
+/// batches are striped over them): none for `off`, and for `auto` where no RDMA provider is
+/// present; an error where `remote` or `always` cannot open them.
+fn open_fabric(config: &EngineConfig) -> Result<Vec<FabricPlane>> {
     let software_ok = match config.fabric {
-        FabricMode::Off => return Ok(None),
+        FabricMode::Off => return Ok(Vec::new()),
         FabricMode::Auto => false,
         FabricMode::Remote | FabricMode::Always => true,
     };
     let provider = match fabric::choose_provider(config.fabric_provider.as_deref(), software_ok) {
         Ok(Some(p)) => p,
-        Ok(None) if !software_ok => return Ok(None),
+        Ok(None) if !software_ok => return Ok(Vec::new()),
         Ok(None) => {
             return Err(Error::InvalidArgument(
                 "the fabric route was asked for, but no libfabric provider offers RMA here                  (install libfabric, e.g. the libfabric1 package; `mori check` lists providers)"
@@ -176,23 +179,26 @@ fn open_fabric(config: &EngineConfig) -> Result<Option<FabricPlane>> {
         Err(e) => return Err(e),
     };
     let node = (!config.host.is_unspecified()).then(|| config.host.to_string());
-    match FabricPlane::start(
-        &provider,
-        node.as_deref(),
-        fabric::choose_nic(&provider, config.fabric_nic.as_deref(), config.fabric_gpu)?.as_deref(),
-        gpus_present(),
-        config.timeout,
-    ) {
-        Ok(plane) => {
-            tracing::debug!("mori.io fabric endpoint on {provider}");
-            Ok(Some(plane))
+    let nics = fabric::choose_nics(&provider, config.fabric_nic.as_deref(), config.fabric_gpu)?;
+    let mut planes = Vec::with_capacity(nics.len());
+    for nic in &nics {
+        match FabricPlane::start(
+            &provider,
+            node.as_deref(),
+            nic.as_deref(),
+            gpus_present(),
+            config.timeout,
+        ) {
+            Ok(plane) => planes.push(plane),
+            Err(e) if !software_ok => {
+                tracing::info!("no fabric route: {provider} did not open ({e})");
+                return Ok(Vec::new());
+            }
+            Err(e) => return Err(e),
         }
-        Err(e) if !software_ok => {
-            tracing::info!("no fabric route: {provider} did not open ({e})");
-            Ok(None)
-        }
-        Err(e) => Err(e),
     }
+    tracing::debug!("mori.io fabric endpoints on {provider}: {nics:?}");
+    Ok(planes)
 }
 
 /// Whether the NVIDIA driver lists a GPU (asked without initialising CUDA): only then does the
@@ -255,10 +261,7 @@ impl IoEngine {
                 me: Hello {
                     name: name.to_string(),
                     instance,
-                    fabric: fabric
-                        .as_ref()
-                        .map(|f| f.name().to_vec())
-                        .unwrap_or_default(),
+                    fabric: fabric.iter().map(|f| f.name().to_vec()).collect(),
                 },
                 secret: secret.clone(),
                 unix_path: local.clone(),
@@ -295,20 +298,28 @@ impl IoEngine {
         })
     }
 
-    /// The libfabric provider of this engine's fabric endpoint (None: it has none).
+    /// The libfabric provider of this engine's fabric endpoints (None: it has none).
     pub fn fabric_provider(&self) -> Option<&str> {
-        self.fabric.as_ref().map(|f| f.provider().provider.as_str())
+        self.fabric.first().map(|f| f.provider().provider.as_str())
     }
 
-    /// The provider's domain (NIC) this engine's fabric endpoint opened.
-    pub fn fabric_nic(&self) -> Option<&str> {
-        self.fabric.as_ref().map(|f| f.provider().domain.as_str())
+    /// The provider's domains (NICs) this engine's fabric endpoints opened, in stripe order.
+    pub fn fabric_nics(&self) -> Vec<&str> {
+        self.fabric
+            .iter()
+            .map(|f| f.provider().domain.as_str())
+            .collect()
     }
 
-    /// The fabric endpoint's address (what peers get in the hello). Not a secret: a host that
-    /// can reach the endpoint still needs a region's unmasked key to touch it.
-    pub fn fabric_address(&self) -> Option<&[u8]> {
-        self.fabric.as_ref().map(FabricPlane::name)
+    /// The fabric endpoints' addresses (what peers get in the hello). Not a secret: a host
+    /// that can reach an endpoint still needs a region's unmasked key to touch it.
+    pub fn fabric_addresses(&self) -> Vec<&[u8]> {
+        self.fabric.iter().map(FabricPlane::name).collect()
+    }
+
+    /// Fabric jobs (batch parts) each endpoint has run so far, in stripe order.
+    pub fn fabric_jobs(&self) -> Vec<u64> {
+        self.fabric.iter().map(FabricPlane::jobs).collect()
     }
 
     pub fn name(&self) -> &str {
@@ -333,11 +344,7 @@ impl IoEngine {
         Hello {
             name: self.name.clone(),
             instance: self.instance,
-            fabric: self
-                .fabric
-                .as_ref()
-                .map(|f| f.name().to_vec())
-                .unwrap_or_default(),
+            fabric: self.fabric.iter().map(|f| f.name().to_vec()).collect(),
         }
     }
 
@@ -393,33 +400,36 @@ impl IoEngine {
             Location::Cuda(_) if self.config.cuda_ipc && writable => self.exporter.export(&r),
             _ => None,
         };
-        // With a fabric endpoint, memory is registered with it too: host memory, and GPU
+        // With fabric endpoints, memory is registered with each too: host memory, and GPU
         // memory where the provider registers it (FI_HMEM). Other GPU memory is staged for this
         // engine's own operations, and peers reach it over TCP (no fabric part).
-        let fabric = match &self.fabric {
-            Some(plane) => {
-                let cuda = match location {
-                    Location::Host => None,
-                    Location::Cuda(ordinal) => Some(ordinal),
-                };
-                // SAFETY: the caller keeps the memory valid until deregister, which closes
-                // this registration (register's contract).
-                let local = unsafe { plane.register(r.id, addr, len, writable, cuda) };
-                match local {
-                    Ok(fabric::Local::Registered(remote)) => Some(FabricDesc {
-                        base: remote.base,
-                        masked_key: remote.key
-                            ^ fabric::mask(&self.secret, self.instance, r.id, r.key),
-                    }),
-                    Ok(fabric::Local::Staged) => None,
-                    Err(e) => {
-                        let _ = self.registry.deregister(r.id, self.config.timeout, &|_| {});
-                        return Err(e);
+        let cuda = match location {
+            Location::Host => None,
+            Location::Cuda(ordinal) => Some(ordinal),
+        };
+        let mut fabric = Vec::with_capacity(self.fabric.len());
+        for plane in &self.fabric {
+            // SAFETY: the caller keeps the memory valid until deregister, which closes this
+            // registration on every endpoint (register's contract).
+            match unsafe { plane.register(r.id, addr, len, writable, cuda) } {
+                Ok(fabric::Local::Registered(remote)) => fabric.push(FabricDesc {
+                    base: remote.base,
+                    masked_key: remote.key ^ fabric::mask(&self.secret, self.instance, r.id, r.key),
+                }),
+                Ok(fabric::Local::Staged) => {}
+                Err(e) => {
+                    for plane in &self.fabric {
+                        let _ = plane.deregister(r.id);
                     }
+                    let _ = self.registry.deregister(r.id, self.config.timeout, &|_| {});
+                    return Err(e);
                 }
             }
-            None => None,
-        };
+        }
+        // A region peers reach over only some of the NICs is offered over none of them.
+        if fabric.len() != self.fabric.len() {
+            fabric.clear();
+        }
         Ok(MemoryDesc {
             engine: self.name.clone(),
             instance: self.instance,
@@ -449,10 +459,11 @@ impl IoEngine {
         // which closes it between two of them).
         // Whatever the descriptor says: a caller's copy without its fabric part must not leave
         // the registration open.
-        let closed = match &self.fabric {
-            Some(plane) => plane.deregister(mem.id),
-            None => Ok(()),
-        };
+        let closed = self
+            .fabric
+            .iter()
+            .map(|plane| plane.deregister(mem.id))
+            .fold(Ok(()), Result::and);
         deregistered
             .and(closed)
             .and(revoked.map_err(|e| Error::StillInUse(e.to_string())))
@@ -484,15 +495,16 @@ impl IoEngine {
         }
         let same_host = peer.host == self.host;
         let (local, conns) = self.open_connections(peer, same_host)?;
-        // The fabric address comes from the peer's hello, after it proved the secret.
-        let fabric = match &self.fabric {
-            Some(plane)
-                if (self.config.fabric == FabricMode::Always || !same_host)
-                    && !conns[0].peer_fabric().is_empty() =>
-            {
-                Some(plane.add_peer(conns[0].peer_fabric())?)
-            }
-            _ => None,
+        // The fabric addresses come from the peer's hello, after it proved the secret. Stripe
+        // i pairs this engine's endpoint i with the peer's endpoint i.
+        let fabric = if self.config.fabric == FabricMode::Always || !same_host {
+            self.fabric
+                .iter()
+                .zip(conns[0].peer_fabric())
+                .map(|(plane, address)| plane.add_peer(address))
+                .collect::<Result<Vec<u64>>>()?
+        } else {
+            Vec::new()
         };
         let old = self.peers.lock().map_err(|_| poisoned())?.insert(
             peer.name.clone(),
@@ -674,8 +686,8 @@ impl IoEngine {
             importer: &self.importer,
             timeout: self.config.timeout,
         };
-        let fabric = self.fabric.as_ref().map(|plane| FabricRoute {
-            plane,
+        let fabric = (!self.fabric.is_empty()).then(|| FabricRoute {
+            planes: &self.fabric,
             secret: &self.secret,
         });
         let stream = StreamPlane {

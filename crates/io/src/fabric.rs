@@ -17,7 +17,7 @@
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -119,20 +119,40 @@ pub fn choose_provider(wanted: Option<&str>, software_ok: bool) -> Result<Option
         .find(|p| software_ok || hardware(p)))
 }
 
-/// The domain (NIC) of `provider` an engine opens: `wanted` (or `MORI_FABRIC_NIC`) if given;
-/// else, with `gpu`, the provider's domain nearest that GPU in the PCIe tree (same switch, then
-/// same root complex, then same NUMA node); else None (the provider's first).
-pub fn choose_nic(
+/// Most NICs one engine stripes over (the hello's limit).
+const MAX_NICS: usize = mori_transport::wire::MAX_FABRIC_ENDPOINTS as usize;
+
+/// The domains (NICs) of `provider` an engine opens, one endpoint each, batches striped over
+/// them: `wanted` (or `MORI_FABRIC_NIC`), a comma-separated list, if given; else one: with
+/// `gpu`, the provider's domain nearest that GPU in the PCIe tree (same switch, then same root
+/// complex, then same NUMA node), else None (the provider's first).
+pub fn choose_nics(
     provider: &str,
     wanted: Option<&str>,
     gpu: Option<u32>,
-) -> Result<Option<String>> {
-    if let Some(nic) = wanted
+) -> Result<Vec<Option<String>>> {
+    if let Some(list) = wanted
         .map(str::to_string)
         .or_else(|| std::env::var("MORI_FABRIC_NIC").ok())
     {
-        return Ok(Some(nic));
+        let nics: Vec<Option<String>> = list
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(|n| Some(n.to_string()))
+            .collect();
+        if nics.is_empty() || nics.len() > MAX_NICS {
+            return Err(Error::InvalidArgument(format!(
+                "fabric_nic / MORI_FABRIC_NIC {list:?}: name 1 to {MAX_NICS} NICs, comma-separated"
+            )));
+        }
+        return Ok(nics);
     }
+    Ok(vec![nearest_nic(provider, gpu)?])
+}
+
+/// With `gpu`, the provider's domain nearest that GPU (None: the provider's first).
+fn nearest_nic(provider: &str, gpu: Option<u32>) -> Result<Option<String>> {
     let Some(gpu) = gpu else {
         return Ok(None);
     };
@@ -260,6 +280,8 @@ pub struct FabricPlane {
     provider: ProviderInfo,
     /// Regions staged rather than registered (read when a transfer picks its route).
     staged: Mutex<HashSet<u64>>,
+    /// Jobs (batch parts) queued so far.
+    jobs: AtomicU64,
 }
 
 impl FabricPlane {
@@ -316,6 +338,7 @@ impl FabricPlane {
                 name,
                 provider,
                 staged: Mutex::new(HashSet::new()),
+                jobs: AtomicU64::new(0),
             }),
             Err(e) => {
                 let _ = thread.join();
@@ -410,8 +433,14 @@ impl FabricPlane {
         })?
     }
 
+    /// Jobs queued on this endpoint so far.
+    pub fn jobs(&self) -> u64 {
+        self.jobs.load(Ordering::Relaxed)
+    }
+
     /// Queues a batch; its `finish` runs on the fabric thread.
     pub fn run(&self, job: FabricJob) {
+        self.jobs.fetch_add(1, Ordering::Relaxed);
         let ended = || Error::InvalidArgument("the fabric thread has ended".into());
         let Some(tx) = &self.commands else {
             return (job.finish)(Err(ended()));

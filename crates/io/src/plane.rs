@@ -129,27 +129,71 @@ impl Plane for IpcPlane<'_> {
     }
 }
 
-/// A peer reached over this engine's fabric endpoint, its region registered with its NIC:
-/// one-sided RMA posted by the fabric thread (this side's GPU memory through staging slots
-/// where the NIC cannot register it). A notified write sends its tag over the peer's
-/// connection once every operation is back.
+/// A peer reached over this engine's fabric endpoints, its region registered with its NICs:
+/// one-sided RMA posted by the fabric threads. With several endpoints (one per NIC) a batch is
+/// striped: its items are dealt to the endpoints by bytes (each to the least loaded), endpoint i
+/// talking to the peer's endpoint i. This side's GPU memory that no NIC registers goes through
+/// the first endpoint's staging slots. A notified write sends its tag over the peer's
+/// connection once every part is back.
 pub(crate) struct FabricRoute<'e> {
-    pub plane: &'e FabricPlane,
-    /// Unmasks the remote key the peer's descriptor carries.
+    pub planes: &'e [FabricPlane],
+    /// Unmasks the remote keys the peer's descriptor carries.
     pub secret: &'e Secret,
+}
+
+/// What the parts of one striped batch share: the parts still running and the first failure.
+struct Parts {
+    left: std::sync::atomic::AtomicUsize,
+    failure: std::sync::Mutex<Option<Error>>,
+}
+
+/// Deals the items of a batch to `k` stripes, each item to the stripe with the fewest bytes so
+/// far: the stripes' batches and the items each holds.
+fn stripe(batch: &Batch, k: usize) -> Result<Vec<Batch>> {
+    // SAFETY: this is the submitting call, during which a borrowed batch's arrays are not
+    // written (Batch::borrowed's contract); the stripes copy what they keep.
+    let (local, remote, sizes) = unsafe { batch.slices() };
+    let mut bytes = vec![0u64; k];
+    let mut items: Vec<Vec<usize>> = vec![Vec::new(); k];
+    for (i, &size) in sizes.iter().enumerate() {
+        let p = (0..k)
+            .min_by_key(|&p| bytes[p])
+            .expect("at least one stripe");
+        bytes[p] += size;
+        items[p].push(i);
+    }
+    items
+        .into_iter()
+        .map(|idx| {
+            let pick = |a: &[u64]| idx.iter().map(|&i| a[i]).collect::<Vec<u64>>();
+            Batch::owned(pick(local), pick(remote), pick(sizes))
+        })
+        .collect()
 }
 
 impl Plane for FabricRoute<'_> {
     fn offer<'a>(&self, o: Offer<'a>) -> Result<Taken<'a>> {
-        let (Some(handle), Some(remote_fabric)) = (o.peer.fabric, o.remote.fabric) else {
+        let stripes = o
+            .peer
+            .fabric
+            .len()
+            .min(o.remote.fabric.len())
+            .min(self.planes.len());
+        if stripes == 0 {
             return Ok(Taken::Declined(o));
-        };
-        let staged = self.plane.is_staged(o.local.region().id);
+        }
+        let staged = self.planes[0].is_staged(o.local.region().id);
         if staged && o.local.region().independent {
             // Staging copies are ordered with the legacy default stream; an independent
             // region's must not be: the stream plane copies it on a stream of its own.
             return Ok(Taken::Declined(o));
         }
+        // Staged memory goes through one endpoint's slots; so does a batch of one item.
+        let stripes = if staged || o.batch.len() < 2 {
+            1
+        } else {
+            stripes
+        };
         let route = if staged {
             Route::FabricStaged
         } else {
@@ -160,29 +204,62 @@ impl Plane for FabricRoute<'_> {
         let tag = o.notify.map(<[u8]>::to_vec);
         let remote = o.remote;
         let (remote_id, remote_key) = (remote.id, remote.key);
-        let (local, peer) = (o.local.clone(), o.peer);
-        let finish: fabric::Finish = Box::new(move |outcome| match (outcome, tag) {
+        let (local, peer) = (o.local.clone(), o.peer.clone());
+        // Runs once, when the last part is back.
+        let complete = move |outcome: Result<()>| match (outcome, tag) {
             (Err(e), _) => done.part_done(Err(&e)),
             (Ok(()), Some(tag)) => send_tag(&peer, remote_id, remote_key, local, tag, done),
             (Ok(()), None) => done.part_done(Ok(())),
-        });
-        self.plane.run(FabricJob {
-            op: match o.op {
-                Op::Read => Rma::Read,
-                Op::Write => Rma::Write,
-            },
-            local: o.local,
-            peer: handle,
+        };
+        let op = match o.op {
+            Op::Read => Rma::Read,
+            Op::Write => Rma::Write,
+        };
+        let mask = fabric::mask(self.secret, remote.instance, remote.id, remote.key);
+        let job = |i: usize, batch: Batch, finish: fabric::Finish| FabricJob {
+            op,
+            local: o.local.clone(),
+            peer: o.peer.fabric[i],
             peer_name: remote.engine.clone(),
             remote: RemoteRegion {
-                base: remote_fabric.base,
+                base: remote.fabric[i].base,
                 len: remote.len,
-                key: remote_fabric.masked_key
-                    ^ fabric::mask(self.secret, remote.instance, remote.id, remote.key),
+                key: remote.fabric[i].masked_key ^ mask,
             },
-            batch: Arc::new(o.batch),
+            batch: Arc::new(batch),
             finish,
+        };
+        if stripes == 1 {
+            self.planes[0].run(job(0, o.batch, Box::new(complete)));
+            return Ok(Taken::Launched(transfer));
+        }
+        let parts = stripe(&o.batch, stripes)?;
+        let shared = Arc::new(Parts {
+            left: std::sync::atomic::AtomicUsize::new(parts.len()),
+            failure: std::sync::Mutex::new(None),
         });
+        let complete = Arc::new(std::sync::Mutex::new(Some(complete)));
+        for (i, part) in parts.into_iter().enumerate() {
+            let (shared, complete) = (shared.clone(), complete.clone());
+            let finish: fabric::Finish = Box::new(move |outcome: Result<()>| {
+                if let Err(e) = outcome
+                    && let Ok(mut f) = shared.failure.lock()
+                {
+                    f.get_or_insert(e);
+                }
+                if shared
+                    .left
+                    .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
+                    == 1
+                {
+                    let failure = shared.failure.lock().ok().and_then(|mut f| f.take());
+                    if let Some(run) = complete.lock().ok().and_then(|mut c| c.take()) {
+                        run(failure.map_or(Ok(()), Err));
+                    }
+                }
+            });
+            self.planes[i].run(job(i, part, finish));
+        }
         Ok(Taken::Launched(transfer))
     }
 }

@@ -47,8 +47,9 @@ fn memory() -> impl Strategy<Value = MemoryDesc> {
         (0..=i32::MAX as u32).prop_map(Location::Cuda)
     ];
     let ipc = prop::option::of(prop::collection::vec(any::<u8>(), 0..300));
-    let fabric = prop::option::of(
+    let fabric = prop::collection::vec(
         (any::<u64>(), any::<u64>()).prop_map(|(base, masked_key)| FabricDesc { base, masked_key }),
+        0..4,
     );
     (
         name(),
@@ -79,7 +80,7 @@ fn bytes() -> impl Strategy<Value = Vec<u8>> {
         prop_oneof![any::<u8>(), Just(0u8), Just(0xff), Just(0x10)],
         0..128,
     );
-    (prop::sample::select(vec![&b"MIE2"[..], b"MIM3", b""]), tail)
+    (prop::sample::select(vec![&b"MIE2"[..], b"MIM4", b""]), tail)
         .prop_map(|(tag, tail)| [tag, &tail[..]].concat())
 }
 

@@ -20,6 +20,11 @@ fn secret() -> Secret {
 
 /// Engines on the fabric route, or None (after saying why) where libfabric is missing.
 fn engines(tag: &str) -> Option<(IoEngine, IoEngine)> {
+    engines_on(tag, None)
+}
+
+/// [`engines`] with their endpoints on `nics` (a `fabric_nic` list).
+fn engines_on(tag: &str, nics: Option<&str>) -> Option<(IoEngine, IoEngine)> {
     if let Err(e) = mori_net::fabric::providers() {
         if std::env::var("MORI_REQUIRE_LIBFABRIC").is_ok_and(|v| v == "1") {
             panic!("MORI_REQUIRE_LIBFABRIC=1 but libfabric is unavailable: {e}");
@@ -35,6 +40,7 @@ fn engines(tag: &str) -> Option<(IoEngine, IoEngine)> {
                 same_host_direct: false,
                 fabric: FabricMode::Always,
                 fabric_provider: Some(PROVIDER.into()),
+                fabric_nic: nics.map(str::to_string),
                 secret: Some(secret()),
                 ..Default::default()
             },
@@ -73,7 +79,7 @@ fn random_batches_move_byte_exact_over_the_fabric_route() {
         let rm = b
             .register(remote.as_mut_ptr() as u64, rlen, Location::Host)
             .unwrap();
-        assert!(lm.fabric.is_some() && rm.fabric.is_some());
+        assert!(!lm.fabric.is_empty() && !rm.fabric.is_empty());
         let sent = local.clone();
         let t = a
             .transfer(Op::Write, &lm, &loff, &rm, &roff, &sizes, Some(b"landed"))
@@ -114,6 +120,104 @@ fn random_batches_move_byte_exact_over_the_fabric_route() {
     }
 }
 
+#[test]
+fn batches_are_striped_over_several_endpoints_byte_exact() {
+    // The loopback domain twice: two endpoints of one NIC stand in for two NICs (this machine
+    // has one); the striping, pairing and completion are the same.
+    let Ok(providers) = mori_net::fabric::providers() else {
+        let _ = engines("striped-skip"); // says why, or fails under MORI_REQUIRE_LIBFABRIC
+        return;
+    };
+    let lo = providers
+        .iter()
+        .find(|p| p.provider == PROVIDER && p.fabric.starts_with("127."))
+        .map(|p| p.domain.clone())
+        .expect("the tcp provider lists a loopback domain");
+    let nics = format!("{lo},{lo}");
+    let (a, b) = engines_on("striped", Some(&nics)).unwrap();
+    assert_eq!(a.fabric_nics(), [lo.as_str(), lo.as_str()]);
+    let mut rng = Lcg(random_seed("fabric-striped"));
+    for (n, max) in [(2usize, 3 << 20), (1000, 70_000), (16_384, 300)] {
+        let sizes: Vec<u64> = (0..n).map(|_| 1 + rng.next() % max).collect();
+        let (loff, llen) = rng.layout(&sizes);
+        let (roff, rlen) = rng.layout(&sizes);
+        let mut local = rng.bytes(llen as usize);
+        let mut remote = rng.bytes(rlen as usize);
+        let lm = a
+            .register(local.as_mut_ptr() as u64, llen, Location::Host)
+            .unwrap();
+        let rm = b
+            .register(remote.as_mut_ptr() as u64, rlen, Location::Host)
+            .unwrap();
+        assert_eq!(
+            (lm.fabric.len(), rm.fabric.len()),
+            (2, 2),
+            "one registration per NIC"
+        );
+        let jobs = a.fabric_jobs();
+        let sent = local.clone();
+        let t = a
+            .transfer(Op::Write, &lm, &loff, &rm, &roff, &sizes, Some(b"striped"))
+            .unwrap();
+        assert_eq!(t.route(), Route::Fabric);
+        t.wait(None).unwrap();
+        let after = a.fabric_jobs();
+        assert!(
+            after[0] > jobs[0] && after[1] > jobs[1],
+            "both endpoints carry a part: {jobs:?} -> {after:?}"
+        );
+        for i in 0..n {
+            let (l, r, s) = (loff[i] as usize, roff[i] as usize, sizes[i] as usize);
+            assert_eq!(
+                &remote[r..r + s],
+                &sent[l..l + s],
+                "write, {n} blocks, item {i}"
+            );
+        }
+        // The notification comes once, after every part.
+        let notes = b.take_notifications();
+        assert_eq!(notes.len(), 1);
+        assert_eq!(&notes[0].tag[..], b"striped");
+        let fresh = rng.bytes(rlen as usize);
+        remote.copy_from_slice(&fresh);
+        let t = a
+            .transfer(Op::Read, &lm, &loff, &rm, &roff, &sizes, None)
+            .unwrap();
+        t.wait(None).unwrap();
+        for i in 0..n {
+            let (l, r, s) = (loff[i] as usize, roff[i] as usize, sizes[i] as usize);
+            assert_eq!(
+                &local[l..l + s],
+                &fresh[r..r + s],
+                "read, {n} blocks, item {i}"
+            );
+        }
+        a.deregister(&lm).unwrap();
+        b.deregister(&rm).unwrap();
+    }
+    // A part that fails fails the whole transfer: a region deregistered on the target under a
+    // striped write.
+    let mut local = rng.bytes(8 << 20);
+    let mut remote = vec![0u8; 8 << 20];
+    let lm = a
+        .register(local.as_mut_ptr() as u64, 8 << 20, Location::Host)
+        .unwrap();
+    let rm = b
+        .register(remote.as_mut_ptr() as u64, 8 << 20, Location::Host)
+        .unwrap();
+    b.deregister(&rm).unwrap();
+    let offs: Vec<u64> = (0..8).map(|i| i << 20).collect();
+    let t = a
+        .transfer(Op::Write, &lm, &offs, &rm, &offs, &[1 << 20; 8], None)
+        .unwrap();
+    assert!(
+        t.wait(None).is_err(),
+        "a striped write into a closed region succeeded"
+    );
+    assert!(remote.iter().all(|&x| x == 0));
+    a.deregister(&lm).unwrap();
+}
+
 /// What the attacker process (`attacker_process`) does with one attempt: 4096 bytes at offset
 /// 0 of the region, with this key.
 #[derive(Clone, Copy)]
@@ -137,8 +241,8 @@ struct Outcome {
 fn attack(engine: &IoEngine, m: &MemoryDesc, attempts: &[Attempt]) -> Vec<Outcome> {
     let mut orders = format!(
         "{} {} {}",
-        hex::encode(engine.fabric_address().unwrap()),
-        m.fabric.unwrap().base,
+        hex::encode(engine.fabric_addresses()[0]),
+        m.fabric[0].base,
         m.len
     );
     for a in attempts {
@@ -256,7 +360,7 @@ fn a_descriptor_without_the_secret_reaches_nothing() {
             Location::Host,
         )
         .unwrap();
-    let masked = m.fabric.unwrap().masked_key;
+    let masked = m.fabric[0].masked_key;
     let real = masked ^ fabric_key_mask(&secret(), m.instance, m.id, m.key);
     // The descriptor's key as it travels, and keys near it: refused, nothing written or read.
     let forged = [masked, masked ^ 1, m.key, 0];
@@ -305,7 +409,7 @@ fn a_descriptor_without_the_secret_reaches_nothing() {
     // Deregistered through a copy of the descriptor without its fabric part: the fabric
     // registration is closed all the same.
     b.deregister(&MemoryDesc {
-        fabric: None,
+        fabric: Vec::new(),
         ..m.clone()
     })
     .unwrap();
@@ -348,8 +452,7 @@ fn read_only_regions_refuse_writes_and_a_stale_descriptor_fails() {
         .unwrap_err();
     assert!(err.to_string().contains("read-only"), "{err}");
     // The provider refuses too, for a holder of the real key (the registration's access).
-    let real =
-        rom.fabric.unwrap().masked_key ^ fabric_key_mask(&secret(), rom.instance, rom.id, rom.key);
+    let real = rom.fabric[0].masked_key ^ fabric_key_mask(&secret(), rom.instance, rom.id, rom.key);
     let refused = attack(
         &b,
         &rom,

@@ -202,7 +202,8 @@ impl IoEngine {
 
     #[getter]
     fn fabric_nic(&self) -> Option<String> {
-        self.inner.fabric_nic().map(str::to_string)
+        let nics = self.inner.fabric_nics();
+        (!nics.is_empty()).then(|| nics.join(","))
     }
 
     /// Registers `nbytes` at `ptr` (device -1 = host memory); returns the memory descriptor.
@@ -332,7 +333,7 @@ pub fn io_memory_desc_info(mem: &[u8]) -> Result<(String, u64, u64, i32, bool, b
         m.location.encode(),
         m.ipc.is_some(),
         m.writable,
-        m.fabric.is_some(),
+        !m.fabric.is_empty(),
     ))
 }
 

@@ -146,8 +146,8 @@ pub struct Connection {
     local: bool,
     /// The process serving the peer's same-host socket, as the kernel named it.
     peer_pid: Option<u32>,
-    /// The peer's fabric endpoint address, from its hello (empty: it has none).
-    peer_fabric: Vec<u8>,
+    /// The peer's fabric endpoint addresses, from its hello (empty: it has none).
+    peer_fabric: Vec<Vec<u8>>,
     stream: Arc<Stream>,
 }
 
@@ -314,7 +314,7 @@ impl Connection {
 
     /// The peer's fabric endpoint address as its hello gave it, after it proved the secret
     /// (empty: it has none).
-    pub fn peer_fabric(&self) -> &[u8] {
+    pub fn peer_fabric(&self) -> &[Vec<u8>] {
         &self.peer_fabric
     }
 

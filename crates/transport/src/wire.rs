@@ -1,7 +1,9 @@
 //! Frames of the mori.io data plane (little-endian), after the mori-auth handshake.
 //!
-//! hello:    "MIOH" | version u8 | instance u64 | name_len u32 | name | fabric_len u32 | fabric
-//!           (each side, once; fabric: the engine's libfabric endpoint address, may be empty)
+//! hello:    "MIOH" | version u8 | instance u64 | name_len u32 | name | endpoints u32
+//!           | endpoints × (len u32 | address)
+//!           (each side, once; the engine's libfabric endpoint addresses, one per NIC it stripes
+//!           over, in order; none when it has no fabric endpoint)
 //! request:  "MIOQ" | kind u8 | id u64 | region u64 | key u64 | items u32 | notify_len u32
 //!           | items × (offset u64, len u64) | notify
 //!           | kind 1 (write): payload (items' bytes)
@@ -20,13 +22,15 @@ use crate::error::{Code, Error, Result};
 pub const HELLO: [u8; 4] = *b"MIOH";
 pub const REQUEST: [u8; 4] = *b"MIOQ";
 pub const RESPONSE: [u8; 4] = *b"MIOR";
-/// 3: the hello carries the fabric endpoint address.
-pub const VERSION: u8 = 3;
+/// 3: the hello carries the fabric endpoint address. 4: a list of them (one per NIC).
+pub const VERSION: u8 = 4;
 pub const MAX_ITEMS: u32 = 1 << 20;
 pub const MAX_NOTIFY: u32 = 64 << 10;
 const MAX_NAME: u32 = 4096;
 /// Longest fabric endpoint address in a hello (libfabric's are at most a few dozen bytes).
 const MAX_FABRIC_NAME: u32 = 1024;
+/// Most fabric endpoints (NICs) one engine stripes over.
+pub const MAX_FABRIC_ENDPOINTS: u32 = 16;
 const MAX_MSG: u32 = 64 << 10;
 /// Items read per step, so a header that claims many items costs memory only as they arrive.
 const ITEMS_PER_READ: usize = 4096;
@@ -71,10 +75,10 @@ pub struct Item {
 pub struct Hello {
     pub name: String,
     pub instance: u64,
-    /// The address of the engine's fabric endpoint (libfabric `fi_getname`), empty when it
-    /// has none. Sent only after the peer proved the secret: what a forged descriptor cannot
-    /// redirect.
-    pub fabric: Vec<u8>,
+    /// The addresses of the engine's fabric endpoints (libfabric `fi_getname`), one per NIC in
+    /// the order its descriptors list their registrations; empty when it has none. Sent only
+    /// after the peer proved the secret: what a forged descriptor cannot redirect.
+    pub fabric: Vec<Vec<u8>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,7 +138,10 @@ pub fn write_hello(w: &mut impl Write, me: &Hello) -> Result<()> {
     out.extend_from_slice(&(me.name.len() as u32).to_le_bytes());
     out.extend_from_slice(me.name.as_bytes());
     out.extend_from_slice(&(me.fabric.len() as u32).to_le_bytes());
-    out.extend_from_slice(&me.fabric);
+    for address in &me.fabric {
+        out.extend_from_slice(&(address.len() as u32).to_le_bytes());
+        out.extend_from_slice(address);
+    }
     w.write_all(&out)
         .and_then(|()| w.flush())
         .map_err(ioe("sending hello"))
@@ -159,12 +166,20 @@ pub fn read_hello(r: &mut impl Read) -> Result<Hello> {
     let mut name = vec![0u8; len as usize];
     r.read_exact(&mut name).map_err(ioe("reading hello"))?;
     let name = String::from_utf8(name).map_err(|_| bad("hello name is not UTF-8"))?;
-    let len = u32::from_le_bytes(read_array(r).map_err(ioe("reading hello"))?);
-    if len > MAX_FABRIC_NAME {
-        return Err(bad("hello fabric address too long"));
+    let endpoints = u32::from_le_bytes(read_array(r).map_err(ioe("reading hello"))?);
+    if endpoints > MAX_FABRIC_ENDPOINTS {
+        return Err(bad("hello lists too many fabric endpoints"));
     }
-    let mut fabric = vec![0u8; len as usize];
-    r.read_exact(&mut fabric).map_err(ioe("reading hello"))?;
+    let mut fabric = Vec::with_capacity(endpoints as usize);
+    for _ in 0..endpoints {
+        let len = u32::from_le_bytes(read_array(r).map_err(ioe("reading hello"))?);
+        if len > MAX_FABRIC_NAME {
+            return Err(bad("hello fabric address too long"));
+        }
+        let mut address = vec![0u8; len as usize];
+        r.read_exact(&mut address).map_err(ioe("reading hello"))?;
+        fabric.push(address);
+    }
     Ok(Hello {
         name,
         instance,
@@ -361,12 +376,31 @@ mod tests {
         let me = Hello {
             name: "engine-a".into(),
             instance: 42,
-            fabric: vec![2, 0, 0x1f, 0x90, 127, 0, 0, 1],
+            fabric: vec![vec![2, 0, 0x1f, 0x90, 127, 0, 0, 1], vec![2, 0, 0x1f, 0x91]],
         };
         let mut hello = Vec::new();
         write_hello(&mut hello, &me).unwrap();
         assert_eq!(read_hello(&mut hello.as_slice()).unwrap(), me);
+        for cut in 0..hello.len() {
+            assert!(
+                read_hello(&mut &hello[..cut]).is_err(),
+                "a hello cut at {cut}"
+            );
+        }
+        let none = Hello {
+            fabric: Vec::new(),
+            ..me.clone()
+        };
+        let mut hello = Vec::new();
+        write_hello(&mut hello, &none).unwrap();
+        assert_eq!(read_hello(&mut hello.as_slice()).unwrap(), none);
         assert!(read_hello(&mut b"XXXX".as_slice()).is_err());
+        // A count past the limit is refused before anything is allocated for it.
+        let mut many = Vec::new();
+        write_hello(&mut many, &none).unwrap();
+        let at = many.len() - 4;
+        many[at..].copy_from_slice(&(MAX_FABRIC_ENDPOINTS + 1).to_le_bytes());
+        assert!(read_hello(&mut many.as_slice()).is_err());
     }
 
     #[test]

@@ -1244,7 +1244,7 @@ mod tests {
             location: Location::Host,
             writable: true,
             ipc: None,
-            fabric: None,
+            fabric: Vec::new(),
         };
         for id in 0..32 {
             let err = read_remote(&rogue, &probe(id, data.arena.1), 0, 16).unwrap_err();

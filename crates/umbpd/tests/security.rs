@@ -312,7 +312,7 @@ fn the_data_plane_refuses_engines_on_other_hosts() {
         location: Location::Host,
         writable: true,
         ipc: None,
-        fabric: None,
+        fabric: Vec::new(),
     }
     .to_bytes();
     let rt = runtime();
