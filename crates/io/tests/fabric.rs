@@ -52,22 +52,18 @@ fn engines_on(tag: &str, nics: Option<&str>) -> Option<(IoEngine, IoEngine)> {
     Some((a, b))
 }
 
-#[test]
-fn random_batches_move_byte_exact_over_the_fabric_route() {
-    let Some((a, b)) = engines("random") else {
-        return;
-    };
-    assert_eq!(a.fabric_provider(), Some(PROVIDER));
-    let mut rng = Lcg(random_seed("fabric-random"));
-    // Up to 16384 blocks, unaligned; the last shape has an item larger than one operation.
-    let shapes: [(usize, u64); 5] = [
-        (1, 1),
-        (3, 5000),
-        (100, 70_000),
-        (16_384, 300),
-        (2, 9 << 20),
-    ];
-    for (n, max) in shapes {
+/// Writes (notified) then reads random batches of each shape between `a` and `b`, checking
+/// every item byte for byte, the route, and the one notification; `before` runs with the two
+/// descriptors before each write, and `after` with what it returned once the write is done.
+fn round_trips<S>(
+    a: &IoEngine,
+    b: &IoEngine,
+    rng: &mut Lcg,
+    shapes: &[(usize, u64)],
+    before: impl Fn(&MemoryDesc, &MemoryDesc) -> S,
+    after: impl Fn(S),
+) {
+    for &(n, max) in shapes {
         let sizes: Vec<u64> = (0..n).map(|_| 1 + rng.next() % max).collect();
         let (loff, llen) = rng.layout(&sizes);
         let (roff, rlen) = rng.layout(&sizes);
@@ -80,12 +76,14 @@ fn random_batches_move_byte_exact_over_the_fabric_route() {
             .register(remote.as_mut_ptr() as u64, rlen, Location::Host)
             .unwrap();
         assert!(!lm.fabric.is_empty() && !rm.fabric.is_empty());
+        let state = before(&lm, &rm);
         let sent = local.clone();
         let t = a
             .transfer(Op::Write, &lm, &loff, &rm, &roff, &sizes, Some(b"landed"))
             .unwrap();
         assert_eq!(t.route(), Route::Fabric, "{n} blocks");
         t.wait(None).unwrap();
+        after(state);
         for i in 0..n {
             let (l, r, s) = (loff[i] as usize, roff[i] as usize, sizes[i] as usize);
             assert_eq!(
@@ -94,6 +92,7 @@ fn random_batches_move_byte_exact_over_the_fabric_route() {
                 "write, {n} blocks, item {i}"
             );
         }
+        // The notification comes once, after every byte.
         let notes = b.take_notifications();
         assert_eq!(notes.len(), 1);
         assert_eq!(
@@ -121,6 +120,24 @@ fn random_batches_move_byte_exact_over_the_fabric_route() {
 }
 
 #[test]
+fn random_batches_move_byte_exact_over_the_fabric_route() {
+    let Some((a, b)) = engines("random") else {
+        return;
+    };
+    assert_eq!(a.fabric_provider(), Some(PROVIDER));
+    let mut rng = Lcg(random_seed("fabric-random"));
+    // Up to 16384 blocks, unaligned; the last shape has an item larger than one operation.
+    let shapes = [
+        (1, 1),
+        (3, 5000),
+        (100, 70_000),
+        (16_384, 300),
+        (2, 9 << 20),
+    ];
+    round_trips(&a, &b, &mut rng, &shapes, |_, _| (), |()| ());
+}
+
+#[test]
 fn batches_are_striped_over_several_endpoints_byte_exact() {
     // The loopback domain twice: two endpoints of one NIC stand in for two NICs (this machine
     // has one); the striping, pairing and completion are the same.
@@ -137,64 +154,28 @@ fn batches_are_striped_over_several_endpoints_byte_exact() {
     let (a, b) = engines_on("striped", Some(&nics)).unwrap();
     assert_eq!(a.fabric_nics(), [lo.as_str(), lo.as_str()]);
     let mut rng = Lcg(random_seed("fabric-striped"));
-    for (n, max) in [(2usize, 3 << 20), (1000, 70_000), (16_384, 300)] {
-        let sizes: Vec<u64> = (0..n).map(|_| 1 + rng.next() % max).collect();
-        let (loff, llen) = rng.layout(&sizes);
-        let (roff, rlen) = rng.layout(&sizes);
-        let mut local = rng.bytes(llen as usize);
-        let mut remote = rng.bytes(rlen as usize);
-        let lm = a
-            .register(local.as_mut_ptr() as u64, llen, Location::Host)
-            .unwrap();
-        let rm = b
-            .register(remote.as_mut_ptr() as u64, rlen, Location::Host)
-            .unwrap();
-        assert_eq!(
-            (lm.fabric.len(), rm.fabric.len()),
-            (2, 2),
-            "one registration per NIC"
-        );
-        let jobs = a.fabric_jobs();
-        let sent = local.clone();
-        let t = a
-            .transfer(Op::Write, &lm, &loff, &rm, &roff, &sizes, Some(b"striped"))
-            .unwrap();
-        assert_eq!(t.route(), Route::Fabric);
-        t.wait(None).unwrap();
-        let after = a.fabric_jobs();
-        assert!(
-            after[0] > jobs[0] && after[1] > jobs[1],
-            "both endpoints carry a part: {jobs:?} -> {after:?}"
-        );
-        for i in 0..n {
-            let (l, r, s) = (loff[i] as usize, roff[i] as usize, sizes[i] as usize);
+    let shapes = [(2, 3 << 20), (1000, 70_000), (16_384, 300)];
+    round_trips(
+        &a,
+        &b,
+        &mut rng,
+        &shapes,
+        |lm, rm| {
             assert_eq!(
-                &remote[r..r + s],
-                &sent[l..l + s],
-                "write, {n} blocks, item {i}"
+                (lm.fabric.len(), rm.fabric.len()),
+                (2, 2),
+                "one registration per NIC"
             );
-        }
-        // The notification comes once, after every part.
-        let notes = b.take_notifications();
-        assert_eq!(notes.len(), 1);
-        assert_eq!(&notes[0].tag[..], b"striped");
-        let fresh = rng.bytes(rlen as usize);
-        remote.copy_from_slice(&fresh);
-        let t = a
-            .transfer(Op::Read, &lm, &loff, &rm, &roff, &sizes, None)
-            .unwrap();
-        t.wait(None).unwrap();
-        for i in 0..n {
-            let (l, r, s) = (loff[i] as usize, roff[i] as usize, sizes[i] as usize);
-            assert_eq!(
-                &local[l..l + s],
-                &fresh[r..r + s],
-                "read, {n} blocks, item {i}"
+            a.fabric_jobs()
+        },
+        |before| {
+            let after = a.fabric_jobs();
+            assert!(
+                after[0] > before[0] && after[1] > before[1],
+                "both endpoints carry a part: {before:?} -> {after:?}"
             );
-        }
-        a.deregister(&lm).unwrap();
-        b.deregister(&rm).unwrap();
-    }
+        },
+    );
     // A part that fails fails the whole transfer: a region deregistered on the target under a
     // striped write.
     let mut local = rng.bytes(8 << 20);
