@@ -40,6 +40,7 @@ struct State {
     u64 heap_size;
     u64 peer_base[MAX_PES];  // where each PE's heap is mapped here; 0 = not load/store reachable
     u64 proxy_ring;          // the proxy's ring (ProxyRing, pinned host memory); 0 = no proxy
+    u64 proxy_timeout_ns;    // a wait through the proxy gives up after this (the session's timeout)
 };
 
 // Internal area at the start of every heap (crates/shmem/src/state.rs keeps the same numbers).
@@ -82,6 +83,9 @@ enum ProxyOp : u32 {
 };
 enum ProxyUpdate : u32 { UPDATE_SET = 0, UPDATE_ADD = 1, UPDATE_AND = 2, UPDATE_OR = 3, UPDATE_XOR = 4 };
 enum ProxyMisuse : u64 { MISUSE_NOT_ON_HEAP = 1, MISUSE_NO_RETURN_PATH = 2 };
+// The ring's error when a GPU wait through the proxy timed out: PROXY_TIMED_OUT + where.
+constexpr u64 PROXY_TIMED_OUT = 0x100;
+enum ProxyWait : u64 { WAIT_SLOT = 1, WAIT_REQUEST = 2, WAIT_QUIET = 3, WAIT_BARRIER = 4, WAIT_SIGNAL = 5 };
 
 enum Cmp : int { CMP_EQ = 0, CMP_NE = 1, CMP_GT = 2, CMP_GE = 3, CMP_LT = 4, CMP_LE = 5 };
 enum SignalOp : int { SIGNAL_SET = 0, SIGNAL_ADD = 1 };
@@ -136,6 +140,36 @@ __device__ __forceinline__ bool proxy_failed() {
     return r && detail::ld_acquire_sys(&r->error) != 0;
 }
 
+namespace detail {
+__device__ __forceinline__ u64 now_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// Watches one wait while PEs are reached through the proxy: it ends once the proxy failed, or
+// after the session's timeout, which it reports in the ring (the host raises "timed out",
+// naming the wait) instead of spinning forever. A wait for a user's signal (WAIT_SIGNAL) has no
+// timeout: it may legitimately last as long as the program wants. Without a proxy it never
+// ends a wait.
+struct ProxyWatch {
+    u64 start;
+    u32 polls;
+    u32 where;
+    __device__ explicit ProxyWatch(u32 w) : start(0), polls(0), where(w) {}
+    __device__ bool expired() {
+        ProxyRing* r = proxy();
+        if (!r || (++polls & 255u) != 0) return false;
+        if (ld_acquire_sys(&r->error) != 0) return true;
+        if (where == WAIT_SIGNAL) return false;
+        const u64 now = now_ns();
+        if (start == 0) start = now;
+        if (now - start < mori_shmem_state.proxy_timeout_ns) return false;
+        asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(&r->error), "l"(PROXY_TIMED_OUT + where) : "memory");
+        return true;
+    }
+};
+}  // namespace detail
+
 // Whether `pe` is reached through the proxy (a valid PE this GPU cannot load/store).
 __device__ __forceinline__ bool via_proxy(int pe) {
     const State& s = mori_shmem_state;
@@ -147,8 +181,9 @@ __device__ __forceinline__ u64 proxy_post(u32 op, int pe, u64 dst, u64 src, u64 
     ProxyRing* r = detail::proxy();
     u64* tickets = reinterpret_cast<u64*>(mori_shmem_state.heap_base + PROXY_TICKETS_OFFSET);
     const u64 t = atomicAdd(reinterpret_cast<unsigned long long*>(tickets), 1ull);
+    detail::ProxyWatch watch(WAIT_SLOT);
     while (t >= detail::ld_acquire_sys(&r->consumed) + PROXY_SLOTS) {
-        if (proxy_failed()) return t;
+        if (watch.expired()) return t;
     }
     volatile ProxyEntry* e = &r->entries[t % PROXY_SLOTS];
     e->op = op;
@@ -167,7 +202,8 @@ __device__ __forceinline__ u64 proxy_post(u32 op, int pe, u64 dst, u64 src, u64 
 // Waits until request `t` is done (or the proxy failed).
 __device__ __forceinline__ void proxy_wait(u64 t) {
     ProxyRing* r = detail::proxy();
-    while (detail::ld_acquire_sys(&r->completed) <= t && !proxy_failed()) {
+    detail::ProxyWatch watch(WAIT_REQUEST);
+    while (detail::ld_acquire_sys(&r->completed) <= t && !watch.expired()) {
     }
 }
 
@@ -177,7 +213,8 @@ __device__ __forceinline__ void proxy_quiet() {
     if (!r) return;
     u64* tickets = reinterpret_cast<u64*>(mori_shmem_state.heap_base + PROXY_TICKETS_OFFSET);
     const u64 taken = atomicAdd(reinterpret_cast<unsigned long long*>(tickets), 0ull);
-    while (detail::ld_acquire_sys(&r->completed) < taken && !proxy_failed()) {
+    detail::ProxyWatch watch(WAIT_QUIET);
+    while (detail::ld_acquire_sys(&r->completed) < taken && !watch.expired()) {
     }
 }
 
@@ -548,8 +585,8 @@ __device__ __forceinline__ T wait_until(T* ivar, int cmp, T value) {
     static_assert(sizeof(T) == 4 || sizeof(T) == 8, "wait_until works on 32- and 64-bit words");
     // Every poll is an acquire load. Measured on 2xH200 (benches/NOTES.md): relaxed polling
     // followed by an acquire fence or an acquire re-load made the put+signal round trip slower.
-    const bool proxied = detail::proxy() != nullptr;
-    for (unsigned polls = 1;; ++polls) {
+    detail::ProxyWatch watch(WAIT_SIGNAL);
+    for (;;) {
         T seen;
         if constexpr (sizeof(T) == 8) {
             const u64 raw = load_acquire(reinterpret_cast<const u64*>(ivar));
@@ -560,7 +597,7 @@ __device__ __forceinline__ T wait_until(T* ivar, int cmp, T value) {
         }
         if (compare(seen, cmp, value)) return seen;
         // A PE on another node may never signal once the proxy failed (lost peer): give up.
-        if (proxied && (polls & 1023u) == 0 && proxy_failed()) return seen;
+        if (watch.expired()) return seen;
     }
 }
 __device__ __forceinline__ u64 signal_wait_until(u64* sig, int cmp, u64 value) { return wait_until(sig, cmp, value); }
@@ -677,10 +714,11 @@ __device__ __forceinline__ void barrier_all_block() {
                 proxy_update(flags + s.my_pe, epoch, UPDATE_SET, 8, pe);
             }
         }
+        detail::ProxyWatch watch(WAIT_BARRIER);
         for (int pe = 0; pe < s.n_pes; ++pe) {
             if (s.peer_base[pe] || via_proxy(pe)) {
                 while (load_acquire(flags + pe) < epoch) {
-                    if (proxy_failed()) break;
+                    if (watch.expired()) break;
                 }
             }
         }

@@ -285,6 +285,7 @@ impl Shmem {
             heap_size: heap.size(),
             peer_base,
             proxy_ring: proxy.as_ref().map_or(0, Proxy::ring_addr),
+            proxy_timeout_ns: u64::try_from(bootstrap.timeout().as_nanos()).unwrap_or(u64::MAX),
         };
         let allocator = SymmetricAllocator::new(INTERNAL_BYTES, heap.size());
         bootstrap.barrier()?;

@@ -29,6 +29,8 @@ pub struct DeviceState {
     pub peer_base: [u64; MAX_PES],
     /// The proxy's ring (pinned host memory the GPU maps); 0 = no proxy (one node).
     pub proxy_ring: u64,
+    /// A GPU wait through the proxy gives up (and reports it) after this many nanoseconds.
+    pub proxy_timeout_ns: u64,
 }
 
 impl DeviceState {
@@ -50,10 +52,11 @@ mod tests {
 
     #[test]
     fn layout_matches_the_device_header() {
-        // 4 ints + heap_base + heap_size + the peer table + the proxy ring; no padding.
+        // 4 ints + heap_base + heap_size + the peer table + the proxy ring and timeout; no
+        // padding.
         assert_eq!(
             std::mem::size_of::<DeviceState>(),
-            16 + 16 + 8 * MAX_PES + 8
+            16 + 16 + 8 * MAX_PES + 16
         );
         assert_eq!(std::mem::offset_of!(DeviceState, heap_base), 16);
         assert_eq!(std::mem::offset_of!(DeviceState, peer_base), 32);
@@ -65,6 +68,7 @@ mod tests {
         assert!(header.contains(&format!("constexpr int MAX_PES = {MAX_PES};")));
         assert!(header.contains(STATE_SYMBOL));
         assert!(header.contains("u64 proxy_ring;"));
+        assert!(header.contains("u64 proxy_timeout_ns;"));
         // The proxy's ticket counter sits in the internal area, after the barrier words.
         assert!(header.contains("constexpr u64 PROXY_TICKETS_OFFSET = 8 * MAX_PES + 8;"));
     }

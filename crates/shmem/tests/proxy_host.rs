@@ -328,6 +328,24 @@ fn misuse_and_requests_out_of_range_fail_the_ring_instead_of_hanging() {
 }
 
 #[test]
+fn a_gpu_wait_that_timed_out_is_raised_on_the_host_naming_the_wait() {
+    let (a, _b) = two_pes();
+    // What a GPU thread does when the barrier's wait passes the session's timeout.
+    // SAFETY: the ring of A's live proxy.
+    unsafe { mori_shmem::proxy::ring::report_timeout(a.ring(), 4) };
+    let start = Instant::now();
+    while a.failure().is_none() {
+        assert!(start.elapsed() < WAIT, "the timeout was not noticed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let why = a.failure().unwrap();
+    assert!(
+        why.contains("in the barrier") && why.contains("timeout"),
+        "{why}"
+    );
+}
+
+#[test]
 fn a_lost_peer_fails_the_ring_and_an_orderly_close_does_not() {
     let (a, mut b) = two_pes();
     // B goes away while A is not closing: A's proxy reports it within its liveness period.

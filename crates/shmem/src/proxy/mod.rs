@@ -292,6 +292,7 @@ impl Proxy {
             fenced: None,
             applier,
             shared: shared.clone(),
+            timeout: bootstrap.timeout(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("mori-shmem-proxy-{me}"))
@@ -396,6 +397,8 @@ struct Worker {
     fenced: Option<u64>,
     applier: Applier,
     shared: Arc<Shared>,
+    /// The session's timeout (GPU waits through the proxy give up after it).
+    timeout: Duration,
 }
 
 impl Worker {
@@ -425,6 +428,7 @@ impl Worker {
             let settle = self.shared.settle_request.load(Ordering::Acquire);
             let mut busy = self.take_requests();
             busy |= self.reap();
+            self.note_gpu_timeout();
             busy |= self.apply_updates();
             // Everything recorded before the request was taken (and applied) just now.
             self.shared.settled.store(settle, Ordering::Release);
@@ -444,13 +448,29 @@ impl Worker {
 
     /// Records the first failure and raises the ring's error (GPU waits give up).
     fn fail(&mut self, why: String) {
+        self.record(why);
+        self.consumer.fail(1);
+    }
+
+    /// Keeps `why` as the proxy's failure unless one is recorded already.
+    fn record(&self, why: String) {
         if let Ok(mut f) = self.shared.failure.lock()
             && f.is_none()
         {
             tracing::error!("shmem proxy: {why}");
             *f = Some(why);
         }
-        self.consumer.fail(1);
+    }
+
+    /// A GPU thread that gave up waiting wrote why into the ring: say it on the host.
+    fn note_gpu_timeout(&self) {
+        if let Some(wait) = ring::timed_out_wait(self.consumer.error()) {
+            self.record(format!(
+                "a GPU thread gave up waiting {wait} after the session's timeout ({:?}): a PE on \
+                 another node did not answer in time",
+                self.timeout
+            ));
+        }
     }
 
     fn failed(&self) -> bool {

@@ -73,6 +73,21 @@ pub fn misuse_reason(code: u64) -> &'static str {
     }
 }
 
+/// The ring's error when a GPU wait through the proxy timed out: this plus the wait's code
+/// (`PROXY_TIMED_OUT` and `ProxyWait` in the header).
+pub const TIMED_OUT: u64 = 0x100;
+
+/// Which GPU wait timed out, from the ring's error (None: not a timeout).
+pub fn timed_out_wait(error: u64) -> Option<&'static str> {
+    Some(match error.checked_sub(TIMED_OUT)? {
+        1 => "for a free ring slot",
+        2 => "for a put or get to finish",
+        3 => "in quiet()",
+        4 => "in the barrier",
+        _ => return None,
+    })
+}
+
 /// The update an [`Op::Update`] / [`Op::PutSignal`] applies (`sig_op`: low byte the kind,
 /// next byte the width in bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -270,6 +285,19 @@ impl Consumer {
         self.word(ERROR).load(Ordering::Acquire)
     }
 }
+
+/// Reports a timed-out wait the way a GPU thread does (tests of the proxy without a GPU).
+///
+/// # Safety
+/// `base` as for [`Consumer::new`].
+#[doc(hidden)]
+pub unsafe fn report_timeout(base: *mut u8, wait: u64) {
+    // SAFETY: the error word inside the ring, accessed atomically.
+    unsafe { AtomicU64::from_ptr(base.add(ERROR) as *mut u64) }
+        .store(TIMED_OUT + wait, Ordering::Release);
+}
+
+impl Consumer {}
 
 /// A producer of entries following the GPU's protocol, for tests of the proxy without a GPU
 /// (the header's `proxy_post` is the real one).
@@ -508,6 +536,20 @@ mod tests {
             ]
         );
         assert_eq!(field::SIG_OP, ENTRY_BYTES - 8);
+        assert!(h.contains(&format!("constexpr u64 PROXY_TIMED_OUT = {TIMED_OUT:#x};")));
+        for (name, code) in [
+            ("WAIT_SLOT", 1),
+            ("WAIT_REQUEST", 2),
+            ("WAIT_QUIET", 3),
+            ("WAIT_BARRIER", 4),
+        ] {
+            assert!(h.contains(&format!("{name} = {code}")), "{name}");
+            assert!(timed_out_wait(TIMED_OUT + code).is_some(), "{name}");
+        }
+        // A user's signal wait never times out (WAIT_SIGNAL = 5 only ends on a failure).
+        assert!(h.contains("WAIT_SIGNAL = 5"));
+        assert_eq!(timed_out_wait(TIMED_OUT + 5), None);
+        assert_eq!(timed_out_wait(1), None);
         // The header: consumed, completed, error, then padding to 64 bytes.
         assert!(h.contains("u64 consumed;"));
         assert!(h.contains("u64 pad[5];"));
