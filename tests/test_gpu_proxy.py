@@ -3,9 +3,10 @@ into two emulated nodes (WORLD/2 ranks each; ranks share GPUs where there are fe
 partner is the rank at the same place on the other node, reached only through the proxy (its heap
 is not mapped here: asserted). Puts (thread/warp/block, blocking and nbi), gets, put-with-signal
 (the data read right after the signal, on the GPU), fence ordering a put before a separate
-signal, p(), 32/64-bit atomics from every thread to every PE, and the device barrier across both
-nodes; destinations start with bytes that differ from every source. Then a call the proxy cannot
-serve (g() across nodes) raises on the host instead of returning a made-up value, and a rank
+signal, p(), 32/64-bit atomics from every thread to every PE, the device barrier across both
+nodes, and the return path (g(), fetch-add from 256 threads, compare-swap, swap, fetch);
+destinations start with bytes that differ from every source. Then a call the proxy cannot serve
+(g() of a 2-byte value) raises on the host instead of returning a made-up value, and a rank
 killed on one node makes the other node's waiting kernels return and raise within the timeout.
 """
 
@@ -208,19 +209,45 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     check("device_barrier", t_device_barrier)
     shmem.check()
 
-    # Last: a call the proxy cannot serve. The proxy fails (sticky), so nothing runs after it.
+    def t_fetch():
+        word = sym((4,), torch.int64)
+        word.copy_(torch.tensor([0x1234_5678_9ABC + rank, 0, 0, 0], dtype=torch.int64))
+        counter = sym((1,), torch.int64, zero=True)
+        out = torch.zeros(4, dtype=torch.int64, device="cuda")
+        olds = torch.zeros(256, dtype=torch.int64, device="cuda")
+        shmem.barrier_all()
+        run("g_u64", 1, word, np.int32(partner), out)
+        torch.cuda.synchronize()
+        assert int(out[0].item()) == 0x1234_5678_9ABC + partner, hex(int(out[0].item()))
+        # 256 threads fetch-add 1 on the partner's counter: old values 0..255, each once (the
+        # partner's threads add to ours at the same time).
+        run("fetch_add_all", 256, counter, np.int32(partner), olds)
+        torch.cuda.synchronize()
+        assert sorted(olds.cpu().tolist()) == list(range(256)), "fetch-add old values"
+        shmem.barrier_all()
+        assert int(counter.item()) == 256
+        run("cas_swap", 1, word[1:2], np.uint64(0), np.uint64(41), np.int32(partner), out)
+        torch.cuda.synchronize()
+        assert out.cpu().tolist() == [0, 41, 41, 77], out.cpu().tolist()
+        shmem.barrier_all()
+        assert int(word[1].item()) == 77
+
+    check("fetch", t_fetch)
+
+    # Last: a call the proxy cannot serve (g() of a 2-byte value). The proxy fails (sticky), so
+    # nothing runs after it.
     def t_misuse():
-        src = sym((1,), torch.int64, zero=True)
+        src = sym((4,), torch.int16, zero=True)
         out = torch.full((1,), 12345, dtype=torch.int64, device="cuda")
         shmem.barrier_all()
-        run("g_u64", 1, src, np.int32(partner), out)
+        run("g_u16", 1, src, np.int32(partner), out)
         torch.cuda.synchronize()
         deadline = time.monotonic() + 30
         while True:
             try:
                 shmem.check()
             except TransportError as e:
-                assert "return path" in str(e), str(e)
+                assert "4- or 8-byte" in str(e), str(e)
                 break
             assert time.monotonic() < deadline, "the misuse was not reported"
             time.sleep(0.01)
@@ -252,7 +279,7 @@ def _suite_names() -> list[str]:
             for n in SIZES:
                 names += [f"put[{scope},{form},{n}]", f"get[{scope},{form},{n}]"]
         names += [f"put_signal[{scope},set]", f"put_signal[{scope},add]"]
-    return names + ["fence", "p", "atomics", "device_barrier", "misuse"]
+    return names + ["fence", "p", "atomics", "device_barrier", "fetch", "misuse"]
 
 
 @pytest.fixture(scope="module")

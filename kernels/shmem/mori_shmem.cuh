@@ -65,12 +65,19 @@ struct ProxyEntry {
     u32 code;    // update: kind | width << 8
     u32 pad;
 };
+// A fetch's value: the proxy writes `value`, then stamps it with ticket + 1; the GPU thread
+// reads it and clears the stamp (until then the proxy keeps the slot from being reused).
+struct ProxyResult {
+    u64 stamp;
+    u64 value;
+};
 struct ProxyRing {
     u64 consumed;   // entries the proxy has taken: slot t % PROXY_SLOTS is free once t < consumed + PROXY_SLOTS
     u64 completed;  // every ticket below it is done
     u64 error;      // nonzero once an operation failed or a peer was lost (never cleared)
     u64 pad[5];
     ProxyEntry entries[PROXY_SLOTS];
+    ProxyResult results[PROXY_SLOTS];
 };
 enum ProxyOp : u32 {
     PROXY_PUT = 1,
@@ -80,12 +87,22 @@ enum ProxyOp : u32 {
     PROXY_UPDATE = 5,
     PROXY_FENCE = 6,
     PROXY_MISUSE = 7,
+    PROXY_FETCH = 8,
 };
-enum ProxyUpdate : u32 { UPDATE_SET = 0, UPDATE_ADD = 1, UPDATE_AND = 2, UPDATE_OR = 3, UPDATE_XOR = 4 };
-enum ProxyMisuse : u64 { MISUSE_NOT_ON_HEAP = 1, MISUSE_NO_RETURN_PATH = 2 };
+// UPDATE_CAS and UPDATE_READ only with PROXY_FETCH.
+enum ProxyUpdate : u32 {
+    UPDATE_SET = 0,
+    UPDATE_ADD = 1,
+    UPDATE_AND = 2,
+    UPDATE_OR = 3,
+    UPDATE_XOR = 4,
+    UPDATE_CAS = 5,
+    UPDATE_READ = 6,
+};
+enum ProxyMisuse : u64 { MISUSE_NOT_ON_HEAP = 1, MISUSE_G_WIDTH = 2 };
 // The ring's error when a GPU wait through the proxy timed out: PROXY_TIMED_OUT + where.
 constexpr u64 PROXY_TIMED_OUT = 0x100;
-enum ProxyWait : u64 { WAIT_SLOT = 1, WAIT_REQUEST = 2, WAIT_QUIET = 3, WAIT_BARRIER = 4, WAIT_SIGNAL = 5 };
+enum ProxyWait : u64 { WAIT_SLOT = 1, WAIT_REQUEST = 2, WAIT_QUIET = 3, WAIT_BARRIER = 4, WAIT_SIGNAL = 5, WAIT_RESULT = 6 };
 
 enum Cmp : int { CMP_EQ = 0, CMP_NE = 1, CMP_GT = 2, CMP_GE = 3, CMP_LT = 4, CMP_LE = 5 };
 enum SignalOp : int { SIGNAL_SET = 0, SIGNAL_ADD = 1 };
@@ -248,29 +265,54 @@ __device__ __forceinline__ void proxy_update(const void* word, u64 value, u32 ki
     proxy_post(PROXY_UPDATE, pe, 0, 0, 0, w, value, kind | (width << 8));
 }
 
-// Applies an update to a word of this PE's heap (the proxy's kernel; system-scope atomics).
-__device__ __forceinline__ void apply_update(u64 addr, u64 value, u32 code) {
+// Applies an update to a word of this PE's heap (the proxy's kernel; system-scope atomics);
+// returns the word's old value.
+__device__ __forceinline__ u64 apply_update(u64 addr, u64 value, u64 compare, u32 code) {
     const u32 kind = code & 0xffu, width = (code >> 8) & 0xffu;
     if (width == 8) {
         unsigned long long* w = reinterpret_cast<unsigned long long*>(addr);
         switch (kind) {
-            case UPDATE_SET: atomicExch_system(w, value); break;
-            case UPDATE_ADD: atomicAdd_system(w, value); break;
-            case UPDATE_AND: atomicAnd_system(w, value); break;
-            case UPDATE_OR: atomicOr_system(w, value); break;
-            default: atomicXor_system(w, value); break;
-        }
-    } else {
-        unsigned int* w = reinterpret_cast<unsigned int*>(addr);
-        const unsigned int v = static_cast<unsigned int>(value);
-        switch (kind) {
-            case UPDATE_SET: atomicExch_system(w, v); break;
-            case UPDATE_ADD: atomicAdd_system(w, v); break;
-            case UPDATE_AND: atomicAnd_system(w, v); break;
-            case UPDATE_OR: atomicOr_system(w, v); break;
-            default: atomicXor_system(w, v); break;
+            case UPDATE_SET: return atomicExch_system(w, value);
+            case UPDATE_ADD: return atomicAdd_system(w, value);
+            case UPDATE_AND: return atomicAnd_system(w, value);
+            case UPDATE_OR: return atomicOr_system(w, value);
+            case UPDATE_XOR: return atomicXor_system(w, value);
+            case UPDATE_CAS: return atomicCAS_system(w, compare, value);
+            default: return atomicOr_system(w, 0ull);
         }
     }
+    unsigned int* w = reinterpret_cast<unsigned int*>(addr);
+    const unsigned int v = static_cast<unsigned int>(value), c = static_cast<unsigned int>(compare);
+    switch (kind) {
+        case UPDATE_SET: return atomicExch_system(w, v);
+        case UPDATE_ADD: return atomicAdd_system(w, v);
+        case UPDATE_AND: return atomicAnd_system(w, v);
+        case UPDATE_OR: return atomicOr_system(w, v);
+        case UPDATE_XOR: return atomicXor_system(w, v);
+        case UPDATE_CAS: return atomicCAS_system(w, c, v);
+        default: return atomicOr_system(w, 0u);
+    }
+}
+
+// A fetch through the proxy: the update (`kind`, `width` bytes) of the word `word` at `pe`,
+// applied there by its proxy; waits for and returns the word's old value (0 if the proxy failed).
+__device__ __forceinline__ u64 proxy_fetch(const void* word, u64 value, u64 compare, u32 kind, u32 width, int pe) {
+    const u64 w = detail::heap_offset(word);
+    if (w == ~0ull) {
+        proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
+        return 0;
+    }
+    const u64 t = proxy_post(PROXY_FETCH, pe, 0, compare, 0, w, value, kind | (width << 8));
+    ProxyRing* r = detail::proxy();
+    ProxyResult* res = &r->results[t % PROXY_SLOTS];
+    detail::ProxyWatch watch(WAIT_RESULT);
+    while (detail::ld_acquire_sys(&res->stamp) != t + 1) {
+        if (watch.expired()) return 0;
+    }
+    const u64 v = *reinterpret_cast<volatile u64*>(&res->value);
+    // The acknowledgement: the proxy may hand this slot out again.
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(&res->stamp), "l"(0ull) : "memory");
+    return v;
 }
 
 // ---- ordering -------------------------------------------------------------------------------
@@ -450,12 +492,20 @@ __device__ __forceinline__ void p(T* dest, T value, int pe) {
     }
     *static_cast<volatile T*>(ptr(dest, pe)) = value;
 }
-// Through the proxy g() is not served (no return path yet): it reports the misuse, returns 0.
+// Through the proxy g() reads 4- and 8-byte values (an atomic read at the target); other
+// sizes report the misuse and return 0.
 template <typename T>
 __device__ __forceinline__ T g(const T* src, int pe) {
     if (via_proxy(pe)) {
-        proxy_misuse(MISUSE_NO_RETURN_PATH, pe);
-        return T(0);
+        if constexpr (sizeof(T) == 4 || sizeof(T) == 8) {
+            const u64 bits = proxy_fetch(src, 0, 0, UPDATE_READ, sizeof(T), pe);
+            T v;
+            memcpy(&v, &bits, sizeof(T));
+            return v;
+        } else {
+            proxy_misuse(MISUSE_G_WIDTH, pe);
+            return T(0);
+        }
     }
     return *static_cast<const volatile T*>(ptr(src, pe));
 }
@@ -622,17 +672,16 @@ __device__ __forceinline__ T as(U v) { return *reinterpret_cast<T*>(&v); }
 }  // namespace detail
 
 // Through the proxy: the non-fetching forms (add, inc, and, or, xor, set) are posted as updates
-// the target's proxy applies; the fetching forms, swap and compare-swap need a return path the
-// proxy does not have yet: they report the misuse and return 0.
+// the target's proxy applies; the fetching forms, swap, compare-swap and fetch wait for the old
+// value the target's proxy sends back.
 namespace detail {
 template <typename T>
 __device__ __forceinline__ u64 bits(T v) {
     return static_cast<u64>(as<word_t<T>>(v));
 }
-__device__ __forceinline__ bool fetch_via_proxy(int pe) {
-    if (!via_proxy(pe)) return false;
-    proxy_misuse(MISUSE_NO_RETURN_PATH, pe);
-    return true;
+template <typename T>
+__device__ __forceinline__ T fetched(const T* dest, u64 value, u64 compare, u32 kind, int pe) {
+    return as<T>(static_cast<word_t<T>>(proxy_fetch(dest, value, compare, kind, sizeof(word_t<T>), pe)));
 }
 }  // namespace detail
 
@@ -640,7 +689,7 @@ __device__ __forceinline__ bool fetch_via_proxy(int pe) {
     template <typename T>                                                                                   \
     __device__ __forceinline__ T atomic_fetch_##NAME(T* dest, T value, int pe) {                            \
         using U = detail::word_t<T>;                                                                        \
-        if (detail::fetch_via_proxy(pe)) return T(0);                                                    \
+        if (via_proxy(pe)) return detail::fetched(dest, detail::bits(value), 0, KIND, pe);                 \
         return detail::as<T>(SYSTEM_ATOMIC(detail::remote_word(dest, pe), detail::as<U>(value)));           \
     }                                                                                                       \
     template <typename T>                                                                                   \
@@ -664,20 +713,20 @@ template <typename T> __device__ __forceinline__ void atomic_inc(T* dest, int pe
 template <typename T>
 __device__ __forceinline__ T atomic_swap(T* dest, T value, int pe) {
     using U = detail::word_t<T>;
-    if (detail::fetch_via_proxy(pe)) return T(0);
+    if (via_proxy(pe)) return detail::fetched(dest, detail::bits(value), 0, UPDATE_SET, pe);
     return detail::as<T>(atomicExch_system(detail::remote_word(dest, pe), detail::as<U>(value)));
 }
 template <typename T>
 __device__ __forceinline__ T atomic_compare_swap(T* dest, T expected, T value, int pe) {
     using U = detail::word_t<T>;
-    if (detail::fetch_via_proxy(pe)) return T(0);
+    if (via_proxy(pe)) return detail::fetched(dest, detail::bits(value), detail::bits(expected), UPDATE_CAS, pe);
     return detail::as<T>(
         atomicCAS_system(detail::remote_word(dest, pe), detail::as<U>(expected), detail::as<U>(value)));
 }
 template <typename T>
 __device__ __forceinline__ T atomic_fetch(const T* src, int pe) {
     using U = detail::word_t<T>;
-    if (detail::fetch_via_proxy(pe)) return T(0);
+    if (via_proxy(pe)) return detail::fetched(src, 0, 0, UPDATE_READ, pe);
     // An atomic read: OR with zero.
     return detail::as<T>(atomicOr_system(detail::remote_word(const_cast<T*>(src), pe), U(0)));
 }

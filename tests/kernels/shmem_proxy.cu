@@ -74,3 +74,17 @@ extern "C" __global__ void put_fence_signal(u8* dest, const u8* src, unsigned lo
 extern "C" __global__ void barrier() { barrier_all_block(); }
 
 extern "C" __global__ void g_u64(const u64* src, int pe, u64* out) { out[0] = g(src, pe); }
+extern "C" __global__ void g_u16(const unsigned short* src, int pe, u64* out) { out[0] = g(src, pe); }
+
+// Every thread fetch-adds 1 to `counter` at `pe`: the old values are a permutation.
+extern "C" __global__ void fetch_add_all(unsigned long long* counter, int pe, unsigned long long* olds) {
+    olds[threadIdx.x] = atomic_fetch_add(counter, 1ull, pe);
+}
+
+extern "C" __global__ void cas_swap(unsigned long long* word, unsigned long long expected, unsigned long long value,
+                                    int pe, unsigned long long* out) {
+    out[0] = atomic_compare_swap(word, expected, value, pe);
+    out[1] = atomic_compare_swap(word, expected, value + 1, pe);  // fails: the word changed
+    out[2] = atomic_swap(word, 77ull, pe);
+    out[3] = atomic_fetch(word, pe);
+}

@@ -297,6 +297,100 @@ fn signals_follow_their_data_updates_add_up_and_fences_order() {
 }
 
 #[test]
+fn fetches_return_the_old_values_and_their_slots_are_reused_only_once_read() {
+    let (a, b) = two_pes();
+    let a = Arc::new(a);
+    let fetch = |a: &Pe, offset: u64, value: u64, compare: u64, kind: UpdateKind, width: u8| {
+        let t = a.post(Entry {
+            aux: offset,
+            value,
+            src: compare,
+            update: Some(Update { kind, width }),
+            ..entry(Op::Fetch, 1)
+        });
+        // SAFETY: the ring of A's live proxy.
+        unsafe { test_producer::fetched(a.ring(), t) }.expect("a fetched value")
+    };
+    // 4 threads x 600 fetch-adds of 1 (more than the ring's slots): the old values are exactly
+    // 0 .. 2400, each once.
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                (0..600)
+                    .map(|_| fetch(&a, 256, 1, 0, UpdateKind::Add, 8))
+                    .collect::<Vec<u64>>()
+            })
+        })
+        .collect();
+    let mut olds: Vec<u64> = threads
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    olds.sort_unstable();
+    assert_eq!(olds, (0..2400).collect::<Vec<u64>>());
+    assert_eq!(b.word(256).load(Ordering::Acquire), 2400);
+    // Compare-swap: the first succeeds (returns the expected value), the second sees the new one.
+    assert_eq!(fetch(&a, 256, 7, 2400, UpdateKind::CompareSwap, 8), 2400);
+    assert_eq!(fetch(&a, 256, 9, 2400, UpdateKind::CompareSwap, 8), 7);
+    assert_eq!(b.word(256).load(Ordering::Acquire), 7);
+    // Swap, read (g), and 32-bit words.
+    assert_eq!(fetch(&a, 256, 11, 0, UpdateKind::Set, 8), 7);
+    assert_eq!(fetch(&a, 256, 0, 0, UpdateKind::Read, 8), 11);
+    assert_eq!(fetch(&a, 264, 5, 0, UpdateKind::Add, 4), 0);
+    assert_eq!(fetch(&a, 264, 0xFFFF_FFFF, 0, UpdateKind::Add, 4), 5);
+    assert_eq!(fetch(&a, 264, 0, 0, UpdateKind::Read, 4), 4, "32-bit wrap");
+    assert_eq!(
+        b.word(264).load(Ordering::Acquire) >> 32,
+        0,
+        "spilled into the next word"
+    );
+
+    // More fetches in flight than the ring has slots, posted by one thread and read by another:
+    // a result slot is handed out again only once its value was read.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let poster = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            for _ in 0..1500 {
+                let t = a.post(Entry {
+                    aux: 512,
+                    value: 1,
+                    update: Some(Update {
+                        kind: UpdateKind::Add,
+                        width: 8,
+                    }),
+                    ..entry(Op::Fetch, 1)
+                });
+                tx.send(t).unwrap();
+            }
+        })
+    };
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let reader = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            // Start late: the poster is far ahead (or, rightly, held at the ring's size).
+            std::thread::sleep(Duration::from_millis(500));
+            let olds: Vec<u64> = rx
+                .iter()
+                // SAFETY: the ring of A's live proxy.
+                .map(|t| unsafe { test_producer::fetched(a.ring(), t) }.expect("a fetched value"))
+                .collect();
+            let _ = done_tx.send(olds);
+        })
+    };
+    let mut olds = done_rx
+        .recv_timeout(WAIT)
+        .expect("fetched values lost: a result slot was reused before it was read");
+    poster.join().unwrap();
+    reader.join().unwrap();
+    olds.sort_unstable();
+    assert_eq!(olds, (0..1500).collect::<Vec<u64>>());
+    assert!(a.failure().is_none() && b.failure().is_none());
+}
+
+#[test]
 fn misuse_and_requests_out_of_range_fail_the_ring_instead_of_hanging() {
     let (a, b) = two_pes();
     let t = a.post(Entry {
@@ -305,7 +399,7 @@ fn misuse_and_requests_out_of_range_fail_the_ring_instead_of_hanging() {
     });
     assert!(!a.wait(t) || a.failure().is_some());
     let why = a.failure().expect("a misuse fails the proxy");
-    assert!(why.contains("return path"), "{why}");
+    assert!(why.contains("4- or 8-byte"), "{why}");
     // Later requests are finished without running, so waiters do not hang.
     let t = a.post(Entry {
         dst: 0,

@@ -39,34 +39,112 @@ const LIVENESS_EVERY: Duration = Duration::from_millis(50);
 /// An idle proxy spins this long before it starts sleeping between polls.
 const SPIN: Duration = Duration::from_micros(200);
 const NAP: Duration = Duration::from_micros(20);
-/// First byte of an update's notification tag.
-const UPDATE_TAG: u8 = 0xA5;
-const UPDATE_TAG_BYTES: usize = 1 + 4 + 8 + 8;
-
-/// The notification tag carrying an update of the word at heap offset `offset`.
-fn encode_update(offset: u64, value: u64, update: Update) -> Vec<u8> {
-    let mut tag = Vec::with_capacity(UPDATE_TAG_BYTES);
-    tag.push(UPDATE_TAG);
-    tag.extend_from_slice(&update.encode().to_le_bytes());
-    tag.extend_from_slice(&offset.to_le_bytes());
-    tag.extend_from_slice(&value.to_le_bytes());
-    tag
+/// What one proxy tells another in a notification's tag (first byte: which).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Note {
+    /// Apply `update` with `value` to the word at heap offset `offset`.
+    Update {
+        offset: u64,
+        value: u64,
+        update: Update,
+    },
+    /// The same, and answer the word's old value for the sender's request `ticket`
+    /// (`compare`: a compare-swap's expected value).
+    Fetch {
+        offset: u64,
+        value: u64,
+        compare: u64,
+        update: Update,
+        ticket: u64,
+    },
+    /// The old value for this side's fetch `ticket`.
+    Answer { ticket: u64, value: u64 },
 }
 
-/// An update a peer sent, if the tag is one and its word lies (aligned) inside a heap of
-/// `heap_size` bytes: (offset, value, update).
-fn decode_update(tag: &[u8], heap_size: u64) -> Option<(u64, u64, Update)> {
-    if tag.len() != UPDATE_TAG_BYTES || tag[0] != UPDATE_TAG {
-        return None;
+const NOTE_UPDATE: u8 = 0xA5;
+const NOTE_FETCH: u8 = 0xA6;
+const NOTE_ANSWER: u8 = 0xA7;
+
+impl Note {
+    fn encode(self) -> Vec<u8> {
+        let mut tag = Vec::with_capacity(37);
+        let put = |tag: &mut Vec<u8>, v: u64| tag.extend_from_slice(&v.to_le_bytes());
+        match self {
+            Note::Update {
+                offset,
+                value,
+                update,
+            } => {
+                tag.push(NOTE_UPDATE);
+                tag.extend_from_slice(&update.encode().to_le_bytes());
+                put(&mut tag, offset);
+                put(&mut tag, value);
+            }
+            Note::Fetch {
+                offset,
+                value,
+                compare,
+                update,
+                ticket,
+            } => {
+                tag.push(NOTE_FETCH);
+                tag.extend_from_slice(&update.encode().to_le_bytes());
+                put(&mut tag, offset);
+                put(&mut tag, value);
+                put(&mut tag, compare);
+                put(&mut tag, ticket);
+            }
+            Note::Answer { ticket, value } => {
+                tag.push(NOTE_ANSWER);
+                put(&mut tag, ticket);
+                put(&mut tag, value);
+            }
+        }
+        tag
     }
-    let update = Update::decode(u32::from_le_bytes(tag[1..5].try_into().ok()?))?;
-    let offset = u64::from_le_bytes(tag[5..13].try_into().ok()?);
-    let value = u64::from_le_bytes(tag[13..21].try_into().ok()?);
-    let width = u64::from(update.width);
-    let fits = offset
-        .checked_add(width)
-        .is_some_and(|end| end <= heap_size);
-    (fits && offset.is_multiple_of(width)).then_some((offset, value, update))
+
+    /// A peer's note, if the tag is one and (for updates and fetches) its word lies, aligned,
+    /// inside a heap of `heap_size` bytes.
+    fn decode(tag: &[u8], heap_size: u64) -> Option<Note> {
+        let word = |at: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(tag.get(at..at + 8)?.try_into().ok()?))
+        };
+        let update = || Update::decode(u32::from_le_bytes(tag.get(1..5)?.try_into().ok()?));
+        let inside = |offset: u64, update: Update| {
+            let width = u64::from(update.width);
+            offset
+                .checked_add(width)
+                .is_some_and(|end| end <= heap_size)
+                && offset.is_multiple_of(width)
+        };
+        let note = match (tag.first()?, tag.len()) {
+            (&NOTE_UPDATE, 21) => Note::Update {
+                offset: word(5)?,
+                value: word(13)?,
+                update: update().filter(|u| !u.kind.fetch_only())?,
+            },
+            (&NOTE_FETCH, 37) => Note::Fetch {
+                offset: word(5)?,
+                value: word(13)?,
+                compare: word(21)?,
+                update: update()?,
+                ticket: word(29)?,
+            },
+            (&NOTE_ANSWER, 17) => Note::Answer {
+                ticket: word(1)?,
+                value: word(9)?,
+            },
+            _ => return None,
+        };
+        match note {
+            Note::Update { offset, update, .. } | Note::Fetch { offset, update, .. }
+                if !inside(offset, update) =>
+            {
+                None
+            }
+            note => Some(note),
+        }
+    }
 }
 
 /// Length-prefixed engine and heap descriptors: what each PE tells the others.
@@ -97,6 +175,8 @@ struct InFlight {
     transfer: Transfer,
     /// The scratch slot an inline put sends from (free again when it is done).
     scratch: Option<u64>,
+    /// A fetch: finished by the target's answer, not by the transfer.
+    answered_later: bool,
 }
 
 /// What the proxy thread shares with the session.
@@ -155,7 +235,10 @@ enum Applier {
         device: Device,
         stream: Stream,
         apply: Function,
+        /// Four u64 per item: address, value, compare, code.
         items: PinnedBuffer,
+        /// The items' old values.
+        olds: PinnedBuffer,
     },
     /// Host heap: host atomics.
     Host,
@@ -253,16 +336,18 @@ impl Proxy {
             Some(device) => {
                 let apply = mori_gpu::jit::load(device, &shmem_proxy_spec())?
                     .function("mori_shmem_proxy_apply")?;
-                let items = PinnedBuffer::new(device, 24 * APPLY_BATCH)?;
+                let items = PinnedBuffer::new(device, 32 * APPLY_BATCH)?;
+                let olds = PinnedBuffer::new(device, 8 * APPLY_BATCH)?;
                 let stream = Stream::new(device)?;
                 // Load the kernel now, with nothing waiting on the GPU (a first launch may have
                 // to load it lazily, which can wait for running kernels).
-                run_apply_kernel(apply, &stream, &items, 0)?;
+                run_apply_kernel(apply, &stream, &items, &olds, 0)?;
                 Applier::Gpu {
                     device,
                     stream,
                     apply,
                     items,
+                    olds,
                 }
             }
             None => Applier::Host,
@@ -428,6 +513,7 @@ impl Worker {
             let settle = self.shared.settle_request.load(Ordering::Acquire);
             let mut busy = self.take_requests();
             busy |= self.reap();
+            busy |= self.consumer.release_read_results();
             self.note_gpu_timeout();
             busy |= self.apply_updates();
             // Everything recorded before the request was taken (and applied) just now.
@@ -538,8 +624,14 @@ impl Worker {
             }
             Op::Put | Op::PutSignal => {
                 let r = self.remote(e)?;
-                let tag = (e.op == Op::PutSignal)
-                    .then(|| encode_update(e.aux, e.value, e.update.expect("checked by the ring")));
+                let tag = (e.op == Op::PutSignal).then(|| {
+                    Note::Update {
+                        offset: e.aux,
+                        value: e.value,
+                        update: e.update.expect("checked by the ring"),
+                    }
+                    .encode()
+                });
                 self.engine.transfer(
                     IoOp::Write,
                     &self.heap,
@@ -583,16 +675,40 @@ impl Worker {
                     &[e.bytes],
                     None,
                 );
-                return self.track(e.ticket, t, Some(slot));
+                return self.track(e.ticket, t, Some(slot), false);
             }
-            Op::Update => {
+            Op::Update | Op::Fetch => {
                 let r = self.remote(e)?;
-                let tag = encode_update(e.aux, e.value, e.update.expect("checked by the ring"));
-                self.engine
-                    .transfer(IoOp::Write, &self.heap, &[], &r.heap, &[], &[], Some(&tag))
+                let (offset, value, update) =
+                    (e.aux, e.value, e.update.expect("checked by the ring"));
+                let note = match e.op {
+                    Op::Fetch => Note::Fetch {
+                        offset,
+                        value,
+                        compare: e.src,
+                        update,
+                        ticket: e.ticket,
+                    },
+                    _ => Note::Update {
+                        offset,
+                        value,
+                        update,
+                    },
+                };
+                let t = self.engine.transfer(
+                    IoOp::Write,
+                    &self.heap,
+                    &[],
+                    &r.heap,
+                    &[],
+                    &[],
+                    Some(&note.encode()),
+                );
+                // A fetch is done when its answer comes back, not when the note landed.
+                return self.track(e.ticket, t, None, e.op == Op::Fetch);
             }
         };
-        self.track(e.ticket, transfer, None)
+        self.track(e.ticket, transfer, None, false)
     }
 
     fn track(
@@ -600,6 +716,7 @@ impl Worker {
         ticket: u64,
         transfer: mori_io::Result<Transfer>,
         scratch: Option<u64>,
+        answered_later: bool,
     ) -> std::result::Result<(), String> {
         match transfer {
             Ok(transfer) => {
@@ -607,6 +724,7 @@ impl Worker {
                     ticket,
                     transfer,
                     scratch,
+                    answered_later,
                 });
                 Ok(())
             }
@@ -623,17 +741,22 @@ impl Worker {
         self.in_flight.retain(|f| match f.transfer.status() {
             Status::Pending => true,
             status => {
-                done.push((f.ticket, f.scratch, status));
+                done.push((f.ticket, f.scratch, f.answered_later, status));
                 false
             }
         });
         let reaped = !done.is_empty();
-        for (ticket, scratch, status) in done {
+        for (ticket, scratch, answered_later, status) in done {
             self.free_scratch.extend(scratch);
-            if let Status::Failed(why) = status {
-                self.fail(format!("request {ticket}: {why}"));
+            match status {
+                Status::Failed(why) => {
+                    self.fail(format!("request {ticket}: {why}"));
+                    self.consumer.finish(ticket);
+                }
+                // A fetch's note landed: its answer finishes it.
+                _ if answered_later => {}
+                _ => self.consumer.finish(ticket),
             }
-            self.consumer.finish(ticket);
         }
         if let Some(t) = self.fenced
             && self.in_flight.is_empty()
@@ -644,65 +767,134 @@ impl Worker {
         reaped
     }
 
-    /// Applies the updates peers sent (in the order they were recorded).
+    /// Handles what peers sent, in the order it was recorded: updates and fetches are applied
+    /// to the heap (fetches answered with the old value), answers to this side's fetches are
+    /// handed to their GPU threads.
     fn apply_updates(&mut self) -> bool {
         let notes = self.engine.take_notifications();
         if notes.is_empty() {
             return false;
         }
-        let mut batch: Vec<u64> = Vec::with_capacity(3 * notes.len().min(APPLY_BATCH));
+        // Items: (address, value, compare, code); with each, whom to answer (PE, ticket).
+        let mut batch: Vec<u64> = Vec::with_capacity(4 * notes.len().min(APPLY_BATCH));
+        let mut answers: Vec<Option<(usize, u64)>> = Vec::new();
         for n in &notes {
-            let known = self.remotes.iter().flatten().any(|r| r.name == n.from);
-            match decode_update(&n.tag, self.heap_size) {
-                Some((offset, value, update)) if known => {
-                    batch.extend([self.heap_base + offset, value, u64::from(update.encode())]);
+            let from = self
+                .remotes
+                .iter()
+                .position(|r| r.as_ref().is_some_and(|r| r.name == n.from));
+            match (Note::decode(&n.tag, self.heap_size), from) {
+                (
+                    Some(Note::Update {
+                        offset,
+                        value,
+                        update,
+                    }),
+                    Some(_),
+                ) => {
+                    batch.extend([
+                        self.heap_base + offset,
+                        value,
+                        0,
+                        u64::from(update.encode()),
+                    ]);
+                    answers.push(None);
+                }
+                (
+                    Some(Note::Fetch {
+                        offset,
+                        value,
+                        compare,
+                        update,
+                        ticket,
+                    }),
+                    Some(pe),
+                ) => {
+                    batch.extend([
+                        self.heap_base + offset,
+                        value,
+                        compare,
+                        u64::from(update.encode()),
+                    ]);
+                    answers.push(Some((pe, ticket)));
+                }
+                (Some(Note::Answer { ticket, value }), Some(_)) => {
+                    self.consumer.deliver(ticket, value)
                 }
                 _ => {
-                    // Authenticated (the deployment secret) but not a proxy's update of this heap.
+                    // Authenticated (the deployment secret) but not a proxy's note for this heap.
                     tracing::warn!(
-                        "shmem proxy: dropped a notification from {:?} ({} bytes) that is no valid update",
+                        "shmem proxy: dropped a notification from {:?} ({} bytes) that is no valid note",
                         n.from,
                         n.tag.len()
                     );
                 }
             }
-            if batch.len() == 3 * APPLY_BATCH {
-                self.launch_apply(&batch);
+            if answers.len() == APPLY_BATCH {
+                self.apply_batch(&batch, &answers);
                 batch.clear();
+                answers.clear();
             }
         }
-        if !batch.is_empty() {
-            self.launch_apply(&batch);
+        if !answers.is_empty() {
+            self.apply_batch(&batch, &answers);
         }
         true
     }
 
-    /// Applies `batch` (triples of checked heap address, value, update code) in order.
-    fn launch_apply(&mut self, batch: &[u64]) {
+    /// Applies one batch in order and answers the fetches in it.
+    fn apply_batch(&mut self, batch: &[u64], answers: &[Option<(usize, u64)>]) {
+        let olds = self.launch_apply(batch);
+        for (old, answer) in olds.into_iter().zip(answers) {
+            let Some((pe, ticket)) = *answer else {
+                continue;
+            };
+            let r = self.remotes[pe].as_ref().expect("a known sender");
+            let note = Note::Answer { ticket, value: old }.encode();
+            let sent =
+                self.engine
+                    .transfer(IoOp::Write, &self.heap, &[], &r.heap, &[], &[], Some(&note));
+            if let Err(e) = sent {
+                self.fail(format!("answering PE {pe}'s fetch {ticket}: {e}"));
+            }
+        }
+    }
+
+    /// Applies `batch` (checked heap address, value, compare, update code per item) in order;
+    /// each item's old value (none when applying failed: the proxy failed too).
+    fn launch_apply(&mut self, batch: &[u64]) -> Vec<u64> {
+        let n = batch.len() / 4;
         let applied = match &mut self.applier {
             Applier::Gpu {
                 stream,
                 apply,
                 items,
+                olds,
                 ..
             } => {
                 let bytes: Vec<u8> = batch.iter().flat_map(|v| v.to_le_bytes()).collect();
                 items.as_mut_slice()[..bytes.len()].copy_from_slice(&bytes);
-                run_apply_kernel(*apply, stream, items, batch.len() / 3)
+                run_apply_kernel(*apply, stream, items, olds, n).map(|()| {
+                    olds.as_slice()[..8 * n]
+                        .chunks_exact(8)
+                        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                        .collect()
+                })
             }
-            Applier::Host => {
-                for t in batch.chunks_exact(3) {
-                    let update = Update::decode(t[2] as u32).expect("encoded by apply_updates");
-                    // SAFETY: decode_update checked the word lies, aligned, inside the heap,
+            Applier::Host => Ok(batch
+                .chunks_exact(4)
+                .map(|t| {
+                    let update = Update::decode(t[3] as u32).expect("encoded by apply_updates");
+                    // SAFETY: Note::decode checked the word lies, aligned, inside the heap,
                     // which start_host's caller keeps valid and accesses atomically.
-                    unsafe { apply_on_host(t[0], t[1], update) };
-                }
-                Ok(())
-            }
+                    unsafe { apply_on_host(t[0], t[1], t[2], update) }
+                })
+                .collect()),
         };
-        if let Err(e) = applied {
+        applied.unwrap_or_else(|e| {
             self.fail(format!("applying peers' updates: {e}"));
-        }
+            Vec::new()
+        })
     }
 
     /// A peer whose connections all closed, while no one is finalizing, is lost.
@@ -723,57 +915,68 @@ impl Worker {
     }
 }
 
-/// Applies one update to the word at `addr` with host atomics.
+/// Applies one update to the word at `addr` with host atomics; the word's old value.
 ///
 /// # Safety
 /// `addr` is a live word of `update.width` bytes, aligned, accessed by others only atomically.
-unsafe fn apply_on_host(addr: u64, value: u64, update: Update) {
+unsafe fn apply_on_host(addr: u64, value: u64, compare: u64, update: Update) -> u64 {
     use std::sync::atomic::AtomicU32;
     let o = Ordering::AcqRel;
     if update.width == 8 {
         // SAFETY: the caller's contract.
         let w = unsafe { AtomicU64::from_ptr(addr as *mut u64) };
         match update.kind {
-            UpdateKind::Set => w.store(value, Ordering::Release),
-            UpdateKind::Add => drop(w.fetch_add(value, o)),
-            UpdateKind::And => drop(w.fetch_and(value, o)),
-            UpdateKind::Or => drop(w.fetch_or(value, o)),
-            UpdateKind::Xor => drop(w.fetch_xor(value, o)),
+            UpdateKind::Set => w.swap(value, o),
+            UpdateKind::Add => w.fetch_add(value, o),
+            UpdateKind::And => w.fetch_and(value, o),
+            UpdateKind::Or => w.fetch_or(value, o),
+            UpdateKind::Xor => w.fetch_xor(value, o),
+            UpdateKind::CompareSwap => w
+                .compare_exchange(compare, value, o, Ordering::Acquire)
+                .unwrap_or_else(|old| old),
+            UpdateKind::Read => w.load(Ordering::Acquire),
         }
     } else {
         // SAFETY: the caller's contract.
         let w = unsafe { AtomicU32::from_ptr(addr as *mut u32) };
-        let v = value as u32;
-        match update.kind {
-            UpdateKind::Set => w.store(v, Ordering::Release),
-            UpdateKind::Add => drop(w.fetch_add(v, o)),
-            UpdateKind::And => drop(w.fetch_and(v, o)),
-            UpdateKind::Or => drop(w.fetch_or(v, o)),
-            UpdateKind::Xor => drop(w.fetch_xor(v, o)),
-        }
+        let (v, c) = (value as u32, compare as u32);
+        u64::from(match update.kind {
+            UpdateKind::Set => w.swap(v, o),
+            UpdateKind::Add => w.fetch_add(v, o),
+            UpdateKind::And => w.fetch_and(v, o),
+            UpdateKind::Or => w.fetch_or(v, o),
+            UpdateKind::Xor => w.fetch_xor(v, o),
+            UpdateKind::CompareSwap => w
+                .compare_exchange(c, v, o, Ordering::Acquire)
+                .unwrap_or_else(|old| old),
+            UpdateKind::Read => w.load(Ordering::Acquire),
+        })
     }
 }
 
-/// Runs the apply kernel over the first `n` triples of `items` and waits for it.
+/// Runs the apply kernel over the first `n` items of `items` (four u64 each), their old
+/// values into `olds`, and waits for it.
 fn run_apply_kernel(
     apply: Function,
     stream: &Stream,
     items: &PinnedBuffer,
+    olds: &PinnedBuffer,
     n: usize,
 ) -> mori_gpu::Result<()> {
-    let mut ptr = items.ptr();
+    let (mut items, mut olds) = (items.ptr(), olds.ptr());
     let mut n = n as i32;
     let mut args = [
-        &mut ptr as *mut u64 as *mut std::ffi::c_void,
+        &mut items as *mut u64 as *mut std::ffi::c_void,
         &mut n as *mut i32 as *mut std::ffi::c_void,
+        &mut olds as *mut u64 as *mut std::ffi::c_void,
     ];
     let cfg = LaunchConfig {
         grid: 1,
         block: 1,
         shared_mem_bytes: 0,
     };
-    // SAFETY: the kernel takes (const u64* items, int n); items holds n triples of checked heap
-    // addresses and stays untouched until the stream is drained below.
+    // SAFETY: the kernel takes (const u64* items, int n, u64* olds); items holds n checked
+    // items, olds room for n values; both stay untouched until the stream is drained below.
     unsafe { launch(apply, cfg, stream.handle(), &mut args) }?;
     stream.synchronize()
 }
@@ -783,31 +986,58 @@ mod tests {
     use super::*;
 
     #[test]
-    fn updates_round_trip_and_out_of_heap_or_misaligned_words_are_refused() {
-        let u = Update {
+    fn notes_round_trip_and_out_of_heap_or_misaligned_words_are_refused() {
+        let add = Update {
             kind: UpdateKind::Add,
             width: 8,
         };
-        let tag = encode_update(4096, 7, u);
-        assert_eq!(decode_update(&tag, 1 << 20), Some((4096, 7, u)));
+        let heap = 1u64 << 20;
+        let update = |offset, update| Note::Update {
+            offset,
+            value: 7,
+            update,
+        };
+        let n = update(4096, add);
+        assert_eq!(Note::decode(&n.encode(), heap), Some(n));
         // The last word of the heap is fine, one past it is not, nor a misaligned one.
-        let last = encode_update((1 << 20) - 8, 1, u);
-        assert!(decode_update(&last, 1 << 20).is_some());
-        assert!(decode_update(&encode_update(1 << 20, 1, u), 1 << 20).is_none());
-        assert!(decode_update(&encode_update(u64::MAX - 3, 1, u), 1 << 20).is_none());
-        assert!(decode_update(&encode_update(4100, 1, u), 1 << 20).is_none());
+        assert!(Note::decode(&update(heap - 8, add).encode(), heap).is_some());
+        assert!(Note::decode(&update(heap, add).encode(), heap).is_none());
+        assert!(Note::decode(&update(u64::MAX - 3, add).encode(), heap).is_none());
+        assert!(Note::decode(&update(4100, add).encode(), heap).is_none());
         let narrow = Update {
             kind: UpdateKind::Set,
             width: 4,
         };
-        assert!(decode_update(&encode_update(4100, 1, narrow), 1 << 20).is_some());
-        // Not an update: wrong magic, wrong length, unknown code.
+        assert!(Note::decode(&update(4100, narrow).encode(), heap).is_some());
+        // Compare-swap and read only come with an answer.
+        let cas = Update {
+            kind: UpdateKind::CompareSwap,
+            width: 8,
+        };
+        assert!(Note::decode(&update(8, cas).encode(), heap).is_none());
+        let fetch = Note::Fetch {
+            offset: 8,
+            value: 1,
+            compare: 2,
+            update: cas,
+            ticket: 99,
+        };
+        assert_eq!(Note::decode(&fetch.encode(), heap), Some(fetch));
+        let answer = Note::Answer {
+            ticket: 99,
+            value: u64::MAX,
+        };
+        assert_eq!(Note::decode(&answer.encode(), heap), Some(answer));
+        // Not a note: wrong kind byte, a cut tag, an unknown code.
+        let tag = n.encode();
         let mut other = tag.clone();
         other[0] = 0;
-        assert!(decode_update(&other, 1 << 20).is_none());
-        assert!(decode_update(&tag[..20], 1 << 20).is_none());
+        assert!(Note::decode(&other, heap).is_none());
+        for cut in 0..tag.len() {
+            assert!(Note::decode(&tag[..cut], heap).is_none(), "cut at {cut}");
+        }
         let mut code = tag;
         code[1] = 9;
-        assert!(decode_update(&code, 1 << 20).is_none());
+        assert!(Note::decode(&code, heap).is_none());
     }
 }

@@ -12,6 +12,12 @@
 //! (quiet) knows every operation up to there is done. `error` becomes nonzero when an
 //! operation failed or a peer was lost; it never goes back to zero, and every GPU wait gives up
 //! when it sees it.
+//!
+//! Return path. A fetch (a fetching atomic, `g`) gets its value back in `results[t % SLOTS]`:
+//! the proxy writes the value, then stamps the slot with `t + 1`; the GPU thread waits for the
+//! stamp, reads the value and clears the stamp (its acknowledgement). Until then the proxy
+//! holds `consumed` at `t` at most, so ticket `t + SLOTS`, which shares the result slot, is not
+//! posted before the value was read.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,8 +27,10 @@ pub const SLOTS: u64 = 1024;
 /// Bytes of one entry and of the header before the entries.
 pub const ENTRY_BYTES: usize = 64;
 pub const HEADER_BYTES: usize = 64;
-/// Bytes of the ring in pinned memory.
-pub const RING_BYTES: usize = HEADER_BYTES + ENTRY_BYTES * SLOTS as usize;
+/// Bytes of one result slot (stamp, value).
+pub const RESULT_BYTES: usize = 16;
+/// Bytes of the ring in pinned memory: header, entries, results.
+pub const RING_BYTES: usize = HEADER_BYTES + (ENTRY_BYTES + RESULT_BYTES) * SLOTS as usize;
 
 /// What an entry asks for (`ProxyOp` in the header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,8 +49,11 @@ pub enum Op {
     Update = 5,
     /// Operations after it start only once every operation before it is done.
     Fence = 6,
-    /// The GPU refused a call (code in `value`, see [`Misuse`]); the proxy reports it.
+    /// The GPU refused a call (code in `value`, see [`misuse_reason`]); the proxy reports it.
     Misuse = 7,
+    /// An update of the word at heap offset `aux` at `pe` (`sig_op`; `src`: the compare value
+    /// of a compare-swap) whose old value comes back through the result slot.
+    Fetch = 8,
 }
 
 impl Op {
@@ -55,6 +66,7 @@ impl Op {
             5 => Op::Update,
             6 => Op::Fence,
             7 => Op::Misuse,
+            8 => Op::Fetch,
             _ => return None,
         })
     }
@@ -66,9 +78,7 @@ pub fn misuse_reason(code: u64) -> &'static str {
         1 => {
             "the source (or destination) of a put/get to a PE on another node must be on the symmetric heap"
         }
-        2 => {
-            "fetching atomics and g() to a PE on another node are not supported (the proxy has no return path yet)"
-        }
+        2 => "g() to a PE on another node reads 4- or 8-byte values only",
         _ => "an unknown misuse code",
     }
 }
@@ -84,6 +94,7 @@ pub fn timed_out_wait(error: u64) -> Option<&'static str> {
         2 => "for a put or get to finish",
         3 => "in quiet()",
         4 => "in the barrier",
+        6 => "for a fetched value (g() or a fetching atomic)",
         _ => return None,
     })
 }
@@ -104,6 +115,17 @@ pub enum UpdateKind {
     And = 2,
     Or = 3,
     Xor = 4,
+    /// Fetches only: compare-and-swap (the compare value in the request's `src`).
+    CompareSwap = 5,
+    /// Fetches only: the value, unchanged.
+    Read = 6,
+}
+
+impl UpdateKind {
+    /// Whether it makes sense only with a value coming back.
+    pub fn fetch_only(self) -> bool {
+        matches!(self, UpdateKind::CompareSwap | UpdateKind::Read)
+    }
 }
 
 impl Update {
@@ -114,6 +136,8 @@ impl Update {
             2 => UpdateKind::And,
             3 => UpdateKind::Or,
             4 => UpdateKind::Xor,
+            5 => UpdateKind::CompareSwap,
+            6 => UpdateKind::Read,
             _ => return None,
         };
         let width = ((sig_op >> 8) & 0xff) as u8;
@@ -175,6 +199,10 @@ pub struct Consumer {
     completed: u64,
     /// Finished tickets at or above `completed`.
     finished: BTreeSet<u64>,
+    /// Fetches whose result slot is not free again (value not delivered, or not read yet).
+    held: BTreeSet<u64>,
+    /// Held fetches whose value was delivered (waiting for the GPU to read it).
+    delivered: BTreeSet<u64>,
 }
 
 // SAFETY: the consumer is the only host-side user of its ring; the memory it points to lives as
@@ -191,6 +219,8 @@ impl Consumer {
             head: 0,
             completed: 0,
             finished: BTreeSet::new(),
+            held: BTreeSet::new(),
+            delivered: BTreeSet::new(),
         }
     }
 
@@ -220,7 +250,9 @@ impl Consumer {
         let entry = match Op::from_u32(op_code) {
             Some(op) => {
                 let update = Update::decode(sig_op);
-                if matches!(op, Op::Update | Op::PutSignal) && update.is_none() {
+                let needs = matches!(op, Op::Update | Op::PutSignal | Op::Fetch);
+                let fetch_only = update.is_some_and(|u| u.kind.fetch_only());
+                if needs && update.is_none() || fetch_only && op != Op::Fetch {
                     Err(Malformed {
                         ticket,
                         op: op_code,
@@ -247,8 +279,64 @@ impl Consumer {
             }),
         };
         self.head += 1;
-        self.word(CONSUMED).store(self.head, Ordering::Release);
+        if let Ok(e) = &entry
+            && e.op == Op::Fetch
+        {
+            self.held.insert(e.ticket);
+        }
+        self.publish_consumed();
         Some(entry)
+    }
+
+    /// Slots are free below the first fetch whose value was not read back yet (that ticket's
+    /// slot, and with it its result slot, stays taken).
+    fn publish_consumed(&self) {
+        let upto = self
+            .held
+            .first()
+            .copied()
+            .unwrap_or(self.head)
+            .min(self.head);
+        self.word(CONSUMED).store(upto, Ordering::Release);
+    }
+
+    fn result_word(&self, ticket: u64, value: bool) -> &AtomicU64 {
+        let at = HEADER_BYTES
+            + ENTRY_BYTES * SLOTS as usize
+            + (ticket % SLOTS) as usize * RESULT_BYTES
+            + if value { 8 } else { 0 };
+        self.word(at)
+    }
+
+    /// Hands fetch `ticket`'s value to its GPU thread (value, then the stamp) and finishes it.
+    pub fn deliver(&mut self, ticket: u64, value: u64) {
+        if !self.held.contains(&ticket) || self.delivered.contains(&ticket) {
+            return;
+        }
+        self.result_word(ticket, true)
+            .store(value, Ordering::Relaxed);
+        self.result_word(ticket, false)
+            .store(ticket + 1, Ordering::Release);
+        self.delivered.insert(ticket);
+        self.finish(ticket);
+    }
+
+    /// Frees the result slots whose values were read back (the GPU cleared the stamp).
+    pub fn release_read_results(&mut self) -> bool {
+        let read: Vec<u64> = self
+            .delivered
+            .iter()
+            .copied()
+            .filter(|&t| self.result_word(t, false).load(Ordering::Acquire) == 0)
+            .collect();
+        for t in &read {
+            self.delivered.remove(t);
+            self.held.remove(t);
+        }
+        if !read.is_empty() {
+            self.publish_consumed();
+        }
+        !read.is_empty()
     }
 
     /// Marks `ticket` done and publishes the finished prefix.
@@ -332,6 +420,34 @@ pub mod test_producer {
         }
         word(at + field::TICKET).store(t + 1, Ordering::Release);
         t
+    }
+
+    /// Waits for fetch `t`'s value and acknowledges it (clears the stamp), as the header's
+    /// `proxy_fetch` does; None when the proxy reported an error first.
+    ///
+    /// # Safety
+    /// As for [`post`].
+    pub unsafe fn fetched(base: *mut u8, t: u64) -> Option<u64> {
+        let at = HEADER_BYTES + ENTRY_BYTES * SLOTS as usize + (t % SLOTS) as usize * RESULT_BYTES;
+        // SAFETY: words inside the ring, accessed atomically.
+        let (stamp, value, error) = unsafe {
+            (
+                AtomicU64::from_ptr(base.add(at) as *mut u64),
+                AtomicU64::from_ptr(base.add(at + 8) as *mut u64),
+                AtomicU64::from_ptr(base.add(ERROR) as *mut u64),
+            )
+        };
+        loop {
+            if stamp.load(Ordering::Acquire) == t + 1 {
+                let v = value.load(Ordering::Relaxed);
+                stamp.store(0, Ordering::Release);
+                return Some(v);
+            }
+            if error.load(Ordering::Acquire) != 0 {
+                return None;
+            }
+            std::hint::spin_loop();
+        }
     }
 
     /// Waits until the proxy has finished ticket `t`; false when it reported an error (a
@@ -499,6 +615,7 @@ mod tests {
             ("PROXY_UPDATE", Op::Update),
             ("PROXY_FENCE", Op::Fence),
             ("PROXY_MISUSE", Op::Misuse),
+            ("PROXY_FETCH", Op::Fetch),
         ] {
             assert!(h.contains(&format!("{name} = {},", op as u32)), "{name}");
         }
@@ -508,6 +625,8 @@ mod tests {
             ("UPDATE_AND", UpdateKind::And),
             ("UPDATE_OR", UpdateKind::Or),
             ("UPDATE_XOR", UpdateKind::Xor),
+            ("UPDATE_CAS", UpdateKind::CompareSwap),
+            ("UPDATE_READ", UpdateKind::Read),
         ] {
             assert!(h.contains(&format!("{name} = {}", kind as u32)), "{name}");
         }
@@ -542,6 +661,7 @@ mod tests {
             ("WAIT_REQUEST", 2),
             ("WAIT_QUIET", 3),
             ("WAIT_BARRIER", 4),
+            ("WAIT_RESULT", 6),
         ] {
             assert!(h.contains(&format!("{name} = {code}")), "{name}");
             assert!(timed_out_wait(TIMED_OUT + code).is_some(), "{name}");
@@ -553,6 +673,12 @@ mod tests {
         // The header: consumed, completed, error, then padding to 64 bytes.
         assert!(h.contains("u64 consumed;"));
         assert!(h.contains("u64 pad[5];"));
+        // Then the entries and the result slots (stamp, value).
+        assert!(
+            h.contains("ProxyEntry entries[PROXY_SLOTS];\n    ProxyResult results[PROXY_SLOTS];")
+        );
+        assert!(h.contains("struct ProxyResult {\n    u64 stamp;\n    u64 value;\n};"));
+        assert_eq!(RESULT_BYTES, 16);
         assert_eq!((CONSUMED, COMPLETED, ERROR), (0, 8, 16));
     }
 
