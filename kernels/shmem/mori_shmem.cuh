@@ -169,12 +169,12 @@ __device__ __forceinline__ u64 now_ns() {
 // timeout: it may legitimately last as long as the program wants. Without a proxy it never
 // ends a wait.
 struct ProxyWatch {
+    ProxyRing* r;  // read once: one-node waits pay a register test per poll
     u64 start;
     u32 polls;
     u32 where;
-    __device__ explicit ProxyWatch(u32 w) : start(0), polls(0), where(w) {}
+    __device__ explicit ProxyWatch(u32 w) : r(proxy()), start(0), polls(0), where(w) {}
     __device__ bool expired() {
-        ProxyRing* r = proxy();
         if (!r || (++polls & 255u) != 0) return false;
         if (ld_acquire_sys(&r->error) != 0) return true;
         if (where == WAIT_SIGNAL) return false;
