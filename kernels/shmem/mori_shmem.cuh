@@ -238,22 +238,21 @@ __device__ __forceinline__ void proxy_quiet() {
 // Reports a call the proxy cannot serve; the host raises it (misuse_reason in ring.rs).
 __device__ __forceinline__ void proxy_misuse(u64 code, int pe) { proxy_post(PROXY_MISUSE, pe, 0, 0, 0, 0, code, 0); }
 
-// Puts `bytes` from local `src` (on the heap) to symmetric `dest` at `pe` through the proxy.
-__device__ __forceinline__ u64 proxy_put(void* dest, const void* src, usize bytes, int pe) {
+// A put (PROXY_PUT: local `src` -> symmetric `dest` at `pe`) or get (PROXY_GET: symmetric `src`
+// at `pe` -> local `dest`) of `bytes` through the proxy; both sides must be on the heap.
+__device__ __forceinline__ u64 proxy_move(u32 op, void* dest, const void* src, usize bytes, int pe) {
     const u64 s = detail::heap_offset(src), d = detail::heap_offset(dest);
     if (s == ~0ull || d == ~0ull) {
         proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
         return 0;
     }
-    return proxy_post(PROXY_PUT, pe, d, s, bytes, 0, 0, 0);
+    return proxy_post(op, pe, d, s, bytes, 0, 0, 0);
+}
+__device__ __forceinline__ u64 proxy_put(void* dest, const void* src, usize bytes, int pe) {
+    return proxy_move(PROXY_PUT, dest, src, bytes, pe);
 }
 __device__ __forceinline__ u64 proxy_get(void* dest, const void* src, usize bytes, int pe) {
-    const u64 s = detail::heap_offset(src), d = detail::heap_offset(dest);
-    if (s == ~0ull || d == ~0ull) {
-        proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
-        return 0;
-    }
-    return proxy_post(PROXY_GET, pe, d, s, bytes, 0, 0, 0);
+    return proxy_move(PROXY_GET, dest, src, bytes, pe);
 }
 // An update (signal or non-fetching atomic) of the `width`-byte word `word` at `pe`.
 __device__ __forceinline__ void proxy_update(const void* word, u64 value, u32 kind, u32 width, int pe) {
