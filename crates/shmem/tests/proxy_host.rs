@@ -464,3 +464,131 @@ fn a_lost_peer_fails_the_ring_and_an_orderly_close_does_not() {
     std::thread::sleep(Duration::from_millis(300));
     assert!(c.failure().is_none(), "{:?}", c.failure());
 }
+
+/// A note as the proxies write them (`Note` in crates/shmem/src/proxy/mod.rs), built here by
+/// hand the way a malicious peer would: kind byte, then little-endian fields.
+fn note(kind: u8, fields: &[u64], code: Option<u32>) -> Vec<u8> {
+    let mut tag = vec![kind];
+    if let Some(code) = code {
+        tag.extend_from_slice(&code.to_le_bytes());
+    }
+    for f in fields {
+        tag.extend_from_slice(&f.to_le_bytes());
+    }
+    tag
+}
+
+/// Runs the forger process against A's proxy engine, under engine name `name`.
+fn forge(a: &Pe, name: &str) {
+    let proxy = a.proxy.as_ref().unwrap();
+    let orders = format!(
+        "{} {} {name}",
+        hex::encode(proxy.engine_desc().to_bytes()),
+        hex::encode(proxy.heap_desc().to_bytes())
+    );
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "forger_process",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("MORI_SHMEM_FORGE", orders)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn forged_notes_from_another_process_touch_nothing_outside_the_words_they_may() {
+    let (mut a, b) = two_pes();
+    let before = pattern(5, HEAP);
+    a.fill(0, &before);
+    // An engine that holds the secret but is none of A's peers: every note is dropped, the
+    // valid-looking control too (notes were recorded before the forger exited; settle makes A
+    // handle them).
+    forge(&a, "outsider");
+    a.proxy.as_ref().unwrap().settle(WAIT).unwrap();
+    assert!(
+        a.bytes(0, HEAP) == before,
+        "a note from a non-peer changed the heap"
+    );
+    assert!(a.failure().is_none(), "{:?}", a.failure());
+    // An engine claiming B's name (engine names in hellos are not proven, docs/security.md):
+    // its notes are taken as B's, so only the checks on each note stand between it and the heap:
+    // the malformed ones are dropped, the valid control lands, nothing else changes.
+    let b_name = b.proxy.as_ref().unwrap().engine_desc().name.clone();
+    forge(&a, &b_name);
+    let start = Instant::now();
+    while a.word(1024).load(Ordering::Acquire) != 0xBEEF {
+        assert!(
+            start.elapsed() < WAIT,
+            "the control update never landed: {:?}",
+            a.failure()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut want = before;
+    want[1024..1032].copy_from_slice(&0xBEEFu64.to_le_bytes());
+    assert!(
+        a.bytes(0, HEAP) == want,
+        "a forged note changed the heap outside the control word"
+    );
+    assert!(a.failure().is_none(), "{:?}", a.failure());
+}
+
+/// The forger: another process with its own mori.io engine holding the deployment secret, named
+/// as `MORI_SHMEM_FORGE` says, sending notes to the proxy engine it names: words past the heap,
+/// straddling its end, misaligned, a fetch past it, an answer nobody asked for, garbage, and
+/// last a valid update of word 1024 as the control.
+#[test]
+fn forger_process() {
+    let Ok(orders) = std::env::var("MORI_SHMEM_FORGE") else {
+        return; // only as the attacker of the test above
+    };
+    let mut parts = orders.split(' ');
+    let mut next = || hex::decode(parts.next().unwrap()).unwrap();
+    let target = mori_io::EngineDesc::from_bytes(&next()).unwrap();
+    let heap = mori_io::MemoryDesc::from_bytes(&next()).unwrap();
+    let name = parts.next().unwrap().to_string();
+    let me = mori_io::IoEngine::new(
+        &name,
+        mori_io::EngineConfig {
+            same_host_direct: false,
+            cuda_ipc: false,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    me.connect(&target).unwrap();
+    let mut scratch = vec![0u8; 64];
+    let local = me
+        .register(scratch.as_mut_ptr() as u64, 64, mori_io::Location::Host)
+        .unwrap();
+    let set8 = 8u32 << 8;
+    let size = HEAP as u64;
+    let notes = [
+        note(0xA5, &[size, 1], Some(set8)), // the word just past the heap
+        note(0xA5, &[size - 4, 1], Some(set8)), // straddling its end
+        note(0xA5, &[u64::MAX - 3, 1], Some(set8)), // wrapping around
+        note(0xA5, &[12, 1], Some(set8)),   // misaligned
+        note(0xA5, &[64, 1], Some(9 | set8)), // an unknown kind
+        note(0xA5, &[64, 1], Some(1 | (3 << 8))), // a 3-byte word
+        note(0xA5, &[64, 7, 0], Some(5 | set8)), // compare-swap without an answer
+        note(0xA6, &[size, 1, 0, 7], Some(1 | set8)), // a fetch past the heap
+        note(0xA7, &[123_456, 99], None),   // an answer nobody asked for
+        b"not a note at all".to_vec(),
+        note(0xA5, &[1024, 0xBEEF], Some(set8)), // the control
+    ];
+    for tag in &notes {
+        let t = me
+            .transfer(mori_io::Op::Write, &local, &[], &heap, &[], &[], Some(tag))
+            .unwrap();
+        t.wait(Some(WAIT)).unwrap();
+    }
+}

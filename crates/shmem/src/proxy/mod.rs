@@ -246,6 +246,9 @@ enum Applier {
 
 /// A running proxy. Dropping it stops the thread and closes its engine.
 pub struct Proxy {
+    /// What this PE told its peers at start: its engine and its heap's registration.
+    engine_desc: EngineDesc,
+    heap_desc: MemoryDesc,
     ring: HostMemory,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
@@ -318,7 +321,8 @@ impl Proxy {
         };
         let scratch = HostMemory::new(device, 8 * SLOTS as usize)?;
         let scratch_desc = engine.register(scratch.ptr(), 8 * SLOTS, Location::Host)?;
-        let hellos = bootstrap.allgather(&encode_hello(&engine.desc(), &heap))?;
+        let (engine_desc, heap_desc) = (engine.desc(), heap.clone());
+        let hellos = bootstrap.allgather(&encode_hello(&engine_desc, &heap))?;
         let mut remotes: Vec<Option<Remote>> = Vec::with_capacity(hellos.len());
         for (pe, bytes) in hellos.iter().enumerate() {
             if !via_proxy.get(pe).copied().unwrap_or(false) {
@@ -387,10 +391,22 @@ impl Proxy {
         bootstrap.barrier()?;
         tracing::debug!("shmem PE {me}: proxy {name} serves PEs {:?}", via_proxy);
         Ok(Proxy {
+            engine_desc,
+            heap_desc,
             ring,
             shared,
             thread: Some(thread),
         })
+    }
+
+    /// This PE's proxy engine, as its peers know it.
+    pub fn engine_desc(&self) -> &EngineDesc {
+        &self.engine_desc
+    }
+
+    /// This PE's heap as registered with its proxy engine (what peers address).
+    pub fn heap_desc(&self) -> &MemoryDesc {
+        &self.heap_desc
     }
 
     /// The ring's address (for the device state: host pointer = device pointer under UVA).
