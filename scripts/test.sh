@@ -72,7 +72,7 @@ fi
 step "rust: cargo bench, quick (the host benches run; figures not kept)"
 # Debug profile (shares the test build) and short samples: this proves the bench targets run
 # and check their own results; `cargo bench` (release, full samples) is what measures.
-MORI_BENCH_QUICK=1 MORI_BENCH_OUT="$(mktemp -d)" cargo bench --profile dev -q -p mori-io -p mori-bootstrap -p mori-umbp -p mori-net -p mori-collective --benches
+MORI_BENCH_QUICK=1 MORI_BENCH_OUT="$(mktemp -d)" cargo bench --profile dev -q -p mori-io -p mori-bootstrap -p mori-umbp -p mori-net -p mori-collective -p mori-shmem --benches
 
 step "python: build the extension into $VENV"
 VIRTUAL_ENV="$PWD/$VENV" "$VENV/bin/maturin" develop --release --quiet
