@@ -538,12 +538,17 @@ impl Worker {
                 self.check_peers();
                 last_check = Instant::now();
             }
-            if busy || !self.in_flight.is_empty() {
+            if busy {
                 idle_since = Instant::now();
+            } else if !self.in_flight.is_empty() {
+                // Waiting on the engine's threads, which carry the transfers: let them run (on
+                // a machine with few cores a spinning proxy holds them back).
+                idle_since = Instant::now();
+                std::thread::yield_now();
             } else if idle_since.elapsed() > SPIN {
                 std::thread::sleep(NAP);
             } else {
-                std::hint::spin_loop();
+                std::thread::yield_now();
             }
         }
     }

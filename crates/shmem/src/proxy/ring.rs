@@ -403,7 +403,7 @@ pub mod test_producer {
             unsafe { AtomicU64::from_ptr(base.add(offset) as *mut u64) }
         };
         while t >= word(CONSUMED).load(Ordering::Acquire) + SLOTS {
-            std::hint::spin_loop();
+            std::thread::yield_now();
         }
         let at = HEADER_BYTES + (t % SLOTS) as usize * ENTRY_BYTES;
         let sig_op = e.update.map(Update::encode).unwrap_or(0);
@@ -446,7 +446,7 @@ pub mod test_producer {
             if error.load(Ordering::Acquire) != 0 {
                 return None;
             }
-            std::hint::spin_loop();
+            std::thread::yield_now();
         }
     }
 
@@ -470,7 +470,7 @@ pub mod test_producer {
             if completed.load(Ordering::Acquire) > t {
                 return true;
             }
-            std::hint::spin_loop();
+            std::thread::yield_now();
         }
     }
 }
