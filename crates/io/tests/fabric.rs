@@ -230,14 +230,7 @@ fn attack(engine: &IoEngine, m: &MemoryDesc, attempts: &[Attempt]) -> Vec<Outcom
         let op = if a.op == Rma::Write { 'w' } else { 'r' };
         orders.push_str(&format!(" {op}:{}", a.key));
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "attacker_process",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
+    let out = mori_testutil::this_test("attacker_process")
         .env("MORI_IO_ATTACK", orders)
         .output()
         .unwrap();

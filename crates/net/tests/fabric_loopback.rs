@@ -324,8 +324,7 @@ fn a_local_only_region_refuses_peers_holding_its_key() {
         stolen.base,
         stolen.len
     );
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "attacker_process", "--nocapture"])
+    let mut child = mori_testutil::this_test("attacker_process")
         .env("MORI_NET_ATTACK", spec)
         .stdout(std::process::Stdio::piped())
         .spawn()

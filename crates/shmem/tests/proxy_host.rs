@@ -384,14 +384,7 @@ fn forge(a: &Pe, name: &str) {
         hex::encode(proxy.engine_desc().to_bytes()),
         hex::encode(proxy.heap_desc().to_bytes())
     );
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "forger_process",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
+    let out = mori_testutil::this_test("forger_process")
         .env("MORI_SHMEM_FORGE", orders)
         .output()
         .unwrap();

@@ -69,6 +69,15 @@ pub fn random_seed(test: &str) -> u64 {
     seed
 }
 
+/// This test binary again, set to run only its test `test` (one thread, output not captured):
+/// how a test puts an attacker or a crashing writer in another process. The caller adds the
+/// child's orders (environment) and runs it.
+pub fn this_test(test: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(std::env::current_exe().expect("the test binary"));
+    c.args(["--exact", test, "--nocapture", "--test-threads", "1"]);
+    c
+}
+
 /// This host's name as the kernel reports it.
 pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use mori_testutil::Lcg;
 use mori_testutil::{hostname, random_seed};
@@ -57,14 +57,7 @@ fn items(seed: u64, n: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
 
 /// Runs this test binary's `child_entry` with `role` on `dir`.
 fn run_child(role: &str, dir: &Path, seed: u64) -> Output {
-    Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "child_entry",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
+    mori_testutil::this_test("child_entry")
         .env(CHILD_ENV, role)
         .env(DIR_ENV, dir)
         .env(SEED_ENV, seed.to_string())

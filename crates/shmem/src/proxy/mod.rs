@@ -427,12 +427,8 @@ impl Proxy {
             if let Some(f) = self.failure() {
                 return Err(Error::Proxy(f));
             }
-            // SAFETY: COMPLETED is the ring's second header word, written by the proxy thread
-            // atomically; the ring lives as long as self.
-            let completed = unsafe {
-                std::sync::atomic::AtomicU64::from_ptr((self.ring.ptr() + 8) as *mut u64)
-                    .load(Ordering::Acquire)
-            };
+            // SAFETY: the ring lives as long as self.
+            let completed = unsafe { ring::completed(self.ring.ptr() as *const u8) };
             if completed >= tickets {
                 return Ok(());
             }

@@ -374,6 +374,15 @@ impl Consumer {
     }
 }
 
+/// The ring's published `completed` (every ticket below it is done), read from another thread.
+///
+/// # Safety
+/// `base` as for [`Consumer::new`].
+pub unsafe fn completed(base: *const u8) -> u64 {
+    // SAFETY: the header word inside the ring, written only atomically.
+    unsafe { AtomicU64::from_ptr(base.add(COMPLETED) as *mut u64) }.load(Ordering::Acquire)
+}
+
 /// Reports a timed-out wait the way a GPU thread does (tests of the proxy without a GPU).
 ///
 /// # Safety
