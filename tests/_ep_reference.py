@@ -25,7 +25,7 @@ def _unpack(payload: bytes) -> Any:
     dtype_name, shape, raw = pickle.loads(payload)
     dtype = getattr(torch, dtype_name)
     if not raw:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device="cpu")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
@@ -69,6 +69,8 @@ def normal_cases(normal_case: Callable[[int, str, bool], Any], rank: int, max_to
         "all_to_rank0": lambda: normal_case(600, "to_rank0", False),
         "no_remote": lambda: normal_case(500, "local_only", False),
         "zero_tokens_on_rank1": lambda: normal_case(0 if rank == 1 else 300, "random", False),
+        "one_expert": lambda: normal_case(400, "one_expert", False),
+        "duplicate_ids": lambda: normal_case(400, "duplicates", True),
         "one_token": lambda: normal_case(1, "random", False),
         "max_tokens": lambda: normal_case(max_tokens, "random", False),
         "max_tokens_fp8": lambda: normal_case(max_tokens, "random", True),
@@ -79,20 +81,29 @@ def normal_cases(normal_case: Callable[[int, str, bool], Any], rank: int, max_to
 def routing(n: int, mode: str, *, num_experts: int, topk: int, world: int, rank: int, gen: Any, drop: float = 0.1) -> Any:
     """int64 [n, topk] expert ids on the GPU. Modes: "random" (distinct experts, ~``drop`` of the
     ids -1), "to_rank0" (every id on rank 0), "local_only" (every id on this rank); in the last
-    two, ids past the rank's experts (fewer than ``topk`` of them) are -1."""
+    two, ids past the rank's experts (fewer than ``topk`` of them) are -1; "one_expert" (every
+    token to the last expert only, the rest -1); "duplicates" ("random" with slot 1 repeating
+    slot 0's id and, for topk >= 4, slot 3 repeating slot 2's)."""
     import torch
 
     el = num_experts // world
     if n == 0:
         return torch.empty((0, topk), dtype=torch.int64, device="cuda")
-    if mode == "random":
-        idx = torch.rand((n, num_experts), device="cuda", generator=gen).argsort(dim=1)[:, :topk]
-        idx[torch.rand(idx.shape, device="cuda", generator=gen) < drop] = -1
+    if mode in ("random", "duplicates"):
+        idx = torch.rand((n, num_experts), dtype=torch.float32, device="cuda", generator=gen).argsort(dim=1)[:, :topk]
+        idx[torch.rand(idx.shape, dtype=torch.float32, device="cuda", generator=gen) < drop] = -1
+        if mode == "duplicates":
+            for a in range(0, topk - 1, 2)[:2]:
+                idx[:, a + 1] = idx[:, a]
         return idx.to(torch.int64)
+    if mode == "one_expert":
+        idx = torch.full((n, topk), -1, dtype=torch.int64, device="cuda")
+        idx[:, 0] = num_experts - 1
+        return idx
     if mode in ("to_rank0", "local_only"):
         base = 0 if mode == "to_rank0" else rank * el
         idx = torch.full((n, topk), -1, dtype=torch.int64, device="cuda")
-        ids = torch.rand((n, el), device="cuda", generator=gen).argsort(dim=1)[:, :topk] + base
+        ids = torch.rand((n, el), dtype=torch.float32, device="cuda", generator=gen).argsort(dim=1)[:, :topk] + base
         idx[:, : ids.shape[1]] = ids
         return idx
     raise ValueError(mode)

@@ -313,6 +313,19 @@ def test_baseline_errors_keep_the_first_reason_and_warn(capsys):
     assert "warning: baseline nccl not measured: RuntimeError: a" in out and "baseline deepep not measured" in out
 
 
+def test_ep_bench_apis_and_the_facade_beside_native():
+    from mori.bench import ep
+
+    parser = build_parser()
+    assert parser.parse_args(["bench", "ep"]).api == ["native"]
+    assert parser.parse_args(["bench", "ep", "--api", "deepep,native"]).api == ["deepep", "native"]  # in the order given
+    assert parser.parse_args(["bench", "ep", "--api", "native:deepep:native"]).api == ["native", "deepep"]  # device-run.sh splits at commas
+    row = {"dispatch_bf16_us": 200.0, "facade_dispatch_bf16_us": 210.0, "facade_dispatch_bf16_cached_us": 190.0,
+           "combine_call_us": 0.0, "facade_combine_call_us": 5.0, "facade_allreduce_dispatch_bf16_call_us": 250.0, "sms": 24}
+    assert ep._facade_over_native(row) == {"dispatch_bf16": 1.05}  # only what both APIs measured
+    assert ep._facade_over_native({"facade_combine_us": 1.0}) == {}
+
+
 @pytest.mark.torch
 def test_ep_bench_negation_is_exact_and_deepep_rows_sort_into_moris_order():
     import types

@@ -41,6 +41,8 @@ def mori(*args: str, env: dict[str, str] | None = None, timeout: float = 120) ->
         (["bench", "ep", "--sms", "0:24"], "--sms"),
         (["bench", "ep", "--iters", "0"], "--iters"),
         (["bench", "ep", "--reps", "x"], "--reps"),
+        (["bench", "ep", "--api", "nccl"], "--api"),
+        (["bench", "ep", "--api", ","], "--api"),
         (["bench", "ccl", "--grids", "abc"], "--grids"),
         (["bench", "ccl", "--max-bytes", "1K"], "--max-bytes"),
         (["bench", "ccl", "--trials", "0"], "--trials"),

@@ -63,25 +63,22 @@ def test_deepep_constructor_validation():
     assert "not built yet" in repr(buf)
 
 
-def test_deepep_unsupported_options_raise():
+def test_deepep_invalid_and_unsupported_options_raise():
     buf = _facade()
-    for kw, word in (({"use_ue8m0": True}, "use_ue8m0"), ({"round_scale": True}, "round_scale"),
+    for kw, word in (({"use_ue8m0": True, "round_scale": True, "use_fp8": False}, "use_fp8"),
+                     ({"use_ue8m0": True}, "needs round_scale"),
                      ({"use_per_tensor_quantization": True}, "per-tensor"), ({"static_scale": object()}, "per-tensor")):
         with pytest.raises(errors.InvalidArgumentError, match=word):
             buf.low_latency_dispatch(None, None, 128, 32, **kw)
-    with pytest.raises(errors.InvalidArgumentError, match="use_logfmt"):
-        buf.low_latency_combine(None, None, None, None, use_logfmt=True)
     with pytest.raises(errors.InvalidArgumentError, match="expert_alignment"):
         buf.dispatch(None, expert_alignment=0)
     with pytest.raises(errors.InvalidArgumentError, match="num_worst_tokens"):
         buf.dispatch(None, num_worst_tokens=-1)
-    with pytest.raises(errors.InvalidArgumentError, match="get_local_buffer_tensor"):
-        buf.get_local_buffer_tensor(None)
     with pytest.raises(errors.InvalidArgumentError, match="explicitly_destroy"):
         buf.destroy()
     with pytest.raises(errors.InvalidArgumentError, match="positive"):
         buf.clean_low_latency_buffer(0, 7168, 256)
-    buf.clean_low_latency_buffer(128, 7168, 256)  # a no-op in mori
+    buf.clean_low_latency_buffer(128, 7168, 256)  # nothing built yet: nothing to size
 
 
 def test_deepep_destroy_without_buffers_and_use_after():
@@ -147,16 +144,18 @@ def test_deepep_event_and_handles_without_gpu():
 
 KERNELS = Path(__file__).parent.parent / "kernels" / "ep"
 # Frozen: the struct codes mori.ep packed each launch with before crates/collective
-# (P pointer, i int32, Q uint64; native alignment, no tail padding).
+# (P pointer, i int32, Q uint64; native alignment, no tail padding), with the fields added
+# since: the low-latency dispatch's round_scale (send), scale_format and wait_ns (receive), and
+# the low-latency combine's wait_ns (receive).
 OLD_LAYOUTS = {
     "ep_prepare": "PiiiiiPPPPPPiPPPi",
     "ep_dispatch": "PQPiPPiiiiPPPPPPPPP",
     "ep_combine_send": "PQiiPPQP",
     "ep_combine_reduce": "PiPQiiiPPP",
-    "ep_ll_dispatch_send": "PPiiiiiiiiPPPP",
-    "ep_ll_dispatch_recv": "iiiiiiiPPPPPPPPPPPP",
+    "ep_ll_dispatch_send": "PPiiiiiiiiiPPPP",
+    "ep_ll_dispatch_recv": "iiiiiiiiPPPPPPPPPPPPP",
     "ep_ll_combine_send": "PPPiiiiiiiPPPPPPP",
-    "ep_ll_combine_recv": "PiiiiiiiiPPPPP",
+    "ep_ll_combine_recv": "PiiiiiiiiPPPPPP",
 }
 
 
@@ -344,19 +343,27 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
         assert rt.combine(None, y, False, 0, 0, meta, out, 20)[-1][0] == "ep_combine_send", "no reduce for no tokens"
         if not tll:
             with pytest.raises(errors.InvalidArgumentError, match="low-latency"):
-                rt.ll_dispatch_send(None, x, topk_idx, n, True)
+                rt.ll_dispatch_send(None, x, topk_idx, n, (False, False, False))
             continue
         rows, llmeta, wts, llcomb, sent0, sent1, sent2, state, chunks = ll
-        outputs = [rng.getrandbits(40) << 4 for _ in range(6)]
-        ids_pos = outputs[5]
+        outputs = [rng.getrandbits(40) << 4 for _ in range(7)]
+        ids_pos, wait_ns = outputs[5], outputs[6]
         half = 4 * w * tll * k
-        assert rt.ll_dispatch_send(None, x, topk_idx, n, True) == [("ep_ll_dispatch_send", 64, 512, 0, packed(
-            "ep_ll_dispatch_send", x, topk_idx, n, k, h, el, w, tll, 1, chunks, rows, llmeta, sent0, state))]
-        assert rt.ll_dispatch_recv(None, False, outputs) == [("ep_ll_dispatch_recv", el, 1024, 4 * w * tll, packed(
-            "ep_ll_dispatch_recv", k, h, el, w, tll, 0, 64, rows, llmeta, sent0, *outputs[:5], ids_pos, ids_pos + half, state,
-            state + 8))]
+        for fp8, use_fp8, round_scale, scale_format in ((None, 0, 0, 0), ((False, False, False), 1, 0, 0),
+                                                        ((True, False, True), 1, 1, 2), ((True, True, False), 1, 1, 1)):
+            if fp8 is not None and fp8[1] and h % 512:
+                with pytest.raises(errors.InvalidArgumentError, match="UE8M0"):
+                    rt.ll_dispatch_send(None, x, topk_idx, n, fp8)
+                continue
+            assert rt.ll_dispatch_send(None, x, topk_idx, n, fp8) == [("ep_ll_dispatch_send", 64, 512, 0, packed(
+                "ep_ll_dispatch_send", x, topk_idx, n, k, h, el, w, tll, use_fp8, round_scale, chunks, rows, llmeta, sent0, state))]
+            assert rt.ll_dispatch_recv(None, fp8, outputs) == [("ep_ll_dispatch_recv", el, 1024, 4 * w * tll, packed(
+                "ep_ll_dispatch_recv", k, h, el, w, tll, use_fp8, scale_format, 64, rows, llmeta, sent0, *outputs[:5], ids_pos,
+                ids_pos + half, state, state + 8, wait_ns))]
+        with pytest.raises(errors.InvalidArgumentError, match="round_scale"):
+            rt.ll_dispatch_recv(None, (False, True, False), outputs)
         assert rt.ll_combine_send(None, y, topk_idx, weights, n, ids_pos) == [("ep_ll_combine_send", 64, 512, 0, packed(
             "ep_ll_combine_send", y, topk_idx, weights, n, k, h, el, w, tll, chunks, ids_pos, ids_pos + half, wts, sent1, llcomb,
             sent2, state))]
-        assert rt.ll_combine_recv(None, topk_idx, n, out) == [("ep_ll_combine_recv", 64, 512, 0, packed(
-            "ep_ll_combine_recv", topk_idx, n, k, h, el, w, tll, chunks, 64, llcomb, sent2, out, state, state + 12))]
+        assert rt.ll_combine_recv(None, topk_idx, n, out, wait_ns) == [("ep_ll_combine_recv", 64, 512, 0, packed(
+            "ep_ll_combine_recv", topk_idx, n, k, h, el, w, tll, chunks, 64, llcomb, sent2, out, state, state + 12, wait_ns))]

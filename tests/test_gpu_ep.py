@@ -1,9 +1,12 @@
 """mori.ep on MORI_TEST_WORLD GPUs (default 2; and on one, EP1), normal and low-latency mode,
 checked against the references in mori/ep/_reference.py (every received row bit-exact against its
 source; combine of experts whose outputs depend on the rank (normal, BF16 and FP8) or the expert
-(low-latency, so each top-k weight must meet its own expert's row)). Routing cases: random top-k with -1 ids, all to one rank, none to a remote rank, a rank
-with zero tokens, one token, the maximum, BF16 and FP8, repeated calls with changing routing; for
-the low-latency mode also the send/receive split (hook) and CUDA-graph capture + replay.
+(low-latency, so each top-k weight must meet its own expert's row)). Routing cases: random top-k
+with -1 ids, all to one rank, none to a remote rank, all to one expert, duplicate ids in a row, a
+rank with zero tokens, one token, the maximum, BF16 and FP8, repeated calls with changing routing,
+hidden 2048 and (a second buffer) 7168; for the low-latency mode also the send/receive split
+(hook), CUDA-graph capture + replay, and the FP8 scale formats (amax / 448, powers of two, packed
+UE8M0, row- and column-major), each bit-exact against the reference quantiser.
 
 One spawned suite per module (module-scoped fixture); fresh random seeds every run. Each case
 runs every collective call first and checks afterwards, so a failing check on one rank cannot
@@ -58,32 +61,33 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
     def routing(n, mode):
         return util.routing(n, mode, num_experts=experts, topk=TOPK, world=world, rank=rank, gen=gen)
 
-    def tokens(n):
-        x = torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16)
+    def tokens(n, hidden=HIDDEN):
+        x = torch.randn((n, hidden), device="cuda", generator=gen).to(torch.bfloat16)
         if n:
             x[0, :128] = 0  # one all-zero 128-channel block (FP8 scale 0)
         return x
 
     # ---- normal mode ----------------------------------------------------------------------
 
-    def normal_case(n, mode, fp8):
+    def normal_case(n, mode, fp8, b=buf):
+        hidden = b.config.hidden
         idx = routing(n, mode)
         weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
-        x = tokens(n)
+        x = tokens(n, hidden)
         scales = None
         if fp8:
-            sent = (torch.randn((n, HIDDEN), device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
-            scales = torch.rand((n, HIDDEN // 128), device="cuda", generator=gen, dtype=torch.float32)
-            res = buf.dispatch((sent, scales), idx, weights)
+            sent = (torch.randn((n, hidden), device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
+            scales = torch.rand((n, hidden // 128), device="cuda", generator=gen, dtype=torch.float32)
+            res = b.dispatch((sent, scales), idx, weights)
         else:
             sent = x
-            res = buf.dispatch(x, idx, weights)
+            res = b.dispatch(x, idx, weights)
         got = dict(
             recv_x=res.recv_x.clone(), recv_x_scales=res.recv_x_scales.clone() if fp8 else None,
             recv_topk_idx=res.recv_topk_idx.clone(), recv_topk_weights=res.recv_topk_weights.clone(),
             recv_src_idx=res.recv_src_idx.clone(), num_recv_tokens_per_expert=list(res.num_recv_tokens_per_expert),
         )
-        out = buf.combine(ref.normal_expert(res.recv_x, res.recv_x_scales, rank), res.handle)
+        out = b.combine(ref.normal_expert(res.recv_x, res.recv_x_scales, rank), res.handle)
         all_idx, all_w, all_x = gather(idx), gather(weights), gather(sent)
         all_scales = gather(scales) if fp8 else None
         shmem.barrier_all()
@@ -93,9 +97,9 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
 
     # ---- low-latency mode -----------------------------------------------------------------
 
-    def ll_run(x, idx, weights, fp8, hook):
+    def ll_run(x, idx, weights, fp8, hook, b=buf, **scale_format):
         """Dispatch, the test experts, combine; returns what the checks need (copies)."""
-        res = buf.low_latency_dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook)
+        res = b.low_latency_dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook, **scale_format)
         hook_ok = (res.hook is not None) == hook
         if hook:
             torch.mm(torch.randn((256, 256), device="cuda"), torch.randn((256, 256), device="cuda"))  # overlapped work
@@ -105,26 +109,40 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
             recv_src_info=res.recv_src_info.clone(), recv_layout_range=res.recv_layout_range.clone(),
         )
         y = ref.ll_expert(snap["recv_x"], snap["recv_x_scales"], rank)
-        out, chook = buf.low_latency_combine(y, idx, weights, res.handle, return_recv_hook=hook)
+        out, chook = b.low_latency_combine(y, idx, weights, res.handle, return_recv_hook=hook)
         hook_ok = hook_ok and (chook is not None) == hook
         if hook:
             chook()
         torch.cuda.synchronize()
         return snap, out, hook_ok
 
-    def ll_check(x, idx, weights, fp8, snap, out, hook_ok, hook):
+    def ll_check(x, idx, weights, fp8, snap, out, hook_ok, hook, round_scale=False, max_tokens=LL_MAX):
         all_x, all_idx = gather(x), gather(idx)
         shmem.barrier_all()
         assert hook_ok, f"hook returned {'None' if hook else 'a callable'} with return_recv_hook={hook}"
-        ref.check_ll_dispatch(rank=rank, world=world, num_experts=experts, max_tokens=LL_MAX, all_x=all_x, all_idx=all_idx, **snap)
-        ref.check_ll_combine(out, ref.expected_ll_combine(x, idx, weights, fp8))
+        ref.check_ll_dispatch(rank=rank, world=world, num_experts=experts, max_tokens=max_tokens, all_x=all_x, all_idx=all_idx,
+                              round_scale=round_scale, **snap)
+        ref.check_ll_combine(out, ref.expected_ll_combine(x, idx, weights, fp8, round_scale))
 
-    def ll_case(n, mode, fp8, hook=False):
+    def ll_case(n, mode, fp8, hook=False, b=buf, **scale_format):
         idx = routing(n, mode)
         weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
-        x = tokens(n)
-        snap, out, hook_ok = ll_run(x, idx, weights, fp8, hook)
-        ll_check(x, idx, weights, fp8, snap, out, hook_ok, hook)
+        x = tokens(n, b.config.hidden)
+        snap, out, hook_ok = ll_run(x, idx, weights, fp8, hook, b, **scale_format)
+        if scale_format.get("scales_column_major"):
+            hook_ok = hook_ok and snap["recv_x_scales"].stride(1) == 1
+        ll_check(x, idx, weights, fp8, snap, out, hook_ok, hook, scale_format.get("round_scale", False), b.config.low_latency_max_tokens)
+
+    wide: list = []  # a second buffer at hidden 7168, built by the first case that needs it
+
+    def hidden_7168():
+        if not wide:
+            wide.append(Buffer(EpConfig(num_experts=experts, hidden=7168, max_tokens_per_rank=256, topk=TOPK, num_sms=24,
+                                        low_latency_max_tokens=32)))
+        normal_case(200, "random", True, b=wide[0])
+        normal_case(150, "duplicates", False, b=wide[0])
+        ll_case(32, "random", True, b=wide[0], round_scale=True, use_ue8m0=True, scales_column_major=True)
+        ll_case(20, "one_expert", False, b=wide[0])
 
     def ll_repeated():
         for i in range(6):
@@ -187,7 +205,15 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
         "ll_hook_fp8": lambda: ll_case(100, "random", True, hook=True),
         "ll_graph": lambda: ll_graph(False),
         "ll_graph_fp8": lambda: ll_graph(True),
+        "ll_one_expert": lambda: ll_case(80, "one_expert", True),
+        "ll_duplicate_ids": lambda: ll_case(80, "duplicates", True),
+        "ll_round_scale": lambda: ll_case(100, "random", True, round_scale=True),
+        "ll_round_scale_column_major": lambda: ll_case(100, "random", True, round_scale=True, scales_column_major=True),
+        "ll_ue8m0": lambda: ll_case(100, "random", True, round_scale=True, use_ue8m0=True),
+        "ll_ue8m0_column_major_hook": lambda: ll_case(LL_MAX, "random", True, hook=True, round_scale=True, use_ue8m0=True,
+                                                      scales_column_major=True),
         "normal_after_ll": lambda: normal_case(700, "random", False),
+        "hidden_7168": hidden_7168,
     }
     for name, fn in cases.items():
         began = time.monotonic()
@@ -209,10 +235,11 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
 
 
 CASES = [
-    "random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_token", "max_tokens", "max_tokens_fp8",
-    "repeated", "ll_random", "ll_random_fp8", "ll_all_to_rank0", "ll_all_to_rank0_fp8", "ll_no_remote", "ll_zero_tokens_on_rank1",
+    "random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_expert", "duplicate_ids", "one_token",
+    "max_tokens", "max_tokens_fp8", "repeated", "ll_random", "ll_random_fp8", "ll_all_to_rank0", "ll_all_to_rank0_fp8", "ll_no_remote", "ll_zero_tokens_on_rank1",
     "ll_zero_tokens_on_rank1_fp8", "ll_one_token", "ll_one_token_fp8", "ll_max_tokens", "ll_max_tokens_fp8", "ll_repeated",
-    "ll_hook", "ll_hook_fp8", "ll_graph", "ll_graph_fp8", "normal_after_ll",
+    "ll_hook", "ll_hook_fp8", "ll_graph", "ll_graph_fp8", "ll_one_expert", "ll_duplicate_ids", "ll_round_scale",
+    "ll_round_scale_column_major", "ll_ue8m0", "ll_ue8m0_column_major_hook", "normal_after_ll", "hidden_7168",
 ]
 
 

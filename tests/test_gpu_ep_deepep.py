@@ -1,13 +1,19 @@
-"""The DeepEP facade (mori.ep.deepep.Buffer) on MORI_TEST_WORLD GPUs (default 2), driven exactly
-as a DeepEP program drives deep_ep.Buffer (a torch.distributed group, get_dispatch_layout ->
-dispatch -> combine, low_latency_dispatch -> low_latency_combine), checked with the same
+"""The DeepEP facade (mori.ep.deepep.Buffer) on MORI_TEST_WORLD ranks (default 2; ranks share GPUs
+when there are fewer), driven exactly as a DeepEP program drives deep_ep.Buffer (default device
+cuda and default dtype bf16, as DeepEP's examples set them; a torch.distributed group,
+get_dispatch_layout -> dispatch -> combine, low_latency_dispatch -> low_latency_combine), checked with the same
 references as test_gpu_ep.py (mori/ep/_reference.py: combine inputs that depend on the rank or the
 expert, BF16 and FP8) plus DeepEP's conventions: weights masked to 0 where the
 local id is -1, the handle's rank_prefix_matrix / recv_src_idx / is_token_in_rank, combined
 top-k weights, expert_alignment, num_worst_tokens padding, the cached dispatch (of new tokens),
-events, column-major FP8 scales, cumulative receive statistics, zero-copy combine (other data in
-``x``), the hook split and CUDA-graph replay.
-The buffer is sized lazily and grows collectively (a case sends more tokens than any before).
+events on the communication stream, column-major FP8 scales (amax / 448, powers of two, packed
+UE8M0, each bit-exact against mori.ep._reference's quantiser), cumulative receive statistics and
+wait times, zero-copy combine (other data in ``x``), the hook split, CUDA-graph replay, dispatch
+by layout alone (no top-k ids), get_local_buffer_tensor against the rows dispatch returned, all
+tokens to one expert, duplicate expert ids in a row, and hidden sizes 2048 / 4096 / 7168.
+The buffer is sized lazily and grows collectively (a case sends more tokens than any before, and
+the hidden-size cases rebuild it); clean_low_latency_buffer sizes it back so that a graph
+captured right after needs no resize.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
     from tests import _ep_reference as util
 
     torch.cuda.set_device(device_of(rank))
+    torch.set_default_device("cuda")
+    torch.set_default_dtype(torch.bfloat16)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     group = dist.group.WORLD
     results: dict[str, str] = {}
@@ -48,12 +56,15 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
     num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(LL_MAX, HIDDEN, WORLD, EXPERTS)
     buf = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=True, num_qps_per_rank=el, explicitly_destroy=True)
     stats = torch.zeros(el, dtype=torch.int32, device="cuda")
+    # Wait times (ns per source rank): DeepEP documents [ranks, ranks]; mori adds to this rank's row.
+    wait_dispatch = torch.zeros((WORLD, WORLD), dtype=torch.int64, device="cuda")
+    wait_combine = torch.zeros(WORLD, dtype=torch.int64, device="cuda")
 
     def routing(n, mode, drop=0.1):
         return util.routing(n, mode, num_experts=EXPERTS, topk=TOPK, world=WORLD, rank=rank, gen=gen, drop=drop)
 
-    def tokens(n):
-        x = torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16)
+    def tokens(n, hidden=HIDDEN):
+        x = torch.randn((n, hidden), dtype=torch.float32, device="cuda", generator=gen).to(torch.bfloat16)
         if n:
             x[0, :128] = 0
         return x
@@ -64,33 +75,41 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
 
     # ---- normal mode ----------------------------------------------------------------------
 
-    def normal_case(n, mode, fp8, *, alignment=1, worst=0, async_finish=False, cached=False, bias=False):
+    def fp8_tokens(n, hidden):
+        data = (torch.randn((n, hidden), dtype=torch.float32, device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
+        return data, torch.rand((n, hidden // 128), device="cuda", generator=gen, dtype=torch.float32)
+
+    def normal_case(n, mode, fp8, *, hidden=HIDDEN, alignment=1, worst=0, async_finish=False, cached=False, bias=False,
+                    with_topk=True):
         idx = routing(n, mode)
         weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
-        x = tokens(n)
+        x = tokens(n, hidden)
         per_rank, per_rdma, per_expert, in_rank, event = buf.get_dispatch_layout(idx, EXPERTS, async_finish=async_finish)
+        if async_finish:
+            event.current_stream_wait()  # the layout ran on the communication stream
         layout = (per_rank.clone(), per_rdma, per_expert.clone(), in_rank.clone())
         scales = None
         if fp8:
-            sent = (torch.randn((n, HIDDEN), device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
-            scales = torch.rand((n, HIDDEN // 128), device="cuda", generator=gen, dtype=torch.float32)
-            xin = (sent, scales)
+            sent, scales = xin = fp8_tokens(n, hidden)
         else:
             sent = xin = x
+        routed = dict(topk_idx=idx, topk_weights=weights) if with_topk else {}
         recv_x, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
-            xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
-            topk_weights=weights, expert_alignment=alignment, num_worst_tokens=worst,
-            previous_event=event if async_finish else None, async_finish=async_finish,
+            xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, **routed,
+            expert_alignment=alignment, num_worst_tokens=worst, previous_event=event if async_finish else None,
+            async_finish=async_finish, allocate_on_comm_stream=async_finish,
         )
         event_ok = isinstance(event, EventOverlap) and (event.event is not None) == async_finish
         if async_finish:
             event.current_stream_wait()
         recv_data, recv_scales = recv_x if fp8 else (recv_x, None)
         recv_data_copy = recv_data.clone()
+        num_recv = int(handle[3].shape[0])
+        # The raw receive area holds the rows this dispatch returned (until the next dispatch).
+        raw_rows = buf.get_local_buffer_tensor(recv_data.dtype, torch.Size([num_recv, hidden])).clone()
         out_bias = None
         if bias:
-            out_bias = (torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16),
-                        torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16))
+            out_bias = (tokens(n, hidden), tokens(n, hidden))
         y = ref.normal_expert(recv_data, recv_scales, rank)
         combined, combined_w, cevent = buf.combine(y, handle, topk_weights=recv_w, bias=out_bias, async_finish=async_finish)
         with cevent:
@@ -98,11 +117,9 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         if cached:
             # New tokens on the cached layout: rows left over from the first dispatch do not pass.
             if fp8:
-                sent2 = (torch.randn((n, HIDDEN), device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
-                scales2 = torch.rand((n, HIDDEN // 128), device="cuda", generator=gen, dtype=torch.float32)
-                xin2 = (sent2, scales2)
+                sent2, scales2 = xin2 = fp8_tokens(n, hidden)
             else:
-                sent2 = xin2 = tokens(n)
+                sent2 = xin2 = tokens(n, hidden)
             again = buf.dispatch(xin2, handle=handle)
             cached_x, cached_rest = again[0], again[1:5]
             all_x2 = gather(sent2)
@@ -112,6 +129,8 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         barrier()
         # checks (every collective call is done)
         assert event_ok, f"event {event!r} with async_finish={async_finish}"
+        assert torch.equal(raw_rows.view(torch.uint8), recv_data_copy[:num_recv].contiguous().view(torch.uint8)), (
+            "get_local_buffer_tensor does not show the rows dispatch returned")
         want_rank, want_expert, want_in = ref.expected_layout(idx, EXPERTS, WORLD)
         assert layout[1] is None, "num_tokens_per_rdma_rank must be None intranode"
         assert torch.equal(layout[0].cpu(), want_rank), "num_tokens_per_rank"
@@ -133,8 +152,11 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
             assert torch.equal(combined, want), "combine with bias"
         else:
             ref.check_normal_combine(combined, base)
-        want_w = torch.where(idx >= 0, weights, torch.zeros_like(weights))
-        assert torch.equal(combined_w, want_w), "combined top-k weights != weights of the token's valid experts"
+        if with_topk:
+            want_w = torch.where(idx >= 0, weights, torch.zeros_like(weights))
+            assert torch.equal(combined_w, want_w), "combined top-k weights != weights of the token's valid experts"
+        else:
+            assert recv_idx is None and recv_w is None and combined_w is None, "a dispatch by layout returns no top-k ids / weights"
         if cached:
             assert cached_rest == (None, None, None, None), "a cached dispatch returns (recv_x, None, None, None, None, event)"
             exp2 = ref.expected_normal_dispatch(rank, WORLD, EXPERTS, all_idx, all_w, all_x2, all_scales2)
@@ -145,13 +167,15 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
 
     # ---- low-latency mode -----------------------------------------------------------------
 
-    def ll_call(x, idx, weights, fp8, *, hook=False, zero_copy=False, out=None):
+    def ll_call(x, idx, weights, fp8, *, round_scale=False, ue8m0=False, hook=False, zero_copy=False, out=None):
         before = stats.clone()
+        waits_before = (wait_dispatch.clone(), wait_combine.clone())
         recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
-            x, idx, LL_MAX, EXPERTS, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, async_finish=not hook,
-            return_recv_hook=hook,
+            x, idx, LL_MAX, EXPERTS, cumulative_local_expert_recv_stats=stats, dispatch_wait_recv_cost_stats=wait_dispatch,
+            use_fp8=fp8, round_scale=round_scale, use_ue8m0=ue8m0, async_finish=not hook, return_recv_hook=hook,
         )
-        ok = [(recv_hook is not None) == hook, isinstance(handle, tuple) and len(handle) == 5 and tuple(handle[2:]) == (LL_MAX, HIDDEN, EXPERTS)]
+        hidden = x.shape[1]
+        ok = [(recv_hook is not None) == hook, isinstance(handle, tuple) and len(handle) == 5 and tuple(handle[2:]) == (LL_MAX, hidden, EXPERTS)]
         if hook:
             torch.mm(torch.randn((256, 256), device="cuda"), torch.randn((256, 256), device="cuda"))
             recv_hook()
@@ -161,6 +185,7 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         data, scales = recv if fp8 else (recv, None)
         if fp8:
             ok.append(scales.stride(1) == 1)  # column-major in the last two dims, as DeepEP's
+            ok.append(scales.dtype == (torch.int32 if ue8m0 else torch.float32))
         snap = dict(
             recv_x=data.clone(), recv_x_scales=scales.clone() if fp8 else None, recv_count=count.clone(),
             recv_src_info=handle[0].clone(), recv_layout_range=handle[1].clone(),
@@ -171,30 +196,65 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
             # The expert outputs go into the zero-copy buffer and other data into `x`: reading `x` would show.
             buf.get_next_low_latency_combine_buffer(handle).copy_(y)
             y = y.neg()
-        combined, cevent, chook = buf.low_latency_combine(y, idx, weights, handle, zero_copy=zero_copy, return_recv_hook=hook, out=out)
+        combined, cevent, chook = buf.low_latency_combine(y, idx, weights, handle, zero_copy=zero_copy, return_recv_hook=hook, out=out,
+                                                          combine_wait_recv_cost_stats=wait_combine)
         ok.append((chook is not None) == hook)
         if hook:
             chook()
         if out is not None:
             ok.append(combined.data_ptr() == out.data_ptr())
         torch.cuda.synchronize()
+        # Wait times only grow, and only in this rank's row of the [ranks, ranks] form.
+        others = [r for r in range(WORLD) if r != rank]
+        ok.append(bool((wait_dispatch[rank] >= waits_before[0][rank]).all()) and torch.equal(wait_dispatch[others], waits_before[0][others]))
+        ok.append(bool((wait_combine >= waits_before[1]).all()))
         return snap, combined, ok
 
-    def ll_check(x, idx, weights, fp8, snap, combined, ok):
+    def ll_check(x, idx, weights, fp8, snap, combined, ok, round_scale=False):
         all_x, all_idx = gather(x), gather(idx)
         barrier()
-        assert all(ok), f"DeepEP conventions (hook / handle / event / scale layout / stats / out): {ok}"
-        ref.check_ll_dispatch(rank=rank, world=WORLD, num_experts=EXPERTS, max_tokens=LL_MAX, all_x=all_x, all_idx=all_idx, **snap)
-        ref.check_ll_combine(combined, ref.expected_ll_combine(x, idx, weights, fp8))
+        assert all(ok), f"DeepEP conventions (hook / handle / event / scale layout and dtype / stats / out / wait times): {ok}"
+        ref.check_ll_dispatch(rank=rank, world=WORLD, num_experts=EXPERTS, max_tokens=LL_MAX, all_x=all_x, all_idx=all_idx,
+                              round_scale=round_scale, **snap)
+        ref.check_ll_combine(combined, ref.expected_ll_combine(x, idx, weights, fp8, round_scale))
 
-    def ll_case(n, mode, fp8, **kw):
+    def ll_case(n, mode, fp8, *, hidden=HIDDEN, round_scale=False, **kw):
         idx = routing(n, mode)
         weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
-        x = tokens(n)
+        x = tokens(n, hidden)
         if kw.pop("with_out", False):
-            kw["out"] = torch.empty((n, HIDDEN), dtype=torch.bfloat16, device="cuda")
-        snap, combined, ok = ll_call(x, idx, weights, fp8, **kw)
-        ll_check(x, idx, weights, fp8, snap, combined, ok)
+            kw["out"] = torch.empty((n, hidden), dtype=torch.bfloat16, device="cuda")
+        snap, combined, ok = ll_call(x, idx, weights, fp8, round_scale=round_scale, **kw)
+        ll_check(x, idx, weights, fp8, snap, combined, ok, round_scale)
+
+    def waits_recorded():
+        # Some rank waited a measurable time for some source over all the calls so far (a kernel
+        # that never wrote the statistics leaves every rank's at 0).
+        totals = gather(torch.stack([wait_dispatch[rank].sum(), wait_combine.sum()]))
+        assert all(int(t[0]) >= 0 and int(t[1]) >= 0 for t in totals), f"negative wait times: {totals}"
+        assert sum(int(t[0]) for t in totals) > 0, "no rank recorded a dispatch wait"
+        assert sum(int(t[1]) for t in totals) > 0, "no rank recorded a combine wait"
+
+    def clean_then_capture():
+        # After a rebuild for another hidden size, clean_low_latency_buffer sizes the buffer for
+        # HIDDEN again, so capturing needs no resize (a resize during capture raises).
+        buf.clean_low_latency_buffer(LL_MAX, HIDDEN, EXPERTS)
+        n = 40 + rank
+        x_s, idx_s = tokens(n), routing(n, "random")
+        w_s = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            recv, count, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, LL_MAX, EXPERTS, use_fp8=True, round_scale=True, use_ue8m0=True)
+            combined, _, _ = buf.low_latency_combine(ref.ll_expert(recv[0], recv[1], rank), idx_s, w_s, handle)
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        graph.replay()
+        torch.cuda.synchronize()
+        snap = dict(recv_x=recv[0].clone(), recv_x_scales=recv[1].clone(), recv_count=count.clone(), recv_src_info=handle[0].clone(),
+                    recv_layout_range=handle[1].clone())
+        del graph
+        ll_check(x_s.clone(), idx_s.clone(), w_s.clone(), True, snap, combined.clone(), [True], round_scale=True)
 
     def ll_graph(fp8):
         n = 64 + 13 * rank % 64  # within LL_MAX on every rank
@@ -245,6 +305,8 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         "cached_async": lambda: normal_case(700, "random", False, async_finish=True, cached=True),
         "cached_fp8": lambda: normal_case(700, "random", True, cached=True),
         "bias": lambda: normal_case(300, "random", False, bias=True),
+        "layout_only": lambda: normal_case(0 if rank == 1 else 600, "random", False, with_topk=False),
+        "layout_only_fp8_cached": lambda: normal_case(500, "random", True, with_topk=False, cached=True, alignment=4),
         "ll_random": lambda: ll_case(100, "random", False),
         "ll_random_fp8": lambda: ll_case(100, "random", True),
         "ll_all_to_rank0": lambda: ll_case(90, "to_rank0", True),
@@ -257,9 +319,19 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         "ll_hook": lambda: ll_case(100, "random", False, hook=True),
         "ll_hook_fp8": lambda: ll_case(100, "random", True, hook=True),
         "ll_zero_copy_out": lambda: ll_case(100, "random", False, zero_copy=True, with_out=True),
+        "ll_one_expert": lambda: ll_case(80, "one_expert", True),
+        "ll_duplicate_ids": lambda: ll_case(80, "duplicates", False),
+        "ll_round_scale": lambda: ll_case(100, "random", True, round_scale=True),
+        "ll_ue8m0": lambda: ll_case(100, "random", True, round_scale=True, ue8m0=True),
+        "ll_ue8m0_hook": lambda: ll_case(LL_MAX, "random", True, round_scale=True, ue8m0=True, hook=True),
+        "ll_wait_times": waits_recorded,
         "ll_graph": lambda: ll_graph(False),
         "ll_graph_fp8": lambda: ll_graph(True),
         "normal_after_ll": lambda: normal_case(800, "random", False),
+        "hidden_4096": lambda: (normal_case(300, "random", False, hidden=4096), ll_case(60, "random", True, hidden=4096)),
+        "hidden_7168": lambda: (normal_case(300, "random", True, hidden=7168),
+                                ll_case(60, "duplicates", True, hidden=7168, round_scale=True, ue8m0=True)),
+        "clean_then_capture": clean_then_capture,
     }
     for name, fn in cases.items():
         try:
@@ -283,11 +355,13 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
 
 
 CASES = [
-    "random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_token", "max_tokens", "max_tokens_fp8",
-    "repeated", "grow", "alignment_worst_tokens", "alignment_worst_tokens_fp8", "cached_async", "cached_fp8", "bias",
+    "random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_expert", "duplicate_ids", "one_token",
+    "max_tokens", "max_tokens_fp8", "repeated", "grow", "alignment_worst_tokens", "alignment_worst_tokens_fp8", "cached_async",
+    "cached_fp8", "bias", "layout_only", "layout_only_fp8_cached",
     "ll_random", "ll_random_fp8", "ll_all_to_rank0", "ll_no_remote", "ll_zero_tokens_on_rank1", "ll_one_token", "ll_max_tokens",
-    "ll_max_tokens_fp8", "ll_repeated", "ll_hook", "ll_hook_fp8", "ll_zero_copy_out", "ll_graph", "ll_graph_fp8",
-    "normal_after_ll", "destroy",
+    "ll_max_tokens_fp8", "ll_repeated", "ll_hook", "ll_hook_fp8", "ll_zero_copy_out", "ll_one_expert", "ll_duplicate_ids",
+    "ll_round_scale", "ll_ue8m0", "ll_ue8m0_hook", "ll_wait_times", "ll_graph", "ll_graph_fp8", "normal_after_ll", "hidden_4096",
+    "hidden_7168", "clean_then_capture", "destroy",
 ]
 
 

@@ -39,7 +39,8 @@ def _start(rank: int, uid: bytes):
     from mori import Bootstrap
 
     torch.cuda.set_device(device_of(rank))
-    bs = Bootstrap(uid, rank, WORLD, timeout=120)
+    # MORI_TEST_PROXY_TIMEOUT: the session timeout (how long a GPU wait through the proxy lasts), shorter to debug hangs.
+    bs = Bootstrap(uid, rank, WORLD, timeout=float(os.environ.get("MORI_TEST_PROXY_TIMEOUT", "120")))
     shmem.init(bootstrap=bs, device=device_of(rank), heap_size=1 << 28)
     return bs, shmem, shmem.compile(KERNELS.read_text(), "shmem_proxy.cu")
 

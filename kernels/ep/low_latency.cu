@@ -45,17 +45,44 @@ __device__ __forceinline__ void signal_all_ranks(u64* counter, int num_ranks) {
     }
 }
 
-// Block-wide wait until counter[s] >= target for every source s.
-__device__ __forceinline__ void wait_all_ranks(u64* counter, int num_ranks, u64 target) {
+// Block-wide wait until counter[s] >= target for every source s. With `wait_ns`, block 0 adds
+// to wait_ns[s] the ns from the start of its wait until source s's count was seen (sources are
+// checked in rank order, so a late source also delays the figures of the ones after it).
+__device__ __forceinline__ void wait_all_ranks(u64* counter, int num_ranks, u64 target, long long* wait_ns = nullptr) {
     if (threadIdx.x == 0) {
-        for (int s = 0; s < num_ranks; ++s) wait_until(counter + s, CMP_GE, target);
+        const bool timed = wait_ns != nullptr && blockIdx.x == 0;
+        const u64 start = timed ? mori::shmem::detail::now_ns() : 0;
+        for (int s = 0; s < num_ranks; ++s) {
+            wait_until(counter + s, CMP_GE, target);
+            if (timed) wait_ns[s] += static_cast<long long>(mori::shmem::detail::now_ns() - start);
+        }
     }
     __syncthreads();
 }
 
+// Received FP8 scale formats (`scale_format` bits of ep_ll_dispatch_recv).
+constexpr int SCALES_UE8M0 = 1;          // the exponent byte of each (power-of-two) scale, 4 per int32
+constexpr int SCALES_COLUMN_MAJOR = 2;   // [expert][column][row] instead of [expert][row][column]
+
+// Stores scale `s` of column c of received row i of expert e in `scale_format`.
+__device__ __forceinline__ void store_scale(void* out, int scale_format, u64 e, int entries, int i, int cols, int c, float s) {
+    const bool column_major = scale_format & SCALES_COLUMN_MAJOR;
+    if (scale_format & SCALES_UE8M0) {
+        // Byte c % 4 of int32 word c / 4 (little endian): an int32 view packs 4 columns.
+        const u64 words = static_cast<u64>(cols / 4);
+        const u64 at = column_major ? ((e * words + c / 4) * entries + i) * 4 + c % 4 : (e * entries + i) * cols + c;
+        static_cast<unsigned char*>(out)[at] = static_cast<unsigned char>(__float_as_uint(s) >> 23);
+    } else {
+        const u64 at = column_major ? (e * cols + c) * entries + i : (e * entries + i) * cols + c;
+        static_cast<float*>(out)[at] = s;
+    }
+}
+
 // Quantises 8 bf16 channels (one lane's 16 bytes; 16 lanes = one 128-channel group) to e4m3.
-// Returns the 8 bytes; *scale gets amax / 448 of the lane's group.
-__device__ __forceinline__ u64 quantize8(const Vec16& v, float* scale) {
+// Returns the 8 bytes; *scale gets amax / 448 of the lane's group, or with `round_scale` the
+// smallest power of two >= max(amax, 1e-4) / 448 (the clamp gives an all-zero group a scale that
+// UE8M0 can encode; dividing by a power of two is exact, so x / scale rounds once, to e4m3).
+__device__ __forceinline__ u64 quantize8(const Vec16& v, bool round_scale, float* scale) {
     float f[8];
     const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -68,8 +95,16 @@ __device__ __forceinline__ u64 quantize8(const Vec16& v, float* scale) {
     for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float inv = amax > 0.f ? 448.f / amax : 0.f;
-    *scale = amax / 448.f;
+    float inv;
+    if (round_scale) {
+        const u32 bits = __float_as_uint(fmaxf(amax, 1e-4f) / 448.f);  // a normal float: 2^-22 .. 2^121
+        const int exponent = static_cast<int>(bits >> 23) - 127 + ((bits & 0x7fffffu) != 0);  // ceil(log2)
+        *scale = __uint_as_float(static_cast<u32>(exponent + 127) << 23);
+        inv = __uint_as_float(static_cast<u32>(127 - exponent) << 23);
+    } else {
+        inv = amax > 0.f ? 448.f / amax : 0.f;
+        *scale = amax / 448.f;
+    }
     u64 q = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) q |= static_cast<u64>(float2_to_e4m3x2(f[2 * i] * inv, f[2 * i + 1] * inv)) << (16 * i);
@@ -82,9 +117,10 @@ __device__ __forceinline__ u64 quantize8(const Vec16& v, float* scale) {
 // (token, chunk of the row): the token's ids go to every destination rank as local ids (-1
 // elsewhere) with the tag, and its row once per destination. x: bf16 [num_tokens, hidden].
 // rows: [2][ranks][max_tokens][2 * hidden] bytes; meta: [2][ranks][max_tokens][META_STRIDE] int32.
+// round_scale: power-of-two FP8 scales (see quantize8).
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(
     const unsigned short* __restrict__ x, const long long* __restrict__ topk_idx, int num_tokens, int topk,
-    int hidden, int experts_per_rank, int num_ranks, int max_tokens, int use_fp8, int chunks, unsigned char* rows,
+    int hidden, int experts_per_rank, int num_ranks, int max_tokens, int use_fp8, int round_scale, int chunks, unsigned char* rows,
     int* meta, u64* sent, const int* __restrict__ state) {
     const int me = my_pe();
     const int seq = state[0] + 1, parity = seq & 1;
@@ -130,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(
             // keeps whole warps in the loop for the shuffles (the host picks `chunks` so).
             for (int v = first + lane; v < end; v += 32) {
                 float scale;
-                const u64 q = quantize8(load_streaming(src + v), &scale);
+                const u64 q = quantize8(load_streaming(src + v), round_scale != 0, &scale);
                 for (int d = 0; d < num_ranks; ++d) {
                     if (!(mask >> d & 1u)) continue;
                     unsigned char* out = ptr(dst_row, d);
@@ -148,17 +184,18 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(
 // places the matching rows (positions by a block scan), copies them into recv_x (and the scales
 // into recv_scales), and writes recv_count, recv_src_info, layout_range ((begin << 32) | count per
 // source) and the handle: handle_ids / handle_pos [ranks][max_tokens][topk] (local id and position
-// per top-k slot, -1 where none). The last block advances state[0].
+// per top-k slot, -1 where none). The last block advances state[0]. recv_scales is in
+// `scale_format` (SCALES_* bits); wait_ns (optional, int64 [ranks]) gets the ns waited per source.
 extern "C" __global__ void __launch_bounds__(1024) ep_ll_dispatch_recv(
-    int topk, int hidden, int experts_per_rank, int num_ranks, int max_tokens, int use_fp8, int send_blocks,
-    const unsigned char* rows, const int* meta, u64* sent, unsigned char* __restrict__ recv_x,
-    float* __restrict__ recv_scales, int* __restrict__ recv_count, int* __restrict__ recv_src_info,
+    int topk, int hidden, int experts_per_rank, int num_ranks, int max_tokens, int use_fp8, int scale_format,
+    int send_blocks, const unsigned char* rows, const int* meta, u64* sent, unsigned char* __restrict__ recv_x,
+    void* __restrict__ recv_scales, int* __restrict__ recv_count, int* __restrict__ recv_src_info,
     long long* __restrict__ layout_range, int* __restrict__ handle_ids, int* __restrict__ handle_pos, int* state,
-    unsigned int* ticket) {
+    unsigned int* ticket, long long* wait_ns) {
     __shared__ int begin[MAX_RANKS + 1];
     extern __shared__ int picked[];  // entries of the current expert: (source * max_tokens + token)
     const int seq = state[0] + 1, parity = seq & 1;
-    wait_all_ranks(sent, num_ranks, (u64)seq * send_blocks);
+    wait_all_ranks(sent, num_ranks, (u64)seq * send_blocks, wait_ns);
     const int entries = num_ranks * max_tokens;
     const u64 in_stride = (u64)hidden * 2;
     const u64 data_bytes = use_fp8 ? (u64)hidden : (u64)hidden * 2;
@@ -220,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(1024) ep_ll_dispatch_recv(
             warp_copy16(recv_x + ((u64)e * entries + i) * data_bytes + part * part_bytes, src + part * part_bytes, part_bytes);
             if (use_fp8 && part == 0) {
                 const float* s = reinterpret_cast<const float*>(src + hidden);
-                for (int c = lane_id(); c < scale_cols; c += 32) recv_scales[((u64)e * entries + i) * scale_cols + c] = s[c];
+                for (int c = lane_id(); c < scale_cols; c += 32) store_scale(recv_scales, scale_format, e, entries, i, scale_cols, c, s[c]);
             }
         }
         __syncthreads();  // `picked` is reused by the next expert
@@ -313,14 +350,14 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(
 
 // Receive half of combine. Waits for every rank's send blocks, then out[t] = Σ over ranks d the
 // token went to of comb[parity][d][t] (fp32, stored as bf16); tokens routed nowhere get zeros.
-// The last block advances state[1].
+// The last block advances state[1]. wait_ns (optional, int64 [ranks]) gets the ns waited per source.
 extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_recv(
     const long long* __restrict__ topk_idx, int num_tokens, int topk, int hidden, int experts_per_rank, int num_ranks,
     int max_tokens, int chunks, int send_blocks, const unsigned char* comb, u64* comb_sent, unsigned short* __restrict__ out,
-    int* state, unsigned int* ticket) {
+    int* state, unsigned int* ticket, long long* wait_ns) {
     constexpr int U = 4;
     const int seq = state[1] + 1, parity = seq & 1;
-    wait_all_ranks(comb_sent, num_ranks, (u64)seq * send_blocks);
+    wait_all_ranks(comb_sent, num_ranks, (u64)seq * send_blocks, wait_ns);
     const int lane = lane_id();
     const int chunk_vecs = hidden / 8 / chunks;
     const u64 row_bytes = (u64)hidden * 2;

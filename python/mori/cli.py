@@ -16,7 +16,7 @@ MAX_DEMO_RANKS = 64
 BENCHMARKS = {
     "p2p": "GPU0→GPU1 copies: copy engine vs mori's SM copy kernel",
     "shmem": "GPU-initiated put/get bandwidth, put+signal round trip, get latency",
-    "ep": "MoE dispatch/combine (normal mode), SM sweep, DeepEP's figures beside",
+    "ep": "MoE dispatch/combine (normal mode SM sweep, low-latency), DeepEP's figures beside; --api deepep: mori's DeepEP facade beside its own API",
     "io": "mori.io reads/writes over TCP and the same-host path, batch submission cost",
     "umbp": "KV-block pool: embedded and daemon put/get, prefix probe, trace hit rates, Redis baseline",
     "ir": "Triton kernels on mori.ir.triton: put bandwidth vs CUDA block put, one-shot all-reduce vs mori.ccl/NCCL",

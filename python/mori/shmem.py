@@ -226,7 +226,7 @@ def tensor(shape: Sequence[int] | int, dtype: Any = None, *, zero: bool = False)
     dtype = torch.float32 if dtype is None else dtype
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     numel = int(np.prod(shape)) if shape else 1
-    nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
+    nbytes = max(1, numel * torch.empty((), dtype=dtype, device="meta").element_size())
     buf = calloc(nbytes) if zero else malloc(nbytes)
     return _as_tensor(buf.ptr, nbytes, shape, dtype, buf.device, buf)
 

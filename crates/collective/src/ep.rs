@@ -93,6 +93,7 @@ kernel_params! {
         pub num_ranks: i32,
         pub max_tokens: i32,
         pub use_fp8: i32,
+        pub round_scale: i32,
         pub chunks: i32,
         pub rows: DevicePtr,
         pub meta: DevicePtr,
@@ -110,6 +111,7 @@ kernel_params! {
         pub num_ranks: i32,
         pub max_tokens: i32,
         pub use_fp8: i32,
+        pub scale_format: i32,
         pub send_blocks: i32,
         pub rows: DevicePtr,
         pub meta: DevicePtr,
@@ -123,6 +125,7 @@ kernel_params! {
         pub handle_pos: DevicePtr,
         pub state: DevicePtr,
         pub ticket: DevicePtr,
+        pub wait_ns: DevicePtr,
     }
 }
 
@@ -166,5 +169,6 @@ kernel_params! {
         pub out: DevicePtr,
         pub state: DevicePtr,
         pub ticket: DevicePtr,
+        pub wait_ns: DevicePtr,
     }
 }

@@ -16,6 +16,7 @@ use crate::ep::{
     EpCombineReduce, EpCombineSend, EpDispatch, EpLlCombineRecv, EpLlCombineSend, EpLlDispatchRecv,
     EpLlDispatchSend, EpPrepare,
 };
+use crate::ep_buffers::SCALE_BLOCK;
 use crate::error::{Error, Result};
 use crate::launch::Kernel;
 use crate::params::{DevicePtr, KernelParams};
@@ -112,13 +113,51 @@ impl Layout {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LlReceived {
     pub recv_x: u64,
-    /// 0 for BF16.
+    /// 0 for BF16; else in the format [`LlFp8`] asks for.
     pub recv_scales: u64,
     pub recv_count: u64,
     pub src_info: u64,
     pub layout_range: u64,
     /// `[2, ranks, max_tokens, topk]` int32: local expert ids, then packed positions.
     pub ids_pos: u64,
+    /// 0, or int64 `[ranks]`: ns this call waited for each source's rows are added to it.
+    pub wait_ns: u64,
+}
+
+/// How a low-latency dispatch quantises to FP8 and lays out the received scales (DeepEP's
+/// `round_scale` / `use_ue8m0`, and its column-major scales).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LlFp8 {
+    /// Scales are powers of two: the smallest >= max(amax, 1e-4) / 448 per 128 channels.
+    pub round_scale: bool,
+    /// Received scales as UE8M0 (the exponent byte of each scale), four per int32: needs
+    /// `round_scale` and hidden % 512 == 0. Else fp32.
+    pub ue8m0: bool,
+    /// Received scales `[expert][column][row]` (column-major in the last two dimensions)
+    /// instead of `[expert][row][column]`.
+    pub column_major: bool,
+}
+
+impl LlFp8 {
+    fn check(&self, hidden: u32) -> Result<()> {
+        if self.ue8m0 && !self.round_scale {
+            return Err(Error::InvalidArgument(
+                "UE8M0 scales need round_scale (UE8M0 holds powers of two only)".into(),
+            ));
+        }
+        if self.ue8m0 && !hidden.is_multiple_of(4 * SCALE_BLOCK) {
+            return Err(Error::InvalidArgument(format!(
+                "UE8M0 scales pack 4 per int32: hidden must be a multiple of {}, got {hidden}",
+                4 * SCALE_BLOCK
+            )));
+        }
+        Ok(())
+    }
+
+    /// The `scale_format` bits of `ep_ll_dispatch_recv` (SCALES_* in low_latency.cu).
+    fn scale_format(&self) -> i32 {
+        i32::from(self.ue8m0) | i32::from(self.column_major) << 1
+    }
 }
 
 /// Sequence state of the normal mode.
@@ -464,10 +503,13 @@ impl EpRuntime {
         x: u64,
         topk_idx: u64,
         n: u32,
-        use_fp8: bool,
+        fp8: Option<LlFp8>,
         stream: Option<StreamHandle>,
     ) -> Result<Vec<Planned>> {
         let (s, ll) = (&self.shape, self.ll()?);
+        if let Some(f) = fp8 {
+            f.check(s.hidden)?;
+        }
         let p = EpLlDispatchSend {
             x: DevicePtr(x),
             topk_idx: DevicePtr(topk_idx),
@@ -477,7 +519,8 @@ impl EpRuntime {
             experts_per_rank: int(s.experts_per_rank()),
             num_ranks: int(s.num_ranks),
             max_tokens: int(s.low_latency_max_tokens),
-            use_fp8: i32::from(use_fp8),
+            use_fp8: i32::from(fp8.is_some()),
+            round_scale: i32::from(fp8.is_some_and(|f| f.round_scale)),
             chunks: int(ll.chunks),
             rows: DevicePtr(ll.rows),
             meta: DevicePtr(ll.meta),
@@ -495,11 +538,14 @@ impl EpRuntime {
     /// Every output address valid until the kernel has run.
     pub unsafe fn ll_dispatch_recv(
         &self,
-        use_fp8: bool,
+        fp8: Option<LlFp8>,
         out: &LlReceived,
         stream: Option<StreamHandle>,
     ) -> Result<Vec<Planned>> {
         let (s, ll) = (&self.shape, self.ll()?);
+        if let Some(f) = fp8 {
+            f.check(s.hidden)?;
+        }
         let entries = s.num_ranks * s.low_latency_max_tokens;
         let half = u64::from(entries * s.topk) * 4;
         let p = EpLlDispatchRecv {
@@ -508,7 +554,8 @@ impl EpRuntime {
             experts_per_rank: int(s.experts_per_rank()),
             num_ranks: int(s.num_ranks),
             max_tokens: int(s.low_latency_max_tokens),
-            use_fp8: i32::from(use_fp8),
+            use_fp8: i32::from(fp8.is_some()),
+            scale_format: fp8.map_or(0, |f| f.scale_format()),
             send_blocks: int(LL_SEND_BLOCKS),
             rows: DevicePtr(ll.rows),
             meta: DevicePtr(ll.meta),
@@ -522,6 +569,7 @@ impl EpRuntime {
             handle_pos: DevicePtr(out.ids_pos + half),
             state: DevicePtr(ll.state),
             ticket: DevicePtr(ll.state + 8),
+            wait_ns: DevicePtr(out.wait_ns),
         };
         let l = launch(
             "ep_ll_dispatch_recv",
@@ -575,14 +623,16 @@ impl EpRuntime {
     }
 
     /// The low-latency combine's receive half: the weighted sums into `out` (`n` x hidden bf16).
+    /// `wait_ns`: 0, or int64 `[ranks]` that the ns waited for each source are added to.
     ///
     /// # Safety
-    /// `topk_idx` and `out` valid until the kernel has run.
+    /// `topk_idx`, `out` and `wait_ns` valid until the kernel has run.
     pub unsafe fn ll_combine_recv(
         &self,
         topk_idx: u64,
         n: u32,
         out: u64,
+        wait_ns: u64,
         stream: Option<StreamHandle>,
     ) -> Result<Vec<Planned>> {
         let (s, ll) = (&self.shape, self.ll()?);
@@ -601,6 +651,7 @@ impl EpRuntime {
             out: DevicePtr(out),
             state: DevicePtr(ll.state),
             ticket: DevicePtr(ll.state + 12),
+            wait_ns: DevicePtr(wait_ns),
         };
         let l = launch("ep_ll_combine_recv", LL_SEND_BLOCKS, 512, 0, p);
         // SAFETY: the caller's guarantee.

@@ -353,6 +353,15 @@ impl EpRuntime {
     }
 }
 
+/// The low-latency FP8 options from Python's (round_scale, ue8m0, column-major scales).
+fn ll_fp8(fp8: Option<(bool, bool, bool)>) -> Option<ep_runtime::LlFp8> {
+    fp8.map(|(round_scale, ue8m0, column_major)| ep_runtime::LlFp8 {
+        round_scale,
+        ue8m0,
+        column_major,
+    })
+}
+
 fn planned(stream: Option<StreamHandle>, launches: Vec<ep_runtime::Planned>) -> PlannedEp {
     stream.is_none().then_some(launches)
 }
@@ -498,26 +507,31 @@ impl EpRuntime {
         Ok(planned(stream, l))
     }
 
+    /// `fp8`: None for BF16, else (round_scale, ue8m0, column-major scales).
     fn ll_dispatch_send(
         &self,
         stream: Option<usize>,
         x: u64,
         topk_idx: u64,
         n: u32,
-        use_fp8: bool,
+        fp8: Option<(bool, bool, bool)>,
     ) -> Result<PlannedEp> {
         let stream = self.stream(stream)?;
         // SAFETY: as dispatch.
-        let l = unsafe { self.inner.ll_dispatch_send(x, topk_idx, n, use_fp8, stream) }?;
+        let l = unsafe {
+            self.inner
+                .ll_dispatch_send(x, topk_idx, n, ll_fp8(fp8), stream)
+        }?;
         Ok(planned(stream, l))
     }
 
-    /// `outputs`: (recv_x, recv_scales or 0, recv_count, src_info, layout_range, ids_pos).
+    /// `fp8` as for ll_dispatch_send. `outputs`: (recv_x, recv_scales or 0, recv_count,
+    /// src_info, layout_range, ids_pos, wait-time statistics or 0).
     fn ll_dispatch_recv(
         &self,
         stream: Option<usize>,
-        use_fp8: bool,
-        outputs: [u64; 6],
+        fp8: Option<(bool, bool, bool)>,
+        outputs: [u64; 7],
     ) -> Result<PlannedEp> {
         let stream = self.stream(stream)?;
         let out = ep_runtime::LlReceived {
@@ -527,9 +541,10 @@ impl EpRuntime {
             src_info: outputs[3],
             layout_range: outputs[4],
             ids_pos: outputs[5],
+            wait_ns: outputs[6],
         };
         // SAFETY: as dispatch.
-        let l = unsafe { self.inner.ll_dispatch_recv(use_fp8, &out, stream) }?;
+        let l = unsafe { self.inner.ll_dispatch_recv(ll_fp8(fp8), &out, stream) }?;
         Ok(planned(stream, l))
     }
 
@@ -558,10 +573,14 @@ impl EpRuntime {
         topk_idx: u64,
         n: u32,
         out: u64,
+        wait_ns: u64,
     ) -> Result<PlannedEp> {
         let stream = self.stream(stream)?;
         // SAFETY: as dispatch.
-        let l = unsafe { self.inner.ll_combine_recv(topk_idx, n, out, stream) }?;
+        let l = unsafe {
+            self.inner
+                .ll_combine_recv(topk_idx, n, out, wait_ns, stream)
+        }?;
         Ok(planned(stream, l))
     }
 }

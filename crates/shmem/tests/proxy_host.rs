@@ -483,3 +483,73 @@ fn forger_process() {
         t.wait(Some(WAIT)).unwrap();
     }
 }
+
+/// Both PEs send each other many updates, then, in rounds, a blocking put each way and a
+/// barrier-like flag each way (the GPU suite's atomics then device_barrier, which hangs on the
+/// GPU machine: this host-memory form of the same traffic completes).
+#[test]
+fn updates_both_ways_then_puts_and_flags_both_ways_complete() {
+    let (a, b) = two_pes();
+    let (a, b) = (Arc::new(a), Arc::new(b));
+    let mut hs = Vec::new();
+    for (me, pe) in [(a.clone(), 1u32), (b.clone(), 0u32)] {
+        hs.push(std::thread::spawn(move || {
+            for i in 0..256u64 {
+                for (off, width) in [(128u64, 8u8), (136, 4)] {
+                    me.post(Entry {
+                        aux: off,
+                        value: i + 1,
+                        update: Some(Update {
+                            kind: UpdateKind::Add,
+                            width,
+                        }),
+                        ..entry(Op::Update, pe)
+                    });
+                }
+            }
+        }));
+    }
+    for h in hs {
+        h.join().unwrap();
+    }
+    for p in [&a, &b] {
+        p.proxy
+            .as_ref()
+            .unwrap()
+            .drain(p.tickets.load(Ordering::Acquire), WAIT)
+            .unwrap();
+    }
+    for round in 0..5u64 {
+        let ta = a.post(Entry {
+            dst: 4096,
+            src: 8192,
+            bytes: 32,
+            ..entry(Op::Put, 1)
+        });
+        let tb = b.post(Entry {
+            dst: 4096,
+            src: 8192,
+            bytes: 32,
+            ..entry(Op::Put, 0)
+        });
+        assert!(a.wait(ta), "round {round}: a's put {:?}", a.failure());
+        assert!(b.wait(tb), "round {round}: b's put {:?}", b.failure());
+        for (p, pe) in [(&a, 1u32), (&b, 0u32)] {
+            p.post(Entry {
+                aux: 256,
+                value: round + 1,
+                update: Some(Update {
+                    kind: UpdateKind::Set,
+                    width: 8,
+                }),
+                ..entry(Op::Update, pe)
+            });
+        }
+        let start = Instant::now();
+        while a.word(256).load(Ordering::Acquire) != round + 1
+            || b.word(256).load(Ordering::Acquire) != round + 1
+        {
+            assert!(start.elapsed() < WAIT, "round {round}: barrier flags");
+        }
+    }
+}

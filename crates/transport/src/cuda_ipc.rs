@@ -553,7 +553,7 @@ impl Importer {
             }
             (blob.addr, None)
         } else {
-            match self.mapping(owner, exec.device, &blob) {
+            match self.mapping(owner, exec.ordered.device, &blob) {
                 Ok((m, opened_at)) => (m.ptr() - opened_at + blob.ipc.offset, Some(m)),
                 Err(why) => return unavailable(why),
             }
@@ -626,7 +626,7 @@ impl Importer {
             _mapping: p.mapping,
             _keep: keep,
         };
-        exec.run(
+        exec.lane(local.independent)?.run(
             Regions {
                 dst,
                 dst_len,
@@ -779,9 +779,65 @@ struct InFlight {
     finish: Option<Finish>,
 }
 
-/// One device's copy machinery: a stream ordered with the legacy default stream, a ring of
-/// gather/scatter instances, and the poller thread.
+/// One device's copy machinery: two lanes, one for ordinary memory and one (made on first use)
+/// for memory registered independent.
 struct Executor {
+    ordinal: usize,
+    blocks: u32,
+    ce_threshold: u64,
+    /// Copies ordered with the legacy default stream: what a caller wrote there before a
+    /// transfer is what moves (mori.io's promise for ordinary GPU memory).
+    ordered: Arc<Lane>,
+    /// Copies of memory moved while its owner's kernels run (a kernel may wait on the GPU for
+    /// its own transfer): a non-blocking stream, so they never queue behind such a kernel.
+    independent: Mutex<Option<Arc<Lane>>>,
+}
+
+impl Executor {
+    fn new(ordinal: usize, config: IpcConfig) -> Result<Self> {
+        let device = Device::get(ordinal)?;
+        let blocks = match config.blocks {
+            0 => 2 * device.multiprocessor_count()?.max(1),
+            b => b,
+        };
+        Ok(Self {
+            ordinal,
+            blocks,
+            ce_threshold: config.ce_threshold,
+            ordered: Arc::new(Lane::new(
+                device,
+                Stream::new_blocking(device)?,
+                "ipc",
+                blocks,
+                config.ce_threshold,
+            )?),
+            independent: Mutex::new(None),
+        })
+    }
+
+    /// The lane for copies of local memory registered independent or not.
+    fn lane(&self, independent: bool) -> Result<Arc<Lane>> {
+        if !independent {
+            return Ok(self.ordered.clone());
+        }
+        let mut lane = self.independent.lock().map_err(|_| poisoned())?;
+        if lane.is_none() {
+            let device = Device::get(self.ordinal)?;
+            *lane = Some(Arc::new(Lane::new(
+                device,
+                Stream::new(device)?,
+                "ipc-ind",
+                self.blocks,
+                self.ce_threshold,
+            )?));
+        }
+        Ok(lane.clone().expect("set above"))
+    }
+}
+
+/// A stream with its ring of gather/scatter instances and the poller thread that completes its
+/// launches in stream order.
+struct Lane {
     device: Device,
     stream: Stream,
     kernels: Vec<GatherScatter>,
@@ -794,22 +850,22 @@ struct Executor {
     events: Arc<Mutex<Vec<Event>>>,
 }
 
-impl Executor {
-    fn new(ordinal: usize, config: IpcConfig) -> Result<Self> {
-        let device = Device::get(ordinal)?;
-        let stream = Stream::new_blocking(device)?;
+impl Lane {
+    fn new(
+        device: Device,
+        stream: Stream,
+        name: &str,
+        blocks: u32,
+        ce_threshold: u64,
+    ) -> Result<Self> {
         let kernels = (0..KERNEL_RING)
             .map(|_| GatherScatter::new(device))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let blocks = match config.blocks {
-            0 => 2 * device.multiprocessor_count()?.max(1),
-            b => b,
-        };
         let (tx, rx) = mpsc::channel();
         let events = Arc::new(Mutex::new(Vec::new()));
         let spare = events.clone();
         std::thread::Builder::new()
-            .name(format!("mori-io-ipc-{ordinal}"))
+            .name(format!("mori-io-{name}-{}", device.ordinal()))
             .spawn(move || poll_loop(rx, spare))
             .map_err(|e| Error::io("starting the cuda_ipc poller", e))?;
         Ok(Self {
@@ -818,7 +874,7 @@ impl Executor {
             kernels,
             next: AtomicUsize::new(0),
             blocks,
-            ce_threshold: config.ce_threshold,
+            ce_threshold,
             submit: Mutex::new(tx),
             events,
         })

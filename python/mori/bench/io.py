@@ -316,7 +316,7 @@ def _gpu_to_pinned_gbps(trials: int) -> float:
     import torch
 
     src = torch.randint(0, 256, (MAX_BATCH_BYTES,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty(MAX_BATCH_BYTES, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(MAX_BATCH_BYTES, dtype=torch.uint8, device="cpu", pin_memory=True)
     times = []
     for _ in range(max(trials, 3)):
         torch.cuda.synchronize()

@@ -142,7 +142,9 @@ class LowLatencyHandle:
 @dataclass(frozen=True)
 class LowLatencyDispatchResult:
     recv_x: Any  # [local experts, ranks * max_tokens, hidden] bf16 or float8_e4m3fn
-    recv_x_scales: Any  # [local experts, ranks * max_tokens, hidden / 128] float32, or None
+    # [local experts, ranks * max_tokens, hidden / 128] float32 (UE8M0: int32 [.., hidden / 512],
+    # four exponent bytes each), column-major in the last two dims when asked; None for bf16
+    recv_x_scales: Any
     recv_count: Any  # [local experts] int32: valid rows per expert
     recv_src_info: Any  # [local experts, ranks * max_tokens] int32: source token index per row
     recv_layout_range: Any  # [local experts, ranks] int64: (begin << 32) | count per source rank
@@ -189,7 +191,7 @@ class Buffer:
         self._comb_in = shmem.tensor((rows, h), torch.bfloat16)
         self._counters = torch.zeros(4, dtype=torch.int32, device=dev)  # Counters in intranode.cu
         # The receiver's totals, written by the GPU into pinned host memory the host polls.
-        self._host_info = torch.zeros(3 + self.experts_per_rank, dtype=torch.int32, pin_memory=True)
+        self._host_info = torch.zeros(3 + self.experts_per_rank, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host_info_np = self._host_info.numpy()
         # Addresses used on every call, read once.
         self.profile: list[dict[str, float]] | None = None  # set to [] to record phase timings
@@ -356,24 +358,42 @@ class Buffer:
             shmem.barrier_all(stream=s)  # peers are done reading this rank's outputs
         return out
 
+    def receive_area(self, low_latency: bool = False) -> Any:
+        """This rank's receive area as raw bytes (uint8 on the symmetric heap, so peers reach it
+        with :func:`mori.shmem.peer_tensor`): the normal mode's received rows, or with
+        ``low_latency`` the low-latency mode's incoming rows (both parities). The next dispatch
+        of that mode overwrites it."""
+        return self._low_latency()._rows if low_latency else self._recv_x
+
     # ---- low-latency mode -----------------------------------------------------------------
 
     def low_latency_dispatch(
-        self, x: Any, topk_idx: Any, *, use_fp8: bool = True, stream: Any = None, return_recv_hook: bool = False
+        self, x: Any, topk_idx: Any, *, use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+        scales_column_major: bool = False, wait_stats: Any = None, stream: Any = None, return_recv_hook: bool = False,
     ) -> LowLatencyDispatchResult:
         """``x``: bf16 [T, hidden] with T <= low_latency_max_tokens; ``topk_idx`` int64 [T, topk]
         (-1: no expert). FP8: e4m3 data with one fp32 scale per 128 channels (x ≈ data · scale,
-        scale = amax / 448). Returns packed per-expert rows; see :class:`LowLatencyDispatchResult`."""
-        return self._low_latency().dispatch(x, topk_idx, use_fp8, stream, return_recv_hook)
+        scale = amax / 448; with ``round_scale`` the smallest power of two >= max(amax, 1e-4) /
+        448). ``use_ue8m0`` (needs ``round_scale``, hidden % 512 == 0) returns the scales as
+        UE8M0 exponent bytes packed four per int32, as DeepGEMM reads them;
+        ``scales_column_major`` lays them out [expert][column][row] (returned as the transposed
+        view, DeepEP's layout). ``wait_stats``: int64 [ranks] on the GPU; the ns the receive half
+        waited for each source's rows are added to it. Returns packed per-expert rows; see
+        :class:`LowLatencyDispatchResult`."""
+        fp8 = (round_scale, use_ue8m0, scales_column_major) if use_fp8 else None
+        if not use_fp8 and (round_scale or use_ue8m0):
+            raise InvalidArgumentError("round_scale / use_ue8m0 apply to FP8 dispatch only (use_fp8=True)")
+        return self._low_latency().dispatch(x, topk_idx, fp8, wait_stats, stream, return_recv_hook)
 
     def low_latency_combine(
         self, y: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle, *, stream: Any = None,
-        return_recv_hook: bool = False, out: Any = None,
+        return_recv_hook: bool = False, out: Any = None, wait_stats: Any = None,
     ) -> tuple[Any, Callable[[], None] | None]:
         """``y``: bf16 [local experts, ranks * max_tokens, hidden], the expert outputs at the
         dispatch's packed positions; ``topk_idx``/``topk_weights`` the dispatch's ids and their
-        float32 weights. Returns (bf16 [T, hidden] = Σ_k w_k · y_k, hook or None)."""
-        return self._low_latency().combine(y, topk_idx, topk_weights, handle, stream, return_recv_hook, out)
+        float32 weights. Returns (bf16 [T, hidden] = Σ_k w_k · y_k, hook or None).
+        ``wait_stats`` as for :meth:`low_latency_dispatch`."""
+        return self._low_latency().combine(y, topk_idx, topk_weights, handle, stream, return_recv_hook, out, wait_stats)
 
     def _low_latency(self) -> _LowLatency:
         if self._ll is None:
@@ -411,7 +431,8 @@ class _LowLatency:
         return [self._rows.data_ptr(), self._meta.data_ptr(), self._wts.data_ptr(), self._comb.data_ptr(), *sent,
                 self._state.data_ptr(), self.chunks]
 
-    def dispatch(self, x: Any, topk_idx: Any, use_fp8: bool, stream: Any, return_recv_hook: bool) -> LowLatencyDispatchResult:
+    def dispatch(self, x: Any, topk_idx: Any, fp8: tuple[bool, bool, bool] | None, wait_stats: Any, stream: Any,
+                 return_recv_hook: bool) -> LowLatencyDispatchResult:
         import torch
 
         buf, cfg = self.buf, self.buf.config
@@ -420,23 +441,35 @@ class _LowLatency:
         if x.dtype != torch.bfloat16 or tuple(x.shape) != (n, h):
             raise InvalidArgumentError(f"x must be bfloat16 [{n}, {h}], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
+        use_fp8 = fp8 is not None
         if use_fp8 and (h // 8) % 32:
             raise InvalidArgumentError(f"FP8 low-latency dispatch needs hidden % 256 == 0, got {h}")
+        if use_fp8 and fp8[1] and not fp8[0]:
+            raise InvalidArgumentError("use_ue8m0 needs round_scale=True (UE8M0 holds powers of two only)")
+        if use_fp8 and fp8[1] and h % (4 * SCALE_BLOCK):
+            raise InvalidArgumentError(f"UE8M0 scales pack 4 per int32: hidden must be a multiple of {4 * SCALE_BLOCK}, got {h}")
+        self._check_wait_stats(wait_stats)
         s = buf._stream(stream)
         dev = x.device
         recv_x = torch.empty((el, self.entries, h), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=dev)
-        recv_scales = torch.empty((el, self.entries, h // SCALE_BLOCK), dtype=torch.float32, device=dev) if use_fp8 else None
+        recv_scales = None
+        if use_fp8:
+            cols, dtype = (h // SCALE_BLOCK // 4, torch.int32) if fp8[1] else (h // SCALE_BLOCK, torch.float32)
+            if fp8[2]:
+                recv_scales = torch.empty((el, cols, self.entries), dtype=dtype, device=dev).transpose(1, 2)
+            else:
+                recv_scales = torch.empty((el, self.entries, cols), dtype=dtype, device=dev)
         recv_count = torch.empty(el, dtype=torch.int32, device=dev)
         src_info = torch.empty((el, self.entries), dtype=torch.int32, device=dev)
         layout_range = torch.empty((el, w), dtype=torch.int64, device=dev)
         ids_pos = torch.empty((2, w, tm, k), dtype=torch.int32, device=dev)
         rt = buf._rt
-        rt.ll_dispatch_send(s, x.data_ptr(), topk_idx.data_ptr(), n, use_fp8)
+        rt.ll_dispatch_send(s, x.data_ptr(), topk_idx.data_ptr(), n, fp8)
         outputs = [recv_x.data_ptr(), _ptr(recv_scales), recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
-                   ids_pos.data_ptr()]
+                   ids_pos.data_ptr(), _ptr(wait_stats)]
 
         def receive() -> None:
-            rt.ll_dispatch_recv(s, use_fp8, outputs)
+            rt.ll_dispatch_recv(s, fp8, outputs)
 
         if not return_recv_hook:
             receive()
@@ -445,8 +478,16 @@ class _LowLatency:
             receive if return_recv_hook else None,
         )
 
+    def _check_wait_stats(self, wait_stats: Any) -> None:
+        import torch
+
+        w = self.buf.num_ranks
+        if wait_stats is not None and (wait_stats.dtype != torch.int64 or tuple(wait_stats.shape) != (w,) or not wait_stats.is_cuda
+                                       or not wait_stats.is_contiguous()):
+            raise InvalidArgumentError(f"wait_stats must be a contiguous int64 [{w}] GPU tensor")
+
     def combine(self, y: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle, stream: Any,
-                return_recv_hook: bool, out: Any) -> tuple[Any, Callable[[], None] | None]:
+                return_recv_hook: bool, out: Any, wait_stats: Any) -> tuple[Any, Callable[[], None] | None]:
         import torch
 
         buf, cfg = self.buf, self.buf.config
@@ -458,6 +499,7 @@ class _LowLatency:
             raise InvalidArgumentError(f"y must be bfloat16 [{el}, {self.entries}, {h}], got {y.dtype} {tuple(y.shape)}")
         if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, k):
             raise InvalidArgumentError(f"topk_weights must be float32 [{n}, {k}]")
+        self._check_wait_stats(wait_stats)
         y, topk_weights = y.contiguous(), topk_weights.contiguous()
         if out is None:
             out = torch.empty((n, h), dtype=torch.bfloat16, device=y.device)
@@ -468,7 +510,7 @@ class _LowLatency:
         rt.ll_combine_send(s, y.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), n, handle.ids_pos.data_ptr())
 
         def receive() -> None:
-            rt.ll_combine_recv(s, topk_idx.data_ptr(), n, out.data_ptr())
+            rt.ll_combine_recv(s, topk_idx.data_ptr(), n, out.data_ptr(), _ptr(wait_stats))
 
         if not return_recv_hook:
             receive()

@@ -53,8 +53,8 @@ def expected_layout(idx: Any, num_experts: int, world: int) -> tuple:
     el = num_experts // world
     idx = idx.cpu()
     valid = idx >= 0
-    per_expert = torch.tensor([int((idx == e).sum()) for e in range(num_experts)], dtype=torch.int32)
-    in_rank = torch.stack([(valid & (idx // el == d)).any(dim=1) for d in range(world)], dim=1) if idx.shape[0] else torch.zeros((0, world), dtype=torch.bool)
+    per_expert = torch.tensor([int((idx == e).sum()) for e in range(num_experts)], dtype=torch.int32, device="cpu")
+    in_rank = torch.stack([(valid & (idx // el == d)).any(dim=1) for d in range(world)], dim=1) if idx.shape[0] else torch.zeros((0, world), dtype=torch.bool, device="cpu")
     return in_rank.sum(dim=0).to(torch.int32), per_expert, in_rank
 
 
@@ -92,7 +92,8 @@ def check_normal_dispatch(
     """Raises AssertionError naming the first mismatch. ``weights_masked``: weights of ids that
     are -1 at this rank are 0 (DeepEP's convention); otherwise they are the sent weights (mori's).
     ``num_worst_tokens``: tensors are padded to that many rows (ids -1, weights 0) and the list is
-    empty (DeepEP's convention)."""
+    empty (DeepEP's convention). ``recv_topk_idx`` and ``recv_topk_weights`` None: a dispatch by
+    layout alone, which returns no ids or weights (rows and counts are checked as usual)."""
     import torch
 
     dev = exp.rows.device
@@ -101,17 +102,21 @@ def check_normal_dispatch(
     if num_worst_tokens:
         assert got_rows == num_worst_tokens, f"{got_rows} rows returned, expected padding to {num_worst_tokens}"
         assert list(num_recv_tokens_per_expert) == [], "with num_worst_tokens the per-expert list is empty"
-        assert bool((recv_topk_idx[r:] == -1).all()), "padding rows' top-k ids are not -1"
-        assert bool((recv_topk_weights[r:] == 0).all()), "padding rows' weights are not 0"
+        if recv_topk_idx is not None:
+            assert bool((recv_topk_idx[r:] == -1).all()), "padding rows' top-k ids are not -1"
+            assert bool((recv_topk_weights[r:] == 0).all()), "padding rows' weights are not 0"
     else:
         assert got_rows == r, f"received {got_rows} rows, expected {r}"
         want = [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in exp.per_expert]
         assert list(num_recv_tokens_per_expert) == want, f"tokens per local expert {list(num_recv_tokens_per_expert)} != {want}"
     x = recv_x[:r].contiguous().to(dev)
     assert torch.equal(x.view(torch.uint8).reshape(r, x.shape[1] * x.element_size()), exp.rows), "token bytes"
-    assert torch.equal(recv_topk_idx[:r].to(dev), exp.topk_idx), "top-k ids (local ids, -1 elsewhere)"
-    want_w = torch.where(exp.topk_idx >= 0, exp.weights, torch.zeros_like(exp.weights)) if weights_masked else exp.weights
-    assert torch.equal(recv_topk_weights[:r].to(dev), want_w), "top-k weights"
+    if recv_topk_idx is None or recv_topk_weights is None:
+        assert recv_topk_idx is None and recv_topk_weights is None, "ids without weights or weights without ids"
+    else:
+        assert torch.equal(recv_topk_idx[:r].to(dev), exp.topk_idx), "top-k ids (local ids, -1 elsewhere)"
+        want_w = torch.where(exp.topk_idx >= 0, exp.weights, torch.zeros_like(exp.weights)) if weights_masked else exp.weights
+        assert torch.equal(recv_topk_weights[:r].to(dev), want_w), "top-k weights"
     if recv_src_idx is not None:
         assert torch.equal(recv_src_idx[:r].to(dev).to(torch.int64), exp.src_idx), "source token indices"
     if exp.scales is not None:
@@ -164,24 +169,54 @@ def check_normal_combine(out: Any, expected: Any) -> None:
 # ---- low-latency mode -----------------------------------------------------------------------------
 
 
-def quantize_ref(x: Any) -> tuple:
+def quantize_ref(x: Any, round_scale: bool = False) -> tuple:
     """The reference FP8 quantisation of bf16 rows [n, hidden]: per 128-channel block
     amax = max |x| in fp32 (no clamp), scale = amax / 448, q = (x * (448 / amax)) as e4m3
-    (amax == 0: scale 0, q 0). Returns (q float8_e4m3fn [n, hidden], scale float32 [n, hidden/128])."""
+    (amax == 0: scale 0, q 0). With ``round_scale`` (DeepEP's): scale = 2^ceil(log2(max(amax,
+    1e-4) / 448)) and q = x * 2^-e, exact before the one rounding to e4m3.
+    Returns (q float8_e4m3fn [n, hidden], scale float32 [n, hidden/128])."""
     import torch
 
     n, h = x.shape
     xf = x.float().reshape(n, h // SCALE_BLOCK, SCALE_BLOCK)
     amax = xf.abs().amax(dim=-1)
-    scale = amax / FP8_MAX
-    # A tensor/tensor division: `448.0 / amax` would be reciprocal(amax) * 448 in torch, rounded twice.
-    inv = torch.where(amax > 0, torch.div(torch.full_like(amax, FP8_MAX), amax), torch.zeros_like(amax))
+    if round_scale:
+        bits = (amax.clamp(min=1e-4) / FP8_MAX).view(torch.int32)  # normal floats: the exponent field is log2
+        exponent = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        scale = ((exponent + 127) << 23).view(torch.float32)
+        inv = ((127 - exponent) << 23).view(torch.float32)
+    else:
+        scale = amax / FP8_MAX
+        # A tensor/tensor division: `448.0 / amax` would be reciprocal(amax) * 448 in torch, rounded twice.
+        inv = torch.where(amax > 0, torch.div(torch.full_like(amax, FP8_MAX), amax), torch.zeros_like(amax))
     q = (xf * inv[..., None]).to(torch.float8_e4m3fn).reshape(n, h)
     return q, scale
 
 
+def pack_ue8m0(scale: Any) -> Any:
+    """int32 [.., cols / 4] from power-of-two float32 scales [.., cols]: each scale's exponent
+    byte, byte j of word c holding column 4c + j (DeepGEMM's packed UE8M0)."""
+    import torch
+
+    exponent = ((scale.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    return exponent.view(torch.int32)
+
+
+def unpack_ue8m0(packed: Any) -> Any:
+    """float32 [.., 4 * words] scales from packed UE8M0 int32 [.., words] (any strides)."""
+    import torch
+
+    exponent = packed.contiguous().view(torch.uint8).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
+
+
 def dequantize(q: Any, scale: Any) -> Any:
-    """float32 [.., hidden] from e4m3 [.., hidden] and scales [.., hidden/128]."""
+    """float32 [.., hidden] from e4m3 [.., hidden] and scales [.., hidden/128] (float32, or
+    packed UE8M0 int32 [.., hidden/512])."""
+    import torch
+
+    if scale.dtype == torch.int32:
+        scale = unpack_ue8m0(scale)
     return q.float() * scale.repeat_interleave(SCALE_BLOCK, dim=-1)
 
 
@@ -194,9 +229,11 @@ def expected_ll_sources(rank: int, world: int, num_experts: int, all_idx: list) 
 
 def check_ll_dispatch(
     *, rank: int, world: int, num_experts: int, max_tokens: int, all_x: list, all_idx: list, recv_x: Any, recv_count: Any,
-    recv_src_info: Any, recv_layout_range: Any, recv_x_scales: Any = None, ordered: bool = True,
+    recv_src_info: Any, recv_layout_range: Any, recv_x_scales: Any = None, ordered: bool = True, round_scale: bool = False,
 ) -> None:
-    """Low-latency dispatch check (module docstring). ``recv_x_scales`` given means FP8.
+    """Low-latency dispatch check (module docstring). ``recv_x_scales`` given means FP8:
+    float32 [.., hidden / 128], or int32 [.., hidden / 512] for packed UE8M0 (then
+    ``round_scale`` must be set); any strides (DeepEP's column-major included).
     ``ordered``: rows of an expert are grouped by source rank ascending, in source token order
     (mori's promise); otherwise any order of disjoint per-source ranges."""
     import torch
@@ -210,20 +247,23 @@ def check_ll_dispatch(
     assert tuple(recv_count.shape) == (el,), f"recv_count shape {tuple(recv_count.shape)}"
     assert tuple(recv_src_info.shape) == (el, world * max_tokens), f"recv_src_info shape {tuple(recv_src_info.shape)}"
     assert tuple(recv_layout_range.shape) == (el, world), f"recv_layout_range shape {tuple(recv_layout_range.shape)}"
+    ue8m0 = fp8 and recv_x_scales.dtype == torch.int32
     if fp8:
-        assert tuple(recv_x_scales.shape) == (el, world * max_tokens, hidden // SCALE_BLOCK), f"scales shape {tuple(recv_x_scales.shape)}"
+        cols = hidden // SCALE_BLOCK // (4 if ue8m0 else 1)
+        assert tuple(recv_x_scales.shape) == (el, world * max_tokens, cols), f"scales shape {tuple(recv_x_scales.shape)}"
+        assert recv_x_scales.dtype == torch.float32 or (ue8m0 and round_scale), f"scales dtype {recv_x_scales.dtype}"
         got_scales = recv_x_scales.to(dev)
     got_x = recv_x.to(dev)
     count = recv_count.tolist()
     src_info = recv_src_info.to(dev).to(torch.int64)
     layout = recv_layout_range.tolist()
     want = expected_ll_sources(rank, world, num_experts, all_idx)
-    quantised = [quantize_ref(all_x[s]) if fp8 and all_x[s].shape[0] else None for s in range(world)]
+    quantised = [quantize_ref(all_x[s], round_scale) if fp8 and all_x[s].shape[0] else None for s in range(world)]
     for e in range(el):
         total = sum(t.numel() for t in want[e])
         assert count[e] == total, f"expert {e}: recv_count {count[e]}, expected {total}"
         begin = 0
-        covered = torch.zeros(total, dtype=torch.int32)
+        covered = torch.zeros(total, dtype=torch.int32, device="cpu")
         for s in range(world):
             packed = int(layout[e][s])
             b, c = packed >> 32, packed & 0xFFFFFFFF
@@ -252,8 +292,12 @@ def check_ll_dispatch(
             if not torch.equal(rows.view(torch.uint8), q_ref[src_rows].view(torch.uint8)):
                 raise AssertionError(f"expert {e}, source {s}: FP8 data differs from the reference quantisation")
             scales = got_scales[e, b : b + c]
-            if not torch.equal(scales, s_ref[src_rows]):
-                raise AssertionError(f"expert {e}, source {s}: FP8 scales differ from amax / 448")
+            want_scales = pack_ue8m0(s_ref[src_rows]) if ue8m0 else s_ref[src_rows]
+            if not torch.equal(scales, want_scales):
+                what = "packed UE8M0 exponents" if ue8m0 else "powers of two" if round_scale else "amax / 448"
+                raise AssertionError(f"expert {e}, source {s}: FP8 scales differ from the reference ({what})")
+            if ue8m0:
+                scales = unpack_ue8m0(scales)
             deq = dequantize(rows, scales)
             x = all_x[s][src_rows].float()
             tol = x.abs() * 2.0**-4 + scales.repeat_interleave(SCALE_BLOCK, dim=-1) * 2.0**-8
@@ -273,7 +317,7 @@ def ll_expert(recv_x: Any, recv_x_scales: Any, rank: int) -> Any:
     return (values * factor[:, None, None]).to(torch.bfloat16)
 
 
-def expected_ll_combine(x: Any, idx: Any, weights: Any, fp8: bool) -> Any:
+def expected_ll_combine(x: Any, idx: Any, weights: Any, fp8: bool, round_scale: bool = False) -> Any:
     """float32 [T, hidden]: sum_k w_k (1 + idx_k) y over valid k (the experts of :func:`ll_expert`),
     y = x (BF16) or the dequantised reference FP8 of x in float32 — what the expert multiplies,
     so the only roundings left are the expert's bf16 output and combine's (within the tolerance)."""
@@ -281,7 +325,7 @@ def expected_ll_combine(x: Any, idx: Any, weights: Any, fp8: bool) -> Any:
 
     y = x
     if fp8 and x.shape[0]:
-        q, s = quantize_ref(x.cpu())  # on the CPU, as check_ll_dispatch's reference of the kernel's quantisation
+        q, s = quantize_ref(x.cpu(), round_scale)  # on the CPU, as check_ll_dispatch's reference of the kernel's quantisation
         y = dequantize(q, s).to(x.device)
     w = torch.where(idx >= 0, weights * (1 + idx).float(), torch.zeros_like(weights))
     return w.sum(dim=1, keepdim=True) * y.float()

@@ -18,24 +18,32 @@ Everything runs on top of one :class:`mori.ep.Buffer`. What differs from DeepEP 
     requires to be equal on every rank, so every rank decides identically without communicating;
   - normal dispatch takes experts (``num_tokens_per_expert.numel()``), hidden and top-k from its
     arguments, and the token capacity from an all-reduce (max) over ``group`` of every rank's
-    token count, done on every dispatch. The capacity grows to at least 1.5x the old one, in
+    token count, done on every dispatch without a handle (a cached dispatch reuses a layout that
+    fit on every rank, so it needs none). The capacity grows to at least 1.5x the old one, in
     multiples of 256 tokens. Pass ``max_tokens_per_rank=`` (a mori-only keyword) to fix the
     capacity instead: no per-dispatch all-reduce, and a dispatch with more tokens raises;
   - ``num_nvl_bytes`` / ``num_rdma_bytes`` are accepted and not used for sizing.
 
   A rebuild invalidates handles from before it (using one raises ``InvalidArgumentError``), and
   is refused during CUDA-graph capture: run one call with the captured shapes first.
-* **Streams.** mori runs every operation on the caller's current stream; there is no separate
-  communication stream. ``async_finish=True`` returns an :class:`EventOverlap` holding a
-  ``torch.cuda.Event`` recorded after the operation (waiting on it is then free);
-  ``previous_event`` makes the current stream wait for that event first;
-  ``allocate_on_comm_stream`` is ignored.
+* **Streams.** Normal-mode calls (``get_dispatch_layout``, ``dispatch``, ``combine``) run on the
+  buffer's communication stream (``get_comm_stream()``) as with DeepEP: after ``previous_event``,
+  or after the work already queued on the caller's stream; then the caller's stream waits for
+  them, or with ``async_finish=True`` they return an :class:`EventOverlap` to wait on instead
+  (the caller's stream runs on meanwhile). Outputs always come from the communication stream's
+  memory pool and are recorded on the caller's stream, so ``allocate_on_comm_stream`` changes
+  nothing observable. Low-latency calls run on the caller's stream (CUDA-graph capture needs
+  no stream fork); their ``async_finish`` event is recorded there.
 * **Initialisation.** The constructor only records the group. :mod:`mori.shmem` is initialised
   from ``group`` (unless it already is) by the first dispatch/combine, which every rank calls.
+* **Dispatch by layout alone** (no ``topk_idx``): mori routes by expert, so the facade gives
+  each token one slot per rank it goes to (that rank's first expert); the rows move once per
+  rank as with DeepEP, and the per-expert counts come from every rank's
+  ``num_tokens_per_expert`` (exchanged through the symmetric heap, one barrier).
 * **Not supported** (raise :class:`mori.errors.InvalidArgumentError`): internode groups, an
-  mpi4py ``comm`` instead of a group, ``use_ue8m0`` / ``round_scale`` / per-tensor quantisation
-  in low-latency dispatch, ``use_logfmt`` in low-latency combine, dispatch without ``topk_idx``,
-  and ``get_local_buffer_tensor`` (mori's buffers have no raw byte layout to hand out).
+  mpi4py ``comm`` instead of a group, per-tensor quantisation (``use_per_tensor_quantization``
+  / ``static_scale``, not in DeepEP v1.2.1's ``low_latency_dispatch`` either), and ``use_logfmt``
+  in low-latency combine (DeepEP's LogFMT wire format: mori's combine sends bf16 partial sums).
 """
 
 from __future__ import annotations
@@ -129,6 +137,62 @@ class EventOverlap:
 
     def __repr__(self) -> str:
         return f"EventOverlap({'pending event' if self.event is not None else 'no event'})"
+
+
+class _StreamScope:
+    """DeepEP's stream discipline for one normal-mode call: the work runs on the buffer's
+    communication stream, after ``previous_event`` (or, without one, after everything already
+    queued on the caller's stream); then the caller's stream waits for it, or with
+    ``async_finish`` an event is returned instead and the caller waits when it chooses. Tensors
+    made on the communication stream are recorded on the caller's stream, and with
+    ``async_finish`` the caller's inputs on the communication stream, so the caching allocator
+    never hands either out while a stream still uses them (as DeepEP's ``record_stream``
+    calls). DeepEP's ``allocate_on_comm_stream`` picks which stream's pool the outputs come
+    from; here they always come from the communication stream's, which is safe either way."""
+
+    def __init__(self, comm: Any, previous_event: Any) -> None:
+        import torch
+
+        self.compute, self.comm = torch.cuda.current_stream(), comm
+        event = getattr(previous_event, "event", previous_event) if previous_event is not None else None
+        if event is not None:
+            comm.wait_event(event)
+        else:
+            comm.wait_stream(self.compute)
+        self._switch = torch.cuda.stream(comm)
+
+    def __enter__(self) -> _StreamScope:
+        self._switch.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._switch.__exit__(*exc)
+
+    def finish(self, async_finish: bool, inputs: tuple, outputs: Any) -> EventOverlap:
+        import torch
+
+        def tensors(items: Any) -> list:
+            items = items if isinstance(items, (tuple, list)) else (items,)
+            out = []
+            for t in items:
+                if isinstance(t, (tuple, list)):
+                    out.extend(tensors(t))
+                elif isinstance(t, torch.Tensor):
+                    out.append(t)
+            return out
+
+        made = tensors(outputs)
+        for t in made:
+            t.record_stream(self.compute)
+        if not async_finish:
+            self.compute.wait_stream(self.comm)
+            return EventOverlap(None)
+        given = tensors(inputs)
+        for t in given:
+            t.record_stream(self.comm)
+        event = torch.cuda.Event()
+        event.record(self.comm)
+        return EventOverlap(event, tuple(given + made))
 
 
 class _NormalHandle(tuple):
@@ -248,6 +312,11 @@ class Buffer:
         self._wbuf: Any = None  # [2, ranks, capacity + 1, topk] fp32 heap tensor for combined top-k weights
         self._wpeers: list[Any] = []
         self._wcalls = 0
+        self._ecounts: Any = None  # [2, ranks, local experts] int32 heap tensor: per-expert counts of layout-only dispatch
+        self._epeers: list[Any] = []
+        self._ecalls = 0
+        self._comm_stream: Any = None  # the normal mode's communication stream, made by the first call
+        self._warned_logfmt = False
         self._generation = 0
         self._zero_copy: Any = None
         self._shmem_ready = False
@@ -329,22 +398,51 @@ class Buffer:
                 shmem.finalize()
 
     def get_comm_stream(self) -> Any:
-        """mori has no communication stream: returns the current stream, where it runs."""
+        """The stream normal-mode calls run on (see :class:`_StreamScope`)."""
         import torch
 
-        return torch.cuda.current_stream()
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(device=torch.cuda.current_device())
+        return self._comm_stream
 
     def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0, use_rdma_buffer: bool = False) -> Any:
-        raise InvalidArgumentError(
-            "get_local_buffer_tensor is not supported: mori's buffers are typed per use and have no raw byte layout to hand out"
-        )
+        """This rank's communication buffer as a 1-D ``dtype`` tensor from element ``offset`` (or
+        its first ``size.numel()`` elements shaped ``size``), as DeepEP: the normal mode's
+        receive rows, or with ``use_rdma_buffer`` the low-latency receive area. It lives on
+        mori's symmetric heap (peers reach it through :func:`mori.shmem.peer_tensor`) and is
+        overwritten by the next dispatch of that mode. The buffer is built by the first
+        collective call: call this after one."""
+        import math
+
+        import torch
+
+        self._check_alive()
+        if self._mori is None:
+            raise MoriError("the buffer is built by the first dispatch / low_latency_dispatch: call one before get_local_buffer_tensor")
+        raw = self._mori.receive_area(low_latency=use_rdma_buffer)
+        itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+        elements = raw.numel() // itemsize
+        if not 0 <= offset <= elements:
+            raise InvalidArgumentError(f"offset {offset} is outside the buffer's {elements} {dtype} elements")
+        tensor = raw[: elements * itemsize].view(dtype)[offset:]
+        if size is None:
+            return tensor
+        numel = math.prod(size)
+        if numel > tensor.numel():
+            raise InvalidArgumentError(f"size {tuple(size)} needs {numel} elements, the buffer has {tensor.numel()} from offset {offset}")
+        return tensor[:numel].view(size)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """No-op: mori's low-latency buffers need no cleaning (sequence-numbered flags), also
-        not after normal-mode calls."""
+        """Collective, as with DeepEP. mori's low-latency buffers need no zeroing (their flags
+        carry sequence numbers, and normal mode uses other memory), so what is left of DeepEP's
+        promise is that the buffer is ready for these sizes: once a first call has built it, it
+        is resized here when it does not fit them, so that a CUDA-graph capture that follows
+        needs no resize. Before any call nothing is built (the top-k width is not known yet)."""
         if num_max_dispatch_tokens_per_rank <= 0 or hidden <= 0 or num_experts <= 0:
             raise InvalidArgumentError("num_max_dispatch_tokens_per_rank, hidden and num_experts must be positive")
         self._check_alive()
+        if self._mori is not None:
+            self._ensure(num_experts=num_experts, hidden=hidden, topk=self._mori.config.topk, ll_tokens=num_max_dispatch_tokens_per_rank)
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -374,9 +472,14 @@ class Buffer:
     def _free_buffers(self) -> None:
         from mori import shmem
 
+        if self._comm_stream is not None:
+            self._comm_stream.synchronize()  # its queued work may still read what is freed here
         if self._wbuf is not None:
             shmem.free(self._wbuf)
             self._wbuf, self._wpeers = None, []
+        if self._ecounts is not None:
+            shmem.free(self._ecounts)
+            self._ecounts, self._epeers = None, []
         if self._mori is not None:
             _release_mori_buffer(self._mori)
             self._mori = None
@@ -403,11 +506,17 @@ class Buffer:
         self._mori = MoriBuffer(config, group=self.group)
         self._wbuf = shmem.tensor((2, self.group_size, capacity + 1, topk), torch.float32, zero=True)
         self._wpeers = [self._wbuf if s == self.rank else shmem.peer_tensor(self._wbuf, s) for s in range(self.group_size)]
+        self._ecounts = shmem.tensor((2, self.group_size, num_experts // self.group_size), torch.int32, zero=True)
+        self._epeers = [self._ecounts if s == self.rank else shmem.peer_tensor(self._ecounts, s) for s in range(self.group_size)]
         self._generation += 1
 
-    def _ensure(self, *, num_experts: int, hidden: int, topk: int, tokens: int = 0, ll_tokens: int | None = None) -> None:
+    def _ensure(
+        self, *, num_experts: int, hidden: int, topk: int, tokens: int = 0, ll_tokens: int | None = None, wider_topk: bool = False
+    ) -> None:
         """Builds or rebuilds when the current buffer does not fit. Every argument must be equal
-        on every rank (callers reduce ``tokens`` over the group first)."""
+        on every rank (callers reduce ``tokens`` over the group first). ``wider_topk``: a buffer
+        built for more top-k slots fits too (normal mode pads the rows with -1; a rebuild keeps
+        the wider width, so alternating widths do not rebuild every call)."""
         self._init_shmem()
         cfg = self._mori.config if self._mori is not None else None
         have_cap = cfg.max_tokens_per_rank if cfg is not None else 0
@@ -421,10 +530,13 @@ class Buffer:
             capacity = max(_round_up(max(tokens, 1), _CAPACITY_STEP), _round_up(have_cap + have_cap // 2, _CAPACITY_STEP))
         else:
             capacity = max(have_cap, ll_tokens or 0, 1)
-        same = cfg is not None and (cfg.num_experts, cfg.hidden, cfg.topk) == (num_experts, hidden, topk)
+        have_topk = cfg.topk if cfg is not None else 0
+        topk_fits = have_topk == topk or (wider_topk and have_topk > topk)
+        same = cfg is not None and (cfg.num_experts, cfg.hidden) == (num_experts, hidden) and topk_fits
         if same and capacity == have_cap and want_ll == have_ll:
             return
-        self._build(num_experts=num_experts, hidden=hidden, topk=topk, capacity=capacity, ll_tokens=want_ll)
+        build_topk = max(topk, have_topk) if wider_topk else topk
+        self._build(num_experts=num_experts, hidden=hidden, topk=build_topk, capacity=capacity, ll_tokens=want_ll)
 
     def _allreduce_max(self, values: list[int]) -> list[int]:
         import torch
@@ -445,17 +557,14 @@ class Buffer:
                     f"ranks disagree on hidden / top-k / experts: max {(r[1], r[2], r[3])}, min {(-r[4], -r[5], -r[6])}"
                 )
             tokens = r[0]
-        self._ensure(num_experts=num_experts, hidden=hidden, topk=topk, tokens=tokens)
+        self._ensure(num_experts=num_experts, hidden=hidden, topk=topk, tokens=tokens, wider_topk=True)
 
-    @staticmethod
-    def _wait_previous(previous_event: Any) -> None:
-        if previous_event is None:
-            return
-        event = getattr(previous_event, "event", previous_event)
-        if event is not None:
-            import torch
+    def _stream_scope(self, previous_event: Any) -> _StreamScope:
+        import torch
 
-            torch.cuda.current_stream().wait_event(event)
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(device=torch.cuda.current_device())
+        return _StreamScope(self._comm_stream, previous_event)
 
     @staticmethod
     def _event(async_finish: bool, extra: Optional[tuple] = None) -> EventOverlap:
@@ -499,23 +608,23 @@ class Buffer:
         n, k = self._check_topk_idx(topk_idx)
         if num_experts <= 0 or num_experts % self.group_size:
             raise InvalidArgumentError(f"num_experts={num_experts} must be a positive multiple of the group size {self.group_size}")
-        self._wait_previous(previous_event)
-        cfg = self._mori.config if self._mori is not None else None
-        if cfg is not None and cfg.num_experts == num_experts and cfg.topk == k and n <= cfg.max_tokens_per_rank:
-            per_rank, per_expert, in_rank, _ = self._mori.get_dispatch_layout(topk_idx.contiguous())
-        else:
-            w = self.group_size
-            valid = (topk_idx >= 0) & (topk_idx < num_experts)
-            ids = torch.where(valid, topk_idx, num_experts).reshape(-1)
-            per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_idx.device)
-            per_expert.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-            per_expert = per_expert[:num_experts].contiguous()
-            ranks = torch.where(valid, topk_idx // (num_experts // w), w)
-            in_rank = torch.zeros((n, w + 1), dtype=torch.bool, device=topk_idx.device)
-            in_rank.scatter_(1, ranks, True)
-            in_rank = in_rank[:, :w].contiguous()
-            per_rank = in_rank.sum(dim=0, dtype=torch.int32)
-        return per_rank, None, per_expert, in_rank, self._event(async_finish)
+        with self._stream_scope(previous_event) as scope:
+            cfg = self._mori.config if self._mori is not None else None
+            if cfg is not None and cfg.num_experts == num_experts and cfg.topk == k and n <= cfg.max_tokens_per_rank:
+                per_rank, per_expert, in_rank, _ = self._mori.get_dispatch_layout(topk_idx.contiguous())
+            else:
+                w = self.group_size
+                valid = (topk_idx >= 0) & (topk_idx < num_experts)
+                ids = torch.where(valid, topk_idx, num_experts).reshape(-1)
+                per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_idx.device)
+                per_expert.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+                per_expert = per_expert[:num_experts].contiguous()
+                ranks = torch.where(valid, topk_idx // (num_experts // w), w)
+                in_rank = torch.zeros((n, w + 1), dtype=torch.bool, device=topk_idx.device)
+                in_rank.scatter_(1, ranks, True)
+                in_rank = in_rank[:, :w].contiguous()
+                per_rank = in_rank.sum(dim=0, dtype=torch.int32)
+        return per_rank, None, per_expert, in_rank, scope.finish(async_finish, (topk_idx,), (per_rank, per_expert, in_rank))
 
     def dispatch(
         self,
@@ -542,10 +651,11 @@ class Buffer:
         ``expert_alignment``; ``num_worst_tokens > 0`` pads every returned tensor to that many rows
         (ids -1, weights 0, data 0) and returns an empty list (the host still synchronises once:
         mori's normal mode always does). The layout tensors are accepted and checked for shape;
-        mori recomputes the layout from ``topk_idx`` inside the dispatch (the same values).
-        ``config.num_sms`` is the SM budget; ``num_tokens_per_rdma_rank`` and
-        ``allocate_on_comm_stream`` are ignored. Returned tensors are the caller's (copies), as
-        with DeepEP."""
+        mori recomputes the layout from ``topk_idx`` inside the dispatch (the same values);
+        without ``topk_idx`` the dispatch goes by ``is_token_in_rank`` (module docstring) and
+        returns None for the top-k ids and weights. ``config.num_sms`` is the SM budget;
+        ``num_tokens_per_rdma_rank`` is ignored; streams as in the module docstring. Returned
+        tensors are the caller's (copies of mori's receive rows), as with DeepEP."""
         self._check_alive()
         if expert_alignment < 1:
             raise InvalidArgumentError(f"expert_alignment must be >= 1, got {expert_alignment}")
@@ -556,32 +666,56 @@ class Buffer:
         x_data, x_scales = x if isinstance(x, tuple) else (x, None)
         if not isinstance(x_data, torch.Tensor) or x_data.dim() != 2:
             raise InvalidArgumentError("x must be a [num_tokens, hidden] tensor or an (fp8 data, scales) tuple")
-        n, hidden = int(x_data.shape[0]), int(x_data.shape[1])
+        n = int(x_data.shape[0])
+        layout_only = False
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidArgumentError("a cached dispatch (handle=...) takes no topk_idx / topk_weights")
             h = self._check_handle(handle, _NormalHandle)
-            if n != h.num_tokens:
-                raise InvalidArgumentError(f"x has {n} tokens, the handle's dispatch had {h.num_tokens}")
-            topk_idx = h.topk_idx
-            topk_weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+            if n != h.num_tokens or int(x_data.shape[1]) != h.hidden:
+                raise InvalidArgumentError(f"x is {tuple(x_data.shape)}, the handle's dispatch had [{h.num_tokens}, {h.hidden}]")
+            topk_idx, topk_weights = h.topk_idx, h.zero_weights
             num_experts = h.num_experts
         else:
             if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
                 raise InvalidArgumentError("dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert")
-            if topk_idx is None or topk_weights is None:
-                raise InvalidArgumentError("mori routes by expert: dispatch needs topk_idx and topk_weights (or a handle)")
             num_experts = int(num_tokens_per_expert.numel())
             if tuple(num_tokens_per_rank.shape) != (self.group_size,) or tuple(is_token_in_rank.shape) != (n, self.group_size):
                 raise InvalidArgumentError("num_tokens_per_rank / is_token_in_rank do not match the group size and token count")
+            if num_experts <= 0 or num_experts % self.group_size:
+                raise InvalidArgumentError(f"num_tokens_per_expert has {num_experts} experts, not a positive multiple of {self.group_size} ranks")
+            if topk_idx is None:
+                if topk_weights is not None:
+                    raise InvalidArgumentError("topk_weights without topk_idx")
+                topk_idx, topk_weights = self._rank_routing(is_token_in_rank, num_experts)
+                layout_only = True
+            elif topk_weights is None:
+                raise InvalidArgumentError("topk_idx without topk_weights")
         _, k = self._check_topk_idx(topk_idx, n)
         if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, k):
             raise InvalidArgumentError(f"topk_weights must be float32 [{n}, {k}]")
-        self._wait_previous(previous_event)
-        self._ensure_normal(n, hidden, k, num_experts)
+        with self._stream_scope(previous_event) as scope:
+            return self._dispatch_on_comm_stream(
+                scope, x_data, x_scales, topk_idx, topk_weights, handle, layout_only, num_tokens_per_expert, num_experts,
+                expert_alignment, num_worst_tokens, config, async_finish,
+            )
+
+    def _dispatch_on_comm_stream(
+        self, scope: _StreamScope, x_data: Any, x_scales: Any, topk_idx: Any, topk_weights: Any, handle: Any, layout_only: bool,
+        num_tokens_per_expert: Any, num_experts: int, expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
+        async_finish: bool,
+    ) -> tuple[Any, Any, Any, Any, Any, EventOverlap]:
+        import torch
+
+        n, hidden, k = int(x_data.shape[0]), int(x_data.shape[1]), int(topk_idx.shape[1])
+        if handle is None:
+            self._ensure_normal(n, hidden, k, num_experts)
+        # else: the handle is of this buffer's generation (checked), built when these token counts
+        # fit on every rank, so nothing needs sizing and no all-reduce runs (DeepEP's timed form).
         num_sms = (config if config is not None else self.get_dispatch_config(self.group_size)).num_sms
         xin = x_data.contiguous() if x_scales is None else (x_data.contiguous(), x_scales.contiguous())
-        res = self._mori.dispatch(xin, topk_idx.contiguous(), topk_weights.contiguous(), num_sms=num_sms or None)
+        topk_idx, topk_weights = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
+        res = self._mori.dispatch(xin, topk_idx, topk_weights, num_sms=num_sms or None)
         num_recv = int(res.recv_x.shape[0])
         rows = max(num_recv, num_worst_tokens)
         if num_worst_tokens and num_recv > num_worst_tokens:
@@ -598,20 +732,70 @@ class Buffer:
 
         recv_x = padded(res.recv_x, 0)
         recv_x = (recv_x, padded(res.recv_x_scales, 0)) if x_scales is not None else recv_x
-        event = self._event(async_finish, (x_data, topk_idx))
+        inputs = (x_data, x_scales, topk_idx, topk_weights)
         if handle is not None:
-            return recv_x, None, None, None, None, event
-        recv_idx = padded(res.recv_topk_idx, -1)
-        recv_w = torch.zeros((rows, k), dtype=torch.float32, device=recv_idx.device)
-        recv_w[:num_recv] = torch.where(res.recv_topk_idx >= 0, res.recv_topk_weights, 0.0)
-        per_expert = [] if num_worst_tokens else [_round_up(int(c), expert_alignment) for c in res.num_recv_tokens_per_expert]
+            return recv_x, None, None, None, None, scope.finish(async_finish, inputs, recv_x)
+        if layout_only:
+            recv_idx = recv_w = None
+            received = [] if num_worst_tokens else self._received_per_expert(num_tokens_per_expert)
+        else:
+            recv_idx = padded(res.recv_topk_idx[:, :k], -1)
+            recv_w = torch.zeros((rows, k), dtype=torch.float32, device=recv_idx.device)
+            recv_w[:num_recv] = torch.where(res.recv_topk_idx[:, :k] >= 0, res.recv_topk_weights[:, :k], 0.0)
+            received = [] if num_worst_tokens else res.num_recv_tokens_per_expert
+        per_expert = [_round_up(int(c), expert_alignment) for c in received]
         mh = res.handle
         new_handle = _NormalHandle(
             (torch.cumsum(mh.rank_matrix, dim=0, dtype=torch.int32), None, None, res.recv_src_idx.clone(), mh.is_token_in_rank, None),
             mori=mh, owner=self, generation=self._generation, topk_idx=topk_idx.clone(), num_experts=num_experts,
+            zero_weights=torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device),
             num_tokens=n, num_recv=num_recv, hidden=hidden,
         )
-        return recv_x, recv_idx, recv_w, per_expert, new_handle, event
+        outputs = (recv_x, recv_idx, recv_w, mh.meta, *new_handle)
+        return recv_x, recv_idx, recv_w, per_expert, new_handle, scope.finish(async_finish, inputs, outputs)
+
+    def _rank_routing(self, is_token_in_rank: Any, num_experts: int) -> tuple[Any, Any]:
+        """Routing for a dispatch by layout alone (no topk_idx): mori routes by expert, so each
+        token gets one slot per rank, that rank's first expert where is_token_in_rank is set
+        (-1 elsewhere), and weights 0. A token still crosses to each of its ranks once."""
+        import torch
+
+        w = self.group_size
+        first = torch.arange(w, dtype=torch.int64, device=is_token_in_rank.device) * (num_experts // w)
+        topk_idx = torch.where(is_token_in_rank.to(torch.bool), first, -1)
+        return topk_idx, torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+
+    def _widened(self, topk_idx: Any, topk_weights: Any) -> tuple[Any, Any]:
+        """The routing padded to the buffer's top-k width (-1 ids, 0 weights) when the buffer was
+        built wider (see _ensure); unchanged otherwise."""
+        import torch
+
+        extra = self._mori.config.topk - topk_idx.shape[1]
+        if extra == 0:
+            return topk_idx, topk_weights
+        n = topk_idx.shape[0]
+        ids = torch.cat([topk_idx, torch.full((n, extra), -1, dtype=torch.int64, device=topk_idx.device)], dim=1)
+        weights = torch.cat([topk_weights, torch.zeros((n, extra), dtype=torch.float32, device=topk_weights.device)], dim=1)
+        return ids, weights
+
+    def _received_per_expert(self, num_tokens_per_expert: Any) -> list[int]:
+        """Tokens each local expert receives, for a dispatch by layout alone (the routing mori
+        moved says nothing about experts): every rank stores its counts for rank d's experts
+        into rank d's heap slot, then a barrier, then each rank sums its slots (as DeepEP's
+        notify step exchanges num_tokens_per_expert). Two slots alternate by call: a rank can
+        be one call ahead of a peer, never two (the barrier)."""
+        import torch
+
+        from mori import shmem
+
+        w = self.group_size
+        parity = self._ecalls % 2
+        self._ecalls += 1
+        counts = num_tokens_per_expert.to(torch.int32).view(w, -1)
+        for d in range(w):
+            self._epeers[d][parity, self.rank].copy_(counts[d])
+        shmem.barrier_all(stream=torch.cuda.current_stream())
+        return self._ecounts[parity].sum(dim=0).tolist()
 
     def _combine_weights(self, topk_weights: Any, h: _NormalHandle) -> Any:
         """DeepEP's combined top-k weights: per token, the sum over the ranks it went to of the
@@ -622,9 +806,13 @@ class Buffer:
         from mori import shmem
 
         k = self._mori.config.topk
-        if topk_weights.dtype != torch.float32 or topk_weights.dim() != 2 or topk_weights.shape[1] != k or topk_weights.shape[0] < h.num_recv:
-            raise InvalidArgumentError(f"topk_weights must be float32 [{h.num_recv}, {k}]")
-        w_rows = topk_weights[: h.num_recv].contiguous()
+        if topk_weights.dtype != torch.float32 or topk_weights.dim() != 2 or not 0 < topk_weights.shape[1] <= k or topk_weights.shape[0] < h.num_recv:
+            raise InvalidArgumentError(f"topk_weights must be float32 [{h.num_recv}, top-k <= {k}]")
+        given = topk_weights.shape[1]
+        w_rows = topk_weights[: h.num_recv]
+        if given < k:
+            w_rows = torch.cat([w_rows, torch.zeros((h.num_recv, k - given), dtype=torch.float32, device=w_rows.device)], dim=1)
+        w_rows = w_rows.contiguous()
         parity = self._wcalls % 2
         self._wcalls += 1
         world, me, dummy = self.group_size, self.rank, self._wbuf.shape[2] - 1
@@ -638,7 +826,7 @@ class Buffer:
         shmem.barrier_all(stream=torch.cuda.current_stream())
         mine = self._wbuf[parity, :, : h.num_tokens]  # [ranks, tokens, k]
         mask = h.mori.is_token_in_rank.t().unsqueeze(-1)
-        return torch.where(mask, mine, 0.0).sum(dim=0)
+        return torch.where(mask, mine, 0.0).sum(dim=0)[:, :given]
 
     def combine(
         self,
@@ -656,28 +844,35 @@ class Buffer:
         it went to. ``bias`` (a tensor or a pair, [tokens, hidden]) is added after mori's bf16
         rounding (so the result may differ from DeepEP's in the last bf16 bit). With
         ``topk_weights`` ([received, topk] fp32) the combined weights are their per-token sum over
-        ranks. ``config.num_sms`` is the SM budget; ``allocate_on_comm_stream`` is ignored."""
+        ranks. ``config.num_sms`` is the SM budget; streams as in the module docstring."""
         import torch
 
         self._check_alive()
         h = self._check_handle(handle, _NormalHandle)
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] < h.num_recv:
             raise InvalidArgumentError(f"x must be bfloat16 [{h.num_recv}, hidden] (the received rows)")
-        self._wait_previous(previous_event)
+        biases = bias if isinstance(bias, tuple) else (bias,)
+        for b in biases:
+            if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (h.num_tokens, h.hidden)):
+                raise InvalidArgumentError(f"bias must be [{h.num_tokens}, {h.hidden}] tensors")
+        with self._stream_scope(previous_event) as scope:
+            out, combined_w = self._combine_on_comm_stream(x, h, topk_weights, biases, config)
+        return out, combined_w, scope.finish(async_finish, (x, topk_weights, *biases), (out, combined_w))
+
+    def _combine_on_comm_stream(self, x: Any, h: _NormalHandle, topk_weights: Any, biases: tuple, config: Optional[Config]) -> tuple[Any, Any]:
+        import torch
+
         num_sms = (config if config is not None else self.get_combine_config(self.group_size)).num_sms
         y = x[: h.num_recv]
         out = self._mori.combine(y if y.is_contiguous() else y.contiguous(), h.mori, num_sms=num_sms or None)
-        if bias is not None:
-            b0, b1 = bias if isinstance(bias, tuple) else (bias, None)
+        if any(b is not None for b in biases):
             acc = out.float()
-            for b in (b0, b1):
+            for b in biases:
                 if b is not None:
-                    if tuple(b.shape) != tuple(out.shape):
-                        raise InvalidArgumentError(f"bias must be [{out.shape[0]}, {out.shape[1]}]")
                     acc = acc + b.float()
             out = acc.to(torch.bfloat16)
         combined_w = self._combine_weights(topk_weights, h) if topk_weights is not None else None
-        return out, combined_w, self._event(async_finish, (x,))
+        return out, combined_w
 
     # ---- low-latency mode ---------------------------------------------------------------------
 
@@ -700,19 +895,24 @@ class Buffer:
         """Collective, no host synchronisation, CUDA-graph capturable (once the buffer is sized).
         Returns (recv_x, recv_count, handle, event, hook): recv_x is bf16
         [local experts, ranks * num_max_dispatch_tokens_per_rank, hidden], or with ``use_fp8`` a
-        tuple (float8_e4m3fn data, fp32 scales [.., hidden / 128]) whose scales are column-major
-        in the last two dimensions, as DeepEP's (scale = amax / 448 per 128 channels; an all-zero
-        block has scale 0 where DeepEP clamps amax to 1e-4: the dequantised values agree).
-        recv_count [local experts] int32. ``cumulative_local_expert_recv_stats`` (int32 [local
-        experts]) gets recv_count added. ``dispatch_wait_recv_cost_stats`` is accepted and left
-        unchanged. With ``return_recv_hook`` only the send half runs; call ``hook()`` before
-        reading the results. The results are new tensors (mori allocates them per call); as with
-        DeepEP, at most two low-latency dispatches may be in flight."""
+        tuple (float8_e4m3fn data, scales) whose scales are column-major in the last two
+        dimensions, as DeepEP's, written so by the kernel: fp32 [.., hidden / 128] with scale =
+        amax / 448 per 128 channels (an all-zero block has scale 0 where DeepEP clamps amax to
+        1e-4: the dequantised values agree); with ``round_scale`` the smallest power of two >=
+        max(amax, 1e-4) / 448; with ``use_ue8m0`` (needs ``round_scale`` and hidden % 512 == 0)
+        those scales' exponent bytes packed four per int32 [.., hidden / 512], as DeepGEMM reads
+        them. recv_count [local experts] int32. ``cumulative_local_expert_recv_stats`` (int32
+        [local experts]) gets recv_count added. ``dispatch_wait_recv_cost_stats`` (int64 [ranks],
+        or [ranks, ranks] of which this rank's row is used) gets, per source rank, the
+        nanoseconds the receive half waited for that rank's tokens (DeepEP counts clock cycles).
+        With ``return_recv_hook`` only the send half runs; call ``hook()`` before reading the
+        results. The results are new tensors (mori allocates them per call); as with DeepEP, at
+        most two low-latency dispatches may be in flight."""
         self._check_alive()
-        if round_scale:
-            raise InvalidArgumentError("round_scale=True (power-of-two scales) is not supported by mori")
-        if use_ue8m0:
-            raise InvalidArgumentError("use_ue8m0=True (UE8M0 scale format) is not supported by mori")
+        if (round_scale or use_ue8m0) and not use_fp8:
+            raise InvalidArgumentError("round_scale / use_ue8m0 apply to FP8 dispatch (use_fp8=True)")
+        if use_ue8m0 and not round_scale:
+            raise InvalidArgumentError("use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two only)")
         if use_per_tensor_quantization or static_scale is not None:
             raise InvalidArgumentError("per-tensor quantisation (use_per_tensor_quantization / static_scale) is not supported by mori")
         import torch
@@ -723,43 +923,50 @@ class Buffer:
         if n > num_max_dispatch_tokens_per_rank:
             raise InvalidArgumentError(f"{n} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
         hidden = int(x.shape[1])
+        wait_stats = self._wait_stats_row(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
         self._ensure(num_experts=num_experts, hidden=hidden, topk=k, ll_tokens=num_max_dispatch_tokens_per_rank)
-        res = self._mori.low_latency_dispatch(x.contiguous(), topk_idx.contiguous(), use_fp8=use_fp8, return_recv_hook=return_recv_hook)
-        scales = None
-        if use_fp8:
-            e, rows, cols = res.recv_x_scales.shape
-            scales = torch.empty((e, cols, rows), dtype=torch.float32, device=x.device).transpose(1, 2)
+        res = self._mori.low_latency_dispatch(
+            x.contiguous(), topk_idx.contiguous(), use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+            scales_column_major=True, wait_stats=wait_stats, return_recv_hook=return_recv_hook,
+        )
         stats = cumulative_local_expert_recv_stats
+        hook = res.hook
+        if stats is not None and return_recv_hook:
 
-        def finish() -> None:
-            if scales is not None:
-                scales.copy_(res.recv_x_scales)
-            if stats is not None:
+            def receive_and_count() -> None:
+                res.hook()
                 stats.add_(res.recv_count)
 
-        hook: Optional[Callable[[], None]] = None
-        if return_recv_hook:
-            mori_hook = res.hook
-
-            def recv_hook() -> None:
-                mori_hook()
-                finish()
-
-            hook = recv_hook
-        else:
-            finish()
+            hook = receive_and_count
+        elif stats is not None:
+            stats.add_(res.recv_count)
         handle = _LowLatencyHandle(
             (res.recv_src_info, res.recv_layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts),
             mori=res.handle, owner=self, generation=self._generation,
         )
-        recv_x = (res.recv_x, scales) if use_fp8 else res.recv_x
-        event = self._event(async_finish, (x, topk_idx, res.recv_x, scales, res.recv_count, res.recv_src_info, res.recv_layout_range))
+        recv_x = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
+        event = self._event(async_finish, (x, topk_idx, res.recv_x, res.recv_x_scales, res.recv_count, res.recv_src_info, res.recv_layout_range))
         return recv_x, res.recv_count, handle, event, hook
+
+    def _wait_stats_row(self, stats: Any, name: str) -> Any:
+        """The int64 [ranks] tensor mori adds wait times to: ``stats`` itself, or this rank's row
+        of a [ranks, ranks] one (DeepEP documents that shape)."""
+        import torch
+
+        if stats is None:
+            return None
+        w = self.group_size
+        if not isinstance(stats, torch.Tensor) or stats.dtype != torch.int64 or tuple(stats.shape) not in ((w,), (w, w)):
+            raise InvalidArgumentError(f"{name} must be an int64 tensor [{w}] or [{w}, {w}]")
+        return stats[self.rank] if stats.dim() == 2 else stats
 
     def get_next_low_latency_combine_buffer(self, handle: Any) -> Any:
         """A bf16 [local experts, ranks * max tokens, hidden] tensor for ``zero_copy`` combine:
         fill it with the expert outputs and call ``low_latency_combine(..., zero_copy=True)``.
-        (mori reads it like ``x``; it is the facade's own tensor, not the buffer itself.)"""
+        mori's combine reads the expert outputs where they are (local loads; the weighted partial
+        sums go straight into the source rank's buffer), in both forms: there is no send buffer
+        to copy ``x`` into first. So this is one reused tensor of the facade's, and ``zero_copy``
+        saves no copy because none is made either way."""
         import torch
 
         h = self._check_handle(handle, _LowLatencyHandle)
@@ -785,17 +992,25 @@ class Buffer:
         hook): per token sum_k w_k * expert_output over its valid top-k (weights applied, as
         DeepEP). ``out`` receives the result in place. ``zero_copy`` reads the tensor from
         :meth:`get_next_low_latency_combine_buffer` instead of ``x``.
-        ``combine_wait_recv_cost_stats`` is accepted and left unchanged."""
+        ``combine_wait_recv_cost_stats`` as ``dispatch_wait_recv_cost_stats`` of
+        :meth:`low_latency_dispatch`. ``use_logfmt`` is accepted with a warning: mori sends the
+        partial sums as bf16, so the result is at least as exact as DeepEP's 10-bit LogFMT, without
+        its saving of wire bytes."""
         self._check_alive()
-        if use_logfmt:
-            raise InvalidArgumentError("use_logfmt=True (LogFMT combine format) is not supported by mori")
+        if use_logfmt and not self._warned_logfmt:
+            import warnings
+
+            warnings.warn("mori.ep.deepep: use_logfmt=True sends bf16 partial sums (mori has no LogFMT encoding)", stacklevel=2)
+            self._warned_logfmt = True
+        wait_stats = self._wait_stats_row(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
         h = self._check_handle(handle, _LowLatencyHandle)
         if zero_copy:
             if self._zero_copy is None:
                 raise InvalidArgumentError("zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled first")
             x = self._zero_copy
         combined, hook = self._mori.low_latency_combine(
-            x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), h.mori, return_recv_hook=return_recv_hook, out=out
+            x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), h.mori, return_recv_hook=return_recv_hook, out=out,
+            wait_stats=wait_stats,
         )
         event = self._event(async_finish, (x, topk_idx, topk_weights, h[0], h[1], combined))
         return combined, event, hook

@@ -172,6 +172,8 @@ struct Remote {
 
 struct InFlight {
     ticket: u64,
+    /// For the report when a GPU wait times out.
+    op: Op,
     transfer: Transfer,
     /// The scratch slot an inline put sends from (free again when it is done).
     scratch: Option<u64>,
@@ -379,6 +381,7 @@ impl Proxy {
             consumer,
             in_flight: Vec::new(),
             fenced: None,
+            reported_timeout: false,
             applier,
             shared: shared.clone(),
             timeout: bootstrap.timeout(),
@@ -492,6 +495,8 @@ struct Worker {
     in_flight: Vec<InFlight>,
     /// A fence request waiting for everything before it.
     fenced: Option<u64>,
+    /// The state report for a GPU timeout was logged.
+    reported_timeout: bool,
     applier: Applier,
     shared: Arc<Shared>,
     /// The session's timeout (GPU waits through the proxy give up after it).
@@ -565,15 +570,48 @@ impl Worker {
         }
     }
 
-    /// A GPU thread that gave up waiting wrote why into the ring: say it on the host.
-    fn note_gpu_timeout(&self) {
+    /// A GPU thread that gave up waiting wrote why into the ring: say it on the host, with
+    /// what the proxy still had in flight (logged once).
+    fn note_gpu_timeout(&mut self) {
         if let Some(wait) = ring::timed_out_wait(self.consumer.error()) {
+            if !self.reported_timeout {
+                self.reported_timeout = true;
+                tracing::warn!("shmem proxy at the GPU's timeout: {}", self.state_report());
+            }
             self.record(format!(
                 "a GPU thread gave up waiting {wait} after the session's timeout ({:?}): a PE on \
                  another node did not answer in time",
                 self.timeout
             ));
         }
+    }
+
+    /// Requests read and finished, what is in flight (ticket, op, route, status), a pending
+    /// fence and free scratch slots: where a stuck request is.
+    fn state_report(&self) -> String {
+        let flights: Vec<String> = self
+            .in_flight
+            .iter()
+            .take(16)
+            .map(|f| {
+                format!(
+                    "{}:{:?} via {:?} {:?}",
+                    f.ticket,
+                    f.op,
+                    f.transfer.route(),
+                    f.transfer.status()
+                )
+            })
+            .collect();
+        format!(
+            "read {} requests, completed {}; in flight ({}): [{}]; fence at {:?}; {} free scratch slots",
+            self.consumer.read(),
+            self.consumer.completed(),
+            self.in_flight.len(),
+            flights.join(", "),
+            self.fenced,
+            self.free_scratch.len()
+        )
     }
 
     fn failed(&self) -> bool {
@@ -692,7 +730,7 @@ impl Worker {
                     &[e.bytes],
                     None,
                 );
-                return self.track(e.ticket, t, Some(slot), false);
+                return self.track(e.ticket, e.op, t, Some(slot), false);
             }
             Op::Update | Op::Fetch => {
                 let r = self.remote(e)?;
@@ -722,15 +760,16 @@ impl Worker {
                     Some(&note.encode()),
                 );
                 // A fetch is done when its answer comes back, not when the note landed.
-                return self.track(e.ticket, t, None, e.op == Op::Fetch);
+                return self.track(e.ticket, e.op, t, None, e.op == Op::Fetch);
             }
         };
-        self.track(e.ticket, transfer, None, false)
+        self.track(e.ticket, e.op, transfer, None, false)
     }
 
     fn track(
         &mut self,
         ticket: u64,
+        op: Op,
         transfer: mori_io::Result<Transfer>,
         scratch: Option<u64>,
         answered_later: bool,
@@ -739,6 +778,7 @@ impl Worker {
             Ok(transfer) => {
                 self.in_flight.push(InFlight {
                     ticket,
+                    op,
                     transfer,
                     scratch,
                     answered_later,

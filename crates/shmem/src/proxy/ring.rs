@@ -357,6 +357,11 @@ impl Consumer {
         self.head
     }
 
+    /// Every ticket below this is finished.
+    pub fn completed(&self) -> u64 {
+        self.completed
+    }
+
     /// Every ticket read so far is finished.
     pub fn idle(&self) -> bool {
         self.completed == self.head
