@@ -363,9 +363,33 @@ pub fn load(device: Device, spec: &KernelSpec) -> Result<Module> {
     check("cuModuleLoadData", unsafe {
         sys::cuModuleLoadData(&mut raw, compiled.cubin.as_ptr() as *const c_void)
     })?;
+    load_every_function(raw)?;
     let module = Module { device, raw };
     table.insert(lookup, module);
     Ok(module)
+}
+
+/// Loads the code of every kernel in `module` now. Under lazy loading (CUDA_MODULE_LOADING=LAZY,
+/// the default since CUDA 12.2) a kernel's code is loaded at its first launch, and that load may
+/// wait for the context's running work (CUDA's documented lazy-loading deadlock): a first
+/// launch queued behind a kernel that spins until other work lands (a shmem wait for a transfer
+/// the proxy thread drives, a barrier) would then hold the context until the GPU wait times out.
+fn load_every_function(module: sys::CUmodule) -> Result<()> {
+    let mut count: std::ffi::c_uint = 0;
+    // SAFETY: the module is loaded; writes one count.
+    check("cuModuleGetFunctionCount", unsafe {
+        sys::cuModuleGetFunctionCount(&mut count, module)
+    })?;
+    let mut functions = vec![std::ptr::null_mut(); count as usize];
+    // SAFETY: `functions` has room for `count` handles.
+    check("cuModuleEnumerateFunctions", unsafe {
+        sys::cuModuleEnumerateFunctions(functions.as_mut_ptr(), count, module)
+    })?;
+    for f in functions {
+        // SAFETY: a function handle of the loaded module.
+        check("cuFuncLoad", unsafe { sys::cuFuncLoad(f) })?;
+    }
+    Ok(())
 }
 
 /// Compiles (or finds) `spec` for `device` and returns its entry point `entry`.
