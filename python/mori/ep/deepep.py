@@ -791,7 +791,7 @@ class Buffer:
         w = self.group_size
         parity = self._ecalls % 2
         self._ecalls += 1
-        counts = num_tokens_per_expert.to(torch.int32).view(w, -1)
+        counts = num_tokens_per_expert.to(torch.int32).reshape(w, -1)
         for d in range(w):
             self._epeers[d][parity, self.rank].copy_(counts[d])
         shmem.barrier_all(stream=torch.cuda.current_stream())
