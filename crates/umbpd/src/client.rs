@@ -484,6 +484,60 @@ fn check_value_sizes<'a>(values: impl IntoIterator<Item = &'a [u8]>) -> Result<(
     Ok(())
 }
 
+/// The values of `keys` from the daemon behind `client`, streamed (`BatchGetStream`: messages
+/// of consecutive values, read by the daemon while earlier ones travel); against a daemon that
+/// predates it, `BatchGet` calls ([`batch_get_all`]). With `peer` = (address, deadline) the
+/// call and each message must come within the deadline (a peer that stops answering).
+async fn batch_get_streamed(
+    client: UmbpClient<Channel>,
+    keys: Vec<Vec<u8>>,
+    peer: Option<(&str, Duration)>,
+) -> std::result::Result<Vec<GetResponse>, tonic::Status> {
+    let n = keys.len();
+    let request = BatchGetRequest { keys: keys.clone() };
+    let mut c = client.clone();
+    let mut stream = match bounded(peer, c.batch_get_stream(request)).await {
+        Ok(r) => r.into_inner(),
+        Err(s) if s.code() == tonic::Code::Unimplemented => {
+            return batch_get_all(keys, |req| {
+                let mut c = client.clone();
+                async move { bounded(peer, c.batch_get(req)).await }
+            })
+            .await;
+        }
+        Err(s) => return Err(s),
+    };
+    let mut out = Vec::with_capacity(n);
+    while let Some(m) = bounded(peer, stream.message()).await? {
+        if m.values.len() != m.answered as usize {
+            return Err(tonic::Status::internal(format!(
+                "daemon streamed a message of {} values that says {}",
+                m.values.len(),
+                m.answered
+            )));
+        }
+        out.extend(m.values);
+    }
+    if out.len() != n {
+        return Err(tonic::Status::internal(format!(
+            "daemon streamed {} values for {n} keys",
+            out.len()
+        )));
+    }
+    Ok(out)
+}
+
+/// `fut`, within the peer's deadline when there is one ([`within`]).
+async fn bounded<T>(
+    peer: Option<(&str, Duration)>,
+    fut: impl Future<Output = std::result::Result<T, tonic::Status>>,
+) -> std::result::Result<T, tonic::Status> {
+    match peer {
+        Some((addr, deadline)) => within(deadline, addr, fut).await,
+        None => fut.await,
+    }
+}
+
 /// Asks `peer` for `keys` until every one is answered (a daemon answers as many as fit in one
 /// reply); `call` makes one `BatchGet` call.
 async fn batch_get_all<F, Fut>(
@@ -723,12 +777,7 @@ impl Client {
                 let wanted: Vec<Vec<u8>> = idxs.iter().map(|&i| keys[i].to_vec()).collect();
                 let deadline = c.peer_deadline;
                 tasks.spawn(async move {
-                    let res = batch_get_all(wanted, |req| {
-                        let mut pc = pc.clone();
-                        let addr = addr.clone();
-                        async move { within(deadline, &addr, pc.batch_get(req)).await }
-                    })
-                    .await;
+                    let res = batch_get_streamed(pc, wanted, Some((&addr, deadline))).await;
                     (peer, idxs, res)
                 });
             }
@@ -836,11 +885,9 @@ impl Client {
             return self.cluster_get(c, keys);
         }
         let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
-        let c = self.inner.clone();
-        let values = self.rt.block_on(batch_get_all(keys, |req| {
-            let mut c = c.clone();
-            async move { c.batch_get(req).await }
-        }))?;
+        let values = self
+            .rt
+            .block_on(batch_get_streamed(self.inner.clone(), keys, None))?;
         Ok(values.into_iter().map(value_of).collect())
     }
 
@@ -1135,10 +1182,10 @@ async fn get_into_at(
     let results = match pc.batch_get_into(req).await {
         Ok(r) => r.into_inner().results,
         Err(s) if s.code() == tonic::Code::Unimplemented => {
-            let req = BatchGetRequest {
-                keys: idxs.iter().map(|&i| keys[i].to_vec()).collect(),
-            };
-            let values = pc.batch_get(req).await?.into_inner().values;
+            // A daemon without a data plane: the values come as bytes (every one of them: a
+            // streamed or repeated batch answers all keys).
+            let wanted = idxs.iter().map(|&i| keys[i].to_vec()).collect();
+            let values = batch_get_streamed(pc.clone(), wanted, None).await?;
             let mut out = Vec::with_capacity(values.len());
             for (&i, v) in idxs.iter().zip(values) {
                 if v.found && v.value.len() as u64 > capacities[i] {

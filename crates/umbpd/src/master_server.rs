@@ -204,6 +204,16 @@ impl Umbp for MasterService {
         Err(data_refused())
     }
 
+    type BatchGetStreamStream =
+        tokio_stream::wrappers::ReceiverStream<Result<BatchGetResponse, Status>>;
+
+    async fn batch_get_stream(
+        &self,
+        _req: Request<BatchGetRequest>,
+    ) -> Result<Response<Self::BatchGetStreamStream>, Status> {
+        Err(data_refused())
+    }
+
     async fn batch_get_into(
         &self,
         _req: Request<BatchGetIntoRequest>,

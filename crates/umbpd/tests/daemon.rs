@@ -449,6 +449,100 @@ fn host_names_for_listen_and_version_says_the_build() {
     assert!(stdout.contains(build), "{stdout}");
 }
 
+/// `BatchGetStream` (what the client uses) streams the values in key order, a miss included,
+/// and stops early when the client goes away; `BatchGet` (older clients) still
+/// answers the same values.
+#[test]
+fn streamed_and_unary_batch_gets_answer_the_same_values() {
+    use common::{raw_channel, runtime, secret_file};
+    use mori_umbpd::proto::BatchGetRequest;
+    use mori_umbpd::proto::umbp_client::UmbpClient;
+
+    const SECRET: &str = "a-secret-for-the-batch-get-forms";
+    let dir = tempfile::tempdir().unwrap();
+    let sf = secret_file(dir.path(), "secret", SECRET);
+    let d = Daemon::start(
+        dir.path(),
+        &["--secret-file", sf.to_str().unwrap(), "--dram-bytes", "64M"],
+        &[],
+    );
+    let values: Vec<Vec<u8>> = (0..6u64)
+        .map(|i| bytes(i + 77, 100_000 + 999 * i as usize))
+        .collect();
+    let mut keys: Vec<Vec<u8>> = (0..6).map(key).collect();
+    let rt = runtime();
+    rt.block_on(async {
+        let mut raw = UmbpClient::new(raw_channel(&d.addr, SECRET));
+        for (k, v) in keys.iter().zip(&values) {
+            let put = mori_umbpd::proto::PutRequest {
+                key: k.clone(),
+                value: v.clone(),
+            };
+            assert!(raw.put(put).await.unwrap().into_inner().stored);
+        }
+        keys.insert(3, b"absent".to_vec());
+        let mut want: Vec<Option<&Vec<u8>>> = values.iter().map(Some).collect();
+        want.insert(3, None);
+        let check = |got: Vec<mori_umbpd::proto::GetResponse>, form: &str| {
+            assert_eq!(got.len(), want.len(), "{form}: values");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.found, w.is_some(), "{form}: value {i} found");
+                assert_eq!(
+                    &g.value,
+                    w.map_or(&Vec::new(), |v| v),
+                    "{form}: value {i} bytes"
+                );
+            }
+        };
+        let mut stream = raw
+            .batch_get_stream(BatchGetRequest { keys: keys.clone() })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut streamed = Vec::new();
+        let mut messages = 0;
+        while let Some(m) = stream.message().await.unwrap() {
+            assert_eq!(
+                m.answered as usize,
+                m.values.len(),
+                "a message counts its values"
+            );
+            messages += 1;
+            streamed.extend(m.values);
+        }
+        // About 100 KB a value: values travel a few to a message, neither all in one nor
+        // one each.
+        assert!(
+            messages > 1 && messages < keys.len(),
+            "{messages} messages for {} keys",
+            keys.len()
+        );
+        check(streamed, "streamed");
+        let unary = raw
+            .batch_get(BatchGetRequest { keys: keys.clone() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(unary.answered as usize, keys.len());
+        check(unary.values, "unary");
+        // A client that takes one value of a long batch and goes away: the daemon stops
+        // reading for it and keeps serving.
+        let long: Vec<Vec<u8>> = (0..2000).map(|i| keys[i % keys.len()].clone()).collect();
+        let mut stream = raw
+            .batch_get_stream(BatchGetRequest { keys: long })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(stream.message().await.unwrap().is_some());
+        drop(stream);
+    });
+    let c = Client::connect_with(&d.addr, &common::opts(SECRET)).unwrap();
+    assert_eq!(
+        c.get(&key(5)).unwrap().as_deref(),
+        Some(values[5].as_slice())
+    );
+}
+
 /// A bytes batch larger than one call carries (24 × 4 MiB = 96 MiB; calls carry 64 MiB of
 /// values, so a batch of any size stays under the 256 MiB message limit) goes in several calls
 /// both ways and comes back byte-exact, misses in place; a single value too large for the

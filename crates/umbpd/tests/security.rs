@@ -6,13 +6,11 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::Daemon;
+use common::{Daemon, opts, raw_channel, runtime, secret_file};
 use mori_auth::Secret;
 use mori_io::{EngineDesc, Location, MemoryDesc};
 use mori_umbpd::proto::master_client::MasterClient;
@@ -21,40 +19,10 @@ use mori_umbpd::proto::{
     BatchGetIntoRequest, BatchPutFromRequest, CommitEntry, CommitRequest, ExistsRequest,
     GetRequest, HeartbeatRequest, PutRequest, RegisterRequest,
 };
-use mori_umbpd::{Client, ClientError, ClientOptions};
+use mori_umbpd::{Client, ClientError};
 
 const GOOD: &str = "the-deployment-secret-of-this-test";
 const BAD: &str = "not-the-deployment-secret-at-all";
-
-/// A secret file (mode 0600) holding `text`.
-fn secret_file(dir: &Path, name: &str, text: &str) -> PathBuf {
-    let p = dir.join(name);
-    std::fs::write(&p, format!("{text}\n")).unwrap();
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-    p
-}
-
-fn opts(secret: &str) -> ClientOptions {
-    ClientOptions {
-        secret: Some(Secret::new(secret.as_bytes().to_vec()).unwrap()),
-        connect_timeout: Duration::from_secs(5),
-        ..ClientOptions::default()
-    }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-/// A raw gRPC channel to `addr` authenticating with `secret` (connected on first use).
-fn raw_channel(addr: &str, secret: &str) -> tonic::transport::Channel {
-    let o = opts(secret);
-    let s = Arc::new(o.secret.clone().unwrap());
-    mori_umbpd::client::lazy_channel(addr, &o, s).unwrap()
-}
 
 fn standalone(dir: &Path) -> Daemon {
     let sf = secret_file(dir, "secret", GOOD);

@@ -4,11 +4,15 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use mori_auth::Secret;
+use mori_umbpd::ClientOptions;
 
 /// A command running the daemon with `args` and `envs`, without any UMBP_* variable of the
 /// test process's own environment.
@@ -228,4 +232,38 @@ pub fn bytes(seed: u64, len: usize) -> Vec<u8> {
     }
     out.truncate(len);
     out
+}
+
+// ---- secrets and raw gRPC clients ------------------------------------------------------------
+
+/// A secret file (mode 0600) holding `text`.
+pub fn secret_file(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, format!("{text}\n")).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p
+}
+
+/// Client options proving `secret`.
+pub fn opts(secret: &str) -> ClientOptions {
+    ClientOptions {
+        secret: Some(Secret::new(secret.as_bytes().to_vec()).unwrap()),
+        connect_timeout: Duration::from_secs(5),
+        ..ClientOptions::default()
+    }
+}
+
+/// A runtime for raw gRPC calls.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A raw gRPC channel to `addr` authenticating with `secret` (connected on first use).
+pub fn raw_channel(addr: &str, secret: &str) -> tonic::transport::Channel {
+    let o = opts(secret);
+    let s = Arc::new(o.secret.clone().unwrap());
+    mori_umbpd::client::lazy_channel(addr, &o, s).unwrap()
 }
