@@ -78,7 +78,7 @@
 //!   writer wins there), and an abort (or drop) frees them, so a half-written value is
 //!   never readable.
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 
 use tracing::{debug, warn};
 
@@ -736,6 +736,24 @@ impl LocalPool {
     /// The value of `key` (a use for LRU; an SSD hit is promoted to DRAM).
     pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         self.lock().get(&*self.meta, key)
+    }
+
+    /// [`LocalPool::get`] when it can answer without waiting: the pool's lock is free and the
+    /// key is absent (a miss) or a DRAM value of at most `max_len` bytes. `None` otherwise (the
+    /// lock is held by another call, the value is on SSD or in the GPU tier, or longer), so a
+    /// caller that must not block — an async server's worker — calls `get` where it may. A
+    /// DRAM value that fails its checksum is still answered here from its SSD copy (a read
+    /// that waits, but only for a value the pool has just found corrupt).
+    pub fn try_get_at_once(&self, key: &[u8], max_len: u64) -> Result<Option<Option<Vec<u8>>>> {
+        let mut inner = match self.inner.try_lock() {
+            Ok(inner) => inner,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => return Ok(None),
+        };
+        match self.meta.get(key)? {
+            Some(loc) if loc.tier != Tier::Dram || loc.len > max_len => Ok(None),
+            _ => inner.get(&*self.meta, key).map(Some),
+        }
     }
 
     /// Gets each key in order under one lock acquisition. Stops at the first error. The

@@ -443,6 +443,41 @@ fn value_larger_than_dram_lives_on_ssd() {
     ok(pool.check_consistency(), "consistency");
 }
 
+/// `try_get_at_once` (what umbpd answers on its async worker) answers misses and DRAM values up
+/// to its limit, byte-exact, and declines everything that would read SSD or is longer; a
+/// value promoted back to DRAM is answered again.
+#[test]
+fn try_get_at_once_answers_only_small_dram_values_and_misses() {
+    let dir = tempdir();
+    let dram = 32 << 10;
+    let cfg = PoolConfig::with_ssd(dram, 1024, ssd_cfg(dir.path(), 1 << 20, 8 << 20));
+    let (pool, _) = open(&cfg);
+    let small = value(1, 0, 3000);
+    let longer = value(2, 0, 5000);
+    let big = value(3, 0, 3 * dram);
+    let demoted = value(4, 0, 2000);
+    for (k, v) in [
+        (&b"small"[..], &small),
+        (b"longer", &longer),
+        (b"big", &big),
+        (b"demoted", &demoted),
+    ] {
+        assert_eq!(put(&pool, k, v), PutOutcome::Stored);
+    }
+    assert_eq!(ok(pool.evict(b"demoted"), "evict"), Some(true));
+    let at_once = |k: &[u8]| ok(pool.try_get_at_once(k, 4096), "try_get_at_once");
+    assert_eq!(at_once(b"small"), Some(Some(small)));
+    assert_eq!(at_once(b"absent"), Some(None));
+    assert_eq!(at_once(b"longer"), None, "longer than the limit");
+    assert_eq!(at_once(b"big"), None, "on SSD");
+    assert_eq!(at_once(b"demoted"), None, "on SSD");
+    let s = pool.stats();
+    assert_eq!((s.hits_dram, s.hits_ssd, s.misses), (1, 0, 1), "{s:?}");
+    assert_eq!(get(&pool, b"demoted"), Some(demoted.clone()), "promoted");
+    assert_eq!(at_once(b"demoted"), Some(Some(demoted)));
+    ok(pool.check_consistency(), "consistency");
+}
+
 // ---------------------------------------------------------------------------------------
 // Restart
 // ---------------------------------------------------------------------------------------

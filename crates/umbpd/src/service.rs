@@ -3,7 +3,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::ops::Range;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock, TryLockError};
 use std::time::{Duration, Instant};
 
 use mori_auth::Secret;
@@ -57,6 +57,24 @@ impl SharedPool {
     /// Runs `f` on the pool, or fails with `UNAVAILABLE` once it is closed.
     pub fn with<R>(&self, f: impl FnOnce(&LocalPool) -> mori_umbp::Result<R>) -> Result<R, Status> {
         self.with_status(|p| f(p).map_err(status_of))
+    }
+
+    /// [`SharedPool::with`] for a call that may decline (`Ok(None)`), without waiting for the
+    /// lock: `Ok(None)` as well while [`SharedPool::close`] holds or awaits it (the caller then
+    /// takes its waiting path, which answers `UNAVAILABLE` once the pool is closed).
+    pub fn try_with<R>(
+        &self,
+        f: impl FnOnce(&LocalPool) -> mori_umbp::Result<Option<R>>,
+    ) -> Result<Option<R>, Status> {
+        let guard = match self.pool.try_read() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => return Ok(None),
+        };
+        match guard.as_ref() {
+            Some(pool) => f(pool).map_err(status_of),
+            None => Err(Status::unavailable("umbpd is shutting down")),
+        }
     }
 
     /// [`SharedPool::with`] for a closure that answers gRPC statuses itself.
@@ -869,6 +887,11 @@ fn no_data_plane() -> Status {
 /// gRPC message limit, so any batch is answered in parts instead of failing.
 pub const REPLY_BYTES: u64 = 64 << 20;
 
+/// A `Get` of a DRAM value up to this size is answered on the async worker that received it
+/// (a copy and checksum of a few microseconds); larger ones, SSD reads and calls that would
+/// wait for the pool's lock go to a blocking thread.
+const INLINE_GET_BYTES: u64 = 64 << 10;
+
 /// Messages a `BatchGetStream` reads ahead of what the client has taken: the reading thread
 /// waits beyond this, so a slow client holds at most this many in the daemon (besides the one
 /// being sent). One already overlaps reading message i + 1 with sending message i; sixteen
@@ -915,6 +938,14 @@ impl Umbp for UmbpService {
 
     async fn get(&self, req: Request<GetRequest>) -> Result<Response<GetResponse>, Status> {
         let GetRequest { key } = req.into_inner();
+        // A miss or a small DRAM value is answered on this worker: handing the call to a
+        // blocking thread and back costs more than the copy (benches/NOTES.md).
+        if let Some(value) = self
+            .pool
+            .try_with(|p| p.try_get_at_once(&key, INLINE_GET_BYTES))?
+        {
+            return Ok(Response::new(get_response(value)));
+        }
         let value = self.call(move |p| p.get(&key)).await?;
         Ok(Response::new(get_response(value)))
     }
@@ -924,6 +955,10 @@ impl Umbp for UmbpService {
         req: Request<ExistsRequest>,
     ) -> Result<Response<ExistsResponse>, Status> {
         let ExistsRequest { key } = req.into_inner();
+        // The index is in memory: answered on this worker, as a small get.
+        if let Some(exists) = self.pool.try_with(|p| p.exists(&key).map(Some))? {
+            return Ok(Response::new(ExistsResponse { exists }));
+        }
         let exists = self.call(move |p| p.exists(&key)).await?;
         Ok(Response::new(ExistsResponse { exists }))
     }

@@ -10,7 +10,9 @@ multi-turn prefix-cache trace whose working set is larger than DRAM, and Redis S
 ``redis-benchmark`` with the same value sizes as a baseline (when redis-server is installed;
 4 clients one request at a time, and the same pipelined 16 deep),
 and multi-client registered-buffer gets (1, 2, 4 client threads, each with its own client and
-engine, reading the same 1 MiB values; ``io_concurrent_gets``). ``--only io`` runs just the
+engine, reading the same 1 MiB values; ``io_concurrent_gets``), and 4 KiB gets of bytes from the
+standalone daemon by 1 and 4 client threads, each with its own connection (``daemon_small_gets``:
+ops/s, p50/p99; the like-for-like of Redis's 4 clients). ``--only io`` runs just the
 cluster's mori.io rows and the multi-client gets.
 
 The daemon: ``--umbpd PATH``, else a release build of ``target/release/umbpd`` in this checkout
@@ -29,7 +31,8 @@ registered-buffer puts: each batch's first value its batch number), so a get tha
 another key's value fails; after each timed loop its last call's output is checked (`get_into`
 and `batch_get_into` write into a buffer poisoned before that call), the prefix probes' counts,
 and the memcpy. The multi-client gets check one more poisoned call per client after the timed
-loop. A failed check ends the run with exit status 1 and no record.
+loop; the small gets compare every answer with its key's value. A failed check ends the run
+with exit status 1 and no record.
 """
 
 from __future__ import annotations
@@ -173,12 +176,37 @@ def _dataplane_rows(client, label: str, total_bytes: int, checks: Checks) -> lis
     return rows
 
 
+def _timed_threads(threads: int, seconds: float, call: Any) -> tuple[float, list[float]]:
+    """Runs ``call(t)`` over and over on ``threads`` threads (``t``: the thread's index) for
+    ``seconds``, all starting together; returns the elapsed time and every call's latency."""
+    import threading
+
+    lat: list[list[float]] = [[] for _ in range(threads)]
+    start = threading.Barrier(threads + 1)
+    stop = [0.0]
+
+    def work(t: int) -> None:
+        start.wait()
+        while time.perf_counter() < stop[0]:
+            t0 = time.perf_counter()
+            call(t)
+            lat[t].append(time.perf_counter() - t0)
+
+    ths = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for th in ths:
+        th.start()
+    stop[0] = time.perf_counter() + seconds
+    start.wait()
+    t0 = time.perf_counter()
+    for th in ths:
+        th.join()
+    return time.perf_counter() - t0, [x for lt in lat for x in lt]
+
+
 def _concurrent_gets(master: str, checks: Checks, size: int = 1 << 20, batch: int = 16, nkeys: int = 128,
                      seconds: float = 2.0) -> list[dict[str, Any]]:
     """Several clients (threads, each with its own Client and IO engine) running
     batch_get_into over the same registered-buffer values at once: how gets at a peer overlap."""
-    import threading
-
     from mori.umbp import Client
 
     writer = Client(master=master)
@@ -195,39 +223,23 @@ def _concurrent_gets(master: str, checks: Checks, size: int = 1 << 20, batch: in
         for c, b in zip(clients, bufs):
             c.register(b)
         moved = [0] * threads
-        ok = [False] * threads
-        lat: list[list[float]] = [[] for _ in range(threads)]
-        start = threading.Barrier(threads + 1)
-        stop = [0.0]
+        nxt = [(t * batch) % nkeys for t in range(threads)]
 
-        def work(t: int) -> None:
-            c, b = clients[t], bufs[t]
-            start.wait()
-            i = (t * batch) % nkeys
-            while time.perf_counter() < stop[0]:
-                t0 = time.perf_counter()
-                got = c.batch_get_into(keys[i : i + batch], b, offs, sizes)
-                lat[t].append(time.perf_counter() - t0)
-                assert got == sizes
-                moved[t] += batch * size
-                i = (i + batch) % nkeys
-            b[:] = 0xFF  # one more call, untimed, into a poisoned buffer: what the loop's calls returned
-            c.batch_get_into(keys[i : i + batch], b, offs, sizes)
-            ok[t] = b.tobytes() == src.tobytes()
+        def get(t: int) -> None:
+            got = clients[t].batch_get_into(keys[nxt[t] : nxt[t] + batch], bufs[t], offs, sizes)
+            assert got == sizes
+            moved[t] += batch * size
+            nxt[t] = (nxt[t] + batch) % nkeys
 
-        ths = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-        for th in ths:
-            th.start()
-        stop[0] = time.perf_counter() + seconds
-        start.wait()
-        t0 = time.perf_counter()
-        for th in ths:
-            th.join()
-        elapsed = time.perf_counter() - t0
+        elapsed, all_lat = _timed_threads(threads, seconds, get)
+        ok = []
+        for t in range(threads):  # one more call, untimed, into a poisoned buffer: what the loop's calls returned
+            bufs[t][:] = 0xFF
+            clients[t].batch_get_into(keys[nxt[t] : nxt[t] + batch], bufs[t], offs, sizes)
+            ok.append(bufs[t].tobytes() == src.tobytes())
         for c, b in zip(clients, bufs):
             c.unregister(b)
             c.close()
-        all_lat = [x for lt in lat for x in lt]
         row = {"threads": threads, "value_bytes": size, "batch": batch, "calls": len(all_lat),
                "get_gbps": sum(moved) / elapsed / 1e9,
                "p50_ms": median(all_lat) * 1e3, "p99_ms": percentile(all_lat, 0.99) * 1e3,
@@ -242,11 +254,49 @@ def _concurrent_gets(master: str, checks: Checks, size: int = 1 << 20, batch: in
     return rows
 
 
+def _small_gets(addr: str, checks: Checks, size: int = 4096, nkeys: int = 1024,
+                seconds: float = 2.0) -> list[dict[str, Any]]:
+    """Single gets of small values as bytes from 1 and 4 client threads, each with its own
+    Client (connection): the like-for-like of Redis's 4 clients. Every answer is compared with
+    its key's value."""
+    from mori.umbp import Client
+
+    writer = Client(master=addr)
+    vals = [_rng().integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(nkeys)]
+    keys = [f"small/{i}".encode() for i in range(nkeys)]
+    for i in range(0, nkeys, 256):
+        writer.batch_put(keys[i : i + 256], vals[i : i + 256])
+    rows = []
+    for threads in (1, 4):
+        clients = [Client(master=addr) for _ in range(threads)]
+        nxt = [t * 97 % nkeys for t in range(threads)]
+        wrong = [0] * threads
+
+        def get(t: int) -> None:
+            k = nxt[t]
+            if clients[t].get(keys[k]) != vals[k]:
+                wrong[t] += 1
+            nxt[t] = (k + 1) % nkeys
+
+        elapsed, lat = _timed_threads(threads, seconds, get)
+        for c in clients:
+            c.close()
+        row = {"threads": threads, "value_bytes": size, "calls": len(lat), "ops_per_s": len(lat) / elapsed,
+               "p50_us": median(lat) * 1e6, "p99_us": percentile(lat, 0.99) * 1e6,
+               "verified": checks.check(f"{threads} clients' small gets",
+                                        "" if not any(wrong) else f"{sum(wrong)} gets returned other bytes")}
+        rows.append(row)
+        print(f"  {threads} client(s) get {human_bytes(size)}: {row['ops_per_s']:.0f} ops/s, "
+              f"p50 {row['p50_us']:.0f} µs, p99 {row['p99_us']:.0f} µs", flush=True)
+    for k in keys:
+        writer.remove(k)
+    writer.close()
+    return rows
+
+
 def _master_ops(client, master: str, keys_per_call: int = 1024, seconds: float = 2.0) -> list[dict[str, Any]]:
     """Metadata key-ops through the master's RPC: batch_exists_prefix over keys that all exist
     (every key is looked up), from 1 and 4 client threads, each with its own connection."""
-    import threading
-
     from mori.umbp import Client
 
     keys = [f"meta/{i}".encode() for i in range(keys_per_call)]
@@ -255,24 +305,11 @@ def _master_ops(client, master: str, keys_per_call: int = 1024, seconds: float =
     rows = []
     for threads in (1, 4):
         clients = [Client(master=master) for _ in range(threads)]
-        lat: list[list[float]] = [[] for _ in range(threads)]
-        stop = time.perf_counter() + seconds
 
-        def work(t: int) -> None:
-            c = clients[t]
-            while time.perf_counter() < stop:
-                t0 = time.perf_counter()
-                assert c.batch_exists_prefix(keys) == len(keys)
-                lat[t].append(time.perf_counter() - t0)
+        def probe(t: int) -> None:
+            assert clients[t].batch_exists_prefix(keys) == len(keys)
 
-        t0 = time.perf_counter()
-        ths = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join()
-        elapsed = time.perf_counter() - t0
-        all_lat = [x for lt in lat for x in lt]
+        elapsed, all_lat = _timed_threads(threads, seconds, probe)
         row = {"threads": threads, "keys_per_call": keys_per_call, "calls": len(all_lat),
                "key_ops_per_s": len(all_lat) * keys_per_call / elapsed,
                "p50_us": median(all_lat) * 1e6, "p99_us": percentile(all_lat, 0.99) * 1e6}
@@ -506,6 +543,8 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         proc, addr = _umbpd(daemon, tmp, "standalone", "--dram-bytes", "2G")
         try:
             rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, zero_copy=False, checks=checks)
+            print("  small gets from several clients:")
+            record["daemon_small_gets"] = _small_gets(addr, checks)
         finally:
             _stop([proc])
         print("umbpd cluster, master + 2 peers over loopback gRPC (data as gRPC bytes):")
