@@ -61,6 +61,7 @@ use crate::proto::{
 use crate::server::{
     H2_CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, H2_STREAM_WINDOW_BYTES, MAX_MESSAGE_BYTES,
 };
+use crate::small_ops::{self, SmallOpsClient};
 
 /// Errors of [`Client`].
 #[derive(Debug, thiserror::Error)]
@@ -241,6 +242,15 @@ pub struct Health {
     /// Connections the daemon dropped since it started because they did not prove the
     /// deployment secret.
     pub connections_refused: u64,
+    /// Gets and existence checks the daemon answered over the small-ops protocol
+    /// ([`crate::small_ops`]) since it started.
+    pub small_ops_served: u64,
+}
+
+/// Whether single gets and existence checks may use small ops: unless `MORI_UMBP_SMALL_OPS` is
+/// `0` (to compare with gRPC, or to rule the protocol out).
+fn small_ops_enabled() -> bool {
+    std::env::var("MORI_UMBP_SMALL_OPS").map_or(true, |v| v.trim() != "0")
 }
 
 /// Most rounds of routing a put (each round excludes the peers that failed before).
@@ -252,6 +262,8 @@ pub struct Client {
     // Field order: the gRPC clients (and their channels) are dropped before the runtime.
     inner: UmbpClient<Channel>,
     cluster: Option<Cluster>,
+    /// Single gets and existence checks of a standalone daemon ([`crate::small_ops`]).
+    small_ops: Option<SmallOpsClient>,
     /// The data plane, started by the first [`Client::register`].
     data: Mutex<Option<Arc<DataEngine>>>,
     /// The address the data plane listens on (this host's side of the daemon connection).
@@ -623,9 +635,22 @@ impl Client {
                 peers: Mutex::new(HashMap::new()),
             }
         });
+        // A standalone daemon answers single gets, existence checks and puts over small ops (one
+        // blocking socket per calling thread, no runtime hand-off); MORI_UMBP_SMALL_OPS=0
+        // keeps them on gRPC.
+        let small_ops = (cluster.is_none() && small_ops_enabled()).then(|| {
+            SmallOpsClient::new(
+                hostport,
+                Arc::clone(&secret),
+                opts.connect_timeout,
+                opts.request_timeout
+                    .unwrap_or(opts.keepalive_interval + opts.keepalive_timeout),
+            )
+        });
         Ok(Client {
             inner,
             cluster,
+            small_ops,
             data: Mutex::new(None),
             data_host: local_ip_towards(addr),
             secret,
@@ -815,6 +840,9 @@ impl Client {
                 .copied()
                 .unwrap_or(false));
         }
+        if let Some(answer) = self.small_op(small_ops::PUT, key, Some(value)) {
+            return Ok(answer?.is_some());
+        }
         let req = PutRequest {
             key: key.to_vec(),
             value: value.to_vec(),
@@ -828,13 +856,25 @@ impl Client {
         if let Some(c) = &self.cluster {
             return Ok(self.cluster_get(c, &[key])?.pop().flatten());
         }
+        if let Some(answer) = self.small_op(small_ops::GET, key, None) {
+            return Ok(answer?);
+        }
         let req = GetRequest { key: key.to_vec() };
         let mut c = self.inner.clone();
         Ok(value_of(self.rt.block_on(c.get(req))?.into_inner()))
     }
 
+    /// `op` of `key` (and `value`) over small ops; `None` where they are not used (a cluster,
+    /// a daemon without them, `MORI_UMBP_SMALL_OPS=0`).
+    fn small_op(&self, op: u8, key: &[u8], value: Option<&[u8]>) -> Option<small_ops::Answer> {
+        self.small_ops.as_ref().and_then(|s| s.call(op, key, value))
+    }
+
     /// Whether `key` is present (does not count as a use of the value).
     pub fn exists(&self, key: &[u8]) -> Result<bool> {
+        if let Some(answer) = self.small_op(small_ops::EXISTS, key, None) {
+            return Ok(answer?.is_some());
+        }
         let req = ExistsRequest { key: key.to_vec() };
         let mut c = self.inner.clone();
         Ok(self.rt.block_on(c.exists(req))?.into_inner().exists)
@@ -1127,6 +1167,7 @@ impl Client {
             uptime_ms: h.uptime_ms,
             connections_open: h.connections_open,
             connections_refused: h.connections_refused,
+            small_ops_served: h.small_ops_served,
         })
     }
 }

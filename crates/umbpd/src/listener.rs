@@ -37,6 +37,7 @@ use tonic::transport::server::{Connected, TcpConnectInfo};
 use tracing::{debug, warn};
 
 use crate::auth::PURPOSE;
+use crate::service::UmbpService;
 
 /// How long accepting pauses after an accept error that is not about one connection.
 pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -66,6 +67,8 @@ pub struct ListenerStats {
     pub refused: AtomicU64,
     /// Connections open now (authenticated or authenticating).
     pub open: AtomicUsize,
+    /// Requests answered over the small-ops protocol ([`crate::small_ops`]).
+    pub small_ops_served: AtomicU64,
 }
 
 /// An accepted connection that proved the secret. Holds its permit (and counts as open)
@@ -181,9 +184,10 @@ pub fn incoming(
     secret: Arc<Secret>,
     limits: Limits,
     stats: Arc<ListenerStats>,
+    small_ops: Option<UmbpService>,
 ) -> ReceiverStream<io::Result<AuthedStream>> {
     let (tx, rx) = mpsc::channel(QUEUE);
-    tokio::spawn(accept_loop(listener, secret, limits, stats, tx));
+    tokio::spawn(accept_loop(listener, secret, limits, stats, small_ops, tx));
     ReceiverStream::new(rx)
 }
 
@@ -203,6 +207,7 @@ async fn accept_loop(
     secret: Arc<Secret>,
     limits: Limits,
     stats: Arc<ListenerStats>,
+    small_ops: Option<UmbpService>,
     tx: mpsc::Sender<io::Result<AuthedStream>>,
 ) {
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
@@ -240,6 +245,7 @@ async fn accept_loop(
                     Arc::clone(&secret),
                     limits.handshake_timeout,
                     slot,
+                    small_ops.clone(),
                     tx.clone(),
                 ));
             }
@@ -263,14 +269,16 @@ async fn accept_loop(
     }
 }
 
-/// Runs the server side of the handshake on one connection; passes it on if it proved the
-/// secret, drops it (counted, logged at debug) otherwise.
+/// Runs the server side of the handshake on one connection; if it proved the secret, serves it
+/// here when it asks for small ops ([`crate::small_ops`], with a service to answer them) or
+/// passes it on to tonic; drops it (counted, logged at debug) otherwise.
 async fn authenticate(
     mut stream: TcpStream,
     peer: SocketAddr,
     secret: Arc<Secret>,
     timeout: Duration,
     slot: Slot,
+    small_ops: Option<UmbpService>,
     tx: mpsc::Sender<io::Result<AuthedStream>>,
 ) {
     if let Err(e) = stream.set_nodelay(true) {
@@ -281,6 +289,19 @@ async fn authenticate(
     match tokio::time::timeout(timeout, shake).await {
         Ok(Ok(_session)) => {
             stats.accepted.fetch_add(1, Ordering::Relaxed);
+            if let Some(svc) = small_ops
+                && asks_for_small_ops(&mut stream, timeout).await
+            {
+                let conn = AuthedStream {
+                    stream,
+                    _slot: slot,
+                };
+                let served = || {
+                    stats.small_ops_served.fetch_add(1, Ordering::Relaxed);
+                };
+                crate::small_ops::serve(conn, svc, served).await;
+                return;
+            }
             let conn = AuthedStream {
                 stream,
                 _slot: slot,
@@ -297,6 +318,24 @@ async fn authenticate(
             debug!(%peer, ?timeout, "dropped a connection that did not authenticate in time");
         }
     }
+}
+
+/// Whether an authenticated connection starts with the small-ops hello (read and checked
+/// here) rather than HTTP/2's preface (left unread for tonic). A connection that sends nothing
+/// within `timeout` goes to tonic, as before this protocol existed.
+async fn asks_for_small_ops(stream: &mut TcpStream, timeout: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let hello = crate::small_ops::HELLO;
+    let mut first = [0u8; 1];
+    match tokio::time::timeout(timeout, stream.peek(&mut first)).await {
+        Ok(Ok(1..)) if first[0] == hello[0] => {}
+        _ => return false,
+    }
+    let mut got = [0u8; 8];
+    matches!(
+        tokio::time::timeout(timeout, stream.read_exact(&mut got)).await,
+        Ok(Ok(_)) if crate::small_ops::is_hello(&got)
+    )
 }
 
 #[cfg(test)]
@@ -324,7 +363,7 @@ mod tests {
             max_connections: max,
             handshake_timeout: timeout,
         };
-        let s = incoming(l, secret("a"), limits, Arc::clone(&stats));
+        let s = incoming(l, secret("a"), limits, Arc::clone(&stats), None);
         (addr, s, stats)
     }
 

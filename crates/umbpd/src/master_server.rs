@@ -308,7 +308,7 @@ impl Umbp for MasterService {
         &self,
         _req: Request<HealthRequest>,
     ) -> Result<Response<HealthResponse>, Status> {
-        let (connections_open, connections_refused) =
+        let (connections_open, connections_refused, small_ops_served) =
             listener_counts(self.state.listener.as_deref());
         Ok(Response::new(HealthResponse {
             serving: true,
@@ -318,6 +318,7 @@ impl Umbp for MasterService {
             peer_timeout_ms: millis(self.state.peer_timeout),
             connections_open,
             connections_refused,
+            small_ops_served,
         }))
     }
 }
@@ -505,7 +506,7 @@ pub async fn run_master(cfg: &Config) -> Result<(), DaemonError> {
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
     );
-    let serving = start_serving(listener, routes, &security)?;
+    let serving = start_serving(listener, routes, &security, None)?;
     let tick_every = (cfg.peer_timeout.value / 4).max(Duration::from_millis(10));
     let ticker = tokio::spawn({
         let state = Arc::clone(&state);

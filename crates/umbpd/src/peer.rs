@@ -352,10 +352,12 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
         .with_link(Arc::clone(&link))
         .with_data_plane(data.clone())
         .with_listener_stats(Arc::clone(&security.stats));
+    // No small ops: a cluster's clients read through the master's routes and leases.
     let serving = start_serving(
         listener,
         tonic::service::Routes::new(umbp_server(service)),
         &security,
+        None,
     )?;
     let advertise = cfg.advertise.value.unwrap_or(serving.addr).to_string();
 

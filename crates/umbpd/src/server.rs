@@ -187,11 +187,13 @@ pub(crate) async fn bind(listen: SocketAddr) -> Result<TcpListener, DaemonError>
 }
 
 /// Serves `routes` on the bound `listener` in the background, to authenticated connections
-/// only (message size limits applied by the caller on each service).
+/// only (message size limits applied by the caller on each service), and small ops
+/// ([`crate::small_ops`]) by `small_ops` when the role serves them.
 pub(crate) fn start_serving(
     listener: TcpListener,
     routes: tonic::service::Routes,
     security: &Security,
+    small_ops: Option<UmbpService>,
 ) -> Result<Serving, DaemonError> {
     let addr = listener
         .local_addr()
@@ -201,6 +203,7 @@ pub(crate) fn start_serving(
         Arc::clone(&security.secret),
         security.limits,
         Arc::clone(&security.stats),
+        small_ops,
     );
     let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(
@@ -314,8 +317,9 @@ pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
         .with_listener_stats(Arc::clone(&security.stats));
     let serving = start_serving(
         listener,
-        tonic::service::Routes::new(umbp_server(service)),
+        tonic::service::Routes::new(umbp_server(service.clone())),
         &security,
+        Some(service),
     )?;
     announce(cfg, serving.addr)?;
     let served = serving.until_signal(&mut signals).await;

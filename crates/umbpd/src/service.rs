@@ -699,6 +699,35 @@ impl UmbpService {
         self
     }
 
+    /// The value of `key` (`Get`, over gRPC or small ops): a miss or a small DRAM value is
+    /// answered on this task — handing the call to a blocking thread and back costs more than
+    /// the copy (benches/NOTES.md) —, anything else on a blocking thread.
+    pub(crate) async fn value_of_key(&self, key: Vec<u8>) -> Result<Option<Vec<u8>>, Status> {
+        let at_once = self
+            .pool
+            .try_with(|p| p.try_get_at_once(&key, INLINE_GET_BYTES))?;
+        match at_once {
+            Some(value) => Ok(value),
+            None => self.call(move |p| p.get(&key)).await,
+        }
+    }
+
+    /// Whether `key` is present (`Exists`, over gRPC or small ops): the index is in memory, so
+    /// on this task unless the pool is being closed.
+    pub(crate) async fn key_exists(&self, key: Vec<u8>) -> Result<bool, Status> {
+        match self.pool.try_with(|p| p.exists(&key).map(Some))? {
+            Some(exists) => Ok(exists),
+            None => self.call(move |p| p.exists(&key)).await,
+        }
+    }
+
+    /// Stores one value (`Put`, over gRPC or small ops); whether it was stored (false: the key
+    /// was present).
+    pub(crate) async fn put_one(&self, key: Vec<u8>, value: Vec<u8>) -> Result<bool, Status> {
+        let stored = self.put_detached(vec![key], vec![value]).await?;
+        Ok(stored.first().copied().unwrap_or(false))
+    }
+
     /// Runs [`UmbpService::put_items`] as a task of its own: once a put's request has
     /// arrived whole, it runs to the end (stored and published, or undone) even if the
     /// client goes away meanwhile (a dropped handler would otherwise stop it between storing
@@ -868,13 +897,15 @@ pub fn stats_response(s: PoolStats) -> StatsResponse {
     }
 }
 
-/// Open and refused connections of a listener (zeros without one).
-pub fn listener_counts(stats: Option<&ListenerStats>) -> (u64, u64) {
+/// Open and refused connections and small-ops requests served of a listener (zeros without
+/// one).
+pub fn listener_counts(stats: Option<&ListenerStats>) -> (u64, u64, u64) {
     use std::sync::atomic::Ordering;
-    stats.map_or((0, 0), |s| {
+    stats.map_or((0, 0, 0), |s| {
         (
             s.open.load(Ordering::Relaxed) as u64,
             s.refused.load(Ordering::Relaxed),
+            s.small_ops_served.load(Ordering::Relaxed),
         )
     })
 }
@@ -930,23 +961,13 @@ fn get_response(value: Option<Vec<u8>>) -> GetResponse {
 impl Umbp for UmbpService {
     async fn put(&self, req: Request<PutRequest>) -> Result<Response<PutResponse>, Status> {
         let PutRequest { key, value } = req.into_inner();
-        let stored = self.put_detached(vec![key], vec![value]).await?;
-        Ok(Response::new(PutResponse {
-            stored: stored.first().copied().unwrap_or(false),
-        }))
+        let stored = self.put_one(key, value).await?;
+        Ok(Response::new(PutResponse { stored }))
     }
 
     async fn get(&self, req: Request<GetRequest>) -> Result<Response<GetResponse>, Status> {
         let GetRequest { key } = req.into_inner();
-        // A miss or a small DRAM value is answered on this worker: handing the call to a
-        // blocking thread and back costs more than the copy (benches/NOTES.md).
-        if let Some(value) = self
-            .pool
-            .try_with(|p| p.try_get_at_once(&key, INLINE_GET_BYTES))?
-        {
-            return Ok(Response::new(get_response(value)));
-        }
-        let value = self.call(move |p| p.get(&key)).await?;
+        let value = self.value_of_key(key).await?;
         Ok(Response::new(get_response(value)))
     }
 
@@ -955,11 +976,7 @@ impl Umbp for UmbpService {
         req: Request<ExistsRequest>,
     ) -> Result<Response<ExistsResponse>, Status> {
         let ExistsRequest { key } = req.into_inner();
-        // The index is in memory: answered on this worker, as a small get.
-        if let Some(exists) = self.pool.try_with(|p| p.exists(&key).map(Some))? {
-            return Ok(Response::new(ExistsResponse { exists }));
-        }
-        let exists = self.call(move |p| p.exists(&key)).await?;
+        let exists = self.key_exists(key).await?;
         Ok(Response::new(ExistsResponse { exists }))
     }
 
@@ -1140,7 +1157,8 @@ impl Umbp for UmbpService {
         _req: Request<HealthRequest>,
     ) -> Result<Response<HealthResponse>, Status> {
         let serving = self.call(|_| Ok(())).await.is_ok();
-        let (connections_open, connections_refused) = listener_counts(self.listener.as_deref());
+        let (connections_open, connections_refused, small_ops_served) =
+            listener_counts(self.listener.as_deref());
         Ok(Response::new(HealthResponse {
             serving,
             role: self.role.to_string(),
@@ -1149,6 +1167,7 @@ impl Umbp for UmbpService {
             peer_timeout_ms: 0,
             connections_open,
             connections_refused,
+            small_ops_served,
         }))
     }
 }

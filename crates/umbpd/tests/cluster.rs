@@ -70,6 +70,37 @@ fn cluster_with(peer_args: &[&str], ssd: bool, peer_timeout: &str) -> Cluster {
     }
 }
 
+/// A client connected straight to a peer (which does not serve small ops: a cluster's reads go
+/// through the master's routes and leases) finds that out on its first get and reads over
+/// gRPC: the values come back, and the peer answered no small op.
+#[test]
+fn a_daemon_without_small_ops_is_read_over_grpc() {
+    let cl = cluster(&["--dram-bytes", "8M"], false);
+    let via_master = Client::connect(&cl.master.addr).unwrap();
+    let keys: Vec<Vec<u8>> = (0..8).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..8).map(|i| bytes(i as u64 + 900, 5000)).collect();
+    for (k, v) in keys.iter().zip(&values) {
+        assert!(via_master.put(k, v).unwrap());
+    }
+    let mut found = 0;
+    for peer in &cl.peers {
+        let direct = Client::connect(&peer.addr).unwrap();
+        assert!(!direct.is_cluster());
+        for (k, v) in keys.iter().zip(&values) {
+            match direct.get(k).unwrap() {
+                Some(got) => {
+                    assert_eq!(&got, v);
+                    assert!(direct.exists(k).unwrap());
+                    found += 1;
+                }
+                None => assert!(!direct.exists(k).unwrap()),
+            }
+        }
+        assert_eq!(direct.health().unwrap().small_ops_served, 0);
+    }
+    assert_eq!(found, keys.len(), "each key on exactly one peer");
+}
+
 #[test]
 fn routes_across_peers_first_writer_wins_and_a_dead_peers_keys_become_misses() {
     let cl = cluster(&["--dram-bytes", "8M"], false);

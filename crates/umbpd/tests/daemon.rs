@@ -454,18 +454,13 @@ fn host_names_for_listen_and_version_says_the_build() {
 /// answers the same values.
 #[test]
 fn streamed_and_unary_batch_gets_answer_the_same_values() {
-    use common::{raw_channel, runtime, secret_file};
+    use common::{raw_channel, runtime};
     use mori_umbpd::proto::BatchGetRequest;
     use mori_umbpd::proto::umbp_client::UmbpClient;
 
     const SECRET: &str = "a-secret-for-the-batch-get-forms";
     let dir = tempfile::tempdir().unwrap();
-    let sf = secret_file(dir.path(), "secret", SECRET);
-    let d = Daemon::start(
-        dir.path(),
-        &["--secret-file", sf.to_str().unwrap(), "--dram-bytes", "64M"],
-        &[],
-    );
+    let d = daemon_with_secret(dir.path(), SECRET);
     let values: Vec<Vec<u8>> = (0..6u64)
         .map(|i| bytes(i + 77, 100_000 + 999 * i as usize))
         .collect();
@@ -541,6 +536,75 @@ fn streamed_and_unary_batch_gets_answer_the_same_values() {
         c.get(&key(5)).unwrap().as_deref(),
         Some(values[5].as_slice())
     );
+}
+
+/// A standalone daemon of 64 MiB DRAM whose secret is `secret` (for raw gRPC clients).
+fn daemon_with_secret(dir: &std::path::Path, secret: &str) -> Daemon {
+    let sf = common::secret_file(dir, "secret", secret);
+    Daemon::start(
+        dir,
+        &["--secret-file", sf.to_str().unwrap(), "--dram-bytes", "64M"],
+        &[],
+    )
+}
+
+/// Single puts, gets and existence checks of a standalone daemon go over small ops (the daemon
+/// counts them) and agree with gRPC: what they put gRPC reads, and they read what gRPC reads —
+/// a small DRAM value, one over the inline limit, a miss —, from several threads at once (a
+/// connection each).
+#[test]
+fn single_calls_take_small_ops_and_agree_with_grpc() {
+    use common::{raw_channel, runtime};
+    use mori_umbpd::proto::GetRequest;
+    use mori_umbpd::proto::umbp_client::UmbpClient;
+
+    const SECRET: &str = "a-secret-for-the-small-ops-test";
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon_with_secret(dir.path(), SECRET);
+    let c = Client::connect_with(&d.addr, &common::opts(SECRET)).unwrap();
+    let sizes = [1usize, 4096, 65_537, 1 << 20];
+    let values: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| bytes(i as u64 + 300, n))
+        .collect();
+    let before = c.health().unwrap().small_ops_served;
+    for (i, v) in values.iter().enumerate() {
+        assert!(c.put(&key(i), v).unwrap());
+    }
+    // Keys are immutable: a second put stores nothing and the first value stays.
+    assert!(!c.put(&key(0), b"another value").unwrap());
+    let mut calls = values.len() as u64 + 1;
+    let rt = runtime();
+    let mut raw = {
+        let _in_runtime = rt.enter();
+        UmbpClient::new(raw_channel(&d.addr, SECRET))
+    };
+    for i in 0..values.len() + 1 {
+        let small = c.get(&key(i)).unwrap();
+        let grpc = rt
+            .block_on(raw.get(GetRequest { key: key(i) }))
+            .unwrap()
+            .into_inner();
+        assert_eq!(small.as_ref(), values.get(i), "value {i}");
+        assert_eq!(grpc.found, small.is_some(), "value {i}");
+        assert_eq!(grpc.value, small.unwrap_or_default(), "value {i}");
+        assert_eq!(c.exists(&key(i)).unwrap(), i < values.len(), "exists {i}");
+        calls += 2;
+    }
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let (c, values) = (&c, &values);
+            s.spawn(move || {
+                for r in 0..50 {
+                    let i = (t + r) % values.len();
+                    assert_eq!(c.get(&key(i)).unwrap().as_ref(), Some(&values[i]));
+                }
+            });
+        }
+    });
+    calls += 4 * 50;
+    assert_eq!(c.health().unwrap().small_ops_served - before, calls);
 }
 
 /// A bytes batch larger than one call carries (24 × 4 MiB = 96 MiB; calls carry 64 MiB of

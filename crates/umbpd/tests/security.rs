@@ -98,14 +98,32 @@ fn a_client_with_the_wrong_secret_is_refused_and_changes_nothing() {
 /// frame. The daemon closes the connection without answering a byte.
 #[test]
 fn a_raw_http2_connection_without_the_handshake_is_dropped() {
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+    dropped_unanswered_and_counted(&hello);
+}
+
+/// The small-ops protocol sits behind the same handshake: its hello and a get sent without
+/// the handshake are dropped unanswered and counted as refused.
+#[test]
+fn small_ops_without_the_handshake_are_dropped() {
+    let mut request = mori_umbpd::small_ops::HELLO.to_vec();
+    request.push(mori_umbpd::small_ops::GET);
+    request.extend_from_slice(&10u16.to_le_bytes());
+    request.extend_from_slice(b"secret-key");
+    dropped_unanswered_and_counted(&request);
+}
+
+/// Sends `bytes` on a fresh connection to a daemon that holds `secret-key`, without the
+/// handshake: the daemon closes the connection without answering and counts it as refused.
+fn dropped_unanswered_and_counted(bytes: &[u8]) {
     let dir = tempfile::tempdir().unwrap();
     let d = standalone(dir.path());
     let good = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    assert!(good.put(b"secret-key", b"secret-value").unwrap());
     let before = good.health().unwrap().connections_refused;
     let mut s = TcpStream::connect(&d.addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    hello.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
     let closed = |e: &std::io::Error| {
         matches!(
             e.kind(),
@@ -113,7 +131,7 @@ fn a_raw_http2_connection_without_the_handshake_is_dropped() {
         )
     };
     // The daemon may already have closed (reset) the connection while we still write.
-    if let Err(e) = s.write_all(&hello) {
+    if let Err(e) = s.write_all(bytes) {
         assert!(closed(&e), "{e}");
     }
     let mut buf = [0u8; 64];
@@ -130,6 +148,65 @@ fn a_raw_http2_connection_without_the_handshake_is_dropped() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// An authenticated small-ops connection that breaks the framing (an unknown request; a put
+/// announcing a value over the limit; a key cut short by a close) is answered INVALID_ARGUMENT
+/// and closed, or just closed; the daemon goes on serving, and a well-formed connection still
+/// gets byte-exact answers.
+#[test]
+fn a_small_ops_connection_that_breaks_the_framing_is_closed() {
+    use mori_umbpd::small_ops::{FAILED, FOUND, GET, HELLO, PUT};
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let good = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    assert!(good.put(b"k", b"the value").unwrap());
+    let secret = Secret::new(GOOD.as_bytes().to_vec()).unwrap();
+    let connect = || {
+        let mut s = TcpStream::connect(&d.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        mori_auth::connect(&mut s, &secret, mori_umbpd::auth::PURPOSE).unwrap();
+        s.write_all(HELLO).unwrap();
+        let mut echo = [0u8; 8];
+        s.read_exact(&mut echo).unwrap();
+        assert_eq!(&echo, HELLO);
+        s
+    };
+    let answer = |s: &mut TcpStream| {
+        let mut head = [0u8; 5];
+        s.read_exact(&mut head).unwrap();
+        let mut body = vec![0u8; u32::from_le_bytes(head[1..].try_into().unwrap()) as usize];
+        s.read_exact(&mut body).unwrap();
+        (head[0], body)
+    };
+    // Answered INVALID_ARGUMENT, then closed: an unknown request; a put announcing a value of
+    // 4 GiB (refused before anything is allocated).
+    let mut huge_put = vec![PUT, 1, 0, b'p'];
+    huge_put.extend_from_slice(&u32::MAX.to_le_bytes());
+    for request in [&[77, 1, 0, b'k'][..], &huge_put] {
+        let mut s = connect();
+        s.write_all(request).unwrap();
+        let (status, body) = answer(&mut s);
+        assert_eq!(status, FAILED, "{request:?}");
+        let code = i32::from_le_bytes(body[..4].try_into().unwrap());
+        assert_eq!(code, tonic::Code::InvalidArgument as i32, "{body:?}");
+        assert_eq!(
+            s.read(&mut [0u8; 8]).unwrap(),
+            0,
+            "the connection stays open"
+        );
+    }
+    assert_eq!(good.get(b"p").unwrap(), None);
+    // A key announced longer than what is sent, then a close: nothing answered, no harm.
+    let mut s = connect();
+    s.write_all(&[GET, 0xe8, 0x03]).unwrap();
+    s.write_all(&[b'x'; 10]).unwrap();
+    drop(s);
+    // A well-formed connection: a get answers the value.
+    let mut s = connect();
+    s.write_all(&[GET, 1, 0, b'k']).unwrap();
+    assert_eq!(answer(&mut s), (FOUND, b"the value".to_vec()));
+    assert_eq!(good.get(b"k").unwrap().as_deref(), Some(&b"the value"[..]));
 }
 
 /// A peer without the secret cannot join a cluster: neither a raw client calling

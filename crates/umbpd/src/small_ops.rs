@@ -1,0 +1,467 @@
+//! Single gets, existence checks and puts without gRPC: a framed protocol on the daemon's own port,
+//! after the same handshake as every connection ([`crate::auth::PURPOSE`]).
+//!
+//! A gRPC call is an HTTP/2 request and response, and the client hands it to its runtime's
+//! thread and back; for a 4 KiB value that costs several times the copy (benches/NOTES.md,
+//! "Small gets answered on the daemon's worker"). Here the calling thread writes one request
+//! and reads one answer on a blocking socket of its own, and the daemon answers on the task
+//! that reads the connection.
+//!
+//! After the handshake the client sends [`HELLO`]; a daemon that speaks this protocol answers
+//! [`HELLO`] (one that does not takes it for a broken HTTP/2 preface and closes the connection,
+//! and the client goes back to gRPC). Then, one at a time (all integers little-endian):
+//!
+//! * request: `op: u8` ([`GET`], [`EXISTS`] or [`PUT`]), `key_len: u16`, the key; for [`PUT`]
+//!   then `value_len: u32` and the value;
+//! * answer: `status: u8`, `len: u32`, `len` bytes: [`ABSENT`] (nothing; for `PUT`: the key was
+//!   present), [`FOUND`] (the value; for `EXISTS` and `PUT` nothing) or [`FAILED`] (a gRPC status code as `i32`, then its message in
+//!   UTF-8). After an unknown op, or a put value over the bytes API's largest, the daemon
+//!   answers [`FAILED`] and closes the connection.
+//!
+//! Keys longer than `u16::MAX` bytes, and answers longer than the bytes API's largest value,
+//! are not framed: the client asks those over gRPC.
+//!
+//! A connection idle for [`IDLE_CLOSE`] is closed by the daemon; the client opens another.
+
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use mori_auth::Secret;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tonic::{Code, Status};
+use tracing::debug;
+
+use crate::auth::PURPOSE;
+use crate::service::UmbpService;
+
+/// First bytes from the client after the handshake, echoed by the daemon.
+pub const HELLO: &[u8; 8] = b"UMBSMALL";
+/// Request: the value of a key.
+pub const GET: u8 = 1;
+/// Request: whether a key is present.
+pub const EXISTS: u8 = 2;
+/// Request: store a value under a key (keys are immutable: a present key keeps its value).
+pub const PUT: u8 = 3;
+/// Answer: the key is absent (for [`PUT`]: it was present, nothing stored).
+pub const ABSENT: u8 = 0;
+/// Answer: the key is present (and, for [`GET`], its value follows; for [`PUT`]: stored).
+pub const FOUND: u8 = 1;
+/// Answer: the request failed (a gRPC code and a message follow).
+pub const FAILED: u8 = 2;
+/// The daemon closes a connection without a request for this long.
+pub const IDLE_CLOSE: Duration = Duration::from_secs(60);
+
+/// Whether the first bytes of an authenticated connection ask for this protocol (an HTTP/2
+/// client sends its preface, `PRI * HTTP/2.0`, instead).
+pub(crate) fn is_hello(first: &[u8]) -> bool {
+    first == HELLO
+}
+
+/// Serves one authenticated connection whose [`HELLO`] has been read: answers requests until
+/// the client closes, idles past [`IDLE_CLOSE`] or breaks the framing. `served` counts the
+/// requests answered.
+pub(crate) async fn serve<S>(stream: S, svc: UmbpService, served: impl Fn())
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let (read, mut write) = tokio::io::split(stream);
+    let mut read = BufReader::new(read);
+    if write.write_all(HELLO).await.is_err() {
+        return;
+    }
+    loop {
+        let mut head = [0u8; 3];
+        match tokio::time::timeout(IDLE_CLOSE, read.read_exact(&mut head)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) => return, // closed by the client
+            Err(_) => {
+                debug!("closing an idle small-ops connection");
+                return;
+            }
+        }
+        let (op, key_len) = (head[0], usize::from(u16::from_le_bytes([head[1], head[2]])));
+        if op != GET && op != EXISTS && op != PUT {
+            debug!(
+                op,
+                "closing a small-ops connection that sent an unknown request"
+            );
+            let unknown = Status::invalid_argument(format!("unknown request {op}"));
+            let _ = send(&mut write, &Err(unknown)).await;
+            return;
+        }
+        let mut key = vec![0u8; key_len];
+        if read.read_exact(&mut key).await.is_err() {
+            return;
+        }
+        let answer = match op {
+            GET => svc.value_of_key(key).await,
+            EXISTS => svc.key_exists(key).await.map(|found| found.then(Vec::new)),
+            _ => {
+                let mut len = [0u8; 4];
+                if read.read_exact(&mut len).await.is_err() {
+                    return;
+                }
+                let len = u32::from_le_bytes(len) as usize;
+                if len > crate::client::MAX_BYTES_VALUE {
+                    let big = Status::invalid_argument(format!(
+                        "a value of {len} bytes (small ops take at most {})",
+                        crate::client::MAX_BYTES_VALUE
+                    ));
+                    let _ = send(&mut write, &Err(big)).await;
+                    return;
+                }
+                let mut value = vec![0u8; len];
+                if read.read_exact(&mut value).await.is_err() {
+                    return;
+                }
+                svc.put_one(key, value)
+                    .await
+                    .map(|stored| stored.then(Vec::new))
+            }
+        };
+        served();
+        if send(&mut write, &answer).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Writes one answer: `Ok(None)` absent, `Ok(Some(value))` found, `Err` failed.
+async fn send<W: tokio::io::AsyncWrite + Unpin>(
+    w: &mut W,
+    answer: &Result<Option<Vec<u8>>, Status>,
+) -> io::Result<()> {
+    let failure;
+    let (status, body): (u8, &[u8]) = match answer {
+        Ok(None) => (ABSENT, &[]),
+        Ok(Some(v)) => (FOUND, v),
+        Err(s) => {
+            let mut b = (s.code() as i32).to_le_bytes().to_vec();
+            b.extend_from_slice(s.message().as_bytes());
+            failure = b;
+            (FAILED, &failure)
+        }
+    };
+    let len = u32::try_from(body.len())
+        .map_err(|_| io::Error::other("an answer over 4 GiB"))?
+        .to_le_bytes();
+    let head = [status, len[0], len[1], len[2], len[3]];
+    // One write for a small answer (one TCP segment with TCP_NODELAY), two otherwise.
+    if body.len() <= 64 << 10 {
+        let mut one = Vec::with_capacity(head.len() + body.len());
+        one.extend_from_slice(&head);
+        one.extend_from_slice(body);
+        w.write_all(&one).await
+    } else {
+        w.write_all(&head).await?;
+        w.write_all(body).await
+    }
+}
+
+/// The client side: blocking connections to one daemon, opened on first use and kept for the
+/// next calls (one per thread calling at once).
+pub(crate) struct SmallOpsClient {
+    addr: String,
+    secret: Arc<Secret>,
+    connect_timeout: Duration,
+    call_timeout: Duration,
+    idle: Mutex<Vec<TcpStream>>,
+    /// Set when the daemon does not speak the protocol: calls go to gRPC from then on.
+    unsupported: AtomicBool,
+}
+
+impl std::fmt::Debug for SmallOpsClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SmallOpsClient")
+            .field("addr", &self.addr)
+            .field("unsupported", &self.unsupported)
+            .finish()
+    }
+}
+
+/// What the daemon answered: `Ok(None)` absent, `Ok(Some(bytes))` found, `Err` its status.
+pub(crate) type Answer = Result<Option<Vec<u8>>, Status>;
+
+impl SmallOpsClient {
+    /// A client of the daemon at `addr` (`host:port`); connects on first use.
+    pub(crate) fn new(
+        addr: &str,
+        secret: Arc<Secret>,
+        connect_timeout: Duration,
+        call_timeout: Duration,
+    ) -> SmallOpsClient {
+        SmallOpsClient {
+            addr: addr.to_string(),
+            secret,
+            connect_timeout,
+            call_timeout,
+            idle: Mutex::new(Vec::new()),
+            unsupported: AtomicBool::new(false),
+        }
+    }
+
+    /// Asks `op` of `key` (with `value` for a [`PUT`]). `None` when the daemon does not speak
+    /// this protocol or the key is too long to frame (the caller uses gRPC). A kept connection
+    /// that turns out closed is replaced once: the daemon closes connections only between
+    /// requests (idle, or a restart), so the request was not carried out on it.
+    pub(crate) fn call(&self, op: u8, key: &[u8], value: Option<&[u8]>) -> Option<Answer> {
+        if self.unsupported.load(Ordering::Relaxed) || key.len() > usize::from(u16::MAX) {
+            return None;
+        }
+        let kept = self
+            .idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        if let Some(mut conn) = kept {
+            match exchange(&mut conn, op, key, value) {
+                Ok(answer) => return Some(self.keep(conn, answer)),
+                // Closed while it was kept (the daemon's idle close, or a restart).
+                Err(e) if closed(&e) => {
+                    debug!(error = %e, "a kept small-ops connection was closed; opening another");
+                }
+                Err(e) => return Some(Err(io_status(&self.addr, &e))),
+            }
+        }
+        let mut conn = match self.open() {
+            Ok(Some(conn)) => conn,
+            Ok(None) => {
+                self.unsupported.store(true, Ordering::Relaxed);
+                debug!(addr = %self.addr, "the daemon does not serve small ops; using gRPC");
+                return None;
+            }
+            Err(s) => return Some(Err(s)),
+        };
+        Some(match exchange(&mut conn, op, key, value) {
+            Ok(answer) => self.keep(conn, answer),
+            Err(e) => Err(io_status(&self.addr, &e)),
+        })
+    }
+
+    /// Keeps `conn` for the next call (a connection the daemon closed after it is found closed
+    /// on that call and replaced).
+    fn keep(&self, conn: TcpStream, answer: Answer) -> Answer {
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(conn);
+        answer
+    }
+
+    /// A new authenticated connection that said [`HELLO`]; `Ok(None)` if the daemon did not
+    /// answer it (a daemon without this protocol).
+    fn open(&self) -> Result<Option<TcpStream>, Status> {
+        let fail = |e: &io::Error| io_status(&self.addr, e);
+        let target = self
+            .addr
+            .to_socket_addrs()
+            .map_err(|e| fail(&e))?
+            .next()
+            .ok_or_else(|| Status::unavailable(format!("{} resolves to nothing", self.addr)))?;
+        let mut s =
+            TcpStream::connect_timeout(&target, self.connect_timeout).map_err(|e| fail(&e))?;
+        s.set_nodelay(true).map_err(|e| fail(&e))?;
+        s.set_read_timeout(Some(self.connect_timeout))
+            .and_then(|()| s.set_write_timeout(Some(self.connect_timeout)))
+            .map_err(|e| fail(&e))?;
+        mori_auth::connect(&mut s, &self.secret, PURPOSE)
+            .map_err(|e| Status::unauthenticated(format!("umbpd at {}: {e}", self.addr)))?;
+        s.write_all(HELLO).map_err(|e| fail(&e))?;
+        let mut echo = [0u8; HELLO.len()];
+        match s.read_exact(&mut echo) {
+            Ok(()) if &echo == HELLO => {}
+            // Closed, or something else (an HTTP/2 answer to a broken preface).
+            Ok(()) => return Ok(None),
+            Err(e) if closed(&e) => return Ok(None),
+            Err(e) => return Err(fail(&e)),
+        }
+        s.set_read_timeout(Some(self.call_timeout))
+            .and_then(|()| s.set_write_timeout(Some(self.call_timeout)))
+            .map_err(|e| fail(&e))?;
+        Ok(Some(s))
+    }
+}
+
+/// Whether an I/O error says the other end closed the connection.
+fn closed(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+    )
+}
+
+/// One request (`value` for a [`PUT`]) and its answer on `conn`. An I/O error leaves the
+/// connection unusable.
+fn exchange(conn: &mut TcpStream, op: u8, key: &[u8], value: Option<&[u8]>) -> io::Result<Answer> {
+    let key_len = u16::try_from(key.len())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a key too long to frame"))?;
+    let mut request = Vec::with_capacity(3 + key.len());
+    request.push(op);
+    request.extend_from_slice(&key_len.to_le_bytes());
+    request.extend_from_slice(key);
+    if let Some(v) = value {
+        let len = u32::try_from(v.len())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a value over 4 GiB"))?;
+        request.extend_from_slice(&len.to_le_bytes());
+        // A small value travels in the request's write; a large one after it, not copied.
+        if v.len() <= 64 << 10 {
+            request.extend_from_slice(v);
+        } else {
+            conn.write_all(&request)?;
+            return conn.write_all(v).and_then(|()| read_answer(conn));
+        }
+    }
+    conn.write_all(&request)?;
+    read_answer(conn)
+}
+
+/// The answer to the request just sent on `conn`.
+fn read_answer(conn: &mut TcpStream) -> io::Result<Answer> {
+    let mut head = [0u8; 5];
+    conn.read_exact(&mut head)?;
+    let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    if len > crate::client::MAX_BYTES_VALUE {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("the daemon announced an answer of {len} bytes"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    conn.read_exact(&mut body)?;
+    Ok(match head[0] {
+        ABSENT => Ok(None),
+        FOUND => Ok(Some(body)),
+        FAILED if body.len() >= 4 => {
+            let code = i32::from_le_bytes([body[0], body[1], body[2], body[3]]);
+            Err(Status::new(
+                Code::from(code),
+                String::from_utf8_lossy(&body[4..]).into_owned(),
+            ))
+        }
+        other => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("the daemon answered status {other} ({len} bytes)"),
+            ));
+        }
+    })
+}
+
+/// A failed connection or exchange as the status a gRPC call would have failed with.
+fn io_status(addr: &str, e: &io::Error) -> Status {
+    let what = format!("umbpd at {addr}: {e}");
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Status::deadline_exceeded(what),
+        io::ErrorKind::InvalidInput => Status::invalid_argument(what),
+        _ => Status::unavailable(what),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::future::Future;
+    use std::sync::atomic::AtomicUsize;
+
+    fn secret() -> Arc<Secret> {
+        Arc::new(Secret::new(b"a-secret-for-the-small-ops-unit-tests".to_vec()).unwrap())
+    }
+
+    /// A daemon stand-in on its own thread: each connection it accepts is authenticated, then
+    /// `answer(connection number, stream)` runs on it and the connection closes.
+    fn server<F, Fut>(answer: F) -> (String, Arc<AtomicUsize>)
+    where
+        F: Fn(usize, tokio::net::TcpStream) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send,
+    {
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        listener.set_nonblocking(true).unwrap();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                let secret = secret();
+                loop {
+                    let (mut s, _) = listener.accept().await.unwrap();
+                    let n = count.fetch_add(1, Ordering::SeqCst);
+                    mori_auth::accept_async(&mut s, &secret, PURPOSE)
+                        .await
+                        .unwrap();
+                    answer(n, s).await;
+                }
+            });
+        });
+        (addr, accepted)
+    }
+
+    fn client(addr: &str) -> SmallOpsClient {
+        let t = Duration::from_secs(10);
+        SmallOpsClient::new(addr, secret(), t, t)
+    }
+
+    /// A kept connection the daemon closed is replaced on the next call (which then succeeds);
+    /// every call is answered by the connection it was sent on.
+    #[test]
+    fn a_connection_closed_while_kept_is_replaced() {
+        let (addr, accepted) = server(|n, mut s| async move {
+            let mut hello = [0u8; 8];
+            s.read_exact(&mut hello).await.unwrap();
+            s.write_all(HELLO).await.unwrap();
+            let mut head = [0u8; 3];
+            s.read_exact(&mut head).await.unwrap();
+            let mut key = vec![0u8; usize::from(u16::from_le_bytes([head[1], head[2]]))];
+            s.read_exact(&mut key).await.unwrap();
+            let value = format!("answer {n} to {}", String::from_utf8_lossy(&key));
+            send(&mut s, &Ok(Some(value.into_bytes()))).await.unwrap();
+            // Closed after one request, as an idle close would.
+        });
+        let c = client(&addr);
+        for n in 0..3 {
+            let got = c
+                .call(GET, b"k", None)
+                .expect("small ops are served")
+                .unwrap();
+            assert_eq!(got, Some(format!("answer {n} to k").into_bytes()));
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    }
+
+    /// A daemon that closes the connection instead of echoing the hello does not serve small
+    /// ops: the call says so (`None`), and later calls do not try again.
+    #[test]
+    fn a_daemon_that_does_not_echo_the_hello_is_left_alone() {
+        let (addr, accepted) = server(|_, s| async move { drop(s) });
+        let c = client(&addr);
+        assert!(c.call(GET, b"k", None).is_none());
+        assert!(c.call(EXISTS, b"k", None).is_none());
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    /// Statuses travel with their code and message.
+    #[test]
+    fn a_failure_keeps_its_code_and_message() {
+        let (addr, _) = server(|_, mut s| async move {
+            let mut hello = [0u8; 8];
+            s.read_exact(&mut hello).await.unwrap();
+            s.write_all(HELLO).await.unwrap();
+            let mut request = [0u8; 4];
+            s.read_exact(&mut request).await.unwrap();
+            let full = Status::resource_exhausted("the pool is full");
+            send(&mut s, &Err(full)).await.unwrap();
+        });
+        let s = client(&addr).call(GET, b"k", None).unwrap().unwrap_err();
+        assert_eq!(
+            (s.code(), s.message()),
+            (Code::ResourceExhausted, "the pool is full")
+        );
+    }
+}
