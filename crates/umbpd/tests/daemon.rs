@@ -539,7 +539,7 @@ fn streamed_and_unary_batch_gets_answer_the_same_values() {
 }
 
 /// A standalone daemon of 64 MiB DRAM whose secret is `secret` (for raw gRPC clients).
-fn daemon_with_secret(dir: &std::path::Path, secret: &str) -> Daemon {
+fn daemon_with_secret(dir: &Path, secret: &str) -> Daemon {
     let sf = common::secret_file(dir, "secret", secret);
     Daemon::start(
         dir,
@@ -605,6 +605,81 @@ fn single_calls_take_small_ops_and_agree_with_grpc() {
     });
     calls += 4 * 50;
     assert_eq!(c.health().unwrap().small_ops_served - before, calls);
+}
+
+/// Readers looping over single gets of 1 MiB values (small ops) while the daemon is killed -9:
+/// every answer is the key's own value until the calls fail — never another key's bytes, a
+/// short value or a miss.
+#[test]
+fn readers_of_a_killed_daemon_get_their_values_or_errors() {
+    const N: usize = 8;
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), &["--dram-bytes", "64M"], &[]);
+    let c = Client::connect(&d.addr).unwrap();
+    let values: Vec<Vec<u8>> = (0..N).map(|i| bytes(i as u64 + 4000, 1 << 20)).collect();
+    for (i, v) in values.iter().enumerate() {
+        assert!(c.put(&key(i), v).unwrap());
+    }
+    let (reads, read) = mpsc::channel::<()>();
+    let readers: Vec<_> = (0..2)
+        .map(|t| {
+            let (addr, values, reads) = (d.addr.clone(), values.clone(), reads.clone());
+            std::thread::spawn(move || {
+                let c = Client::connect(&addr).unwrap();
+                for r in 0.. {
+                    let i = (t + r) % N;
+                    match c.get(&key(i)) {
+                        Ok(got) => assert!(got.as_ref() == Some(&values[i]), "read {r} of key {i}"),
+                        Err(_) => return r,
+                    }
+                    let _ = reads.send(());
+                }
+                unreachable!()
+            })
+        })
+        .collect();
+    for _ in 0..40 {
+        read.recv_timeout(Duration::from_secs(30))
+            .expect("readers stalled");
+    }
+    let used = c.health().unwrap().small_ops_served;
+    assert!(used >= 40, "the reads took small ops ({used} served)");
+    d.stop(libc::SIGKILL, EXIT_WAIT);
+    for r in readers {
+        let done = r.join().expect("a reader saw wrong bytes");
+        assert!(done >= 1);
+    }
+}
+
+/// Two clients put different values under the same keys at once (small ops): for each key
+/// exactly one put stores, and both clients then read the winner's value.
+#[test]
+fn racing_puts_on_one_key_have_one_winner() {
+    const N: usize = 64;
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), &["--dram-bytes", "64M"], &[]);
+    let results: Vec<Vec<bool>> = std::thread::scope(|s| {
+        let writers: Vec<_> = (0..2u64)
+            .map(|w| {
+                let addr = &d.addr;
+                s.spawn(move || {
+                    let c = Client::connect(addr).unwrap();
+                    (0..N)
+                        .map(|i| c.put(&key(i), &bytes(w * 1000 + i as u64, 4096)).unwrap())
+                        .collect()
+                })
+            })
+            .collect();
+        writers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    let c = Client::connect(&d.addr).unwrap();
+    for (i, (&first, &second)) in results[0].iter().zip(&results[1]).enumerate() {
+        assert!(first != second, "key {i}: exactly one put stores");
+        let winner = if first { 0 } else { 1 };
+        let got = c.get(&key(i)).unwrap();
+        assert_eq!(got, Some(bytes(winner * 1000 + i as u64, 4096)), "key {i}");
+    }
+    assert!(c.health().unwrap().small_ops_served >= 2 * N as u64);
 }
 
 /// A bytes batch larger than one call carries (24 × 4 MiB = 96 MiB; calls carry 64 MiB of
