@@ -320,6 +320,8 @@ struct Cluster {
     secret: Arc<Secret>,
     /// Connections to peers, by peer id (with the address they were made for).
     peers: Mutex<HashMap<u64, (String, UmbpClient<Channel>)>>,
+    /// Small-ops clients of peers (single gets), by peer id (with the address).
+    small_peers: Mutex<HashMap<u64, (String, Arc<SmallOpsClient>)>>,
 }
 
 impl Cluster {
@@ -335,6 +337,27 @@ impl Cluster {
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         map.insert(id, (addr.to_string(), c.clone()));
         Ok(c)
+    }
+
+    /// The small-ops client of peer `id` at `addr` (calls bounded by the peer deadline).
+    fn small_peer(&self, id: u64, addr: &str) -> Arc<SmallOpsClient> {
+        let mut map = self
+            .small_peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some((a, c)) = map.get(&id)
+            && a == addr
+        {
+            return Arc::clone(c);
+        }
+        let c = Arc::new(SmallOpsClient::new(
+            addr,
+            Arc::clone(&self.secret),
+            self.opts.connect_timeout,
+            self.peer_deadline,
+        ));
+        map.insert(id, (addr.to_string(), Arc::clone(&c)));
+        c
     }
 
     /// Asks the master where `keys` live: key indices grouped by peer id (with its address;
@@ -372,6 +395,10 @@ impl Cluster {
 
     fn forget(&self, id: u64) {
         self.peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&id);
+        self.small_peers
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&id);
@@ -633,6 +660,7 @@ impl Client {
                 peer_deadline,
                 secret: Arc::clone(&secret),
                 peers: Mutex::new(HashMap::new()),
+                small_peers: Mutex::new(HashMap::new()),
             }
         });
         // A standalone daemon answers single gets, existence checks and puts over small ops (one
@@ -829,6 +857,42 @@ impl Client {
         })
     }
 
+    /// A single routed get: the master's route and lease as for any get, then the peer leg as
+    /// a small op (over gRPC for a peer without them). A peer that cannot be reached, or does
+    /// not answer within the peer deadline, makes the key a miss, as in [`Client::cluster_get`].
+    fn cluster_get_one(&self, c: &Cluster, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let (groups, lease_id) = self.rt.block_on(c.route_get(&[key]))?;
+        let answer = match groups.into_iter().next() {
+            None => Ok(None), // the master does not know the key
+            Some((peer, (addr, _))) => {
+                let small = c.small_peer(peer, &addr).call(small_ops::GET, key, None);
+                let answer = match small {
+                    Some(answer) => answer,
+                    None => {
+                        let pc = c.peer(peer, &addr)?;
+                        let wanted = vec![key.to_vec()];
+                        let bound = Some((addr.as_str(), c.peer_deadline));
+                        self.rt
+                            .block_on(batch_get_streamed(pc, wanted, bound))
+                            .map(|mut v| v.pop().and_then(value_of))
+                    }
+                };
+                match answer {
+                    Err(s) if is_transport(&s) || s.code() == tonic::Code::DeadlineExceeded => {
+                        c.forget(peer);
+                        Ok(None)
+                    }
+                    other => other,
+                }
+            }
+        };
+        {
+            let _in_runtime = self.rt.enter();
+            c.release_lease(lease_id);
+        }
+        Ok(answer?)
+    }
+
     /// Stores `value` under `key`. Returns `false` when the key was already present (the
     /// stored value is unchanged; keys are immutable).
     pub fn put(&self, key: &[u8], value: &[u8]) -> Result<bool> {
@@ -854,6 +918,9 @@ impl Client {
     /// The value of `key`, if present.
     pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         if let Some(c) = &self.cluster {
+            if small_ops_enabled() {
+                return self.cluster_get_one(c, key);
+            }
             return Ok(self.cluster_get(c, &[key])?.pop().flatten());
         }
         if let Some(answer) = self.small_op(small_ops::GET, key, None) {

@@ -352,12 +352,13 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
         .with_link(Arc::clone(&link))
         .with_data_plane(data.clone())
         .with_listener_stats(Arc::clone(&security.stats));
-    // No small ops: a cluster's clients read through the master's routes and leases.
+    // Small ops answer a cluster client's single gets once the master has routed them (and
+    // leased the key); a put over them is published to the master as over gRPC.
     let serving = start_serving(
         listener,
-        tonic::service::Routes::new(umbp_server(service)),
+        tonic::service::Routes::new(umbp_server(service.clone())),
         &security,
-        None,
+        Some(service),
     )?;
     let advertise = cfg.advertise.value.unwrap_or(serving.addr).to_string();
 

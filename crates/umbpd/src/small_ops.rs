@@ -267,8 +267,9 @@ impl SmallOpsClient {
         s.set_read_timeout(Some(self.connect_timeout))
             .and_then(|()| s.set_write_timeout(Some(self.connect_timeout)))
             .map_err(|e| fail(&e))?;
+        // As a gRPC channel that cannot connect: UNAVAILABLE, whatever stopped the handshake.
         mori_auth::connect(&mut s, &self.secret, PURPOSE)
-            .map_err(|e| Status::unauthenticated(format!("umbpd at {}: {e}", self.addr)))?;
+            .map_err(|e| Status::unavailable(format!("umbpd at {}: {e}", self.addr)))?;
         s.write_all(HELLO).map_err(|e| fail(&e))?;
         let mut echo = [0u8; HELLO.len()];
         match s.read_exact(&mut echo) {
