@@ -21,8 +21,10 @@ routed to the peers that hold the bytes (the master keeps the index, peer livene
 and eviction; see docs/umbp.md). A cluster key whose peer died is a miss. With a daemon,
 ``put_from``/``get_into``/``batch_put_from``/``batch_get_into`` on a buffer passed to
 ``register`` move the values over mori.io (the daemon copies straight between its DRAM and your
-buffer; gRPC carries only control); on other buffers they copy through bytes. A daemon has
-no GPU tier and takes host buffers only.
+buffer; gRPC carries only control); on other buffers they copy through bytes. Single ``put``,
+``get`` and ``exists`` (and small ``put_from`` / ``get_into``) go over umbpd's small-ops
+protocol rather than gRPC (``MORI_UMBP_SMALL_OPS=0`` keeps them on gRPC). A daemon has no GPU
+tier and takes host buffers only.
 
 Every connection to a daemon proves the deployment secret (and checks that the daemon holds
 it) before any call: ``secret`` (str or bytes), else ``secret_file`` (a file of mode 0600),
