@@ -1,9 +1,9 @@
-//! Single gets, existence checks and puts without gRPC: a framed protocol on the daemon's own port,
-//! after the same handshake as every connection ([`crate::auth::PURPOSE`]).
+//! Single gets, existence checks and puts without gRPC: a framed protocol on the daemon's own
+//! port, after the same handshake as every connection ([`crate::auth::PURPOSE`]).
 //!
 //! A gRPC call is an HTTP/2 request and response, and the client hands it to its runtime's
 //! thread and back; for a 4 KiB value that costs several times the copy (benches/NOTES.md,
-//! "Small gets answered on the daemon's worker"). Here the calling thread writes one request
+//! "Single calls over small ops"). Here the calling thread writes one request
 //! and reads one answer on a blocking socket of its own, and the daemon answers on the task
 //! that reads the connection.
 //!
@@ -14,12 +14,13 @@
 //! * request: `op: u8` ([`GET`], [`EXISTS`] or [`PUT`]), `key_len: u16`, the key; for [`PUT`]
 //!   then `value_len: u32` and the value;
 //! * answer: `status: u8`, `len: u32`, `len` bytes: [`ABSENT`] (nothing; for `PUT`: the key was
-//!   present), [`FOUND`] (the value; for `EXISTS` and `PUT` nothing) or [`FAILED`] (a gRPC status code as `i32`, then its message in
-//!   UTF-8). After an unknown op, or a put value over the bytes API's largest, the daemon
-//!   answers [`FAILED`] and closes the connection.
+//!   present), [`FOUND`] (the value; for `EXISTS` and `PUT` nothing) or [`FAILED`] (a gRPC
+//!   status code as `i32`, then its message in UTF-8). After an unknown op, or a put value over
+//!   the bytes API's largest, the daemon answers [`FAILED`] and closes the connection.
 //!
-//! Keys longer than `u16::MAX` bytes, and answers longer than the bytes API's largest value,
-//! are not framed: the client asks those over gRPC.
+//! Values move whole, up to the bytes API's largest ([`crate::client::MAX_BYTES_VALUE`], as
+//! over gRPC): a get of a larger value (stored from a registered buffer) fails `OUT_OF_RANGE`,
+//! naming `get_into`. Keys longer than `u16::MAX` bytes go over gRPC.
 //!
 //! A connection idle for [`IDLE_CLOSE`] is closed by the daemon; the client opens another.
 
@@ -51,6 +52,9 @@ pub const ABSENT: u8 = 0;
 pub const FOUND: u8 = 1;
 /// Answer: the request failed (a gRPC code and a message follow).
 pub const FAILED: u8 = 2;
+/// A request or answer whose value is at most this long is copied behind its header and sent
+/// in one write; a longer value is written on its own, not copied.
+const ONE_WRITE_BYTES: usize = 64 << 10;
 /// The daemon closes a connection without a request for this long.
 pub const IDLE_CLOSE: Duration = Duration::from_secs(60);
 
@@ -97,7 +101,7 @@ where
             return;
         }
         let answer = match op {
-            GET => svc.value_of_key(key).await,
+            GET => svc.value_of_key(key).await.and_then(within_bytes_api),
             EXISTS => svc.key_exists(key).await.map(|found| found.then(Vec::new)),
             _ => {
                 let mut len = [0u8; 4];
@@ -129,6 +133,19 @@ where
     }
 }
 
+/// A got value, or `OUT_OF_RANGE` for one larger than the bytes API carries.
+fn within_bytes_api(value: Option<Vec<u8>>) -> Result<Option<Vec<u8>>, Status> {
+    match value {
+        Some(v) if v.len() > crate::client::MAX_BYTES_VALUE => Err(Status::out_of_range(format!(
+            "a value of {} bytes is over the bytes API's largest ({}); read it into a \
+             registered buffer (get_into / batch_get_into)",
+            v.len(),
+            crate::client::MAX_BYTES_VALUE
+        ))),
+        other => Ok(other),
+    }
+}
+
 /// Writes one answer: `Ok(None)` absent, `Ok(Some(value))` found, `Err` failed.
 async fn send<W: tokio::io::AsyncWrite + Unpin>(
     w: &mut W,
@@ -150,7 +167,7 @@ async fn send<W: tokio::io::AsyncWrite + Unpin>(
         .to_le_bytes();
     let head = [status, len[0], len[1], len[2], len[3]];
     // One write for a small answer (one TCP segment with TCP_NODELAY), two otherwise.
-    if body.len() <= 64 << 10 {
+    if body.len() <= ONE_WRITE_BYTES {
         let mut one = Vec::with_capacity(head.len() + body.len());
         one.extend_from_slice(&head);
         one.extend_from_slice(body);
@@ -308,7 +325,7 @@ fn exchange(conn: &mut TcpStream, op: u8, key: &[u8], value: Option<&[u8]>) -> i
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a value over 4 GiB"))?;
         request.extend_from_slice(&len.to_le_bytes());
         // A small value travels in the request's write; a large one after it, not copied.
-        if v.len() <= 64 << 10 {
+        if v.len() <= ONE_WRITE_BYTES {
             request.extend_from_slice(v);
         } else {
             conn.write_all(&request)?;
