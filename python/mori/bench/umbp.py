@@ -8,7 +8,8 @@ master and 2 peers; values as gRPC bytes, and over mori.io for registered buffer
 64 keys (p50/p99), tier hit rates on a synthetic
 multi-turn prefix-cache trace whose working set is larger than DRAM, and Redis SET/GET through
 ``redis-benchmark`` with the same value sizes as a baseline (when redis-server is installed;
-4 clients one request at a time, and the same pipelined 16 deep),
+4 clients one request at a time, and the same pipelined 16 deep; ops/s and redis-benchmark's own
+p50/p99 latency),
 and multi-client registered-buffer gets (1, 2, 4 client threads, each with its own client and
 engine, reading the same 1 MiB values; ``io_concurrent_gets``), and 4 KiB gets of bytes from the
 standalone daemon by 1 and 4 client threads, each with its own connection (``daemon_small_gets``:
@@ -382,6 +383,10 @@ def _on(cpus: list[int]):
     return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
 
 
+def _ms_to_us(ms: str | None) -> float | None:
+    return float(ms) * 1e3 if ms else None
+
+
 def _redis_baseline(tmp: str) -> list[dict[str, Any]]:
     if not (shutil.which("redis-server") and shutil.which("redis-benchmark")):
         print("  redis-server / redis-benchmark not installed: baseline skipped")
@@ -398,12 +403,19 @@ def _redis_baseline(tmp: str) -> list[dict[str, Any]]:
                 out = subprocess.run(["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(n),
                                       "-c", "4", "-P", str(pipeline), "-q", "--csv"], capture_output=True, text=True, timeout=300,
                                      preexec_fn=_on(PINNING["client"])).stdout
-                for line in out.splitlines()[1:]:
-                    name, rps = [f.strip('"') for f in line.split(",")[:2]]
-                    rows.append({"op": name, "value_bytes": size, "pipeline": pipeline, "ops": float(rps),
-                                 "gbps": float(rps) * size / 1e9})
-                    print(f"  redis    {human_bytes(size):>8} {name:<4} -P {pipeline:<2} {float(rps):9.0f}/s "
-                          f"{float(rps) * size / 1e9:6.2f} GB/s")
+                lines = out.splitlines()
+                columns = [f.strip('"') for f in lines[0].split(",")] if lines else []
+                for line in lines[1:]:
+                    row = dict(zip(columns, (f.strip('"') for f in line.split(","))))
+                    name, rps = row["test"], float(row["rps"])
+                    rows.append({"op": name, "value_bytes": size, "pipeline": pipeline, "ops": rps, "gbps": rps * size / 1e9,
+                                 # redis-benchmark's own percentiles (of its requests, each pipelined batch's
+                                 # requests included), µs; absent from versions before 7
+                                 "p50_us": _ms_to_us(row.get("p50_latency_ms")),
+                                 "p99_us": _ms_to_us(row.get("p99_latency_ms"))})
+                    p99 = rows[-1]["p99_us"]
+                    print(f"  redis    {human_bytes(size):>8} {name:<4} -P {pipeline:<2} {rps:9.0f}/s "
+                          f"{rps * size / 1e9:6.2f} GB/s" + (f", p99 {p99:.0f} µs" if p99 is not None else ""))
     finally:
         server.terminate()
         server.wait(timeout=10)
