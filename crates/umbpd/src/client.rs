@@ -322,6 +322,8 @@ struct Cluster {
     peers: Mutex<HashMap<u64, (String, UmbpClient<Channel>)>>,
     /// Small-ops clients of peers (single gets), by peer id (with the address).
     small_peers: Mutex<HashMap<u64, (String, Arc<SmallOpsClient>)>>,
+    /// Small ops to the master (a single get's route); `None` with `MORI_UMBP_SMALL_OPS=0`.
+    master_small: Option<SmallOpsClient>,
 }
 
 impl Cluster {
@@ -650,6 +652,10 @@ impl Client {
         let health = rt
             .block_on(inner.clone().health(HealthRequest {}))?
             .into_inner();
+        // A small op's deadline: the call's, else what keep-alive would take to notice.
+        let call_timeout = opts
+            .request_timeout
+            .unwrap_or(opts.keepalive_interval + opts.keepalive_timeout);
         let cluster = (health.role == "master").then(|| {
             let peer_deadline = peer_deadline(opts, health.peer_timeout_ms);
             Cluster {
@@ -661,6 +667,14 @@ impl Client {
                 secret: Arc::clone(&secret),
                 peers: Mutex::new(HashMap::new()),
                 small_peers: Mutex::new(HashMap::new()),
+                master_small: small_ops_enabled().then(|| {
+                    SmallOpsClient::new(
+                        hostport,
+                        Arc::clone(&secret),
+                        opts.connect_timeout,
+                        call_timeout,
+                    )
+                }),
             }
         });
         // A standalone daemon answers single gets, existence checks and puts over small ops (one
@@ -671,8 +685,7 @@ impl Client {
                 hostport,
                 Arc::clone(&secret),
                 opts.connect_timeout,
-                opts.request_timeout
-                    .unwrap_or(opts.keepalive_interval + opts.keepalive_timeout),
+                call_timeout,
             )
         });
         Ok(Client {
@@ -857,14 +870,30 @@ impl Client {
         })
     }
 
-    /// A single routed get: the master's route and lease as for any get, then the peer leg as
-    /// a small op (over gRPC for a peer without them). A peer that cannot be reached, or does
+    /// A single routed get: the master's route and lease as for any get (a small op to the
+    /// master), then the peer leg as a small op (either over gRPC for a daemon without them). A peer that cannot be reached, or does
     /// not answer within the peer deadline, makes the key a miss, as in [`Client::cluster_get`].
     fn cluster_get_one(&self, c: &Cluster, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        let (groups, lease_id) = self.rt.block_on(c.route_get(&[key]))?;
-        let answer = match groups.into_iter().next() {
+        let small_route = c
+            .master_small
+            .as_ref()
+            .and_then(|m| m.call(small_ops::ROUTE_GET, key, None));
+        let (route, lease_id) = match small_route {
+            Some(answer) => match answer? {
+                Some(body) => {
+                    let (peer, lease, addr) = small_ops::route_of(&body)?;
+                    (Some((peer, addr)), lease)
+                }
+                None => (None, 0),
+            },
+            None => {
+                let (groups, lease) = self.rt.block_on(c.route_get(&[key]))?;
+                (groups.into_iter().next().map(|(p, (a, _))| (p, a)), lease)
+            }
+        };
+        let answer = match route {
             None => Ok(None), // the master does not know the key
-            Some((peer, (addr, _))) => {
+            Some((peer, addr)) => {
                 let small = c.small_peer(peer, &addr).call(small_ops::GET, key, None);
                 let answer = match small {
                     Some(answer) => answer,

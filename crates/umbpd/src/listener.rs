@@ -37,7 +37,6 @@ use tonic::transport::server::{Connected, TcpConnectInfo};
 use tracing::{debug, warn};
 
 use crate::auth::PURPOSE;
-use crate::service::UmbpService;
 
 /// How long accepting pauses after an accept error that is not about one connection.
 pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -184,7 +183,7 @@ pub fn incoming(
     secret: Arc<Secret>,
     limits: Limits,
     stats: Arc<ListenerStats>,
-    small_ops: Option<UmbpService>,
+    small_ops: Option<crate::small_ops::Responder>,
 ) -> ReceiverStream<io::Result<AuthedStream>> {
     let (tx, rx) = mpsc::channel(QUEUE);
     tokio::spawn(accept_loop(listener, secret, limits, stats, small_ops, tx));
@@ -207,7 +206,7 @@ async fn accept_loop(
     secret: Arc<Secret>,
     limits: Limits,
     stats: Arc<ListenerStats>,
-    small_ops: Option<UmbpService>,
+    small_ops: Option<crate::small_ops::Responder>,
     tx: mpsc::Sender<io::Result<AuthedStream>>,
 ) {
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
@@ -270,7 +269,7 @@ async fn accept_loop(
 }
 
 /// Runs the server side of the handshake on one connection; if it proved the secret, serves it
-/// here when it asks for small ops ([`crate::small_ops`], with a service to answer them) or
+/// here when it asks for small ops ([`crate::small_ops`], with a responder to answer them) or
 /// passes it on to tonic; drops it (counted, logged at debug) otherwise.
 async fn authenticate(
     mut stream: TcpStream,
@@ -278,7 +277,7 @@ async fn authenticate(
     secret: Arc<Secret>,
     timeout: Duration,
     slot: Slot,
-    small_ops: Option<UmbpService>,
+    small_ops: Option<crate::small_ops::Responder>,
     tx: mpsc::Sender<io::Result<AuthedStream>>,
 ) {
     if let Err(e) = stream.set_nodelay(true) {
@@ -289,7 +288,7 @@ async fn authenticate(
     match tokio::time::timeout(timeout, shake).await {
         Ok(Ok(_session)) => {
             stats.accepted.fetch_add(1, Ordering::Relaxed);
-            if let Some(svc) = small_ops
+            if let Some(responder) = small_ops
                 && asks_for_small_ops(&mut stream, timeout).await
             {
                 let conn = AuthedStream {
@@ -299,7 +298,7 @@ async fn authenticate(
                 let served = || {
                     stats.small_ops_served.fetch_add(1, Ordering::Relaxed);
                 };
-                crate::small_ops::serve(conn, svc, served).await;
+                crate::small_ops::serve(conn, responder, served).await;
                 return;
             }
             let conn = AuthedStream {

@@ -151,6 +151,26 @@ impl MasterService {
     pub fn new(state: Arc<MasterState>) -> MasterService {
         MasterService { state }
     }
+
+    /// Where each of `keys` lives (`None`: a miss), one read lease over those found (0: none)
+    /// and its timeout (`RouteGet`, over gRPC or small ops).
+    pub(crate) async fn routes_of(
+        &self,
+        keys: Vec<Vec<u8>>,
+    ) -> Result<(Vec<Option<crate::master::Route>>, u64, Duration), Status> {
+        self.state
+            .with(move |m| {
+                let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+                let (routes, lease) = m.route_get(&refs)?;
+                Ok((routes, lease, m.config().lease_timeout))
+            })
+            .await
+    }
+
+    /// Ends read lease `id`; whether it was held (`ReleaseLease`, over gRPC or small ops).
+    pub(crate) async fn release(&self, id: u64) -> Result<bool, Status> {
+        self.state.with(move |m| m.release(id)).await
+    }
 }
 
 fn load_of(report: Option<PeerReport>) -> PeerLoad {
@@ -407,14 +427,7 @@ impl Master for MasterService {
         req: Request<RouteGetRequest>,
     ) -> Result<Response<RouteGetResponse>, Status> {
         let RouteGetRequest { keys } = req.into_inner();
-        let (routes, lease_id, lease) = self
-            .state
-            .with(move |m| {
-                let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-                let (routes, lease) = m.route_get(&refs)?;
-                Ok((routes, lease, m.config().lease_timeout))
-            })
-            .await?;
+        let (routes, lease_id, lease) = self.routes_of(keys).await?;
         Ok(Response::new(RouteGetResponse {
             routes: routes.into_iter().map(route_msg).collect(),
             lease_id,
@@ -426,8 +439,7 @@ impl Master for MasterService {
         &self,
         req: Request<ReleaseLeaseRequest>,
     ) -> Result<Response<ReleaseLeaseResponse>, Status> {
-        let id = req.into_inner().lease_id;
-        let released = self.state.with(move |m| m.release(id)).await?;
+        let released = self.release(req.into_inner().lease_id).await?;
         Ok(Response::new(ReleaseLeaseResponse { released }))
     }
 
@@ -502,11 +514,12 @@ pub async fn run_master(cfg: &Config) -> Result<(), DaemonError> {
     );
     let service = MasterService::new(Arc::clone(&state));
     let routes = tonic::service::Routes::new(umbp_server(service.clone())).add_service(
-        MasterServer::new(service)
+        MasterServer::new(service.clone())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
     );
-    let serving = start_serving(listener, routes, &security, None)?;
+    let responder = crate::small_ops::Responder::Master(service);
+    let serving = start_serving(listener, routes, &security, Some(responder))?;
     let tick_every = (cfg.peer_timeout.value / 4).max(Duration::from_millis(10));
     let ticker = tokio::spawn({
         let state = Arc::clone(&state);

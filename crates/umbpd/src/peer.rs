@@ -358,7 +358,7 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
         listener,
         tonic::service::Routes::new(umbp_server(service.clone())),
         &security,
-        Some(service),
+        Some(crate::small_ops::Responder::Pool(service)),
     )?;
     let advertise = cfg.advertise.value.unwrap_or(serving.addr).to_string();
 

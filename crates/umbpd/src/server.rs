@@ -193,7 +193,7 @@ pub(crate) fn start_serving(
     listener: TcpListener,
     routes: tonic::service::Routes,
     security: &Security,
-    small_ops: Option<UmbpService>,
+    small_ops: Option<crate::small_ops::Responder>,
 ) -> Result<Serving, DaemonError> {
     let addr = listener
         .local_addr()
@@ -319,7 +319,7 @@ pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
         listener,
         tonic::service::Routes::new(umbp_server(service.clone())),
         &security,
-        Some(service),
+        Some(crate::small_ops::Responder::Pool(service)),
     )?;
     announce(cfg, serving.addr)?;
     let served = serving.until_signal(&mut signals).await;

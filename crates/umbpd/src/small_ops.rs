@@ -11,12 +11,14 @@
 //! [`HELLO`] (one that does not takes it for a broken HTTP/2 preface and closes the connection,
 //! and the client goes back to gRPC). Then, one at a time (all integers little-endian):
 //!
-//! * request: `op: u8` ([`GET`], [`EXISTS`] or [`PUT`]), `key_len: u16`, the key; for [`PUT`]
-//!   then `value_len: u32` and the value;
+//! * request: `op: u8` ([`GET`], [`EXISTS`] or [`PUT`] to a daemon with a pool; [`ROUTE_GET`]
+//!   or [`RELEASE_LEASE`] to a master), `key_len: u16`, the key; for [`PUT`] then
+//!   `value_len: u32` and the value;
 //! * answer: `status: u8`, `len: u32`, `len` bytes: [`ABSENT`] (nothing; for `PUT`: the key was
 //!   present), [`FOUND`] (the value; for `EXISTS` and `PUT` nothing) or [`FAILED`] (a gRPC
-//!   status code as `i32`, then its message in UTF-8). After an unknown op, or a put value over
-//!   the bytes API's largest, the daemon answers [`FAILED`] and closes the connection.
+//!   status code as `i32`, then its message in UTF-8). After an op the daemon does not serve,
+//!   or a put value over the bytes API's largest, it answers [`FAILED`] and closes the
+//!   connection.
 //!
 //! Values move whole, up to the bytes API's largest ([`crate::client::MAX_BYTES_VALUE`], as
 //! over gRPC): a get of a larger value (stored from a registered buffer) fails `OUT_OF_RANGE`,
@@ -36,6 +38,7 @@ use tonic::{Code, Status};
 use tracing::debug;
 
 use crate::auth::PURPOSE;
+use crate::master_server::MasterService;
 use crate::service::UmbpService;
 
 /// First bytes from the client after the handshake, echoed by the daemon.
@@ -46,6 +49,11 @@ pub const GET: u8 = 1;
 pub const EXISTS: u8 = 2;
 /// Request: store a value under a key (keys are immutable: a present key keeps its value).
 pub const PUT: u8 = 3;
+/// Request to a master: where a key lives, with a read lease over it (the answer's body: peer
+/// id and lease id as `u64`, then the peer's address; [`ABSENT`] for a key it does not know).
+pub const ROUTE_GET: u8 = 4;
+/// Request to a master: end a read lease (the key: the lease id as `u64`).
+pub const RELEASE_LEASE: u8 = 5;
 /// Answer: the key is absent (for [`PUT`]: it was present, nothing stored).
 pub const ABSENT: u8 = 0;
 /// Answer: the key is present (and, for [`GET`], its value follows; for [`PUT`]: stored).
@@ -64,10 +72,73 @@ pub(crate) fn is_hello(first: &[u8]) -> bool {
     first == HELLO
 }
 
+/// Who answers a small-ops connection: a pool's service (a standalone daemon or a peer: get,
+/// exists, put) or a master (routes and read leases).
+#[derive(Clone, Debug)]
+pub enum Responder {
+    /// A standalone daemon's or a peer's pool.
+    Pool(UmbpService),
+    /// A master's index.
+    Master(MasterService),
+}
+
+impl Responder {
+    fn serves(&self, op: u8) -> bool {
+        match self {
+            Responder::Pool(_) => matches!(op, GET | EXISTS | PUT),
+            Responder::Master(_) => matches!(op, ROUTE_GET | RELEASE_LEASE),
+        }
+    }
+
+    /// The answer to a request it [`Responder::serves`] (`value`: a put's).
+    async fn answer(&self, op: u8, key: Vec<u8>, value: Vec<u8>) -> Answer {
+        let found = |yes: bool| yes.then(Vec::new);
+        match (self, op) {
+            (Responder::Pool(svc), GET) => svc.value_of_key(key).await.and_then(within_bytes_api),
+            (Responder::Pool(svc), EXISTS) => svc.key_exists(key).await.map(found),
+            (Responder::Pool(svc), _) => svc.put_one(key, value).await.map(found),
+            (Responder::Master(m), ROUTE_GET) => {
+                let (mut routes, lease, _) = m.routes_of(vec![key]).await?;
+                Ok(routes
+                    .pop()
+                    .flatten()
+                    .map(|r| route_bytes(r.peer, lease, &r.addr)))
+            }
+            (Responder::Master(m), _) => {
+                let id: [u8; 8] = key.as_slice().try_into().map_err(|_| {
+                    Status::invalid_argument("a lease id is 8 bytes (little-endian)")
+                })?;
+                m.release(u64::from_le_bytes(id)).await.map(found)
+            }
+        }
+    }
+}
+
+/// A [`ROUTE_GET`] answer's body: peer id, lease id, then the peer's address.
+fn route_bytes(peer: u64, lease: u64, addr: &str) -> Vec<u8> {
+    let mut b = Vec::with_capacity(16 + addr.len());
+    b.extend_from_slice(&peer.to_le_bytes());
+    b.extend_from_slice(&lease.to_le_bytes());
+    b.extend_from_slice(addr.as_bytes());
+    b
+}
+
+/// A route from a [`ROUTE_GET`] answer's body: (peer id, lease id, peer address).
+pub(crate) fn route_of(body: &[u8]) -> Result<(u64, u64, String), Status> {
+    let bad = || Status::internal("the master answered a malformed route");
+    if body.len() < 16 {
+        return Err(bad());
+    }
+    let peer = u64::from_le_bytes(body[..8].try_into().map_err(|_| bad())?);
+    let lease = u64::from_le_bytes(body[8..16].try_into().map_err(|_| bad())?);
+    let addr = String::from_utf8(body[16..].to_vec()).map_err(|_| bad())?;
+    Ok((peer, lease, addr))
+}
+
 /// Serves one authenticated connection whose [`HELLO`] has been read: answers requests until
 /// the client closes, idles past [`IDLE_CLOSE`] or breaks the framing. `served` counts the
 /// requests answered.
-pub(crate) async fn serve<S>(stream: S, svc: UmbpService, served: impl Fn())
+pub(crate) async fn serve<S>(stream: S, responder: Responder, served: impl Fn())
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -87,10 +158,10 @@ where
             }
         }
         let (op, key_len) = (head[0], usize::from(u16::from_le_bytes([head[1], head[2]])));
-        if op != GET && op != EXISTS && op != PUT {
+        if !responder.serves(op) {
             debug!(
                 op,
-                "closing a small-ops connection that sent an unknown request"
+                "closing a small-ops connection that sent a request this daemon does not serve"
             );
             let unknown = Status::invalid_argument(format!("unknown request {op}"));
             let _ = send(&mut write, &Err(unknown)).await;
@@ -100,32 +171,27 @@ where
         if read.read_exact(&mut key).await.is_err() {
             return;
         }
-        let answer = match op {
-            GET => svc.value_of_key(key).await.and_then(within_bytes_api),
-            EXISTS => svc.key_exists(key).await.map(|found| found.then(Vec::new)),
-            _ => {
-                let mut len = [0u8; 4];
-                if read.read_exact(&mut len).await.is_err() {
-                    return;
-                }
-                let len = u32::from_le_bytes(len) as usize;
-                if len > crate::client::MAX_BYTES_VALUE {
-                    let big = Status::invalid_argument(format!(
-                        "a value of {len} bytes (small ops take at most {})",
-                        crate::client::MAX_BYTES_VALUE
-                    ));
-                    let _ = send(&mut write, &Err(big)).await;
-                    return;
-                }
-                let mut value = vec![0u8; len];
-                if read.read_exact(&mut value).await.is_err() {
-                    return;
-                }
-                svc.put_one(key, value)
-                    .await
-                    .map(|stored| stored.then(Vec::new))
+        let mut value = Vec::new();
+        if op == PUT {
+            let mut len = [0u8; 4];
+            if read.read_exact(&mut len).await.is_err() {
+                return;
             }
-        };
+            let len = u32::from_le_bytes(len) as usize;
+            if len > crate::client::MAX_BYTES_VALUE {
+                let big = Status::invalid_argument(format!(
+                    "a value of {len} bytes (small ops take at most {})",
+                    crate::client::MAX_BYTES_VALUE
+                ));
+                let _ = send(&mut write, &Err(big)).await;
+                return;
+            }
+            value = vec![0u8; len];
+            if read.read_exact(&mut value).await.is_err() {
+                return;
+            }
+        }
+        let answer = responder.answer(op, key, value).await;
         served();
         if send(&mut write, &answer).await.is_err() {
             return;
@@ -462,6 +528,20 @@ mod tests {
         assert!(c.call(GET, b"k", None).is_none());
         assert!(c.call(EXISTS, b"k", None).is_none());
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    /// A route travels whole; a body too short or not UTF-8 is an error, not a route.
+    #[test]
+    fn routes_round_trip_and_malformed_ones_are_refused() {
+        let body = route_bytes(7, 0x0102_0304_0506_0708, "10.0.0.2:7071");
+        assert_eq!(
+            route_of(&body).unwrap(),
+            (7, 0x0102_0304_0506_0708, "10.0.0.2:7071".to_string())
+        );
+        assert!(route_of(&body[..15]).is_err());
+        let mut bad = body.clone();
+        bad.push(0xff);
+        assert!(route_of(&bad).is_err());
     }
 
     /// Statuses travel with their code and message.

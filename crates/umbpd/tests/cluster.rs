@@ -70,9 +70,9 @@ fn cluster_with(peer_args: &[&str], ssd: bool, peer_timeout: &str) -> Cluster {
     }
 }
 
-/// A cluster client's single gets are routed by the master and read from the peer over small
-/// ops (the peers count them), byte-exact, a miss included; a client straight on a peer uses
-/// them too.
+/// A cluster client's single gets are routed by the master and read from the peer, both over
+/// small ops (master and peers count them), byte-exact, a miss included; a client straight on
+/// a peer uses them too.
 #[test]
 fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
     let cl = cluster(&["--dram-bytes", "8M"], false);
@@ -94,7 +94,8 @@ fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
             })
             .sum()
     };
-    let before = served(&cl);
+    let master_served = || via_master.health().unwrap().small_ops_served;
+    let (before, routed_before) = (served(&cl), master_served());
     for (k, v) in keys.iter().zip(&values) {
         assert_eq!(via_master.get(k).unwrap().as_ref(), Some(v));
     }
@@ -102,7 +103,12 @@ fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
     assert_eq!(
         served(&cl) - before,
         keys.len() as u64,
-        "one small op per routed get"
+        "one small op at a peer per routed get"
+    );
+    assert_eq!(
+        master_served() - routed_before,
+        keys.len() as u64 + 1,
+        "one route per get, the miss's too"
     );
     let mut found = 0;
     for peer in &cl.peers {
