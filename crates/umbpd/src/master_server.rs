@@ -166,11 +166,6 @@ impl MasterService {
             })
             .await
     }
-
-    /// Ends read lease `id`; whether it was held (`ReleaseLease`, over gRPC or small ops).
-    pub(crate) async fn release(&self, id: u64) -> Result<bool, Status> {
-        self.state.with(move |m| m.release(id)).await
-    }
 }
 
 fn load_of(report: Option<PeerReport>) -> PeerLoad {
@@ -439,7 +434,8 @@ impl Master for MasterService {
         &self,
         req: Request<ReleaseLeaseRequest>,
     ) -> Result<Response<ReleaseLeaseResponse>, Status> {
-        let released = self.release(req.into_inner().lease_id).await?;
+        let id = req.into_inner().lease_id;
+        let released = self.state.with(move |m| m.release(id)).await?;
         Ok(Response::new(ReleaseLeaseResponse { released }))
     }
 

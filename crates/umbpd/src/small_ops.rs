@@ -12,7 +12,7 @@
 //! and the client goes back to gRPC). Then, one at a time (all integers little-endian):
 //!
 //! * request: `op: u8` ([`GET`], [`EXISTS`] or [`PUT`] to a daemon with a pool; [`ROUTE_GET`]
-//!   or [`RELEASE_LEASE`] to a master), `key_len: u16`, the key; for [`PUT`] then
+//!   to a master), `key_len: u16`, the key; for [`PUT`] then
 //!   `value_len: u32` and the value;
 //! * answer: `status: u8`, `len: u32`, `len` bytes: [`ABSENT`] (nothing; for `PUT`: the key was
 //!   present), [`FOUND`] (the value; for `EXISTS` and `PUT` nothing) or [`FAILED`] (a gRPC
@@ -51,9 +51,8 @@ pub const EXISTS: u8 = 2;
 pub const PUT: u8 = 3;
 /// Request to a master: where a key lives, with a read lease over it (the answer's body: peer
 /// id and lease id as `u64`, then the peer's address; [`ABSENT`] for a key it does not know).
+/// The client releases the lease over gRPC, in the background.
 pub const ROUTE_GET: u8 = 4;
-/// Request to a master: end a read lease (the key: the lease id as `u64`).
-pub const RELEASE_LEASE: u8 = 5;
 /// Answer: the key is absent (for [`PUT`]: it was present, nothing stored).
 pub const ABSENT: u8 = 0;
 /// Answer: the key is present (and, for [`GET`], its value follows; for [`PUT`]: stored).
@@ -73,7 +72,7 @@ pub(crate) fn is_hello(first: &[u8]) -> bool {
 }
 
 /// Who answers a small-ops connection: a pool's service (a standalone daemon or a peer: get,
-/// exists, put) or a master (routes and read leases).
+/// exists, put) or a master (a key's route with its read lease).
 #[derive(Clone, Debug)]
 pub enum Responder {
     /// A standalone daemon's or a peer's pool.
@@ -86,7 +85,7 @@ impl Responder {
     fn serves(&self, op: u8) -> bool {
         match self {
             Responder::Pool(_) => matches!(op, GET | EXISTS | PUT),
-            Responder::Master(_) => matches!(op, ROUTE_GET | RELEASE_LEASE),
+            Responder::Master(_) => op == ROUTE_GET,
         }
     }
 
@@ -97,18 +96,12 @@ impl Responder {
             (Responder::Pool(svc), GET) => svc.value_of_key(key).await.and_then(within_bytes_api),
             (Responder::Pool(svc), EXISTS) => svc.key_exists(key).await.map(found),
             (Responder::Pool(svc), _) => svc.put_one(key, value).await.map(found),
-            (Responder::Master(m), ROUTE_GET) => {
+            (Responder::Master(m), _) => {
                 let (mut routes, lease, _) = m.routes_of(vec![key]).await?;
                 Ok(routes
                     .pop()
                     .flatten()
                     .map(|r| route_bytes(r.peer, lease, &r.addr)))
-            }
-            (Responder::Master(m), _) => {
-                let id: [u8; 8] = key.as_slice().try_into().map_err(|_| {
-                    Status::invalid_argument("a lease id is 8 bytes (little-endian)")
-                })?;
-                m.release(u64::from_le_bytes(id)).await.map(found)
             }
         }
     }
