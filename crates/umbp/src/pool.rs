@@ -723,6 +723,27 @@ impl LocalPool {
         self.lock().put(&*self.meta, key, value)
     }
 
+    /// [`LocalPool::put`] when it can store without waiting: the pool's lock is free, there is
+    /// no GPU tier, and `value` (at most `max_len` bytes) fits in DRAM below the high
+    /// watermark without evicting anything. `None` otherwise, so a caller that must not block
+    /// (an async server's worker) puts where it may (eviction can write the SSD).
+    pub fn try_put_at_once(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        max_len: usize,
+    ) -> Result<Option<PutOutcome>> {
+        if value.len() > max_len {
+            return Ok(None);
+        }
+        let mut inner = match self.inner.try_lock() {
+            Ok(inner) => inner,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => return Ok(None),
+        };
+        inner.put_in_dram_at_once(&*self.meta, key, value)
+    }
+
     /// Puts each pair in order under one lock acquisition. Stops at the first error (the
     /// pairs before it stay stored).
     pub fn batch_put(&self, items: &[(&[u8], &[u8])]) -> Result<Vec<PutOutcome>> {
@@ -1432,6 +1453,34 @@ impl Inner {
             return self.publish(meta, key, Tier::Gpu, value.len() as u64);
         }
         self.put_below_gpu(meta, key, value)
+    }
+
+    /// [`Inner::put`] into DRAM when that evicts nothing (see [`LocalPool::try_put_at_once`]);
+    /// `None` when it would.
+    fn put_in_dram_at_once(
+        &mut self,
+        meta: &dyn MetadataStore,
+        key: &[u8],
+        value: &[u8],
+    ) -> Result<Option<PutOutcome>> {
+        if self.gpu.is_some() {
+            return Ok(None);
+        }
+        check_key(key)?;
+        if meta.get(key)?.is_some() {
+            return Ok(Some(PutOutcome::AlreadyExists));
+        }
+        let need = round_up(value.len(), self.dram.page_bytes());
+        if self.used_bytes(PageTier::Dram) + need > self.dram_watermarks.high {
+            return Ok(None);
+        }
+        match self.dram.put(key, value) {
+            Ok(()) => self
+                .publish(meta, key, Tier::Dram, value.len() as u64)
+                .map(Some),
+            Err(Error::NoSpace { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Stores a new `key` in DRAM, or on SSD when DRAM cannot take it (the rest of a put when

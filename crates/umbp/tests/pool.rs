@@ -478,6 +478,41 @@ fn try_get_at_once_answers_only_small_dram_values_and_misses() {
     ok(pool.check_consistency(), "consistency");
 }
 
+/// `try_put_at_once` (what umbpd stores on its async worker) stores a small value while DRAM
+/// stays under its high watermark, answers a present key at once, and declines what would
+/// evict (the 10th value of 1 KiB in a 10 KiB pool at 0.9) or is over its limit — a put then
+/// stores it, evicting; every stored value reads back byte-exact.
+#[test]
+fn try_put_at_once_stores_only_what_evicts_nothing() {
+    let cfg = PoolConfig::dram_only(10 << 10, 1024);
+    let (pool, _) = open(&cfg);
+    let at_once = |k: &[u8], v: &[u8]| ok(pool.try_put_at_once(k, v, 2048), "try_put_at_once");
+    for i in 0..9 {
+        let v = value(i, 0, 1000);
+        assert_eq!(at_once(&key(i), &v), Some(PutOutcome::Stored), "value {i}");
+    }
+    assert_eq!(at_once(&key(3), b"other"), Some(PutOutcome::AlreadyExists));
+    assert_eq!(
+        at_once(&key(9), &value(9, 0, 1000)),
+        None,
+        "over the high watermark"
+    );
+    assert_eq!(
+        at_once(b"long", &value(10, 0, 3000)),
+        None,
+        "over the limit"
+    );
+    assert_eq!(pool.stats().evictions, 0, "nothing evicted");
+    assert_eq!(put(&pool, &key(9), &value(9, 0, 1000)), PutOutcome::Stored);
+    for i in 0..10 {
+        if let Some(got) = get(&pool, &key(i)) {
+            assert_eq!(got, value(i, 0, 1000), "value {i}");
+        }
+    }
+    assert_eq!(get(&pool, &key(9)), Some(value(9, 0, 1000)));
+    ok(pool.check_consistency(), "consistency");
+}
+
 // ---------------------------------------------------------------------------------------
 // Restart
 // ---------------------------------------------------------------------------------------

@@ -705,7 +705,7 @@ impl UmbpService {
     pub(crate) async fn value_of_key(&self, key: Vec<u8>) -> Result<Option<Vec<u8>>, Status> {
         let at_once = self
             .pool
-            .try_with(|p| p.try_get_at_once(&key, INLINE_GET_BYTES))?;
+            .try_with(|p| p.try_get_at_once(&key, INLINE_BYTES))?;
         match at_once {
             Some(value) => Ok(value),
             None => self.call(move |p| p.get(&key)).await,
@@ -724,6 +724,15 @@ impl UmbpService {
     /// Stores one value (`Put`, over gRPC or small ops); whether it was stored (false: the key
     /// was present).
     pub(crate) async fn put_one(&self, key: Vec<u8>, value: Vec<u8>) -> Result<bool, Status> {
+        // Without a master to publish to, a small value that fits in DRAM with nothing to evict
+        // is stored on this task, as a small get is read.
+        if self.link.is_none()
+            && let Some(outcome) = self
+                .pool
+                .try_with(|p| p.try_put_at_once(&key, &value, INLINE_BYTES as usize))?
+        {
+            return Ok(outcome == PutOutcome::Stored);
+        }
         let stored = self.put_detached(vec![key], vec![value]).await?;
         Ok(stored.first().copied().unwrap_or(false))
     }
@@ -918,10 +927,11 @@ fn no_data_plane() -> Status {
 /// gRPC message limit, so any batch is answered in parts instead of failing.
 pub const REPLY_BYTES: u64 = 64 << 20;
 
-/// A `Get` of a DRAM value up to this size is answered on the async worker that received it
-/// (a copy and checksum of a few microseconds); larger ones, SSD reads and calls that would
-/// wait for the pool's lock go to a blocking thread.
-const INLINE_GET_BYTES: u64 = 64 << 10;
+/// A `Get` of a DRAM value up to this size (and, on a daemon without a master, a `Put` that
+/// fits in DRAM with nothing to evict) is answered on the async worker that received it (a
+/// copy and checksum of a few microseconds); larger ones, SSD reads, eviction and calls that
+/// would wait for the pool's lock go to a blocking thread.
+const INLINE_BYTES: u64 = 64 << 10;
 
 /// Messages a `BatchGetStream` reads ahead of what the client has taken: the reading thread
 /// waits beyond this, so a slow client holds at most this many in the daemon (besides the one
