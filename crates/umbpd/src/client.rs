@@ -326,40 +326,46 @@ struct Cluster {
     master_small: Option<SmallOpsClient>,
 }
 
+/// The client of peer `id` at `addr` kept in `map`, or a new one from `make` (kept in its
+/// place; a peer that re-registered at another address gets a new one).
+fn kept_for_peer<C: Clone>(
+    map: &Mutex<HashMap<u64, (String, C)>>,
+    id: u64,
+    addr: &str,
+    make: impl FnOnce() -> Result<C>,
+) -> Result<C> {
+    let mut map = map.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some((a, c)) = map.get(&id)
+        && a == addr
+    {
+        return Ok(c.clone());
+    }
+    let c = make()?;
+    map.insert(id, (addr.to_string(), c.clone()));
+    Ok(c)
+}
+
 impl Cluster {
     fn peer(&self, id: u64, addr: &str) -> Result<UmbpClient<Channel>> {
-        let mut map = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((a, c)) = map.get(&id)
-            && a == addr
-        {
-            return Ok(c.clone());
-        }
-        let c = UmbpClient::new(lazy_channel(addr, &self.opts, Arc::clone(&self.secret))?)
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        map.insert(id, (addr.to_string(), c.clone()));
-        Ok(c)
+        kept_for_peer(&self.peers, id, addr, || {
+            Ok(
+                UmbpClient::new(lazy_channel(addr, &self.opts, Arc::clone(&self.secret))?)
+                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            )
+        })
     }
 
     /// The small-ops client of peer `id` at `addr` (calls bounded by the peer deadline).
-    fn small_peer(&self, id: u64, addr: &str) -> Arc<SmallOpsClient> {
-        let mut map = self
-            .small_peers
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some((a, c)) = map.get(&id)
-            && a == addr
-        {
-            return Arc::clone(c);
-        }
-        let c = Arc::new(SmallOpsClient::new(
-            addr,
-            Arc::clone(&self.secret),
-            self.opts.connect_timeout,
-            self.peer_deadline,
-        ));
-        map.insert(id, (addr.to_string(), Arc::clone(&c)));
-        c
+    fn small_peer(&self, id: u64, addr: &str) -> Result<Arc<SmallOpsClient>> {
+        kept_for_peer(&self.small_peers, id, addr, || {
+            Ok(Arc::new(SmallOpsClient::new(
+                addr,
+                Arc::clone(&self.secret),
+                self.opts.connect_timeout,
+                self.peer_deadline,
+            )))
+        })
     }
 
     /// Asks the master where `keys` live: key indices grouped by peer id (with its address;
@@ -894,7 +900,7 @@ impl Client {
         let answer = match route {
             None => Ok(None), // the master does not know the key
             Some((peer, addr)) => {
-                let small = c.small_peer(peer, &addr).call(small_ops::GET, key, None);
+                let small = c.small_peer(peer, &addr)?.call(small_ops::GET, key, None);
                 let answer = match small {
                     Some(answer) => answer,
                     None => {
@@ -947,7 +953,8 @@ impl Client {
     /// The value of `key`, if present.
     pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         if let Some(c) = &self.cluster {
-            if small_ops_enabled() {
+            // Decided once, at connect (MORI_UMBP_SMALL_OPS).
+            if c.master_small.is_some() {
                 return self.cluster_get_one(c, key);
             }
             return Ok(self.cluster_get(c, &[key])?.pop().flatten());

@@ -480,6 +480,14 @@ mod tests {
         (addr, accepted)
     }
 
+    /// The daemon's side of the hello.
+    async fn echo_hello(s: &mut tokio::net::TcpStream) {
+        let mut hello = [0u8; 8];
+        s.read_exact(&mut hello).await.unwrap();
+        assert_eq!(&hello, HELLO);
+        s.write_all(HELLO).await.unwrap();
+    }
+
     fn client(addr: &str) -> SmallOpsClient {
         let t = Duration::from_secs(10);
         SmallOpsClient::new(addr, secret(), t, t)
@@ -490,9 +498,7 @@ mod tests {
     #[test]
     fn a_connection_closed_while_kept_is_replaced() {
         let (addr, accepted) = server(|n, mut s| async move {
-            let mut hello = [0u8; 8];
-            s.read_exact(&mut hello).await.unwrap();
-            s.write_all(HELLO).await.unwrap();
+            echo_hello(&mut s).await;
             let mut head = [0u8; 3];
             s.read_exact(&mut head).await.unwrap();
             let mut key = vec![0u8; usize::from(u16::from_le_bytes([head[1], head[2]]))];
@@ -541,9 +547,7 @@ mod tests {
     #[test]
     fn a_failure_keeps_its_code_and_message() {
         let (addr, _) = server(|_, mut s| async move {
-            let mut hello = [0u8; 8];
-            s.read_exact(&mut hello).await.unwrap();
-            s.write_all(HELLO).await.unwrap();
+            echo_hello(&mut s).await;
             let mut request = [0u8; 4];
             s.read_exact(&mut request).await.unwrap();
             let full = Status::resource_exhausted("the pool is full");
