@@ -51,6 +51,7 @@ from mori.bench._common import (
     poison_,
     require_verified,
     run_ranks,
+    say_error,
     sharing,
     world_from_args,
     write_record,
@@ -186,14 +187,14 @@ def _rank(rank: int, world: int, uid: bytes, heap: int, trials: int, port: int) 
     pair = rank < 2
     shmem.barrier_all()
     if pair:
-        mod.launch("pingpong", 1, 1, word, sig, np.int32(100), np.uint64(0), stream=stream)  # warm-up
+        mod.launch("pingpong", 1, 1, word, sig, np.int32(100), np.uint64(0), np.int32(1 - rank), stream=stream)  # warm-up
         stream.synchronize()
     shmem.barrier_all()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rtt_us = None
     if pair:
         a.record(stream)
-        mod.launch("pingpong", 1, 1, word, sig, np.int32(iters), np.uint64(100), stream=stream)
+        mod.launch("pingpong", 1, 1, word, sig, np.int32(iters), np.uint64(100), np.int32(1 - rank), stream=stream)
         b.record(stream)
         b.synchronize()
         rtt_us = a.elapsed_time(b) * 1e3 / iters
@@ -281,6 +282,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=positive_int, default=5, help="timed graph replays per point (median)")
     p.add_argument("--heap", type=size, default=4 << 30, metavar="SIZE",
                    help="symmetric heap per PE, K/M/G suffixes allowed (default: 4G)")
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                   help="2: split the ranks into two emulated nodes (MORI_NODE) and measure the shmem proxy toward the "
+                   "other node beside the load/store path and a mori.io engine on the proxy's plane (an even --world; "
+                   "mori.bench.shmem_nodes says what is timed); default 1")
     add_out_argument(p)
     add_world_argument(p)
 
@@ -292,5 +297,13 @@ def main(args: argparse.Namespace) -> int:
     world = world_from_args(args, "shmem")
     if world is None:
         return 1
+    if args.nodes == 2:
+        if world % 2:
+            say_error("shmem", f"--nodes 2 needs an even --world, got {world}")
+            return 1
+        from mori.bench import shmem_nodes
+
+        shmem_nodes.run(args.trials, args.heap, args.out, world)
+        return 0
     run(args.trials, args.heap, args.out, world)
     return 0

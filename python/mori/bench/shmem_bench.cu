@@ -38,18 +38,27 @@ extern "C" __global__ void bench_put(unsigned char* dest, const unsigned char* s
     quiet();
 }
 
-// `iters` round trips of an 8-byte put-with-signal between PE 0 and PE 1.
-extern "C" __global__ void pingpong(u64* data, u64* sig, int iters, u64 base) {
-    const int peer = 1 - my_pe();
+// `iters` round trips of an 8-byte put-with-signal between this PE and `peer`; the lower PE of the
+// pair sends first.
+extern "C" __global__ void pingpong(u64* data, u64* sig, int iters, u64 base, int peer) {
     for (int i = 1; i <= iters; ++i) {
         const u64 v = base + i;
-        if (my_pe() == 0) {
+        if (my_pe() < peer) {
             putmem_signal(data, data, 8, sig, v, SIGNAL_SET, peer);
             wait_until(sig, CMP_GE, v);
         } else {
             wait_until(sig, CMP_GE, v);
             putmem_signal(data, data, 8, sig, v, SIGNAL_SET, peer);
         }
+    }
+}
+
+// `iters` puts of `bytes` to `pe`, each followed by a quiet: a put's time until it is done at the
+// target (through the proxy, a round trip to the proxy and the peer and back).
+extern "C" __global__ void put_until_done(unsigned char* dest, const unsigned char* src, u64 bytes, int pe, int iters) {
+    for (int i = 0; i < iters; ++i) {
+        putmem(dest, src, bytes, pe);
+        quiet();
     }
 }
 
