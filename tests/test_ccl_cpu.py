@@ -38,10 +38,12 @@ def test_reduce_ops_by_name_or_torch_enum_like():
         ccl.parse_op("avg")
 
 
-def _planner(world: int, rank: int, config: ccl.CclConfig, base: int = 0):
+def _planner(world: int, rank: int, config: ccl.CclConfig, base: int = 0, nodes: int = 1):
     from mori import _core
 
-    return _core.CclRuntime(None, base, rank, world, *config._runtime_args())
+    local = world // nodes
+    layout = [list(range(k * local, (k + 1) * local)) for k in range(nodes)]
+    return _core.CclRuntime(None, base, rank, world, layout, *config._runtime_args())
 
 
 def test_algorithm_by_size_rank_count_and_override():
@@ -80,12 +82,13 @@ def test_shared_constants_match_the_kernel():
 # (crates/collective/tests check the struct against kernels/collective/ccl.cu.)
 
 _SCALARS = ("base", "recv_offset", "gather_offset", "parity_stride", "slot_bytes", "in_ptr", "out_ptr", "timeout_ns",
-            "count", "total", "out_stride", "slice_count")
+            "count", "total", "out_stride", "slice_count", "team_base", "team_stride", "team_size", "x_offset", "x_slot_bytes")
 _ARRAYS = ("send_offset", "send_bytes", "out_offset", "recv_bytes", "sig_send", "sig_expect")
-# Frozen: the numpy dtype mori.ccl packed CclArgs with before crates/collective.
+# The numpy dtype mori.ccl packed CclArgs with before crates/collective, with the team and
+# cross-node scalars added since.
 OLD_ARGS_DTYPE = np.dtype([(n, np.uint64) for n in _SCALARS] + [(n, np.uint64, (8,)) for n in _ARRAYS], align=True)
-ENTRIES = [f"ccl_{kind}_{dt}_{op}" for kind in ("all_reduce_one_shot", "all_reduce_two_shot", "reduce_scatter")
-           for dt in ("f32", "f16", "bf16") for op in ccl.REDUCE_OPS] + ["ccl_push"]
+ENTRIES = [f"ccl_{kind}_{dt}_{op}" for kind in ("all_reduce_one_shot", "all_reduce_two_shot", "reduce_scatter", "reduce_across_nodes")
+           for dt in ("f32", "f16", "bf16") for op in ccl.REDUCE_OPS] + ["ccl_push", "ccl_gather_across_nodes"]
 
 
 def test_ccl_args_are_the_bytes_the_old_dtype_packed():
@@ -105,27 +108,29 @@ def test_ccl_args_are_the_bytes_the_old_dtype_packed():
                 old[name][0, : len(v)] = v
             assert _core.kernel_params(entry, *scalars, *arrays) == old.tobytes(), entry
     with pytest.raises(errors.InvalidArgumentError, match="\"sig_send\" at most 8 elements, got 9"):
-        _core.kernel_params("ccl_push", *[0] * 12, [], [], [], [], [0] * 9, [])
+        _core.kernel_params("ccl_push", *[0] * len(_SCALARS), [], [], [], [], [0] * 9, [])
     with pytest.raises(errors.InvalidArgumentError, match="\"send_offset\" \\(u64\\[8\\]\\)"):
-        _core.kernel_params("ccl_push", *[0] * 12, 5, [], [], [], [], [])
+        _core.kernel_params("ccl_push", *[0] * len(_SCALARS), 5, [], [], [], [], [])
 
 
 # Every collective's launches on a fake communicator, against digests of what mori.ccl launched
 # before crates/collective (entry, grid, block, shared, stream, parameter bytes): the call sites
-# pass the same values.
+# pass the same values. Re-taken when CclArgs gained the team and cross-node fields (bytes 96..136):
+# with those bytes removed, every launch hashed to its earlier digest, and the team was the one
+# node of every rank (base 0, stride 1, size world).
 OLD_LAUNCHES = {
-    "ar_one_shot": ("303a658a8740f92d192c49ad09a99718", 1),
-    "ar_one_shot_pieces_f16_max": ("83fd9019cbd0d1f9e3a141a9df8c3745", 3),
-    "ar_two_shot_bf16_min": ("45180a89a97f0bab65d41cbe0dd1c877", 4),
-    "ar_two_shot_w3": ("bfc9a04ebfaefd6835b10ea339044bae", 3),
-    "rs_w4": ("e9276a4fc6c80526ec49b317aeace166", 2),
-    "rs_w4_inplace": ("86c5ea254c1ce996430e176a8b9f26ef", 1),
-    "ag_w3": ("62c7e1ce745685e9d5ff78c36937bf0e", 3),
-    "ag_w2_inplace": ("8617d783f32d920bea637b4f2e45a973", 1),
-    "a2a_equal_w2": ("406920dea970e720904a6bf62b4633be", 2),
-    "a2a_splits_w3": ("e0db005fc0319bd64ec8d54ed598dd54", 1),
-    "bcast_root": ("b8b5fa4b2d22aab0d0654456e7a7eb9d", 5),
-    "bcast_leaf_out": ("ec17f5cbc8f2177d18467f1f610d1b33", 1),
+    "ar_one_shot": ("25e1ee45a2bf8f011b9dc9c2cbc31f52", 1),
+    "ar_one_shot_pieces_f16_max": ("ce600e34d658ca11efb496f2fc285c90", 3),
+    "ar_two_shot_bf16_min": ("d3764588ec8c3afb3d68f17c4b561162", 4),
+    "ar_two_shot_w3": ("5ec2fce44b9063982465bfc8c50700aa", 3),
+    "rs_w4": ("4f7e0cc5dfac0e202cbfd0989390b81c", 2),
+    "rs_w4_inplace": ("082df5530a75a2bbf8a80fca2050bdba", 1),
+    "ag_w3": ("6b7db6ac425ebf0ddd4bf513d06b5048", 3),
+    "ag_w2_inplace": ("0a2bbd5a0684f66f7b271d1bc4a32509", 1),
+    "a2a_equal_w2": ("569dfbf50c1876ad8619a5daa4b06eaf", 2),
+    "a2a_splits_w3": ("7ea5c0694e5152f28a36a67da0bd13b3", 1),
+    "bcast_root": ("1462ae1e2f5fb2187a70e46a8cbabd76", 5),
+    "bcast_leaf_out": ("074dfbf6c2dc7a6bd411c1b92b59250e", 1),
 }
 
 STREAM = 0x5151

@@ -49,7 +49,6 @@ PREFIXES = [
 
 
 def _suite(rank: int, uid: bytes) -> dict[str, str]:
-    import hashlib
     import os
     import re
     import time
@@ -60,6 +59,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
     import mori.shmem as shmem
     from mori import Bootstrap, ccl, errors
+    from tests._ccl_data import RankInputs, all_gather_step, comm_status, digest, expect_equal, graph_steps, reduce_ref
     from tests._ccl_runner import CaseRunner, log
 
     started = time.monotonic()  # the time budget includes start-up and compiling the kernels
@@ -75,19 +75,9 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     cc = {name: ccl.Communicator(config=cfg) for name, cfg in configs.items()}
     log(rank, f"communicators ready, seed {seed:#x}")
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    counter = [0]
 
     # ---- the runner's hooks ------------------------------------------------------------------
 
-    def digest(t):
-        return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).digest()
-
-    def comm_status():
-        out = {}
-        for name, c in cc.items():
-            state = c._state.cpu()
-            out[name] = (int(state[3].item()), int(state[:2].numpy().view(np.uint64)[0]))
-        return out
 
     def rebuild(names):
         for name in names:
@@ -101,21 +91,11 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
             cc[name] = ccl.Communicator(config=configs[name])
 
     runner = CaseRunner(rank, bs.allgather, synchronize=torch.cuda.synchronize, digest=digest,
-                        comm_status=comm_status, rebuild=rebuild, budget_s=SUITE_BUDGET_S, start=started)
+                        comm_status=lambda: comm_status(cc), rebuild=rebuild, budget_s=SUITE_BUDGET_S, start=started)
 
     # ---- data and references -----------------------------------------------------------------
 
-    def inputs(shape, dtype):
-        """Every rank's input for the next step (the same on every rank: one seed)."""
-        counter[0] += 1
-        g = torch.Generator(device="cuda").manual_seed(seed + counter[0])
-        if dtype.is_floating_point:
-            return [torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(dtype) for _ in range(WORLD)]
-        return [torch.randint(-100, 100, shape, generator=g, device="cuda", dtype=torch.int64).to(dtype) for _ in range(WORLD)]
-
-    def reduce_ref(xs, op):
-        stack = torch.stack([x.double() for x in xs])
-        return {"sum": stack.sum(0), "max": stack.max(0).values, "min": stack.min(0).values}[op]
+    inputs = RankInputs(seed, WORLD)
 
     def expect_close(got, ref, dtype_name, op):
         assert got is not None, "the call raised (see above)"
@@ -124,10 +104,6 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
             torch.testing.assert_close(got.double(), ref.to(got.dtype).double(), rtol=rtol, atol=atol)
         else:
             assert torch.equal(got, ref.to(got.dtype)), "max/min must be exact"
-
-    def expect_equal(got, ref, what):
-        assert got is not None, "the call raised (see above)"
-        assert torch.equal(got, ref), what
 
     # ---- all-reduce ----------------------------------------------------------------------------
 
@@ -229,17 +205,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
             for dt in (torch.uint8, torch.bfloat16, torch.float32, torch.int64):
                 for n in (0, 1, 7, 1000, 65539, (1 << 18) + 3):
                     for inplace in (False, True):
-                        what = f"{cname} {dt} n={n} {'inplace' if inplace else 'out'}"
-                        xs = inputs((n,), dt)
-                        out = torch.zeros(WORLD * n, dtype=dt, device="cuda")
-                        if inplace:
-                            inp = out[rank * n:(rank + 1) * n]
-                            inp.copy_(xs[rank])
-                        else:
-                            inp = xs[rank].clone()
-                        got = case.step(what, cc[cname].all_gather, out, inp)
-                        ref = torch.cat(xs)
-                        case.later(what, lambda got=got, ref=ref, what=what: expect_equal(got, ref, what))
+                        all_gather_step(case, cc[cname], inputs, rank, cname, dt, n, inplace)
 
     runner.run("all_gather", t_all_gather)
 
@@ -312,22 +278,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
             comm.all_reduce(c, algorithm="one_shot", stream=stream)  # in place
             comm.all_gather(ag_out, ag_in, stream=stream)
 
-        def warm_up():  # outside capture
-            with torch.cuda.stream(stream):
-                body()
-            stream.synchronize()
-
-        graph = torch.cuda.CUDAGraph()
-
-        def capture():
-            with torch.cuda.graph(graph, stream=stream):
-                body()
-
-        def replay():
-            with torch.cuda.stream(stream):
-                graph.replay()
-            stream.synchronize()
-
+        warm_up, capture, replay = graph_steps(stream, body)
         case.step("warm-up", warm_up)
         case.step("capture", capture)
         before = case.step("calls() before", comm.calls)

@@ -1,7 +1,8 @@
 """Nodes: MORI_NODE splits one host into emulated nodes (2 nodes x WORLD/2 ranks, ranks sharing
 GPUs where there are fewer). Each PE reports the node layout, maps its own node's heaps and not
-the other node's, and mori.ccl / mori.ep (one-node libraries today) refuse the split world with
-their reason instead of launching kernels that would touch unmapped peers."""
+the other node's; mori.ccl takes the split world (tests/test_gpu_ccl_nodes.py runs its
+collectives), and mori.ep (one node today) refuses it with the reason instead of launching
+kernels that would touch unmapped peers."""
 
 from __future__ import annotations
 
@@ -30,17 +31,15 @@ def _node_rank(rank: int, uid: bytes) -> dict:
     t = shmem.tensor((1024,), torch.int32, zero=True)
     reach = {pe: shmem.ptr(t, pe) is not None for pe in range(WORLD)}
     refused = {}
-    try:
-        ccl.Communicator()
-        refused["ccl"] = None
-    except InvalidArgumentError as e:
-        refused["ccl"] = str(e)
+    comm = ccl.Communicator(config=ccl.CclConfig(buffer_bytes=1 << 20))
+    ccl_nodes = comm.nodes
+    comm.close()
     try:
         ep.Buffer(ep.EpConfig(num_experts=2 * WORLD, hidden=256, topk=2, max_tokens_per_rank=16))
         refused["ep"] = None
     except InvalidArgumentError as e:
         refused["ep"] = str(e)
-    out = {"nodes": shmem.nodes(), "team": shmem.node_team(), "reach": reach, "refused": refused}
+    out = {"nodes": shmem.nodes(), "team": shmem.node_team(), "reach": reach, "refused": refused, "ccl_nodes": ccl_nodes}
     shmem.finalize()
     return out
 
@@ -60,5 +59,5 @@ def test_mori_node_splits_a_host_into_nodes():
         assert tuple(r["team"]) == (node * half, half, rank % half), (rank, r["team"])
         # Own node's heaps mapped, the other node's not.
         assert r["reach"] == {pe: pe // half == node for pe in range(WORLD)}, (rank, r["reach"])
-        assert r["refused"]["ccl"] and "one node" in r["refused"]["ccl"], (rank, r["refused"])
+        assert r["ccl_nodes"] == 2, (rank, r["ccl_nodes"])
         assert r["refused"]["ep"] and "one node" in r["refused"]["ep"], (rank, r["refused"])

@@ -36,6 +36,7 @@ struct CclState {
     u64 epoch;   // calls started by every block (published as soon as all blocks have read it)
     u32 arrive;  // blocks of the running call that have read the epoch
     u32 error;   // ERROR_* bits; sticky: every later call returns at once
+    u64 x_epoch;  // cross-node calls done (their own count: their slots alternate between them)
 };
 
 // A flag is one u64 written with one st.release.sys: the call's epoch (low 32 bits) in the high
@@ -62,6 +63,13 @@ struct CclArgs {
     u64 total;        // sliced: slice r holds min(slice_count, total - r * count) elements
     u64 out_stride;   // elements between output slices (two-shot: count; reduce-scatter: 0)
     u64 slice_count;  // sliced: elements handled per slice
+    // The ranks this call runs among: PEs team_base + i * team_stride, i < team_size (within a
+    // node: the node's PEs; across nodes: the PEs at this rank's place on every node).
+    u64 team_base;
+    u64 team_stride;
+    u64 team_size;
+    u64 x_offset;      // across nodes: send slots of parity 0 within base (then receive slots, then signals)
+    u64 x_slot_bytes;  // across nodes: one slot per node in each area
     u64 send_offset[MAX_RANKS];  // push: bytes of `in` sent to each rank
     u64 send_bytes[MAX_RANKS];
     u64 out_offset[MAX_RANKS];   // push: where the bytes received from each rank go in `out`
@@ -69,7 +77,7 @@ struct CclArgs {
     u64 sig_send[MAX_RANKS];     // signature raised with the flag to each rank
     u64 sig_expect[MAX_RANKS];   // signature expected from each rank
 };
-static_assert(sizeof(CclArgs) == 96 + 6 * 8 * MAX_RANKS, "CclArgs layout is shared with crates/collective/src/ccl.rs");
+static_assert(sizeof(CclArgs) == 136 + 6 * 8 * MAX_RANKS, "CclArgs layout is shared with crates/collective/src/ccl.rs");
 
 constexpr u64 FLAGS_OFFSET = STATE_BYTES;
 
@@ -104,10 +112,16 @@ struct Call {
     CclState* state;
     u64 epoch;
     int parity;
-    int n;
-    int me;
+    int n;   // ranks of the call's team
+    int me;  // this rank's index in the team
     u32 ticket;  // the arrival count this block's publishing thread saw (that thread only)
 };
+
+// The PE of team member `i`.
+__device__ __forceinline__ int team_pe(const CclArgs& a, int i) { return static_cast<int>(a.team_base + i * a.team_stride); }
+__device__ __forceinline__ int team_index(const CclArgs& a) {
+    return static_cast<int>((shmem::my_pe() - a.team_base) / a.team_stride);
+}
 
 // The thread that takes part in publishing the epoch: never one of the polling threads (those are
 // threads 0..n-1, and blockDim.x >= 32 > MAX_RANKS).
@@ -124,8 +138,8 @@ __device__ __forceinline__ bool begin(const CclArgs& a, Call& c) {
     c.state = reinterpret_cast<CclState*>(a.base);
     // Constant-memory reads of the shmem state, started before the barrier (their first use
     // right after it would otherwise wait for them then).
-    c.n = shmem::n_pes();
-    c.me = shmem::my_pe();
+    c.n = static_cast<int>(a.team_size);
+    c.me = team_index(a);
     if (threadIdx.x == 0) {
         error_shared = *reinterpret_cast<volatile u32*>(&c.state->error);
         epoch_shared = *reinterpret_cast<volatile u64*>(&c.state->epoch) + 1;
@@ -170,7 +184,7 @@ __device__ __forceinline__ void signal_peers(const CclArgs& a, const Call& c, in
     __syncthreads();
     const int p = threadIdx.x;
     if (p < c.n && p != c.me) {
-        u64* remote = shmem::ptr(flag_at(a, c.parity, phase, blockIdx.x, c.me), p);
+        u64* remote = shmem::ptr(flag_at(a, c.parity, phase, blockIdx.x, c.me), team_pe(a, p));
         shmem::store_release(remote, flag_word(c.epoch, sig[p]));
     }
 }
@@ -426,7 +440,7 @@ __device__ void all_reduce_one_shot(const CclArgs& a) {
     unsigned char* mine_at_peers[MAX_RANKS];
     int npeers = 0;
     for (int r = 0; r < c.n; ++r) {
-        if (r != c.me) mine_at_peers[npeers++] = shmem::ptr(area(a, a.recv_offset, c.parity, c.me), r) + lo * ES;
+        if (r != c.me) mine_at_peers[npeers++] = shmem::ptr(area(a, a.recv_offset, c.parity, c.me), team_pe(a, r)) + lo * ES;
     }
     copy_multi(mine_at_peers, npeers, in, (hi - lo) * ES);
     signal_peers(a, c, 0, a.sig_send);
@@ -460,7 +474,7 @@ __device__ void sliced(const CclArgs& a) {
         if (p == c.me) continue;
         u64 from, to;
         part(p, from, to);
-        unsigned char* dst = shmem::ptr(area(a, a.recv_offset, c.parity, c.me), p) + from * ES;
+        unsigned char* dst = shmem::ptr(area(a, a.recv_offset, c.parity, c.me), team_pe(a, p)) + from * ES;
         copy_multi(&dst, 1, in + (p * a.count + from) * ES, (to - from) * ES);
     }
     signal_peers(a, c, 0, a.sig_send);
@@ -472,7 +486,7 @@ __device__ void sliced(const CclArgs& a) {
     int npush = 0;
     if constexpr (GATHER) {
         for (int r = 0; r < c.n; ++r) {
-            if (r != c.me) push[npush++] = shmem::ptr(area(a, a.gather_offset, c.parity, c.me), r) + from * ES;
+            if (r != c.me) push[npush++] = shmem::ptr(area(a, a.gather_offset, c.parity, c.me), team_pe(a, r)) + from * ES;
         }
     }
     reduce_range<DT, OP>(out + (c.me * a.out_stride + from) * ES, in + (c.me * a.count + from) * ES,
@@ -515,7 +529,7 @@ __device__ void push_exchange(const CclArgs& a) {
         unsigned char* dsts[MAX_RANKS];
         int ndst = 0;
         for (int p = 0; p < c.n; ++p) {
-            if (p != c.me) dsts[ndst++] = shmem::ptr(area(a, a.recv_offset, c.parity, c.me), p) + lo;
+            if (p != c.me) dsts[ndst++] = shmem::ptr(area(a, a.recv_offset, c.parity, c.me), team_pe(a, p)) + lo;
         }
         copy_multi(dsts, ndst, in + a.send_offset[first] + lo, hi - lo);
     } else {
@@ -523,7 +537,7 @@ __device__ void push_exchange(const CclArgs& a) {
             if (p == c.me) continue;
             u64 lo, hi;
             block_range(a.send_bytes[p], 16, lo, hi);
-            unsigned char* dst = shmem::ptr(area(a, a.recv_offset, c.parity, c.me), p) + lo;
+            unsigned char* dst = shmem::ptr(area(a, a.recv_offset, c.parity, c.me), team_pe(a, p)) + lo;
             copy_multi(&dst, 1, in + a.send_offset[p] + lo, hi - lo);
         }
     }
@@ -547,6 +561,91 @@ __device__ void push_exchange(const CclArgs& a) {
     }
 }
 
+// ---- across nodes: the ranks at one place on every node, through the shmem proxy ---------------
+
+// Send slots (parity, destination node), receive slots (parity, source node), then the signal
+// words (parity, source node), from x_offset. Calls alternate parities by their own count, so a
+// rank one call ahead never writes a slot its peer still reads (it cannot finish call k+1
+// before the peer sent k+1, which the peer does only after it finished k).
+__device__ __forceinline__ unsigned char* x_slot(const CclArgs& a, int area_, int parity, int node) {
+    return reinterpret_cast<unsigned char*>(a.base + a.x_offset) + ((area_ * 2 + parity) * a.team_size + node) * a.x_slot_bytes;
+}
+__device__ __forceinline__ u64* x_signal(const CclArgs& a, int parity, int node) {
+    return reinterpret_cast<u64*>(x_slot(a, 2, 0, 0)) + parity * MAX_RANKS + node;
+}
+
+// One block. Node k's part is send_bytes[k] bytes of `in` at send_offset[k] (this rank's own
+// part: k = its node); each is staged into a send slot and put, with a signal holding the call's
+// count, into the receive slot for this node at the rank at this place on node k. Then REDUCE:
+// out (count elements) = the reduction over nodes, in node order, of the parts received and this
+// rank's own; otherwise (gather) the bytes received from node k go to out + out_offset[k].
+template <int DT, int OP, bool REDUCE>
+__device__ void across_nodes(const CclArgs& a) {
+    __shared__ u64 epoch_shared;
+    __shared__ u32 error_shared;
+    CclState* state = reinterpret_cast<CclState*>(a.base);
+    if (threadIdx.x == 0) {
+        error_shared = *reinterpret_cast<volatile u32*>(&state->error);
+        epoch_shared = *reinterpret_cast<volatile u64*>(&state->x_epoch) + 1;
+    }
+    __syncthreads();
+    if (error_shared != 0) return;
+    const u64 epoch = epoch_shared;
+    const int parity = static_cast<int>(epoch & 1);
+    const int n = static_cast<int>(a.team_size), me = team_index(a);
+    const unsigned char* in = reinterpret_cast<const unsigned char*>(a.in);
+    for (int k = 0; k < n; ++k) {
+        if (k == me) continue;
+        unsigned char* staged = x_slot(a, 0, parity, k);
+        copy_multi(&staged, 1, in + a.send_offset[k], a.send_bytes[k]);
+    }
+    // Every thread's staging stores precede the requests (the proxy's engine reads the slots).
+    shmem::detail::memory_fence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < n; ++k) {
+            if (k == me) continue;
+            u64* sig = x_signal(a, parity, me);
+            if (a.send_bytes[k] == 0) {
+                shmem::signal_op(sig, epoch, shmem::SIGNAL_SET, team_pe(a, k));
+            } else {
+                shmem::putmem_signal_nbi(x_slot(a, 1, parity, me), x_slot(a, 0, parity, k), a.send_bytes[k], sig, epoch,
+                                         shmem::SIGNAL_SET, team_pe(a, k));
+            }
+        }
+    }
+    int failed = 0;
+    const int k = threadIdx.x;
+    if (k < n && k != me) {
+        const u64 start = global_timer();
+        while (shmem::load_acquire(x_signal(a, parity, k)) < epoch) {
+            if (*reinterpret_cast<volatile u32*>(&state->error) != 0) {
+                failed = 1;
+                break;
+            }
+            if (global_timer() - start > a.timeout_ns) {
+                atomicOr(&state->error, ERROR_TIMEOUT);
+                failed = 1;
+                break;
+            }
+        }
+    }
+    if (__syncthreads_or(failed) == 0) {
+        unsigned char* out = reinterpret_cast<unsigned char*>(a.out);
+        if constexpr (REDUCE) {
+            reduce_range<DT, OP>(out, in + a.send_offset[me], x_slot(a, 1, parity, 0), a.x_slot_bytes, n, me, a.count, nullptr, 0);
+        } else {
+            for (int r = 0; r < n; ++r) {
+                unsigned char* dst = out + a.out_offset[r];
+                const unsigned char* src = r == me ? in + a.send_offset[me] : x_slot(a, 1, parity, r);
+                if (dst != src) copy_multi(&dst, 1, src, a.recv_bytes[r]);
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) *reinterpret_cast<volatile u64*>(&state->x_epoch) = epoch;
+}
+
 }  // namespace ccl
 }  // namespace mori
 
@@ -559,6 +658,9 @@ __device__ void push_exchange(const CclArgs& a) {
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(1024) ccl_reduce_scatter_##SUFFIX(mori::ccl::CclArgs a) { \
         mori::ccl::sliced<mori::ccl::DT, mori::ccl::OP, false>(a);                                  \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(1024) ccl_reduce_across_nodes_##SUFFIX(mori::ccl::CclArgs a) { \
+        mori::ccl::across_nodes<mori::ccl::DT, mori::ccl::OP, true>(a);                             \
     }
 
 MORI_CCL_REDUCTIONS(F32, SUM, f32_sum)
@@ -572,3 +674,6 @@ MORI_CCL_REDUCTIONS(BF16, MAX, bf16_max)
 MORI_CCL_REDUCTIONS(BF16, MIN, bf16_min)
 
 extern "C" __global__ void __launch_bounds__(1024) ccl_push(mori::ccl::CclArgs a) { mori::ccl::push_exchange(a); }
+extern "C" __global__ void __launch_bounds__(1024) ccl_gather_across_nodes(mori::ccl::CclArgs a) {
+    mori::ccl::across_nodes<mori::ccl::F32, mori::ccl::SUM, false>(a);
+}

@@ -10,6 +10,11 @@ Every rank pushes its data over NVLink straight from its input tensor (any conti
 tensor; heap tensors need nothing special) into the peers' receive buffers, which belong to the
 :class:`Communicator`. See docs/ccl.md for the algorithms and their memory ordering.
 
+Across nodes (the PEs of :mod:`mori.shmem` on several nodes, as many consecutive ranks on each),
+``all_reduce``, ``reduce_scatter`` and ``all_gather`` run as a phase within each node and a
+phase among the ranks at one place on every node, through the shmem proxy (still one stream,
+still graph-capturable); ``all_to_all`` and ``broadcast`` need one node.
+
 Rules: every rank calls the same collectives in the same order with matching sizes; each
 communicator is used from one stream at a time. Mismatches that the kernels can see (different
 sizes, operations or roots) and peers that never arrive are recorded on the GPU and raised by
@@ -118,20 +123,19 @@ class Communicator:
         self.rank, self.world_size = shmem.my_pe(), shmem.n_pes()
         if self.world_size > MAX_RANKS:
             raise InvalidArgumentError(f"mori.ccl supports up to {MAX_RANKS} ranks, got {self.world_size}")
-        for pe in range(self.world_size):
-            if pe != self.rank and shmem._s().peer_addr(0, pe) is None:
-                raise InvalidArgumentError(f"PE {pe} is not reachable by load/store from PE {self.rank}: mori.ccl needs one node")
+        nodes = shmem.nodes()  # the runtime checks the layout (as many consecutive ranks on every node)
+        self.nodes = len(nodes)
         self.device = shmem.device()
         self._buffer = None
         # Plans and launches are Rust's (crates/collective/src/communicator.rs): this planner
         # knows the buffer's size before it exists.
-        needed = _core.CclRuntime(None, 0, self.rank, self.world_size, *self.config._runtime_args()).buffer_bytes_needed
+        needed = _core.CclRuntime(None, 0, self.rank, self.world_size, nodes, *self.config._runtime_args()).buffer_bytes_needed
         # Compile/load the kernels first: NVRTC may take a while, and on one rank only (a warm
         # cache elsewhere). The collective calloc below ends in a barrier, so every rank starts
         # its first collective together instead of a peer's kernel timing out meanwhile.
         module = shmem._s().load_variant("collective/ccl")
         self._buffer = shmem.calloc(needed)  # zeroed: epoch 0, no flags raised, no error
-        self._rt = _core.CclRuntime(module, self._buffer.ptr, self.rank, self.world_size, *self.config._runtime_args())
+        self._rt = _core.CclRuntime(module, self._buffer.ptr, self.rank, self.world_size, nodes, *self.config._runtime_args())
         self.slot_bytes = self._rt.slot_bytes
         # The state words at the buffer's start: launches done (u64), then the error bits.
         self._state = shmem._as_tensor(self._buffer.ptr, 16, (4,), torch.int32, self.device, self._buffer)
@@ -220,7 +224,7 @@ class Communicator:
             raise InvalidArgumentError(f"all_gather: output must hold {n} x input elements of one dtype")
         if input.data_ptr() != output.data_ptr() + self.rank * nb:
             self._overlap_check(output, input, False, "all_gather")
-        self._exchange("all_gather", input, output, [(0, nb)] * n, [(r * nb, nb) for r in range(n)], 0, True, stream)
+        self._rt.all_gather(self._stream(stream), input.data_ptr(), output.data_ptr(), nb)
         return output
 
     def all_to_all(self, output: Any, input: Any, output_split_sizes: Sequence[int] | None = None,

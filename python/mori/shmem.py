@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -94,6 +95,14 @@ def init(
         device = bootstrap.rank % gpu.device_count()
     _session = _core.Shmem(bootstrap._core, device, default_heap_size() if heap_size is None else heap_size)
     _bootstrap = bootstrap
+    if _session.has_proxy and os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER":
+        warnings.warn(
+            "mori.shmem: PEs on other nodes are reached through the proxy; with CUDA's lazy loading, the first launch of "
+            "a kernel (torch's) while a GPU wait through the proxy runs can stall it until it times out. Set "
+            "CUDA_MODULE_LOADING=EAGER before CUDA starts (docs/shmem.md, 'PEs on other nodes').",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return Session()
 
 

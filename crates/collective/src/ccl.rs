@@ -14,19 +14,21 @@ macro_rules! ccl_entries {
                 concat!("ccl_all_reduce_one_shot_", $suffix),
                 concat!("ccl_all_reduce_two_shot_", $suffix),
                 concat!("ccl_reduce_scatter_", $suffix),
+                concat!("ccl_reduce_across_nodes_", $suffix),
             )+
             $($extra),*
         ]
     };
 }
 
-/// Every ccl.cu entry point: three reductions per dtype and op, and `ccl_push`.
+/// Every ccl.cu entry point: four reductions per dtype and op, `ccl_push` and
+/// `ccl_gather_across_nodes`.
 pub const CCL_ENTRIES: &[&str] = ccl_entries!(
     [
         "f32_sum", "f32_max", "f32_min", "f16_sum", "f16_max", "f16_min", "bf16_sum", "bf16_max",
         "bf16_min"
     ],
-    ["ccl_push"]
+    ["ccl_push", "ccl_gather_across_nodes"]
 );
 
 kernel_params! {
@@ -47,6 +49,13 @@ kernel_params! {
         pub total: u64,
         pub out_stride: u64,
         pub slice_count: u64,
+        /// The ranks the call runs among: PEs `team_base + i * team_stride`, `i < team_size`.
+        pub team_base: u64,
+        pub team_stride: u64,
+        pub team_size: u64,
+        /// Across nodes: the send slots' offset in the buffer (receive slots and signals follow).
+        pub x_offset: u64,
+        pub x_slot_bytes: u64,
         pub send_offset: [u64; CCL_MAX_RANKS],
         pub send_bytes: [u64; CCL_MAX_RANKS],
         pub out_offset: [u64; CCL_MAX_RANKS],

@@ -15,6 +15,7 @@ use mori_gpu::StreamHandle;
 use mori_gpu::jit::Module;
 use mori_gpu::kernels::LaunchConfig;
 
+use crate::across_nodes;
 use crate::ccl::{CCL_MAX_RANKS, CclArgs};
 use crate::error::{Error, Result};
 use crate::launch::Kernel;
@@ -145,7 +146,7 @@ impl DType {
             Self::F16 | Self::Bf16 => 2,
         }
     }
-    fn suffix(self) -> &'static str {
+    pub(crate) fn suffix(self) -> &'static str {
         match self {
             Self::F32 => "f32",
             Self::F16 => "f16",
@@ -235,29 +236,78 @@ pub struct Launch {
 }
 
 /// Where a communicator's areas are, which plans need (slot sizes) and launches carry.
+///
+/// With several nodes (ranks `node * local_size ..` on each, consecutive) the load/store
+/// kernels run among a node's ranks (`slot_bytes`: per rank of the node), and the cross-node
+/// kernels among the ranks at one place on every node, through the shmem proxy, on slots of
+/// `x_slot_bytes` per node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Geometry {
     pub world: usize,
     pub rank: usize,
-    /// Bytes each peer owns in a receive area.
+    pub nodes: usize,
+    /// Bytes each rank of the node owns in a receive area.
     pub slot_bytes: u64,
+    /// Across nodes: bytes each node owns in a send or receive slot area (0 on one node).
+    pub x_slot_bytes: u64,
 }
 
 impl Geometry {
+    /// One node.
     pub fn new(rank: usize, world: usize, config: &CclConfig) -> Result<Self> {
+        Self::with_nodes(rank, world, 1, config)
+    }
+
+    /// `world` ranks on `nodes` nodes of `world / nodes` consecutive ranks each.
+    pub fn with_nodes(rank: usize, world: usize, nodes: usize, config: &CclConfig) -> Result<Self> {
         if world == 0 || world > CCL_MAX_RANKS || rank >= world {
             return Err(Error::InvalidArgument(format!(
                 "mori.ccl runs 1..{CCL_MAX_RANKS} ranks; got rank {rank} of {world}"
             )));
         }
+        if nodes == 0 || !world.is_multiple_of(nodes) {
+            return Err(Error::InvalidArgument(format!(
+                "mori.ccl across nodes needs the same number of ranks on every node; got {world} \
+                 ranks on {nodes} nodes"
+            )));
+        }
+        let local = (world / nodes) as u64;
         Ok(Self {
             world,
             rank,
-            slot_bytes: config.buffer_bytes / world as u64 / 256 * 256,
+            nodes,
+            slot_bytes: config.buffer_bytes / local / 256 * 256,
+            x_slot_bytes: if nodes > 1 {
+                config.buffer_bytes / nodes as u64 / 256 * 256
+            } else {
+                0
+            },
         })
     }
+
+    /// Ranks per node.
+    pub fn local_size(&self) -> usize {
+        self.world / self.nodes
+    }
+
+    /// This rank's node and its place on it.
+    pub fn node(&self) -> (usize, usize) {
+        (self.rank / self.local_size(), self.rank % self.local_size())
+    }
+
+    /// The geometry the load/store kernels see: this rank's node alone.
+    pub fn within_node(&self) -> Geometry {
+        Geometry {
+            world: self.local_size(),
+            rank: self.node().1,
+            nodes: 1,
+            slot_bytes: self.slot_bytes,
+            x_slot_bytes: 0,
+        }
+    }
+
     fn area(&self) -> u64 {
-        self.slot_bytes * self.world as u64
+        self.slot_bytes * self.local_size() as u64
     }
     fn recv_offset(&self) -> u64 {
         STATE_BYTES + FLAGS_BYTES
@@ -265,11 +315,27 @@ impl Geometry {
     fn gather_offset(&self) -> u64 {
         self.recv_offset() + 2 * self.area()
     }
-    /// The symmetric buffer's size: state, flags, two parities of a receive and a gather area.
-    pub fn buffer_bytes(&self) -> u64 {
+    /// Across nodes: two parities of send slots, then of receive slots, then the signals.
+    pub fn x_offset(&self) -> u64 {
         self.gather_offset() + 2 * self.area()
     }
+    /// Across nodes: where a reduce-scatter's node-reduced parts wait for the cross-node step.
+    pub fn staging_offset(&self) -> u64 {
+        self.x_offset() + 4 * self.nodes as u64 * self.x_slot_bytes + X_SIGNAL_BYTES
+    }
+    /// The symmetric buffer's size: state, flags, two parities of a receive and a gather area;
+    /// across nodes also the cross-node slots and the reduce-scatter staging.
+    pub fn buffer_bytes(&self) -> u64 {
+        if self.nodes == 1 {
+            self.x_offset()
+        } else {
+            self.staging_offset() + self.nodes as u64 * self.x_slot_bytes
+        }
+    }
 }
+
+/// Across nodes: the signal words, `[parity][source node]` u64.
+const X_SIGNAL_BYTES: u64 = 2 * CCL_MAX_RANKS as u64 * 8;
 
 /// The launches of an all-reduce of `count` elements from `input` to `output` (device
 /// addresses; the same address is in place).
@@ -347,21 +413,39 @@ pub fn plan_reduce_scatter(
     dtype: DType,
     op: ReduceOp,
 ) -> Vec<Launch> {
+    reduce_scatter_range(geo, config, input, output, m, 0, m, dtype, op)
+}
+
+/// The launches of elements `[start, end)` of a reduce-scatter of `m` elements per rank:
+/// `output` (the address of element `start`) = the reduction over ranks of each rank's
+/// `input[rank*m + start .. rank*m + end]`.
+#[allow(clippy::too_many_arguments)]
+pub fn reduce_scatter_range(
+    geo: &Geometry,
+    config: &CclConfig,
+    input: u64,
+    output: u64,
+    m: u64,
+    start: u64,
+    end: u64,
+    dtype: DType,
+    op: ReduceOp,
+) -> Vec<Launch> {
     let (es, n) = (dtype.size(), geo.world as u64);
     let entry = format!("ccl_reduce_scatter_{}_{}", dtype.suffix(), op.name());
-    split_pieces(m, geo.slot_bytes / es, VECTOR / es)
+    split_pieces(end - start, geo.slot_bytes / es, VECTOR / es)
         .into_iter()
-        .map(|(start, end)| {
-            let length = end - start;
-            // Slice r of this piece is input[r*m + start .. r*m + end]: stride m from its start.
+        .map(|(lo, hi)| {
+            let length = hi - lo;
+            // Slice r of this piece is input[r*m + start + lo .. r*m + start + hi]: stride m.
             let grid = grid(length * es, config);
             let sig = signature(&[OP_REDUCE_SCATTER, es, op.code(), length, m, u64::from(grid)]);
             Launch {
                 entry: entry.clone(),
                 grid,
                 args: CclArgs {
-                    r#in: input + start * es,
-                    out: output + start * es,
+                    r#in: input + (start + lo) * es,
+                    out: output + lo * es,
                     count: m,
                     total: m * (n - 1) + length,
                     out_stride: 0,
@@ -442,6 +526,23 @@ pub fn plan_exchange(
         .collect())
 }
 
+/// The number of nodes of a shmem session's layout (`nodes`: every node's PEs), which mori.ccl
+/// runs on only when every node holds as many consecutive ranks.
+pub fn node_count(nodes: &[Vec<usize>]) -> Result<usize> {
+    let local = nodes.first().map_or(0, Vec::len);
+    let regular = nodes
+        .iter()
+        .enumerate()
+        .all(|(k, pes)| pes.iter().copied().eq(k * local..(k + 1) * local));
+    if local == 0 || !regular {
+        return Err(Error::InvalidArgument(format!(
+            "mori.ccl needs the same number of consecutive ranks on every node; the nodes are \
+             {nodes:?}"
+        )));
+    }
+    Ok(nodes.len())
+}
+
 /// One rank's collectives: plans launched on its symmetric buffer with its loaded kernels.
 pub struct Communicator {
     geo: Geometry,
@@ -454,10 +555,10 @@ pub struct Communicator {
 }
 
 impl Communicator {
-    /// A communicator for `rank` of `world` on the zeroed symmetric buffer at `base` (allocated
-    /// collectively, [`Geometry::buffer_bytes`] long), launching kernels from `module` (the
-    /// `collective/ccl` variant loaded for the shmem session; None: plans are only prepared,
-    /// never launched).
+    /// A communicator for `rank` of `world` on `nodes` nodes (consecutive ranks, as many on
+    /// each) on the zeroed symmetric buffer at `base` (allocated collectively,
+    /// [`Geometry::buffer_bytes`] long), launching kernels from `module` (the `collective/ccl`
+    /// variant loaded for the shmem session; None: plans are only prepared, never launched).
     ///
     /// # Safety
     /// `base` must stay allocated, on every rank, as long as launches of this communicator may
@@ -468,11 +569,12 @@ impl Communicator {
         base: u64,
         rank: usize,
         world: usize,
+        nodes: usize,
         config: CclConfig,
     ) -> Result<Self> {
         config.validate()?;
         Ok(Self {
-            geo: Geometry::new(rank, world, &config)?,
+            geo: Geometry::with_nodes(rank, world, nodes, &config)?,
             config,
             module,
             base,
@@ -486,14 +588,8 @@ impl Communicator {
     pub fn create(shmem: &Shmem, config: CclConfig) -> Result<Self> {
         config.validate()?;
         let (rank, world) = (shmem.my_pe(), shmem.n_pes());
-        let geo = Geometry::new(rank, world, &config)?;
-        for pe in (0..world).filter(|&pe| pe != rank) {
-            if shmem.peer_addr(0, pe).is_none() {
-                return Err(Error::InvalidArgument(format!(
-                    "PE {pe} is not reachable by load/store from PE {rank}: mori.ccl needs one node"
-                )));
-            }
-        }
+        let nodes = node_count(shmem.nodes())?;
+        let geo = Geometry::with_nodes(rank, world, nodes, &config)?;
         // Kernels first: NVRTC may take a while on one PE, and the calloc's barrier then starts
         // every PE's first collective together.
         let module = shmem.load(&mori_gpu::kernels::ccl_spec())?;
@@ -505,6 +601,7 @@ impl Communicator {
                 shmem.heap_base() + offset,
                 rank,
                 world,
+                nodes,
                 config,
             )
         }
@@ -527,9 +624,12 @@ impl Communicator {
         &self.config
     }
 
-    /// `plan` with this communicator's buffer filled in: what each launch passes.
+    /// `plan` with this communicator's buffer filled in: what each launch passes. Launches
+    /// that name no team run among this rank's node.
     pub fn prepare(&self, plan: Vec<Launch>) -> Vec<Launch> {
         let timeout_ns = u64::try_from(self.config.timeout.as_nanos()).unwrap_or(u64::MAX);
+        let local = self.geo.local_size() as u64;
+        let first_of_node = self.geo.node().0 as u64 * local;
         plan.into_iter()
             .map(|mut l| {
                 l.args.base = self.base;
@@ -538,9 +638,107 @@ impl Communicator {
                 l.args.parity_stride = self.geo.area();
                 l.args.slot_bytes = self.geo.slot_bytes;
                 l.args.timeout_ns = timeout_ns;
+                l.args.x_offset = self.geo.x_offset();
+                l.args.x_slot_bytes = self.geo.x_slot_bytes;
+                if l.args.team_size == 0 {
+                    (l.args.team_base, l.args.team_stride, l.args.team_size) =
+                        (first_of_node, 1, local);
+                }
                 l
             })
             .collect()
+    }
+
+    /// The launches of an all-reduce (see [`plan_all_reduce`]; across nodes,
+    /// [`across_nodes::all_reduce`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_all_reduce(
+        &self,
+        input: u64,
+        output: u64,
+        count: u64,
+        dtype: DType,
+        op: ReduceOp,
+        algorithm: Option<Algorithm>,
+    ) -> Result<Vec<Launch>> {
+        let (geo, config) = (&self.geo, &self.config);
+        if geo.nodes == 1 {
+            return Ok(plan_all_reduce(
+                geo, config, input, output, count, dtype, op, algorithm,
+            ));
+        }
+        across_nodes::all_reduce(geo, config, input, output, count, dtype, op, algorithm)
+    }
+
+    /// The launches of a reduce-scatter into `m` elements per rank.
+    pub fn plan_reduce_scatter(
+        &self,
+        input: u64,
+        output: u64,
+        m: u64,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Vec<Launch> {
+        let (geo, config) = (&self.geo, &self.config);
+        if geo.nodes == 1 {
+            return plan_reduce_scatter(geo, config, input, output, m, dtype, op);
+        }
+        let staging = self.base + geo.staging_offset();
+        across_nodes::reduce_scatter(geo, config, staging, input, output, m, dtype, op)
+    }
+
+    /// The launches of an all-gather of `nbytes` per rank into `output` in rank order.
+    pub fn plan_all_gather(&self, input: u64, output: u64, nbytes: u64) -> Result<Vec<Launch>> {
+        let (geo, config) = (&self.geo, &self.config);
+        if geo.nodes > 1 {
+            return across_nodes::all_gather(geo, config, input, output, nbytes);
+        }
+        let n = geo.world;
+        let send = vec![(0, nbytes); n];
+        let recv: Vec<(u64, u64)> = (0..n as u64).map(|r| (r * nbytes, nbytes)).collect();
+        plan_exchange(
+            geo,
+            config,
+            Exchange::AllGather,
+            input,
+            output,
+            &send,
+            &recv,
+            0,
+            true,
+        )
+    }
+
+    /// The launches of an all-to-all or broadcast exchange (one node only).
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_exchange(
+        &self,
+        kind: Exchange,
+        input: u64,
+        output: u64,
+        send: &[(u64, u64)],
+        recv: &[(u64, u64)],
+        extra: u64,
+        agreed: bool,
+    ) -> Result<Vec<Launch>> {
+        if self.geo.nodes > 1 {
+            return Err(Error::InvalidArgument(format!(
+                "mori.ccl across nodes runs all_reduce, reduce_scatter and all_gather; {kind:?} \
+                 needs every rank on one node (these ranks are on {} nodes)",
+                self.geo.nodes
+            )));
+        }
+        plan_exchange(
+            &self.geo,
+            &self.config,
+            kind,
+            input,
+            output,
+            send,
+            recv,
+            extra,
+            agreed,
+        )
     }
 
     /// Launches `plan` on `stream`, filling in this communicator's buffer.
@@ -577,7 +775,7 @@ impl Communicator {
         Ok(k)
     }
 
-    /// All-reduce of `count` elements (see [`plan_all_reduce`]).
+    /// All-reduce of `count` elements (see [`Communicator::plan_all_reduce`]).
     ///
     /// # Safety
     /// `input` and `output` must be device memory of `count` elements, valid until the
@@ -593,21 +791,12 @@ impl Communicator {
         algorithm: Option<Algorithm>,
         stream: StreamHandle,
     ) -> Result<()> {
-        let plan = plan_all_reduce(
-            &self.geo,
-            &self.config,
-            input,
-            output,
-            count,
-            dtype,
-            op,
-            algorithm,
-        );
+        let plan = self.plan_all_reduce(input, output, count, dtype, op, algorithm)?;
         // SAFETY: the caller's guarantee.
         unsafe { self.launch(plan, stream) }
     }
 
-    /// Reduce-scatter into `m` elements per rank (see [`plan_reduce_scatter`]).
+    /// Reduce-scatter into `m` elements per rank (see [`Communicator::plan_reduce_scatter`]).
     ///
     /// # Safety
     /// As [`Communicator::all_reduce`], `input` holding `world * m` elements.
@@ -620,12 +809,29 @@ impl Communicator {
         op: ReduceOp,
         stream: StreamHandle,
     ) -> Result<()> {
-        let plan = plan_reduce_scatter(&self.geo, &self.config, input, output, m, dtype, op);
+        let plan = self.plan_reduce_scatter(input, output, m, dtype, op);
         // SAFETY: the caller's guarantee.
         unsafe { self.launch(plan, stream) }
     }
 
-    /// A push exchange (see [`plan_exchange`]).
+    /// All-gather of `nbytes` per rank (see [`Communicator::plan_all_gather`]).
+    ///
+    /// # Safety
+    /// `input` (`nbytes`) and `output` (`world * nbytes`) must be device memory valid until the
+    /// kernels have run.
+    pub unsafe fn all_gather(
+        &self,
+        input: u64,
+        output: u64,
+        nbytes: u64,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let plan = self.plan_all_gather(input, output, nbytes)?;
+        // SAFETY: the caller's guarantee.
+        unsafe { self.launch(plan, stream) }
+    }
+
+    /// A push exchange (see [`Communicator::plan_exchange`]).
     ///
     /// # Safety
     /// Every segment must lie in device memory valid until the kernels have run.
@@ -641,17 +847,7 @@ impl Communicator {
         agreed: bool,
         stream: StreamHandle,
     ) -> Result<()> {
-        let plan = plan_exchange(
-            &self.geo,
-            &self.config,
-            kind,
-            input,
-            output,
-            send,
-            recv,
-            extra,
-            agreed,
-        )?;
+        let plan = self.plan_exchange(kind, input, output, send, recv, extra, agreed)?;
         // SAFETY: the caller's guarantee.
         unsafe { self.launch(plan, stream) }
     }

@@ -4,6 +4,7 @@
 //! parsing `kernels/` (`tests/signatures.rs`) and by compiling static_asserts with NVRTC
 //! (`tests/nvrtc_layout.rs`).
 
+pub mod across_nodes;
 pub mod ccl;
 pub mod communicator;
 pub mod ep;

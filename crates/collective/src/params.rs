@@ -7,8 +7,9 @@
 
 use crate::error::{Error, Result};
 
-/// The most parameter bytes one launch carries (`CclArgs` is the largest: 480).
-pub const MAX_PARAM_BYTES: usize = 512;
+/// The most parameter bytes one launch carries (`CclArgs` is the largest: 520; CUDA takes up
+/// to 4 KiB).
+pub const MAX_PARAM_BYTES: usize = 1024;
 
 /// C type of one kernel parameter, or of one member of a struct passed by value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -94,7 +94,7 @@ fn arrays_are_filled_up_to_their_length_and_zero_after() {
     }
     let packed = packer.finish().unwrap();
     assert_eq!(packed.bytes(), typed.packed().bytes());
-    assert_eq!(packed.bytes().len(), 96 + 6 * 8 * CCL_MAX_RANKS);
+    assert_eq!(packed.bytes().len(), 136 + 6 * 8 * CCL_MAX_RANKS);
 }
 
 #[test]
@@ -133,7 +133,7 @@ fn wrong_fields_are_errors_naming_them() {
         "ep_combine_send: missing fields: y, num_recv, num_ranks, rank_matrix, comb_buf, max_tokens, counters"
     );
     let mut c = mori_collective::packer("ccl_push").unwrap();
-    let e = c.set(12, Value::U64s(&[0; CCL_MAX_RANKS + 1])).unwrap_err();
+    let e = c.set(17, Value::U64s(&[0; CCL_MAX_RANKS + 1])).unwrap_err();
     assert_eq!(
         msg(e),
         "ccl_push: field \"send_offset\" at most 8 elements, got 9"

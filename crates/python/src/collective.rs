@@ -5,8 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use mori_collective::KernelParams;
 use mori_collective::communicator::{
-    Algorithm, CclConfig, Communicator, DType, Exchange, Launch, ReduceOp, plan_all_reduce,
-    plan_exchange, plan_reduce_scatter,
+    Algorithm, CclConfig, Communicator, DType, Exchange, Launch, ReduceOp, node_count,
 };
 use mori_collective::ep_runtime;
 use mori_collective::params::CType;
@@ -176,7 +175,8 @@ pub fn ccl_check_config(
 impl CclRuntime {
     /// `module`: the `collective/ccl` variant loaded for the session (None: a planner only);
     /// `base`: this rank's address of the zeroed symmetric buffer of `buffer_bytes_needed`
-    /// bytes, which the caller keeps allocated while launches may run.
+    /// bytes, which the caller keeps allocated while launches may run; `nodes`: every node's
+    /// ranks (mori.shmem's layout: as many consecutive ranks on each node).
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -184,6 +184,7 @@ impl CclRuntime {
         base: u64,
         rank: usize,
         world: usize,
+        nodes: Vec<Vec<usize>>,
         buffer_bytes: u64,
         one_shot_max_bytes: Option<u64>,
         max_blocks: u32,
@@ -197,10 +198,12 @@ impl CclRuntime {
             threads,
             timeout_s,
         )?;
+        let nodes = node_count(&nodes)?;
         // SAFETY: mori.ccl allocates `base` collectively from the symmetric heap and frees it
         // only after this rank's GPU work finished (Communicator.close).
-        let inner =
-            unsafe { Communicator::new(module.map(|m| m.module), base, rank, world, config) }?;
+        let inner = unsafe {
+            Communicator::new(module.map(|m| m.module), base, rank, world, nodes, config)
+        }?;
         Ok(Self {
             session: module.map(|m| m.session.clone()),
             inner,
@@ -234,16 +237,9 @@ impl CclRuntime {
     ) -> Result<Option<Vec<PlannedLaunch>>> {
         let (dtype, op) = (DType::parse(dtype)?, ReduceOp::parse(op)?);
         let algorithm = algorithm.map(Algorithm::parse).transpose()?;
-        let plan = plan_all_reduce(
-            self.inner.geometry(),
-            self.inner.config(),
-            input,
-            output,
-            count,
-            dtype,
-            op,
-            algorithm,
-        );
+        let plan = self
+            .inner
+            .plan_all_reduce(input, output, count, dtype, op, algorithm)?;
         self.run(plan, stream)
     }
 
@@ -259,19 +255,24 @@ impl CclRuntime {
         op: &str,
     ) -> Result<Option<Vec<PlannedLaunch>>> {
         let (dtype, op) = (DType::parse(dtype)?, ReduceOp::parse(op)?);
-        let plan = plan_reduce_scatter(
-            self.inner.geometry(),
-            self.inner.config(),
-            input,
-            output,
-            m,
-            dtype,
-            op,
-        );
+        let plan = self.inner.plan_reduce_scatter(input, output, m, dtype, op);
         self.run(plan, stream)
     }
 
-    /// A push exchange (`kind`: "all_gather", "all_to_all" or "broadcast"): `send[p]` = (byte
+    /// An all-gather of `nbytes` per rank into `output` in rank order, launched on `stream`
+    /// (None: planned only).
+    fn all_gather(
+        &self,
+        stream: Option<usize>,
+        input: u64,
+        output: u64,
+        nbytes: u64,
+    ) -> Result<Option<Vec<PlannedLaunch>>> {
+        let plan = self.inner.plan_all_gather(input, output, nbytes)?;
+        self.run(plan, stream)
+    }
+
+    /// A push exchange (`kind`: "all_gather", "all_to_all" or "broadcast"; one node): `send[p]` = (byte
     /// offset in input, bytes) for rank p, `recv[r]` = (byte offset in output, bytes) from rank
     /// r; launched on `stream` (None: planned only).
     #[allow(clippy::too_many_arguments)]
@@ -297,17 +298,9 @@ impl CclRuntime {
                 .into());
             }
         };
-        let plan = plan_exchange(
-            self.inner.geometry(),
-            self.inner.config(),
-            kind,
-            input,
-            output,
-            &send,
-            &recv,
-            extra,
-            agreed,
-        )?;
+        let plan = self
+            .inner
+            .plan_exchange(kind, input, output, &send, &recv, extra, agreed)?;
         self.run(plan, stream)
     }
 }
