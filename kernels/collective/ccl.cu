@@ -605,13 +605,11 @@ __device__ void across_nodes(const CclArgs& a) {
     if (threadIdx.x == 0) {
         for (int k = 0; k < n; ++k) {
             if (k == me) continue;
-            u64* sig = x_signal(a, parity, me);
-            if (a.send_bytes[k] == 0) {
-                shmem::signal_op(sig, epoch, shmem::SIGNAL_SET, team_pe(a, k));
-            } else {
-                shmem::putmem_signal_nbi(x_slot(a, 1, parity, me), x_slot(a, 0, parity, k), a.send_bytes[k], sig, epoch,
-                                         shmem::SIGNAL_SET, team_pe(a, k));
-            }
+            // One request kind for every call: an empty part still puts 16 bytes (of the slot,
+            // read by nobody) with its signal, ordered like any other.
+            const u64 bytes = a.send_bytes[k] != 0 ? a.send_bytes[k] : 16;
+            shmem::putmem_signal_nbi(x_slot(a, 1, parity, me), x_slot(a, 0, parity, k), bytes, x_signal(a, parity, me), epoch,
+                                     shmem::SIGNAL_SET, team_pe(a, k));
         }
     }
     int failed = 0;
