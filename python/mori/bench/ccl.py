@@ -292,6 +292,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_world_argument(p)
     p.add_argument("--grids", type=grids_type, default=[], metavar="GRIDS", help="also time the all-reduce from 1 MiB with these grids, "
                    "BLOCKSxTHREADS items separated by ',' or '+' (e.g. 128x512+64x1024; default: none)")
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                   help="2: split the ranks into two emulated nodes (MORI_NODE) and time all-reduce, all-gather and reduce-scatter "
+                   "across them beside the ceiling of the path between the nodes (an even --world; sizes up to --max-bytes "
+                   "among 4K, 64K, 1M, 16M; mori.bench.ccl_nodes says what is timed)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -305,5 +309,17 @@ def main(args: argparse.Namespace) -> int:
     world = world_from_args(args, "ccl")
     if world is None:
         return 1
+    if args.nodes == 2:
+        from mori.bench import ccl_nodes
+
+        if world % 2:
+            say_error("ccl", f"--nodes 2 needs an even --world, got {world}")
+            return 1
+        node_sizes = [s for s in ccl_nodes.SIZES if s <= args.max_bytes]
+        if not node_sizes:
+            say_error("ccl", f"--max-bytes {args.max_bytes} is below the smallest size measured across nodes ({ccl_nodes.SIZES[0]})")
+            return 2
+        ccl_nodes.run(args.trials, node_sizes, args.out, world)
+        return 0
     run(args.trials, sizes, args.out, args.grids, world)
     return 0

@@ -285,7 +285,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
                    help="2: split the ranks into two emulated nodes (MORI_NODE) and measure the shmem proxy toward the "
                    "other node beside the load/store path and a mori.io engine on the proxy's plane (an even --world; "
-                   "mori.bench.shmem_nodes says what is timed); default 1")
+                   "mori.bench.shmem_nodes says what is timed)")
     add_out_argument(p)
     add_world_argument(p)
 

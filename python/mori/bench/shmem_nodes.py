@@ -52,7 +52,7 @@ BULK_SIZES = [8, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 LATENCY_ITERS = 2000
 
 
-def _digest(t) -> str:
+def digest(t) -> str:
     return hashlib.blake2b(t.cpu().numpy().tobytes(), digest_size=16).hexdigest()
 
 
@@ -98,7 +98,7 @@ def _phase(rank: int, world: int, bs, dev: int, heap: int, split: bool, trials: 
         shmem.barrier_all()
         got = timing() if rank == 0 else None
         shmem.barrier_all()
-        digests = bs.allgather_object(_digest(src[:n]) if rank == 0 else _digest(dst[:n]) if rank == partner else None)
+        digests = bs.allgather_object(digest(src[:n]) if rank == 0 else digest(dst[:n]) if rank == partner else None)
         checks.check(label, "" if digests[partner] == digests[0] else f"PE {partner}'s bytes differ from PE 0's source")
         return got
 
@@ -163,7 +163,7 @@ def _bulk(rank, partner, bs, mod, src, dst, sms, stream, trials, checks, verifie
         t = verified_at_partner(
             f"proxy put {human_bytes(n)}", n,
             lambda: graph_time(torch, dev, stream, lambda: mod.launch("bench_put", blocks, 512, *args, stream=stream), 1, trials) / iters)
-        ceiling = verified_at_partner(f"engine write {human_bytes(n)}", n, lambda: _engine_write(engine, mem, descs[partner], n, iters, trials))
+        ceiling = verified_at_partner(f"engine write {human_bytes(n)}", n, lambda: engine_write(engine, mem, descs[partner], n, iters, trials))
         if rank == 0:
             rows.append({"bytes": n, "iters": iters, "proxy_put_gbps": n / t / 1e9, "proxy_put_us": t * 1e6,
                          "engine_write_gbps": n * iters / ceiling[0] / 1e9, "engine_route": ceiling[1]})
@@ -172,7 +172,7 @@ def _bulk(rank, partner, bs, mod, src, dst, sms, stream, trials, checks, verifie
     return rows if rank == 0 else None
 
 
-def _engine_write(engine, mem, remote, n: int, iters: int, trials: int) -> tuple[float, str]:
+def engine_write(engine, mem, remote, n: int, iters: int, trials: int) -> tuple[float, str]:
     """Seconds for one batch of ``iters`` writes of ``n`` bytes to the partner (median), and the route."""
     import numpy as np
 
