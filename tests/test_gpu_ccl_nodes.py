@@ -9,8 +9,9 @@ and data movement bit-exact, every all-reduce result bit-identical on every rank
 as NaN / zeros, inputs are checked unchanged. Cases: all-reduce, reduce-scatter and all-gather
 by dtype, op and size (zero, odd, not divisible by the ranks), in place and out of place, a
 small buffer that cuts calls into many pieces, CUDA-graph capture replayed on new data, calls
-back to back, the collectives that need one node refused with the reason, and a rank killed
-on one node: the others get a timeout error instead of hanging.
+back to back, the collectives that need one node refused with the reason, nodes calling with
+different sizes (a mismatch only the cross-node signature shows), and a rank killed on one
+node: the others get a timeout error instead of hanging.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 KERNEL_TIMEOUT_S = 20.0  # ranks sharing a GPU time-slice: a proxy round trip can take milliseconds
 SUITE_BUDGET_S = 240.0 + 30.0 * (WORLD - 2)
 CASES = ["layout", "all_reduce", "all_reduce_pieces", "reduce_scatter", "all_gather", "graph_replay", "back_to_back",
-         "one_node_only"]
+         "one_node_only", "mismatch_across_nodes"]
 
 
 def _start(rank: int, uid: bytes):
@@ -241,6 +242,33 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
                 case.fail(f"{what}: did not raise (it may have launched a kernel)")
 
     runner.run("one_node_only", t_one_node_only)
+
+    def t_mismatch_across_nodes(case):
+        # The nodes call with different sizes: within each node the calls agree, so only the
+        # cross-node signal's signature can tell; a private communicator, closed on every rank.
+        c = case.step("communicator", ccl.Communicator, config=ccl.CclConfig(buffer_bytes=1 << 20, timeout_s=5.0))
+        if c is None:
+            return
+        seen = {}
+        try:
+            n = 1000 if rank < HALF else 2000
+            case.step("all_reduce", c.all_reduce, torch.ones(n, device="cuda"))
+            case.step("synchronize", torch.cuda.synchronize)
+            seen["error"] = int(c._state[3].item())
+            try:
+                c.check()
+            except errors.MoriError as e:
+                seen["check"] = type(e)
+        finally:
+            case.step("close", c.close)
+
+        def verify():
+            assert seen.get("error", 0) & ccl.ERROR_MISMATCH, f"the mismatch must be recorded: {seen}"
+            assert seen.get("check") is errors.MismatchError, f"check() must raise MismatchError: {seen}"
+
+        case.later("other size on the other node", verify)
+
+    runner.run("mismatch_across_nodes", t_mismatch_across_nodes)
 
     log(rank, f"all cases done: {sum(v == 'ok' for v in runner.results.values())}/{len(runner.results)} ok")
     bs.barrier()

@@ -575,8 +575,9 @@ __device__ __forceinline__ u64* x_signal(const CclArgs& a, int parity, int node)
 }
 
 // One block. Node k's part is send_bytes[k] bytes of `in` at send_offset[k] (this rank's own
-// part: k = its node); each is staged into a send slot and put, with a signal holding the call's
-// count, into the receive slot for this node at the rank at this place on node k. Then REDUCE:
+// part: k = its node); each is staged into a send slot and put, with a signal (a flag word: the
+// call's count and its signature, as within a node), into the receive slot for this node at the
+// rank at this place on node k. A signal of this count with another signature is a mismatch. Then REDUCE:
 // out (count elements) = the reduction over nodes, in node order, of the parts received and this
 // rank's own; otherwise (gather) the bytes received from node k go to out + out_offset[k].
 template <int DT, int OP, bool REDUCE>
@@ -608,15 +609,19 @@ __device__ void across_nodes(const CclArgs& a) {
             // One request kind for every call: an empty part still puts 16 bytes (of the slot,
             // read by nobody) with its signal, ordered like any other.
             const u64 bytes = a.send_bytes[k] != 0 ? a.send_bytes[k] : 16;
-            shmem::putmem_signal_nbi(x_slot(a, 1, parity, me), x_slot(a, 0, parity, k), bytes, x_signal(a, parity, me), epoch,
-                                     shmem::SIGNAL_SET, team_pe(a, k));
+            shmem::putmem_signal_nbi(x_slot(a, 1, parity, me), x_slot(a, 0, parity, k), bytes, x_signal(a, parity, me),
+                                     flag_word(epoch, a.sig_send[k]), shmem::SIGNAL_SET, team_pe(a, k));
         }
     }
     int failed = 0;
     const int k = threadIdx.x;
     if (k < n && k != me) {
+        // A signal word holds this parity's last count from node k: this call's, or two before
+        // (node k cannot be further ahead: it needs this rank's next part first).
         const u64 start = global_timer();
-        while (shmem::load_acquire(x_signal(a, parity, k)) < epoch) {
+        const u32 want = static_cast<u32>(epoch);
+        u64 seen;
+        while (static_cast<u32>((seen = shmem::load_acquire(x_signal(a, parity, k))) >> 32) != want || seen == 0) {
             if (*reinterpret_cast<volatile u32*>(&state->error) != 0) {
                 failed = 1;
                 break;
@@ -626,6 +631,10 @@ __device__ void across_nodes(const CclArgs& a) {
                 failed = 1;
                 break;
             }
+        }
+        if (!failed && static_cast<u32>(seen) != fold_signature(a.sig_expect[k])) {
+            atomicOr(&state->error, ERROR_MISMATCH);
+            failed = 1;
         }
     }
     if (__syncthreads_or(failed) == 0) {

@@ -7,17 +7,20 @@
 //! call. Ranks are grouped as [`Geometry`] says: `nodes` nodes of `local_size` consecutive
 //! ranks.
 
-use crate::ccl::CclArgs;
+use crate::ccl::{CCL_MAX_RANKS, CclArgs};
 use crate::communicator::{
-    Algorithm, CclConfig, DType, Exchange, Geometry, Launch, ReduceOp, VECTOR, plan_all_reduce,
-    plan_exchange, reduce_scatter_range, split_pieces,
+    Algorithm, CclConfig, DType, Exchange, Geometry, Launch, OP_GATHER_ACROSS_NODES,
+    OP_REDUCE_ACROSS_NODES, ReduceOp, VECTOR, plan_all_reduce, plan_exchange, reduce_scatter_range,
+    signature, split_pieces,
 };
 use crate::error::Result;
 
 /// A launch among the ranks at this rank's place on every node (one block: the proxy posts one
-/// request per node, and waits dominate).
-fn across(geo: &Geometry, entry: String, args: CclArgs) -> Launch {
+/// request per node, and waits dominate). `call` identifies the call (its kind and sizes, the
+/// same at every rank of the team): sent with each signal and compared by the receiver.
+fn across(geo: &Geometry, entry: String, args: CclArgs, call: &[u64]) -> Launch {
     let (_, place) = geo.node();
+    let sig = signature(call);
     Launch {
         entry,
         grid: 1,
@@ -25,6 +28,8 @@ fn across(geo: &Geometry, entry: String, args: CclArgs) -> Launch {
             team_base: place as u64,
             team_stride: geo.local_size() as u64,
             team_size: geo.nodes as u64,
+            sig_send: [sig; CCL_MAX_RANKS],
+            sig_expect: [sig; CCL_MAX_RANKS],
             ..args
         },
     }
@@ -77,7 +82,8 @@ pub fn all_reduce(
             ..CclArgs::default()
         };
         args.send_bytes[..geo.nodes].fill((hi - lo) * es);
-        plan.push(across(geo, reduce_entry(dtype, op), args));
+        let call = [OP_REDUCE_ACROSS_NODES, es, op.code(), hi - lo];
+        plan.push(across(geo, reduce_entry(dtype, op), args, &call));
         if local > 1 {
             let send = vec![(lo * es, (hi - lo) * es); local as usize];
             let recv: Vec<(u64, u64)> = (0..local)
@@ -136,7 +142,8 @@ pub fn reduce_scatter(
             args.send_offset[k] = k as u64 * geo.x_slot_bytes;
             args.send_bytes[k] = (end - start) * es;
         }
-        plan.push(across(geo, reduce_entry(dtype, op), args));
+        let call = [OP_REDUCE_ACROSS_NODES, es, op.code(), end - start, m];
+        plan.push(across(geo, reduce_entry(dtype, op), args, &call));
     }
     plan
 }
@@ -166,7 +173,8 @@ pub fn all_gather(
             args.out_offset[k] = home(k, place) + start;
             args.recv_bytes[k] = end - start;
         }
-        plan.push(across(geo, "ccl_gather_across_nodes".into(), args));
+        let call = [OP_GATHER_ACROSS_NODES, end - start, nbytes];
+        plan.push(across(geo, "ccl_gather_across_nodes".into(), args, &call));
     }
     if local > 1 {
         let node = geo.within_node();
@@ -353,6 +361,42 @@ mod tests {
         );
         assert_eq!(a.recv_bytes[0] + b.recv_bytes[0], nb);
         assert_eq!(b.r#in, (1 << 30) + a.recv_bytes[0]);
+    }
+
+    #[test]
+    fn a_cross_node_call_s_signature_is_the_team_s_and_names_the_call() {
+        let sig_of = |rank: usize, count: u64, op: ReduceOp| {
+            let c = planner(rank, 4, 2, 4 * MIB);
+            let plan = c
+                .plan_all_reduce(0, 0, count, DType::F32, op, None)
+                .unwrap();
+            let x = plan.iter().find(|l| l.entry.contains("across")).unwrap();
+            assert_eq!(x.args.sig_send, x.args.sig_expect);
+            x.args.sig_send[0]
+        };
+        // Ranks 0 and 2 (place 0 of each node) send and expect the same; so do ranks 1 and 3.
+        assert_eq!(
+            sig_of(0, 1000, ReduceOp::Sum),
+            sig_of(2, 1000, ReduceOp::Sum)
+        );
+        assert_eq!(
+            sig_of(1, 1000, ReduceOp::Sum),
+            sig_of(3, 1000, ReduceOp::Sum)
+        );
+        // Another size or op is another call.
+        assert_ne!(
+            sig_of(0, 1000, ReduceOp::Sum),
+            sig_of(2, 2000, ReduceOp::Sum)
+        );
+        assert_ne!(
+            sig_of(0, 1000, ReduceOp::Sum),
+            sig_of(2, 1000, ReduceOp::Max)
+        );
+        let gather = |nbytes: u64| {
+            let c = planner(0, 2, 2, 4 * MIB);
+            c.plan_all_gather(0, 0, nbytes).unwrap()[0].args.sig_send[0]
+        };
+        assert_ne!(gather(64), gather(128));
     }
 
     #[test]

@@ -134,7 +134,7 @@ named!(
 );
 
 impl ReduceOp {
-    fn code(self) -> u64 {
+    pub(crate) fn code(self) -> u64 {
         self as u64
     }
 }
@@ -165,6 +165,9 @@ pub enum Exchange {
 const OP_ALL_REDUCE_ONE_SHOT: u64 = 1;
 const OP_ALL_REDUCE_TWO_SHOT: u64 = 2;
 const OP_REDUCE_SCATTER: u64 = 3;
+/// Across nodes (after the exchanges' 4..6).
+pub(crate) const OP_REDUCE_ACROSS_NODES: u64 = 7;
+pub(crate) const OP_GATHER_ACROSS_NODES: u64 = 8;
 
 /// A 64-bit mix of a call's parameters; ranks compare them on the GPU to catch mismatches.
 pub fn signature(parts: &[u64]) -> u64 {
