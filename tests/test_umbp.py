@@ -50,6 +50,52 @@ def test_fill_three_times_dram_reads_back_from_ssd(tmp_path):
             assert c.get(k) == v
 
 
+def test_gets_read_into_the_returned_bytes_and_survive_values_changing_underneath(tmp_path):
+    # get and batch_get read a DRAM value straight into the bytes object they return, sized
+    # from the index first; a value removed and put again with another length in between must
+    # come back whole (old or new) or as a miss, never partly written.
+    rng = np.random.default_rng()
+    with Client(dram_bytes=4 << 20, ssd_dir=tmp_path, segment_bytes=1 << 20) as c:
+        fixed = {"empty": b"", "one": b"x", "page": rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()}
+        for k, v in fixed.items():
+            assert c.put(k, v)
+        assert [c.get(k) for k in fixed] == list(fixed.values())
+        assert c.batch_get(["page", "nope", "empty", "one"]) == [fixed["page"], None, b"", b"x"]
+        # Some keys on SSD: the batch takes the pool's batch_get, still exact.
+        spilled = {f"s{i}": rng.integers(0, 256, 64 << 10, dtype=np.uint8).tobytes() for i in range(160)}
+        for k, v in spilled.items():
+            assert c.put(k, v)
+        assert c.stats()["ssd_keys"] > 0
+        keys = list(spilled)[::9] + ["nope"]
+        assert c.batch_get(keys) == [spilled.get(k) for k in keys]
+
+        versions = [bytes([i]) * n for i, n in enumerate((100, 70_000, 3, 200_000, 1))]
+        stop = threading.Event()
+        bad: list[str] = []
+
+        def churn():
+            i = 0
+            while not stop.is_set():
+                c.remove("hot")
+                c.put("hot", versions[i % len(versions)])
+                i += 1
+
+        def read():
+            while not stop.is_set():
+                for got in (c.get("hot"), c.batch_get(["hot", "page"])[0]):
+                    if got is not None and got not in versions:
+                        bad.append(f"{len(got)} bytes starting {got[:8]!r}")
+
+        threads = [threading.Thread(target=churn)] + [threading.Thread(target=read) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert not bad, bad[:5]
+
+
 _OPEN_SSD_DIR = """
 import sys
 from mori.umbp import Client

@@ -5,8 +5,9 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
 use mori_umbp::{
-    GpuTierConfig, LocalPool, PoolConfig, PoolStats, PutOutcome, SsdConfig, SsdIoMode,
+    GpuTierConfig, LocalPool, PoolConfig, PoolStats, PutOutcome, SsdConfig, SsdIoMode, Tier,
 };
+use mori_umbpd::small_ops::Sink;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -91,6 +92,82 @@ unsafe fn raw_slice<'a>(ptr: usize, len: usize) -> Result<&'a mut [u8]> {
     }
     // SAFETY: guaranteed by the caller.
     Ok(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
+}
+
+/// A new bytes object of `len` bytes, not initialised, and the address of its contents: the
+/// caller fills every byte before the object is returned to Python (or drops it), so a value
+/// is read straight into the object Python gets.
+fn uninit_bytes(py: Python<'_>, len: usize) -> PyResult<(Bound<'_, PyBytes>, usize)> {
+    let size = pyo3::ffi::Py_ssize_t::try_from(len).map_err(|_| {
+        pyo3::exceptions::PyOverflowError::new_err(format!("a value of {len} bytes"))
+    })?;
+    // SAFETY: with a null source, PyBytes_FromStringAndSize allocates `size` bytes left
+    // uninitialised and returns a new reference, or null with an exception set (checked by
+    // from_owned_ptr_or_err).
+    let obj = unsafe {
+        Bound::from_owned_ptr_or_err(
+            py,
+            pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), size),
+        )
+    }?;
+    let bytes = obj.cast_into::<PyBytes>()?;
+    // SAFETY: `bytes` is a bytes object; its buffer lives as long as the object.
+    let at = unsafe { pyo3::ffi::PyBytes_AsString(bytes.as_ptr()) } as usize;
+    Ok((bytes, at))
+}
+
+/// A [`Sink`] that reads a found value straight into a new bytes object.
+#[derive(Default)]
+struct BytesSink {
+    bytes: Option<Py<PyBytes>>,
+    /// Why no bytes object could be made (raised instead of the call's own error).
+    error: Option<PyErr>,
+}
+
+impl Sink for BytesSink {
+    fn buffer(&mut self, len: usize) -> std::io::Result<&mut [u8]> {
+        match Python::attach(|py| uninit_bytes(py, len).map(|(b, at)| (b.unbind(), at))) {
+            Ok((bytes, at)) => {
+                self.bytes = Some(bytes);
+                // SAFETY: `at` addresses the `len` bytes of the object just made, which only
+                // `self` references until the caller returns it filled.
+                unsafe { raw_slice(at, len) }
+                    .map_err(|_| std::io::Error::other("a bytes object without a buffer"))
+            }
+            Err(e) => {
+                self.error = Some(e);
+                Err(std::io::Error::other(format!(
+                    "no bytes object of {len} bytes"
+                )))
+            }
+        }
+    }
+}
+
+impl BytesSink {
+    /// The call's outcome as Python sees it: the filled bytes object when `found`.
+    fn finish<'py>(
+        mut self,
+        py: Python<'py>,
+        found: std::result::Result<Option<usize>, mori_umbpd::ClientError>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        match found.map_err(Error::from)? {
+            None => Ok(None),
+            Some(_) => self
+                .bytes
+                .take()
+                .map(|b| Some(b.into_bound(py)))
+                .ok_or_else(|| {
+                    Error::InvalidArgument(
+                        "a found value was not read into its bytes object".into(),
+                    )
+                    .into()
+                }),
+        }
+    }
 }
 
 /// The byte ranges `offsets[i] .. offsets[i] + sizes[i]` of `n` items in a buffer of `len`
@@ -224,9 +301,28 @@ impl UmbpPool {
         })
     }
 
-    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> Result<Option<Bound<'py, PyBytes>>> {
-        let v = py.detach(|| self.with(|p| Ok(p.get(key)?)))?;
-        Ok(v.map(|v| PyBytes::new(py, &v)))
+    /// The value, read into the bytes object returned (its length from the index first; a
+    /// value removed or replaced meanwhile is read again the plain way).
+    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let len = py.detach(|| self.with(|p| Ok(p.location(key)?.map(|l| l.len))))?;
+        let Some(len) = len.and_then(|l| usize::try_from(l).ok()) else {
+            return Ok(None);
+        };
+        let (bytes, at) = uninit_bytes(py, len)?;
+        let read = py.detach(|| {
+            // SAFETY: `at` addresses the len bytes of `bytes`, referenced only here.
+            let out = unsafe { raw_slice(at, len)? };
+            self.with(|p| Ok(p.get_into(key, out)?))
+        });
+        match read {
+            Ok(Some(n)) if n == len => Ok(Some(bytes)),
+            Ok(None) => Ok(None),
+            _ => {
+                drop(bytes); // partly written: never shown
+                let v = py.detach(|| self.with(|p| Ok(p.get(key)?)))?;
+                Ok(v.map(|v| PyBytes::new(py, &v)))
+            }
+        }
     }
 
     /// Copies the value into `len` bytes of CUDA memory at `ptr` on `device`; returns its
@@ -337,19 +433,75 @@ impl UmbpPool {
         })
     }
 
+    /// The values in key order. When every key is a miss or in DRAM, each value is read
+    /// into the bytes object returned (lengths from the index first; a value removed or
+    /// replaced meanwhile is read again the plain way); otherwise one `batch_get` (whose SSD
+    /// reads go out together).
     fn batch_get<'py>(
         &self,
         py: Python<'py>,
         keys: Vec<Vec<u8>>,
-    ) -> Result<Vec<Option<Bound<'py, PyBytes>>>> {
-        let values = py.detach(|| {
-            let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-            self.with(|p| Ok(p.batch_get(&refs)?))
+    ) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        let lens = py.detach(|| {
+            self.with(|p| {
+                let mut lens = Vec::with_capacity(refs.len());
+                for k in &refs {
+                    match p.location(k)? {
+                        None => lens.push(None),
+                        Some(l) if l.tier == Tier::Dram => lens.push(usize::try_from(l.len).ok()),
+                        Some(_) => return Ok(None),
+                    }
+                }
+                Ok(Some(lens))
+            })
         })?;
-        Ok(values
-            .into_iter()
-            .map(|v| v.map(|v| PyBytes::new(py, &v)))
-            .collect())
+        let Some(lens) = lens else {
+            let values = py.detach(|| self.with(|p| Ok(p.batch_get(&refs)?)))?;
+            return Ok(values
+                .into_iter()
+                .map(|v| v.map(|v| PyBytes::new(py, &v)))
+                .collect());
+        };
+        let mut made = Vec::with_capacity(lens.len());
+        for len in &lens {
+            made.push(len.map(|len| uninit_bytes(py, len)).transpose()?);
+        }
+        let slots: Vec<Option<(usize, usize)>> = made
+            .iter()
+            .zip(&lens)
+            .map(|(m, len)| m.as_ref().zip(*len).map(|((_, at), len)| (*at, len)))
+            .collect();
+        let read = py.detach(|| {
+            self.with(|p| {
+                let mut read = Vec::with_capacity(slots.len());
+                for (k, slot) in refs.iter().zip(&slots) {
+                    read.push(match slot {
+                        // SAFETY: `at` addresses the len bytes of a bytes object made above,
+                        // referenced only by `made` until it is returned.
+                        Some((at, len)) => {
+                            p.get_into(k, unsafe { raw_slice(*at, *len)? })
+                                .ok()
+                                .flatten()
+                                == Some(*len)
+                        }
+                        None => false,
+                    });
+                }
+                Ok(read)
+            })
+        })?;
+        let mut out = Vec::with_capacity(made.len());
+        for ((m, ok), k) in made.into_iter().zip(read).zip(&refs) {
+            out.push(match m {
+                Some((bytes, _)) if ok => Some(bytes),
+                // A miss in the index, or a value that changed since: read as `get` does.
+                _ => py
+                    .detach(|| self.with(|p| Ok(p.get(k)?)))?
+                    .map(|v| PyBytes::new(py, &v)),
+            });
+        }
+        Ok(out)
     }
 
     /// How many leading keys of `keys` exist (the prefix-cache probe).
@@ -498,9 +650,10 @@ impl UmbpRemote {
         Ok(py.detach(|| self.inner.put(key, value))?)
     }
 
-    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> Result<Option<Bound<'py, PyBytes>>> {
-        let v = py.detach(|| self.inner.get(key))?;
-        Ok(v.map(|v| PyBytes::new(py, &v)))
+    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let mut sink = BytesSink::default();
+        let found = py.detach(|| self.inner.get_with(key, &mut sink));
+        sink.finish(py, found)
     }
 
     fn exists(&self, py: Python<'_>, key: &[u8]) -> Result<bool> {

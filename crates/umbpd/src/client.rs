@@ -61,7 +61,7 @@ use crate::proto::{
 use crate::server::{
     H2_CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, H2_STREAM_WINDOW_BYTES, MAX_MESSAGE_BYTES,
 };
-use crate::small_ops::{self, SmallOpsClient};
+use crate::small_ops::{self, Sink, SmallOpsClient};
 
 /// Errors of [`Client`].
 #[derive(Debug, thiserror::Error)]
@@ -965,6 +965,28 @@ impl Client {
         let req = GetRequest { key: key.to_vec() };
         let mut c = self.inner.clone();
         Ok(value_of(self.rt.block_on(c.get(req))?.into_inner()))
+    }
+
+    /// [`Client::get`] into `sink`: the value's length, `None` when absent. Over small ops
+    /// (a standalone daemon) the bytes go from the socket straight into the sink's buffer;
+    /// otherwise they are copied there from the value [`Client::get`] returns.
+    pub fn get_with(&self, key: &[u8], sink: &mut dyn Sink) -> Result<Option<usize>> {
+        if self.cluster.is_none()
+            && let Some(s) = &self.small_ops
+            && let Some(answer) = s.call_into(small_ops::GET, key, None, sink)
+        {
+            return Ok(answer?);
+        }
+        let Some(v) = self.get(key)? else {
+            return Ok(None);
+        };
+        sink.buffer(v.len())
+            .map_err(|e| {
+                let what = format!("no buffer for a value of {} bytes: {e}", v.len());
+                ClientError::Rpc(tonic::Status::resource_exhausted(what))
+            })?
+            .copy_from_slice(&v);
+        Ok(Some(v.len()))
     }
 
     /// `op` of `key` (and `value`) over small ops; `None` where they are not used (a cluster,

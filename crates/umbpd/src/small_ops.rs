@@ -261,6 +261,24 @@ impl std::fmt::Debug for SmallOpsClient {
 /// What the daemon answered: `Ok(None)` absent, `Ok(Some(bytes))` found, `Err` its status.
 pub(crate) type Answer = Result<Option<Vec<u8>>, Status>;
 
+/// Where the bytes of a found value go: asked once for a buffer of the value's length, which
+/// the answer is read into straight from the socket.
+pub trait Sink {
+    /// A buffer of exactly `len` bytes for the value.
+    fn buffer(&mut self, len: usize) -> io::Result<&mut [u8]>;
+}
+
+impl Sink for Vec<u8> {
+    fn buffer(&mut self, len: usize) -> io::Result<&mut [u8]> {
+        self.clear();
+        self.resize(len, 0);
+        Ok(self)
+    }
+}
+
+/// An answer whose value went into a [`Sink`]: its length, `None` when absent.
+pub(crate) type SinkAnswer = Result<Option<usize>, Status>;
+
 impl SmallOpsClient {
     /// A client of the daemon at `addr` (`host:port`); connects on first use.
     pub(crate) fn new(
@@ -284,6 +302,19 @@ impl SmallOpsClient {
     /// that turns out closed is replaced once: the daemon closes connections only between
     /// requests (idle, or a restart), so the request was not carried out on it.
     pub(crate) fn call(&self, op: u8, key: &[u8], value: Option<&[u8]>) -> Option<Answer> {
+        let mut body = Vec::new();
+        self.call_into(op, key, value, &mut body)
+            .map(|answer| answer.map(|found| found.map(|_| body)))
+    }
+
+    /// [`SmallOpsClient::call`] with a found value read into `sink`.
+    pub(crate) fn call_into(
+        &self,
+        op: u8,
+        key: &[u8],
+        value: Option<&[u8]>,
+        sink: &mut dyn Sink,
+    ) -> Option<SinkAnswer> {
         if self.unsupported.load(Ordering::Relaxed) || key.len() > usize::from(u16::MAX) {
             return None;
         }
@@ -293,7 +324,7 @@ impl SmallOpsClient {
             .unwrap_or_else(PoisonError::into_inner)
             .pop();
         if let Some(mut conn) = kept {
-            match exchange(&mut conn, op, key, value) {
+            match exchange(&mut conn, op, key, value, sink) {
                 Ok(answer) => return Some(self.keep(conn, answer)),
                 // Closed while it was kept (the daemon's idle close, or a restart).
                 Err(e) if closed(&e) => {
@@ -311,7 +342,7 @@ impl SmallOpsClient {
             }
             Err(s) => return Some(Err(s)),
         };
-        Some(match exchange(&mut conn, op, key, value) {
+        Some(match exchange(&mut conn, op, key, value, sink) {
             Ok(answer) => self.keep(conn, answer),
             Err(e) => Err(io_status(&self.addr, &e)),
         })
@@ -319,7 +350,7 @@ impl SmallOpsClient {
 
     /// Keeps `conn` for the next call (a connection the daemon closed after it is found closed
     /// on that call and replaced).
-    fn keep(&self, conn: TcpStream, answer: Answer) -> Answer {
+    fn keep(&self, conn: TcpStream, answer: SinkAnswer) -> SinkAnswer {
         self.idle
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -370,9 +401,15 @@ fn closed(e: &io::Error) -> bool {
     )
 }
 
-/// One request (`value` for a [`PUT`]) and its answer on `conn`. An I/O error leaves the
-/// connection unusable.
-fn exchange(conn: &mut TcpStream, op: u8, key: &[u8], value: Option<&[u8]>) -> io::Result<Answer> {
+/// One request (`value` for a [`PUT`]) and its answer on `conn` (a found value into `sink`).
+/// An I/O error leaves the connection unusable.
+fn exchange(
+    conn: &mut TcpStream,
+    op: u8,
+    key: &[u8],
+    value: Option<&[u8]>,
+    sink: &mut dyn Sink,
+) -> io::Result<SinkAnswer> {
     let key_len = u16::try_from(key.len())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a key too long to frame"))?;
     let mut request = Vec::with_capacity(3 + key.len());
@@ -388,15 +425,15 @@ fn exchange(conn: &mut TcpStream, op: u8, key: &[u8], value: Option<&[u8]>) -> i
             request.extend_from_slice(v);
         } else {
             conn.write_all(&request)?;
-            return conn.write_all(v).and_then(|()| read_answer(conn));
+            return conn.write_all(v).and_then(|()| read_answer(conn, sink));
         }
     }
     conn.write_all(&request)?;
-    read_answer(conn)
+    read_answer(conn, sink)
 }
 
-/// The answer to the request just sent on `conn`.
-fn read_answer(conn: &mut TcpStream) -> io::Result<Answer> {
+/// The answer to the request just sent on `conn`: a found value is read into `sink`.
+fn read_answer(conn: &mut TcpStream, sink: &mut dyn Sink) -> io::Result<SinkAnswer> {
     let mut head = [0u8; 5];
     conn.read_exact(&mut head)?;
     let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
@@ -406,11 +443,14 @@ fn read_answer(conn: &mut TcpStream) -> io::Result<Answer> {
             format!("the daemon announced an answer of {len} bytes"),
         ));
     }
+    if head[0] == FOUND {
+        conn.read_exact(sink.buffer(len)?)?;
+        return Ok(Ok(Some(len)));
+    }
     let mut body = vec![0u8; len];
     conn.read_exact(&mut body)?;
     Ok(match head[0] {
         ABSENT => Ok(None),
-        FOUND => Ok(Some(body)),
         FAILED if body.len() >= 4 => {
             let code = i32::from_le_bytes([body[0], body[1], body[2], body[3]]);
             Err(Status::new(

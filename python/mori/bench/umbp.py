@@ -551,7 +551,7 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         print(f"batch_exists_prefix(64 keys): p50 {record['exists_prefix_64']['p50_us']:.1f} µs, "
               f"p99 {record['exists_prefix_64']['p99_us']:.1f} µs")
         record["daemon"], record["daemon_build"] = daemon.record(), daemon.build
-        print("umbpd standalone over loopback gRPC:")
+        print("umbpd standalone over loopback (single calls over small ops, batches over gRPC):")
         proc, addr = _umbpd(daemon, tmp, "standalone", "--dram-bytes", "2G")
         try:
             rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, zero_copy=False, checks=checks)
@@ -559,7 +559,7 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
             record["daemon_small_gets"] = _small_gets(addr, checks)
         finally:
             _stop([proc])
-        print("umbpd cluster, master + 2 peers over loopback gRPC (data as gRPC bytes):")
+        print("umbpd cluster, master + 2 peers over loopback (single gets over small ops, the rest over gRPC; data as bytes):")
         procs = []
         try:
             master = _start_cluster(daemon, tmp, procs)
