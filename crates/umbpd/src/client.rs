@@ -107,6 +107,19 @@ pub enum ClientError {
     InvalidArgument(String),
 }
 
+/// Copies `value` into a buffer of its length from `sink`; returns the length.
+fn fill(sink: &mut dyn Sink, value: &[u8]) -> std::result::Result<usize, tonic::Status> {
+    sink.buffer(value.len())
+        .map_err(|e| {
+            tonic::Status::resource_exhausted(format!(
+                "no buffer for a value of {} bytes: {e}",
+                value.len()
+            ))
+        })?
+        .copy_from_slice(value);
+    Ok(value.len())
+}
+
 /// An error and its sources, `: `-separated (tonic's transport error says only "transport
 /// error"; the reason, such as "Connection refused", is in its sources).
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -879,7 +892,13 @@ impl Client {
     /// A single routed get: the master's route and lease as for any get (a small op to the
     /// master), then the peer leg as a small op (either over gRPC for a daemon without them). A peer that cannot be reached, or does
     /// not answer within the peer deadline, makes the key a miss, as in [`Client::cluster_get`].
-    fn cluster_get_one(&self, c: &Cluster, key: &[u8]) -> Result<Option<Vec<u8>>> {
+    /// The value goes into `sink` (from the socket over small ops); its length is returned.
+    fn cluster_get_one(
+        &self,
+        c: &Cluster,
+        key: &[u8],
+        sink: &mut dyn Sink,
+    ) -> Result<Option<usize>> {
         let small_route = c
             .master_small
             .as_ref()
@@ -900,16 +919,22 @@ impl Client {
         let answer = match route {
             None => Ok(None), // the master does not know the key
             Some((peer, addr)) => {
-                let small = c.small_peer(peer, &addr)?.call(small_ops::GET, key, None);
+                let small = c
+                    .small_peer(peer, &addr)?
+                    .call_into(small_ops::GET, key, None, sink);
                 let answer = match small {
                     Some(answer) => answer,
                     None => {
                         let pc = c.peer(peer, &addr)?;
                         let wanted = vec![key.to_vec()];
                         let bound = Some((addr.as_str(), c.peer_deadline));
-                        self.rt
-                            .block_on(batch_get_streamed(pc, wanted, bound))
-                            .map(|mut v| v.pop().and_then(value_of))
+                        match self.rt.block_on(batch_get_streamed(pc, wanted, bound)) {
+                            Ok(mut v) => match v.pop().and_then(value_of) {
+                                Some(v) => fill(sink, &v).map(Some),
+                                None => Ok(None),
+                            },
+                            Err(s) => Err(s),
+                        }
                     }
                 };
                 match answer {
@@ -955,7 +980,8 @@ impl Client {
         if let Some(c) = &self.cluster {
             // Decided once, at connect (MORI_UMBP_SMALL_OPS).
             if c.master_small.is_some() {
-                return self.cluster_get_one(c, key);
+                let mut v = Vec::new();
+                return Ok(self.cluster_get_one(c, key, &mut v)?.map(|_| v));
             }
             return Ok(self.cluster_get(c, &[key])?.pop().flatten());
         }
@@ -971,22 +997,21 @@ impl Client {
     /// (a standalone daemon) the bytes go from the socket straight into the sink's buffer;
     /// otherwise they are copied there from the value [`Client::get`] returns.
     pub fn get_with(&self, key: &[u8], sink: &mut dyn Sink) -> Result<Option<usize>> {
-        if self.cluster.is_none()
-            && let Some(s) = &self.small_ops
-            && let Some(answer) = s.call_into(small_ops::GET, key, None, sink)
-        {
-            return Ok(answer?);
+        match &self.cluster {
+            Some(c) if c.master_small.is_some() => return self.cluster_get_one(c, key, sink),
+            None => {
+                if let Some(s) = &self.small_ops
+                    && let Some(answer) = s.call_into(small_ops::GET, key, None, sink)
+                {
+                    return Ok(answer?);
+                }
+            }
+            Some(_) => {}
         }
-        let Some(v) = self.get(key)? else {
-            return Ok(None);
-        };
-        sink.buffer(v.len())
-            .map_err(|e| {
-                let what = format!("no buffer for a value of {} bytes: {e}", v.len());
-                ClientError::Rpc(tonic::Status::resource_exhausted(what))
-            })?
-            .copy_from_slice(&v);
-        Ok(Some(v.len()))
+        match self.get(key)? {
+            Some(v) => Ok(Some(fill(sink, &v)?)),
+            None => Ok(None),
+        }
     }
 
     /// `op` of `key` (and `value`) over small ops; `None` where they are not used (a cluster,
