@@ -78,7 +78,6 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
     # ---- the runner's hooks ------------------------------------------------------------------
 
-
     def rebuild(names):
         for name in names:
             old = cc[name]

@@ -72,7 +72,6 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     log(rank, f"communicators ready on {cc['comm'].nodes} nodes, seed {seed:#x}")
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-
     def rebuild(names):
         for name in names:
             torch.cuda.synchronize()
