@@ -539,7 +539,10 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
     if only == "io":
         return _run_io_only(out_dir, daemon)
     record: dict[str, Any] = {"benchmark": "umbp", "env": environment(), "method": __doc__.strip(),
-                              "extension_build": _core.build_profile(), "pinning": PINNING}
+                              "extension_build": _core.build_profile(), "pinning": PINNING,
+                              # glibc's malloc tuning (MALLOC_TRIM_THRESHOLD_ ...): it decides whether
+                              # new bytes objects of large values fault their pages in again.
+                              "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}}
     checks = Checks()
     with tempfile.TemporaryDirectory() as tmp:
         record["memcpy_gbps"] = _memcpy_gbps(checks)
