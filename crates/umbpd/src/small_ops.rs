@@ -558,6 +558,79 @@ mod tests {
         assert_eq!(accepted.load(Ordering::SeqCst), 3);
     }
 
+    /// A found value goes straight into the caller's sink (asked once, for its length); a miss
+    /// never asks; a sink that cannot give a buffer fails the call, and that connection (its
+    /// answer half read) is not kept.
+    #[test]
+    fn a_found_value_is_read_into_the_sink_and_a_failing_sink_fails_the_call() {
+        struct Recorder {
+            asked: Vec<usize>,
+            buf: Vec<u8>,
+            refuse: bool,
+        }
+        impl Sink for Recorder {
+            fn buffer(&mut self, len: usize) -> io::Result<&mut [u8]> {
+                self.asked.push(len);
+                if self.refuse {
+                    return Err(io::Error::other("no room"));
+                }
+                self.buf = vec![0xAA; len];
+                Ok(&mut self.buf)
+            }
+        }
+        let (addr, accepted) = server(|_, mut s| async move {
+            echo_hello(&mut s).await;
+            loop {
+                let mut head = [0u8; 3];
+                if s.read_exact(&mut head).await.is_err() {
+                    return;
+                }
+                let mut key = vec![0u8; usize::from(u16::from_le_bytes([head[1], head[2]]))];
+                s.read_exact(&mut key).await.unwrap();
+                let answer = if key == b"miss" {
+                    Ok(None)
+                } else {
+                    Ok(Some(
+                        format!("the value of {}", String::from_utf8_lossy(&key)).into_bytes(),
+                    ))
+                };
+                if send(&mut s, &answer).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let c = client(&addr);
+        let mut sink = Recorder {
+            asked: Vec::new(),
+            buf: Vec::new(),
+            refuse: false,
+        };
+        let got = c.call_into(GET, b"k1", None, &mut sink).unwrap().unwrap();
+        assert_eq!(got, Some(15));
+        assert_eq!(
+            (sink.asked.as_slice(), sink.buf.as_slice()),
+            (&[15][..], &b"the value of k1"[..])
+        );
+        assert_eq!(
+            c.call_into(GET, b"miss", None, &mut sink).unwrap().unwrap(),
+            None
+        );
+        assert_eq!(sink.asked, [15], "a miss asks the sink for nothing");
+        sink.refuse = true;
+        assert!(c.call_into(GET, b"k2", None, &mut sink).unwrap().is_err());
+        sink.refuse = false;
+        assert_eq!(
+            c.call_into(GET, b"k3", None, &mut sink).unwrap().unwrap(),
+            Some(15)
+        );
+        assert_eq!(sink.buf, b"the value of k3");
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            2,
+            "the failed call's connection was replaced"
+        );
+    }
+
     /// A daemon that closes the connection instead of echoing the hello does not serve small
     /// ops: the call says so (`None`), and later calls do not try again.
     #[test]
