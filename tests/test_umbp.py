@@ -283,6 +283,14 @@ def test_client_against_a_umbpd_daemon(daemon):
     assert c.stats()["demotions"] > 0, "1 MiB of DRAM holds few of 2.4 MiB: blocks went to SSD"
     buf = np.zeros(16 << 10, dtype=np.uint8)
     assert c.get_into("blk-3", buf) == 16 << 10 and buf.tobytes() == values["blk-3"]
+    # A small buffer takes small ops, read straight into it; one too small is the caller's error,
+    # and the next call still works.
+    with pytest.raises(errors.InvalidArgumentError, match="buffer holds 100"):
+        c.get_into("blk-4", np.zeros(100, dtype=np.uint8))
+    small = np.full(20 << 10, 7, dtype=np.uint8)
+    assert c.get_into("blk-5", small) == 16 << 10 and small[: 16 << 10].tobytes() == values["blk-5"]
+    assert (small[16 << 10:] == 7).all(), "bytes past the value are left alone"
+    assert c.get_into("nope", small) is None
     assert c.put_from("np", np.arange(100, dtype=np.uint8)) and c.get("np") == bytes(range(100))
     assert c.batch_exists_prefix(["blk-0", "blk-1", "nope", "blk-2"]) == 2
     assert c.batch_get(["blk-1", "nope"]) == [values["blk-1"], None]

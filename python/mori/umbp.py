@@ -349,7 +349,6 @@ class Client:
             region = self._region(arr) if arr.size > SMALL_CALL_BYTES else None
             if region is not None:
                 return self._pool.batch_get_into([_key(key)], region[0], [region[1]], [arr.size])[0]
-            return _copy_into(arr, self._pool.get(_key(key)))
         return self._pool.get_into(_key(key), address(arr) if arr.size else 0, arr.size)
 
     def _cuda_buffer(self, buffer: Any) -> tuple[int, int, int] | None:

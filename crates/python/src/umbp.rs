@@ -144,6 +144,23 @@ impl Sink for BytesSink {
     }
 }
 
+/// A [`Sink`] over a caller's buffer of `cap` writable bytes at `at`.
+struct SliceSink {
+    at: usize,
+    cap: usize,
+}
+
+impl Sink for SliceSink {
+    fn buffer(&mut self, len: usize) -> std::io::Result<&mut [u8]> {
+        if len > self.cap {
+            let what = format!("the value has {len} bytes; the buffer holds {}", self.cap);
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, what));
+        }
+        // SAFETY: mori.umbp passes a live, writable contiguous buffer of `cap` bytes.
+        unsafe { raw_slice(self.at, len) }.map_err(|_| std::io::Error::other("a null buffer"))
+    }
+}
+
 impl BytesSink {
     /// The call's outcome as Python sees it: the filled bytes object when `found`.
     fn finish<'py>(
@@ -658,6 +675,20 @@ impl UmbpRemote {
 
     fn exists(&self, py: Python<'_>, key: &[u8]) -> Result<bool> {
         Ok(py.detach(|| self.inner.exists(key))?)
+    }
+
+    /// Copies the value into `len` writable bytes at `ptr` (a small host buffer; mori.umbp
+    /// sends larger registered ones over the data plane); its length, or None. Over small ops
+    /// the answer is read from the socket straight into the buffer.
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        ptr: usize,
+        len: usize,
+    ) -> Result<Option<usize>> {
+        let mut sink = SliceSink { at: ptr, cap: len };
+        Ok(py.detach(|| self.inner.get_with(key, &mut sink))?)
     }
 
     fn batch_put(

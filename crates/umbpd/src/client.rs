@@ -111,10 +111,12 @@ pub enum ClientError {
 fn fill(sink: &mut dyn Sink, value: &[u8]) -> std::result::Result<usize, tonic::Status> {
     sink.buffer(value.len())
         .map_err(|e| {
-            tonic::Status::resource_exhausted(format!(
-                "no buffer for a value of {} bytes: {e}",
-                value.len()
-            ))
+            let what = format!("no buffer for a value of {} bytes: {e}", value.len());
+            // A buffer too small for the value is the caller's argument (as over small ops).
+            match e.kind() {
+                std::io::ErrorKind::InvalidInput => tonic::Status::invalid_argument(what),
+                _ => tonic::Status::resource_exhausted(what),
+            }
         })?
         .copy_from_slice(value);
     Ok(value.len())
