@@ -1,9 +1,10 @@
 """``mori bench umbp``: the KV-block pool on the CPU machine.
 
 Measured in one run: host memcpy bandwidth (numpy, the bar for embedded gets), the embedded pool
-(put / get / get_into by value size and batch), a standalone ``umbpd`` daemon and a cluster (a
-master and 2 peers; values as gRPC bytes, and over mori.io for registered buffers — rows
-``2peers-io``) over loopback (when the binary is built), master metadata key-ops/s (batched
+(put / get by value size and batch, get_into for single values), a standalone ``umbpd`` daemon
+and a cluster (a master and 2 peers; the same calls, values as bytes — get_into of a buffer of at
+most 64 KiB over small ops, a larger one registered with the client's IO engine —, and batches
+over mori.io for registered buffers — rows ``2peers-io``) over loopback (when the binary is built), master metadata key-ops/s (batched
 ``batch_exists_prefix`` of 1024 keys from 1 and 4 threads, p50/p99), ``batch_exists_prefix`` of
 64 keys (p50/p99), tier hit rates on a synthetic
 multi-turn prefix-cache trace whose working set is larger than DRAM, and Redis SET/GET through
@@ -80,7 +81,7 @@ def _memcpy_gbps(checks: Checks) -> float:
     return src.nbytes / median(times) / 1e9
 
 
-def _pool_rows(client, label: str, total_bytes: int, zero_copy: bool, checks: Checks) -> list[dict[str, Any]]:
+def _pool_rows(client, label: str, total_bytes: int, checks: Checks) -> list[dict[str, Any]]:
     rows = []
     rng = _rng()
     for size in SIZES:
@@ -112,7 +113,7 @@ def _pool_rows(client, label: str, total_bytes: int, zero_copy: bool, checks: Ch
             row = {"backend": label, "value_bytes": size, "batch": batch, "keys": len(keys),
                    "put_gbps": len(keys) * size / t_put / 1e9, "put_ops": len(keys) / t_put,
                    "get_gbps": len(keys) * size / t_get / 1e9, "get_ops": len(keys) / t_get}
-            if zero_copy and batch == 1:
+            if batch == 1:
                 t0 = time.perf_counter()
                 for k in keys[:-1]:
                     client.get_into(k, out)
@@ -549,7 +550,7 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         print(f"host memcpy (numpy, 256 MiB): {record['memcpy_gbps']:.2f} GB/s")
         print("embedded pool (DRAM tier):")
         with Client(dram_bytes=2 << 30) as c:
-            rows = _pool_rows(c, "embedded", 256 << 20, zero_copy=True, checks=checks)
+            rows = _pool_rows(c, "embedded", 256 << 20, checks=checks)
             record["exists_prefix_64"] = _exists_latency(c, checks, "embedded")
         print(f"batch_exists_prefix(64 keys): p50 {record['exists_prefix_64']['p50_us']:.1f} µs, "
               f"p99 {record['exists_prefix_64']['p99_us']:.1f} µs")
@@ -557,7 +558,7 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         print("umbpd standalone over loopback (single calls over small ops, batches over gRPC):")
         proc, addr = _umbpd(daemon, tmp, "standalone", "--dram-bytes", "2G")
         try:
-            rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, zero_copy=False, checks=checks)
+            rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, checks=checks)
             print("  small gets from several clients:")
             record["daemon_small_gets"] = _small_gets(addr, checks)
         finally:
@@ -567,7 +568,7 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         try:
             master = _start_cluster(daemon, tmp, procs)
             c = Client(master=master)
-            rows += _pool_rows(c, "2peers", 64 << 20, zero_copy=False, checks=checks)
+            rows += _pool_rows(c, "2peers", 64 << 20, checks=checks)
             print("  registered buffers (values over mori.io, control over gRPC):")
             rows += _dataplane_rows(c, "2peers-io", 256 << 20, checks)
             print("  multi-client gets (registered buffers):")
