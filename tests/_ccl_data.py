@@ -93,3 +93,59 @@ def all_gather_step(case, comm, inputs: RankInputs, rank: int, label: str, dtype
         inp = xs[rank].clone()
     got = case.step(what, comm.all_gather, out, inp)
     case.later(what, lambda: expect_equal(got, torch.cat(xs), what))
+
+
+# Tolerances of a sum against the float64 reference rounded to the dtype: (rtol, atol), about one
+# unit in the last place of the result.
+TOL = {"float32": (1e-5, 1e-5), "float16": (1e-3, 1e-3), "bfloat16": (8e-3, 8e-3)}
+# Unit roundoff per dtype, for sums rounded more often than on one node.
+ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def expect_close(got, ref, dname: str, op: str, xs: list | None = None) -> None:
+    """``got`` matches the reference of reduction ``op``: max/min bit-exact; a sum within
+    :data:`TOL`, and with ``xs`` (the summed inputs: a sum across nodes, rounded to the dtype
+    twice more than on one node) also within 2 u x the sum of their |values| per element."""
+    import torch
+
+    assert got is not None, "the call raised (see above)"
+    if op != "sum":
+        assert torch.equal(got, ref.to(got.dtype)), "max/min must be exact"
+        return
+    rtol, atol = TOL[dname]
+    if xs is None:
+        torch.testing.assert_close(got.double(), ref.to(got.dtype).double(), rtol=rtol, atol=atol)
+        return
+    bound = rtol * ref.abs() + atol + 2 * ROUNDOFF[dname] * torch.stack([x.double().abs() for x in xs]).sum(0)
+    err = (got.double() - ref.to(got.dtype).double()).abs()
+    worst = int(torch.argmax(err - bound)) if err.numel() else 0
+    assert err.numel() == 0 or bool((err <= bound).all()), (
+        f"{int((err > bound).sum())} of {err.numel()} elements off; worst at {worst}: got {float(got.double()[worst])}, "
+        f"reference {float(ref[worst])}, allowed {float(bound[worst])}")
+
+
+def all_reduce_step(case, comm, inputs: RankInputs, rank: int, n: int, dname: str, op: str, inplace: bool,
+                    algo: str | None = None, across_nodes: bool = False) -> None:
+    """One all-reduce of ``n`` elements (out of place into a NaN-filled tensor, or in place),
+    checked after the meeting: the tensor returned, the input left alone, the values (with the
+    cross-node rounding allowance when ``across_nodes``), the same bytes on every rank."""
+    import torch
+
+    what = f"n={n} {dname} {op} {algo} {'inplace' if inplace else 'out'}"
+    xs = inputs((n,), getattr(torch, dname))
+    x = xs[rank].clone()
+    out = None if inplace else torch.full_like(x, float("nan"))
+    got = case.step(what, comm.all_reduce, x, op, out=out, algorithm=algo)
+    ref = reduce_ref(xs, op)
+
+    def verify():
+        assert got is not None, "the call raised (see above)"
+        if inplace:
+            assert got.data_ptr() == x.data_ptr(), "in-place all_reduce must return its input"
+        else:
+            assert got.data_ptr() == out.data_ptr(), "all_reduce must return out"
+            assert torch.equal(x, xs[rank]), "out-of-place all_reduce changed its input"
+        expect_close(got, ref, dname, op, xs if across_nodes else None)
+
+    case.later(what, verify)
+    case.same_on_all_ranks(what, got)

@@ -28,7 +28,6 @@ WORLD = world_under_test()
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
 SIZES = [0, 1, 7, 8, 1000, 4099, 65536 + 3, (1 << 20) + 5]
-TOL = {"float32": (1e-5, 1e-5), "float16": (1e-3, 1e-3), "bfloat16": (8e-3, 8e-3)}
 KERNEL_TIMEOUT_S = 5.0  # the suite's communicators: a peer that never comes costs 5 s, once
 
 
@@ -59,7 +58,8 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
     import mori.shmem as shmem
     from mori import Bootstrap, ccl, errors
-    from tests._ccl_data import RankInputs, all_gather_step, comm_status, digest, expect_equal, graph_steps, reduce_ref
+    from tests._ccl_data import (RankInputs, all_gather_step, all_reduce_step, comm_status, digest, expect_close, expect_equal,
+                                 graph_steps, reduce_ref)
     from tests._ccl_runner import CaseRunner, log
 
     started = time.monotonic()  # the time budget includes start-up and compiling the kernels
@@ -96,35 +96,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
     inputs = RankInputs(seed, WORLD)
 
-    def expect_close(got, ref, dtype_name, op):
-        assert got is not None, "the call raised (see above)"
-        if op == "sum":
-            rtol, atol = TOL[dtype_name]
-            torch.testing.assert_close(got.double(), ref.to(got.dtype).double(), rtol=rtol, atol=atol)
-        else:
-            assert torch.equal(got, ref.to(got.dtype)), "max/min must be exact"
-
     # ---- all-reduce ----------------------------------------------------------------------------
-
-    def all_reduce_step(case, c, n, dname, op, algo, inplace):
-        what = f"n={n} {dname} {op} {algo} {'inplace' if inplace else 'out'}"
-        xs = inputs((n,), dtypes[dname])
-        x = xs[rank].clone()
-        out = None if inplace else torch.full_like(x, float("nan"))
-        got = case.step(what, c.all_reduce, x, op, out=out, algorithm=algo)
-        ref = reduce_ref(xs, op)
-
-        def verify():
-            assert got is not None, "the call raised (see above)"
-            if inplace:
-                assert got.data_ptr() == x.data_ptr(), "in-place all_reduce must return its input"
-            else:
-                assert got.data_ptr() == out.data_ptr(), "all_reduce must return out"
-                assert torch.equal(x, xs[rank]), "out-of-place all_reduce changed its input"
-            expect_close(got, ref, dname, op)
-
-        case.later(what, verify)
-        case.same_on_all_ranks(what, got)
 
     for dname in dtypes:
         for op in ccl.REDUCE_OPS:
@@ -134,16 +106,16 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
                     def t_all_reduce(case, dname=dname, op=op, algo=algo, inplace=inplace, sizes=sizes):
                         for n in sizes:
-                            all_reduce_step(case, cc["comm"], n, dname, op, algo, inplace)
+                            all_reduce_step(case, cc["comm"], inputs, rank, n, dname, op, inplace, algo)
 
                     runner.run(f"all_reduce[{dname}-{op}-{algo}-{'inplace' if inplace else 'out'}]", t_all_reduce)
 
     def t_all_reduce_pieces(case):
         for algo in ("one_shot", "two_shot"):
             for n in (200_001, 1 << 20):
-                all_reduce_step(case, cc["small"], n, "bfloat16", "sum", algo, False)
-                all_reduce_step(case, cc["small"], n, "float32", "max", algo, True)
-        all_reduce_step(case, cc["comm"], 48 << 20, "float32", "sum", "two_shot", False)  # 192 MiB: several pieces of 64 MiB
+                all_reduce_step(case, cc["small"], inputs, rank, n, "bfloat16", "sum", False, algo)
+                all_reduce_step(case, cc["small"], inputs, rank, n, "float32", "max", True, algo)
+        all_reduce_step(case, cc["comm"], inputs, rank, 48 << 20, "float32", "sum", False, "two_shot")  # 192 MiB: several pieces of 64 MiB
 
     runner.run("all_reduce_pieces", t_all_reduce_pieces)
 
@@ -321,10 +293,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
             ref = reduce_ref(xs, "sum")
             case.later(f"all_reduce {i} n={n} {algo}", lambda got=got, ref=ref: expect_close(got, ref, "float32", "sum"))
             if i % 7 == 0:
-                ys = inputs((333,), torch.uint8)
-                out = torch.empty(WORLD * 333, dtype=torch.uint8, device="cuda")
-                got = case.step(f"all_gather {i}", comm.all_gather, out, ys[rank].clone())
-                case.later(f"all_gather {i}", lambda got=got, ref=torch.cat(ys): expect_equal(got, ref, "all_gather"))
+                all_gather_step(case, comm, inputs, rank, f"back-to-back {i}", torch.uint8, 333, False)
 
     runner.run("back_to_back", t_back_to_back)
 

@@ -23,7 +23,6 @@ import pytest
 
 import mori
 from tests._ranks import assert_ok, by_case, device_of, run_ranks, skip_unless_gpus, world_under_test
-from tests.test_gpu_ccl import TOL
 
 WORLD = world_under_test()
 HALF = WORLD // 2
@@ -58,7 +57,8 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     import torch
 
     from mori import ccl, errors
-    from tests._ccl_data import RankInputs, all_gather_step, comm_status, digest, expect_equal, graph_steps, reduce_ref
+    from tests._ccl_data import (RankInputs, all_gather_step, all_reduce_step, comm_status, digest, expect_close, expect_equal,
+                                 graph_steps, reduce_ref)
     from tests._ccl_runner import CaseRunner, log
 
     started = time.monotonic()
@@ -83,25 +83,6 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
     inputs = RankInputs(seed, WORLD)
 
-    # Unit roundoff per dtype: a sum across nodes is rounded to the dtype twice more than on one
-    # node (the node's partial sum, then the nodes' sum), each by up to u x the sum of |inputs|.
-    roundoff = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
-
-    def expect_close(got, ref, dname, op, xs=None):
-        assert got is not None, "the call raised (see above)"
-        if op == "sum":
-            rtol, atol = TOL[dname]
-            bound = rtol * ref.abs() + atol
-            if xs is not None:
-                bound = bound + 2 * roundoff[dname] * torch.stack([x.double().abs() for x in xs]).sum(0)
-            err = (got.double() - ref.to(got.dtype).double()).abs()
-            worst = int(torch.argmax(err - bound)) if err.numel() else 0
-            assert err.numel() == 0 or bool((err <= bound).all()), (
-                f"{int((err > bound).sum())} of {err.numel()} elements off; worst at {worst}: got {float(got.double()[worst])}, "
-                f"reference {float(ref[worst])}, allowed {float(bound[worst])}")
-        else:
-            assert torch.equal(got, ref.to(got.dtype)), "max/min must be exact"
-
     def t_layout(case):
         def check():
             assert cc["comm"].nodes == 2, cc["comm"].nodes
@@ -112,37 +93,20 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
     runner.run("layout", t_layout)
 
-    def all_reduce_step(case, c, n, dname, op, inplace, algo=None):
-        what = f"n={n} {dname} {op} {algo} {'inplace' if inplace else 'out'}"
-        xs = inputs((n,), dtypes[dname])
-        x = xs[rank].clone()
-        out = None if inplace else torch.full_like(x, float("nan"))
-        got = case.step(what, c.all_reduce, x, op, out=out, algorithm=algo)
-        ref = reduce_ref(xs, op)
-
-        def verify():
-            assert got is not None, "the call raised (see above)"
-            if not inplace:
-                assert torch.equal(x, xs[rank]), "out-of-place all_reduce changed its input"
-            expect_close(got, ref, dname, op, xs)
-
-        case.later(what, verify)
-        case.same_on_all_ranks(what, got)
-
     def t_all_reduce(case):
         for dname in dtypes:
             for op in ("sum", "max"):
                 for n in (0, 1, 7, 1000, 65539, (1 << 20) + 5):
                     for inplace in (True, False):
-                        all_reduce_step(case, cc["comm"], n, dname, op, inplace)
-        all_reduce_step(case, cc["comm"], 300_001, "float32", "min", False, "two_shot")
+                        all_reduce_step(case, cc["comm"], inputs, rank, n, dname, op, inplace, None, across_nodes=True)
+        all_reduce_step(case, cc["comm"], inputs, rank, 300_001, "float32", "min", False, "two_shot", across_nodes=True)
 
     runner.run("all_reduce", t_all_reduce)
 
     def t_all_reduce_pieces(case):
         for n in (200_001, 1 << 19):
-            all_reduce_step(case, cc["small"], n, "bfloat16", "sum", False)
-            all_reduce_step(case, cc["small"], n, "float32", "max", True)
+            all_reduce_step(case, cc["small"], inputs, rank, n, "bfloat16", "sum", False, None, across_nodes=True)
+            all_reduce_step(case, cc["small"], inputs, rank, n, "float32", "max", True, None, across_nodes=True)
 
     runner.run("all_reduce_pieces", t_all_reduce_pieces)
 
@@ -219,10 +183,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
             got = case.step(f"all_reduce {i}", comm.all_reduce, xs[rank].clone())
             case.later(f"all_reduce {i} n={n}", lambda got=got, ref=reduce_ref(xs, "sum"), xs=xs: expect_close(got, ref, "float32", "sum", xs))
             if i % 5 == 0:
-                ys = inputs((333,), torch.uint8)
-                out = torch.zeros(WORLD * 333, dtype=torch.uint8, device="cuda")
-                got = case.step(f"all_gather {i}", comm.all_gather, out, ys[rank].clone())
-                case.later(f"all_gather {i}", lambda got=got, ref=torch.cat(ys): expect_equal(got, ref, "all_gather"))
+                all_gather_step(case, comm, inputs, rank, f"back-to-back {i}", torch.uint8, 333, False)
 
     runner.run("back_to_back", t_back_to_back)
 
