@@ -321,7 +321,7 @@ def test_ep_bench_apis_and_the_facade_beside_native():
     assert parser.parse_args(["bench", "ep", "--api", "deepep,native"]).api == ["deepep", "native"]  # in the order given
     assert parser.parse_args(["bench", "ep", "--api", "native:deepep:native"]).api == ["native", "deepep"]  # device-run.sh splits at commas
     row = {"dispatch_bf16_us": 200.0, "facade_dispatch_bf16_us": 210.0, "facade_dispatch_bf16_cached_us": 190.0,
-           "combine_call_us": 0.0, "facade_combine_call_us": 5.0, "facade_allreduce_dispatch_bf16_call_us": 250.0, "sms": 24}
+           "combine_call_us": 0.0, "facade_combine_call_us": 5.0, "facade_default_dispatch_bf16_call_us": 250.0, "sms": 24}
     assert ep._facade_over_native(row) == {"dispatch_bf16": 1.05}  # only what both APIs measured
     assert ep._facade_over_native({"facade_combine_us": 1.0}) == {}
 

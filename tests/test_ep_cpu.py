@@ -145,10 +145,10 @@ def test_deepep_event_and_handles_without_gpu():
 KERNELS = Path(__file__).parent.parent / "kernels" / "ep"
 # Frozen: the struct codes mori.ep packed each launch with before crates/collective
 # (P pointer, i int32, Q uint64; native alignment, no tail padding), with the fields added
-# since: the low-latency dispatch's round_scale (send), scale_format and wait_ns (receive), and
-# the low-latency combine's wait_ns (receive).
+# since: the low-latency dispatch's round_scale (send), scale_format and wait_ns (receive), the
+# low-latency combine's wait_ns (receive), and the normal prepare's capacity.
 OLD_LAYOUTS = {
-    "ep_prepare": "PiiiiiPPPPPPiPPPi",
+    "ep_prepare": "PiiiiiPPPPPPiPPPii",
     "ep_dispatch": "PQPiPPiiiiPPPPPPPPP",
     "ep_combine_send": "PQiiPPQP",
     "ep_combine_reduce": "PiPQiiiPPP",
@@ -315,7 +315,7 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
             nw = n * w
             return ("ep_prepare", w + 1, 1024, 0, packed(
                 "ep_prepare", topk_idx, n, k, el, w, e, meta, meta + 4 * nw, meta + 8 * nw, meta + 4 * (2 * nw + w),
-                meta + 4 * (2 * nw + w + e), counters, int(notify), rank_m[parity], expert_m[parity], host_info, seq))
+                meta + 4 * (2 * nw + w + e), counters, int(notify), rank_m[parity], expert_m[parity], host_info, seq, tmax))
 
         def layout_part(offset):
             return meta + 4 * offset

@@ -95,6 +95,22 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
         ref.check_normal_dispatch(exp, **got)
         ref.check_normal_combine(out, ref.expected_normal_combine(sent, scales, idx, experts, world))
 
+    def over_capacity():
+        # One rank has more tokens than the buffer holds: every rank raises CapacityError from
+        # the same call (not only that rank, leaving its peers waiting), nothing was sent, and
+        # the buffer works on.
+        from mori.errors import CapacityError
+
+        n = MAX_TOKENS + 37 if rank == world - 1 else 5
+        try:
+            buf.dispatch(tokens(n), routing(n, "random"), torch.rand((n, TOPK), device="cuda", generator=gen))
+        except CapacityError as e:
+            assert e.needed == MAX_TOKENS + 37, f"needed={e.needed}"
+        else:
+            raise AssertionError(f"a dispatch with {MAX_TOKENS + 37} tokens on rank {world - 1} did not raise here")
+        shmem.barrier_all()
+        normal_case(300, "random", False)
+
     # ---- low-latency mode -----------------------------------------------------------------
 
     def ll_run(x, idx, weights, fp8, hook, b=buf, **scale_format):
@@ -213,6 +229,7 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
         "ll_ue8m0_column_major_hook": lambda: ll_case(LL_MAX, "random", True, hook=True, round_scale=True, use_ue8m0=True,
                                                       scales_column_major=True),
         "normal_after_ll": lambda: normal_case(700, "random", False),
+        "over_capacity": over_capacity,
         "hidden_7168": hidden_7168,
     }
     for name, fn in cases.items():
@@ -239,7 +256,7 @@ CASES = [
     "max_tokens", "max_tokens_fp8", "repeated", "ll_random", "ll_random_fp8", "ll_all_to_rank0", "ll_all_to_rank0_fp8", "ll_no_remote", "ll_zero_tokens_on_rank1",
     "ll_zero_tokens_on_rank1_fp8", "ll_one_token", "ll_one_token_fp8", "ll_max_tokens", "ll_max_tokens_fp8", "ll_repeated",
     "ll_hook", "ll_hook_fp8", "ll_graph", "ll_graph_fp8", "ll_one_expert", "ll_duplicate_ids", "ll_round_scale",
-    "ll_round_scale_column_major", "ll_ue8m0", "ll_ue8m0_column_major_hook", "normal_after_ll", "hidden_7168",
+    "ll_round_scale_column_major", "ll_ue8m0", "ll_ue8m0_column_major_hook", "normal_after_ll", "over_capacity", "hidden_7168",
 ]
 
 

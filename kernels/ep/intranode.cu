@@ -7,6 +7,10 @@
 //             -> ep_dispatch (each token's row, top-k ids/weights, scales and source index are
 //                stored straight into its final row at every destination; the last block to
 //                finish runs the barrier that publishes them)
+//                Every rank's token count travels with its expert counts, so every rank sees the
+//                same largest count: when it exceeds the buffers' capacity, every rank skips the
+//                rows and reports that count, and the callers can resize together without a
+//                collective of their own (mori.ep.deepep grows its buffer this way).
 // One combine:   ep_combine_send (received rows that came from other ranks go back to their
 //                source's combine buffer; last block: barrier) -> ep_combine_reduce (fp32 sum per
 //                token over the ranks it went to, the rank's own rows read straight from y).
@@ -29,7 +33,7 @@ struct Counters {
     unsigned int ticket;
     unsigned int work;
     int bad_ids;
-    unsigned int unused;
+    int overflow;  // set by ep_prepare when a rank has more tokens than the capacity; read and reset by ep_dispatch
 };
 
 namespace {
@@ -53,14 +57,16 @@ __device__ __forceinline__ unsigned int next_item(unsigned int* work) {
 // Blocks 0..num_ranks-1: the scan for destination rank d (slot[t][d], send_list[d][slot] = t,
 // tokens_per_rank[d]). Block num_ranks: counts per expert (num_experts <= 4096) and the
 // out-of-range id check. The grid's last block, when `notify`, then writes this rank's counts into
-// every rank's rank/expert matrices, meets every rank in a barrier, copies the rank matrix into
-// `rank_matrix_out` and publishes host_info = [seq, rows received, rows per local expert...,
-// bad ids] with host_info[0] written last.
+// every rank's rank/expert matrices (an expert matrix row ends with the rank's token count),
+// meets every rank in a barrier, copies the rank matrix into `rank_matrix_out` and publishes
+// host_info = [seq, rows received, rows per local expert..., bad ids, the most tokens any rank
+// has] with host_info[0] written last; `counters->overflow` tells ep_dispatch when that is more
+// than `capacity`.
 extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
     const long long* __restrict__ topk_idx, int num_tokens, int topk, int experts_per_rank, int num_ranks,
     int num_experts, int* __restrict__ slot, int* __restrict__ send_list, int* tokens_per_rank,
     int* tokens_per_expert, int* __restrict__ rank_matrix_out, Counters* counters, int notify, int* rank_matrix,
-    int* expert_matrix, volatile int* host_info, int seq) {
+    int* expert_matrix, volatile int* host_info, int seq, int capacity) {
     const int d = blockIdx.x;
     if (d == num_ranks) {
         __shared__ int hist[4096];
@@ -102,13 +108,15 @@ extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
     }
     __syncthreads();
     if (!notify) return;
+    const int row = experts_per_rank + 1;  // an expert matrix row: counts per expert, then tokens
     for (int dst = 0; dst < num_ranks; ++dst) {
         for (int j = threadIdx.x; j < num_ranks; j += blockDim.x) {
             p(rank_matrix + me * num_ranks + j, __ldcg(tokens_per_rank + j), dst);
         }
         for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
-            p(expert_matrix + me * experts_per_rank + e, __ldcg(tokens_per_expert + dst * experts_per_rank + e), dst);
+            p(expert_matrix + me * row + e, __ldcg(tokens_per_expert + dst * experts_per_rank + e), dst);
         }
+        if (threadIdx.x == 0) p(expert_matrix + me * row + experts_per_rank, num_tokens, dst);
     }
     barrier_all_block();
     for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
@@ -116,14 +124,19 @@ extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
     }
     for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
         int n = 0;
-        for (int s = 0; s < num_ranks; ++s) n += ((volatile int*)expert_matrix)[s * experts_per_rank + e];
+        for (int s = 0; s < num_ranks; ++s) n += ((volatile int*)expert_matrix)[s * row + e];
         host_info[2 + e] = n;
     }
     if (threadIdx.x == 0) {
-        int rows = 0;
-        for (int s = 0; s < num_ranks; ++s) rows += ((volatile int*)rank_matrix)[s * num_ranks + me];
+        int rows = 0, most = 0;
+        for (int s = 0; s < num_ranks; ++s) {
+            rows += ((volatile int*)rank_matrix)[s * num_ranks + me];
+            most = max(most, ((volatile int*)expert_matrix)[s * row + experts_per_rank]);
+        }
+        counters->overflow = most > capacity;
         host_info[1] = rows;
         host_info[2 + experts_per_rank] = bad_seen;
+        host_info[3 + experts_per_rank] = most;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -136,7 +149,8 @@ extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
 // stores the token's row (row_bytes, a multiple of 16), its scales (scale_cols floats, may be 0),
 // its top-k ids as the destination's local expert ids (-1 for experts elsewhere), its weights and
 // its source index into the destination's receive buffers. The last block to finish meets every
-// rank in a barrier, so the rows are complete everywhere when the kernel ends.
+// rank in a barrier, so the rows are complete everywhere when the kernel ends. When ep_prepare
+// found a rank with more tokens than the capacity, no rows move (on every rank alike).
 extern "C" __global__ void __launch_bounds__(512) ep_dispatch(
     const unsigned char* __restrict__ x, u64 row_bytes, const float* __restrict__ scales, int scale_cols,
     const long long* __restrict__ topk_idx, const float* __restrict__ topk_w, int num_tokens, int topk,
@@ -153,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch(
     if (threadIdx.x == 0) {
         int m = 0;
         for (int d = 0; d < num_ranks; ++d) m = max(m, count[d]);
-        max_count = m;
+        max_count = __ldcg(&counters->overflow) ? 0 : m;
     }
     __syncthreads();
     const int lane = lane_id();
@@ -178,7 +192,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch(
         if (lane == 0) *ptr(recv_src + row, d) = static_cast<int>(t);
     }
     if (last_block_done(&counters->ticket)) {
-        if (threadIdx.x == 0) counters->work = 0;
+        // Every block read `overflow` before counting itself done.
+        if (threadIdx.x == 0) counters->work = 0, counters->overflow = 0;
         barrier_all_block();
     }
 }

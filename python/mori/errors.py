@@ -63,6 +63,16 @@ class ClosedError(InvalidArgumentError):
     Python raises for a closed file."""
 
 
+class CapacityError(InvalidArgumentError):
+    """A collective call needs more room than its buffers were built with, on some rank: every
+    rank raises it alike, having changed nothing. ``needed`` is the size that would fit (for
+    ``mori.ep`` normal dispatch: the most tokens any rank passed)."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
+
+
 class BootstrapError(MoriError):
     """Rendezvous or a bootstrap collective failed."""
 
@@ -111,6 +121,7 @@ __all__ = [
     "InvalidArgumentError",
     "ArgumentTypeError",
     "ClosedError",
+    "CapacityError",
     "BootstrapError",
     "PeerLostError",
     "MismatchError",

@@ -142,6 +142,10 @@ fn main() {
         "rows per expert"
     );
     assert!(!got.bad_ids);
+    assert_eq!(
+        got.most_tokens, TOKENS,
+        "the largest token count among the PEs"
+    );
     combine(recv_x, got.rows);
     stream.synchronize().expect("stream");
     let mut back = vec![0u8; fresh.len()];

@@ -23,6 +23,8 @@ kernel_params! {
         pub expert_matrix: DevicePtr,
         pub host_info: DevicePtr,
         pub seq: i32,
+        /// Tokens per rank the buffers hold (a rank with more: no rows move, see intranode.cu).
+        pub capacity: i32,
     }
 }
 

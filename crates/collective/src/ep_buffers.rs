@@ -24,6 +24,9 @@ pub struct Received {
     pub per_expert: Vec<u32>,
     /// The dispatch met expert ids outside `[-1, num_experts)` (skipped like -1).
     pub bad_ids: bool,
+    /// The most tokens any rank dispatched. Above the shape's `max_tokens` no rows moved (on
+    /// any rank): the dispatch must be repeated with buffers that hold this many.
+    pub most_tokens: u32,
 }
 
 /// A rank's normal-mode EP buffers and runtime.
@@ -85,7 +88,7 @@ impl Ep {
             (rows * k * 4, false),
             (rows * 4, false),
             (2 * w * w * 4, true),
-            (2 * w * epr * 4, true),
+            (2 * w * (epr + 1) * 4, true),
             (rows * h * 2, false),
         ];
         let mut offsets = Vec::with_capacity(sizes.len());
@@ -110,7 +113,7 @@ impl Ep {
         let counters = DeviceBuffer::new(device, 16)?;
         // SAFETY: the buffer holds 16 bytes on this device.
         unsafe { mori_gpu::copy_host_to_device(device, counters.ptr(), &[0u8; 16])? };
-        let host_info = PinnedBuffer::new(device, 4 * (3 + epr as usize))?;
+        let host_info = PinnedBuffer::new(device, 4 * (4 + epr as usize))?;
         let at = |i: usize| shmem.heap_base() + offsets[i];
         let half = |i: usize, bytes: u64| [at(i), at(i) + bytes / 2];
         let buffers = NormalBuffers {
@@ -126,7 +129,7 @@ impl Ep {
             host_info: host_info.ptr(),
         };
         // SAFETY: the symmetric buffers, counters and pinned words live as long as `Ep`
-        // (destroy waits for the GPU before freeing them), host_info holds 3 + experts_per_rank
+        // (destroy waits for the GPU before freeing them), host_info holds 4 + experts_per_rank
         // int32 values.
         let runtime = unsafe { EpRuntime::new(shape, buffers, None, Some((intranode, None)))? };
         Ok(Self {
@@ -158,11 +161,14 @@ impl Ep {
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
-        let (last, middle) = words[1..].split_last()?;
+        // [seq, rows, per expert..., bad ids, most tokens]
+        let (&most_tokens, rest) = words.split_last()?;
+        let (&bad, counts) = rest[1..].split_last()?;
         Some(Received {
-            rows: middle[0],
-            per_expert: middle[1..].to_vec(),
-            bad_ids: *last != 0,
+            rows: counts[0],
+            per_expert: counts[1..].to_vec(),
+            bad_ids: bad != 0,
+            most_tokens,
         })
     }
 

@@ -51,11 +51,13 @@ pub struct NormalBuffers {
     pub recv_src: u64,
     /// By call parity: a rank one dispatch ahead writes the other half.
     pub rank_matrix: [u64; 2],
+    /// `[ranks][experts_per_rank + 1]` int32 each: a rank's counts per expert, then its tokens.
     pub expert_matrix: [u64; 2],
     pub comb: u64,
     /// The kernels' `Counters` (device memory).
     pub counters: u64,
-    /// Pinned host words the GPU publishes a dispatch's totals into: [seq, rows, per expert..., bad ids].
+    /// Pinned host words the GPU publishes a dispatch's totals into: [seq, rows, per expert...,
+    /// bad ids, the most tokens any rank dispatched].
     pub host_info: u64,
 }
 
@@ -218,7 +220,7 @@ impl EpRuntime {
     /// # Safety
     /// Every address in `normal` and `ll` must stay valid (the symmetric ones on every rank) as
     /// long as launches of this runtime may run; `host_info` is pinned host memory of
-    /// `4 * (3 + experts_per_rank)` bytes.
+    /// `4 * (4 + experts_per_rank)` bytes.
     pub unsafe fn new(
         shape: EpShape,
         normal: NormalBuffers,
@@ -361,6 +363,7 @@ impl EpRuntime {
             expert_matrix: DevicePtr(self.normal.expert_matrix[parity]),
             host_info: DevicePtr(self.normal.host_info),
             seq: calls.seq,
+            capacity: int(s.max_tokens),
         };
         Ok((launch("ep_prepare", s.num_ranks + 1, 1024, 0, p), calls.seq))
     }

@@ -37,16 +37,16 @@ the order given, each in its own mori.shmem session on the benchmark's bootstrap
 reuses an initialised session), finalised before the next API builds its buffers. A facade key
 is `facade_` + the native key of the same measurement, so the two read side by side:
 
-* normal mode, the facade built with `max_tokens_per_rank=4096` (mori-only: a fixed capacity,
-  no all-reduce per dispatch): `facade_dispatch_{bf16,fp8}_us` and `_call_us` /
+* normal mode, the facade built with `max_tokens_per_rank=4096` (mori-only: a fixed capacity): `facade_dispatch_{bf16,fp8}_us` and `_call_us` /
   `_call_host_us`, the full call (get_dispatch_layout + dispatch with the layout, top-k ids and
   weights) in the kernel and call views; `facade_dispatch_{bf16,fp8}_cached_us`, the kernel view
   of dispatch with a cached handle (DeepEP's timed form; mori's API has no such call);
   `facade_combine_us`, `facade_combine_call_us` / `_call_host_us`. Built as DeepEP's Buffer is
-  (no max_tokens_per_rank: every dispatch without a handle all-reduces the token count over the
-  group to size the buffer; a cached one needs no sizing): `facade_allreduce_dispatch_bf16_call_us`
-  / `_call_host_us` and `facade_allreduce_dispatch_bf16_cached_us`, so the sizing all-reduce
-  shows beside `facade_dispatch_bf16_call_us` (and the cached form shows it is gone);
+  (no max_tokens_per_rank: the capacity grows when a dispatch finds a rank with more tokens,
+  which the untimed first call does here): `facade_default_dispatch_bf16_call_us` /
+  `_call_host_us` and `facade_default_dispatch_bf16_cached_us`, beside
+  `facade_dispatch_bf16_call_us` (records up to stop 27 have `facade_allreduce_*` instead: that
+  constructor then all-reduced the token count on every dispatch without a handle);
 * low-latency mode: `facade_{dispatch_bf16,dispatch_fp8,combine}_eager_us` / `_eager_host_us`
   (Python calls, no graphs);
 * `facade_over_native` (in each normal-mode row and in `low_latency`, when both APIs ran): for
@@ -289,17 +289,17 @@ class _Normal:
         self.bs.barrier()
         return row
 
-    def facade_allreduce(self, fbuf, sms: int) -> dict[str, Any]:
-        """mori's DeepEP facade at ``sms`` SMs built as DeepEP's Buffer is (every dispatch
-        without a handle all-reduces the token count): the BF16 full call (call view) and cached
+    def facade_default(self, fbuf, sms: int) -> dict[str, Any]:
+        """mori's DeepEP facade at ``sms`` SMs built as DeepEP's Buffer is (no fixed capacity:
+        it grows in the first, untimed call): the BF16 full call (call view) and cached
         dispatch."""
         api = _DeepEPShaped(self, fbuf, *_facade_configs(self.world, sms), by_source=False)
-        label = f"facade (capacity by all-reduce) dispatch bf16 at {sms} SMs"
+        label = f"facade (default constructor) dispatch bf16 at {sms} SMs"
         handle = api.full_call(self.x)()[4]
         row: dict[str, Any] = {}
-        self.time_call(row, "facade_allreduce_dispatch_bf16", f"{label}, full call", api.full_call(self.x), (self.x,),
+        self.time_call(row, "facade_default_dispatch_bf16", f"{label}, full call", api.full_call(self.x), (self.x,),
                        api.check_full(False))
-        self.time_kernel(row, "facade_allreduce_dispatch_bf16_cached", f"{label}, cached handle", api.cached(self.x, handle), (self.x,),
+        self.time_kernel(row, "facade_default_dispatch_bf16_cached", f"{label}, cached handle", api.cached(self.x, handle), (self.x,),
                          api.check_cached(handle, False))
         self.bs.barrier()
         return row
@@ -579,16 +579,16 @@ def _rank(rank: int, world: int, uid: bytes, sms_list: list[int], iters: int, re
 
         from mori.ep import deepep
 
-        # mori-only keyword: a fixed capacity, no all-reduce per dispatch.
+        # mori-only keyword: a fixed capacity.
         fixed = deepep.Buffer(dist.group.WORLD, explicitly_destroy=True, max_tokens_per_rank=TOKENS)
         for row in rows:
             measure(row, normal.facade, fixed, row["sms"])
         measure(ll, low_latency, _facade_low_latency(fixed))
         fixed.destroy()
         if rows:
-            sized = deepep.Buffer(dist.group.WORLD, explicitly_destroy=True)  # as DeepEP's: capacity by all-reduce
+            sized = deepep.Buffer(dist.group.WORLD, explicitly_destroy=True)  # as DeepEP's: the capacity grows
             for row in rows:
-                measure(row, normal.facade_allreduce, sized, row["sms"])
+                measure(row, normal.facade_default, sized, row["sms"])
             sized.destroy()
 
     for api in apis:
@@ -673,10 +673,10 @@ _FACADE_TABLE = (
     ("dispatch bf16", (("native", "dispatch_bf16_us"), ("facade", "facade_dispatch_bf16_us"))),
     ("dispatch fp8", (("native", "dispatch_fp8_us"), ("facade", "facade_dispatch_fp8_us"))),
     ("facade, cached", (("bf16", "facade_dispatch_bf16_cached_us"), ("fp8", "facade_dispatch_fp8_cached_us"),
-                        ("bf16 AR", "facade_allreduce_dispatch_bf16_cached_us"))),
+                        ("bf16 dflt", "facade_default_dispatch_bf16_cached_us"))),
     ("call: dispatch bf16", (("native", "dispatch_bf16_call_us"), ("facade", "facade_dispatch_bf16_call_us"),
                              ("ratio", "facade_over_native.dispatch_bf16_call"), ("host", "facade_dispatch_bf16_call_host_us"),
-                             ("AR", "facade_allreduce_dispatch_bf16_call_us"))),
+                             ("dflt", "facade_default_dispatch_bf16_call_us"))),
     ("combine", (("native", "combine_us"), ("facade", "facade_combine_us"))),
     ("call: combine", (("native", "combine_call_us"), ("facade", "facade_combine_call_us"),
                        ("ratio", "facade_over_native.combine_call"))),

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mori import _core, gpu, shmem
-from mori.errors import InvalidArgumentError, TimeoutError
+from mori.errors import CapacityError, InvalidArgumentError, TimeoutError
 
 MAX_TOPK = 9  # ep::MAX_TOPK in kernels/ep/mori_ep.cuh
 MAX_EXPERTS = 4096  # ep_prepare's shared-memory histogram
@@ -186,12 +186,13 @@ class Buffer:
         self._recv_src = shmem.tensor((rows,), torch.int32)
         # Double-buffered by call parity: a rank one dispatch ahead writes the other half.
         self._rank_matrix = shmem.tensor((2, w, w), torch.int32, zero=True)
-        self._expert_matrix = shmem.tensor((2, w, self.experts_per_rank), torch.int32, zero=True)
+        # A row per source rank: its counts for this rank's experts, then its token count.
+        self._expert_matrix = shmem.tensor((2, w, self.experts_per_rank + 1), torch.int32, zero=True)
         self._comb = shmem.tensor((rows * h * 2,), torch.uint8)
         self._comb_in = shmem.tensor((rows, h), torch.bfloat16)
         self._counters = torch.zeros(4, dtype=torch.int32, device=dev)  # Counters in intranode.cu
         # The receiver's totals, written by the GPU into pinned host memory the host polls.
-        self._host_info = torch.zeros(3 + self.experts_per_rank, dtype=torch.int32, device="cpu", pin_memory=True)
+        self._host_info = torch.zeros(4 + self.experts_per_rank, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host_info_np = self._host_info.numpy()
         # Addresses used on every call, read once.
         self.profile: list[dict[str, float]] | None = None  # set to [] to record phase timings
@@ -236,15 +237,16 @@ class Buffer:
         mark("start")
         return mark
 
-    def _check_topk(self, topk_idx: Any, limit: int) -> tuple[Any, int]:
+    def _check_topk(self, topk_idx: Any, limit: int | None) -> tuple[Any, int]:
         """(topk_idx made contiguous, tokens). Every check here is local: a rank that raises
-        leaves its peers waiting in the collective, so inputs are fixed up where possible."""
+        leaves its peers waiting in the collective, so inputs are fixed up where possible
+        (``limit`` None: no token limit here, the collective checks it on every rank)."""
         import torch
 
         if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[1] != self.config.topk:
             raise InvalidArgumentError(f"topk_idx must be int64 [tokens, {self.config.topk}], got {topk_idx.dtype} {tuple(topk_idx.shape)}")
         n = topk_idx.shape[0]
-        if n > limit:
+        if limit is not None and n > limit:
             raise InvalidArgumentError(f"{n} tokens exceed the buffer's limit of {limit} per rank")
         return topk_idx.contiguous(), n
 
@@ -260,7 +262,8 @@ class Buffer:
 
     def _wait_host_info(self, seq: int) -> list[int]:
         """Spins until the GPU has published dispatch ``seq``'s totals (the normal mode's one
-        host synchronisation); returns [rows received, rows per local expert..., bad ids]."""
+        host synchronisation); returns [rows received, rows per local expert..., bad ids, the
+        most tokens any rank dispatched]."""
         info = self._host_info_np
         # Spins in Rust with the GIL released (other Python threads run meanwhile).
         if info[0] != seq and not self._rt.wait_dispatched(seq, HOST_WAIT_TIMEOUT_S):
@@ -282,11 +285,13 @@ class Buffer:
         self, x: Any, topk_idx: Any, topk_weights: Any, *, stream: Any = None, num_sms: int | None = None
     ) -> DispatchResult:
         """``x``: bf16 [T, hidden], or (float8_e4m3fn [T, hidden], float32 scales [T, hidden/128]).
-        ``num_sms`` overrides the config's SM budget for this call."""
+        ``num_sms`` overrides the config's SM budget for this call. When some rank passes more
+        than ``max_tokens_per_rank`` tokens, no rows move and every rank raises
+        :class:`~mori.errors.CapacityError` (``needed``: the most tokens any rank passed)."""
         import torch
 
         cfg = self.config
-        topk_idx, n = self._check_topk(topk_idx, cfg.max_tokens_per_rank)
+        topk_idx, n = self._check_topk(topk_idx, None)
         scales = None
         if isinstance(x, tuple):
             x, scales = x
@@ -313,11 +318,15 @@ class Buffer:
         marks("launch")
         info = self._wait_host_info(seq)
         marks("end")
-        if info[-1]:
+        *counts, bad_ids, most_tokens = info
+        if most_tokens > cfg.max_tokens_per_rank:
+            raise CapacityError(f"a rank dispatched {most_tokens} tokens, more than the buffer's max_tokens_per_rank="
+                                f"{cfg.max_tokens_per_rank}; nothing was sent", needed=most_tokens)
+        if bad_ids:
             # Out-of-range ids were skipped on the GPU like -1, so every rank's kernels still
             # matched; the error is this rank's alone.
             raise InvalidArgumentError(f"topk_idx holds ids outside [-1, {cfg.num_experts})")
-        num_recv = info[0]
+        num_recv = counts[0]
         raw = self._recv_x[: num_recv * row_bytes]
         recv_x = raw.view(torch.float8_e4m3fn if scales is not None else torch.bfloat16).view(num_recv, cfg.hidden)
         return DispatchResult(
@@ -326,7 +335,7 @@ class Buffer:
             self._recv_idx[:num_recv],
             self._recv_w[:num_recv],
             self._recv_src[:num_recv],
-            info[1:-1],
+            counts[1:],
             Handle(handle.meta, n, w, cfg.num_experts, num_recv),
         )
 

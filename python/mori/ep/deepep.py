@@ -17,11 +17,13 @@ Everything runs on top of one :class:`mori.ep.Buffer`. What differs from DeepEP 
     (``x.shape[1]``) and top-k (``topk_idx.shape[1]``) from their arguments, which DeepEP already
     requires to be equal on every rank, so every rank decides identically without communicating;
   - normal dispatch takes experts (``num_tokens_per_expert.numel()``), hidden and top-k from its
-    arguments, and the token capacity from an all-reduce (max) over ``group`` of every rank's
-    token count, done on every dispatch without a handle (a cached dispatch reuses a layout that
-    fit on every rank, so it needs none). The capacity grows to at least 1.5x the old one, in
-    multiples of 256 tokens. Pass ``max_tokens_per_rank=`` (a mori-only keyword) to fix the
-    capacity instead: no per-dispatch all-reduce, and a dispatch with more tokens raises;
+    arguments (equal on every rank, as DeepEP requires). The token capacity starts at 256 per
+    rank and needs no communication of its own: every rank's token count travels with the
+    dispatch's own count exchange, so when some rank has more tokens than the buffer holds,
+    every rank learns it in the same call (nothing moves), rebuilds to at least the largest
+    count and 1.5x the old capacity, in multiples of 256 tokens, and repeats the dispatch. Pass
+    ``max_tokens_per_rank=`` (a mori-only keyword) to fix the capacity instead: a dispatch with
+    more tokens on any rank then raises :class:`mori.errors.CapacityError` on every rank;
   - ``num_nvl_bytes`` / ``num_rdma_bytes`` are accepted and not used for sizing.
 
   A rebuild invalidates handles from before it (using one raises ``InvalidArgumentError``), and
@@ -50,7 +52,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from mori.errors import InvalidArgumentError, MoriError
+from mori.errors import CapacityError, InvalidArgumentError, MoriError
 
 __all__ = ["Buffer", "Config", "EventOverlap"]
 
@@ -266,8 +268,8 @@ class Buffer:
     ``explicitly_destroy``: as in DeepEP, :meth:`destroy` is allowed only when it is set; without
     it the heap memory is released when :mod:`mori.shmem` is finalised (never in a destructor,
     which would make garbage collection collective).
-    mori-only keyword: ``max_tokens_per_rank`` fixes the normal-mode token capacity (no
-    per-dispatch all-reduce).
+    mori-only keyword: ``max_tokens_per_rank`` fixes the normal-mode token capacity (a dispatch
+    with more tokens on any rank raises :class:`mori.errors.CapacityError` on every rank).
     """
 
     num_sms: int = 20
@@ -514,7 +516,7 @@ class Buffer:
         self, *, num_experts: int, hidden: int, topk: int, tokens: int = 0, ll_tokens: int | None = None, wider_topk: bool = False
     ) -> None:
         """Builds or rebuilds when the current buffer does not fit. Every argument must be equal
-        on every rank (callers reduce ``tokens`` over the group first). ``wider_topk``: a buffer
+        on every rank (``tokens`` too: it comes from a dispatch every rank saw). ``wider_topk``: a buffer
         built for more top-k slots fits too (normal mode pads the rows with -1; a rebuild keeps
         the wider width, so alternating widths do not rebuild every call)."""
         self._init_shmem()
@@ -538,26 +540,10 @@ class Buffer:
         build_topk = max(topk, have_topk) if wider_topk else topk
         self._build(num_experts=num_experts, hidden=hidden, topk=build_topk, capacity=capacity, ll_tokens=want_ll)
 
-    def _allreduce_max(self, values: list[int]) -> list[int]:
-        import torch
-        import torch.distributed as dist
-
-        backend = str(dist.get_backend(self.group))
-        on_gpu = "nccl" in backend and "gloo" not in backend
-        t = torch.tensor(values, dtype=torch.int64, device="cuda" if on_gpu else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return [int(v) for v in t.tolist()]
-
-    def _ensure_normal(self, tokens: int, hidden: int, topk: int, num_experts: int) -> None:
-        """Collective sizing for normal mode (see the module docstring)."""
-        if self._fixed_capacity is None:
-            r = self._allreduce_max([tokens, hidden, topk, num_experts, -hidden, -topk, -num_experts])
-            if (r[1], r[2], r[3]) != (-r[4], -r[5], -r[6]):
-                raise InvalidArgumentError(
-                    f"ranks disagree on hidden / top-k / experts: max {(r[1], r[2], r[3])}, min {(-r[4], -r[5], -r[6])}"
-                )
-            tokens = r[0]
-        self._ensure(num_experts=num_experts, hidden=hidden, topk=topk, tokens=tokens, wider_topk=True)
+    def _ensure_normal(self, hidden: int, topk: int, num_experts: int, needed: int = 1) -> None:
+        """Sizing for normal mode (see the module docstring), decided alike on every rank:
+        the shapes are equal everywhere and ``needed`` comes from a dispatch every rank saw."""
+        self._ensure(num_experts=num_experts, hidden=hidden, topk=topk, tokens=needed, wider_topk=True)
 
     def _stream_scope(self, previous_event: Any) -> _StreamScope:
         import torch
@@ -709,13 +695,23 @@ class Buffer:
 
         n, hidden, k = int(x_data.shape[0]), int(x_data.shape[1]), int(topk_idx.shape[1])
         if handle is None:
-            self._ensure_normal(n, hidden, k, num_experts)
+            self._ensure_normal(hidden, k, num_experts)
         # else: the handle is of this buffer's generation (checked), built when these token counts
-        # fit on every rank, so nothing needs sizing and no all-reduce runs (DeepEP's timed form).
+        # fit on every rank, so nothing needs sizing (DeepEP's timed form).
         num_sms = (config if config is not None else self.get_dispatch_config(self.group_size)).num_sms
         xin = x_data.contiguous() if x_scales is None else (x_data.contiguous(), x_scales.contiguous())
-        topk_idx, topk_weights = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
-        res = self._mori.dispatch(xin, topk_idx, topk_weights, num_sms=num_sms or None)
+        try:
+            routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
+            res = self._mori.dispatch(xin, *routing, num_sms=num_sms or None)
+        except CapacityError as e:
+            # Raised on every rank by the same call (the count exchange carries each rank's
+            # token count), so every rank rebuilds alike; a cached handle fit when it was made.
+            if self._fixed_capacity is not None or handle is not None:
+                raise
+            self._ensure_normal(hidden, k, num_experts, needed=e.needed)
+            routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
+            res = self._mori.dispatch(xin, *routing, num_sms=num_sms or None)
+        topk_idx, topk_weights = routing
         num_recv = int(res.recv_x.shape[0])
         rows = max(num_recv, num_worst_tokens)
         if num_worst_tokens and num_recv > num_worst_tokens:
