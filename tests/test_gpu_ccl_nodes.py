@@ -9,7 +9,8 @@ and data movement bit-exact, every all-reduce result bit-identical on every rank
 as NaN / zeros, inputs are checked unchanged. Cases: all-reduce, reduce-scatter and all-gather
 by dtype, op and size (zero, odd, not divisible by the ranks), in place and out of place, a
 small buffer that cuts calls into many pieces, CUDA-graph capture replayed on new data, calls
-back to back, the collectives that need one node refused with the reason, nodes calling with
+back to back, calls with the host far ahead of the GPU (many small kernels between them), the
+collectives that need one node refused with the reason, nodes calling with
 different sizes (a mismatch only the cross-node signature shows), and a rank killed on one
 node: the others get a timeout error instead of hanging.
 """
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 KERNEL_TIMEOUT_S = 20.0  # ranks sharing a GPU time-slice: a proxy round trip can take milliseconds
 SUITE_BUDGET_S = 240.0 + 30.0 * (WORLD - 2)
 CASES = ["layout", "all_reduce", "all_reduce_pieces", "reduce_scatter", "all_gather", "graph_replay", "back_to_back",
-         "one_node_only", "mismatch_across_nodes"]
+         "host_far_ahead", "one_node_only", "mismatch_across_nodes"]
 
 
 def _start(rank: int, uid: bytes):
@@ -186,6 +187,24 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
                 all_gather_step(case, comm, inputs, rank, f"back-to-back {i}", torch.uint8, 333, False)
 
     runner.run("back_to_back", t_back_to_back)
+
+    def t_host_far_ahead(case):
+        # 150 all-reduces with 20 small torch kernels between them and no host synchronisation:
+        # the host runs far ahead of a GPU whose collective waits for the proxy. Without the
+        # bound on calls in flight the proxy's copies did not run and the calls timed out.
+        comm = cc["comm"]
+        xs = inputs((1000,), torch.float32)
+        busy = torch.zeros(4, device="cuda")
+        outs = []
+        for i in range(150):
+            for _ in range(20):
+                busy.add_(1.0)
+            outs.append(case.step(f"all_reduce {i}", comm.all_reduce, xs[rank].clone()))
+        ref = reduce_ref(xs, "sum")
+        for i in (0, 75, 149):
+            case.later(f"all_reduce {i}", lambda got=outs[i]: expect_close(got, ref, "float32", "sum", xs))
+
+    runner.run("host_far_ahead", t_host_far_ahead)
 
     def t_one_node_only(case):
         comm = cc["comm"]
