@@ -45,7 +45,7 @@ is `facade_` + the native key of the same measurement, so the two read side by s
   (no max_tokens_per_rank: the capacity grows when a dispatch finds a rank with more tokens,
   which the untimed first call does here): `facade_default_dispatch_bf16_call_us` /
   `_call_host_us` and `facade_default_dispatch_bf16_cached_us`, beside
-  `facade_dispatch_bf16_call_us` (records up to stop 27 have `facade_allreduce_*` instead: that
+  `facade_dispatch_bf16_call_us` (records made before 2026-12-02T11:00Z have `facade_allreduce_*` instead: that
   constructor then all-reduced the token count on every dispatch without a handle);
 * low-latency mode: `facade_{dispatch_bf16,dispatch_fp8,combine}_eager_us` / `_eager_host_us`
   (Python calls, no graphs);
