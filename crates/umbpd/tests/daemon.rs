@@ -714,3 +714,49 @@ fn batches_beyond_one_message_are_split_both_ways() {
     assert!(err.contains("batch_put_from"), "{err}");
     assert!(!c.exists(b"huge").unwrap());
 }
+
+/// A value larger than the bytes API carries (stored from a registered buffer) is refused by a
+/// bytes `get` with `OUT_OF_RANGE` naming the way out, over small ops and over gRPC alike, and
+/// is read whole into a registered buffer.
+#[test]
+fn a_value_over_the_bytes_api_is_out_of_range_for_get_and_read_by_get_into() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), &["--dram-bytes", "600M"], &[]);
+    let c = Client::connect(&d.addr).unwrap();
+    let len = mori_umbpd::client::MAX_BYTES_VALUE + (1 << 20);
+    let value = bytes(77, len);
+    let mut back = vec![0xA5u8; len];
+    // SAFETY: both buffers outlive the calls that use them.
+    let (src, dst) = unsafe {
+        (
+            c.register(value.as_ptr() as u64, len as u64).unwrap(),
+            c.register(back.as_mut_ptr() as u64, len as u64).unwrap(),
+        )
+    };
+    assert_eq!(
+        c.batch_put_from(&[b"big"], &src, &[0], &[len as u64])
+            .unwrap(),
+        vec![true]
+    );
+    let served = c.health().unwrap().small_ops_served;
+    let err = c.get(b"big").unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::OutOfRange), "{err}");
+    assert!(err.to_string().contains("get_into"), "{err}");
+    assert_eq!(
+        c.health().unwrap().small_ops_served,
+        served + 1,
+        "the get took small ops"
+    );
+    let err = c.batch_get(&[b"big"]).unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(tonic::Code::OutOfRange),
+        "over gRPC: {err}"
+    );
+    assert_eq!(
+        c.batch_get_into(&[b"big"], &dst, &[0], &[len as u64])
+            .unwrap(),
+        vec![Some(len as u64)]
+    );
+    assert!(back == value, "get_into returned other bytes");
+}
