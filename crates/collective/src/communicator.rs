@@ -560,7 +560,7 @@ pub struct Communicator {
     in_flight: Mutex<VecDeque<Event>>,
 }
 
-/// Across nodes, a call's launch first waits for the call this many before it to finish. The
+/// Across nodes, each call, once launched, waits for the call this many before it to finish. The
 /// proxy moves the bytes with CUDA copies and kernels of its own; with the host far ahead of a
 /// GPU whose collective waits for them, they did not run (a stall until the kernel timeout on
 /// the GPU machine, with 20 small torch kernels between calls), and they did with this bound.
