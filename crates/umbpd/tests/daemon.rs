@@ -760,3 +760,41 @@ fn a_value_over_the_bytes_api_is_out_of_range_for_get_and_read_by_get_into() {
     );
     assert!(back == value, "get_into returned other bytes");
 }
+
+/// A byte batch whose values are all large goes as single puts over small ops (the daemon
+/// counts each); a batch of small values goes in one gRPC call (it counts none). Both come
+/// back byte-exact, and a present key is not stored again either way.
+#[test]
+fn large_byte_batches_go_singly_over_small_ops_and_small_ones_in_one_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), &["--dram-bytes", "64M"], &[]);
+    let c = Client::connect(&d.addr).unwrap();
+    let large = mori_umbpd::client::SINGLY_FROM_BYTES;
+    let keys: Vec<Vec<u8>> = (0..8).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..8)
+        .map(|i| bytes(i as u64 + 500, if i < 4 { large } else { 4096 }))
+        .collect();
+    let items: Vec<(&[u8], &[u8])> = keys
+        .iter()
+        .zip(&values)
+        .map(|(k, v)| (k.as_slice(), v.as_slice()))
+        .collect();
+    let served = |c: &Client| c.health().unwrap().small_ops_served;
+    let before = served(&c);
+    assert_eq!(c.batch_put(&items[..4]).unwrap(), vec![true; 4]);
+    assert_eq!(
+        served(&c) - before,
+        4,
+        "large values: one small-ops put each"
+    );
+    let before = served(&c);
+    assert_eq!(c.batch_put(&items[4..]).unwrap(), vec![true; 4]);
+    assert_eq!(served(&c), before, "small values: one gRPC call");
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let got = c.batch_get(&refs).unwrap();
+    for (i, g) in got.iter().enumerate() {
+        assert!(g.as_deref() == Some(values[i].as_slice()), "value {i}");
+    }
+    assert_eq!(c.batch_put(&items[..1]).unwrap(), vec![false]);
+    assert_eq!(c.batch_put(&items[4..5]).unwrap(), vec![false]);
+}
