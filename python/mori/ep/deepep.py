@@ -525,9 +525,8 @@ class Buffer:
         have_ll = cfg.low_latency_max_tokens if cfg is not None else 0
         want_ll = have_ll if ll_tokens is None else ll_tokens
         if self._fixed_capacity is not None:
+            # More tokens than that on a rank: the dispatch raises CapacityError on every rank.
             capacity = self._fixed_capacity
-            if tokens > capacity:
-                raise InvalidArgumentError(f"{tokens} tokens exceed max_tokens_per_rank={capacity} given to the facade")
         elif tokens > have_cap:
             capacity = max(_round_up(max(tokens, 1), _CAPACITY_STEP), _round_up(have_cap + have_cap // 2, _CAPACITY_STEP))
         else:
