@@ -43,7 +43,7 @@ def _planner(world: int, rank: int, config: ccl.CclConfig, base: int = 0, nodes:
 
     local = world // nodes
     layout = [list(range(k * local, (k + 1) * local)) for k in range(nodes)]
-    return _core.CclRuntime(None, base, rank, world, layout, *config._runtime_args())
+    return _core.CclRuntime(None, base, 0, rank, world, layout, *config._runtime_args())
 
 
 def test_algorithm_by_size_rank_count_and_override():
@@ -82,7 +82,7 @@ def test_shared_constants_match_the_kernel():
 # (crates/collective/tests check the struct against kernels/collective/ccl.cu.)
 
 _SCALARS = ("base", "recv_offset", "gather_offset", "parity_stride", "slot_bytes", "in_ptr", "out_ptr", "timeout_ns",
-            "count", "total", "out_stride", "slice_count", "team_base", "team_stride", "team_size", "x_offset", "x_slot_bytes")
+            "count", "total", "out_stride", "slice_count", "team_base", "team_stride", "team_size", "x_base", "x_slot_bytes")
 _ARRAYS = ("send_offset", "send_bytes", "out_offset", "recv_bytes", "sig_send", "sig_expect")
 # The numpy dtype mori.ccl packed CclArgs with before crates/collective, with the team and
 # cross-node scalars added since.
@@ -163,6 +163,19 @@ class _Buf:
     ptr = 0x7F00_0000_0000
 
 
+_X_BASE = _SCALARS.index("x_base") * 8
+
+
+def _as_before(params: bytes) -> bytes:
+    """One-node launches carry no cross-node slots (x_base 0, read by no one-node kernel); until
+    the slots moved to the proxy window that field was x_offset, the offset right after the
+    two gather areas, which the digests below hold."""
+    words = np.frombuffer(params, dtype=np.uint64, count=len(_SCALARS)).copy()
+    assert words[_X_BASE // 8] == 0 and words[_SCALARS.index("x_slot_bytes")] == 0, "cross-node slots on one node"
+    gather, stride = words[_SCALARS.index("gather_offset")], words[_SCALARS.index("parity_stride")]
+    return params[:_X_BASE] + int(gather + 2 * stride).to_bytes(8, "little") + params[_X_BASE + 8:]
+
+
 class _Recorder:
     """The communicator's Rust runtime in planning mode: each call's launches are recorded as
     mori.ccl used to launch them (entry, grid, block, shared, stream, parameter bytes)."""
@@ -175,7 +188,7 @@ class _Recorder:
 
         def call(stream, *args):
             for entry, grid, params in plan(None, *args):
-                self.records.append((entry, grid, self.threads, 0, stream, params.hex()))
+                self.records.append((entry, grid, self.threads, 0, stream, _as_before(params).hex()))
 
         return call
 

@@ -68,7 +68,7 @@ struct CclArgs {
     u64 team_base;
     u64 team_stride;
     u64 team_size;
-    u64 x_offset;      // across nodes: send slots of parity 0 within base (then receive slots, then signals)
+    u64 x_base;        // across nodes: send slots of parity 0 in the proxy window (then receive slots, then signals)
     u64 x_slot_bytes;  // across nodes: one slot per node in each area
     u64 send_offset[MAX_RANKS];  // push: bytes of `in` sent to each rank
     u64 send_bytes[MAX_RANKS];
@@ -564,11 +564,13 @@ __device__ void push_exchange(const CclArgs& a) {
 // ---- across nodes: the ranks at one place on every node, through the shmem proxy ---------------
 
 // Send slots (parity, destination node), receive slots (parity, source node), then the signal
-// words (parity, source node), from x_offset. Calls alternate parities by their own count, so a
+// words (parity, source node), from x_base: pinned host memory (the shmem proxy window), which
+// the proxy moves with no CUDA call, so this kernel's wait never depends on CUDA work the proxy
+// would queue behind it. Calls alternate parities by their own count, so a
 // rank one call ahead never writes a slot its peer still reads (it cannot finish call k+1
 // before the peer sent k+1, which the peer does only after it finished k).
 __device__ __forceinline__ unsigned char* x_slot(const CclArgs& a, int area_, int parity, int node) {
-    return reinterpret_cast<unsigned char*>(a.base + a.x_offset) + ((area_ * 2 + parity) * a.team_size + node) * a.x_slot_bytes;
+    return reinterpret_cast<unsigned char*>(a.x_base) + ((area_ * 2 + parity) * a.team_size + node) * a.x_slot_bytes;
 }
 __device__ __forceinline__ u64* x_signal(const CclArgs& a, int parity, int node) {
     return reinterpret_cast<u64*>(x_slot(a, 2, 0, 0)) + parity * MAX_RANKS + node;

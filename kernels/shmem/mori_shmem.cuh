@@ -41,6 +41,8 @@ struct State {
     u64 peer_base[MAX_PES];  // where each PE's heap is mapped here; 0 = not load/store reachable
     u64 proxy_ring;          // the proxy's ring (ProxyRing, pinned host memory); 0 = no proxy
     u64 proxy_timeout_ns;    // a wait through the proxy gives up after this (the session's timeout)
+    u64 window_base;         // this PE's proxy window (pinned host memory, symmetric offsets); 0 = none
+    u64 window_size;
 };
 
 // Internal area at the start of every heap (crates/shmem/src/state.rs keeps the same numbers).
@@ -53,14 +55,18 @@ constexpr u64 PROXY_TICKETS_OFFSET = 8 * MAX_PES + 8;   // u64: proxy tickets th
 // host: a GPU thread takes a ticket, writes a 64-byte entry into a ring in pinned host memory,
 // and the proxy moves the data with mori.io and reports completion in the ring's header.
 constexpr u64 PROXY_SLOTS = 1024;
+// Offsets in requests name the heap, or with PROXY_WINDOW_BIT the proxy window: pinned host
+// memory every PE has, of one size, which the proxy moves without any CUDA call (a kernel that
+// waits on the GPU for the proxy never waits for CUDA work queued behind it).
+constexpr u64 PROXY_WINDOW_BIT = 1ull << 63;
 struct ProxyEntry {
     u64 ticket;  // ticket + 1, written last: the entry is ready
     u32 op;      // ProxyOp
     u32 pe;
-    u64 dst;     // heap offset (at pe for puts and updates, here for gets)
-    u64 src;     // heap offset (here for puts, at pe for gets)
+    u64 dst;     // heap or window offset (at pe for puts and updates, here for gets)
+    u64 src;     // heap or window offset (here for puts, at pe for gets)
     u64 bytes;
-    u64 aux;     // heap offset of the word a signal or update changes, at pe
+    u64 aux;     // heap or window offset of the word a signal or update changes, at pe
     u64 value;   // signal / update operand, or an inline put's bytes
     u32 code;    // update: kind | width << 8
     u32 pad;
@@ -143,10 +149,14 @@ __device__ __forceinline__ u64 ld_acquire_sys(const u64* addr) {
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(addr) : "memory");
     return v;
 }
-// Offset of local address `a` on this PE's heap, or ~0 when it is not on the heap.
-__device__ __forceinline__ u64 heap_offset(const void* a) {
-    const u64 off = reinterpret_cast<u64>(a) - mori_shmem_state.heap_base;
-    return off < mori_shmem_state.heap_size ? off : ~0ull;
+// What the proxy calls local address `a`: its heap offset, PROXY_WINDOW_BIT | its window
+// offset, or ~0 when it is on neither.
+__device__ __forceinline__ u64 proxy_offset(const void* a) {
+    const State& s = mori_shmem_state;
+    const u64 off = reinterpret_cast<u64>(a) - s.heap_base;
+    if (off < s.heap_size) return off;
+    const u64 w = reinterpret_cast<u64>(a) - s.window_base;
+    return s.window_base && w < s.window_size ? PROXY_WINDOW_BIT | w : ~0ull;
 }
 }  // namespace detail
 
@@ -239,9 +249,10 @@ __device__ __forceinline__ void proxy_quiet() {
 __device__ __forceinline__ void proxy_misuse(u64 code, int pe) { proxy_post(PROXY_MISUSE, pe, 0, 0, 0, 0, code, 0); }
 
 // A put (PROXY_PUT: local `src` -> symmetric `dest` at `pe`) or get (PROXY_GET: symmetric `src`
-// at `pe` -> local `dest`) of `bytes` through the proxy; both sides must be on the heap.
+// at `pe` -> local `dest`) of `bytes` through the proxy; both sides must be on the heap or the
+// proxy window.
 __device__ __forceinline__ u64 proxy_move(u32 op, void* dest, const void* src, usize bytes, int pe) {
-    const u64 s = detail::heap_offset(src), d = detail::heap_offset(dest);
+    const u64 s = detail::proxy_offset(src), d = detail::proxy_offset(dest);
     if (s == ~0ull || d == ~0ull) {
         proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
         return 0;
@@ -256,7 +267,7 @@ __device__ __forceinline__ u64 proxy_get(void* dest, const void* src, usize byte
 }
 // An update (signal or non-fetching atomic) of the `width`-byte word `word` at `pe`.
 __device__ __forceinline__ void proxy_update(const void* word, u64 value, u32 kind, u32 width, int pe) {
-    const u64 w = detail::heap_offset(word);
+    const u64 w = detail::proxy_offset(word);
     if (w == ~0ull) {
         proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
         return;
@@ -296,7 +307,7 @@ __device__ __forceinline__ u64 apply_update(u64 addr, u64 value, u64 compare, u3
 // A fetch through the proxy: the update (`kind`, `width` bytes) of the word `word` at `pe`,
 // applied there by its proxy; waits for and returns the word's old value (0 if the proxy failed).
 __device__ __forceinline__ u64 proxy_fetch(const void* word, u64 value, u64 compare, u32 kind, u32 width, int pe) {
-    const u64 w = detail::heap_offset(word);
+    const u64 w = detail::proxy_offset(word);
     if (w == ~0ull) {
         proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
         return 0;
@@ -338,8 +349,9 @@ __device__ __forceinline__ void copy(void* dst, const void* src, usize n, usize 
 }
 }  // namespace detail
 
-// put: local `src` -> symmetric `dest` on `pe`. Through the proxy `src` must be on the heap; the
-// warp/block forms post one request for the group, after every member's earlier writes.
+// put: local `src` -> symmetric `dest` on `pe`. Through the proxy `src` must be on the heap or
+// the window; the warp/block forms post one request for the group, after every member's earlier
+// writes.
 __device__ __forceinline__ void putmem_nbi(void* dest, const void* src, usize bytes, int pe) {
     if (via_proxy(pe)) {
         proxy_put(dest, src, bytes, pe);
@@ -401,7 +413,8 @@ __device__ __forceinline__ void putmem_block(void* dest, const void* src, usize 
 
 // get: symmetric `src` on `pe` -> local `dest`. Blocking forms: `dest` holds the data for the
 // whole group when they return.
-// Through the proxy `dest` must be on the heap; an nbi get's data is there after quiet().
+// Through the proxy `dest` must be on the heap or the window; an nbi get's data is there after
+// quiet().
 __device__ __forceinline__ void getmem_nbi(void* dest, const void* src, usize bytes, int pe) {
     if (via_proxy(pe)) {
         proxy_get(dest, src, bytes, pe);
@@ -479,7 +492,7 @@ template <typename T>
 __device__ __forceinline__ void p(T* dest, T value, int pe) {
     static_assert(sizeof(T) <= 8, "p() puts scalars of at most 8 bytes");
     if (via_proxy(pe)) {
-        const u64 d = detail::heap_offset(dest);
+        const u64 d = detail::proxy_offset(dest);
         if (d == ~0ull) {
             proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
             return;
@@ -544,7 +557,7 @@ namespace detail {
 // One proxy request for a put with its signal: the signal is applied once the data landed.
 __device__ __forceinline__ u64 proxy_put_signal(void* dest, const void* src, usize bytes, u64* sig, u64 value, int op,
                                                 int pe) {
-    const u64 s = heap_offset(src), d = heap_offset(dest), w = heap_offset(sig);
+    const u64 s = proxy_offset(src), d = proxy_offset(dest), w = proxy_offset(sig);
     if (s == ~0ull || d == ~0ull || w == ~0ull) {
         proxy_misuse(MISUSE_NOT_ON_HEAP, pe);
         return 0;

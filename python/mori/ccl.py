@@ -129,13 +129,26 @@ class Communicator:
         self._buffer = None
         # Plans and launches are Rust's (crates/collective/src/communicator.rs): this planner
         # knows the buffer's size before it exists.
-        needed = _core.CclRuntime(None, 0, self.rank, self.world_size, nodes, *self.config._runtime_args()).buffer_bytes_needed
+        planner = _core.CclRuntime(None, 0, 0, self.rank, self.world_size, nodes, *self.config._runtime_args())
         # Compile/load the kernels first: NVRTC may take a while, and on one rank only (a warm
         # cache elsewhere). The collective calloc below ends in a barrier, so every rank starts
         # its first collective together instead of a peer's kernel timing out meanwhile.
-        module = shmem._s().load_variant("collective/ccl")
-        self._buffer = shmem.calloc(needed)  # zeroed: epoch 0, no flags raised, no error
-        self._rt = _core.CclRuntime(module, self._buffer.ptr, self.rank, self.world_size, nodes, *self.config._runtime_args())
+        session = shmem._s()
+        module = session.load_variant("collective/ccl")
+        # Across nodes the cross-node slots live in the proxy window (pinned host memory).
+        self._window_offset = None
+        x_base = 0
+        if planner.window_bytes_needed:
+            self._window_offset = session.window_calloc(planner.window_bytes_needed, 256)
+            x_base = session.window[0] + self._window_offset
+        try:
+            self._buffer = shmem.calloc(planner.buffer_bytes_needed)  # zeroed: epoch 0, no flags raised, no error
+        except BaseException:
+            if self._window_offset is not None:
+                session.window_free(self._window_offset)
+            raise
+        self._rt = _core.CclRuntime(module, self._buffer.ptr, x_base, self.rank, self.world_size, nodes,
+                                    *self.config._runtime_args())
         self.slot_bytes = self._rt.slot_bytes
         # The state words at the buffer's start: launches done (u64), then the error bits.
         self._state = shmem._as_tensor(self._buffer.ptr, 16, (4,), torch.int32, self.device, self._buffer)
@@ -304,11 +317,14 @@ class Communicator:
             self._buffer = None
             return
         buffer, self._buffer = self._buffer, None
+        window, self._window_offset = self._window_offset, None
         torch = __import__("torch")
         try:
             torch.cuda.synchronize(self.device)
         finally:
             shmem.free(buffer)
+            if window is not None:
+                shmem._s().window_free(window)
 
     def __repr__(self) -> str:
         return f"mori.ccl.Communicator(rank {self.rank}/{self.world_size}, {self.config!r})"

@@ -211,7 +211,7 @@ mod tests {
             ..CclConfig::default()
         };
         // SAFETY: a planner only (no module): nothing is launched on the buffer.
-        unsafe { Communicator::new(None, 0, rank, world, nodes, config) }.unwrap()
+        unsafe { Communicator::new(None, 0, 0, rank, world, nodes, config) }.unwrap()
     }
 
     fn entries(plan: &[Launch]) -> Vec<&str> {
@@ -422,10 +422,18 @@ mod tests {
         let config = CclConfig::default();
         let one = Geometry::new(1, 4, &config).unwrap();
         assert_eq!(one, Geometry::with_nodes(1, 4, 1, &config).unwrap());
-        assert_eq!(one.buffer_bytes(), one.x_offset());
+        assert_eq!(one.buffer_bytes(), one.staging_offset());
+        assert_eq!(one.window_bytes(), 0);
         let two = Geometry::with_nodes(1, 4, 2, &config).unwrap();
         assert_eq!(two.slot_bytes, 2 * one.slot_bytes);
-        assert!(two.buffer_bytes() > two.x_offset());
+        assert_eq!(
+            two.buffer_bytes(),
+            two.staging_offset() + 2 * two.x_slot_bytes
+        );
+        // The cross-node slots live in the proxy window, at most 4 MiB each (a 64 MiB buffer
+        // across 2 nodes would otherwise pin 32 MiB slots).
+        assert_eq!(two.x_slot_bytes, 4 * MIB);
+        assert_eq!(two.window_bytes(), 4 * 2 * 4 * MIB + 2 * 8 * 8);
         assert!(Geometry::with_nodes(0, 4, 3, &config).is_err());
     }
 }

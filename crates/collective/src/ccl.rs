@@ -53,8 +53,9 @@ kernel_params! {
         pub team_base: u64,
         pub team_stride: u64,
         pub team_size: u64,
-        /// Across nodes: the send slots' offset in the buffer (receive slots and signals follow).
-        pub x_offset: u64,
+        /// Across nodes: the send slots' address in the shmem proxy window (receive slots and
+        /// signals follow).
+        pub x_base: u64,
         pub x_slot_bytes: u64,
         pub send_offset: [u64; CCL_MAX_RANKS],
         pub send_bytes: [u64; CCL_MAX_RANKS],

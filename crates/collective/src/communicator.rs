@@ -243,7 +243,7 @@ pub struct Launch {
 /// With several nodes (ranks `node * local_size ..` on each, consecutive) the load/store
 /// kernels run among a node's ranks (`slot_bytes`: per rank of the node), and the cross-node
 /// kernels among the ranks at one place on every node, through the shmem proxy, on slots of
-/// `x_slot_bytes` per node.
+/// `x_slot_bytes` per node in the proxy window ([`Geometry::window_bytes`]), not in the buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Geometry {
     pub world: usize,
@@ -281,7 +281,7 @@ impl Geometry {
             nodes,
             slot_bytes: config.buffer_bytes / local / 256 * 256,
             x_slot_bytes: if nodes > 1 {
-                config.buffer_bytes / nodes as u64 / 256 * 256
+                (config.buffer_bytes / nodes as u64).min(X_SLOT_MAX_BYTES) / 256 * 256
             } else {
                 0
             },
@@ -318,27 +318,33 @@ impl Geometry {
     fn gather_offset(&self) -> u64 {
         self.recv_offset() + 2 * self.area()
     }
-    /// Across nodes: two parities of send slots, then of receive slots, then the signals.
-    pub fn x_offset(&self) -> u64 {
-        self.gather_offset() + 2 * self.area()
-    }
     /// Across nodes: where a reduce-scatter's node-reduced parts wait for the cross-node step.
     pub fn staging_offset(&self) -> u64 {
-        self.x_offset() + 4 * self.nodes as u64 * self.x_slot_bytes + X_SIGNAL_BYTES
+        self.gather_offset() + 2 * self.area()
     }
     /// The symmetric buffer's size: state, flags, two parities of a receive and a gather area;
-    /// across nodes also the cross-node slots and the reduce-scatter staging.
+    /// across nodes also the reduce-scatter staging.
     pub fn buffer_bytes(&self) -> u64 {
+        self.staging_offset() + self.nodes as u64 * self.x_slot_bytes
+    }
+    /// Across nodes, bytes of the proxy window the cross-node slots take: two parities of send
+    /// slots, then of receive slots, then the signals (0 on one node).
+    pub fn window_bytes(&self) -> u64 {
         if self.nodes == 1 {
-            self.x_offset()
+            0
         } else {
-            self.staging_offset() + self.nodes as u64 * self.x_slot_bytes
+            4 * self.nodes as u64 * self.x_slot_bytes + X_SIGNAL_BYTES
         }
     }
 }
 
 /// Across nodes: the signal words, `[parity][source node]` u64.
 const X_SIGNAL_BYTES: u64 = 2 * CCL_MAX_RANKS as u64 * 8;
+
+/// Across nodes: the most a cross-node slot holds (per node; larger calls go in pieces). The
+/// slots are pinned host memory, four per node: 4 MiB keeps a communicator across 2 nodes at 32
+/// MiB of the proxy window.
+const X_SLOT_MAX_BYTES: u64 = 4 << 20;
 
 /// The launches of an all-reduce of `count` elements from `input` to `output` (device
 /// addresses; the same address is in place).
@@ -554,6 +560,9 @@ pub struct Communicator {
     module: Option<Module>,
     /// The symmetric buffer (this rank's address), [`Geometry::buffer_bytes`] long.
     base: u64,
+    /// Across nodes: the cross-node slots in the proxy window (this rank's address),
+    /// [`Geometry::window_bytes`] long; 0 on one node.
+    x_base: u64,
     kernels: Mutex<HashMap<String, Kernel>>,
     /// Across nodes: an event after each of the last calls, oldest first (see
     /// [`CALLS_IN_FLIGHT_ACROSS_NODES`]).
@@ -569,16 +578,19 @@ const CALLS_IN_FLIGHT_ACROSS_NODES: usize = 4;
 impl Communicator {
     /// A communicator for `rank` of `world` on `nodes` nodes (consecutive ranks, as many on
     /// each) on the zeroed symmetric buffer at `base` (allocated collectively,
-    /// [`Geometry::buffer_bytes`] long), launching kernels from `module` (the `collective/ccl`
-    /// variant loaded for the shmem session; None: plans are only prepared, never launched).
+    /// [`Geometry::buffer_bytes`] long) and, across nodes, the zeroed proxy-window area at
+    /// `x_base` ([`Geometry::window_bytes`] long), launching kernels from `module` (the
+    /// `collective/ccl` variant loaded for the shmem session; None: plans are only prepared,
+    /// never launched).
     ///
     /// # Safety
-    /// `base` must stay allocated, on every rank, as long as launches of this communicator may
-    /// run, and every rank's buffer must be reachable by the kernels at the same offsets
-    /// (mori.shmem's symmetric heap).
+    /// `base` and `x_base` must stay allocated, on every rank, as long as launches of this
+    /// communicator may run, and every rank's buffer and window area must be reachable at the
+    /// same offsets (mori.shmem's symmetric heap and proxy window).
     pub unsafe fn new(
         module: Option<Module>,
         base: u64,
+        x_base: u64,
         rank: usize,
         world: usize,
         nodes: usize,
@@ -590,14 +602,16 @@ impl Communicator {
             config,
             module,
             base,
+            x_base,
             kernels: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(VecDeque::new()),
         })
     }
 
     /// Collective over the PEs of `shmem`: loads the kernels, allocates the zeroed symmetric
-    /// buffer from the heap and returns this PE's communicator (a Rust program's entry point;
-    /// free it with [`Communicator::destroy`]).
+    /// buffer from the heap (and across nodes the cross-node slots from the proxy window) and
+    /// returns this PE's communicator (a Rust program's entry point; free it with
+    /// [`Communicator::destroy`]).
     pub fn create(shmem: &Shmem, config: CclConfig) -> Result<Self> {
         config.validate()?;
         let (rank, world) = (shmem.my_pe(), shmem.n_pes());
@@ -606,12 +620,17 @@ impl Communicator {
         // Kernels first: NVRTC may take a while on one PE, and the calloc's barrier then starts
         // every PE's first collective together.
         let module = shmem.load(&mori_gpu::kernels::ccl_spec())?;
+        let x_base = match geo.window_bytes() {
+            0 => 0,
+            n => shmem.state().window_base + shmem.window_calloc(n, 256)?,
+        };
         let offset = shmem.calloc(geo.buffer_bytes(), 256)?;
-        // SAFETY: the allocation is symmetric, zeroed and lives until `destroy`.
+        // SAFETY: the allocations are symmetric, zeroed and live until `destroy`.
         unsafe {
             Self::new(
                 Some(module),
                 shmem.heap_base() + offset,
+                x_base,
                 rank,
                 world,
                 nodes,
@@ -620,13 +639,18 @@ impl Communicator {
         }
     }
 
-    /// Collective: waits for this GPU's work, then frees the buffer [`Communicator::create`]
-    /// allocated from `shmem`.
+    /// Collective: waits for this GPU's work, then frees what [`Communicator::create`]
+    /// allocated from `shmem` (on every rank, also when waiting failed).
     pub fn destroy(self, shmem: &Shmem) -> Result<()> {
         let synced = shmem.device().synchronize();
         let freed = shmem.free(self.base - shmem.heap_base());
+        let window = match self.x_base {
+            0 => Ok(()),
+            x => shmem.window_free(x - shmem.state().window_base),
+        };
         synced?;
-        Ok(freed?)
+        freed?;
+        Ok(window?)
     }
 
     pub fn geometry(&self) -> &Geometry {
@@ -651,7 +675,7 @@ impl Communicator {
                 l.args.parity_stride = self.geo.area();
                 l.args.slot_bytes = self.geo.slot_bytes;
                 l.args.timeout_ns = timeout_ns;
-                l.args.x_offset = self.geo.x_offset();
+                l.args.x_base = self.x_base;
                 l.args.x_slot_bytes = self.geo.x_slot_bytes;
                 if l.args.team_size == 0 {
                     (l.args.team_base, l.args.team_stride, l.args.team_size) =

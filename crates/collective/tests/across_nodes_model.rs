@@ -17,6 +17,8 @@ use mori_collective::communicator::{CclConfig, Communicator, DType, Launch, Redu
 const ES: u64 = 4;
 /// Every rank's symmetric buffer and tensors live at the same addresses in its own memory.
 const BASE: u64 = 1 << 40;
+/// Every rank's cross-node slots (in the shmem proxy window).
+const WINDOW: u64 = 3 << 40;
 const INPUT: u64 = 1 << 32;
 const OUTPUT: u64 = 2 << 32;
 
@@ -69,6 +71,9 @@ fn step(mems: &mut [Memory], launches: &[&Launch]) {
         let slice_len = |t: u64| a.slice_count.min(a.total.saturating_sub(t * a.count));
         let mut writes: Vec<(u64, f64)> = Vec::new();
         let entry = l.entry.as_str();
+        if entry.contains("_across_nodes") {
+            assert_eq!(a.x_base, WINDOW, "{entry}: the slots are the window's");
+        }
         if entry.starts_with("ccl_all_reduce_one_shot_") {
             for j in 0..a.count {
                 writes.push((a.out + j * ES, sum(&|q| launches[q].args.r#in + j * ES)));
@@ -120,7 +125,7 @@ fn communicators(world: usize, nodes: usize, buffer_bytes: u64) -> Vec<Communica
     (0..world)
         .map(|rank| {
             // SAFETY: planners only (no module): nothing is launched on BASE.
-            unsafe { Communicator::new(None, BASE, rank, world, nodes, config) }.unwrap()
+            unsafe { Communicator::new(None, BASE, WINDOW, rank, world, nodes, config) }.unwrap()
         })
         .collect()
 }

@@ -22,7 +22,7 @@ pub use desc::{EngineDesc, FabricDesc, MemoryDesc};
 pub use engine::{EngineConfig, IoEngine, Notification, Op};
 pub use fabric::{FabricMode, mask as fabric_key_mask};
 pub use mori_auth::Secret;
-pub use mori_transport::cuda_ipc::{DEFAULT_CE_THRESHOLD, ce_threshold_from_env};
+pub use mori_transport::cuda_ipc::{DEFAULT_CE_THRESHOLD, ce_threshold_from_env, parse_bytes};
 pub use mori_transport::{
     Batch, Error, Failure, FailureKind, KeepAlive, Location, Result, Route, Status, Transfer,
 };

@@ -175,13 +175,15 @@ pub fn ccl_check_config(
 impl CclRuntime {
     /// `module`: the `collective/ccl` variant loaded for the session (None: a planner only);
     /// `base`: this rank's address of the zeroed symmetric buffer of `buffer_bytes_needed`
-    /// bytes, which the caller keeps allocated while launches may run; `nodes`: every node's
-    /// ranks (mori.shmem's layout: as many consecutive ranks on each node).
+    /// bytes, and `x_base` of the zeroed proxy-window area of `window_bytes_needed` bytes (0
+    /// when that is 0), which the caller keeps allocated while launches may run; `nodes`: every
+    /// node's ranks (mori.shmem's layout: as many consecutive ranks on each node).
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
         module: Option<&ShmemModule>,
         base: u64,
+        x_base: u64,
         rank: usize,
         world: usize,
         nodes: Vec<Vec<usize>>,
@@ -199,10 +201,19 @@ impl CclRuntime {
             timeout_s,
         )?;
         let nodes = node_count(&nodes)?;
-        // SAFETY: mori.ccl allocates `base` collectively from the symmetric heap and frees it
-        // only after this rank's GPU work finished (Communicator.close).
+        // SAFETY: mori.ccl allocates `base` collectively from the symmetric heap and `x_base`
+        // from the proxy window, and frees them only after this rank's GPU work finished
+        // (Communicator.close).
         let inner = unsafe {
-            Communicator::new(module.map(|m| m.module), base, rank, world, nodes, config)
+            Communicator::new(
+                module.map(|m| m.module),
+                base,
+                x_base,
+                rank,
+                world,
+                nodes,
+                config,
+            )
         }?;
         Ok(Self {
             session: module.map(|m| m.session.clone()),
@@ -220,6 +231,12 @@ impl CclRuntime {
     #[getter]
     fn buffer_bytes_needed(&self) -> u64 {
         self.inner.geometry().buffer_bytes()
+    }
+
+    /// Bytes of the proxy window this communicator uses (its cross-node slots; 0 on one node).
+    #[getter]
+    fn window_bytes_needed(&self) -> u64 {
+        self.inner.geometry().window_bytes()
     }
 
     /// An all-reduce of `count` elements, launched on `stream` (None: planned only).

@@ -98,6 +98,17 @@ impl Shmem {
     fn free(&self, py: Python<'_>, offset: u64) -> Result<()> {
         py.detach(|| self.with(|s| Ok(s.free(offset)?)))
     }
+    /// This PE's proxy window: (address, size); (0, 0) without a proxy.
+    #[getter]
+    fn window(&self) -> Result<(u64, u64)> {
+        self.with(|s| Ok((s.state().window_base, s.state().window_size)))
+    }
+    fn window_calloc(&self, py: Python<'_>, size: u64, align: u64) -> Result<u64> {
+        py.detach(|| self.with(|s| Ok(s.window_calloc(size, align)?)))
+    }
+    fn window_free(&self, py: Python<'_>, offset: u64) -> Result<()> {
+        py.detach(|| self.with(|s| Ok(s.window_free(offset)?)))
+    }
     /// (allocation start offset, allocation size, offset of addr) for a local heap address.
     fn locate(&self, addr: u64) -> Result<Option<(u64, u64, u64)>> {
         self.with(|s| Ok(s.locate(addr)))

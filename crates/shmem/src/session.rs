@@ -34,6 +34,8 @@ pub struct Shmem {
     device: Device,
     heap: Mutex<SymmetricHeap>,
     allocator: Mutex<SymmetricAllocator>,
+    /// Offsets in the proxy window (None: no proxy).
+    window_allocator: Option<Mutex<SymmetricAllocator>>,
     state: DeviceState,
     node: NodeTeam,
     /// Every node's PEs, nodes ordered by their first PE.
@@ -57,6 +59,25 @@ fn node_key() -> String {
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let split = std::env::var("MORI_NODE").unwrap_or_default();
     format!("{}|{}|{}", boot.trim(), name.trim(), split.trim())
+}
+
+/// Default bytes of each PE's proxy window (`MORI_SHMEM_WINDOW_SIZE`).
+pub const DEFAULT_WINDOW_SIZE: u64 = 128 << 20;
+
+/// The proxy window's size: `MORI_SHMEM_WINDOW_SIZE` (bytes, or with a K/M/G suffix), else
+/// [`DEFAULT_WINDOW_SIZE`].
+fn window_size() -> Result<u64> {
+    match std::env::var("MORI_SHMEM_WINDOW_SIZE") {
+        Err(_) => Ok(DEFAULT_WINDOW_SIZE),
+        Ok(text) => mori_io::parse_bytes(&text)
+            .filter(|&n| n >= 4096)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "MORI_SHMEM_WINDOW_SIZE={text:?}: expected at least 4096 bytes, as bytes or a \
+                     size like 256M"
+                ))
+            }),
+    }
 }
 
 /// The PEs of each node, nodes ordered by their first PE.
@@ -271,6 +292,7 @@ impl Shmem {
                 device,
                 heap.local_base(),
                 heap.size(),
+                window_size()?,
                 &via,
             )?)
         } else {
@@ -286,8 +308,13 @@ impl Shmem {
             peer_base,
             proxy_ring: proxy.as_ref().map_or(0, Proxy::ring_addr),
             proxy_timeout_ns: u64::try_from(bootstrap.timeout().as_nanos()).unwrap_or(u64::MAX),
+            window_base: proxy.as_ref().map_or(0, |p| p.window().0),
+            window_size: proxy.as_ref().map_or(0, |p| p.window().1),
         };
         let allocator = SymmetricAllocator::new(INTERNAL_BYTES, heap.size());
+        let window_allocator = proxy
+            .as_ref()
+            .map(|p| Mutex::new(SymmetricAllocator::new(0, p.window().1)));
         bootstrap.barrier()?;
         tracing::debug!(
             "shmem PE {me}/{n} ready: heap {:#x} ({} bytes), reachable {reachable:?}",
@@ -299,6 +326,7 @@ impl Shmem {
             device,
             heap: Mutex::new(heap),
             allocator: Mutex::new(allocator),
+            window_allocator,
             state,
             node,
             nodes,
@@ -413,6 +441,53 @@ impl Shmem {
             .lock()
             .map_err(|_| poisoned())?
             .free(offset)?;
+        Ok(())
+    }
+
+    /// Collective: `size` zeroed bytes of the proxy window at an offset aligned to `align` (the
+    /// same on every PE); this PE's address is `state().window_base + offset`. Kernels pass
+    /// window addresses to puts, gets and signals through the proxy like heap addresses, and the
+    /// proxy moves them without CUDA calls. An error when the session has no proxy (one node).
+    pub fn window_calloc(&self, size: u64, align: u64) -> Result<u64> {
+        let window = self.window_allocator.as_ref().ok_or_else(|| {
+            Error::InvalidArgument(
+                "no proxy window: every PE of this session is reached by load/store".into(),
+            )
+        })?;
+        self.agree("shmem window_calloc(size, align)", &[size, align])?;
+        let offset = window
+            .lock()
+            .map_err(|_| poisoned())?
+            .alloc(size, align)
+            .map_err(|e| match e {
+                Error::OutOfMemory { free, largest, .. } => Error::InvalidArgument(format!(
+                    "the proxy window cannot hold {size} more bytes: {free} of {} bytes free, \
+                     largest free block {largest} bytes; raise MORI_SHMEM_WINDOW_SIZE",
+                    self.state.window_size
+                )),
+                e => e,
+            })?;
+        // SAFETY: [offset, offset + size) lies in this PE's window (the allocator's range), host
+        // memory the proxy owns for the session; no peer writes it before the barrier below,
+        // as no peer knows the allocation before then.
+        unsafe {
+            std::ptr::write_bytes(
+                (self.state.window_base + offset) as *mut u8,
+                0,
+                size as usize,
+            )
+        };
+        self.bootstrap.barrier()?;
+        Ok(offset)
+    }
+
+    /// Collective: releases the window allocation at `offset`.
+    pub fn window_free(&self, offset: u64) -> Result<()> {
+        let window = self.window_allocator.as_ref().ok_or_else(|| {
+            Error::InvalidArgument("no proxy window to free from (one node)".into())
+        })?;
+        self.agree("shmem window_free(offset)", &[offset])?;
+        window.lock().map_err(|_| poisoned())?.free(offset)?;
         Ok(())
     }
 

@@ -31,6 +31,9 @@ pub struct DeviceState {
     pub proxy_ring: u64,
     /// A GPU wait through the proxy gives up (and reports it) after this many nanoseconds.
     pub proxy_timeout_ns: u64,
+    /// This PE's proxy window (pinned host memory the GPU maps; 0 = no proxy) and its size.
+    pub window_base: u64,
+    pub window_size: u64,
 }
 
 impl DeviceState {
@@ -52,11 +55,11 @@ mod tests {
 
     #[test]
     fn layout_matches_the_device_header() {
-        // 4 ints + heap_base + heap_size + the peer table + the proxy ring and timeout; no
-        // padding.
+        // 4 ints + heap_base + heap_size + the peer table + the proxy ring and timeout + the
+        // window; no padding.
         assert_eq!(
             std::mem::size_of::<DeviceState>(),
-            16 + 16 + 8 * MAX_PES + 16
+            16 + 16 + 8 * MAX_PES + 16 + 16
         );
         assert_eq!(std::mem::offset_of!(DeviceState, heap_base), 16);
         assert_eq!(std::mem::offset_of!(DeviceState, peer_base), 32);
@@ -69,6 +72,8 @@ mod tests {
         assert!(header.contains(STATE_SYMBOL));
         assert!(header.contains("u64 proxy_ring;"));
         assert!(header.contains("u64 proxy_timeout_ns;"));
+        assert!(header.contains("u64 window_base;"));
+        assert!(header.contains("u64 window_size;\n};"));
         // The proxy's ticket counter sits in the internal area, after the barrier words.
         assert!(header.contains("constexpr u64 PROXY_TICKETS_OFFSET = 8 * MAX_PES + 8;"));
     }

@@ -5,7 +5,9 @@
 //! gets and inline puts (destinations start different from the sources); a signal's data is
 //! there once the signal is seen; concurrent updates add up after `settle`; a fence orders a
 //! put before a later update; misuse and a lost peer fail the ring (waiters give up) instead of
-//! hanging; an orderly close is not a loss. The GPU path (the header's posting, the apply
+//! hanging; an orderly close is not a loss; the proxy window (offsets with `WINDOW_BIT`) takes
+//! puts, gets, signals and fetches like the heap, never touching the heap at the same offsets,
+//! and refuses ranges past its end. The GPU path (the header's posting, the apply
 //! kernel) is tested by tests/test_gpu_proxy.py on the GPU machine.
 
 mod common;
@@ -14,8 +16,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use common::{HEAP, Pe, WAIT, entry, pattern, two_pes};
-use mori_shmem::proxy::ring::{Entry, Op, Update, UpdateKind, test_producer};
+use common::{HEAP, Pe, WAIT, WINDOW, entry, pattern, two_pes};
+use mori_shmem::proxy::ring::{Entry, Op, Update, UpdateKind, WINDOW_BIT, test_producer};
 
 #[test]
 fn puts_gets_and_inline_puts_move_exact_bytes() {
@@ -289,6 +291,134 @@ fn fetches_return_the_old_values_and_their_slots_are_reused_only_once_read() {
 }
 
 #[test]
+fn the_window_takes_puts_signals_gets_and_fetches_without_touching_the_heap() {
+    let (mut a, mut b) = two_pes();
+    let heap_a = pattern(7, HEAP);
+    let heap_b = pattern(8, HEAP);
+    a.fill(0, &heap_a);
+    b.fill(0, &heap_b);
+    b.window_fill(0, &vec![0xEE; WINDOW]);
+    let w = |off: usize| WINDOW_BIT | off as u64;
+    let set = Some(Update {
+        kind: UpdateKind::Set,
+        width: 8,
+    });
+    // Window to window with a signal in the window: the data is there once the signal is.
+    let n = 200_003;
+    let data = pattern(11, n);
+    a.window_fill(4096, &data);
+    a.post(Entry {
+        dst: w(8192),
+        src: w(4096),
+        bytes: n as u64,
+        aux: w(64),
+        value: 0x1234_5678_9abc,
+        update: set,
+        ..entry(Op::PutSignal, 1)
+    });
+    let start = Instant::now();
+    while b.window_word(64).load(Ordering::Acquire) != 0x1234_5678_9abc {
+        assert!(
+            start.elapsed() < WAIT,
+            "no window signal: {:?}",
+            a.failure()
+        );
+        std::hint::spin_loop();
+    }
+    assert_eq!(
+        b.window_bytes(8192, n),
+        data,
+        "window data not there with its signal"
+    );
+    assert_eq!(
+        b.window_bytes(8191, 1),
+        [0xEE],
+        "a byte before the put changed"
+    );
+    assert_eq!(
+        b.window_bytes(8192 + n, 1),
+        [0xEE],
+        "a byte after the put changed"
+    );
+    // Heap to window, then back from B's window into A's heap by a get.
+    let t = a.post(Entry {
+        dst: w(600_000),
+        src: 1 << 20,
+        bytes: 4097,
+        ..entry(Op::Put, 1)
+    });
+    assert!(a.wait(t), "{:?}", a.failure());
+    assert_eq!(
+        b.window_bytes(600_000, 4097),
+        heap_a[1 << 20..(1 << 20) + 4097]
+    );
+    let t = a.post(Entry {
+        dst: 2 << 20,
+        src: w(8192),
+        bytes: n as u64,
+        ..entry(Op::Get, 1)
+    });
+    assert!(a.wait(t), "{:?}", a.failure());
+    assert_eq!(a.bytes(2 << 20, n), data, "get from the window");
+    // An inline put and an add on window words; a fetch returns a window word's old value.
+    let t = a.post(Entry {
+        dst: w(128),
+        bytes: 8,
+        value: 40,
+        ..entry(Op::PutInline, 1)
+    });
+    assert!(a.wait(t));
+    a.post(Entry {
+        aux: w(128),
+        value: 2,
+        update: Some(Update {
+            kind: UpdateKind::Add,
+            width: 8,
+        }),
+        ..entry(Op::Update, 1)
+    });
+    // Updates are unordered with each other unless fenced (the header's rule).
+    a.post(entry(Op::Fence, 0));
+    let t = a.post(Entry {
+        aux: w(128),
+        value: 1,
+        update: Some(Update {
+            kind: UpdateKind::Add,
+            width: 8,
+        }),
+        ..entry(Op::Fetch, 1)
+    });
+    // SAFETY: A's live ring; this fetch's result slot is read only here.
+    let old = unsafe { test_producer::fetched(a.ring(), t) }.expect("the fetch's value");
+    assert_eq!(old, 42, "the fetch ran before the update (or on the heap)");
+    assert_eq!(b.window_word(128).load(Ordering::Acquire), 43);
+    // None of it reached B's heap, nor A's outside the get's range.
+    b.proxy.as_ref().unwrap().settle(WAIT).unwrap();
+    assert!(
+        b.bytes(0, HEAP) == heap_b,
+        "a window request changed the heap"
+    );
+    let mut want_a = heap_a;
+    want_a[2 << 20..(2 << 20) + n].copy_from_slice(&data);
+    assert!(
+        a.bytes(0, HEAP) == want_a,
+        "A's heap changed outside the get"
+    );
+    assert!(a.failure().is_none() && b.failure().is_none());
+
+    // Past the window's end: refused by mori.io's range check, as on the heap.
+    let t = a.post(Entry {
+        dst: w(WINDOW - 4),
+        src: 0,
+        bytes: 8,
+        ..entry(Op::Put, 1)
+    });
+    assert!(!a.wait(t));
+    let why = a.failure().expect("out of the window");
+    assert!(why.contains("outside"), "{why}");
+}
+
+#[test]
 fn misuse_and_requests_out_of_range_fail_the_ring_instead_of_hanging() {
     let (a, b) = two_pes();
     let t = a.post(Entry {
@@ -400,14 +530,16 @@ fn forged_notes_from_another_process_touch_nothing_outside_the_words_they_may() 
     let (mut a, b) = two_pes();
     let before = pattern(5, HEAP);
     a.fill(0, &before);
+    let window_before = pattern(6, WINDOW);
+    a.window_fill(0, &window_before);
     // An engine that holds the secret but is none of A's peers: every note is dropped, the
     // valid-looking control too (notes were recorded before the forger exited; settle makes A
     // handle them).
     forge(&a, "outsider");
     a.proxy.as_ref().unwrap().settle(WAIT).unwrap();
     assert!(
-        a.bytes(0, HEAP) == before,
-        "a note from a non-peer changed the heap"
+        a.bytes(0, HEAP) == before && a.window_bytes(0, WINDOW) == window_before,
+        "a note from a non-peer changed the heap or the window"
     );
     assert!(a.failure().is_none(), "{:?}", a.failure());
     // An engine claiming B's name (engine names in hellos are not proven, docs/security.md):
@@ -430,13 +562,24 @@ fn forged_notes_from_another_process_touch_nothing_outside_the_words_they_may() 
         a.bytes(0, HEAP) == want,
         "a forged note changed the heap outside the control word"
     );
+    while a.window_word(1024).load(Ordering::Acquire) != 0xCAFE {
+        assert!(start.elapsed() < WAIT, "the window control never landed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut window = window_before;
+    window[1024..1032].copy_from_slice(&0xCAFEu64.to_le_bytes());
+    assert!(
+        a.window_bytes(0, WINDOW) == window,
+        "a forged note changed the window outside its control word"
+    );
     assert!(a.failure().is_none(), "{:?}", a.failure());
 }
 
 /// The forger: another process with its own mori.io engine holding the deployment secret, named
 /// as `MORI_SHMEM_FORGE` says, sending notes to the proxy engine it names: words past the heap,
-/// straddling its end, misaligned, a fetch past it, an answer nobody asked for, garbage, and
-/// last a valid update of word 1024 as the control.
+/// straddling its end, misaligned, a fetch past it, an answer nobody asked for, garbage, the
+/// same past the window, and last valid updates of word 1024 of the heap and of the window as
+/// the controls.
 #[test]
 fn forger_process() {
     let Ok(orders) = std::env::var("MORI_SHMEM_FORGE") else {
@@ -474,7 +617,12 @@ fn forger_process() {
         note(0xA6, &[size, 1, 0, 7], Some(1 | set8)), // a fetch past the heap
         note(0xA7, &[123_456, 99], None),   // an answer nobody asked for
         b"not a note at all".to_vec(),
-        note(0xA5, &[1024, 0xBEEF], Some(set8)), // the control
+        note(0xA5, &[WINDOW_BIT | WINDOW as u64, 1], Some(set8)), // just past the window
+        note(0xA5, &[WINDOW_BIT | (WINDOW as u64 - 4), 1], Some(set8)), // straddling its end
+        note(0xA6, &[WINDOW_BIT | WINDOW as u64, 1, 0, 7], Some(1 | set8)), // a fetch past it
+        note(0xA5, &[WINDOW_BIT | 12, 1], Some(set8)),            // misaligned
+        note(0xA5, &[1024, 0xBEEF], Some(set8)),                  // the controls
+        note(0xA5, &[WINDOW_BIT | 1024, 0xCAFE], Some(set8)),
     ];
     for tag in &notes {
         let t = me

@@ -58,7 +58,8 @@ pub fn ce_threshold_from_env() -> u64 {
     }
 }
 
-fn parse_bytes(s: &str) -> Option<u64> {
+/// A byte count from the environment: digits, optionally with a K, M or G suffix (binary).
+pub fn parse_bytes(s: &str) -> Option<u64> {
     let s = s.trim();
     let (num, mul) = match s.chars().last()?.to_ascii_uppercase() {
         'K' => (&s[..s.len() - 1], 1u64 << 10),

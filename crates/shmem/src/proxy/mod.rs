@@ -8,6 +8,13 @@
 //! access names a registered region with its key (mori.io's guarantees); an update's target
 //! word is checked against the heap before it is applied.
 //!
+//! The window. Besides its heap every PE has a proxy window of one size: pinned host memory the
+//! GPU maps, registered with the engine as host memory (request offsets with
+//! [`ring::WINDOW_BIT`] name it). Moving window bytes and applying updates to window words takes
+//! no CUDA call on either side (the engine reads and writes host memory, updates are host
+//! atomics), so a kernel that waits on the GPU for such a request never waits for CUDA work of
+//! the proxy that could be queued behind it (mori.ccl's cross-node slots live there).
+//!
 //! Completion. A request is done when its transfer is (for a put with a signal: once the
 //! signal, sent with the data as one notified write, was recorded by the target; it is applied
 //! there right after). A failed transfer, a lost peer or a malformed request sets the ring's
@@ -104,18 +111,20 @@ impl Note {
     }
 
     /// A peer's note, if the tag is one and (for updates and fetches) its word lies, aligned,
-    /// inside a heap of `heap_size` bytes.
-    fn decode(tag: &[u8], heap_size: u64) -> Option<Note> {
+    /// inside a heap of `heap_size` bytes or (offsets with [`ring::WINDOW_BIT`]) a window of
+    /// `window_size` bytes.
+    fn decode(tag: &[u8], heap_size: u64, window_size: u64) -> Option<Note> {
         let word = |at: usize| -> Option<u64> {
             Some(u64::from_le_bytes(tag.get(at..at + 8)?.try_into().ok()?))
         };
         let update = || Update::decode(u32::from_le_bytes(tag.get(1..5)?.try_into().ok()?));
         let inside = |offset: u64, update: Update| {
             let width = u64::from(update.width);
-            offset
-                .checked_add(width)
-                .is_some_and(|end| end <= heap_size)
-                && offset.is_multiple_of(width)
+            let (offset, size) = match ring::window_offset(offset) {
+                Some(w) => (w, window_size),
+                None => (offset, heap_size),
+            };
+            offset.checked_add(width).is_some_and(|end| end <= size) && offset.is_multiple_of(width)
         };
         let note = match (tag.first()?, tag.len()) {
             (&NOTE_UPDATE, 21) => Note::Update {
@@ -147,27 +156,51 @@ impl Note {
     }
 }
 
-/// Length-prefixed engine and heap descriptors: what each PE tells the others.
-fn encode_hello(engine: &EngineDesc, heap: &MemoryDesc) -> Vec<u8> {
-    let (e, h) = (engine.to_bytes(), heap.to_bytes());
-    let mut out = (e.len() as u32).to_le_bytes().to_vec();
-    out.extend_from_slice(&e);
-    out.extend_from_slice(&h);
+/// Length-prefixed engine, heap and window descriptors: what each PE tells the others.
+fn encode_hello(engine: &EngineDesc, heap: &MemoryDesc, window: &MemoryDesc) -> Vec<u8> {
+    let mut out = Vec::new();
+    for part in [engine.to_bytes(), heap.to_bytes(), window.to_bytes()] {
+        out.extend_from_slice(&(part.len() as u32).to_le_bytes());
+        out.extend_from_slice(&part);
+    }
     out
 }
 
-fn decode_hello(b: &[u8]) -> Result<(EngineDesc, MemoryDesc)> {
+fn decode_hello(b: &[u8]) -> Result<(EngineDesc, MemoryDesc, MemoryDesc)> {
     let bad = || Error::InvalidArgument("malformed shmem proxy record from a peer".into());
-    let n = u32::from_le_bytes(b.get(..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
-    let e = b.get(4..4 + n).ok_or_else(bad)?;
-    let h = b.get(4 + n..).ok_or_else(bad)?;
-    Ok((EngineDesc::from_bytes(e)?, MemoryDesc::from_bytes(h)?))
+    let mut parts = Vec::with_capacity(3);
+    let mut at = 0usize;
+    while at < b.len() {
+        let len = b.get(at..at + 4).ok_or_else(bad)?;
+        let n = u32::from_le_bytes(len.try_into().map_err(|_| bad())?) as usize;
+        parts.push(b.get(at + 4..at + 4 + n).ok_or_else(bad)?);
+        at += 4 + n;
+    }
+    let [e, h, w] = parts[..] else {
+        return Err(bad());
+    };
+    Ok((
+        EngineDesc::from_bytes(e)?,
+        MemoryDesc::from_bytes(h)?,
+        MemoryDesc::from_bytes(w)?,
+    ))
 }
 
-/// A PE the proxy serves: its engine's name and its heap.
+/// A PE the proxy serves: its engine's name, its heap and its window.
 struct Remote {
     name: String,
     heap: MemoryDesc,
+    window: MemoryDesc,
+}
+
+impl Remote {
+    /// The region and offset a request's offset names at this PE.
+    fn at(&self, offset: u64) -> (&MemoryDesc, u64) {
+        match ring::window_offset(offset) {
+            Some(w) => (&self.window, w),
+            None => (&self.heap, offset),
+        }
+    }
 }
 
 struct InFlight {
@@ -193,7 +226,7 @@ struct Shared {
     failure: Mutex<Option<String>>,
 }
 
-/// Host memory the proxy owns (its ring, the inline puts' scratch): pinned and mapped for the
+/// Host memory the proxy owns (its ring, window, the inline puts' scratch): pinned and mapped for the
 /// GPU when the heap is GPU memory, plain (8-byte words, zeroed) when it is host memory.
 enum HostMemory {
     Pinned(PinnedBuffer),
@@ -252,6 +285,9 @@ pub struct Proxy {
     engine_desc: EngineDesc,
     heap_desc: MemoryDesc,
     ring: HostMemory,
+    /// Read and written by the worker thread (joined before this drops) and the GPU.
+    window: HostMemory,
+    window_size: u64,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
@@ -259,14 +295,23 @@ pub struct Proxy {
 impl Proxy {
     /// Collective over `bootstrap`: every PE calls it (those without PEs to proxy too, for the
     /// exchange). `via_proxy[pe]`: whether this PE reaches `pe` through the proxy.
+    /// `window_size`: bytes of this PE's window (the same on every PE, at least 8).
     pub(crate) fn start(
         bootstrap: &Bootstrap,
         device: Device,
         heap_base: u64,
         heap_size: u64,
+        window_size: u64,
         via_proxy: &[bool],
     ) -> Result<Proxy> {
-        Self::start_on(bootstrap, Some(device), heap_base, heap_size, via_proxy)
+        Self::start_on(
+            bootstrap,
+            Some(device),
+            heap_base,
+            heap_size,
+            window_size,
+            via_proxy,
+        )
     }
 
     /// [`start`](Self::start) for a heap in host memory: the same ring, protocol, engine and
@@ -282,9 +327,17 @@ impl Proxy {
         bootstrap: &Bootstrap,
         heap_base: u64,
         heap_size: u64,
+        window_size: u64,
         via_proxy: &[bool],
     ) -> Result<Proxy> {
-        Self::start_on(bootstrap, None, heap_base, heap_size, via_proxy)
+        Self::start_on(
+            bootstrap,
+            None,
+            heap_base,
+            heap_size,
+            window_size,
+            via_proxy,
+        )
     }
 
     fn start_on(
@@ -292,9 +345,15 @@ impl Proxy {
         device: Option<Device>,
         heap_base: u64,
         heap_size: u64,
+        window_size: u64,
         via_proxy: &[bool],
     ) -> Result<Proxy> {
         let me = bootstrap.rank();
+        if !(8..ring::WINDOW_BIT).contains(&window_size) {
+            return Err(Error::InvalidArgument(format!(
+                "a proxy window of {window_size} bytes (8 bytes .. 2^63)"
+            )));
+        }
         let mut nonce = [0u8; 8];
         getrandom::fill(&mut nonce)
             .map_err(|e| Error::InvalidArgument(format!("no random bytes from the OS: {e}")))?;
@@ -323,19 +382,29 @@ impl Proxy {
         };
         let scratch = HostMemory::new(device, 8 * SLOTS as usize)?;
         let scratch_desc = engine.register(scratch.ptr(), 8 * SLOTS, Location::Host)?;
+        let window = HostMemory::new(device, window_size as usize)?;
+        let window_desc = engine.register(window.ptr(), window_size, Location::Host)?;
         let (engine_desc, heap_desc) = (engine.desc(), heap.clone());
-        let hellos = bootstrap.allgather(&encode_hello(&engine_desc, &heap))?;
+        let hellos = bootstrap.allgather(&encode_hello(&engine_desc, &heap, &window_desc))?;
         let mut remotes: Vec<Option<Remote>> = Vec::with_capacity(hellos.len());
         for (pe, bytes) in hellos.iter().enumerate() {
             if !via_proxy.get(pe).copied().unwrap_or(false) {
                 remotes.push(None);
                 continue;
             }
-            let (desc, their_heap) = decode_hello(bytes)?;
+            let (desc, their_heap, their_window) = decode_hello(bytes)?;
+            if their_window.len != window_size {
+                return Err(Error::Mismatch(format!(
+                    "proxy window size differs between PEs: PE {me} has {window_size} bytes, PE \
+                     {pe} {} (MORI_SHMEM_WINDOW_SIZE)",
+                    their_window.len
+                )));
+            }
             engine.connect(&desc)?;
             remotes.push(Some(Remote {
                 name: desc.name.clone(),
                 heap: their_heap,
+                window: their_window,
             }));
         }
         let applier = match device {
@@ -374,6 +443,9 @@ impl Proxy {
             heap,
             heap_base,
             heap_size,
+            window_base: window.ptr(),
+            window_size,
+            window: window_desc,
             scratch,
             scratch_desc,
             free_scratch: (0..SLOTS).rev().collect(),
@@ -397,6 +469,8 @@ impl Proxy {
             engine_desc,
             heap_desc,
             ring,
+            window,
+            window_size,
             shared,
             thread: Some(thread),
         })
@@ -415,6 +489,12 @@ impl Proxy {
     /// The ring's address (for the device state: host pointer = device pointer under UVA).
     pub fn ring_addr(&self) -> u64 {
         self.ring.ptr()
+    }
+
+    /// This PE's window: its address (host = device pointer) and size. Its bytes are zero at
+    /// start; peers write them only through requests naming them.
+    pub fn window(&self) -> (u64, u64) {
+        (self.window.ptr(), self.window_size)
     }
 
     /// Why the proxy failed, if it did.
@@ -487,6 +567,10 @@ struct Worker {
     heap: MemoryDesc,
     heap_base: u64,
     heap_size: u64,
+    window: MemoryDesc,
+    /// The window's memory, owned by the Proxy (which joins this thread before freeing it).
+    window_base: u64,
+    window_size: u64,
     scratch: HostMemory,
     scratch_desc: MemoryDesc,
     free_scratch: Vec<u64>,
@@ -657,6 +741,14 @@ impl Worker {
             })
     }
 
+    /// The local region and offset a request's offset names.
+    fn here(&self, offset: u64) -> (&MemoryDesc, u64) {
+        match ring::window_offset(offset) {
+            Some(w) => (&self.window, w),
+            None => (&self.heap, offset),
+        }
+    }
+
     /// Starts request `e` (or finishes it at once: fences, misuse).
     fn start(&mut self, e: &Entry) -> std::result::Result<(), String> {
         let one = |off: u64| [off];
@@ -678,7 +770,8 @@ impl Worker {
                 ));
             }
             Op::Put | Op::PutSignal => {
-                let r = self.remote(e)?;
+                let (there, dst) = self.remote(e)?.at(e.dst);
+                let (here, src) = self.here(e.src);
                 let tag = (e.op == Op::PutSignal).then(|| {
                     Note::Update {
                         offset: e.aux,
@@ -689,22 +782,23 @@ impl Worker {
                 });
                 self.engine.transfer(
                     IoOp::Write,
-                    &self.heap,
-                    &one(e.src),
-                    &r.heap,
-                    &one(e.dst),
+                    here,
+                    &one(src),
+                    there,
+                    &one(dst),
                     &[e.bytes],
                     tag.as_deref(),
                 )
             }
             Op::Get => {
-                let r = self.remote(e)?;
+                let (there, src) = self.remote(e)?.at(e.src);
+                let (here, dst) = self.here(e.dst);
                 self.engine.transfer(
                     IoOp::Read,
-                    &self.heap,
-                    &one(e.dst),
-                    &r.heap,
-                    &one(e.src),
+                    here,
+                    &one(dst),
+                    there,
+                    &one(src),
                     &[e.bytes],
                     None,
                 )
@@ -720,13 +814,13 @@ impl Worker {
                     .expect("taken only with a free slot");
                 self.scratch
                     .write(8 * slot as usize, &e.value.to_le_bytes());
-                let r = self.remote(e)?;
+                let (there, dst) = self.remote(e)?.at(e.dst);
                 let t = self.engine.transfer(
                     IoOp::Write,
                     &self.scratch_desc,
                     &one(8 * slot),
-                    &r.heap,
-                    &one(e.dst),
+                    there,
+                    &one(dst),
                     &[e.bytes],
                     None,
                 );
@@ -825,14 +919,14 @@ impl Worker {
     }
 
     /// Handles what peers sent, in the order it was recorded: updates and fetches are applied
-    /// to the heap (fetches answered with the old value), answers to this side's fetches are
-    /// handed to their GPU threads.
+    /// to the heap or the window (fetches answered with the old value), answers to this side's
+    /// fetches are handed to their GPU threads.
     fn apply_updates(&mut self) -> bool {
         let notes = self.engine.take_notifications();
         if notes.is_empty() {
             return false;
         }
-        // Items: (address, value, compare, code); with each, whom to answer (PE, ticket).
+        // Heap items: (address, value, compare, code); with each, whom to answer (PE, ticket).
         let mut batch: Vec<u64> = Vec::with_capacity(4 * notes.len().min(APPLY_BATCH));
         let mut answers: Vec<Option<(usize, u64)>> = Vec::new();
         for n in &notes {
@@ -840,7 +934,10 @@ impl Worker {
                 .remotes
                 .iter()
                 .position(|r| r.as_ref().is_some_and(|r| r.name == n.from));
-            match (Note::decode(&n.tag, self.heap_size), from) {
+            let (offset, value, compare, update, answer) = match (
+                Note::decode(&n.tag, self.heap_size, self.window_size),
+                from,
+            ) {
                 (
                     Some(Note::Update {
                         offset,
@@ -848,15 +945,7 @@ impl Worker {
                         update,
                     }),
                     Some(_),
-                ) => {
-                    batch.extend([
-                        self.heap_base + offset,
-                        value,
-                        0,
-                        u64::from(update.encode()),
-                    ]);
-                    answers.push(None);
-                }
+                ) => (offset, value, 0, update, None),
                 (
                     Some(Note::Fetch {
                         offset,
@@ -866,27 +955,45 @@ impl Worker {
                         ticket,
                     }),
                     Some(pe),
-                ) => {
-                    batch.extend([
-                        self.heap_base + offset,
-                        value,
-                        compare,
-                        u64::from(update.encode()),
-                    ]);
-                    answers.push(Some((pe, ticket)));
-                }
+                ) => (offset, value, compare, update, Some((pe, ticket))),
                 (Some(Note::Answer { ticket, value }), Some(_)) => {
-                    self.consumer.deliver(ticket, value)
+                    self.consumer.deliver(ticket, value);
+                    continue;
                 }
                 _ => {
-                    // Authenticated (the deployment secret) but not a proxy's note for this heap.
+                    // Authenticated (the deployment secret) but not a proxy's note for this
+                    // heap or window.
                     tracing::warn!(
                         "shmem proxy: dropped a notification from {:?} ({} bytes) that is no valid note",
                         n.from,
                         n.tag.len()
                     );
+                    continue;
                 }
+            };
+            if let Some(w) = ring::window_offset(offset) {
+                // Window words take host atomics; the heap updates recorded before go first.
+                if !answers.is_empty() {
+                    self.apply_batch(&batch, &answers);
+                    batch.clear();
+                    answers.clear();
+                }
+                // SAFETY: Note::decode checked the word lies, aligned, inside the window, which
+                // the Proxy keeps alive while this thread runs; the GPU accesses its words with
+                // system-scope atomics or loads.
+                let old = unsafe { apply_on_host(self.window_base + w, value, compare, update) };
+                if let Some((pe, ticket)) = answer {
+                    self.answer(pe, ticket, old);
+                }
+                continue;
             }
+            batch.extend([
+                self.heap_base + offset,
+                value,
+                compare,
+                u64::from(update.encode()),
+            ]);
+            answers.push(answer);
             if answers.len() == APPLY_BATCH {
                 self.apply_batch(&batch, &answers);
                 batch.clear();
@@ -899,21 +1006,25 @@ impl Worker {
         true
     }
 
-    /// Applies one batch in order and answers the fetches in it.
+    /// Applies one batch of heap updates in order and answers the fetches in it.
     fn apply_batch(&mut self, batch: &[u64], answers: &[Option<(usize, u64)>]) {
         let olds = self.launch_apply(batch);
         for (old, answer) in olds.into_iter().zip(answers) {
-            let Some((pe, ticket)) = *answer else {
-                continue;
-            };
-            let r = self.remotes[pe].as_ref().expect("a known sender");
-            let note = Note::Answer { ticket, value: old }.encode();
-            let sent =
-                self.engine
-                    .transfer(IoOp::Write, &self.heap, &[], &r.heap, &[], &[], Some(&note));
-            if let Err(e) = sent {
-                self.fail(format!("answering PE {pe}'s fetch {ticket}: {e}"));
+            if let Some((pe, ticket)) = *answer {
+                self.answer(pe, ticket, old);
             }
+        }
+    }
+
+    /// Sends PE `pe` the old value `old` for its fetch `ticket`.
+    fn answer(&mut self, pe: usize, ticket: u64, old: u64) {
+        let r = self.remotes[pe].as_ref().expect("a known sender");
+        let note = Note::Answer { ticket, value: old }.encode();
+        let sent =
+            self.engine
+                .transfer(IoOp::Write, &self.heap, &[], &r.heap, &[], &[], Some(&note));
+        if let Err(e) = sent {
+            self.fail(format!("answering PE {pe}'s fetch {ticket}: {e}"));
         }
     }
 
@@ -1048,30 +1159,36 @@ mod tests {
             kind: UpdateKind::Add,
             width: 8,
         };
-        let heap = 1u64 << 20;
+        let (heap, window) = (1u64 << 20, 4096u64);
         let update = |offset, update| Note::Update {
             offset,
             value: 7,
             update,
         };
         let n = update(4096, add);
-        assert_eq!(Note::decode(&n.encode(), heap), Some(n));
+        assert_eq!(Note::decode(&n.encode(), heap, window), Some(n));
         // The last word of the heap is fine, one past it is not, nor a misaligned one.
-        assert!(Note::decode(&update(heap - 8, add).encode(), heap).is_some());
-        assert!(Note::decode(&update(heap, add).encode(), heap).is_none());
-        assert!(Note::decode(&update(u64::MAX - 3, add).encode(), heap).is_none());
-        assert!(Note::decode(&update(4100, add).encode(), heap).is_none());
+        assert!(Note::decode(&update(heap - 8, add).encode(), heap, window).is_some());
+        assert!(Note::decode(&update(heap, add).encode(), heap, window).is_none());
+        assert!(Note::decode(&update(u64::MAX - 3, add).encode(), heap, window).is_none());
+        assert!(Note::decode(&update(4100, add).encode(), heap, window).is_none());
+        // Window words are checked against the window: its last word is fine, past it not.
+        let w = ring::WINDOW_BIT;
+        assert!(Note::decode(&update(w | (window - 8), add).encode(), heap, window).is_some());
+        assert!(Note::decode(&update(w | window, add).encode(), heap, window).is_none());
+        assert!(Note::decode(&update(w | 4100, add).encode(), heap, window).is_none());
+        assert!(Note::decode(&update(w | (4096 + 8), add).encode(), heap, 8192).is_some());
         let narrow = Update {
             kind: UpdateKind::Set,
             width: 4,
         };
-        assert!(Note::decode(&update(4100, narrow).encode(), heap).is_some());
+        assert!(Note::decode(&update(4100, narrow).encode(), heap, window).is_some());
         // Compare-swap and read only come with an answer.
         let cas = Update {
             kind: UpdateKind::CompareSwap,
             width: 8,
         };
-        assert!(Note::decode(&update(8, cas).encode(), heap).is_none());
+        assert!(Note::decode(&update(8, cas).encode(), heap, window).is_none());
         let fetch = Note::Fetch {
             offset: 8,
             value: 1,
@@ -1079,22 +1196,25 @@ mod tests {
             update: cas,
             ticket: 99,
         };
-        assert_eq!(Note::decode(&fetch.encode(), heap), Some(fetch));
+        assert_eq!(Note::decode(&fetch.encode(), heap, window), Some(fetch));
         let answer = Note::Answer {
             ticket: 99,
             value: u64::MAX,
         };
-        assert_eq!(Note::decode(&answer.encode(), heap), Some(answer));
+        assert_eq!(Note::decode(&answer.encode(), heap, window), Some(answer));
         // Not a note: wrong kind byte, a cut tag, an unknown code.
         let tag = n.encode();
         let mut other = tag.clone();
         other[0] = 0;
-        assert!(Note::decode(&other, heap).is_none());
+        assert!(Note::decode(&other, heap, window).is_none());
         for cut in 0..tag.len() {
-            assert!(Note::decode(&tag[..cut], heap).is_none(), "cut at {cut}");
+            assert!(
+                Note::decode(&tag[..cut], heap, window).is_none(),
+                "cut at {cut}"
+            );
         }
         let mut code = tag;
         code[1] = 9;
-        assert!(Note::decode(&code, heap).is_none());
+        assert!(Note::decode(&code, heap, window).is_none());
     }
 }

@@ -32,6 +32,15 @@ pub const RESULT_BYTES: usize = 16;
 /// Bytes of the ring in pinned memory: header, entries, results.
 pub const RING_BYTES: usize = HEADER_BYTES + (ENTRY_BYTES + RESULT_BYTES) * SLOTS as usize;
 
+/// In a request's offsets (and a note's word offset): the offset is in the proxy window, not
+/// the heap (`PROXY_WINDOW_BIT` in the header).
+pub const WINDOW_BIT: u64 = 1 << 63;
+
+/// The window offset `offset` names, if it names the window.
+pub fn window_offset(offset: u64) -> Option<u64> {
+    (offset & WINDOW_BIT != 0).then_some(offset & !WINDOW_BIT)
+}
+
 /// What an entry asks for (`ProxyOp` in the header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
@@ -76,7 +85,7 @@ impl Op {
 pub fn misuse_reason(code: u64) -> &'static str {
     match code {
         1 => {
-            "the source (or destination) of a put/get to a PE on another node must be on the symmetric heap"
+            "the source (or destination) of a put/get to a PE on another node must be on the symmetric heap or the proxy window"
         }
         2 => "g() to a PE on another node reads 4- or 8-byte values only",
         _ => "an unknown misuse code",
@@ -670,6 +679,8 @@ mod tests {
         );
         assert_eq!(field::SIG_OP, ENTRY_BYTES - 8);
         assert!(h.contains(&format!("constexpr u64 PROXY_TIMED_OUT = {TIMED_OUT:#x};")));
+        assert_eq!(WINDOW_BIT, 1 << 63);
+        assert!(h.contains("constexpr u64 PROXY_WINDOW_BIT = 1ull << 63;"));
         for (name, code) in [
             ("WAIT_SLOT", 1),
             ("WAIT_REQUEST", 2),

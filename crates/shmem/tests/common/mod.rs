@@ -12,6 +12,8 @@ use mori_shmem::proxy::Proxy;
 use mori_shmem::proxy::ring::{Entry, Op, test_producer};
 
 pub const HEAP: usize = 4 << 20;
+/// Each PE's proxy window.
+pub const WINDOW: usize = 1 << 20;
 pub const WAIT: Duration = Duration::from_secs(20);
 
 /// One PE: its bootstrap (kept for the session), heap, proxy and ticket counter.
@@ -45,6 +47,32 @@ impl Pe {
         // SAFETY: an aligned word inside the heap, updated by the proxy only atomically.
         unsafe { AtomicU64::from_ptr((self.base() as *mut u8).add(off) as *mut u64) }
     }
+    /// This PE's proxy window.
+    pub fn window(&self) -> u64 {
+        self.proxy.as_ref().expect("proxy").window().0
+    }
+    pub fn window_bytes(&self, off: usize, n: usize) -> Vec<u8> {
+        assert!(off + n <= WINDOW);
+        // SAFETY: inside the window, which lives as long as the proxy; peers' writes to these
+        // bytes are done (the caller waited).
+        unsafe { std::slice::from_raw_parts((self.window() as *const u8).add(off), n).to_vec() }
+    }
+    pub fn window_fill(&self, off: usize, data: &[u8]) {
+        assert!(off + data.len() <= WINDOW);
+        // SAFETY: inside the window; no peer writes these bytes now (the caller's protocol).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                (self.window() as *mut u8).add(off),
+                data.len(),
+            )
+        }
+    }
+    pub fn window_word(&self, off: usize) -> &AtomicU64 {
+        assert!(off + 8 <= WINDOW && off.is_multiple_of(8));
+        // SAFETY: an aligned word inside the window, updated by the proxy only atomically.
+        unsafe { AtomicU64::from_ptr((self.window() as *mut u8).add(off) as *mut u64) }
+    }
     pub fn ring(&self) -> *mut u8 {
         self.proxy.as_ref().expect("proxy").ring_addr() as *mut u8
     }
@@ -72,9 +100,16 @@ pub fn two_pes() -> (Pe, Pe) {
             let heap = vec![0u64; HEAP / 8];
             let via = [rank != 0, rank != 1];
             // SAFETY: the heap lives in the returned Pe, as long as its proxy (dropped first).
-            let proxy =
-                unsafe { Proxy::start_host(&boot, heap.as_ptr() as u64, HEAP as u64, &via) }
-                    .expect("proxy");
+            let proxy = unsafe {
+                Proxy::start_host(
+                    &boot,
+                    heap.as_ptr() as u64,
+                    HEAP as u64,
+                    WINDOW as u64,
+                    &via,
+                )
+            }
+            .expect("proxy");
             Pe {
                 _boot: boot,
                 heap,
