@@ -190,8 +190,9 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
     def t_host_far_ahead(case):
         # 150 all-reduces with 20 small torch kernels between them and no host synchronisation:
-        # the host runs far ahead of a GPU whose collective waits for the proxy. Without the
-        # bound on calls in flight the proxy's copies did not run and the calls timed out.
+        # the host runs far ahead of a GPU whose collective waits for the proxy. When the proxy
+        # moved the cross-node slots with CUDA copies, those did not run in this state and the
+        # calls timed out (docs/ccl.md, "Across nodes").
         comm = cc["comm"]
         xs = inputs((1000,), torch.float32)
         busy = torch.zeros(4, device="cuda")

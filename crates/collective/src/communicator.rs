@@ -7,13 +7,13 @@
 //! is allocated collectively by the caller (mori.shmem), [`Communicator::buffer_bytes`] long and
 //! zeroed, and outlives the communicator.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use mori_gpu::StreamHandle;
 use mori_gpu::jit::Module;
 use mori_gpu::kernels::LaunchConfig;
-use mori_gpu::{Event, StreamHandle};
 
 use crate::across_nodes;
 use crate::ccl::{CCL_MAX_RANKS, CclArgs};
@@ -564,16 +564,7 @@ pub struct Communicator {
     /// [`Geometry::window_bytes`] long; 0 on one node.
     x_base: u64,
     kernels: Mutex<HashMap<String, Kernel>>,
-    /// Across nodes: an event after each of the last calls, oldest first (see
-    /// [`CALLS_IN_FLIGHT_ACROSS_NODES`]).
-    in_flight: Mutex<VecDeque<Event>>,
 }
-
-/// Across nodes, each call, once launched, waits for the call this many before it to finish. The
-/// proxy moves the bytes with CUDA copies and kernels of its own; with the host far ahead of a
-/// GPU whose collective waits for them, they did not run (a stall until the kernel timeout on
-/// the GPU machine, with 20 small torch kernels between calls), and they did with this bound.
-const CALLS_IN_FLIGHT_ACROSS_NODES: usize = 4;
 
 impl Communicator {
     /// A communicator for `rank` of `world` on `nodes` nodes (consecutive ranks, as many on
@@ -604,7 +595,6 @@ impl Communicator {
             base,
             x_base,
             kernels: Mutex::new(HashMap::new()),
-            in_flight: Mutex::new(VecDeque::new()),
         })
     }
 
@@ -793,40 +783,6 @@ impl Communicator {
             // SAFETY: the caller vouches for the plan's addresses; the buffer's for `new`'s.
             unsafe { kernel.launch(cfg, stream, args.packed())? };
         }
-        if self.geo.nodes > 1 {
-            self.bound_in_flight(stream)?;
-        }
-        Ok(())
-    }
-
-    /// Waits for the call [`CALLS_IN_FLIGHT_ACROSS_NODES`] before the one just launched (the
-    /// kernels' own timeout bounds the wait), then records the new call's end. Not while a
-    /// graph is captured: nothing runs then.
-    fn bound_in_flight(&self, stream: StreamHandle) -> Result<()> {
-        let Some(device) = self.module.as_ref().map(Module::device) else {
-            return Ok(());
-        };
-        if stream.is_capturing(device)? {
-            return Ok(());
-        }
-        let mut in_flight = self
-            .in_flight
-            .lock()
-            .map_err(|_| Error::InvalidArgument("the in-flight call list is poisoned".into()))?;
-        let oldest = if in_flight.len() >= CALLS_IN_FLIGHT_ACROSS_NODES {
-            in_flight.pop_front()
-        } else {
-            None
-        };
-        let event = match oldest {
-            Some(event) => {
-                event.synchronize()?;
-                event
-            }
-            None => Event::new(device, false)?,
-        };
-        event.record(stream)?;
-        in_flight.push_back(event);
         Ok(())
     }
 

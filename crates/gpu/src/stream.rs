@@ -26,17 +26,6 @@ impl StreamHandle {
         self.0 as sys::CUstream
     }
 
-    /// Whether the stream is capturing a CUDA graph (work queued now is recorded, not run).
-    pub fn is_capturing(&self, device: Device) -> Result<bool> {
-        device.bind()?;
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: writes one status value; the stream belongs to device's context.
-        check("cuStreamIsCapturing", unsafe {
-            sys::cuStreamIsCapturing(self.raw(), &mut status)
-        })?;
-        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-    }
-
     /// Blocks until all work enqueued on the stream has finished.
     pub fn synchronize(&self, device: Device) -> Result<()> {
         device.bind()?;

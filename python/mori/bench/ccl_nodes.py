@@ -13,7 +13,9 @@ rank of its node): all-reduce size / ranks per node x (nodes - 1); all-gather an
 size / ranks x (nodes - 1). Network GB/s = those bytes / time (1e9 B/s). Ceiling: a mori.io
 engine pair between the ranks at one place on the two nodes, on the plane the shmem proxy uses
 (``same_host_direct`` and ``cuda_ipc`` off; TCP, or libfabric under ``MORI_IO_FABRIC``), writing
-the same bytes between GPU buffers, submission to completion, median of trials.
+the same bytes between pinned host buffers (the cross-node slots are in the shmem proxy window,
+pinned host memory, so that is the path those bytes take), submission to completion, median of
+trials.
 
 Verified: inputs are fresh random per run (every rank regenerates the others' from a shared
 seed); the ceiling's writes land where the partner checks them against the writer's bytes; each timed output is poisoned (0xFF) before the last replay and checked after it against
@@ -76,9 +78,9 @@ def _rank(rank: int, world: int, uid: bytes, trials: int, sizes: list[int]) -> d
     # The ceiling's engines: the rank at this place on the other node is the partner.
     partner = (rank + half) % world
     engine = IOEngine(f"bench-ccl-nodes-{rank}", timeout=120.0, same_host_direct=False, cuda_ipc=False)
-    gen = torch.Generator(device="cuda").manual_seed(seed + world + rank)
-    src = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8, device="cuda", generator=gen)
-    dst = torch.empty_like(src)
+    gen = torch.Generator().manual_seed(seed + world + rank)
+    src = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8, generator=gen).pin_memory()
+    dst = torch.empty_like(src).pin_memory()
     src_mem, dst_mem = engine.register(src), engine.register(dst)
     descs = bs.allgather_object((engine.desc, dst_mem.pack()))
 
@@ -108,7 +110,6 @@ def _rank(rank: int, world: int, uid: bytes, trials: int, sizes: list[int]) -> d
                 checks.check(label, f"raised {type(e).__name__}: {e}")
             crossing = crossing_bytes(op, nbytes, world, 2)
             row[f"{op}_crossing_bytes"] = crossing
-            # The ceiling: the same bytes written to the partner, one rank of each pair at a time.
             # The ceiling: the same bytes written to the partner, one rank of each pair at a time,
             # each write checked where it landed (the writer's source bytes, by digest).
             dst.fill_(0xFF)
@@ -158,7 +159,7 @@ def run(trials: int, sizes: list[int], out_dir: str, world: int) -> dict[str, An
         return f"{v:{width}.3f}" if v is not None else f"{'-':>{width}}"
 
     print(f"{world} ranks on 2 emulated nodes, bf16; µs per call (graph replays), network GB/s = bytes crossing / time, "
-          "ceiling = a mori.io engine on the proxy's plane writing those bytes")
+          "ceiling = a mori.io engine on the proxy's plane writing those bytes between pinned host buffers")
     for op in OPS:
         head = f"{'size':>9} | {'µs':>11} {'crossing':>10} {'net GB/s':>9} {'ceiling':>9}"
         print(f"\n{op.replace('_', '-')}\n" + head + "\n" + "-" * len(head))
