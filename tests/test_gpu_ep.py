@@ -160,6 +160,30 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
         ll_case(32, "random", True, b=wide[0], round_scale=True, use_ue8m0=True, scales_column_major=True)
         ll_case(20, "one_expert", False, b=wide[0])
 
+    def destroy():
+        # The hidden-7168 buffer (or a new one) is destroyed: every heap allocation freed on every
+        # rank, later calls refused, a second destroy a no-op; a buffer built after it works.
+        from mori.errors import MoriError
+
+        config = EpConfig(num_experts=experts, hidden=7168, max_tokens_per_rank=256, topk=TOPK, num_sms=24,
+                          low_latency_max_tokens=32)
+        b = wide.pop() if wide else Buffer(config)
+        ptrs = [t.data_ptr() for t in b._heap_tensors()]
+        assert len(ptrs) == 14, len(ptrs)
+        b.destroy()
+        left = [p for p in ptrs if shmem._s().locate(p) is not None]
+        assert not left, f"{len(left)} of {len(ptrs)} heap allocations still live after destroy()"
+        try:
+            normal_case(10, "random", False, b=b)
+        except MoriError as e:
+            assert "destroyed" in str(e), e
+        else:
+            raise AssertionError("a destroyed Buffer dispatched")
+        b.destroy()
+        fresh = Buffer(config)
+        normal_case(100, "random", False, b=fresh)
+        fresh.destroy()
+
     def ll_repeated():
         for i in range(6):
             ll_case((17 + 37 * i + 11 * rank) % (LL_MAX + 1), "random", i % 2 == 1, hook=i % 3 == 2)
@@ -231,6 +255,7 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
         "normal_after_ll": lambda: normal_case(700, "random", False),
         "over_capacity": over_capacity,
         "hidden_7168": hidden_7168,
+        "destroy": destroy,
     }
     for name, fn in cases.items():
         began = time.monotonic()
@@ -257,6 +282,7 @@ CASES = [
     "ll_zero_tokens_on_rank1_fp8", "ll_one_token", "ll_one_token_fp8", "ll_max_tokens", "ll_max_tokens_fp8", "ll_repeated",
     "ll_hook", "ll_hook_fp8", "ll_graph", "ll_graph_fp8", "ll_one_expert", "ll_duplicate_ids", "ll_round_scale",
     "ll_round_scale_column_major", "ll_ue8m0", "ll_ue8m0_column_major_hook", "normal_after_ll", "over_capacity", "hidden_7168",
+    "destroy",
 ]
 
 

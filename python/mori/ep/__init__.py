@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mori import _core, gpu, shmem
-from mori.errors import CapacityError, InvalidArgumentError, TimeoutError
+from mori.errors import CapacityError, InvalidArgumentError, MoriError, TimeoutError
 
 MAX_TOPK = 9  # ep::MAX_TOPK in kernels/ep/mori_ep.cuh
 MAX_EXPERTS = 4096  # ep_prepare's shared-memory histogram
@@ -199,7 +199,7 @@ class Buffer:
         self._ll = _LowLatency(self) if config.low_latency_max_tokens else None
         # Launches, their parameter structs and the call sequence live in Rust
         # (crates/collective/src/ep_runtime.rs); this class checks tensors and owns memory.
-        self._rt = _core.EpRuntime(
+        self._runtime: _core.EpRuntime | None = _core.EpRuntime(
             shmem._s().load_variant("ep/intranode"),
             shmem._s().load_variant("ep/low_latency") if self._ll else None,
             (w, config.num_experts, h, k, t, config.low_latency_max_tokens),
@@ -207,6 +207,35 @@ class Buffer:
                               self._expert_matrix, self._comb, self._counters, self._host_info),
             self._ll.addresses() if self._ll else None,
         )
+
+    def _heap_tensors(self) -> list:
+        """This Buffer's allocations on the symmetric heap, in one order on every rank."""
+        own = [self._recv_x, self._recv_scales, self._recv_idx, self._recv_w, self._recv_src, self._rank_matrix,
+               self._expert_matrix, self._comb, self._comb_in]
+        return own + ([self._ll._rows, self._ll._meta, self._ll._wts, self._ll._comb, self._ll._sent] if self._ll else [])
+
+    def destroy(self) -> None:
+        """Collective: waits for this GPU's work, then frees the Buffer's symmetric memory on every
+        rank (also when waiting raises: that error comes afterwards, so one rank's GPU error does not
+        leave the others waiting in the frees). Later calls raise :class:`mori.errors.MoriError`;
+        a second ``destroy()`` does nothing."""
+        if self._runtime is None:
+            return
+        import torch
+
+        heap = self._heap_tensors()
+        self._runtime = None
+        try:
+            torch.cuda.synchronize(self.device)
+        finally:
+            for t in heap:
+                shmem.free(t)
+
+    @property
+    def _rt(self) -> _core.EpRuntime:
+        if self._runtime is None:
+            raise MoriError("this mori.ep Buffer was destroyed")
+        return self._runtime
 
     # ---- shared plumbing ------------------------------------------------------------------
 

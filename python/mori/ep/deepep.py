@@ -223,40 +223,6 @@ class _LowLatencyHandle(tuple):
 _shmem_users = 0
 
 
-def _release_mori_buffer(buf: Any) -> None:
-    """Collectively frees what a mori.ep.Buffer holds on the symmetric heap: through its own
-    close/destroy when it has one, else every heap tensor it references (deterministic order:
-    attribute names sorted, one free per allocation)."""
-    from mori import shmem
-
-    for name in ("close", "destroy", "free", "release"):
-        fn = getattr(buf, name, None)
-        if callable(fn):
-            fn()
-            return
-    torch = __import__("torch")
-
-    def tensors(obj: Any, depth: int) -> list:
-        out = []
-        for name in sorted(vars(obj)):
-            v = vars(obj)[name]
-            if isinstance(v, torch.Tensor):
-                out.append(v)
-            elif depth and v is not buf and hasattr(v, "__dict__") and not isinstance(v, type):
-                out.extend(tensors(v, depth - 1))  # e.g. the low-latency part's own buffers
-        return out
-
-    seen: set[int] = set()
-    for t in tensors(buf, 1):
-        if not t.is_cuda:
-            continue
-        found = shmem._s().locate(t.data_ptr())
-        if found is None or found[0] in seen:
-            continue
-        seen.add(found[0])
-        shmem.free(t)
-
-
 class Buffer:
     """DeepEP's ``Buffer`` for one node, on :class:`mori.ep.Buffer` (see the module docstring for
     the sizing policy and the differences).
@@ -483,7 +449,7 @@ class Buffer:
             shmem.free(self._ecounts)
             self._ecounts, self._epeers = None, []
         if self._mori is not None:
-            _release_mori_buffer(self._mori)
+            self._mori.destroy()
             self._mori = None
 
     def _build(self, *, num_experts: int, hidden: int, topk: int, capacity: int, ll_tokens: int) -> None:
