@@ -277,7 +277,8 @@ pub struct Client {
     // Field order: the gRPC clients (and their channels) are dropped before the runtime.
     inner: UmbpClient<Channel>,
     cluster: Option<Cluster>,
-    /// Single gets and existence checks of a standalone daemon ([`crate::small_ops`]).
+    /// Single gets, existence checks, byte batch gets and large puts of a standalone daemon
+    /// ([`crate::small_ops`]).
     small_ops: Option<SmallOpsClient>,
     /// The data plane, started by the first [`Client::register`].
     data: Mutex<Option<Arc<DataEngine>>>,
@@ -1082,10 +1083,18 @@ impl Client {
         Ok(stored)
     }
 
-    /// The values of `keys`, in order.
+    /// The values of `keys`, in order. From a standalone daemon over small ops: the gets go
+    /// pipelined on one connection (values raw on the socket, as they are read), else as one
+    /// streamed gRPC call.
     pub fn batch_get(&self, keys: &[&[u8]]) -> Result<Vec<Option<Vec<u8>>>> {
         if let Some(c) = &self.cluster {
             return self.cluster_get(c, keys);
+        }
+        if let Some(answers) = self.small_ops.as_ref().and_then(|s| s.gets(keys)) {
+            return answers
+                .into_iter()
+                .map(|a| a.map_err(ClientError::from))
+                .collect();
         }
         let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
         let values = self

@@ -1,5 +1,6 @@
-//! Single gets, existence checks and puts without gRPC: a framed protocol on the daemon's own
-//! port, after the same handshake as every connection ([`crate::auth::PURPOSE`]).
+//! Single gets, existence checks and puts (and byte batch gets, pipelined) without gRPC: a
+//! framed protocol on the daemon's own port, after the same handshake as every connection
+//! ([`crate::auth::PURPOSE`]).
 //!
 //! A gRPC call is an HTTP/2 request and response, and the client hands it to its runtime's
 //! thread and back; for a 4 KiB value that costs several times the copy (benches/NOTES.md,
@@ -24,6 +25,10 @@
 //! over gRPC): a get of a larger value (stored from a registered buffer) fails `OUT_OF_RANGE`,
 //! naming `get_into`. Keys longer than `u16::MAX` bytes go over gRPC.
 //!
+//! The daemon answers requests in order, so a client may send several before reading their
+//! answers: a batch of gets goes that way ([`SmallOpsClient::gets`], at most
+//! [`PIPELINE_REQUESTS`] unanswered on the connection).
+//!
 //! A connection idle for [`IDLE_CLOSE`] is closed by the daemon; the client opens another.
 
 use std::io::{self, Read, Write};
@@ -33,7 +38,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use mori_auth::Secret;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tonic::{Code, Status};
 use tracing::debug;
 
@@ -62,6 +67,11 @@ pub const FAILED: u8 = 2;
 /// A request or answer whose value is at most this long is copied behind its header and sent
 /// in one write; a longer value is written on its own, not copied.
 const ONE_WRITE_BYTES: usize = 64 << 10;
+/// Gets a client sends ahead of their answers on one connection, and the most bytes those
+/// requests take (one longer request goes alone): unanswered requests then fit the socket
+/// buffers whatever the daemon is writing back, so neither side can block the other.
+pub const PIPELINE_REQUESTS: usize = 32;
+const PIPELINE_BYTES: usize = 16 << 10;
 /// The daemon closes a connection without a request for this long.
 pub const IDLE_CLOSE: Duration = Duration::from_secs(60);
 
@@ -135,9 +145,12 @@ pub(crate) async fn serve<S>(stream: S, responder: Responder, served: impl Fn())
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let (read, mut write) = tokio::io::split(stream);
+    let (read, write) = tokio::io::split(stream);
     let mut read = BufReader::new(read);
-    if write.write_all(HELLO).await.is_err() {
+    // Answers to pipelined requests leave together: the buffer is flushed once no further
+    // request is waiting in the read buffer (a lone request's answer leaves at once).
+    let mut write = BufWriter::with_capacity(ONE_WRITE_BYTES, write);
+    if write.write_all(HELLO).await.is_err() || write.flush().await.is_err() {
         return;
     }
     loop {
@@ -158,6 +171,7 @@ where
             );
             let unknown = Status::invalid_argument(format!("unknown request {op}"));
             let _ = send(&mut write, &Err(unknown)).await;
+            let _ = write.flush().await;
             return;
         }
         let mut key = vec![0u8; key_len];
@@ -177,6 +191,7 @@ where
                     crate::client::MAX_BYTES_VALUE
                 ));
                 let _ = send(&mut write, &Err(big)).await;
+                let _ = write.flush().await;
                 return;
             }
             value = vec![0u8; len];
@@ -187,6 +202,9 @@ where
         let answer = responder.answer(op, key, value).await;
         served();
         if send(&mut write, &answer).await.is_err() {
+            return;
+        }
+        if read.buffer().is_empty() && write.flush().await.is_err() {
             return;
         }
     }
@@ -205,7 +223,8 @@ fn within_bytes_api(value: Option<Vec<u8>>) -> Result<Option<Vec<u8>>, Status> {
     }
 }
 
-/// Writes one answer: `Ok(None)` absent, `Ok(Some(value))` found, `Err` failed.
+/// Writes one answer into `w` (the connection's buffer; the caller flushes): `Ok(None)`
+/// absent, `Ok(Some(value))` found, `Err` failed.
 async fn send<W: tokio::io::AsyncWrite + Unpin>(
     w: &mut W,
     answer: &Result<Option<Vec<u8>>, Status>,
@@ -225,16 +244,10 @@ async fn send<W: tokio::io::AsyncWrite + Unpin>(
         .map_err(|_| io::Error::other("an answer over 4 GiB"))?
         .to_le_bytes();
     let head = [status, len[0], len[1], len[2], len[3]];
-    // One write for a small answer (one TCP segment with TCP_NODELAY), two otherwise.
-    if body.len() <= ONE_WRITE_BYTES {
-        let mut one = Vec::with_capacity(head.len() + body.len());
-        one.extend_from_slice(&head);
-        one.extend_from_slice(body);
-        w.write_all(&one).await
-    } else {
-        w.write_all(&head).await?;
-        w.write_all(body).await
-    }
+    // Into the connection's buffer: a small answer leaves with the next flush in one write (one
+    // TCP segment with TCP_NODELAY), a larger body goes out on its own, not copied.
+    w.write_all(&head).await?;
+    w.write_all(body).await
 }
 
 /// The client side: blocking connections to one daemon, opened on first use and kept for the
@@ -348,6 +361,53 @@ impl SmallOpsClient {
         })
     }
 
+    /// The answers to a [`GET`] of each of `keys`, in order, over one connection with up to
+    /// [`PIPELINE_REQUESTS`] requests ahead of their answers. `None` as for
+    /// [`SmallOpsClient::call`] (also when a key is too long to frame). A kept connection found
+    /// closed is replaced and the batch asked again from its start (gets change nothing).
+    pub(crate) fn gets(&self, keys: &[&[u8]]) -> Option<Vec<Answer>> {
+        if self.unsupported.load(Ordering::Relaxed)
+            || keys.iter().any(|k| k.len() > usize::from(u16::MAX))
+        {
+            return None;
+        }
+        let kept = self
+            .idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        if let Some(mut conn) = kept {
+            match pipelined_gets(&mut conn, keys) {
+                Ok(answers) => return Some(self.keep_all(conn, answers)),
+                Err(e) if closed(&e) => {
+                    debug!(error = %e, "a kept small-ops connection was closed; opening another");
+                }
+                Err(e) => return Some(vec![Err(io_status(&self.addr, &e))]),
+            }
+        }
+        let mut conn = match self.open() {
+            Ok(Some(conn)) => conn,
+            Ok(None) => {
+                self.unsupported.store(true, Ordering::Relaxed);
+                debug!(addr = %self.addr, "the daemon does not serve small ops; using gRPC");
+                return None;
+            }
+            Err(s) => return Some(vec![Err(s)]),
+        };
+        Some(match pipelined_gets(&mut conn, keys) {
+            Ok(answers) => self.keep_all(conn, answers),
+            Err(e) => vec![Err(io_status(&self.addr, &e))],
+        })
+    }
+
+    fn keep_all(&self, conn: TcpStream, answers: Vec<Answer>) -> Vec<Answer> {
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(conn);
+        answers
+    }
+
     /// Keeps `conn` for the next call (a connection the daemon closed after it is found closed
     /// on that call and replaced).
     fn keep(&self, conn: TcpStream, answer: SinkAnswer) -> SinkAnswer {
@@ -410,12 +470,7 @@ fn exchange(
     value: Option<&[u8]>,
     sink: &mut dyn Sink,
 ) -> io::Result<SinkAnswer> {
-    let key_len = u16::try_from(key.len())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a key too long to frame"))?;
-    let mut request = Vec::with_capacity(3 + key.len());
-    request.push(op);
-    request.extend_from_slice(&key_len.to_le_bytes());
-    request.extend_from_slice(key);
+    let mut request = request(op, key)?;
     if let Some(v) = value {
         let len = u32::try_from(v.len())
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a value over 4 GiB"))?;
@@ -430,6 +485,48 @@ fn exchange(
     }
     conn.write_all(&request)?;
     read_answer(conn, sink)
+}
+
+/// The request for `op` on `key` (no value).
+fn request(op: u8, key: &[u8]) -> io::Result<Vec<u8>> {
+    let key_len = u16::try_from(key.len())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a key too long to frame"))?;
+    let mut request = Vec::with_capacity(3 + key.len());
+    request.push(op);
+    request.extend_from_slice(&key_len.to_le_bytes());
+    request.extend_from_slice(key);
+    Ok(request)
+}
+
+/// [`GET`]s of `keys` on `conn`, up to [`PIPELINE_REQUESTS`] requests and [`PIPELINE_BYTES`]
+/// ahead of their answers (topped up in one write once half are answered); the answers in
+/// order. An I/O error leaves the connection unusable.
+fn pipelined_gets(conn: &mut TcpStream, keys: &[&[u8]]) -> io::Result<Vec<Answer>> {
+    let size = |i: usize| 3 + keys[i].len();
+    let mut answers = Vec::with_capacity(keys.len());
+    let (mut sent, mut ahead_bytes) = (0, 0);
+    while answers.len() < keys.len() {
+        let ahead = sent - answers.len();
+        if sent < keys.len() && ahead <= PIPELINE_REQUESTS / 2 {
+            let mut requests = Vec::new();
+            while sent < keys.len()
+                && sent - answers.len() < PIPELINE_REQUESTS
+                && (sent == answers.len() || ahead_bytes + size(sent) <= PIPELINE_BYTES)
+            {
+                requests.extend_from_slice(&request(GET, keys[sent])?);
+                ahead_bytes += size(sent);
+                sent += 1;
+            }
+            if !requests.is_empty() {
+                conn.write_all(&requests)?;
+            }
+        }
+        let mut value = Vec::new();
+        let answer = read_answer(conn, &mut value)?;
+        ahead_bytes -= size(answers.len());
+        answers.push(answer.map(|found| found.map(|_| value)));
+    }
+    Ok(answers)
 }
 
 /// The answer to the request just sent on `conn`: a found value is read into `sink`.

@@ -751,14 +751,71 @@ fn a_value_over_the_bytes_api_is_out_of_range_for_get_and_read_by_get_into() {
     assert_eq!(
         err.code(),
         Some(tonic::Code::OutOfRange),
-        "over gRPC: {err}"
+        "batch_get: {err}"
     );
+    assert_eq!(c.health().unwrap().small_ops_served, served + 2);
     assert_eq!(
         c.batch_get_into(&[b"big"], &dst, &[0], &[len as u64])
             .unwrap(),
         vec![Some(len as u64)]
     );
     assert!(back == value, "get_into returned other bytes");
+}
+
+/// A byte batch get from a standalone daemon goes as pipelined small-ops gets (the daemon counts
+/// each): more keys than the pipeline holds, keys long enough that the byte bound splits the
+/// requests, absent keys between present ones, values from 1 byte to 1 MiB, in order and
+/// byte-exact; then a failing key (a value over the bytes API) fails the call and the
+/// connection stays usable.
+#[test]
+fn byte_batch_gets_go_pipelined_over_small_ops_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    // Room for the values and the one over the bytes API (nothing is evicted).
+    let d = Daemon::start(dir.path(), &["--dram-bytes", "600M"], &[]);
+    let c = Client::connect(&d.addr).unwrap();
+    let n = 3 * mori_umbpd::small_ops::PIPELINE_REQUESTS + 5;
+    // Every seventh key is 6 KiB long: a few of them fill the pipeline's byte bound.
+    let keys: Vec<Vec<u8>> = (0..n)
+        .map(|i| {
+            let mut k = key(i);
+            if i % 7 == 0 {
+                k.resize(6 << 10, b'k');
+            }
+            k
+        })
+        .collect();
+    let size = |i: usize| [1, 4096, 65536, 1 << 20, 100][i % 5];
+    let values: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 900, size(i))).collect();
+    for (i, (k, v)) in keys.iter().zip(&values).enumerate() {
+        if i % 11 != 3 {
+            assert!(c.put(k, v).unwrap(), "put {i}");
+        }
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let before = c.health().unwrap().small_ops_served;
+    let got = c.batch_get(&refs).unwrap();
+    assert_eq!(c.health().unwrap().small_ops_served - before, n as u64);
+    assert_eq!(got.len(), n);
+    for (i, g) in got.iter().enumerate() {
+        if i % 11 == 3 {
+            assert_eq!(*g, None, "key {i} was never put");
+        } else {
+            assert!(g.as_deref() == Some(values[i].as_slice()), "value {i}");
+        }
+    }
+    let len = mori_umbpd::client::MAX_BYTES_VALUE + 1;
+    let big = bytes(5, len);
+    // SAFETY: `big` outlives the call that reads it.
+    let src = unsafe { c.register(big.as_ptr() as u64, len as u64).unwrap() };
+    assert_eq!(
+        c.batch_put_from(&[b"big"], &src, &[0], &[len as u64])
+            .unwrap(),
+        vec![true]
+    );
+    let err = c.batch_get(&[refs[1], b"big", refs[2]]).unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::OutOfRange), "{err}");
+    let again = c.batch_get(&refs[..40]).unwrap();
+    assert!(again == got[..40], "the connection after a failed key");
 }
 
 /// A byte batch whose values are all large goes as single puts over small ops (the daemon

@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, uid: bytes, trials: int, sizes: list[int]) -> d
     partner = (rank + half) % world
     engine = IOEngine(f"bench-ccl-nodes-{rank}", timeout=120.0, same_host_direct=False, cuda_ipc=False)
     gen = torch.Generator().manual_seed(seed + world + rank)
-    src = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8, generator=gen).pin_memory()
+    src = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8, device="cpu", generator=gen).pin_memory()
     dst = torch.empty_like(src).pin_memory()
     src_mem, dst_mem = engine.register(src), engine.register(dst)
     descs = bs.allgather_object((engine.desc, dst_mem.pack()))
