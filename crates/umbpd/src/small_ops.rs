@@ -328,7 +328,36 @@ impl SmallOpsClient {
         value: Option<&[u8]>,
         sink: &mut dyn Sink,
     ) -> Option<SinkAnswer> {
-        if self.unsupported.load(Ordering::Relaxed) || key.len() > usize::from(u16::MAX) {
+        if key.len() > usize::from(u16::MAX) {
+            return None;
+        }
+        self.on_connection(|conn| exchange(conn, op, key, value, sink))
+            .map(|answer| answer.and_then(|a| a))
+    }
+
+    /// The answers to a [`GET`] of each of `keys`, in order, over one connection with up to
+    /// [`PIPELINE_REQUESTS`] requests ahead of their answers. `None` as for
+    /// [`SmallOpsClient::call`] (also when a key is too long to frame).
+    pub(crate) fn gets(&self, keys: &[&[u8]]) -> Option<Vec<Answer>> {
+        if keys.iter().any(|k| k.len() > usize::from(u16::MAX)) {
+            return None;
+        }
+        Some(
+            self.on_connection(|conn| pipelined_gets(conn, keys))?
+                .unwrap_or_else(|failed| vec![Err(failed)]),
+        )
+    }
+
+    /// Runs `exchange` on a kept connection, or on a new one when none is kept or the kept one
+    /// turns out closed: the daemon closes connections only between requests (idle, or a
+    /// restart), so nothing was carried out on it and `exchange` runs again from its start.
+    /// The connection is kept for the next call unless `exchange` failed. `None` when the
+    /// daemon does not speak this protocol (the caller uses gRPC from then on).
+    fn on_connection<T>(
+        &self,
+        mut exchange: impl FnMut(&mut TcpStream) -> io::Result<T>,
+    ) -> Option<Result<T, Status>> {
+        if self.unsupported.load(Ordering::Relaxed) {
             return None;
         }
         let kept = self
@@ -337,8 +366,11 @@ impl SmallOpsClient {
             .unwrap_or_else(PoisonError::into_inner)
             .pop();
         if let Some(mut conn) = kept {
-            match exchange(&mut conn, op, key, value, sink) {
-                Ok(answer) => return Some(self.keep(conn, answer)),
+            match exchange(&mut conn) {
+                Ok(done) => {
+                    self.keep(conn);
+                    return Some(Ok(done));
+                }
                 // Closed while it was kept (the daemon's idle close, or a restart).
                 Err(e) if closed(&e) => {
                     debug!(error = %e, "a kept small-ops connection was closed; opening another");
@@ -355,67 +387,22 @@ impl SmallOpsClient {
             }
             Err(s) => return Some(Err(s)),
         };
-        Some(match exchange(&mut conn, op, key, value, sink) {
-            Ok(answer) => self.keep(conn, answer),
+        Some(match exchange(&mut conn) {
+            Ok(done) => {
+                self.keep(conn);
+                Ok(done)
+            }
             Err(e) => Err(io_status(&self.addr, &e)),
         })
     }
 
-    /// The answers to a [`GET`] of each of `keys`, in order, over one connection with up to
-    /// [`PIPELINE_REQUESTS`] requests ahead of their answers. `None` as for
-    /// [`SmallOpsClient::call`] (also when a key is too long to frame). A kept connection found
-    /// closed is replaced and the batch asked again from its start (gets change nothing).
-    pub(crate) fn gets(&self, keys: &[&[u8]]) -> Option<Vec<Answer>> {
-        if self.unsupported.load(Ordering::Relaxed)
-            || keys.iter().any(|k| k.len() > usize::from(u16::MAX))
-        {
-            return None;
-        }
-        let kept = self
-            .idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop();
-        if let Some(mut conn) = kept {
-            match pipelined_gets(&mut conn, keys) {
-                Ok(answers) => return Some(self.keep_all(conn, answers)),
-                Err(e) if closed(&e) => {
-                    debug!(error = %e, "a kept small-ops connection was closed; opening another");
-                }
-                Err(e) => return Some(vec![Err(io_status(&self.addr, &e))]),
-            }
-        }
-        let mut conn = match self.open() {
-            Ok(Some(conn)) => conn,
-            Ok(None) => {
-                self.unsupported.store(true, Ordering::Relaxed);
-                debug!(addr = %self.addr, "the daemon does not serve small ops; using gRPC");
-                return None;
-            }
-            Err(s) => return Some(vec![Err(s)]),
-        };
-        Some(match pipelined_gets(&mut conn, keys) {
-            Ok(answers) => self.keep_all(conn, answers),
-            Err(e) => vec![Err(io_status(&self.addr, &e))],
-        })
-    }
-
-    fn keep_all(&self, conn: TcpStream, answers: Vec<Answer>) -> Vec<Answer> {
-        self.idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(conn);
-        answers
-    }
-
     /// Keeps `conn` for the next call (a connection the daemon closed after it is found closed
     /// on that call and replaced).
-    fn keep(&self, conn: TcpStream, answer: SinkAnswer) -> SinkAnswer {
+    fn keep(&self, conn: TcpStream) {
         self.idle
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .push(conn);
-        answer
     }
 
     /// A new authenticated connection that said [`HELLO`]; `Ok(None)` if the daemon did not
