@@ -700,17 +700,32 @@ impl UmbpRemote {
         Ok(py.detach(|| self.inner.batch_put(&refs))?)
     }
 
+    /// Each found value is read into a new bytes object (over small ops straight from the
+    /// socket).
     fn batch_get<'py>(
         &self,
         py: Python<'py>,
         keys: Vec<Vec<u8>>,
-    ) -> Result<Vec<Option<Bound<'py, PyBytes>>>> {
+    ) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
         let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-        let values = py.detach(|| self.inner.batch_get(&refs))?;
-        Ok(values
-            .into_iter()
-            .map(|v| v.map(|v| PyBytes::new(py, &v)))
-            .collect())
+        let mut sinks: Vec<BytesSink> = keys.iter().map(|_| BytesSink::default()).collect();
+        let found = py.detach(|| {
+            let mut dyn_sinks: Vec<&mut dyn Sink> =
+                sinks.iter_mut().map(|s| s as &mut dyn Sink).collect();
+            self.inner.batch_get_with(&refs, &mut dyn_sinks)
+        });
+        match found {
+            Ok(found) => sinks
+                .into_iter()
+                .zip(found)
+                .map(|(sink, f)| sink.finish(py, Ok(f)))
+                .collect(),
+            // A sink that could not make its bytes object says why first.
+            Err(e) => match sinks.iter_mut().find_map(|s| s.error.take()) {
+                Some(why) => Err(why),
+                None => Err(Error::from(e).into()),
+            },
+        }
     }
 
     fn batch_exists_prefix(&self, py: Python<'_>, keys: Vec<Vec<u8>>) -> Result<usize> {

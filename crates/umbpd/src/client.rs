@@ -1090,17 +1090,68 @@ impl Client {
         if let Some(c) = &self.cluster {
             return self.cluster_get(c, keys);
         }
-        if let Some(answers) = self.small_ops.as_ref().and_then(|s| s.gets(keys)) {
-            return answers
+        let mut values: Vec<Vec<u8>> = vec![Vec::new(); keys.len()];
+        let mut sinks: Vec<&mut dyn Sink> = values.iter_mut().map(|v| v as &mut dyn Sink).collect();
+        if let Some(answers) = self.small_gets(keys, &mut sinks) {
+            let found = answers?;
+            return Ok(found
                 .into_iter()
-                .map(|a| a.map_err(ClientError::from))
-                .collect();
+                .zip(values)
+                .map(|(f, v)| f.map(|_| v))
+                .collect());
         }
         let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
         let values = self
             .rt
             .block_on(batch_get_streamed(self.inner.clone(), keys, None))?;
         Ok(values.into_iter().map(value_of).collect())
+    }
+
+    /// [`Client::batch_get`] with each found value read into its sink (`sinks[i]` for
+    /// `keys[i]`): each value's length, `None` when absent. Over small ops (a standalone daemon)
+    /// the bytes go from the socket straight into the sinks' buffers; otherwise they are copied
+    /// there from the values [`Client::batch_get`] returns.
+    pub fn batch_get_with(
+        &self,
+        keys: &[&[u8]],
+        sinks: &mut [&mut dyn Sink],
+    ) -> Result<Vec<Option<usize>>> {
+        if keys.len() != sinks.len() {
+            return Err(ClientError::from(tonic::Status::invalid_argument(format!(
+                "{} sinks for {} keys",
+                sinks.len(),
+                keys.len()
+            ))));
+        }
+        if self.cluster.is_none()
+            && let Some(answers) = self.small_gets(keys, sinks)
+        {
+            return answers;
+        }
+        self.batch_get(keys)?
+            .into_iter()
+            .zip(sinks.iter_mut())
+            .map(|(v, sink)| match v {
+                Some(v) => Ok(Some(fill(&mut **sink, &v)?)),
+                None => Ok(None),
+            })
+            .collect()
+    }
+
+    /// Pipelined small-ops gets into `sinks` (a standalone daemon); `None` where small ops are
+    /// not used.
+    fn small_gets(
+        &self,
+        keys: &[&[u8]],
+        sinks: &mut [&mut dyn Sink],
+    ) -> Option<Result<Vec<Option<usize>>>> {
+        let answers = self.small_ops.as_ref()?.gets_into(keys, sinks)?;
+        Some(
+            answers
+                .into_iter()
+                .map(|a| a.map_err(ClientError::from))
+                .collect(),
+        )
     }
 
     /// Removes `key`; returns whether it was present.

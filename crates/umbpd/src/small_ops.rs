@@ -335,15 +335,20 @@ impl SmallOpsClient {
             .map(|answer| answer.and_then(|a| a))
     }
 
-    /// The answers to a [`GET`] of each of `keys`, in order, over one connection with up to
-    /// [`PIPELINE_REQUESTS`] requests ahead of their answers. `None` as for
-    /// [`SmallOpsClient::call`] (also when a key is too long to frame).
-    pub(crate) fn gets(&self, keys: &[&[u8]]) -> Option<Vec<Answer>> {
+    /// The answers to a [`GET`] of each of `keys`, in order, each found value read into its
+    /// sink (`sinks[i]` for `keys[i]`), over one connection with up to [`PIPELINE_REQUESTS`]
+    /// requests ahead of their answers. `None` as for [`SmallOpsClient::call`] (also when a key
+    /// is too long to frame); a failed connection is one `Err` answer.
+    pub(crate) fn gets_into(
+        &self,
+        keys: &[&[u8]],
+        sinks: &mut [&mut dyn Sink],
+    ) -> Option<Vec<SinkAnswer>> {
         if keys.iter().any(|k| k.len() > usize::from(u16::MAX)) {
             return None;
         }
         Some(
-            self.on_connection(|conn| pipelined_gets(conn, keys))?
+            self.on_connection(|conn| pipelined_gets(conn, keys, sinks))?
                 .unwrap_or_else(|failed| vec![Err(failed)]),
         )
     }
@@ -487,8 +492,19 @@ fn request(op: u8, key: &[u8]) -> io::Result<Vec<u8>> {
 
 /// [`GET`]s of `keys` on `conn`, up to [`PIPELINE_REQUESTS`] requests and [`PIPELINE_BYTES`]
 /// ahead of their answers (topped up in one write once half are answered); the answers in
-/// order. An I/O error leaves the connection unusable.
-fn pipelined_gets(conn: &mut TcpStream, keys: &[&[u8]]) -> io::Result<Vec<Answer>> {
+/// order, found values read into `sinks[i]`. An I/O error (a sink's too) leaves the connection
+/// unusable.
+fn pipelined_gets(
+    conn: &mut TcpStream,
+    keys: &[&[u8]],
+    sinks: &mut [&mut dyn Sink],
+) -> io::Result<Vec<SinkAnswer>> {
+    if sinks.len() != keys.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} sinks for {} keys", sinks.len(), keys.len()),
+        ));
+    }
     let size = |i: usize| 3 + keys[i].len();
     let mut answers = Vec::with_capacity(keys.len());
     let (mut sent, mut ahead_bytes) = (0, 0);
@@ -508,10 +524,10 @@ fn pipelined_gets(conn: &mut TcpStream, keys: &[&[u8]]) -> io::Result<Vec<Answer
                 conn.write_all(&requests)?;
             }
         }
-        let mut value = Vec::new();
-        let answer = read_answer(conn, &mut value)?;
-        ahead_bytes -= size(answers.len());
-        answers.push(answer.map(|found| found.map(|_| value)));
+        let i = answers.len();
+        let answer = read_answer(conn, &mut *sinks[i])?;
+        ahead_bytes -= size(i);
+        answers.push(answer);
     }
     Ok(answers)
 }

@@ -765,7 +765,7 @@ fn a_value_over_the_bytes_api_is_out_of_range_for_get_and_read_by_get_into() {
 /// A byte batch get from a standalone daemon goes as pipelined small-ops gets (the daemon counts
 /// each): more keys than the pipeline holds, keys long enough that the byte bound splits the
 /// requests, absent keys between present ones, values from 1 byte to 1 MiB, in order and
-/// byte-exact; then a failing key (a value over the bytes API) fails the call and the
+/// byte-exact, as values and read into sinks; then a failing key (a value over the bytes API) fails the call and the
 /// connection stays usable.
 #[test]
 fn byte_batch_gets_go_pipelined_over_small_ops_in_order() {
@@ -801,6 +801,26 @@ fn byte_batch_gets_go_pipelined_over_small_ops_in_order() {
             assert_eq!(*g, None, "key {i} was never put");
         } else {
             assert!(g.as_deref() == Some(values[i].as_slice()), "value {i}");
+        }
+    }
+    // The same into sinks: each value read straight into its own buffer; a wrong sink count is
+    // refused before anything moves.
+    let mut bufs: Vec<Vec<u8>> = vec![vec![0xEE; 3]; n];
+    let mut sinks: Vec<&mut dyn mori_umbpd::small_ops::Sink> = bufs
+        .iter_mut()
+        .map(|b| b as &mut dyn mori_umbpd::small_ops::Sink)
+        .collect();
+    let before = c.health().unwrap().small_ops_served;
+    let lens = c.batch_get_with(&refs, &mut sinks).unwrap();
+    assert!(c.batch_get_with(&refs[..2], &mut sinks[..1]).is_err());
+    drop(sinks);
+    assert_eq!(c.health().unwrap().small_ops_served - before, n as u64);
+    for (i, (l, b)) in lens.iter().zip(&bufs).enumerate() {
+        if i % 11 == 3 {
+            assert_eq!(*l, None, "key {i}");
+        } else {
+            assert_eq!(*l, Some(values[i].len()), "key {i}");
+            assert!(*b == values[i], "value {i} in its sink");
         }
     }
     let len = mori_umbpd::client::MAX_BYTES_VALUE + 1;
