@@ -196,10 +196,16 @@ struct Remote {
 impl Remote {
     /// The region and offset a request's offset names at this PE.
     fn at(&self, offset: u64) -> (&MemoryDesc, u64) {
-        match ring::window_offset(offset) {
-            Some(w) => (&self.window, w),
-            None => (&self.heap, offset),
-        }
+        named(offset, &self.heap, &self.window)
+    }
+}
+
+/// The region (`heap`, or `window` for offsets with [`ring::WINDOW_BIT`]) and offset in it that
+/// a request's offset names.
+fn named<'a>(offset: u64, heap: &'a MemoryDesc, window: &'a MemoryDesc) -> (&'a MemoryDesc, u64) {
+    match ring::window_offset(offset) {
+        Some(w) => (window, w),
+        None => (heap, offset),
     }
 }
 
@@ -444,7 +450,6 @@ impl Proxy {
             heap_base,
             heap_size,
             window_base: window.ptr(),
-            window_size,
             window: window_desc,
             scratch,
             scratch_desc,
@@ -568,9 +573,9 @@ struct Worker {
     heap_base: u64,
     heap_size: u64,
     window: MemoryDesc,
-    /// The window's memory, owned by the Proxy (which joins this thread before freeing it).
+    /// The window's memory (`window.len` bytes), owned by the Proxy (which joins this thread
+    /// before freeing it).
     window_base: u64,
-    window_size: u64,
     scratch: HostMemory,
     scratch_desc: MemoryDesc,
     free_scratch: Vec<u64>,
@@ -743,10 +748,7 @@ impl Worker {
 
     /// The local region and offset a request's offset names.
     fn here(&self, offset: u64) -> (&MemoryDesc, u64) {
-        match ring::window_offset(offset) {
-            Some(w) => (&self.window, w),
-            None => (&self.heap, offset),
-        }
+        named(offset, &self.heap, &self.window)
     }
 
     /// Starts request `e` (or finishes it at once: fences, misuse).
@@ -935,7 +937,7 @@ impl Worker {
                 .iter()
                 .position(|r| r.as_ref().is_some_and(|r| r.name == n.from));
             let (offset, value, compare, update, answer) = match (
-                Note::decode(&n.tag, self.heap_size, self.window_size),
+                Note::decode(&n.tag, self.heap_size, self.window.len),
                 from,
             ) {
                 (
