@@ -107,3 +107,21 @@ def routing(n: int, mode: str, *, num_experts: int, topk: int, world: int, rank:
         idx[:, : ids.shape[1]] = ids
         return idx
     raise ValueError(mode)
+
+
+def over_capacity_case(dispatch: Callable[[int], Any], max_tokens: int, rank: int, world: int, meet: Callable[[], None],
+                       then: Callable[[], Any]) -> None:
+    """The last rank dispatches ``max_tokens + 37`` tokens (``dispatch(n)``), the others 5: every
+    rank raises CapacityError from that call naming the count (not only that rank, leaving its
+    peers waiting), nothing was sent; after ``meet()`` the buffer works on (``then()``)."""
+    from mori.errors import CapacityError
+
+    big = max_tokens + 37
+    try:
+        dispatch(big if rank == world - 1 else 5)
+    except CapacityError as e:
+        assert e.needed == big, f"needed={e.needed}"
+    else:
+        raise AssertionError(f"a dispatch with {big} tokens on rank {world - 1} did not raise here")
+    meet()
+    then()

@@ -100,3 +100,39 @@ def assert_ok(outcomes: dict[str, tuple[str, ...]], prefix: str = "") -> None:
     assert not failed, "\n".join(
         f"{k}:\n" + "\n".join(f" rank {r}: {o}" for r, o in enumerate(v) if o != "ok") for k, v in failed.items()
     )
+
+
+def run_cases(rank: int, seed: int, cases: dict[str, Callable[[], Any]], settle: Callable[[], None], label: str) -> dict[str, str]:
+    """Runs every case of ``cases`` in order on this rank: {name: "ok" or the traceback (with the
+    seed)}. ``settle`` runs after each case (synchronise, meet the other ranks); when it fails the
+    rest are not run (the ranks are out of step)."""
+    import sys
+    import time
+
+    results: dict[str, str] = {}
+    for name, fn in cases.items():
+        began = time.monotonic()
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:
+            results[name] = f"(seed {seed})\n" + traceback.format_exc()
+            print(f"[rank {rank}] {name} failed:\n{results[name]}", file=sys.stderr, flush=True)
+        try:
+            settle()
+        except Exception:
+            results[name] = results.get(name, "") + "\nafter the case:\n" + traceback.format_exc()
+            break
+        print(f"[rank {rank}] {label} case {name}: {time.monotonic() - began:.1f} s", file=sys.stderr, flush=True)
+    return results
+
+
+def run_with_rank0_killed(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> dict[int, Any]:
+    """Runs ``fn(rank, *args)`` on two emulated nodes, where rank 0 exits by itself partway: the
+    other ranks' results (they must all report). Skips without an even world or its GPUs."""
+    if world % 2:
+        pytest.skip(f"two nodes need an even world, got {world}")
+    skip_unless_gpus(world)
+    results = run_ranks(fn, world, *args, timeout=timeout, expect=world - 1)
+    assert sorted(results) == list(range(1, world)), f"ranks that reported: {sorted(results)}"
+    return results

@@ -367,3 +367,65 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
             sent2, state))]
         assert rt.ll_combine_recv(None, topk_idx, n, out, wait_ns) == [("ep_ll_combine_recv", 64, 512, 0, packed(
             "ep_ll_combine_recv", topk_idx, n, k, h, el, w, tll, chunks, 64, llcomb, sent2, out, state, state + 12, wait_ns))]
+
+
+def test_across_nodes_the_runtime_launches_the_internode_kernels_with_call_numbers_and_its_areas():
+    import struct
+
+    from mori import _core
+    from mori.errors import InvalidArgumentError
+
+    w, e, h, k, tmax = 4, 32, 2048, 8, 256
+    shape = (w, e, h, k, tmax, 0)
+    counts_bytes, flags_bytes, window_bytes = _core.ep_internode_sizes(shape, 2)
+    assert counts_bytes == 2 * w * 40 * 4 and flags_bytes == 3 * w * 4  # vector: 4 + 32 + 1 + 2 -> 40 int32
+    # The window holds each node's records (a bf16 row and its metadata) twice, and bf16 rows twice, at capacity.
+    assert window_bytes >= 2 * 2 * tmax * (h * 2 + k * 12) + 2 * 2 * tmax * h * 2
+    assert _core.ep_internode_sizes((w, e, h, k, 2 * tmax, 0), 2)[2] > window_bytes
+    normal = [(i + 1) << 20 for i in range(12)]
+    area = (2, 2, 0x7000_0000, 0x7100_0000, 0x7200_0000, 0x7300_0000)
+    rt = _core.EpRuntime(None, None, shape, normal, None, area)
+    one_node = _core.EpRuntime(None, None, shape, normal, None)
+    n = 37
+    assert rt.layout_len(n) == one_node.layout_len(n) + 2 * n * 2 + 2 * 2 + 2 * tmax * 2
+
+    def seq_of(params: bytes) -> int:
+        return struct.unpack_from("<i", params, 40)[0]  # InternodeArgs.seq: the 11th int32
+
+    for call in (1, 2):
+        seq, launches = rt.dispatch(None, 1 << 30, h * 2, 0, 0, 2 << 30, 3 << 30, n, 4 << 30, 16)
+        assert seq == call
+        assert [(l[0], l[1]) for l in launches] == [("ep_prepare", w + 1), ("ep_internode_notify", 3), ("ep_internode_dispatch", 16),
+                                                   ("ep_internode_forward", 16)]
+        # The layout kernel does not exchange counts (notify = 0) across nodes.
+        assert struct.unpack_from("<i", launches[0][4], 80)[0] == 0
+        assert {seq_of(l[4]) for l in launches[1:]} == {call}
+        assert len({l[4] for l in launches[1:]}) == 1, "the internode kernels of a dispatch take one set of parameters"
+    for call in (1, 2, 3):
+        launches = rt.combine(None, 5 << 30, False, 100, n, 4 << 30, 6 << 30, 16)
+        assert [l[0] for l in launches] == ["ep_internode_combine_send", "ep_internode_combine_forward", "ep_internode_combine_reduce"]
+        assert {seq_of(l[4]) for l in launches} == {call}
+    with pytest.raises(InvalidArgumentError, match="y_on_heap"):
+        rt.combine(None, 5 << 30, True, 100, n, 4 << 30, 6 << 30, 16)
+    with pytest.raises(InvalidArgumentError, match="low-latency"):
+        _core.EpRuntime(None, None, (w, e, h, k, tmax, 16), normal, [(i + 1) << 24 for i in range(8)] + [2], area)
+    with pytest.raises(InvalidArgumentError, match="3 nodes of 2 ranks"):
+        _core.EpRuntime(None, None, shape, normal, None, (3, 2, *area[2:]))
+
+
+def test_the_node_grouped_combine_reference_is_not_the_flat_sum():
+    # Across nodes each node's rows are summed and rounded to bf16 before the nodes' sums are
+    # added: a kernel that summed all ranks flat (or in another grouping) must fail the check.
+    torch = pytest.importorskip("torch")
+    from mori.ep import _reference as ref
+
+    gen = torch.Generator().manual_seed(5)
+    world, experts, n = 4, 16, 256
+    x = torch.randn((n, 256), generator=gen).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:4] for _ in range(n)])
+    flat = ref.expected_normal_combine(x, None, idx, experts, world)
+    assert torch.equal(ref.expected_normal_combine(x, None, idx, experts, world, local_size=world), flat)
+    grouped = ref.expected_normal_combine(x, None, idx, experts, world, local_size=2)
+    assert not torch.equal(grouped, flat)
+    with pytest.raises(AssertionError, match="combine"):
+        ref.check_normal_combine(flat, grouped)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 import mori
-from tests._ranks import assert_ok, by_case, device_of, run_ranks, skip_unless_gpus, world_under_test
+from tests._ranks import assert_ok, by_case, device_of, run_cases, run_ranks, skip_unless_gpus, world_under_test
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
@@ -33,7 +33,6 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
     import os
     import sys
     import time
-    import traceback
 
     import torch
 
@@ -96,20 +95,8 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
         ref.check_normal_combine(out, ref.expected_normal_combine(sent, scales, idx, experts, world))
 
     def over_capacity():
-        # One rank has more tokens than the buffer holds: every rank raises CapacityError from
-        # the same call (not only that rank, leaving its peers waiting), nothing was sent, and
-        # the buffer works on.
-        from mori.errors import CapacityError
-
-        n = MAX_TOKENS + 37 if rank == world - 1 else 5
-        try:
-            buf.dispatch(tokens(n), routing(n, "random"), torch.rand((n, TOPK), device="cuda", generator=gen))
-        except CapacityError as e:
-            assert e.needed == MAX_TOKENS + 37, f"needed={e.needed}"
-        else:
-            raise AssertionError(f"a dispatch with {MAX_TOKENS + 37} tokens on rank {world - 1} did not raise here")
-        shmem.barrier_all()
-        normal_case(300, "random", False)
+        util.over_capacity_case(lambda n: buf.dispatch(tokens(n), routing(n, "random"), torch.rand((n, TOPK), device="cuda", generator=gen)),
+                                MAX_TOKENS, rank, world, shmem.barrier_all, lambda: normal_case(300, "random", False))
 
     # ---- low-latency mode -----------------------------------------------------------------
 
@@ -257,21 +244,11 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
         "hidden_7168": hidden_7168,
         "destroy": destroy,
     }
-    for name, fn in cases.items():
-        began = time.monotonic()
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:
-            results[name] = f"(seed {seed})\n" + traceback.format_exc()
-            print(f"[rank {rank}] {name} failed:\n{results[name]}", file=sys.stderr, flush=True)
-        try:
-            torch.cuda.synchronize()
-            shmem.barrier_all()
-        except Exception:
-            results[name] = results.get(name, "") + "\nafter the case:\n" + traceback.format_exc()
-            break
-        print(f"[rank {rank}] ep case {name}: {time.monotonic() - began:.1f} s", file=sys.stderr, flush=True)
+    def settle():
+        torch.cuda.synchronize()
+        shmem.barrier_all()
+
+    results = run_cases(rank, seed, cases, settle, "ep")
     shmem.finalize()
     return results
 

@@ -174,3 +174,73 @@ kernel_params! {
         pub wait_ns: DevicePtr,
     }
 }
+
+/// The kernels of mori.ep's normal mode across nodes (`kernels/ep/internode.cu`).
+pub const EP_INTERNODE_ENTRIES: &[&str] = &[
+    "ep_internode_notify",
+    "ep_internode_dispatch",
+    "ep_internode_forward",
+    "ep_internode_combine_send",
+    "ep_internode_combine_forward",
+    "ep_internode_combine_reduce",
+];
+
+kernel_params! {
+    /// `mori::ep::InternodeArgs`, member for member: every internode kernel's parameters.
+    pub struct EpInternodeArgs for EP_INTERNODE_ENTRIES, Passing::ByValue { c_type: "mori::ep::InternodeArgs", param: "a" } => {
+        pub num_tokens: i32,
+        pub topk: i32,
+        pub num_ranks: i32,
+        pub num_experts: i32,
+        pub experts_per_rank: i32,
+        pub nodes: i32,
+        pub local_size: i32,
+        pub capacity: i32,
+        /// FP8 scales per row in this dispatch (0: BF16).
+        pub scale_cols: i32,
+        pub hidden: i32,
+        /// The call's number: the value of its flags and signals.
+        pub seq: i32,
+        pub num_recv: i32,
+        pub row_bytes: u64,
+        pub record_bytes: u64,
+        pub vec_stride: i32,
+        pub reserved: i32,
+        pub x: u64,
+        pub scales: u64,
+        pub topk_idx: u64,
+        pub topk_w: u64,
+        pub y: u64,
+        pub out: u64,
+        pub slot: u64,
+        pub send_list: u64,
+        pub per_rank: u64,
+        pub per_expert: u64,
+        pub rank_matrix: u64,
+        pub node_slot: u64,
+        pub node_list: u64,
+        pub node_count: u64,
+        pub node_recv: u64,
+        pub fwd_rows: u64,
+        pub recv_x: u64,
+        pub recv_scales: u64,
+        pub recv_idx: u64,
+        pub recv_w: u64,
+        pub recv_src: u64,
+        pub comb: u64,
+        pub relay: u64,
+        pub counts: u64,
+        pub flags: u64,
+        pub w_counts_out: u64,
+        pub w_counts_in: u64,
+        pub w_count_sig: u64,
+        pub w_send: u64,
+        pub w_recv: u64,
+        pub w_rows_sig: u64,
+        pub w_comb_send: u64,
+        pub w_comb_recv: u64,
+        pub w_comb_sig: u64,
+        pub counters: u64,
+        pub host_info: u64,
+    }
+}

@@ -13,10 +13,11 @@ use mori_gpu::jit::Module;
 use mori_gpu::kernels::LaunchConfig;
 
 use crate::ep::{
-    EpCombineReduce, EpCombineSend, EpDispatch, EpLlCombineRecv, EpLlCombineSend, EpLlDispatchRecv,
-    EpLlDispatchSend, EpPrepare,
+    EpCombineReduce, EpCombineSend, EpDispatch, EpInternodeArgs, EpLlCombineRecv, EpLlCombineSend,
+    EpLlDispatchRecv, EpLlDispatchSend, EpPrepare,
 };
 use crate::ep_buffers::SCALE_BLOCK;
+pub use crate::ep_internode::{INTERNODE_MAX_LOCAL, INTERNODE_MAX_NODES, Internode};
 use crate::error::{Error, Result};
 use crate::launch::Kernel;
 use crate::params::{DevicePtr, KernelParams};
@@ -169,6 +170,14 @@ struct Calls {
     calls: u64,
     /// What the next dispatch's totals are published with (1 ..= i32::MAX, wrapping).
     seq: i32,
+    /// Across nodes: the last combine's number (its flags and signals carry it).
+    combine_seq: i32,
+}
+
+/// The next number of a sequence that runs 1 ..= i32::MAX and wraps (0 is never used: flags
+/// and signals start at 0).
+fn next_seq(seq: i32) -> i32 {
+    seq % 0x7FFF_FFFF + 1
 }
 
 /// A planned launch: its entry, grid, block, shared bytes and parameter bytes.
@@ -182,6 +191,7 @@ pub struct EpRuntime {
     /// The kernels by entry (empty: a planner only, launches are returned, not made).
     kernels: Vec<Kernel>,
     calls: Mutex<Calls>,
+    internode: Option<Internode>,
 }
 
 /// A launch to make: kernel entry, shape and parameters.
@@ -273,7 +283,67 @@ impl EpRuntime {
             ll,
             kernels,
             calls: Mutex::new(Calls::default()),
+            internode: None,
         })
+    }
+
+    /// The normal mode across nodes: dispatch and combine then run the kernels of
+    /// `ep/internode` (`module`; None for a planner) with `internode`'s buffers; the low-latency
+    /// mode is refused.
+    ///
+    /// # Safety
+    /// As [`EpRuntime::new`] for every address in `internode`; its heap areas are symmetric
+    /// allocations of [`InternodeSizes::counts_bytes`] and [`InternodeSizes::flags_bytes`]
+    /// zeroed, its window area [`InternodeSizes::window_bytes`] of the shmem proxy window,
+    /// zeroed, at the same offset on every rank; `relay` holds ranks x max_tokens bf16 rows.
+    pub unsafe fn with_internode(
+        mut self,
+        internode: Internode,
+        module: Option<&Module>,
+    ) -> Result<Self> {
+        let s = &self.shape;
+        let ranks = internode.nodes * internode.local_size;
+        if internode.nodes < 2 || ranks != s.num_ranks {
+            return Err(Error::InvalidArgument(format!(
+                "{} nodes of {} ranks do not make the buffer's {} ranks across nodes",
+                internode.nodes, internode.local_size, s.num_ranks
+            )));
+        }
+        if internode.nodes > INTERNODE_MAX_NODES || internode.local_size > INTERNODE_MAX_LOCAL {
+            return Err(Error::InvalidArgument(format!(
+                "mori.ep across nodes supports up to {INTERNODE_MAX_NODES} nodes of up to {INTERNODE_MAX_LOCAL} ranks, got {} of {}",
+                internode.nodes, internode.local_size
+            )));
+        }
+        if self.ll.is_some() {
+            return Err(Error::InvalidArgument(
+                "the low-latency mode is not built across nodes yet: build the buffer without it"
+                    .into(),
+            ));
+        }
+        if let Some(m) = module {
+            for entry in crate::ep::EP_INTERNODE_ENTRIES {
+                self.kernels.push(Kernel::load(m, entry)?);
+            }
+        }
+        self.internode = Some(internode);
+        Ok(self)
+    }
+
+    /// The node geometry across nodes (None: one node).
+    pub fn internode(&self) -> Option<&Internode> {
+        self.internode.as_ref()
+    }
+
+    /// int32 elements of a normal dispatch's per-call layout area for `num_tokens` tokens.
+    pub fn layout_len(&self, num_tokens: u64) -> u64 {
+        let s = &self.shape;
+        let one_node = Layout::len(num_tokens, u64::from(s.num_ranks), u64::from(s.num_experts));
+        one_node
+            + self
+                .internode
+                .as_ref()
+                .map_or(0, |i| i.layout_len(num_tokens, u64::from(s.max_tokens)))
     }
 
     pub fn shape(&self) -> &EpShape {
@@ -328,22 +398,81 @@ impl EpRuntime {
         Ok(Vec::new())
     }
 
+    fn calls(&self) -> Result<std::sync::MutexGuard<'_, Calls>> {
+        self.calls
+            .lock()
+            .map_err(|_| Error::InvalidArgument("the EP call state is poisoned".into()))
+    }
+
+    /// The parameters every internode kernel shares (the call's own are set by the caller).
+    fn internode_args(&self, geo: &Internode, layout: &Layout, seq: i32) -> EpInternodeArgs {
+        let s = &self.shape;
+        let b = &self.normal;
+        let ext = geo.layout_areas(layout, u64::from(s.max_tokens));
+        let w = geo.window_areas(s);
+        EpInternodeArgs {
+            num_tokens: layout.num_tokens as i32,
+            topk: int(s.topk),
+            num_ranks: int(s.num_ranks),
+            num_experts: int(s.num_experts),
+            experts_per_rank: int(s.experts_per_rank()),
+            nodes: int(geo.nodes),
+            local_size: int(geo.local_size),
+            capacity: int(s.max_tokens),
+            hidden: int(s.hidden),
+            seq,
+            record_bytes: geo.record_bytes(s),
+            vec_stride: geo.vec_stride(s) as i32,
+            slot: layout.slot().0,
+            send_list: layout.send_list().0,
+            per_rank: layout.per_rank().0,
+            per_expert: layout.per_expert().0,
+            rank_matrix: layout.rank_matrix().0,
+            node_slot: ext[0],
+            node_list: ext[1],
+            node_count: ext[2],
+            node_recv: ext[3],
+            fwd_rows: ext[4],
+            recv_x: b.recv_x,
+            recv_scales: b.recv_scales,
+            recv_idx: b.recv_idx,
+            recv_w: b.recv_w,
+            recv_src: b.recv_src,
+            comb: b.comb,
+            relay: geo.relay,
+            counts: geo.counts,
+            flags: geo.flags,
+            w_counts_out: w[0],
+            w_counts_in: w[1],
+            w_count_sig: w[2],
+            w_send: w[3],
+            w_recv: w[4],
+            w_rows_sig: w[5],
+            w_comb_send: w[6],
+            w_comb_recv: w[7],
+            w_comb_sig: w[8],
+            counters: b.counters,
+            host_info: b.host_info,
+            ..Default::default()
+        }
+    }
+
+    /// The layout kernel; `dispatch`: counts as a dispatch (its sequence number, returned),
+    /// `notify`: the kernel exchanges the counts (one node).
     fn prepare(
         &self,
         topk_idx: u64,
         n: u32,
         layout: &Layout,
+        dispatch: bool,
         notify: bool,
     ) -> Result<(Launch, i32)> {
         let s = &self.shape;
-        let mut calls = self
-            .calls
-            .lock()
-            .map_err(|_| Error::InvalidArgument("the EP call state is poisoned".into()))?;
+        let mut calls = self.calls()?;
         let parity = (calls.calls % 2) as usize;
-        if notify {
+        if dispatch {
             calls.calls += 1;
-            calls.seq = calls.seq % 0x7FFF_FFFF + 1;
+            calls.seq = next_seq(calls.seq);
         }
         let p = EpPrepare {
             topk_idx: DevicePtr(topk_idx),
@@ -380,7 +509,7 @@ impl EpRuntime {
         layout: &Layout,
         stream: Option<StreamHandle>,
     ) -> Result<Vec<Planned>> {
-        let (l, _) = self.prepare(topk_idx, n, layout, false)?;
+        let (l, _) = self.prepare(topk_idx, n, layout, false, false)?;
         // SAFETY: the caller's guarantee.
         unsafe { self.run(vec![l], stream) }
     }
@@ -405,9 +534,28 @@ impl EpRuntime {
         sms: u32,
         stream: Option<StreamHandle>,
     ) -> Result<(i32, Vec<Planned>)> {
+        if let Some(geo) = &self.internode {
+            let (prepare, seq) = self.prepare(topk_idx, n, layout, true, false)?;
+            let mut a = self.internode_args(geo, layout, seq);
+            a.row_bytes = row_bytes;
+            a.scale_cols = int(scale_cols);
+            a.x = x;
+            a.scales = scales;
+            a.topk_idx = topk_idx;
+            a.topk_w = weights;
+            let launches = vec![
+                prepare,
+                launch("ep_internode_notify", geo.nodes + 1, 1024, 0, a),
+                launch("ep_internode_dispatch", sms, 512, 0, a),
+                launch("ep_internode_forward", sms, 512, 0, a),
+            ];
+            // SAFETY: the caller's guarantee.
+            let planned = unsafe { self.run(launches, stream)? };
+            return Ok((seq, planned));
+        }
         let s = &self.shape;
         let b = &self.normal;
-        let (prepare, seq) = self.prepare(topk_idx, n, layout, true)?;
+        let (prepare, seq) = self.prepare(topk_idx, n, layout, true, true)?;
         let d = EpDispatch {
             x: DevicePtr(x),
             row_bytes,
@@ -461,6 +609,29 @@ impl EpRuntime {
         sms: u32,
         stream: Option<StreamHandle>,
     ) -> Result<Vec<Planned>> {
+        if let Some(geo) = &self.internode {
+            if y_on_heap {
+                return Err(Error::InvalidArgument(
+                    "across nodes the combine input is read where it is (y_on_heap is for one node)".into(),
+                ));
+            }
+            let seq = {
+                let mut calls = self.calls()?;
+                calls.combine_seq = next_seq(calls.combine_seq);
+                calls.combine_seq
+            };
+            let mut a = self.internode_args(geo, layout, seq);
+            a.y = y;
+            a.out = out;
+            a.num_recv = int(num_recv);
+            let launches = vec![
+                launch("ep_internode_combine_send", sms, 512, 0, a),
+                launch("ep_internode_combine_forward", sms, 512, 0, a),
+                launch("ep_internode_combine_reduce", sms, 512, 0, a),
+            ];
+            // SAFETY: the caller's guarantee.
+            return unsafe { self.run(launches, stream) };
+        }
         let s = &self.shape;
         let b = &self.normal;
         let row_bytes = u64::from(s.hidden) * 2;

@@ -9,6 +9,7 @@ pub mod ccl;
 pub mod communicator;
 pub mod ep;
 pub mod ep_buffers;
+pub mod ep_internode;
 pub mod ep_runtime;
 mod error;
 pub mod host;
@@ -20,7 +21,7 @@ pub use launch::Kernel;
 pub use params::{DevicePtr, KernelParams, Layout, Packed, Packer, Value};
 
 /// The layout of every parameter struct.
-pub fn layouts() -> [&'static Layout; 9] {
+pub fn layouts() -> [&'static Layout; 10] {
     [
         ep::EpPrepare::layout(),
         ep::EpDispatch::layout(),
@@ -30,6 +31,7 @@ pub fn layouts() -> [&'static Layout; 9] {
         ep::EpLlDispatchRecv::layout(),
         ep::EpLlCombineSend::layout(),
         ep::EpLlCombineRecv::layout(),
+        ep::EpInternodeArgs::layout(),
         ccl::CclArgs::layout(),
     ]
 }

@@ -39,6 +39,7 @@ const SHMEM_PROXY_SRC: &str = include_str!("../../../kernels/shmem/proxy.cu");
 const EP_INTRANODE_SRC: &str = include_str!("../../../kernels/ep/intranode.cu");
 const CCL_SRC: &str = include_str!("../../../kernels/collective/ccl.cu");
 const EP_LOW_LATENCY_SRC: &str = include_str!("../../../kernels/ep/low_latency.cu");
+const EP_INTERNODE_SRC: &str = include_str!("../../../kernels/ep/internode.cu");
 
 /// Unroll depths the copy kernel is built with.
 pub const COPY_UNROLLS: [u32; 3] = [2, 4, 8];
@@ -120,6 +121,16 @@ pub fn ep_intranode_spec() -> KernelSpec {
     }
 }
 
+/// mori.ep's normal mode across nodes (NVLink within a node, the shmem proxy between nodes).
+pub fn ep_internode_spec() -> KernelSpec {
+    KernelSpec {
+        name: "ep/internode".into(),
+        file: "ep/internode.cu".into(),
+        source: EP_INTERNODE_SRC.into(),
+        defines: Vec::new(),
+    }
+}
+
 /// mori.ep's low-latency (decode) dispatch/combine kernels.
 pub fn ep_low_latency_spec() -> KernelSpec {
     KernelSpec {
@@ -149,6 +160,7 @@ pub fn variants() -> Vec<KernelSpec> {
     all.push(shmem_proxy_spec());
     all.push(ep_intranode_spec());
     all.push(ep_low_latency_spec());
+    all.push(ep_internode_spec());
     all.push(ccl_spec());
     all
 }

@@ -363,6 +363,25 @@ impl EpRuntime {
     }
 }
 
+fn ep_shape(shape: (u32, u32, u32, u32, u32, u32)) -> ep_runtime::EpShape {
+    ep_runtime::EpShape {
+        num_ranks: shape.0,
+        num_experts: shape.1,
+        hidden: shape.2,
+        topk: shape.3,
+        max_tokens: shape.4,
+        low_latency_max_tokens: shape.5,
+    }
+}
+
+/// Bytes of mori.ep's areas across `nodes` nodes for `shape` (as `EpRuntime`'s): (count
+/// vectors on the heap, flags on the heap, the proxy window area).
+#[pyfunction]
+pub fn ep_internode_sizes(shape: (u32, u32, u32, u32, u32, u32), nodes: u32) -> (u64, u64, u64) {
+    let s = mori_collective::ep_internode::Internode::sizes(&ep_shape(shape), nodes);
+    (s.counts_bytes, s.flags_bytes, s.window_bytes)
+}
+
 /// The low-latency FP8 options from Python's (round_scale, ue8m0, column-major scales).
 fn ll_fp8(fp8: Option<(bool, bool, bool)>) -> Option<ep_runtime::LlFp8> {
     fp8.map(|(round_scale, ue8m0, column_major)| ep_runtime::LlFp8 {
@@ -382,24 +401,22 @@ impl EpRuntime {
     /// `normal`: addresses (recv_x, recv_scales, recv_idx, recv_w, recv_src, rank_matrix[0],
     /// rank_matrix[1], expert_matrix[0], expert_matrix[1], comb, counters, host_info);
     /// `low_latency`: (rows, meta, wts, comb, sent[0], sent[1], sent[2], state, chunks) or None.
-    /// The modules (`ep/intranode`, `ep/low_latency`) are None for a planner.
+    /// The modules (`ep/intranode`, `ep/low_latency`) are None for a planner. Across nodes,
+    /// `internode` is (nodes, ranks per node, counts, flags, relay, window area) with the
+    /// `ep/internode` module (see `ep_internode_sizes`).
     #[new]
-    #[pyo3(signature = (intranode, low_latency_module, shape, normal, low_latency=None))]
+    #[pyo3(signature = (intranode, low_latency_module, shape, normal, low_latency=None, internode=None, internode_module=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         intranode: Option<&ShmemModule>,
         low_latency_module: Option<&ShmemModule>,
         shape: (u32, u32, u32, u32, u32, u32),
         normal: [u64; 12],
         low_latency: Option<[u64; 9]>,
+        internode: Option<(u32, u32, u64, u64, u64, u64)>,
+        internode_module: Option<&ShmemModule>,
     ) -> Result<Self> {
-        let shape = ep_runtime::EpShape {
-            num_ranks: shape.0,
-            num_experts: shape.1,
-            hidden: shape.2,
-            topk: shape.3,
-            max_tokens: shape.4,
-            low_latency_max_tokens: shape.5,
-        };
+        let shape = ep_shape(shape);
         let n = normal;
         let normal = ep_runtime::NormalBuffers {
             recv_x: n[0],
@@ -425,7 +442,26 @@ impl EpRuntime {
         let modules = intranode.map(|m| (m.module, low_latency_module.map(|l| l.module)));
         // SAFETY: mori.ep allocates every address (symmetric tensors, device counters, pinned
         // host words) for the Buffer's lifetime, which outlives this runtime.
-        let inner = unsafe { ep_runtime::EpRuntime::new(shape, normal, ll, modules) }?;
+        let mut inner = unsafe { ep_runtime::EpRuntime::new(shape, normal, ll, modules) }?;
+        if let Some((nodes, local_size, counts, flags, relay, window)) = internode {
+            if intranode.is_some() != internode_module.is_some() {
+                return Err(mori_collective::Error::InvalidArgument(
+                    "across nodes the ep/internode module comes with the ep/intranode one".into(),
+                )
+                .into());
+            }
+            let geo = ep_runtime::Internode {
+                nodes,
+                local_size,
+                counts,
+                flags,
+                relay,
+                window,
+            };
+            // SAFETY: mori.ep allocates these areas with the sizes ep_internode_sizes gave, for
+            // the Buffer's lifetime.
+            inner = unsafe { inner.with_internode(geo, internode_module.map(|m| &m.module)) }?;
+        }
         Ok(Self {
             session: intranode.map(|m| m.session.clone()),
             inner,
@@ -434,8 +470,7 @@ impl EpRuntime {
 
     /// int32 elements of a normal dispatch's per-call layout area for `num_tokens` tokens.
     fn layout_len(&self, num_tokens: u64) -> u64 {
-        let s = self.inner_shape();
-        ep_runtime::Layout::len(num_tokens, u64::from(s.num_ranks), u64::from(s.num_experts))
+        self.inner.layout_len(num_tokens)
     }
 
     /// The routing layout only (no exchange), into the area at `layout`.

@@ -85,7 +85,8 @@ from typing import Any, Callable
 from mori._cliargs import positive_int, positive_int_list
 from mori.bench._common import (SHARED_GPUS_NO_BASELINE, TORCH, Checks, add_out_argument, add_world_argument, baseline_errors,
                                 device_of, eager_time, environment, free_port, graph_time, gpus_shared, init_process_group, median,
-                                min_gpus, preflight, require_verified, run_ranks, shared_seed, sharing, world_from_args, write_record)
+                                min_gpus, preflight, require_verified, run_ranks, say_error, shared_seed, sharing, world_from_args,
+                                write_record)
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 4096, 7168, 256, 8
 LL_TOKENS = 128
@@ -767,6 +768,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(mori.ep.Buffer), deepep (the DeepEP-compatible facade mori.ep.deepep.Buffer, driven as a DeepEP program "
                    "drives deep_ep.Buffer); with both, the facade's figures are printed and recorded beside native's "
                    "(default: native)")
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                   help="2: split the ranks into two emulated nodes (MORI_NODE) and time the normal mode's dispatch (BF16, FP8) "
+                   "and combine across them by tokens per rank, beside the ceiling of the path between the nodes (an even "
+                   "--world; mori.bench.ep_nodes says what is timed; --sms takes its first budget, --api native only)")
+    p.add_argument("--tokens", type=positive_int_list(":"), default=None, metavar="TOKENS",
+                   help="with --nodes 2: tokens per rank, colon-separated (default: 128:1024:4096)")
     add_out_argument(p)
     add_world_argument(p)
 
@@ -777,6 +784,20 @@ def main(args: argparse.Namespace) -> int:
         return failed
     world = world_from_args(args, "ep")
     if world is None:
+        return 1
+    if args.nodes == 2:
+        from mori.bench import ep_nodes
+
+        if world % 2:
+            say_error("ep", f"--nodes 2 needs an even --world, got {world}")
+            return 1
+        if args.api != ["native"]:
+            say_error("ep", "--nodes 2 measures mori's own API only (the DeepEP facade is one node)")
+            return 1
+        ep_nodes.run(args.iters, args.tokens or ep_nodes.TOKENS, args.out, world, args.sms[0] if args.sms else 24)
+        return 0
+    if args.tokens is not None:
+        say_error("ep", "--tokens applies to --nodes 2")
         return 1
     run(args.sms, args.iters, args.reps, args.out, world, tuple(args.api))
     return 0

@@ -1,4 +1,4 @@
-"""mori.ep: MoE expert-parallel dispatch and combine inside one node.
+"""mori.ep: MoE expert-parallel dispatch and combine, inside one node and (normal mode) across nodes.
 
 Two modes on one :class:`Buffer` (see docs/ep.md):
 
@@ -15,7 +15,9 @@ Two modes on one :class:`Buffer` (see docs/ep.md):
   half (launched now) and a receive half (launched by the returned hook).
 
 Built on :mod:`mori.shmem`: every rank stores straight into the other ranks' receive buffers over
-NVLink. Rules (as with DeepEP): every rank calls the same operations in the same order, each on
+NVLink. Across nodes (ranks on several nodes, :func:`mori.shmem.nodes`) the normal mode sends a
+token once to each destination node through the shmem proxy and fans it out there over NVLink
+(docs/ep.md, "Across nodes"); the low-latency mode is one node only. Rules (as with DeepEP): every rank calls the same operations in the same order, each on
 one stream; the tensors a normal dispatch returns are views into the buffer, valid until the next
 dispatch on this buffer.
 """
@@ -31,7 +33,8 @@ from mori.errors import CapacityError, InvalidArgumentError, MoriError, TimeoutE
 
 MAX_TOPK = 9  # ep::MAX_TOPK in kernels/ep/mori_ep.cuh
 MAX_EXPERTS = 4096  # ep_prepare's shared-memory histogram
-MAX_RANKS = 8  # ep::MAX_RANKS in kernels/ep/mori_ep.cuh
+MAX_RANKS = 8  # ep::MAX_RANKS in kernels/ep/mori_ep.cuh: ranks on one node
+MAX_NODES = 8  # ep::MAX_NODES in kernels/ep/internode.cu
 SCALE_BLOCK = 128
 LL_META_STRIDE = 16  # META_STRIDE in kernels/ep/low_latency.cu
 LL_MAX_ENTRIES = 48 * 1024  # ranks * low_latency_max_tokens: the receive half's shared memory
@@ -63,6 +66,17 @@ class EpConfig:
             raise InvalidArgumentError("num_experts, max_tokens_per_rank and num_sms must be positive")
         if self.low_latency_max_tokens < 0:
             raise InvalidArgumentError("low_latency_max_tokens must be >= 0 (0: no low-latency buffers)")
+
+
+def _node_layout(nodes: list[list[int]], world: int) -> int:
+    """The node count, after checking the layout the kernels assume: as many consecutive ranks
+    on every node, at most MAX_RANKS per node and MAX_NODES nodes."""
+    per = len(nodes[0])
+    if any(ranks != list(range(i * per, (i + 1) * per)) for i, ranks in enumerate(nodes)) or per * len(nodes) != world:
+        raise InvalidArgumentError(f"mori.ep needs as many consecutive ranks on every node, got nodes {nodes}")
+    if per > MAX_RANKS or len(nodes) > MAX_NODES:
+        raise InvalidArgumentError(f"mori.ep supports up to {MAX_NODES} nodes of up to {MAX_RANKS} ranks, got {len(nodes)} of {per}")
+    return len(nodes)
 
 
 def _ptr(t: Any) -> int:
@@ -166,12 +180,10 @@ class Buffer:
             shmem.init_from_torch(group)
         self.config = config
         self.rank, self.num_ranks = shmem.my_pe(), shmem.n_pes()
-        if self.num_ranks > MAX_RANKS:
-            raise InvalidArgumentError(f"intranode EP supports up to {MAX_RANKS} ranks, got {self.num_ranks}")
-        if len(shmem.nodes()) > 1:
-            # The kernels reach peers' buffers by load/store; PEs on other nodes are not mapped.
-            raise InvalidArgumentError(f"mori.ep needs every rank on one node; the ranks are on nodes {shmem.nodes()} "
-                                       "(internode EP is not built yet)")
+        self.nodes = _node_layout(shmem.nodes(), self.num_ranks)
+        if self.nodes > 1 and config.low_latency_max_tokens:
+            raise InvalidArgumentError("the low-latency mode runs on one node only: across nodes build the Buffer with "
+                                       "low_latency_max_tokens=0 (normal mode)")
         if config.num_experts % self.num_ranks:
             raise InvalidArgumentError(f"{config.num_experts} experts do not divide over {self.num_ranks} ranks")
         self.device = shmem.device()
@@ -190,7 +202,7 @@ class Buffer:
         self._expert_matrix = shmem.tensor((2, w, self.experts_per_rank + 1), torch.int32, zero=True)
         self._comb = shmem.tensor((rows * h * 2,), torch.uint8)
         self._comb_in = shmem.tensor((rows, h), torch.bfloat16)
-        self._counters = torch.zeros(4, dtype=torch.int32, device=dev)  # Counters in intranode.cu
+        self._counters = torch.zeros(8, dtype=torch.int32, device=dev)  # InternodeCounters in internode.cu
         # The receiver's totals, written by the GPU into pinned host memory the host polls.
         self._host_info = torch.zeros(4 + self.experts_per_rank, dtype=torch.int32, device="cpu", pin_memory=True)
         self._host_info_np = self._host_info.numpy()
@@ -199,19 +211,43 @@ class Buffer:
         self._ll = _LowLatency(self) if config.low_latency_max_tokens else None
         # Launches, their parameter structs and the call sequence live in Rust
         # (crates/collective/src/ep_runtime.rs); this class checks tensors and owns memory.
+        shape = (w, config.num_experts, h, k, t, config.low_latency_max_tokens)
+        # Across nodes: count vectors and flags on the heap, the traffic between nodes in the
+        # shmem proxy window (pinned host memory, same offset on every rank).
+        self._counts = self._flags = self._window_offset = None
+        internode = None
+        if self.nodes > 1:
+            counts_bytes, flags_bytes, window_bytes = _core.ep_internode_sizes(shape, self.nodes)
+            self._counts = shmem.tensor((counts_bytes,), torch.uint8, zero=True)
+            self._flags = shmem.tensor((flags_bytes,), torch.uint8, zero=True)
+            session = shmem._s()
+            try:
+                self._window_offset = session.window_calloc(window_bytes, 256)
+            except MoriError as e:
+                # Collective like the allocation (every rank asked for the same bytes): free the
+                # heap on every rank alike before raising.
+                for t in self._heap_tensors():
+                    shmem.free(t)
+                raise InvalidArgumentError(f"mori.ep across {self.nodes} nodes needs {window_bytes} bytes of the shmem proxy "
+                                           f"window for this config ({e})") from e
+            internode = (self.nodes, w // self.nodes, self._counts.data_ptr(), self._flags.data_ptr(), self._comb_in.data_ptr(),
+                         session.window[0] + self._window_offset)
         self._runtime: _core.EpRuntime | None = _core.EpRuntime(
             shmem._s().load_variant("ep/intranode"),
             shmem._s().load_variant("ep/low_latency") if self._ll else None,
-            (w, config.num_experts, h, k, t, config.low_latency_max_tokens),
+            shape,
             runtime_addresses(self._recv_x, self._recv_scales, self._recv_idx, self._recv_w, self._recv_src, self._rank_matrix,
                               self._expert_matrix, self._comb, self._counters, self._host_info),
             self._ll.addresses() if self._ll else None,
+            internode,
+            shmem._s().load_variant("ep/internode") if internode else None,
         )
 
     def _heap_tensors(self) -> list:
         """This Buffer's allocations on the symmetric heap, in one order on every rank."""
         own = [self._recv_x, self._recv_scales, self._recv_idx, self._recv_w, self._recv_src, self._rank_matrix,
                self._expert_matrix, self._comb, self._comb_in]
+        own += [t for t in (self._counts, self._flags) if t is not None]
         return own + ([self._ll._rows, self._ll._meta, self._ll._wts, self._ll._comb, self._ll._sent] if self._ll else [])
 
     def destroy(self) -> None:
@@ -224,12 +260,15 @@ class Buffer:
         import torch
 
         heap = self._heap_tensors()
+        window, self._window_offset = self._window_offset, None
         self._runtime = None
         try:
             torch.cuda.synchronize(self.device)
         finally:
             for t in heap:
                 shmem.free(t)
+            if window is not None:
+                shmem._s().window_free(window)
 
     @property
     def _rt(self) -> _core.EpRuntime:
@@ -320,6 +359,8 @@ class Buffer:
         import torch
 
         cfg = self.config
+        if self.nodes > 1:
+            shmem.check()  # a failure of an earlier call's kernels across nodes surfaces here
         topk_idx, n = self._check_topk(topk_idx, None)
         scales = None
         if isinstance(x, tuple):
@@ -348,6 +389,10 @@ class Buffer:
         info = self._wait_host_info(seq)
         marks("end")
         *counts, bad_ids, most_tokens = info
+        if counts[0] < 0:
+            # Across nodes: the count exchange gave up (a rank lost, or the proxy failed).
+            shmem.check()
+            raise MoriError("mori.ep dispatch: the count exchange across nodes failed; this Buffer cannot be used further")
         if most_tokens > cfg.max_tokens_per_rank:
             raise CapacityError(f"a rank dispatched {most_tokens} tokens, more than the buffer's max_tokens_per_rank="
                                 f"{cfg.max_tokens_per_rank}; nothing was sent", needed=most_tokens)
@@ -372,7 +417,9 @@ class Buffer:
         """A bf16 [num_recv, hidden] tensor on the symmetric heap to write expert outputs into.
         Passing it to :meth:`combine` skips the copy of the outputs into the peers' combine
         buffers: the reduce reads them over NVLink. Every rank must then pass its combine input
-        (the choice is collective); valid until the next combine on this buffer."""
+        (the choice is collective); valid until the next combine on this buffer. Across nodes it
+        is the area the node's forwarders read rows for other nodes from (no copy there either),
+        and the choice is each rank's own."""
         return self._comb_in[: handle.num_recv]
 
     def combine(self, y: Any, handle: Handle, *, stream: Any = None, num_sms: int | None = None):
@@ -385,8 +432,12 @@ class Buffer:
         if y.dtype != torch.bfloat16 or tuple(y.shape) != (handle.num_recv, cfg.hidden):
             raise InvalidArgumentError(f"y must be bfloat16 [{handle.num_recv}, {cfg.hidden}], got {y.dtype} {tuple(y.shape)}")
         y = y.contiguous()
+        if self.nodes > 1:
+            shmem.check()
         s = self._stream(stream)
-        zero_copy = handle.num_recv > 0 and y.data_ptr() == self._comb_in.data_ptr()
+        # One node: the reduce reads the peers' combine inputs in place. Across nodes the kernels
+        # read a combine input where it is (no copy into the relay area).
+        zero_copy = self.nodes == 1 and handle.num_recv > 0 and y.data_ptr() == self._comb_in.data_ptr()
         if zero_copy:
             shmem.barrier_all(stream=s)  # every rank's expert outputs are complete
         out = torch.empty((handle.num_tokens, cfg.hidden), dtype=torch.bfloat16, device=y.device)

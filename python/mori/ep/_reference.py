@@ -143,15 +143,22 @@ def normal_expert(rows: Any, scales: Any, rank: int) -> Any:
     return (values * (1 + rank)).to(torch.bfloat16)
 
 
-def expected_normal_combine(x: Any, scales: Any, idx: Any, num_experts: int, world: int) -> Any:
+def expected_normal_combine(x: Any, scales: Any, idx: Any, num_experts: int, world: int, local_size: int | None = None) -> Any:
     """bf16 [T, hidden]: what combine returns on the tokens' own rank when every rank ran
-    :func:`normal_expert` on the rows ``x`` (with ``scales`` for FP8) it received."""
+    :func:`normal_expert` on the rows ``x`` (with ``scales`` for FP8) it received. Across nodes
+    (``local_size`` ranks per node) the sum is over nodes in order of each node's fp32 sum in
+    rank order rounded to bf16 (what the node's forwarder sends back); on one node the two agree."""
     import torch
 
+    local_size = local_size or world
     hit = ranks_hit(idx, num_experts, world)
     total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for d in range(world):
-        total += torch.where(hit[:, d : d + 1], normal_expert(x, scales, d).float(), 0.0)
+    for first in range(0, world, local_size):
+        node = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for d in range(first, first + local_size):
+            node += torch.where(hit[:, d : d + 1], normal_expert(x, scales, d).float(), 0.0)
+        reached = hit[:, first : first + local_size].any(dim=1, keepdim=True)
+        total += torch.where(reached, node.to(torch.bfloat16).float(), 0.0)
     return total.to(torch.bfloat16)
 
 

@@ -466,6 +466,11 @@ class Buffer:
             )
         if num_experts % self.group_size:
             raise InvalidArgumentError(f"{num_experts} experts do not divide over {self.group_size} ranks")
+        if len(shmem.nodes()) > 1:
+            # The facade's own heap tensors (combined weights, layout-only counts) are read over
+            # NVLink; mori.ep.Buffer has the normal mode across nodes, this facade does not yet.
+            raise InvalidArgumentError(f"the DeepEP facade runs on one node; the ranks are on nodes {shmem.nodes()} "
+                                       "(use mori.ep.Buffer's normal mode across nodes)")
         config = EpConfig(
             num_experts=num_experts, hidden=hidden, max_tokens_per_rank=capacity, topk=topk,
             num_sms=max(Buffer.num_sms, 1), low_latency_max_tokens=ll_tokens,

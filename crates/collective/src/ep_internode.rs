@@ -1,0 +1,208 @@
+//! mori.ep's normal mode across nodes: the node geometry, where its areas live (the symmetric
+//! heap, the shmem proxy window, the per-call layout), and their sizes, which the allocating
+//! side (mori.ep's `Buffer`) asks for before it allocates. The kernels are
+//! `kernels/ep/internode.cu`; the launches are [`crate::ep_runtime::EpRuntime`]'s.
+
+use crate::ep_buffers::SCALE_BLOCK;
+use crate::ep_runtime::{EpShape, Layout};
+
+/// Nodes and ranks per node the kernels hold state for (MAX_NODES, MAX_RANKS in
+/// kernels/ep/internode.cu and mori_ep.cuh).
+pub const INTERNODE_MAX_NODES: u32 = 8;
+pub const INTERNODE_MAX_LOCAL: u32 = 8;
+
+/// Areas in the window start at multiples of this.
+const ALIGN: u64 = 256;
+
+fn align(v: u64) -> u64 {
+    v.div_ceil(ALIGN) * ALIGN
+}
+
+/// The node geometry (`nodes` groups of `local_size` consecutive ranks) and the addresses of
+/// this rank's internode areas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Internode {
+    pub nodes: u32,
+    pub local_size: u32,
+    /// Symmetric heap, zeroed: `[2][ranks][vec_stride]` int32 count vectors from the node's ranks.
+    pub counts: u64,
+    /// Symmetric heap, zeroed: int32 `[3][ranks]` flags (counts, dispatch barrier, combine barrier).
+    pub flags: u64,
+    /// Symmetric heap: ranks x max_tokens bf16 rows, where a receiver leaves the rows of other
+    /// nodes' tokens for its forwarder (mori.ep's combine input area).
+    pub relay: u64,
+    /// This rank's address of the area in the proxy window (zeroed, same offset everywhere).
+    pub window: u64,
+}
+
+/// Bytes the internode areas need, for a shape and a node count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InternodeSizes {
+    pub counts_bytes: u64,
+    pub flags_bytes: u64,
+    pub window_bytes: u64,
+}
+
+impl Internode {
+    fn geometry(shape: &EpShape, nodes: u32) -> Self {
+        Self {
+            nodes,
+            local_size: shape.num_ranks / nodes.max(1),
+            counts: 0,
+            flags: 0,
+            relay: 0,
+            window: 0,
+        }
+    }
+
+    /// The sizes of the areas for `shape` over `nodes` nodes.
+    pub fn sizes(shape: &EpShape, nodes: u32) -> InternodeSizes {
+        let geo = Self::geometry(shape, nodes);
+        let r = u64::from(shape.num_ranks);
+        InternodeSizes {
+            counts_bytes: 2 * r * geo.vec_stride(shape) * 4,
+            flags_bytes: 3 * r * 4,
+            window_bytes: geo.window_offsets(shape)[9],
+        }
+    }
+
+    /// int32 elements of a count vector: tokens per rank | per expert | tokens | records per
+    /// node, rounded up to 16 bytes.
+    pub fn vec_stride(&self, shape: &EpShape) -> u64 {
+        let len = u64::from(shape.num_ranks + shape.num_experts + 1 + self.nodes);
+        len.div_ceil(4) * 4
+    }
+
+    /// Bytes of a token's record in the window: a BF16-sized row, its top-k ids (int64) and
+    /// weights, its FP8 scales, its source index and its slot at each rank of the node.
+    pub fn record_bytes(&self, shape: &EpShape) -> u64 {
+        let (h, k) = (u64::from(shape.hidden), u64::from(shape.topk));
+        let raw =
+            h * 2 + k * 12 + h / u64::from(SCALE_BLOCK) * 4 + 4 + u64::from(self.local_size) * 4;
+        raw.div_ceil(16) * 16
+    }
+
+    /// Offsets in the window area of: counts out, counts in, count signals, send records,
+    /// received records, record signals, combine rows out, combine rows in, combine signals;
+    /// then the end.
+    fn window_offsets(&self, shape: &EpShape) -> [u64; 10] {
+        let (r, n, c) = (
+            u64::from(shape.num_ranks),
+            u64::from(self.nodes),
+            u64::from(shape.max_tokens),
+        );
+        let vs = self.vec_stride(shape) * 4;
+        let rec = self.record_bytes(shape);
+        let row = u64::from(shape.hidden) * 2;
+        let sizes = [
+            2 * vs,
+            2 * r * vs,
+            r * 8,
+            n * c * rec,
+            n * c * rec,
+            n * 8,
+            n * c * row,
+            n * c * row,
+            n * 8,
+        ];
+        let mut out = [0u64; 10];
+        for (i, bytes) in sizes.iter().enumerate() {
+            out[i + 1] = out[i] + align(*bytes);
+        }
+        out
+    }
+
+    /// The addresses of the window areas (as [`Self::window_offsets`], without the end).
+    pub(crate) fn window_areas(&self, shape: &EpShape) -> [u64; 9] {
+        let o = self.window_offsets(shape);
+        std::array::from_fn(|i| self.window + o[i])
+    }
+
+    /// int32 elements after the one-node layout: node slot `[T, nodes]` | node list
+    /// `[nodes, T]` | records sent per node | records received per node | where each received
+    /// record's rows landed `[nodes, capacity, local_size]`.
+    pub fn layout_len(&self, num_tokens: u64, capacity: u64) -> u64 {
+        let n = u64::from(self.nodes);
+        2 * num_tokens * n + 2 * n + n * capacity * u64::from(self.local_size)
+    }
+
+    /// The addresses of those areas for a call's layout.
+    pub(crate) fn layout_areas(&self, layout: &Layout, capacity: u64) -> [u64; 5] {
+        let (t, n) = (layout.num_tokens, u64::from(self.nodes));
+        let start = layout.base + 4 * Layout::len(t, layout.num_ranks, layout.num_experts);
+        let counts = [
+            t * n,
+            n * t,
+            n,
+            n,
+            n * capacity * u64::from(self.local_size),
+        ];
+        let mut out = [0u64; 5];
+        let mut at = start;
+        for (i, c) in counts.iter().enumerate() {
+            out[i] = at;
+            at += 4 * c;
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> EpShape {
+        EpShape {
+            num_ranks: 4,
+            num_experts: 32,
+            hidden: 2048,
+            topk: 8,
+            max_tokens: 1024,
+            low_latency_max_tokens: 0,
+        }
+    }
+
+    #[test]
+    fn records_hold_a_bf16_row_its_metadata_and_one_slot_per_local_rank() {
+        let g = Internode::geometry(&shape(), 2);
+        assert_eq!(g.local_size, 2);
+        // 4096 row + 64 ids + 32 weights + 64 scales + 4 source + 8 slots = 4268 -> 4272.
+        assert_eq!(g.record_bytes(&shape()), 4272);
+        assert_eq!(g.vec_stride(&shape()), 40); // 4 + 32 + 1 + 2 = 39 -> 40
+    }
+
+    #[test]
+    fn window_areas_are_aligned_and_do_not_overlap() {
+        let s = shape();
+        let g = Internode {
+            window: 0x1000,
+            ..Internode::geometry(&s, 2)
+        };
+        let o = g.window_offsets(&s);
+        for pair in o.windows(2) {
+            assert!(pair[0] < pair[1] && pair[0] % ALIGN == 0, "{o:?}");
+        }
+        // The records of every node at capacity fit between their neighbours.
+        assert!(o[4] - o[3] >= 2 * 1024 * g.record_bytes(&s));
+        assert_eq!(Internode::sizes(&s, 2).window_bytes, o[9]);
+        assert_eq!(g.window_areas(&s)[3], 0x1000 + o[3]);
+    }
+
+    #[test]
+    fn layout_areas_follow_the_one_node_layout() {
+        let s = shape();
+        let g = Internode::geometry(&s, 2);
+        let l = Layout {
+            base: 0x10000,
+            num_tokens: 100,
+            num_ranks: 4,
+            num_experts: 32,
+        };
+        let a = g.layout_areas(&l, 1024);
+        assert_eq!(a[0], 0x10000 + 4 * Layout::len(100, 4, 32));
+        assert_eq!(a[1] - a[0], 4 * 200);
+        assert_eq!(a[4] - a[3], 4 * 2);
+        let end = a[4] + 4 * 2 * 1024 * 2;
+        assert_eq!(end - a[0], 4 * g.layout_len(100, 1024));
+    }
+}
