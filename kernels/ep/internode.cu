@@ -60,7 +60,7 @@ struct InternodeArgs {
     int seq;         // this dispatch's (or combine's) number: the value of its flags and signals
     int num_recv;    // combine: rows this rank received
     u64 row_bytes;   // dispatch: bytes of one row of x (hidden, or 2 * hidden for BF16)
-    u64 record_bytes;  // a record in the window: BF16-sized row | ids | weights | scales | source | slots
+    u64 record_bytes;  // dispatch: a record's stride in the window (row | ids | weights | scales | source | slots)
     int vec_stride;  // int32 elements of one count vector
     int reserved;
     // The call's tensors.
@@ -119,14 +119,15 @@ __device__ __forceinline__ InternodeCounters* counters(const InternodeArgs& a) {
 // A count vector: tokens per rank [ranks] | tokens per expert [experts] | tokens | records per node [nodes].
 __device__ __forceinline__ int vec_len(const InternodeArgs& a) { return a.num_ranks + a.num_experts + 1 + a.nodes; }
 
-// Record fields, at fixed offsets for both dtypes.
+// A record's fields: the row as this dispatch sends it (row_bytes: FP8 records are about half
+// a BF16 one), then its metadata; record_bytes (the stride) is the call's, from the runtime.
 struct Record {
     u64 ids, weights, scales, src, slots;
     __device__ explicit Record(const InternodeArgs& a) {
-        ids = (u64)a.hidden * 2;
+        ids = a.row_bytes;
         weights = ids + (u64)a.topk * 8;
         scales = weights + (u64)a.topk * 4;
-        src = scales + (u64)(a.hidden / SCALE_BLOCK) * 4;
+        src = scales + (u64)a.scale_cols * 4;
         slots = src + 4;
     }
 };
@@ -355,8 +356,8 @@ extern "C" __global__ void __launch_bounds__(1024) ep_internode_notify(mori::ep:
 }
 
 // Rows for this node's ranks: stored in place (as ep_dispatch). Rows for another node k: one
-// record each in the window's send block for k (the row, BF16-sized; global top-k ids; weights;
-// scales; the source index; the token's slot at each of node k's ranks). The last block puts
+// record each in the window's send block for k (the row as sent; global top-k ids; weights;
+// FP8 scales; the source index; the token's slot at each of node k's ranks). The last block puts
 // each block to node k's forwarder with a signal (16 bytes when empty: every forwarder waits
 // for one signal per node).
 extern "C" __global__ void __launch_bounds__(512) ep_internode_dispatch(mori::ep::InternodeArgs a) {

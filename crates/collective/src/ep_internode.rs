@@ -44,7 +44,8 @@ pub struct InternodeSizes {
 }
 
 impl Internode {
-    fn geometry(shape: &EpShape, nodes: u32) -> Self {
+    /// The geometry alone (no addresses): enough for sizes.
+    pub fn geometry(shape: &EpShape, nodes: u32) -> Self {
         Self {
             nodes,
             local_size: shape.num_ranks / nodes.max(1),
@@ -73,13 +74,19 @@ impl Internode {
         len.div_ceil(4) * 4
     }
 
-    /// Bytes of a token's record in the window: a BF16-sized row, its top-k ids (int64) and
-    /// weights, its FP8 scales, its source index and its slot at each rank of the node.
-    pub fn record_bytes(&self, shape: &EpShape) -> u64 {
-        let (h, k) = (u64::from(shape.hidden), u64::from(shape.topk));
-        let raw =
-            h * 2 + k * 12 + h / u64::from(SCALE_BLOCK) * 4 + 4 + u64::from(self.local_size) * 4;
+    /// Bytes of a token's record in the window for a dispatch of rows of `row_bytes` with
+    /// `scale_cols` FP8 scales: the row, its top-k ids (int64) and weights, its scales, its
+    /// source index and its slot at each rank of the node, rounded up to 16 bytes.
+    pub fn record_stride(&self, shape: &EpShape, row_bytes: u64, scale_cols: u64) -> u64 {
+        let k = u64::from(shape.topk);
+        let raw = row_bytes + k * 12 + scale_cols * 4 + 4 + u64::from(self.local_size) * 4;
         raw.div_ceil(16) * 16
+    }
+
+    /// The largest record (BF16 rows; room for FP8 scales): what the window holds at capacity.
+    pub fn record_bytes(&self, shape: &EpShape) -> u64 {
+        let h = u64::from(shape.hidden);
+        self.record_stride(shape, h * 2, h / u64::from(SCALE_BLOCK))
     }
 
     /// Offsets in the window area of: counts out, counts in, count signals, send records,
@@ -169,6 +176,10 @@ mod tests {
         // 4096 row + 64 ids + 32 weights + 64 scales + 4 source + 8 slots = 4268 -> 4272.
         assert_eq!(g.record_bytes(&shape()), 4272);
         assert_eq!(g.vec_stride(&shape()), 40); // 4 + 32 + 1 + 2 = 39 -> 40
+        // FP8 rows (2048 bytes) without room for BF16: 2048 + 96 + 64 + 4 + 8 = 2220 -> 2224.
+        assert_eq!(g.record_stride(&shape(), 2048, 16), 2224);
+        // BF16 rows carry no scales: 4096 + 96 + 4 + 8 = 4204 -> 4208.
+        assert_eq!(g.record_stride(&shape(), 4096, 0), 4208);
     }
 
     #[test]

@@ -536,9 +536,17 @@ impl EpRuntime {
     ) -> Result<(i32, Vec<Planned>)> {
         if let Some(geo) = &self.internode {
             let (prepare, seq) = self.prepare(topk_idx, n, layout, true, false)?;
+            let s = &self.shape;
+            if row_bytes > u64::from(s.hidden) * 2 || scale_cols > s.hidden / SCALE_BLOCK {
+                return Err(Error::InvalidArgument(format!(
+                    "rows of {row_bytes} bytes with {scale_cols} scales do not fit records for hidden {}",
+                    s.hidden
+                )));
+            }
             let mut a = self.internode_args(geo, layout, seq);
             a.row_bytes = row_bytes;
             a.scale_cols = int(scale_cols);
+            a.record_bytes = geo.record_stride(s, row_bytes, u64::from(scale_cols));
             a.x = x;
             a.scales = scales;
             a.topk_idx = topk_idx;

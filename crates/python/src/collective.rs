@@ -382,6 +382,20 @@ pub fn ep_internode_sizes(shape: (u32, u32, u32, u32, u32, u32), nodes: u32) -> 
     (s.counts_bytes, s.flags_bytes, s.window_bytes)
 }
 
+/// Bytes of one token's record between nodes in a dispatch of rows of `row_bytes` with
+/// `scale_cols` FP8 scales (what crosses per token and destination node).
+#[pyfunction]
+pub fn ep_internode_record_bytes(
+    shape: (u32, u32, u32, u32, u32, u32),
+    nodes: u32,
+    row_bytes: u64,
+    scale_cols: u64,
+) -> u64 {
+    let shape = ep_shape(shape);
+    mori_collective::ep_internode::Internode::geometry(&shape, nodes)
+        .record_stride(&shape, row_bytes, scale_cols)
+}
+
 /// The low-latency FP8 options from Python's (round_scale, ue8m0, column-major scales).
 fn ll_fp8(fp8: Option<(bool, bool, bool)>) -> Option<ep_runtime::LlFp8> {
     fp8.map(|(round_scale, ue8m0, column_major)| ep_runtime::LlFp8 {

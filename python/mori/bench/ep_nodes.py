@@ -12,8 +12,8 @@ synchronisation before the clock stops), median over ``--iters`` calls after one
 per call the slowest rank's time.
 
 Bytes that cross the network, per rank and call: dispatch, one record per token and destination
-node other than its own (the row at BF16 size, whatever the dtype, then its ids, weights, scales,
-source index and slots: ``record_bytes``); combine, one bf16 row per such token coming back. Network
+node other than its own (the row as sent, BF16 or FP8, then its ids, weights, FP8 scales, source
+index and slots: ``_core.ep_internode_record_bytes``); combine, one bf16 row per such token coming back. Network
 GB/s = those bytes / time (1e9 B/s). Ceiling: a mori.io engine pair between the ranks at one
 place on the two nodes, on the plane the shmem proxy uses (``same_host_direct`` and
 ``cuda_ipc`` off; TCP, or libfabric under ``MORI_IO_FABRIC``), writing the same bytes between
@@ -52,7 +52,7 @@ def _rank(rank: int, world: int, uid: bytes, iters: int, tokens: list[int], num_
     import torch
 
     import mori.shmem as shmem
-    from mori import Bootstrap
+    from mori import Bootstrap, _core
     from mori.ep import Buffer, EpConfig
     from mori.ep import _reference as ref
     from mori.io import IOEngine
@@ -63,15 +63,17 @@ def _rank(rank: int, world: int, uid: bytes, iters: int, tokens: list[int], num_
     shmem.init(bootstrap=bs, device=dev, heap_size=8 << 30)
     buf = Buffer(EpConfig(num_experts=EXPERTS, hidden=HIDDEN, max_tokens_per_rank=max(tokens), topk=TOPK, num_sms=num_sms))
     el = EXPERTS // world
-    # A record's bytes as the runtime lays it out (crates/collective/src/ep_internode.rs).
-    record_bytes = -(-(HIDDEN * 2 + TOPK * 12 + HIDDEN // 128 * 4 + 4 + half * 4) // 16) * 16
+    shape = (world, EXPERTS, HIDDEN, TOPK, max(tokens), 0)
+    # A record's bytes as the runtime lays it out, by dtype (BF16 rows, or FP8 rows and scales).
+    record_bytes = {"dispatch_bf16": _core.ep_internode_record_bytes(shape, 2, HIDDEN * 2, 0),
+                    "dispatch_fp8": _core.ep_internode_record_bytes(shape, 2, HIDDEN, HIDDEN // 128)}
     seed = shared_seed(bs)
     gen = torch.Generator(device="cuda").manual_seed(seed + rank)
     checks = Checks()
     rows: list[dict[str, Any]] = []
     partner = (rank + half) % world
     engine = IOEngine(f"bench-ep-nodes-{rank}", timeout=120.0, same_host_direct=False, cuda_ipc=False)
-    biggest = max(tokens) * record_bytes
+    biggest = max(tokens) * max(record_bytes.values())
     cpu_gen = torch.Generator().manual_seed(seed + world + rank)
     src = torch.randint(0, 256, (biggest,), dtype=torch.uint8, device="cpu", generator=cpu_gen).pin_memory()
     dst = torch.empty_like(src).pin_memory()
@@ -104,7 +106,7 @@ def _rank(rank: int, world: int, uid: bytes, iters: int, tokens: list[int], num_
         idx = routing(n)
         node_of = (idx // el) // half
         other_node_records = int((node_of != rank // half).any(dim=1).sum())
-        crossing = {"dispatch_bf16": other_node_records * record_bytes, "dispatch_fp8": other_node_records * record_bytes}
+        crossing = {op: other_node_records * b for op, b in record_bytes.items()}
         for op in ("dispatch_bf16", "dispatch_fp8"):
             fp8 = op.endswith("fp8")
             arg, sent, scales, w = inputs(n, fp8)
