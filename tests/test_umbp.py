@@ -317,6 +317,36 @@ def test_a_client_with_the_wrong_secret_is_refused(start_umbpd, tmp_path):
         Client(master=d.addr, secret_file=secret_file)
 
 
+def test_a_shared_buffer_takes_values_from_a_daemon_on_this_host(daemon):
+    # The daemon copies each value straight into this client's shared memory (mori_umbpd::shm;
+    # the Rust tests assert the route by the daemon's counters): byte-exact at the slice asked
+    # for, nothing written around it or for an absent key, a slice too small refused.
+    rng = np.random.default_rng()
+    values = {f"shm-{n}": rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (1, 4096, 300 << 10)}
+    c = Client(master=daemon)
+    for k, v in values.items():
+        assert c.put(k, v)
+    buf = c.shared_buffer(1 << 20)
+    assert buf.dtype == np.uint8 and buf.size == 1 << 20
+    buf[:] = 0xAB
+    at = 100
+    for k, v in values.items():
+        view = buf[at : at + len(v) + 10]
+        assert c.get_into(k, view) == len(v)
+        assert view[: len(v)].tobytes() == v
+        assert (view[len(v) :] == 0xAB).all()
+        at += len(v) + 10
+    assert (buf[:100] == 0xAB).all() and (buf[at:] == 0xAB).all(), "bytes outside the slices changed"
+    assert c.get_into("absent", buf[:10]) is None and (buf[:10] == 0xAB).all()
+    with pytest.raises(errors.InvalidArgumentError):
+        c.get_into("shm-4096", buf[:100])
+    assert c.get("shm-4096") == values["shm-4096"]  # single gets take the client's own staging buffer
+    with pytest.raises(errors.InvalidArgumentError, match="embedded"):
+        Client(dram_bytes=1 << 20).shared_buffer(10)
+    c.close()
+    assert buf[100 : 101].tobytes() == values["shm-1"], "the array outlives the client"
+
+
 def test_the_data_plane_proves_the_configured_secret(umbpd_bin, tmp_path, monkeypatch):
     """A daemon given --secret-file and a client given that secret move registered-buffer values
     over mori.io although each process's default secret (MORI_SECRET here) differs: both data

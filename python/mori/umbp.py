@@ -151,6 +151,15 @@ _SSD_IO = ("pread", "uring", "auto")
 SMALL_CALL_BYTES = 64 << 10
 
 
+class _SharedArray:
+    """The array interface of a shared buffer: numpy's view keeps this (and so the mapping)
+    alive."""
+
+    def __init__(self, sb: Any):
+        self._sb = sb
+        self.__array_interface__ = {"shape": (sb.nbytes,), "typestr": "|u1", "data": (sb.address, False), "version": 3}
+
+
 class Client:
     """A pool client. With no ``master`` it runs an embedded pool in this process.
 
@@ -199,6 +208,7 @@ class Client:
     ):
         self._remote = master is not None
         self._registered: list[tuple[int, int, int, np.ndarray]] = []  # (address, size, handle, keep-alive)
+        self._shared: list[Any] = []  # _core.UmbpSharedBuffer of shared_buffer()
         self._pool: Any = _args.Closed("this umbp Client")  # until the pool exists
         gpu_bytes = _args.size(gpu_bytes, "gpu_bytes")
         if self._remote:
@@ -251,6 +261,31 @@ class Client:
         addr = address(arr)
         handle = self._pool.register(addr, arr.size)
         self._registered.append((addr, arr.size, handle, arr))
+
+    def shared_buffer(self, nbytes: int) -> np.ndarray:
+        """A uint8 array of ``nbytes`` in memory shared with the daemon, which must run on this
+        host: ``get_into`` a slice of it has the daemon copy the value straight there (one copy,
+        no socket). The memory is this client's own (a sealed memfd the daemon maps); it stays
+        valid while the array (or a view of it) lives, even after ``close``. Raises
+        :class:`~mori.errors.TransportError` or another ``MoriError`` when the daemon is out of
+        reach that way (another host), naming why."""
+        self._check_open()
+        if not self._remote:
+            raise InvalidArgumentError("shared buffers are for a daemon (master=...): an embedded pool reads into any buffer")
+        nbytes = _args.integer(nbytes, "nbytes", minimum=1)
+        sb = self._pool.shared_buffer(nbytes)
+        self._shared.append(sb)
+        return np.asarray(_SharedArray(sb))
+
+    def _shared_target(self, arr: np.ndarray) -> tuple[Any, int] | None:
+        """(the shared buffer, offset) when ``arr`` lies inside one of this client's."""
+        if not self._shared or arr.size == 0:
+            return None
+        at = address(arr)
+        for sb in self._shared:
+            if sb.address <= at and at + arr.size <= sb.address + sb.nbytes:
+                return sb, at - sb.address
+        return None
 
     def _check_open(self) -> None:
         if isinstance(self._pool, _args.Closed):
@@ -346,6 +381,9 @@ class Client:
             return self._pool.get_into_device(_key(key), *cuda)
         arr = _host_buffer(buffer, writable=True)
         if self._remote:
+            shared = self._shared_target(arr)
+            if shared is not None:
+                return shared[0].get_into(_key(key), shared[1], arr.size)
             region = self._region(arr) if arr.size > SMALL_CALL_BYTES else None
             if region is not None:
                 return self._pool.batch_get_into([_key(key)], region[0], [region[1]], [arr.size])[0]
@@ -399,6 +437,7 @@ class Client:
                     pool.deregister(handle)
             finally:
                 self._registered.clear()
+                self._shared.clear()  # arrays from shared_buffer keep their own mapping
                 self._pool = _args.Closed("this umbp Client")
             return {}
         try:

@@ -132,6 +132,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(io::io_engine_desc_info, m)?)?;
     m.add_class::<umbp::UmbpPool>()?;
     m.add_class::<umbp::UmbpRemote>()?;
+    m.add_class::<umbp::UmbpSharedBuffer>()?;
     m.add_function(wrap_pyfunction!(umbp::umbpd_main, m)?)?;
     m.add_function(wrap_pyfunction!(umbp::parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(umbp::uring_unavailable, m)?)?;

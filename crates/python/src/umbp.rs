@@ -552,6 +552,33 @@ impl UmbpPool {
 }
 
 /// A client of a `umbpd` daemon (gRPC). Calls release the GIL while they wait.
+/// Shared memory a daemon on this host writes values into (`mori_umbpd::shm`).
+#[pyclass(frozen, module = "mori._core")]
+pub struct UmbpSharedBuffer {
+    inner: mori_umbpd::shm::SharedBuffer,
+}
+
+#[pymethods]
+impl UmbpSharedBuffer {
+    /// The buffer's address in this process.
+    #[getter]
+    fn address(&self) -> usize {
+        self.inner.as_ptr() as usize
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Has the daemon copy the value of `key` to `offset` (at most `cap` bytes): its length,
+    /// or None when absent.
+    fn get_into(&self, py: Python<'_>, key: &[u8], offset: u64, cap: u64) -> Result<Option<usize>> {
+        py.detach(|| self.inner.get_into(key, offset, cap))
+            .map_err(|s| mori_umbpd::ClientError::Rpc(s).into())
+    }
+}
+
 #[pyclass(frozen, module = "mori._core")]
 pub struct UmbpRemote {
     inner: mori_umbpd::Client,
@@ -675,6 +702,14 @@ impl UmbpRemote {
 
     fn exists(&self, py: Python<'_>, key: &[u8]) -> Result<bool> {
         Ok(py.detach(|| self.inner.exists(key))?)
+    }
+
+    /// A buffer of `nbytes` shared with a daemon on this host, which copies values straight
+    /// into it (`UmbpSharedBuffer.get_into`).
+    fn shared_buffer(&self, py: Python<'_>, nbytes: usize) -> Result<UmbpSharedBuffer> {
+        Ok(UmbpSharedBuffer {
+            inner: py.detach(|| self.inner.shared_buffer(nbytes))?,
+        })
     }
 
     /// Copies the value into `len` writable bytes at `ptr` (a small host buffer; mori.umbp

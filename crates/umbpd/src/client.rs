@@ -61,6 +61,7 @@ use crate::proto::{
 use crate::server::{
     H2_CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, H2_STREAM_WINDOW_BYTES, MAX_MESSAGE_BYTES,
 };
+use crate::shm::SharedBuffer;
 use crate::small_ops::{self, Sink, SmallOpsClient};
 
 /// Errors of [`Client`].
@@ -260,6 +261,8 @@ pub struct Health {
     /// Gets and existence checks the daemon answered over the small-ops protocol
     /// ([`crate::small_ops`]) since it started.
     pub small_ops_served: u64,
+    /// Gets the daemon answered into clients' shared memory on its host ([`crate::shm`]).
+    pub same_host_served: u64,
 }
 
 /// Whether single gets and existence checks may use small ops: unless `MORI_UMBP_SMALL_OPS` is
@@ -286,7 +289,20 @@ pub struct Client {
     data_host: IpAddr,
     /// The secret the client proves, which its data plane proves too.
     secret: Arc<Secret>,
+    /// Single gets from a daemon on this host land here first ([`crate::shm`]): made by the
+    /// first get, `None` inside when the daemon is out of reach that way.
+    staging: std::sync::OnceLock<Option<Mutex<SharedBuffer>>>,
     rt: tokio::runtime::Runtime,
+}
+
+/// Bytes of a client's staging buffer for single gets through shared memory: a longer value
+/// goes over small ops.
+pub const SHM_STAGING_BYTES: usize = 16 << 20;
+
+/// Whether single gets may go through shared memory with a daemon on this host: unless
+/// `MORI_UMBP_SHM` is `0`.
+fn shm_enabled() -> bool {
+    std::env::var("MORI_UMBP_SHM").map_or(true, |v| v.trim() != "0")
 }
 
 /// The client's IO engine and the buffers registered with it.
@@ -719,6 +735,7 @@ impl Client {
             inner,
             cluster,
             small_ops,
+            staging: std::sync::OnceLock::new(),
             data: Mutex::new(None),
             data_host: local_ip_towards(addr),
             secret,
@@ -993,6 +1010,12 @@ impl Client {
             }
             return Ok(self.cluster_get(c, &[key])?.pop().flatten());
         }
+        if self.cluster.is_none() {
+            let mut v = Vec::new();
+            if let Some(got) = self.shm_get(key, &mut v) {
+                return Ok(got?.map(|_| v));
+            }
+        }
         if let Some(answer) = self.small_op(small_ops::GET, key, None) {
             return Ok(answer?);
         }
@@ -1008,6 +1031,9 @@ impl Client {
         match &self.cluster {
             Some(c) if c.master_small.is_some() => return self.cluster_get_one(c, key, sink),
             None => {
+                if let Some(got) = self.shm_get(key, sink) {
+                    return got;
+                }
                 if let Some(s) = &self.small_ops
                     && let Some(answer) = s.call_into(small_ops::GET, key, None, sink)
                 {
@@ -1026,6 +1052,68 @@ impl Client {
     /// a daemon without them, `MORI_UMBP_SMALL_OPS=0`).
     fn small_op(&self, op: u8, key: &[u8], value: Option<&[u8]>) -> Option<small_ops::Answer> {
         self.small_ops.as_ref().and_then(|s| s.call(op, key, value))
+    }
+
+    /// A single get through the staging buffer shared with a daemon on this host: the daemon
+    /// copies the value there, this copies it into `sink`. `None` to take another path: no
+    /// such daemon (or `MORI_UMBP_SHM=0`), the buffer busy with another thread's get, or the
+    /// value longer than the buffer.
+    fn shm_get(&self, key: &[u8], sink: &mut dyn Sink) -> Option<Result<Option<usize>>> {
+        let staging = self
+            .staging
+            .get_or_init(|| {
+                let made = (shm_enabled() && self.small_ops.is_some())
+                    .then(|| self.shared_buffer(SHM_STAGING_BYTES))
+                    .and_then(|r| {
+                        r.map_err(|e| tracing::debug!("single gets take small ops: {e}"))
+                            .ok()
+                    });
+                made.map(Mutex::new)
+            })
+            .as_ref()?;
+        let buf = staging.try_lock().ok()?;
+        match buf.get_into(key, 0, buf.len() as u64) {
+            Ok(None) => Some(Ok(None)),
+            Ok(Some(n)) => {
+                // SAFETY: the first n bytes of the mapping, which the daemon finished writing
+                // before it answered; the lock keeps other gets of this client out meanwhile.
+                let value = unsafe { std::slice::from_raw_parts(buf.as_ptr(), n) };
+                Some(fill(sink, value).map(Some).map_err(Into::into))
+            }
+            Err(status) if status.code() == tonic::Code::InvalidArgument => None,
+            Err(status) => Some(Err(status.into())),
+        }
+    }
+
+    /// The abstract name of the daemon's same-host socket ([`crate::shm`]), as it says over
+    /// small ops (not trusted: a connection there proves the secret again).
+    pub fn same_host_socket(&self) -> Result<Vec<u8>> {
+        let Some(answer) = self.small_op(small_ops::SHM_NAME, b"", None) else {
+            return Err(tonic::Status::unimplemented(
+                "shared buffers come from a standalone daemon over small ops (not a cluster, not with MORI_UMBP_SMALL_OPS=0)",
+            )
+            .into());
+        };
+        Ok(answer?
+            .ok_or_else(|| tonic::Status::unavailable("this umbpd serves no same-host socket"))?)
+    }
+
+    /// A buffer of `len` bytes of shared memory that the daemon, on this host, copies values
+    /// straight into ([`crate::shm`], [`SharedBuffer::get_into`]): one copy, no socket
+    /// payload. Fails with `UNAVAILABLE` when the daemon serves no same-host socket or this
+    /// client cannot reach it (another host), `UNIMPLEMENTED` for a cluster.
+    pub fn shared_buffer(&self, len: usize) -> Result<SharedBuffer> {
+        if len == 0 {
+            return Err(ClientError::InvalidArgument(
+                "a shared buffer needs at least one byte".into(),
+            ));
+        }
+        let name = self.same_host_socket()?;
+        SharedBuffer::connect(&name, &self.secret, len).map_err(|e| {
+            ClientError::Rpc(tonic::Status::unavailable(format!(
+                "umbpd's same-host socket is out of reach (another host or network namespace?): {e}"
+            )))
+        })
     }
 
     /// Whether `key` is present (does not count as a use of the value).
@@ -1391,6 +1479,7 @@ impl Client {
             connections_open: h.connections_open,
             connections_refused: h.connections_refused,
             small_ops_served: h.small_ops_served,
+            same_host_served: h.same_host_served,
         })
     }
 }

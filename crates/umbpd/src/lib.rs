@@ -26,6 +26,7 @@ pub mod master_server;
 pub mod peer;
 pub mod server;
 pub mod service;
+pub mod shm;
 pub mod small_ops;
 
 /// Messages and the tonic client and server generated from `proto/umbp.proto`.

@@ -68,6 +68,8 @@ pub struct ListenerStats {
     pub open: AtomicUsize,
     /// Requests answered over the small-ops protocol ([`crate::small_ops`]).
     pub small_ops_served: AtomicU64,
+    /// Gets answered into clients' shared memory ([`crate::shm`]).
+    pub same_host_served: AtomicU64,
 }
 
 /// An accepted connection that proved the secret. Holds its permit (and counts as open)

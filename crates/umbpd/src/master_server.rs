@@ -323,7 +323,7 @@ impl Umbp for MasterService {
         &self,
         _req: Request<HealthRequest>,
     ) -> Result<Response<HealthResponse>, Status> {
-        let (connections_open, connections_refused, small_ops_served) =
+        let (connections_open, connections_refused, small_ops_served, same_host_served) =
             listener_counts(self.state.listener.as_deref());
         Ok(Response::new(HealthResponse {
             serving: true,
@@ -334,6 +334,7 @@ impl Umbp for MasterService {
             connections_open,
             connections_refused,
             small_ops_served,
+            same_host_served,
         }))
     }
 }

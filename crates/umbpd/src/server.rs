@@ -312,9 +312,12 @@ pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
     let security = Security::load(cfg)?;
     let shared = open_pool(cfg.pool_config()).await?;
     let data = start_data_plane(&shared, cfg, &security.secret);
-    let service = UmbpService::new(Arc::clone(&shared), cfg.role.value.as_str())
+    let mut service = UmbpService::new(Arc::clone(&shared), cfg.role.value.as_str())
         .with_data_plane(data.clone())
         .with_listener_stats(Arc::clone(&security.stats));
+    // Clients on this host read values through shared memory of their own (crate::shm): the
+    // socket starts when the first client asks for it.
+    service = service.with_same_host(Arc::clone(&security.secret), Arc::clone(&security.stats));
     let serving = start_serving(
         listener,
         tonic::service::Routes::new(umbp_server(service.clone())),

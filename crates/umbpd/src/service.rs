@@ -659,6 +659,17 @@ pub struct UmbpService {
     listener: Option<Arc<ListenerStats>>,
     /// Seals data-plane puts, started with the first one.
     sealer: Arc<std::sync::OnceLock<Option<Sealer>>>,
+    /// The same-host socket ([`crate::shm`]): what it needs to start, and its name once it
+    /// did (`None` inside: it failed to start).
+    same_host: Option<Arc<SameHost>>,
+}
+
+/// What starts the same-host socket on the first request for it, and its name after.
+#[derive(Debug)]
+struct SameHost {
+    secret: Arc<mori_auth::Secret>,
+    stats: Arc<ListenerStats>,
+    name: std::sync::OnceLock<Option<Vec<u8>>>,
 }
 
 impl UmbpService {
@@ -672,7 +683,47 @@ impl UmbpService {
             data: None,
             listener: None,
             sealer: Arc::new(std::sync::OnceLock::new()),
+            same_host: None,
         }
+    }
+
+    /// Serves clients on this host through shared memory ([`crate::shm`]): the socket starts
+    /// at the first request for its name (small ops' `SHM_NAME`); `secret` authenticates its
+    /// connections, `stats` counts them.
+    pub fn with_same_host(
+        mut self,
+        secret: Arc<mori_auth::Secret>,
+        stats: Arc<ListenerStats>,
+    ) -> UmbpService {
+        self.same_host = Some(Arc::new(SameHost {
+            secret,
+            stats,
+            name: std::sync::OnceLock::new(),
+        }));
+        self
+    }
+
+    /// The same-host socket's name, starting it if this is the first request; `None` when the
+    /// daemon serves none (or it failed to start, which is logged once).
+    pub(crate) fn shm_name(&self) -> Option<Vec<u8>> {
+        let sh = self.same_host.as_ref()?;
+        sh.name
+            .get_or_init(|| {
+                match crate::shm::ShmServer::start(
+                    Arc::clone(&self.pool),
+                    Arc::clone(&sh.secret),
+                    Arc::clone(&sh.stats),
+                ) {
+                    Ok(server) => Some(server.name().to_vec()),
+                    Err(e) => {
+                        tracing::warn!(
+                            "the same-host socket did not start ({e}): clients here use TCP"
+                        );
+                        None
+                    }
+                }
+            })
+            .clone()
     }
 
     /// Queues `keys` (just committed unsealed) for sealing.
@@ -906,15 +957,16 @@ pub fn stats_response(s: PoolStats) -> StatsResponse {
     }
 }
 
-/// Open and refused connections and small-ops requests served of a listener (zeros without
-/// one).
-pub fn listener_counts(stats: Option<&ListenerStats>) -> (u64, u64, u64) {
+/// Open and refused connections, small-ops requests and same-host gets served of a listener
+/// (zeros without one).
+pub fn listener_counts(stats: Option<&ListenerStats>) -> (u64, u64, u64, u64) {
     use std::sync::atomic::Ordering;
-    stats.map_or((0, 0, 0), |s| {
+    stats.map_or((0, 0, 0, 0), |s| {
         (
             s.open.load(Ordering::Relaxed) as u64,
             s.refused.load(Ordering::Relaxed),
             s.small_ops_served.load(Ordering::Relaxed),
+            s.same_host_served.load(Ordering::Relaxed),
         )
     })
 }
@@ -1167,7 +1219,7 @@ impl Umbp for UmbpService {
         _req: Request<HealthRequest>,
     ) -> Result<Response<HealthResponse>, Status> {
         let serving = self.call(|_| Ok(())).await.is_ok();
-        let (connections_open, connections_refused, small_ops_served) =
+        let (connections_open, connections_refused, small_ops_served, same_host_served) =
             listener_counts(self.listener.as_deref());
         Ok(Response::new(HealthResponse {
             serving,
@@ -1178,6 +1230,7 @@ impl Umbp for UmbpService {
             connections_open,
             connections_refused,
             small_ops_served,
+            same_host_served,
         }))
     }
 }

@@ -12,7 +12,7 @@
 //! [`HELLO`] (one that does not takes it for a broken HTTP/2 preface and closes the connection,
 //! and the client goes back to gRPC). Then, one at a time (all integers little-endian):
 //!
-//! * request: `op: u8` ([`GET`], [`EXISTS`] or [`PUT`] to a daemon with a pool; [`ROUTE_GET`]
+//! * request: `op: u8` ([`GET`], [`EXISTS`], [`PUT`] or [`SHM_NAME`] to a daemon with a pool; [`ROUTE_GET`]
 //!   to a master), `key_len: u16`, the key; for [`PUT`] then
 //!   `value_len: u32` and the value;
 //! * answer: `status: u8`, `len: u32`, `len` bytes: [`ABSENT`] (nothing; for `PUT`: the key was
@@ -58,6 +58,9 @@ pub const PUT: u8 = 3;
 /// id and lease id as `u64`, then the peer's address; [`ABSENT`] for a key it does not know).
 /// The client releases the lease over gRPC, in the background.
 pub const ROUTE_GET: u8 = 4;
+/// Request to a daemon with a pool: its same-host socket's name ([`crate::shm`]; the key is
+/// empty, [`ABSENT`] when it serves none).
+pub const SHM_NAME: u8 = 5;
 /// Answer: the key is absent (for [`PUT`]: it was present, nothing stored).
 pub const ABSENT: u8 = 0;
 /// Answer: the key is present (and, for [`GET`], its value follows; for [`PUT`]: stored).
@@ -94,7 +97,7 @@ pub enum Responder {
 impl Responder {
     fn serves(&self, op: u8) -> bool {
         match self {
-            Responder::Pool(_) => matches!(op, GET | EXISTS | PUT),
+            Responder::Pool(_) => matches!(op, GET | EXISTS | PUT | SHM_NAME),
             Responder::Master(_) => op == ROUTE_GET,
         }
     }
@@ -105,6 +108,7 @@ impl Responder {
         match (self, op) {
             (Responder::Pool(svc), GET) => svc.value_of_key(key).await.and_then(within_bytes_api),
             (Responder::Pool(svc), EXISTS) => svc.key_exists(key).await.map(found),
+            (Responder::Pool(svc), SHM_NAME) => Ok(svc.shm_name()),
             (Responder::Pool(svc), _) => svc.put_one(key, value).await.map(found),
             (Responder::Master(m), _) => {
                 let (mut routes, lease, _) = m.routes_of(vec![key]).await?;

@@ -17,7 +17,11 @@ p50/p99 latency),
 and multi-client registered-buffer gets (1, 2, 4 client threads, each with its own client and
 engine, reading the same 1 MiB values; ``io_concurrent_gets``), and 4 KiB gets of bytes from the
 standalone daemon by 1 and 4 client threads, each with its own connection (``daemon_small_gets``:
-ops/s, p50/p99; the like-for-like of Redis's 4 clients). ``--only io`` runs just the
+ops/s, p50/p99; the like-for-like of Redis's 4 clients). On the daemon's host single gets of the
+standalone daemon go through the client's shared staging buffer (``MORI_UMBP_SHM=0``: small
+ops, for comparison), and rows ``daemon-shm`` time get_into a slice of a buffer shared with the
+daemon, which copies each value straight there (not run with ``MORI_UMBP_SHM=0``; the memcpy bar
+is the ``daemon`` row's ``memcpy_into_gbps``). ``--only io`` runs just the
 cluster's mori.io rows and the multi-client gets.
 
 The daemon: ``--umbpd PATH``, else a release build of ``target/release/umbpd`` in this checkout
@@ -84,6 +88,19 @@ def _memcpy_gbps(checks: Checks) -> float:
     return src.nbytes / median(times) / 1e9
 
 
+def _timed_get_into(client, keys: list[bytes], out: np.ndarray) -> float:
+    """Seconds to get_into ``out`` every key in turn; ``out`` is poisoned (untimed) before the
+    last call, so a check afterwards reads what that call wrote."""
+    t0 = time.perf_counter()
+    for k in keys[:-1]:
+        client.get_into(k, out)
+    t_last = time.perf_counter()
+    out[:] = 0xFF
+    t_poison = time.perf_counter() - t_last
+    client.get_into(keys[-1], out)
+    return time.perf_counter() - t0 - t_poison
+
+
 def _pool_rows(client, label: str, total_bytes: int, checks: Checks) -> list[dict[str, Any]]:
     rows = []
     rng = _rng()
@@ -117,14 +134,7 @@ def _pool_rows(client, label: str, total_bytes: int, checks: Checks) -> list[dic
                    "put_gbps": len(keys) * size / t_put / 1e9, "put_ops": len(keys) / t_put,
                    "get_gbps": len(keys) * size / t_get / 1e9, "get_ops": len(keys) / t_get}
             if batch == 1:
-                t0 = time.perf_counter()
-                for k in keys[:-1]:
-                    client.get_into(k, out)
-                t_last = time.perf_counter()
-                out[:] = 0xFF  # poisoned before the last call (untimed)
-                t_poison = time.perf_counter() - t_last
-                client.get_into(keys[-1], out)
-                t_into = time.perf_counter() - t0 - t_poison
+                t_into = _timed_get_into(client, keys, out)
                 ok &= _same(checks, f"{what}: the last get_into", out.tobytes(), values[-1])
                 row["get_into_gbps"] = len(keys) * size / t_into / 1e9
                 # The bar for this row: the same copies by memcpy (numpy), each value from its own
@@ -148,6 +158,31 @@ def _pool_rows(client, label: str, total_bytes: int, checks: Checks) -> list[dic
                   f"get {row['get_gbps']:6.2f} GB/s {row['get_ops']:9.0f}/s"
                   + (f" | get_into {row['get_into_gbps']:6.2f} GB/s | memcpy into {row['memcpy_into_gbps']:6.2f}, new "
                      f"{row['memcpy_new_gbps']:6.2f} GB/s" if "get_into_gbps" in row else ""), flush=True)
+    return rows
+
+
+def _shared_rows(client, label: str, total_bytes: int, checks: Checks) -> list[dict[str, Any]]:
+    """Single get_into of a slice of a buffer shared with a daemon on this host (the daemon
+    copies each value straight into it), by value size; the values as in _pool_rows."""
+    rows = []
+    rng = _rng()
+    shared = client.shared_buffer(max(SIZES))
+    for size in SIZES:
+        n = max(8, min(4096, total_bytes // size))
+        value = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        keys = [f"{label}/{size}/{i}".encode() for i in range(n)]
+        values = [i.to_bytes(8, "little") + value[8:] for i in range(n)]
+        client.batch_put(keys, values) if size < (512 << 10) else [client.put(k, v) for k, v in zip(keys, values)]
+        out = shared[:size]
+        t_into = _timed_get_into(client, keys, out)
+        ok = _same(checks, f"{label} {human_bytes(size)}: the last get_into", out.tobytes(), values[-1])
+        row = {"backend": label, "value_bytes": size, "batch": 1, "keys": n, "get_into_gbps": n * size / t_into / 1e9,
+               "get_into_ops": n / t_into, "verified": ok}
+        for k in keys:
+            client.remove(k)
+        rows.append(row)
+        print(f"  {label:<10} {human_bytes(size):>8} ×1    get_into a shared slice {row['get_into_gbps']:6.2f} GB/s "
+              f"{row['get_into_ops']:9.0f}/s", flush=True)
     return rows
 
 
@@ -580,6 +615,9 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         proc, addr = _umbpd(daemon, tmp, "standalone", "--dram-bytes", "2G")
         try:
             rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, checks=checks)
+            if os.environ.get("MORI_UMBP_SHM", "").strip() != "0":
+                print("  same host, a buffer shared with the daemon (get_into a slice of it):")
+                rows += _shared_rows(Client(master=addr), "daemon-shm", 64 << 20, checks=checks)
             print("  small gets from several clients:")
             record["daemon_small_gets"] = _small_gets(addr, checks)
         finally:

@@ -1,0 +1,570 @@
+//! The same-host path: a client on the daemon's host hands the daemon a shared-memory buffer of
+//! its own (a sealed memfd, passed over a Unix socket with `SCM_RIGHTS`), and the daemon copies
+//! values straight from its pool into it: one copy, no socket payload, no gRPC.
+//!
+//! Safety and scope: the daemon only ever writes into memory the client created and gave it;
+//! nothing of the pool (no page, no other client's value) is mapped into a client. The Unix
+//! socket is in the abstract namespace (the network namespace's: a client on another host, or
+//! another namespace, cannot reach it) and every connection proves the deployment secret first
+//! ([`PURPOSE`], mori-auth's handshake), in both directions, as on the TCP port. The memfd must
+//! be sealed against shrinking (`F_SEAL_SHRINK`), so the client cannot truncate it under the
+//! daemon's mapping; a file descriptor that is not such a memfd is refused.
+//!
+//! Discovery: over small ops ([`crate::small_ops::SHM_NAME`]) the daemon tells an authenticated
+//! client its socket's name; the client connects there (and proves the secret again: the name
+//! is not trusted, the handshake is).
+//!
+//! Protocol, after the handshake (integers little-endian): the client sends [`HELLO`] with the
+//! memfd attached; the daemon maps it and answers [`HELLO`] and the mapped length as `u64` (or
+//! [`crate::small_ops::FAILED`], then a gRPC code as `i32`, the message's length as `u32` and the
+//! message, and closes). Then one request at a
+//! time: `op: u8` ([`GET_INTO`]), `key_len: u16`, the key, `offset: u64`, `cap: u64`; the answer
+//! is `status: u8`: [`crate::small_ops::ABSENT`], [`crate::small_ops::FOUND`] and the value's
+//! length as `u64` (its bytes are at `offset` in the buffer), or `FAILED` as above. A request
+//! outside the buffer fails `OUT_OF_RANGE` and the daemon closes the connection.
+
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use mori_auth::Secret;
+use tonic::{Code, Status};
+use tracing::debug;
+
+use crate::listener::ListenerStats;
+use crate::service::SharedPool;
+use crate::small_ops::{ABSENT, FAILED, FOUND};
+
+/// The handshake purpose of the same-host socket.
+pub const PURPOSE: &str = "umbpd-shm";
+/// First bytes from the client after the handshake (with the memfd), echoed by the daemon.
+pub const HELLO: &[u8; 8] = b"UMBSHMEM";
+/// Request: copy the value of a key into the buffer at an offset.
+pub const GET_INTO: u8 = 1;
+/// A connection idle this long is closed by the daemon.
+const IDLE_CLOSE: Duration = Duration::from_secs(60);
+/// The handshake and the hello must complete within this.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Same-host connections open at once (each has a thread); more are closed at once, and
+/// counted as refused.
+pub const MAX_CONNECTIONS: usize = 256;
+
+fn os_error(call: &str) -> io::Error {
+    let e = io::Error::last_os_error();
+    io::Error::new(e.kind(), format!("{call}: {e}"))
+}
+
+/// A shared mapping of a whole memfd, unmapped on drop.
+pub(crate) struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; access is through &self/&mut self
+// (and raw pointers whose users state their own synchronisation).
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps all `len` bytes of `fd` shared, readable and writable.
+    fn new(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "an empty buffer cannot be shared",
+            ));
+        }
+        // SAFETY: a fresh shared mapping of an open descriptor; the kernel checks the length
+        // against the file and the result is checked below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(os_error("mmap"));
+        }
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// `len` bytes at `offset`, if inside the mapping.
+    fn range_mut(&mut self, offset: u64, len: u64) -> Option<&mut [u8]> {
+        let end = offset.checked_add(len)?;
+        if end > self.len as u64 {
+            return None;
+        }
+        // SAFETY: [offset, end) lies inside the live mapping, borrowed mutably through self.
+        // The other process may write the same bytes meanwhile; the daemon only writes them.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset as usize), len as usize) })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// A new memfd of `len` bytes, sealed against shrinking (and further seals), mapped here.
+pub(crate) fn sealed_memfd(len: usize) -> io::Result<(OwnedFd, Mapping)> {
+    let name = c"mori-umbp-shared";
+    // SAFETY: a valid NUL-terminated name; the result is checked.
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(os_error("memfd_create"));
+    }
+    // SAFETY: a descriptor just returned to us, owned from here on.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: an open memfd; the results are checked.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        return Err(os_error("ftruncate"));
+    }
+    // SAFETY: as above.
+    if unsafe {
+        libc::fcntl(
+            fd.as_raw_fd(),
+            libc::F_ADD_SEALS,
+            libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL,
+        )
+    } != 0
+    {
+        return Err(os_error("fcntl(F_ADD_SEALS)"));
+    }
+    let map = Mapping::new(&fd, len)?;
+    Ok((fd, map))
+}
+
+/// Sends `bytes` with `fd` attached (`SCM_RIGHTS`).
+pub fn send_with_fd(stream: &UnixStream, bytes: &[u8], fd: RawFd) -> io::Result<()> {
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: zeroed msghdr filled with pointers to live locals; the control buffer has room
+    // for one descriptor, written through the CMSG macros within it.
+    let sent = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+        libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+    };
+    if sent < 0 {
+        return Err(os_error("sendmsg"));
+    }
+    if sent as usize != bytes.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::WriteZero,
+            "sendmsg sent part of the hello",
+        ));
+    }
+    Ok(())
+}
+
+/// Receives exactly `buf.len()` bytes, the first read with at most one descriptor attached:
+/// returns it (None when the peer attached none).
+fn recv_with_fd(stream: &UnixStream, buf: &mut [u8]) -> io::Result<Option<OwnedFd>> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: zeroed msghdr pointing at live locals; descriptors the kernel passes are taken
+    // into OwnedFd at once (MSG_CMSG_CLOEXEC), and a truncated control message is refused.
+    let (got, fd) = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        let got = libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
+        if got < 0 {
+            return Err(os_error("recvmsg"));
+        }
+        let mut fd = None;
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let n = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<RawFd>();
+                for i in 0..n {
+                    let raw =
+                        std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>().add(i));
+                    let owned = OwnedFd::from_raw_fd(raw);
+                    if fd.is_none() {
+                        fd = Some(owned); // more than one: the rest are closed here
+                    }
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "more descriptors than one were sent",
+            ));
+        }
+        (got as usize, fd)
+    };
+    let mut rest = &mut buf[got..];
+    let mut reader = stream;
+    while !rest.is_empty() {
+        let n = reader.read(rest)?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        rest = &mut rest[n..];
+    }
+    Ok(fd)
+}
+
+/// The length of `fd` if it is a memfd sealed against shrinking; else why not.
+fn sealed_len(fd: &OwnedFd) -> Result<usize, String> {
+    // SAFETY: fcntl on an open descriptor; a file that is not shared memory fails (EINVAL).
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err("the descriptor is not a memfd (F_GET_SEALS failed)".into());
+    }
+    if seals & libc::F_SEAL_SHRINK == 0 {
+        return Err("the memfd is not sealed against shrinking (F_SEAL_SHRINK)".into());
+    }
+    // SAFETY: fstat into a zeroed struct on an open descriptor; checked.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(format!("{}", os_error("fstat")));
+    }
+    usize::try_from(st.st_size).map_err(|_| "a negative size".into())
+}
+
+/// The daemon's same-host socket: an accept thread, and a thread per connection.
+pub struct ShmServer {
+    name: Vec<u8>,
+}
+
+impl ShmServer {
+    /// Binds a new abstract socket and serves it for `pool` until the process ends (a closed
+    /// pool answers `UNAVAILABLE`).
+    /// Refused handshakes and served gets are counted in `stats` (reported by `Health`).
+    pub fn start(
+        pool: Arc<SharedPool>,
+        secret: Arc<Secret>,
+        stats: Arc<ListenerStats>,
+    ) -> io::Result<ShmServer> {
+        // Unique on the host, not secret (the handshake is what a client must pass).
+        let since = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let name = format!("mori-umbpd-{}-{:x}", std::process::id(), since.as_nanos()).into_bytes();
+        let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name)?)?;
+        std::thread::Builder::new()
+            .name("umbpd-shm-accept".into())
+            .spawn(move || {
+                let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+                for stream in listener.incoming() {
+                    let Ok(stream) = stream else { continue };
+                    if open.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+                        open.fetch_sub(1, Ordering::AcqRel);
+                        stats.refused.fetch_add(1, Ordering::Relaxed);
+                        continue; // dropped: closed
+                    }
+                    let (pool, secret, stats, mine) = (
+                        Arc::clone(&pool),
+                        Arc::clone(&secret),
+                        Arc::clone(&stats),
+                        Arc::clone(&open),
+                    );
+                    let spawned =
+                        std::thread::Builder::new()
+                            .name("umbpd-shm".into())
+                            .spawn(move || {
+                                if let Err(e) = serve(stream, &pool, &secret, &stats) {
+                                    debug!("umbpd same-host connection ended: {e}");
+                                }
+                                mine.fetch_sub(1, Ordering::AcqRel);
+                            });
+                    if spawned.is_err() {
+                        open.fetch_sub(1, Ordering::AcqRel);
+                    }
+                }
+            })?;
+        Ok(ShmServer { name })
+    }
+
+    /// The socket's abstract name (what [`crate::small_ops::SHM_NAME`] answers).
+    pub fn name(&self) -> &[u8] {
+        &self.name
+    }
+}
+
+fn write_failed(w: &mut impl Write, status: &Status) -> io::Result<()> {
+    let msg = status.message().as_bytes();
+    let mut out = Vec::with_capacity(9 + msg.len());
+    out.push(FAILED);
+    out.extend_from_slice(&(status.code() as i32).to_le_bytes());
+    out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    out.extend_from_slice(msg);
+    w.write_all(&out)
+}
+
+fn serve(
+    mut stream: UnixStream,
+    pool: &SharedPool,
+    secret: &Secret,
+    stats: &ListenerStats,
+) -> io::Result<()> {
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    if let Err(e) = mori_auth::accept(&mut stream, secret, PURPOSE) {
+        stats.refused.fetch_add(1, Ordering::Relaxed);
+        return Err(io::Error::other(e.to_string()));
+    }
+    let mut hello = [0u8; 8];
+    let fd = recv_with_fd(&stream, &mut hello)?;
+    if &hello != HELLO {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a same-host hello",
+        ));
+    }
+    let checked = fd
+        .ok_or_else(|| "no buffer was attached to the hello".to_string())
+        .and_then(|fd| sealed_len(&fd).map(|len| (fd, len)))
+        .and_then(|(fd, len)| Mapping::new(&fd, len).map_err(|e| e.to_string()));
+    let mut map = match checked {
+        Ok(map) => map,
+        Err(why) => {
+            write_failed(&mut stream, &Status::invalid_argument(why))?;
+            return Ok(());
+        }
+    };
+    let mut answer = Vec::with_capacity(16);
+    answer.extend_from_slice(HELLO);
+    answer.extend_from_slice(&(map.len() as u64).to_le_bytes());
+    stream.write_all(&answer)?;
+    stream.set_read_timeout(Some(IDLE_CLOSE))?;
+    loop {
+        let mut head = [0u8; 3];
+        match stream.read_exact(&mut head) {
+            Ok(()) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::UnexpectedEof
+                        | io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        }
+        let key_len = u16::from_le_bytes([head[1], head[2]]) as usize;
+        let mut key = vec![0u8; key_len];
+        stream.read_exact(&mut key)?;
+        let mut where_ = [0u8; 16];
+        stream.read_exact(&mut where_)?;
+        if head[0] != GET_INTO {
+            write_failed(
+                &mut stream,
+                &Status::unimplemented(format!("unknown same-host op {}", head[0])),
+            )?;
+            return Ok(());
+        }
+        let offset = u64::from_le_bytes(where_[..8].try_into().expect("8 bytes"));
+        let cap = u64::from_le_bytes(where_[8..].try_into().expect("8 bytes"));
+        let Some(out) = map.range_mut(offset, cap) else {
+            let len = map.len();
+            write_failed(
+                &mut stream,
+                &Status::out_of_range(format!(
+                    "{cap} bytes at offset {offset} are outside the {len}-byte buffer"
+                )),
+            )?;
+            return Ok(());
+        };
+        stats.same_host_served.fetch_add(1, Ordering::Relaxed);
+        match pool.with_status(|p| p.get_into(&key, out).map_err(crate::service::status_of)) {
+            Ok(None) => stream.write_all(&[ABSENT])?,
+            Ok(Some(len)) => {
+                let mut a = [0u8; 9];
+                a[0] = FOUND;
+                a[1..].copy_from_slice(&(len as u64).to_le_bytes());
+                stream.write_all(&a)?;
+            }
+            Err(status) => write_failed(&mut stream, &status)?,
+        }
+    }
+}
+
+/// A client's shared buffer at the daemon: the memfd mapping and the connection its requests
+/// go over (one at a time).
+pub struct SharedBuffer {
+    map: Mapping,
+    stream: std::sync::Mutex<UnixStream>,
+}
+
+impl std::fmt::Debug for SharedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedBuffer")
+            .field("len", &self.map.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SharedBuffer {
+    /// Connects to the daemon's socket `name`, proves the secret, and hands it a new sealed
+    /// memfd of `len` bytes.
+    pub fn connect(name: &[u8], secret: &Secret, len: usize) -> io::Result<SharedBuffer> {
+        let mut stream = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name)?)?;
+        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        mori_auth::connect(&mut stream, secret, PURPOSE)
+            .map_err(|e| io::Error::other(e.to_string()))?;
+        let (fd, map) = sealed_memfd(len)?;
+        send_with_fd(&stream, HELLO, fd.as_raw_fd())?;
+        drop(fd); // the mapping and the daemon's copy keep the memory
+        let mut head = [0u8; 1];
+        stream.read_exact(&mut head)?;
+        if head[0] == FAILED {
+            return Err(read_failed(&mut stream)?.into_io());
+        }
+        let mut rest = [0u8; 15];
+        stream.read_exact(&mut rest)?;
+        if head[0] != HELLO[0]
+            || rest[..7] != HELLO[1..]
+            || u64::from_le_bytes(rest[7..].try_into().expect("8 bytes")) != len as u64
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the daemon answered the same-host hello wrongly",
+            ));
+        }
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(None)?;
+        Ok(SharedBuffer {
+            map,
+            stream: std::sync::Mutex::new(stream),
+        })
+    }
+
+    /// Its bytes.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Never true (an empty buffer cannot be shared); for clippy's `len` rule.
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    /// The buffer's address in this process (the daemon writes values there).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_ptr()
+    }
+
+    /// Has the daemon copy the value of `key` to `offset` (at most `cap` bytes): its length,
+    /// or None when absent. A value longer than `cap` fails `INVALID_ARGUMENT`.
+    pub fn get_into(&self, key: &[u8], offset: u64, cap: u64) -> Result<Option<usize>, Status> {
+        let key_len = u16::try_from(key.len())
+            .map_err(|_| Status::invalid_argument("key longer than 65535 bytes"))?;
+        let in_range = offset
+            .checked_add(cap)
+            .is_some_and(|end| end <= self.map.len() as u64);
+        if !in_range {
+            return Err(Status::out_of_range(format!(
+                "{cap} bytes at offset {offset} are outside the {}-byte shared buffer",
+                self.map.len()
+            )));
+        }
+        let mut req = Vec::with_capacity(19 + key.len());
+        req.push(GET_INTO);
+        req.extend_from_slice(&key_len.to_le_bytes());
+        req.extend_from_slice(key);
+        req.extend_from_slice(&offset.to_le_bytes());
+        req.extend_from_slice(&cap.to_le_bytes());
+        let mut stream = self
+            .stream
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let io =
+            |e: io::Error| Status::unavailable(format!("umbpd's same-host connection failed: {e}"));
+        stream.write_all(&req).map_err(io)?;
+        let mut status = [0u8; 1];
+        stream.read_exact(&mut status).map_err(io)?;
+        match status[0] {
+            ABSENT => Ok(None),
+            FOUND => {
+                let mut len = [0u8; 8];
+                stream.read_exact(&mut len).map_err(io)?;
+                Ok(Some(u64::from_le_bytes(len) as usize))
+            }
+            FAILED => Err(read_failed(&mut *stream).map_err(io)?.status),
+            other => Err(Status::internal(format!(
+                "umbpd answered same-host status {other}"
+            ))),
+        }
+    }
+}
+
+/// A `FAILED` answer's code and message.
+struct Failed {
+    status: Status,
+}
+
+impl Failed {
+    fn into_io(self) -> io::Error {
+        io::Error::other(format!(
+            "umbpd refused the shared buffer: {}",
+            self.status.message()
+        ))
+    }
+}
+
+fn read_failed(r: &mut impl Read) -> io::Result<Failed> {
+    let mut head = [0u8; 8];
+    r.read_exact(&mut head)?;
+    let code = i32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
+    let len = u32::from_le_bytes(head[4..].try_into().expect("4 bytes")) as usize;
+    let mut msg = vec![0u8; len.min(1 << 16)];
+    r.read_exact(&mut msg)?;
+    Ok(Failed {
+        status: Status::new(
+            Code::from_i32(code),
+            String::from_utf8_lossy(&msg).into_owned(),
+        ),
+    })
+}

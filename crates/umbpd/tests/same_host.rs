@@ -1,0 +1,336 @@
+//! The same-host path of the real `umbpd` binary (`mori_umbpd::shm`): a client's shared
+//! buffer receives values straight from the pool, byte-exact and nowhere else; and, attacking
+//! the daemon's socket from this process with the raw protocol, it refuses a peer without the
+//! secret, a descriptor that is not a memfd sealed against shrinking, a hello without one, and
+//! a request outside the buffer, and keeps serving others.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixStream};
+use std::path::Path;
+
+use common::{Daemon, bytes, opts, secret_file};
+use mori_auth::Secret;
+use mori_umbpd::shm::{GET_INTO, HELLO, PURPOSE, send_with_fd};
+use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND};
+use mori_umbpd::{Client, ClientError};
+
+const GOOD: &str = "the-deployment-secret-of-the-same-host-test";
+const BAD: &str = "a-secret-that-is-not-the-deployment-one";
+
+fn standalone(dir: &Path) -> Daemon {
+    let sf = secret_file(dir, "secret", GOOD);
+    Daemon::start(
+        dir,
+        &["--secret-file", sf.to_str().unwrap(), "--dram-bytes", "64M"],
+        &[],
+    )
+}
+
+/// A memfd of `len` bytes, sealed against shrinking when `seal`.
+fn memfd(len: usize, seal: bool) -> OwnedFd {
+    // SAFETY: a valid name; checked.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"test".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    assert!(fd >= 0);
+    // SAFETY: just created, owned here.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: open memfd.
+    assert_eq!(
+        unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) },
+        0
+    );
+    if seal {
+        // SAFETY: as above.
+        assert_eq!(
+            unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) },
+            0
+        );
+    }
+    fd
+}
+
+/// A raw connection to the daemon's same-host socket, authenticated with `secret`.
+fn raw(name: &[u8], secret: &str) -> Result<UnixStream, mori_auth::Error> {
+    let mut s = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name).unwrap()).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    mori_auth::connect(
+        &mut s,
+        &Secret::new(secret.as_bytes().to_vec()).unwrap(),
+        PURPOSE,
+    )?;
+    Ok(s)
+}
+
+/// The daemon's answer to a hello: Ok(mapped length) or Err((gRPC code, message)).
+fn hello_answer(s: &mut UnixStream) -> Result<u64, (i32, String)> {
+    let mut status = [0u8; 1];
+    s.read_exact(&mut status).unwrap();
+    if status[0] == FAILED {
+        return Err(failed(s));
+    }
+    let mut rest = [0u8; 15];
+    s.read_exact(&mut rest).unwrap();
+    assert_eq!(status[0], HELLO[0]);
+    Ok(u64::from_le_bytes(rest[7..].try_into().unwrap()))
+}
+
+fn failed(s: &mut UnixStream) -> (i32, String) {
+    let mut head = [0u8; 8];
+    s.read_exact(&mut head).unwrap();
+    let len = u32::from_le_bytes(head[4..].try_into().unwrap()) as usize;
+    let mut msg = vec![0u8; len];
+    s.read_exact(&mut msg).unwrap();
+    (
+        i32::from_le_bytes(head[..4].try_into().unwrap()),
+        String::from_utf8_lossy(&msg).into_owned(),
+    )
+}
+
+fn get_into_request(key: &[u8], offset: u64, cap: u64) -> Vec<u8> {
+    let mut r = vec![GET_INTO];
+    r.extend_from_slice(&(key.len() as u16).to_le_bytes());
+    r.extend_from_slice(key);
+    r.extend_from_slice(&offset.to_le_bytes());
+    r.extend_from_slice(&cap.to_le_bytes());
+    r
+}
+
+/// Values of 1 B to 3 MiB land byte-exact at the offsets asked for, the bytes around them keep
+/// the client's pattern, an absent key answers None and writes nothing, a value longer than the
+/// room asked for fails INVALID_ARGUMENT, and two clients' buffers are their own.
+#[test]
+fn shared_buffers_take_values_straight_from_the_pool_and_nowhere_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let sizes = [1usize, 4096, 65536 + 3, 1 << 20, 3 << 20];
+    let values: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| bytes(70 + i as u64, n))
+        .collect();
+    for (i, v) in values.iter().enumerate() {
+        assert!(c.put(format!("shm-{i}").as_bytes(), v).unwrap());
+    }
+    let len = 8 << 20;
+    let buf = c.shared_buffer(len).unwrap();
+    let before = c.health().unwrap();
+    assert_eq!(buf.len(), len);
+    // SAFETY: the buffer's mapping, len bytes, written only by this thread and the daemon
+    // (during get_into, which returns after the copy).
+    let mem = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr(), len) };
+    mem.fill(0xAB);
+    let mut offset = 17u64;
+    let mut placed = Vec::new();
+    for (i, v) in values.iter().enumerate() {
+        let got = buf
+            .get_into(format!("shm-{i}").as_bytes(), offset, v.len() as u64 + 100)
+            .unwrap();
+        assert_eq!(got, Some(v.len()), "value {i}");
+        placed.push((offset as usize, v.len()));
+        offset += v.len() as u64 + 100;
+    }
+    for ((at, n), v) in placed.iter().zip(&values) {
+        assert!(mem[*at..at + n] == v[..], "the value at {at} differs");
+    }
+    let mut inside = vec![false; len];
+    for (at, n) in &placed {
+        inside[*at..at + n].iter_mut().for_each(|b| *b = true);
+    }
+    assert!(
+        mem.iter().zip(&inside).all(|(b, i)| *i || *b == 0xAB),
+        "bytes outside the values changed"
+    );
+    // The route: every get so far was answered into shared memory, none over small ops.
+    let after = c.health().unwrap();
+    assert_eq!(
+        after.same_host_served - before.same_host_served,
+        values.len() as u64
+    );
+    assert_eq!(after.small_ops_served, before.small_ops_served);
+    assert_eq!(buf.get_into(b"never-put", 0, 100).unwrap(), None);
+    assert!(
+        mem[..17].iter().all(|b| *b == 0xAB),
+        "an absent key wrote something"
+    );
+    let short = buf.get_into(b"shm-3", 0, 1000).unwrap_err();
+    assert_eq!(short.code(), tonic::Code::InvalidArgument, "{short:?}");
+    let outside = buf.get_into(b"shm-0", len as u64 - 1, 2).unwrap_err();
+    assert_eq!(outside.code(), tonic::Code::OutOfRange, "{outside:?}");
+    // A second client's buffer: its own memory, the first one's bytes unchanged.
+    let c2 = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let buf2 = c2.shared_buffer(4 << 20).unwrap();
+    assert_eq!(buf2.get_into(b"shm-3", 0, 4 << 20).unwrap(), Some(1 << 20));
+    // SAFETY: as above, for the second buffer.
+    let mem2 = unsafe { std::slice::from_raw_parts(buf2.as_ptr(), 1 << 20) };
+    assert!(mem2 == &values[3][..]);
+    assert!(mem[placed[3].0..placed[3].0 + (1 << 20)] == values[3][..]);
+}
+
+/// The raw protocol from this process: without the secret nothing is served; with it, a
+/// descriptor that is not a memfd, an unsealed memfd and a hello without a descriptor are
+/// refused naming why; a request outside the buffer fails OUT_OF_RANGE and closes the
+/// connection; and the daemon goes on serving a well-behaved buffer.
+#[test]
+fn the_same_host_socket_refuses_strangers_bad_descriptors_and_requests_outside_the_buffer() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    assert!(c.put(b"k", &bytes(5, 4096)).unwrap());
+    let name = c.same_host_socket().unwrap();
+
+    // No secret: the handshake fails (the daemon proves nothing to us and reads nothing),
+    // and the daemon counts the refusal.
+    let refused = c.health().unwrap().connections_refused;
+    assert!(
+        raw(&name, BAD).is_err(),
+        "a wrong secret passed the handshake"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(c.health().unwrap().connections_refused, refused + 1);
+    // A regular file.
+    let mut s = raw(&name, GOOD).unwrap();
+    let file = std::fs::File::create(dir.path().join("plain")).unwrap();
+    file.set_len(1 << 20).unwrap();
+    send_with_fd(&s, HELLO, file.as_raw_fd()).unwrap();
+    let (code, msg) = hello_answer(&mut s).unwrap_err();
+    assert_eq!(code, tonic::Code::InvalidArgument as i32);
+    assert!(msg.contains("not a memfd"), "{msg}");
+    // An unsealed memfd (the client could shrink it under the daemon's mapping).
+    let mut s = raw(&name, GOOD).unwrap();
+    send_with_fd(&s, HELLO, memfd(1 << 20, false).as_raw_fd()).unwrap();
+    let (_, msg) = hello_answer(&mut s).unwrap_err();
+    assert!(msg.contains("F_SEAL_SHRINK"), "{msg}");
+    // A hello without a descriptor.
+    let mut s = raw(&name, GOOD).unwrap();
+    s.write_all(HELLO).unwrap();
+    let (_, msg) = hello_answer(&mut s).unwrap_err();
+    assert!(msg.contains("no buffer"), "{msg}");
+    // A sealed memfd: served; a request past its end is refused and the connection closed.
+    let fd = memfd(1 << 20, true);
+    let mut s = raw(&name, GOOD).unwrap();
+    send_with_fd(&s, HELLO, fd.as_raw_fd()).unwrap();
+    assert_eq!(hello_answer(&mut s).unwrap(), 1 << 20);
+    // The seal holds against this process too.
+    // SAFETY: an open memfd; shrinking must fail with EPERM.
+    assert_ne!(unsafe { libc::ftruncate(fd.as_raw_fd(), 4096) }, 0);
+    s.write_all(&get_into_request(b"k", 0, 4096)).unwrap();
+    let mut a = [0u8; 9];
+    s.read_exact(&mut a).unwrap();
+    assert_eq!(
+        (a[0], u64::from_le_bytes(a[1..].try_into().unwrap())),
+        (FOUND, 4096)
+    );
+    s.write_all(&get_into_request(b"absent", 0, 10)).unwrap();
+    s.read_exact(&mut a[..1]).unwrap();
+    assert_eq!(a[0], ABSENT);
+    for (offset, cap) in [((1u64 << 20) - 100, 4096u64), (u64::MAX - 10, 100)] {
+        let mut s = raw(&name, GOOD).unwrap();
+        send_with_fd(&s, HELLO, fd.as_raw_fd()).unwrap();
+        hello_answer(&mut s).unwrap();
+        s.write_all(&get_into_request(b"k", offset, cap)).unwrap();
+        s.read_exact(&mut a[..1]).unwrap();
+        assert_eq!(a[0], FAILED);
+        let (code, msg) = failed(&mut s);
+        assert_eq!(code, tonic::Code::OutOfRange as i32, "{msg}");
+        let mut rest = [0u8; 1];
+        assert_eq!(
+            s.read(&mut rest).unwrap_or(0),
+            0,
+            "the connection stayed open"
+        );
+    }
+    // Still serving: a client's buffer reads the value.
+    let buf = c.shared_buffer(8192).unwrap();
+    assert_eq!(buf.get_into(b"k", 0, 8192).unwrap(), Some(4096));
+    // A client with the wrong secret does not even learn the name.
+    let err = Client::connect_with(&d.addr, &opts(BAD))
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(err, ClientError::Auth(_) | ClientError::Connect { .. }),
+        "{err:?}"
+    );
+}
+
+/// A client's single gets from a daemon on its host go through its staging buffer (the daemon
+/// counts them as same-host), byte-exact for values up to the staging size; a longer value
+/// and every get with `MORI_UMBP_SHM=0` take small ops.
+#[test]
+fn single_gets_take_shared_memory_on_the_same_host_and_small_ops_beyond_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let sf = secret_file(dir.path(), "secret", GOOD);
+    let d = Daemon::start(
+        dir.path(),
+        &[
+            "--secret-file",
+            sf.to_str().unwrap(),
+            "--dram-bytes",
+            "128M",
+        ],
+        &[],
+    );
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let big = mori_umbpd::client::SHM_STAGING_BYTES + 4096;
+    let values: Vec<Vec<u8>> = [4096usize, 1 << 20, big]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| bytes(300 + i as u64, n))
+        .collect();
+    for (i, v) in values.iter().enumerate() {
+        assert!(c.put(format!("g-{i}").as_bytes(), v).unwrap());
+    }
+    let h0 = c.health().unwrap();
+    assert_eq!(c.get(b"g-0").unwrap().as_deref(), Some(&values[0][..]));
+    assert_eq!(c.get(b"g-1").unwrap().as_deref(), Some(&values[1][..]));
+    assert_eq!(c.get(b"nope").unwrap(), None);
+    let h1 = c.health().unwrap();
+    assert_eq!(h1.same_host_served - h0.same_host_served, 3);
+    // One small op: the first get asked the daemon for its socket's name.
+    assert_eq!(h1.small_ops_served - h0.small_ops_served, 1);
+    // Longer than the staging buffer: tried there (refused), then over small ops.
+    assert_eq!(c.get(b"g-2").unwrap().as_deref(), Some(&values[2][..]));
+    let h2 = c.health().unwrap();
+    assert_eq!(h2.small_ops_served - h1.small_ops_served, 1);
+    drop(c);
+    // The switch: a client started with MORI_UMBP_SHM=0 (in a child, to keep this process's
+    // environment) reads over small ops only.
+    let out = mori_testutil::this_test("same_host_child_reads_over_small_ops")
+        .arg("--include-ignored")
+        .env("MORI_UMBP_SHM", "0")
+        .env("UMBP_TEST_ADDR", &d.addr)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// Run by the test above in a child process with `MORI_UMBP_SHM=0`.
+#[test]
+#[ignore = "run by single_gets_take_shared_memory_on_the_same_host_and_small_ops_beyond_it"]
+fn same_host_child_reads_over_small_ops() {
+    let addr = std::env::var("UMBP_TEST_ADDR").unwrap();
+    let c = Client::connect_with(&addr, &opts(GOOD)).unwrap();
+    let h0 = c.health().unwrap();
+    assert_eq!(c.get(b"g-0").unwrap().map(|v| v.len()), Some(4096));
+    let h1 = c.health().unwrap();
+    assert_eq!(h1.same_host_served, h0.same_host_served);
+    assert_eq!(h1.small_ops_served - h0.small_ops_served, 1);
+}
