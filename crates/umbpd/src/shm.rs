@@ -14,14 +14,14 @@
 //! client its socket's name; the client connects there (and proves the secret again: the name
 //! is not trusted, the handshake is).
 //!
-//! Protocol, after the handshake (integers little-endian): the client sends [`HELLO`] with the
-//! memfd attached; the daemon maps it and answers [`HELLO`] and the mapped length as `u64` (or
-//! [`crate::small_ops::FAILED`], then a gRPC code as `i32`, the message's length as `u32` and the
-//! message, and closes). Then one request at a
-//! time: `op: u8` ([`GET_INTO`]), `key_len: u16`, the key, `offset: u64`, `cap: u64`; the answer
-//! is `status: u8`: [`crate::small_ops::ABSENT`], [`crate::small_ops::FOUND`] and the value's
-//! length as `u64` (its bytes are at `offset` in the buffer), or `FAILED` as above. A request
-//! outside the buffer fails `OUT_OF_RANGE` and the daemon closes the connection.
+//! Protocol, after the handshake (integers little-endian), with small ops' framing
+//! ([`crate::small_ops`]): the client sends [`HELLO`] with the memfd attached; the daemon maps
+//! it and answers `FOUND` with the mapped length (`u64`), or `FAILED` (a gRPC code and a
+//! message) and closes. Then one request at a time: small ops' request head for [`GET_INTO`]
+//! (`op`, `key_len: u16`, the key), then `offset: u64`, `cap: u64`; the answer is `ABSENT`,
+//! `FOUND` with the value's length (`u64`; its bytes are at `offset` in the buffer), or
+//! `FAILED`. A request outside the buffer fails `OUT_OF_RANGE` and the daemon closes the
+//! connection.
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -32,12 +32,12 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use mori_auth::Secret;
-use tonic::{Code, Status};
+use tonic::Status;
 use tracing::debug;
 
 use crate::listener::ListenerStats;
 use crate::service::SharedPool;
-use crate::small_ops::{ABSENT, FAILED, FOUND};
+use crate::small_ops::{framed, read_answer, request};
 
 /// The handshake purpose of the same-host socket.
 pub const PURPOSE: &str = "umbpd-shm";
@@ -330,14 +330,31 @@ impl ShmServer {
     }
 }
 
-fn write_failed(w: &mut impl Write, status: &Status) -> io::Result<()> {
-    let msg = status.message().as_bytes();
-    let mut out = Vec::with_capacity(9 + msg.len());
-    out.push(FAILED);
-    out.extend_from_slice(&(status.code() as i32).to_le_bytes());
-    out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
-    out.extend_from_slice(msg);
-    w.write_all(&out)
+/// Writes one answer in small ops' framing ([`crate::small_ops::framed`]).
+fn answer(w: &mut impl Write, a: &Result<Option<Vec<u8>>, Status>) -> io::Result<()> {
+    let (head, body) = framed(a)?;
+    w.write_all(&head)?;
+    w.write_all(&body)
+}
+
+/// A found answer's body: a length as `u64`.
+fn length(n: u64) -> Result<Option<Vec<u8>>, Status> {
+    Ok(Some(n.to_le_bytes().to_vec()))
+}
+
+/// Reads one answer whose found body is a length.
+fn read_length(r: &mut impl Read) -> io::Result<Result<Option<u64>, Status>> {
+    let mut body = Vec::new();
+    Ok(match read_answer(r, &mut body)? {
+        Ok(Some(8)) => Ok(Some(u64::from_le_bytes(
+            body[..8].try_into().expect("8 bytes"),
+        ))),
+        Ok(Some(n)) => Err(Status::internal(format!(
+            "umbpd answered a same-host length of {n} bytes"
+        ))),
+        Ok(None) => Ok(None),
+        Err(status) => Err(status),
+    })
 }
 
 fn serve(
@@ -367,14 +384,11 @@ fn serve(
     let mut map = match checked {
         Ok(map) => map,
         Err(why) => {
-            write_failed(&mut stream, &Status::invalid_argument(why))?;
+            answer(&mut stream, &Err(Status::invalid_argument(why)))?;
             return Ok(());
         }
     };
-    let mut answer = Vec::with_capacity(16);
-    answer.extend_from_slice(HELLO);
-    answer.extend_from_slice(&(map.len() as u64).to_le_bytes());
-    stream.write_all(&answer)?;
+    answer(&mut stream, &length(map.len() as u64))?;
     stream.set_read_timeout(Some(IDLE_CLOSE))?;
     loop {
         let mut head = [0u8; 3];
@@ -398,9 +412,12 @@ fn serve(
         let mut where_ = [0u8; 16];
         stream.read_exact(&mut where_)?;
         if head[0] != GET_INTO {
-            write_failed(
+            answer(
                 &mut stream,
-                &Status::unimplemented(format!("unknown same-host op {}", head[0])),
+                &Err(Status::unimplemented(format!(
+                    "unknown same-host op {}",
+                    head[0]
+                ))),
             )?;
             return Ok(());
         }
@@ -408,25 +425,20 @@ fn serve(
         let cap = u64::from_le_bytes(where_[8..].try_into().expect("8 bytes"));
         let Some(out) = map.range_mut(offset, cap) else {
             let len = map.len();
-            write_failed(
+            answer(
                 &mut stream,
-                &Status::out_of_range(format!(
+                &Err(Status::out_of_range(format!(
                     "{cap} bytes at offset {offset} are outside the {len}-byte buffer"
-                )),
+                ))),
             )?;
             return Ok(());
         };
         stats.same_host_served.fetch_add(1, Ordering::Relaxed);
-        match pool.with_status(|p| p.get_into(&key, out).map_err(crate::service::status_of)) {
-            Ok(None) => stream.write_all(&[ABSENT])?,
-            Ok(Some(len)) => {
-                let mut a = [0u8; 9];
-                a[0] = FOUND;
-                a[1..].copy_from_slice(&(len as u64).to_le_bytes());
-                stream.write_all(&a)?;
-            }
-            Err(status) => write_failed(&mut stream, &status)?,
-        }
+        let got = pool.with_status(|p| p.get_into(&key, out).map_err(crate::service::status_of));
+        answer(
+            &mut stream,
+            &got.and_then(|n| n.map_or(Ok(None), |n| length(n as u64))),
+        )?;
     }
 }
 
@@ -457,21 +469,20 @@ impl SharedBuffer {
         let (fd, map) = sealed_memfd(len)?;
         send_with_fd(&stream, HELLO, fd.as_raw_fd())?;
         drop(fd); // the mapping and the daemon's copy keep the memory
-        let mut head = [0u8; 1];
-        stream.read_exact(&mut head)?;
-        if head[0] == FAILED {
-            return Err(read_failed(&mut stream)?.into_io());
-        }
-        let mut rest = [0u8; 15];
-        stream.read_exact(&mut rest)?;
-        if head[0] != HELLO[0]
-            || rest[..7] != HELLO[1..]
-            || u64::from_le_bytes(rest[7..].try_into().expect("8 bytes")) != len as u64
-        {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "the daemon answered the same-host hello wrongly",
-            ));
+        match read_length(&mut stream)? {
+            Ok(Some(n)) if n == len as u64 => {}
+            Err(status) => {
+                return Err(io::Error::other(format!(
+                    "umbpd refused the shared buffer: {}",
+                    status.message()
+                )));
+            }
+            _ => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "the daemon answered the same-host hello wrongly",
+                ));
+            }
         }
         stream.set_read_timeout(None)?;
         stream.set_write_timeout(None)?;
@@ -499,8 +510,6 @@ impl SharedBuffer {
     /// Has the daemon copy the value of `key` to `offset` (at most `cap` bytes): its length,
     /// or None when absent. A value longer than `cap` fails `INVALID_ARGUMENT`.
     pub fn get_into(&self, key: &[u8], offset: u64, cap: u64) -> Result<Option<usize>, Status> {
-        let key_len = u16::try_from(key.len())
-            .map_err(|_| Status::invalid_argument("key longer than 65535 bytes"))?;
         let in_range = offset
             .checked_add(cap)
             .is_some_and(|end| end <= self.map.len() as u64);
@@ -510,10 +519,8 @@ impl SharedBuffer {
                 self.map.len()
             )));
         }
-        let mut req = Vec::with_capacity(19 + key.len());
-        req.push(GET_INTO);
-        req.extend_from_slice(&key_len.to_le_bytes());
-        req.extend_from_slice(key);
+        let mut req =
+            request(GET_INTO, key).map_err(|e| Status::invalid_argument(e.to_string()))?;
         req.extend_from_slice(&offset.to_le_bytes());
         req.extend_from_slice(&cap.to_le_bytes());
         let mut stream = self
@@ -523,48 +530,6 @@ impl SharedBuffer {
         let io =
             |e: io::Error| Status::unavailable(format!("umbpd's same-host connection failed: {e}"));
         stream.write_all(&req).map_err(io)?;
-        let mut status = [0u8; 1];
-        stream.read_exact(&mut status).map_err(io)?;
-        match status[0] {
-            ABSENT => Ok(None),
-            FOUND => {
-                let mut len = [0u8; 8];
-                stream.read_exact(&mut len).map_err(io)?;
-                Ok(Some(u64::from_le_bytes(len) as usize))
-            }
-            FAILED => Err(read_failed(&mut *stream).map_err(io)?.status),
-            other => Err(Status::internal(format!(
-                "umbpd answered same-host status {other}"
-            ))),
-        }
+        Ok(read_length(&mut *stream).map_err(io)??.map(|n| n as usize))
     }
-}
-
-/// A `FAILED` answer's code and message.
-struct Failed {
-    status: Status,
-}
-
-impl Failed {
-    fn into_io(self) -> io::Error {
-        io::Error::other(format!(
-            "umbpd refused the shared buffer: {}",
-            self.status.message()
-        ))
-    }
-}
-
-fn read_failed(r: &mut impl Read) -> io::Result<Failed> {
-    let mut head = [0u8; 8];
-    r.read_exact(&mut head)?;
-    let code = i32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
-    let len = u32::from_le_bytes(head[4..].try_into().expect("4 bytes")) as usize;
-    let mut msg = vec![0u8; len.min(1 << 16)];
-    r.read_exact(&mut msg)?;
-    Ok(Failed {
-        status: Status::new(
-            Code::from_i32(code),
-            String::from_utf8_lossy(&msg).into_owned(),
-        ),
-    })
 }

@@ -227,31 +227,36 @@ fn within_bytes_api(value: Option<Vec<u8>>) -> Result<Option<Vec<u8>>, Status> {
     }
 }
 
-/// Writes one answer into `w` (the connection's buffer; the caller flushes): `Ok(None)`
-/// absent, `Ok(Some(value))` found, `Err` failed.
-async fn send<W: tokio::io::AsyncWrite + Unpin>(
-    w: &mut W,
+/// One answer's framing: its head (status, body length) and body. `Ok(None)` absent,
+/// `Ok(Some(value))` found, `Err` failed.
+pub(crate) fn framed(
     answer: &Result<Option<Vec<u8>>, Status>,
-) -> io::Result<()> {
-    let failure;
-    let (status, body): (u8, &[u8]) = match answer {
-        Ok(None) => (ABSENT, &[]),
-        Ok(Some(v)) => (FOUND, v),
+) -> io::Result<([u8; 5], std::borrow::Cow<'_, [u8]>)> {
+    let (status, body): (u8, std::borrow::Cow<'_, [u8]>) = match answer {
+        Ok(None) => (ABSENT, (&[][..]).into()),
+        Ok(Some(v)) => (FOUND, v.as_slice().into()),
         Err(s) => {
             let mut b = (s.code() as i32).to_le_bytes().to_vec();
             b.extend_from_slice(s.message().as_bytes());
-            failure = b;
-            (FAILED, &failure)
+            (FAILED, b.into())
         }
     };
     let len = u32::try_from(body.len())
         .map_err(|_| io::Error::other("an answer over 4 GiB"))?
         .to_le_bytes();
-    let head = [status, len[0], len[1], len[2], len[3]];
+    Ok(([status, len[0], len[1], len[2], len[3]], body))
+}
+
+/// Writes one answer into `w` (the connection's buffer; the caller flushes).
+async fn send<W: tokio::io::AsyncWrite + Unpin>(
+    w: &mut W,
+    answer: &Result<Option<Vec<u8>>, Status>,
+) -> io::Result<()> {
+    let (head, body) = framed(answer)?;
     // Into the connection's buffer: a small answer leaves with the next flush in one write (one
     // TCP segment with TCP_NODELAY), a larger body goes out on its own, not copied.
     w.write_all(&head).await?;
-    w.write_all(body).await
+    w.write_all(&body).await
 }
 
 /// The client side: blocking connections to one daemon, opened on first use and kept for the
@@ -484,7 +489,7 @@ fn exchange(
 }
 
 /// The request for `op` on `key` (no value).
-fn request(op: u8, key: &[u8]) -> io::Result<Vec<u8>> {
+pub(crate) fn request(op: u8, key: &[u8]) -> io::Result<Vec<u8>> {
     let key_len = u16::try_from(key.len())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a key too long to frame"))?;
     let mut request = Vec::with_capacity(3 + key.len());
@@ -537,7 +542,7 @@ fn pipelined_gets(
 }
 
 /// The answer to the request just sent on `conn`: a found value is read into `sink`.
-fn read_answer(conn: &mut TcpStream, sink: &mut dyn Sink) -> io::Result<SinkAnswer> {
+pub(crate) fn read_answer(conn: &mut impl Read, sink: &mut dyn Sink) -> io::Result<SinkAnswer> {
     let mut head = [0u8; 5];
     conn.read_exact(&mut head)?;
     let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;

@@ -70,29 +70,35 @@ fn raw(name: &[u8], secret: &str) -> Result<UnixStream, mori_auth::Error> {
     Ok(s)
 }
 
-/// The daemon's answer to a hello: Ok(mapped length) or Err((gRPC code, message)).
-fn hello_answer(s: &mut UnixStream) -> Result<u64, (i32, String)> {
-    let mut status = [0u8; 1];
-    s.read_exact(&mut status).unwrap();
-    if status[0] == FAILED {
-        return Err(failed(s));
-    }
-    let mut rest = [0u8; 15];
-    s.read_exact(&mut rest).unwrap();
-    assert_eq!(status[0], HELLO[0]);
-    Ok(u64::from_le_bytes(rest[7..].try_into().unwrap()))
+/// One answer in small ops' framing: (status, body).
+fn raw_answer(s: &mut UnixStream) -> (u8, Vec<u8>) {
+    let mut head = [0u8; 5];
+    s.read_exact(&mut head).unwrap();
+    let mut body = vec![0u8; u32::from_le_bytes(head[1..].try_into().unwrap()) as usize];
+    s.read_exact(&mut body).unwrap();
+    (head[0], body)
 }
 
-fn failed(s: &mut UnixStream) -> (i32, String) {
-    let mut head = [0u8; 8];
-    s.read_exact(&mut head).unwrap();
-    let len = u32::from_le_bytes(head[4..].try_into().unwrap()) as usize;
-    let mut msg = vec![0u8; len];
-    s.read_exact(&mut msg).unwrap();
+/// A failed answer's (gRPC code, message).
+fn failed(body: &[u8]) -> (i32, String) {
     (
-        i32::from_le_bytes(head[..4].try_into().unwrap()),
-        String::from_utf8_lossy(&msg).into_owned(),
+        i32::from_le_bytes(body[..4].try_into().unwrap()),
+        String::from_utf8_lossy(&body[4..]).into_owned(),
     )
+}
+
+/// A found answer's length.
+fn length(body: &[u8]) -> u64 {
+    u64::from_le_bytes(body.try_into().unwrap())
+}
+
+/// The daemon's answer to a hello: Ok(mapped length) or Err((gRPC code, message)).
+fn hello_answer(s: &mut UnixStream) -> Result<u64, (i32, String)> {
+    match raw_answer(s) {
+        (FOUND, body) => Ok(length(&body)),
+        (FAILED, body) => Err(failed(&body)),
+        (other, _) => panic!("hello answered with status {other}"),
+    }
 }
 
 fn get_into_request(key: &[u8], offset: u64, cap: u64) -> Vec<u8> {
@@ -224,23 +230,18 @@ fn the_same_host_socket_refuses_strangers_bad_descriptors_and_requests_outside_t
     // SAFETY: an open memfd; shrinking must fail with EPERM.
     assert_ne!(unsafe { libc::ftruncate(fd.as_raw_fd(), 4096) }, 0);
     s.write_all(&get_into_request(b"k", 0, 4096)).unwrap();
-    let mut a = [0u8; 9];
-    s.read_exact(&mut a).unwrap();
-    assert_eq!(
-        (a[0], u64::from_le_bytes(a[1..].try_into().unwrap())),
-        (FOUND, 4096)
-    );
+    let (status, body) = raw_answer(&mut s);
+    assert_eq!((status, length(&body)), (FOUND, 4096));
     s.write_all(&get_into_request(b"absent", 0, 10)).unwrap();
-    s.read_exact(&mut a[..1]).unwrap();
-    assert_eq!(a[0], ABSENT);
+    assert_eq!(raw_answer(&mut s).0, ABSENT);
     for (offset, cap) in [((1u64 << 20) - 100, 4096u64), (u64::MAX - 10, 100)] {
         let mut s = raw(&name, GOOD).unwrap();
         send_with_fd(&s, HELLO, fd.as_raw_fd()).unwrap();
         hello_answer(&mut s).unwrap();
         s.write_all(&get_into_request(b"k", offset, cap)).unwrap();
-        s.read_exact(&mut a[..1]).unwrap();
-        assert_eq!(a[0], FAILED);
-        let (code, msg) = failed(&mut s);
+        let (status, body) = raw_answer(&mut s);
+        assert_eq!(status, FAILED);
+        let (code, msg) = failed(&body);
         assert_eq!(code, tonic::Code::OutOfRange as i32, "{msg}");
         let mut rest = [0u8; 1];
         assert_eq!(

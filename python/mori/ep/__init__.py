@@ -226,8 +226,8 @@ class Buffer:
             except MoriError as e:
                 # Collective like the allocation (every rank asked for the same bytes): free the
                 # heap on every rank alike before raising.
-                for t in self._heap_tensors():
-                    shmem.free(t)
+                for tensor in self._heap_tensors():
+                    shmem.free(tensor)
                 raise InvalidArgumentError(f"mori.ep across {self.nodes} nodes needs {window_bytes} bytes of the shmem proxy "
                                            f"window for this config ({e})") from e
             internode = (self.nodes, w // self.nodes, self._counts.data_ptr(), self._flags.data_ptr(), self._comb_in.data_ptr(),
