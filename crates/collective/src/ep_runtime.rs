@@ -293,8 +293,8 @@ impl EpRuntime {
     ///
     /// # Safety
     /// As [`EpRuntime::new`] for every address in `internode`; its heap areas are symmetric
-    /// allocations of [`InternodeSizes::counts_bytes`] and [`InternodeSizes::flags_bytes`]
-    /// zeroed, its window area [`InternodeSizes::window_bytes`] of the shmem proxy window,
+    /// allocations of [`crate::ep_internode::InternodeSizes::counts_bytes`] and [`crate::ep_internode::InternodeSizes::flags_bytes`]
+    /// zeroed, its window area [`crate::ep_internode::InternodeSizes::window_bytes`] of the shmem proxy window,
     /// zeroed, at the same offset on every rank; `relay` holds ranks x max_tokens bf16 rows.
     pub unsafe fn with_internode(
         mut self,
@@ -328,11 +328,6 @@ impl EpRuntime {
         }
         self.internode = Some(internode);
         Ok(self)
-    }
-
-    /// The node geometry across nodes (None: one node).
-    pub fn internode(&self) -> Option<&Internode> {
-        self.internode.as_ref()
     }
 
     /// int32 elements of a normal dispatch's per-call layout area for `num_tokens` tokens.
