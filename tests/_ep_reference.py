@@ -60,9 +60,10 @@ def experts_for(world: int, at_least: int = 32) -> int:
     return -(-at_least // world) * world
 
 
-def normal_cases(normal_case: Callable[[int, str, bool], Any], rank: int, max_tokens: int) -> dict[str, Callable[[], Any]]:
-    """The normal-mode routing matrix both EP suites run, by case name: `normal_case(tokens,
-    routing mode, fp8)` runs one dispatch + combine on this rank."""
+def normal_cases(normal_case: Callable[..., Any], rank: int, max_tokens: int) -> dict[str, Callable[[], Any]]:
+    """The normal-mode routing matrix the EP suites run, by case name: `normal_case(tokens,
+    routing mode, fp8, weights_back=True)` runs one dispatch + combine on this rank (with
+    weights passed back to combine unless `weights_back` is false)."""
     return {
         "random": lambda: normal_case(1000, "random", False),
         "random_fp8": lambda: normal_case(1000, "random", True),
@@ -74,8 +75,57 @@ def normal_cases(normal_case: Callable[[int, str, bool], Any], rank: int, max_to
         "one_token": lambda: normal_case(1, "random", False),
         "max_tokens": lambda: normal_case(max_tokens, "random", False),
         "max_tokens_fp8": lambda: normal_case(max_tokens, "random", True),
-        "repeated": lambda: [normal_case(100 + 150 * i + rank * 7, "random", i % 2 == 1) for i in range(6)],
+        "repeated": lambda: [normal_case(100 + 150 * i + rank * 7, "random", i % 2 == 1, weights_back=i % 3 != 2) for i in range(6)],
     }
+
+
+def native_normal_round(b: Any, n: int, mode: str, fp8: bool, *, rank: int, world: int, routing: Callable[[int, str], Any],
+                        tokens: Callable[[int, int], Any], gen: Any, gather: Callable[[Any], list], sync: Callable[[], None],
+                        weights_back: bool = True, local_size: int | None = None, zero_copy: bool = False) -> Any:
+    """One dispatch + combine through mori.ep.Buffer ``b`` with fresh tokens (BF16, or FP8 with
+    scales) and weights, the test experts (mori.ep._reference.normal_expert) and, with
+    ``weights_back``, their weights passed back to combine; every received row, id, weight,
+    scale and source index, the combined rows (grouped by nodes of ``local_size`` ranks) and
+    the combined weights checked bit-exact against the references built from every rank's
+    inputs (``sync`` runs after the gathers, before the checks). With ``zero_copy`` the expert
+    outputs are written into ``b.get_combine_input`` and combined from there (every rank alike).
+    Returns the expected dispatch."""
+    import torch
+
+    from mori.ep import _reference as ref
+
+    hidden, topk, experts = b.config.hidden, b.config.topk, b.config.num_experts
+    idx = routing(n, mode)
+    weights = torch.rand((n, topk), device="cuda", generator=gen, dtype=torch.float32)
+    scales = None
+    if fp8:
+        sent = (torch.randn((n, hidden), device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
+        scales = torch.rand((n, hidden // 128), device="cuda", generator=gen, dtype=torch.float32)
+        res = b.dispatch((sent, scales), idx, weights)
+    else:
+        sent = tokens(n, hidden)
+        res = b.dispatch(sent, idx, weights)
+    got = dict(
+        recv_x=res.recv_x.clone(), recv_x_scales=res.recv_x_scales.clone() if fp8 else None,
+        recv_topk_idx=res.recv_topk_idx.clone(), recv_topk_weights=res.recv_topk_weights.clone(),
+        recv_src_idx=res.recv_src_idx.clone(), num_recv_tokens_per_expert=list(res.num_recv_tokens_per_expert),
+    )
+    y = ref.normal_expert(res.recv_x, res.recv_x_scales, rank)
+    if zero_copy:
+        y = b.get_combine_input(res.handle).copy_(y)
+    if weights_back:
+        out, out_w = b.combine(y, res.handle, topk_weights=ref.weights_back(res.recv_topk_weights, rank))
+    else:
+        out, out_w = b.combine(y, res.handle), None
+    all_idx, all_w, all_x = gather(idx), gather(weights), gather(sent)
+    all_scales = gather(scales) if fp8 else None
+    sync()
+    exp = ref.expected_normal_dispatch(rank, world, experts, all_idx, all_w, all_x, all_scales)
+    ref.check_normal_dispatch(exp, **got)
+    ref.check_normal_combine(out, ref.expected_normal_combine(sent, scales, idx, experts, world, local_size=local_size))
+    if out_w is not None:
+        ref.check_combined_weights(out_w, ref.expected_combined_weights(weights, idx, experts, world, local_size=local_size))
+    return exp
 
 
 def routing(n: int, mode: str, *, num_experts: int, topk: int, world: int, rank: int, gen: Any, drop: float = 0.1) -> Any:

@@ -54,8 +54,9 @@ def test_deepep_constructor_validation():
         deepep.Buffer(None)
     with pytest.raises(errors.InvalidArgumentError, match="mpi4py"):
         deepep.Buffer(None, comm=object())
-    with pytest.raises(errors.InvalidArgumentError, match="internode"):
-        deepep.Buffer(_FakeGroup(size=16))
+    with pytest.raises(errors.InvalidArgumentError, match="at most 64"):
+        deepep.Buffer(_FakeGroup(size=65))
+    assert deepep.Buffer(_FakeGroup(3, 16)).group_size == 16  # two nodes of 8 (mori.shmem tells the nodes later)
     with pytest.raises(errors.InvalidArgumentError, match="max_tokens_per_rank"):
         deepep.Buffer(_FakeGroup(), max_tokens_per_rank=0)
     buf = deepep.Buffer(_FakeGroup(1, 2), 1 << 30, 0, True, 24, True, False, False, True)  # DeepEP's positional order
@@ -103,15 +104,18 @@ def test_deepep_static_helpers():
         Buffer.num_sms = old
     for n in range(1, 9):
         assert isinstance(Buffer.get_dispatch_config(n), Config) and isinstance(Buffer.get_combine_config(n), Config)
+    assert Buffer.get_dispatch_config(16).num_sms == Buffer.num_sms  # across nodes too
     with pytest.raises(errors.InvalidArgumentError, match="ranks"):
-        Buffer.get_dispatch_config(16)
+        Buffer.get_dispatch_config(65)
     cfg = Config(24, 6, 256, 6, 128)
     nvl = cfg.get_nvl_buffer_size_hint(7168 * 2, 2)
     assert nvl > 0 and nvl % 128 == 0
     assert cfg.get_nvl_buffer_size_hint(7168 * 2, 8) > nvl
-    assert cfg.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
-    with pytest.raises(errors.InvalidArgumentError, match="internode"):
-        cfg.get_rdma_buffer_size_hint(7168 * 2, 16)
+    assert cfg.get_rdma_buffer_size_hint(7168 * 2, 8) == 0  # one node
+    rdma = cfg.get_rdma_buffer_size_hint(7168 * 2, 16)
+    assert rdma > 0 and rdma % 128 == 0 and cfg.get_rdma_buffer_size_hint(7168 * 2, 32) > rdma
+    with pytest.raises(errors.InvalidArgumentError, match="ranks"):
+        cfg.get_rdma_buffer_size_hint(7168 * 2, 65)
     with pytest.raises(errors.InvalidArgumentError):
         Config(24, 256, 6, 6, 128)  # send chunk must be below the receive chunk
     a = Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 256)
@@ -146,12 +150,13 @@ KERNELS = Path(__file__).parent.parent / "kernels" / "ep"
 # Frozen: the struct codes mori.ep packed each launch with before crates/collective
 # (P pointer, i int32, Q uint64; native alignment, no tail padding), with the fields added
 # since: the low-latency dispatch's round_scale (send), scale_format and wait_ns (receive), the
-# low-latency combine's wait_ns (receive), and the normal prepare's capacity.
+# low-latency combine's wait_ns (receive), the normal prepare's capacity and expert_counts, and the
+# normal combine's weights (w, comb_w, topk, send_rows / out_w).
 OLD_LAYOUTS = {
-    "ep_prepare": "PiiiiiPPPPPPiPPPii",
+    "ep_prepare": "PiiiiiPPPPPPiPPPiiP",
     "ep_dispatch": "PQPiPPiiiiPPPPPPPPP",
-    "ep_combine_send": "PQiiPPQP",
-    "ep_combine_reduce": "PiPQiiiPPP",
+    "ep_combine_send": "PQiiPPQPPPii",
+    "ep_combine_reduce": "PiPQiiiPPPPPiP",
     "ep_ll_dispatch_send": "PPiiiiiiiiiPPPP",
     "ep_ll_dispatch_recv": "iiiiiiiiPPPPPPPPPPPPP",
     "ep_ll_combine_send": "PPPiiiiiiiPPPPPPP",
@@ -179,13 +184,14 @@ def test_kernel_params_are_the_bytes_the_old_layouts_packed(entry):
 def test_kernel_params_errors_name_the_field():
     from mori import _core
 
-    fields = list(range(1, 9))  # ep_combine_send: y, row_bytes, num_recv, num_ranks, rank_matrix, comb_buf, max_tokens, counters
+    # ep_combine_send: y, row_bytes, num_recv, num_ranks, rank_matrix, comb_buf, max_tokens, counters, w, comb_w, topk, send_rows
+    fields = list(range(1, 13))
     assert _core.kernel_params("ep_combine_send", *fields[:2], num_recv=3, num_ranks=4, rank_matrix=5, comb_buf=6, max_tokens=7,
-                               counters=8) == _core.kernel_params("ep_combine_send", *fields)
+                               counters=8, w=9, comb_w=10, topk=11, send_rows=12) == _core.kernel_params("ep_combine_send", *fields)
     for call, match in (
-        (lambda: _core.kernel_params("ep_combine_send", *fields[:7]), "missing fields: counters"),
-        (lambda: _core.kernel_params("ep_combine_send", *fields, 9), "takes 8 fields"),
-        (lambda: _core.kernel_params("ep_combine_send", *fields[:7], count=1), "no field \"count\""),
+        (lambda: _core.kernel_params("ep_combine_send", *fields[:11]), "missing fields: send_rows"),
+        (lambda: _core.kernel_params("ep_combine_send", *fields, 13), "takes 12 fields"),
+        (lambda: _core.kernel_params("ep_combine_send", *fields[:11], count=1), "no field \"count\""),
         (lambda: _core.kernel_params("ep_combine_send", *fields, y=1), "\"y\" given twice"),
         (lambda: _core.kernel_params("ep_combine_send", 1, 2, 1 << 31, *fields[3:]), "\"num_recv\" \\(int\\)"),
         (lambda: _core.kernel_params("ep_combine_send", -1, *fields[1:]), "\"y\" \\(T\\*\\)"),
@@ -305,17 +311,18 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
     rng = random.Random(11)
     for w, e, h, k, tmax, tll in [(2, 8, 256, 2, 64, 16), (4, 64, 7168, 8, 4096, 128), (8, 256, 2048, 8, 512, 0)]:
         el = e // w
-        a = [rng.getrandbits(40) << 4 for _ in range(12)]
-        recv, rank_m, expert_m, comb, counters, host_info = a[0:5], a[5:7], a[7:9], a[9], a[10], a[11]
+        a = [rng.getrandbits(40) << 4 for _ in range(13)]
+        recv, rank_m, expert_m, comb, comb_w, counters, host_info = a[0:5], a[5:7], a[7:9], a[9], a[10], a[11], a[12]
         ll = [rng.getrandbits(40) << 4 for _ in range(8)] + [2] if tll else None
         rt = _core.EpRuntime(None, None, (w, e, h, k, tmax, tll), a, ll)
-        n, topk_idx, weights, x, scales, meta, out, y = 37, *[rng.getrandbits(40) << 4 for _ in range(7)]
+        n, topk_idx, weights, x, scales, meta, out, y, counts, out_w = 37, *[rng.getrandbits(40) << 4 for _ in range(9)]
 
-        def prepare(parity, notify, seq):
+        def prepare(parity, notify, seq, expert_counts=0):
             nw = n * w
             return ("ep_prepare", w + 1, 1024, 0, packed(
                 "ep_prepare", topk_idx, n, k, el, w, e, meta, meta + 4 * nw, meta + 8 * nw, meta + 4 * (2 * nw + w),
-                meta + 4 * (2 * nw + w + e), counters, int(notify), rank_m[parity], expert_m[parity], host_info, seq, tmax))
+                meta + 4 * (2 * nw + w + e), counters, int(notify), rank_m[parity], expert_m[parity], host_info, seq, tmax,
+                expert_counts))
 
         def layout_part(offset):
             return meta + 4 * offset
@@ -327,19 +334,24 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
         assert rt.layout(None, topk_idx, n, meta) == [prepare(0, False, 0)]
         for parity, seq, fp8 in ((0, 1, False), (1, 2, True)):
             row_bytes, cols = (h, h // 128) if fp8 else (2 * h, 0)
-            got_seq, got = rt.dispatch(None, x, row_bytes, scales if fp8 else 0, cols, topk_idx, weights, n, meta, 24)
+            # The second carries the caller's counts per expert (a dispatch by layout alone).
+            given = counts if fp8 else 0
+            got_seq, got = rt.dispatch(None, x, row_bytes, scales if fp8 else 0, cols, topk_idx, weights, n, meta, 24, given)
             assert got_seq == seq
-            assert got == [prepare(parity, True, seq), ("ep_dispatch", 24, 512, 0, packed(
+            assert got == [prepare(parity, True, seq, given), ("ep_dispatch", 24, 512, 0, packed(
                 "ep_dispatch", x, row_bytes, scales if fp8 else 0, cols, topk_idx, weights, n, k, el, w, send_list, per_rank,
                 rank_matrix, *recv, counters))]
         assert rt.layout(None, topk_idx, n, meta) == [prepare(0, False, 2)]
         num_recv = 91
         for on_heap in (False, True):
-            want = [] if on_heap else [("ep_combine_send", 20, 512, 0, packed(
-                "ep_combine_send", y, 2 * h, num_recv, w, rank_matrix, comb, tmax, counters))]
-            want.append(("ep_combine_reduce", 20, 512, 0, packed(
-                "ep_combine_reduce", y, int(on_heap), comb, tmax, h, n, w, slot, rank_matrix, out)))
-            assert rt.combine(None, y, on_heap, num_recv, n, meta, out, 20) == want
+            for w_in, w_out in ((0, 0), (weights, out_w)):
+                # With weights the send runs even for a combine input on the heap: the weights move.
+                want = [] if on_heap and not w_in else [("ep_combine_send", 20, 512, 0, packed(
+                    "ep_combine_send", y, 2 * h, num_recv, w, rank_matrix, comb, tmax, counters, w_in, comb_w, k, int(not on_heap)))]
+                want.append(("ep_combine_reduce", 20, 512, 0, packed(
+                    "ep_combine_reduce", y, int(on_heap), comb, tmax, h, n, w, slot, rank_matrix, out, w_in, comb_w, k, w_out)))
+                pair = (w_in, w_out) if w_in else None
+                assert rt.combine(None, y, on_heap, num_recv, n, meta, out, 20, pair) == want
         assert rt.combine(None, y, False, 0, 0, meta, out, 20)[-1][0] == "ep_combine_send", "no reduce for no tokens"
         if not tll:
             with pytest.raises(errors.InvalidArgumentError, match="low-latency"):
@@ -382,8 +394,8 @@ def test_across_nodes_the_runtime_launches_the_internode_kernels_with_call_numbe
     # The window holds each node's records (a bf16 row and its metadata) twice, and bf16 rows twice, at capacity.
     assert window_bytes >= 2 * 2 * tmax * (h * 2 + k * 12) + 2 * 2 * tmax * h * 2
     assert _core.ep_internode_sizes((w, e, h, k, 2 * tmax, 0), 2)[2] > window_bytes
-    normal = [(i + 1) << 20 for i in range(12)]
-    area = (2, 2, 0x7000_0000, 0x7100_0000, 0x7200_0000, 0x7300_0000)
+    normal = [(i + 1) << 20 for i in range(13)]
+    area = (2, 2, 0x7000_0000, 0x7100_0000, 0x7200_0000, 0x7280_0000, 0x7300_0000)
     rt = _core.EpRuntime(None, None, shape, normal, None, area)
     one_node = _core.EpRuntime(None, None, shape, normal, None)
     n = 37
@@ -401,10 +413,24 @@ def test_across_nodes_the_runtime_launches_the_internode_kernels_with_call_numbe
         assert struct.unpack_from("<i", launches[0][4], 80)[0] == 0
         assert {seq_of(l[4]) for l in launches[1:]} == {call}
         assert len({l[4] for l in launches[1:]}) == 1, "the internode kernels of a dispatch take one set of parameters"
+    def record_bytes(params: bytes) -> int:
+        return struct.unpack_from("<Q", params, 56)[0]  # after 12 int32 and row_bytes
+
+    def with_weights(params: bytes) -> int:
+        return struct.unpack_from("<i", params, 68)[0]  # after record_bytes and vec_stride
+
     for call in (1, 2, 3):
-        launches = rt.combine(None, 5 << 30, False, 100, n, 4 << 30, 6 << 30, 16)
+        weights = (7 << 30, 8 << 30) if call == 2 else None
+        launches = rt.combine(None, 5 << 30, False, 100, n, 4 << 30, 6 << 30, 16, weights)
         assert [l[0] for l in launches] == ["ep_internode_combine_send", "ep_internode_combine_forward", "ep_internode_combine_reduce"]
         assert {seq_of(l[4]) for l in launches} == {call}
+        # A combine record is the bf16 row, then room for the node's f32 sums, 16-byte aligned; the
+        # kernels go by the flag (a rank with no received rows passes a null weights pointer).
+        assert {record_bytes(l[4]) for l in launches} == {2 * h + 4 * k}
+        assert {with_weights(l[4]) for l in launches} == {int(weights is not None)}
+        params = launches[0][4]
+        for address in (weights or ()) + (0x7280_0000,) * bool(weights):
+            assert params.count(struct.pack("<Q", address)) == 1, f"{address:#x} not in the combine's parameters"
     with pytest.raises(InvalidArgumentError, match="y_on_heap"):
         rt.combine(None, 5 << 30, True, 100, n, 4 << 30, 6 << 30, 16)
     with pytest.raises(InvalidArgumentError, match="low-latency"):

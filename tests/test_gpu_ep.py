@@ -1,7 +1,9 @@
 """mori.ep on MORI_TEST_WORLD GPUs (default 2; and on one, EP1), normal and low-latency mode,
 checked against the references in mori/ep/_reference.py (every received row bit-exact against its
 source; combine of experts whose outputs depend on the rank (normal, BF16 and FP8) or the expert
-(low-latency, so each top-k weight must meet its own expert's row)). Routing cases: random top-k
+(low-latency, so each top-k weight must meet its own expert's row)); normal combine's summed
+top-k weights (each rank passes back its received weights times 1 + rank) bit-exact against the
+fp32 reference, also with the outputs in the combine input area (zero-copy). Routing cases: random top-k
 with -1 ids, all to one rank, none to a remote rank, all to one expert, duplicate ids in a row, a
 rank with zero tokens, one token, the maximum, BF16 and FP8, repeated calls with changing routing,
 hidden 2048 and (a second buffer) 7168; for the low-latency mode also the send/receive split
@@ -68,31 +70,9 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
 
     # ---- normal mode ----------------------------------------------------------------------
 
-    def normal_case(n, mode, fp8, b=buf):
-        hidden = b.config.hidden
-        idx = routing(n, mode)
-        weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
-        x = tokens(n, hidden)
-        scales = None
-        if fp8:
-            sent = (torch.randn((n, hidden), device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
-            scales = torch.rand((n, hidden // 128), device="cuda", generator=gen, dtype=torch.float32)
-            res = b.dispatch((sent, scales), idx, weights)
-        else:
-            sent = x
-            res = b.dispatch(x, idx, weights)
-        got = dict(
-            recv_x=res.recv_x.clone(), recv_x_scales=res.recv_x_scales.clone() if fp8 else None,
-            recv_topk_idx=res.recv_topk_idx.clone(), recv_topk_weights=res.recv_topk_weights.clone(),
-            recv_src_idx=res.recv_src_idx.clone(), num_recv_tokens_per_expert=list(res.num_recv_tokens_per_expert),
-        )
-        out = b.combine(ref.normal_expert(res.recv_x, res.recv_x_scales, rank), res.handle)
-        all_idx, all_w, all_x = gather(idx), gather(weights), gather(sent)
-        all_scales = gather(scales) if fp8 else None
-        shmem.barrier_all()
-        exp = ref.expected_normal_dispatch(rank, world, experts, all_idx, all_w, all_x, all_scales)
-        ref.check_normal_dispatch(exp, **got)
-        ref.check_normal_combine(out, ref.expected_normal_combine(sent, scales, idx, experts, world))
+    def normal_case(n, mode, fp8, b=buf, weights_back=True, zero_copy=False):
+        util.native_normal_round(b, n, mode, fp8, rank=rank, world=world, routing=routing, tokens=tokens, gen=gen, gather=gather,
+                                 sync=shmem.barrier_all, weights_back=weights_back, zero_copy=zero_copy)
 
     def over_capacity():
         util.over_capacity_case(lambda n: buf.dispatch(tokens(n), routing(n, "random"), torch.rand((n, TOPK), device="cuda", generator=gen)),
@@ -156,7 +136,7 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
                           low_latency_max_tokens=32)
         b = wide.pop() if wide else Buffer(config)
         ptrs = [t.data_ptr() for t in b._heap_tensors()]
-        assert len(ptrs) == 14, len(ptrs)
+        assert len(ptrs) == 15, len(ptrs)  # 10 normal-mode buffers, 5 low-latency ones
         b.destroy()
         left = [p for p in ptrs if shmem._s().locate(p) is not None]
         assert not left, f"{len(left)} of {len(ptrs)} heap allocations still live after destroy()"
@@ -216,6 +196,9 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
 
     cases = {
         **util.normal_cases(normal_case, rank, MAX_TOKENS),
+        # Expert outputs written into the combine input area (no copy of them), with and without weights.
+        "zero_copy_combine": lambda: (normal_case(600, "random", False, zero_copy=True),
+                                      normal_case(300, "duplicates", True, zero_copy=True, weights_back=False)),
         "ll_random": lambda: ll_case(100, "random", False),
         "ll_random_fp8": lambda: ll_case(100, "random", True),
         "ll_all_to_rank0": lambda: ll_case(90, "to_rank0", False),
@@ -255,7 +238,7 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
 
 CASES = [
     "random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_expert", "duplicate_ids", "one_token",
-    "max_tokens", "max_tokens_fp8", "repeated", "ll_random", "ll_random_fp8", "ll_all_to_rank0", "ll_all_to_rank0_fp8", "ll_no_remote", "ll_zero_tokens_on_rank1",
+    "max_tokens", "max_tokens_fp8", "repeated", "zero_copy_combine", "ll_random", "ll_random_fp8", "ll_all_to_rank0", "ll_all_to_rank0_fp8", "ll_no_remote", "ll_zero_tokens_on_rank1",
     "ll_zero_tokens_on_rank1_fp8", "ll_one_token", "ll_one_token_fp8", "ll_max_tokens", "ll_max_tokens_fp8", "ll_repeated",
     "ll_hook", "ll_hook_fp8", "ll_graph", "ll_graph_fp8", "ll_one_expert", "ll_duplicate_ids", "ll_round_scale",
     "ll_round_scale_column_major", "ll_ue8m0", "ll_ue8m0_column_major_hook", "normal_after_ll", "over_capacity", "hidden_7168",

@@ -8,7 +8,9 @@ another rank, all to one expert, duplicate ids, a rank with zero tokens, one tok
 BF16 and FP8, repeated calls with changing routing), every received row, id, weight, scale and
 source index bit-exact against the reference built from every rank's inputs, and combine of
 rank-dependent experts bit-exact against the reference that sums each node's rows in rank order
-and the nodes' bf16 sums in node order; plus the routes asserted (rows that must come from the
+and the nodes' bf16 sums in node order, and combine's summed top-k weights (each rank passes
+back its received weights times 1 + rank; fp32, grouped the same way) bit-exact, also with the
+outputs in the combine input area; plus the routes asserted (rows that must come from the
 other node did, from ranks whose memory is not mapped here), one rank over the capacity
 (every rank raises CapacityError and the buffer goes on), the low-latency mode refused with the
 reason, and a rank killed on one node: the others raise instead of hanging.
@@ -32,7 +34,7 @@ HIDDEN, TOPK, MAX_TOKENS = 2048, 8, 1024
 KERNEL_TIMEOUT_S = 20.0  # ranks sharing a GPU time-slice: a proxy round trip can take milliseconds
 RANKS_TIMEOUT_S = 150.0 + 60.0 * WORLD
 CASES = ["random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_expert", "duplicate_ids", "one_token",
-         "max_tokens", "max_tokens_fp8", "repeated", "routes", "over_capacity", "low_latency_refused", "destroy"]
+         "max_tokens", "max_tokens_fp8", "repeated", "zero_copy_combine", "routes", "over_capacity", "low_latency_refused", "destroy"]
 
 
 def _start(rank: int, uid: bytes):
@@ -83,30 +85,9 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
             x[0, :128] = 0
         return x
 
-    def normal_case(n, mode, fp8, b=buf):
-        idx = routing(n, mode)
-        weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
-        scales = None
-        if fp8:
-            sent = (torch.randn((n, HIDDEN), device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
-            scales = torch.rand((n, HIDDEN // 128), device="cuda", generator=gen, dtype=torch.float32)
-            res = b.dispatch((sent, scales), idx, weights)
-        else:
-            sent = tokens(n)
-            res = b.dispatch(sent, idx, weights)
-        got = dict(
-            recv_x=res.recv_x.clone(), recv_x_scales=res.recv_x_scales.clone() if fp8 else None,
-            recv_topk_idx=res.recv_topk_idx.clone(), recv_topk_weights=res.recv_topk_weights.clone(),
-            recv_src_idx=res.recv_src_idx.clone(), num_recv_tokens_per_expert=list(res.num_recv_tokens_per_expert),
-        )
-        out = b.combine(ref.normal_expert(res.recv_x, res.recv_x_scales, rank), res.handle)
-        torch.cuda.synchronize()
-        all_idx, all_w, all_x = gather(idx), gather(weights), gather(sent)
-        all_scales = gather(scales) if fp8 else None
-        exp = ref.expected_normal_dispatch(rank, world, experts, all_idx, all_w, all_x, all_scales)
-        ref.check_normal_dispatch(exp, **got)
-        ref.check_normal_combine(out, ref.expected_normal_combine(sent, scales, idx, experts, world, local_size=HALF))
-        return exp
+    def normal_case(n, mode, fp8, b=buf, weights_back=True, zero_copy=False):
+        return util.native_normal_round(b, n, mode, fp8, rank=rank, world=world, routing=routing, tokens=lambda n, _: tokens(n), gen=gen,
+                                        gather=gather, sync=torch.cuda.synchronize, weights_back=weights_back, zero_copy=zero_copy, local_size=HALF)
 
     def routes():
         # Every rank sends every token to the other node only: the rows this rank receives all
@@ -159,8 +140,12 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         normal_case(250, "random", True, b=buf)
 
     cases = util.normal_cases(normal_case, rank, MAX_TOKENS) | {
+        # Expert outputs written into the combine input area (the relay area across nodes), with and without weights.
+        "zero_copy_combine": lambda: (normal_case(600, "random", False, zero_copy=True),
+                                      normal_case(300, "duplicates", True, zero_copy=True, weights_back=False)),
         "routes": routes, "over_capacity": over_capacity, "low_latency_refused": low_latency_refused, "destroy": destroy,
     }
+
     def settle():
         torch.cuda.synchronize()
         shmem.check()

@@ -16,7 +16,7 @@ from mori.errors import InvalidArgumentError
 
 
 def _runtime(host_info: int):
-    addresses = [0x10000 * (i + 1) for i in range(11)] + [host_info]
+    addresses = [0x10000 * (i + 1) for i in range(12)] + [host_info]
     return _core.EpRuntime(None, None, (2, 8, 256, 2, 64, 0), addresses)
 
 

@@ -60,14 +60,15 @@ struct InternodeArgs {
     int seq;         // this dispatch's (or combine's) number: the value of its flags and signals
     int num_recv;    // combine: rows this rank received
     u64 row_bytes;   // dispatch: bytes of one row of x (hidden, or 2 * hidden for BF16)
-    u64 record_bytes;  // dispatch: a record's stride in the window (row | ids | weights | scales | source | slots)
+    u64 record_bytes;  // a record's stride in the window: dispatch (row | ids | weights | scales | source | slots),
+                       // combine (bf16 row | room for the summed weights)
     int vec_stride;  // int32 elements of one count vector
-    int reserved;
+    int with_weights;  // combine: every rank passed weights rows (topk_w may be null for no rows)
     // The call's tensors.
     u64 x;
     u64 scales;
     u64 topk_idx;
-    u64 topk_w;
+    u64 topk_w;   // dispatch: the tokens' weights; combine: the received rows' weights to sum (with_weights)
     u64 y;
     u64 out;
     // The per-call layout area (device): intranode's, then this mode's.
@@ -103,6 +104,10 @@ struct InternodeArgs {
     u64 w_comb_sig;    // u64 [nodes]
     u64 counters;      // InternodeCounters (device)
     u64 host_info;     // pinned: [seq, rows, rows per local expert..., bad ids, most tokens]
+    // Combine's weights (used with with_weights), f32 rows of topk.
+    u64 comb_w;        // symmetric heap [ranks][capacity]: from this node's receivers, by slot
+    u64 relay_w;       // symmetric heap [received rows]: rows for other nodes, read by the forwarder
+    u64 out_w;         // [num_tokens]: the combined weights
 };
 
 namespace internode {
@@ -495,7 +500,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_internode_forward(mori::ep:
 
 // As a receiver: rows from this node's sources go to their combine buffers at [me][slot]
 // (this rank's own stay in y); rows from other nodes' sources go to this rank's relay area at
-// their row (skipped when y is the relay area), where the forwarder reads them. Barrier in the node.
+// their row (skipped when y is the relay area), where the forwarder reads them. Weights rows,
+// when given, go the same ways (comb_w, relay_w). Barrier in the node.
 extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_send(mori::ep::InternodeArgs a) {
     const int L = a.local_size, me = my_pe(), my_node = me / L;
     __shared__ int seg_base[MAX_INTERNODE_RANKS + 1];
@@ -515,12 +521,16 @@ extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_send(mori
         while (s + 1 < a.num_ranks && (int)j >= seg_base[s + 1]) ++s;
         if (s == me) continue;
         const unsigned char* row = at<const unsigned char>(a.y, j * rb);
+        const bool weights = a.with_weights && lane_id() < a.topk;
+        const float wv = weights ? at<const float>(a.topk_w, j * a.topk + lane_id())[0] : 0.f;
         if (s / L == my_node) {
             const u64 slot = j - seg_base[s];
             warp_copy16(ptr(at<unsigned char>(a.comb, ((u64)me * a.capacity + slot) * rb), s), row, rb);
+            if (weights) *ptr(at<float>(a.comb_w, ((u64)me * a.capacity + slot) * a.topk + lane_id()), s) = wv;
         } else {
             unsigned char* relay = at<unsigned char>(a.relay, j * rb);
             if (relay != row) warp_copy16(relay, row, rb);
+            if (weights) at<float>(a.relay_w, j * a.topk + lane_id())[0] = wv;
         }
     }
     if (last_block_done(&counters(a)->ticket)) node_barrier(a, 2);
@@ -528,7 +538,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_send(mori
 
 // As the forwarder: for each record from another node, the fp32 sum, in local rank order, of
 // the rows this node's ranks computed for it (read from their relay areas), as bf16 into the
-// window; the last block puts each node's block back to its source with a signal.
+// window, followed by the fp32 sum of their weights when combine has weights; the last block
+// puts each node's block back to its source with a signal.
 extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_forward(mori::ep::InternodeArgs a) {
     const int L = a.local_size, first = my_pe() / L * L;
     __shared__ int start[MAX_NODES + 1], skip;
@@ -548,11 +559,16 @@ extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_forward(m
         const int* where = at<const int>(a.fwd_rows, ((u64)k * a.capacity + r) * L);
         const Vec16* rows[MAX_RANKS];
         int n = 0;
+        float wsum = 0.f;
         for (int j = 0; j < L; ++j) {
             const int row = where[j];
-            if (row >= 0) rows[n++] = reinterpret_cast<const Vec16*>(ptr(at<const unsigned char>(a.relay, (u64)row * rb), first + j));
+            if (row < 0) continue;
+            rows[n++] = reinterpret_cast<const Vec16*>(ptr(at<const unsigned char>(a.relay, (u64)row * rb), first + j));
+            if (a.with_weights && lane < a.topk) wsum += *ptr(at<const float>(a.relay_w, (u64)row * a.topk + lane), first + j);
         }
-        Vec16* out = reinterpret_cast<Vec16*>(at<unsigned char>(a.w_comb_send, ((u64)k * a.capacity + r) * rb));
+        unsigned char* record = at<unsigned char>(a.w_comb_send, ((u64)k * a.capacity + r) * a.record_bytes);
+        if (a.with_weights && lane < a.topk) reinterpret_cast<float*>(record + rb)[lane] = wsum;
+        Vec16* out = reinterpret_cast<Vec16*>(record);
         for (int v = lane; v < vecs; v += 32) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int i = 0; i < n; ++i) accumulate_bf16x8(acc, load_streaming(rows[i] + v), 1.f);
@@ -561,13 +577,14 @@ extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_forward(m
     }
     detail::memory_fence();
     if (!last_block_done(&counters(a)->ticket)) return;
-    if (threadIdx.x == 0) put_blocks(a, a.w_comb_send, a.w_comb_recv, at<const int>(a.node_recv, 0), rb, a.w_comb_sig);
+    if (threadIdx.x == 0) put_blocks(a, a.w_comb_send, a.w_comb_recv, at<const int>(a.node_recv, 0), a.record_bytes, a.w_comb_sig);
 }
 
 // On a source: out[t] = bf16(Σ over nodes in order of float(that node's bf16 sum)): this node's
 // summed here in rank order from the combine buffers (its own row from y), another node's read
-// from the window (its forwarder's sum). Tokens routed nowhere get zeros. Waits for every other
-// node's signal first.
+// from the window (its forwarder's sum). With weights, out_w[t] = Σ over nodes in order of that
+// node's f32 sum of weights rows (this node's in rank order from comb_w, its own from topk_w).
+// Tokens routed nowhere get zeros. Waits for every other node's signal first.
 extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_reduce(mori::ep::InternodeArgs a) {
     const int L = a.local_size, me = my_pe(), my_node = me / L, first = my_node * L, local = me - first;
     __shared__ int base[MAX_RANKS];
@@ -586,17 +603,31 @@ extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_reduce(mo
     for (u64 t = (u64)blockIdx.x * warps_per_block() + warp_id(); t < (u64)a.num_tokens; t += warps) {
         const Vec16* mine[MAX_RANKS];
         int n = 0;
+        const bool weights = a.with_weights && lane < a.topk;
+        float wmine = 0.f;
         for (int j = 0; j < L; ++j) {
             const int s = at<const int>(a.slot, t * a.num_ranks + first + j)[0];
             if (s < 0) continue;
             const unsigned char* r = j == local ? at<const unsigned char>(a.y, (u64)(base[j] + s) * rb)
                                                 : at<const unsigned char>(a.comb, ((u64)(first + j) * a.capacity + s) * rb);
             mine[n++] = reinterpret_cast<const Vec16*>(r);
+            if (weights) {
+                wmine += j == local ? at<const float>(a.topk_w, (u64)(base[j] + s) * a.topk + lane)[0]
+                                    : at<const float>(a.comb_w, ((u64)(first + j) * a.capacity + s) * a.topk + lane)[0];
+            }
         }
         const Vec16* other[MAX_NODES];
         for (int k = 0; k < a.nodes; ++k) {
             const int r = k == my_node ? -1 : at<const int>(a.node_slot, t * a.nodes + k)[0];
-            other[k] = r < 0 ? nullptr : reinterpret_cast<const Vec16*>(at<const unsigned char>(a.w_comb_recv, ((u64)k * a.capacity + r) * rb));
+            other[k] = r < 0 ? nullptr : reinterpret_cast<const Vec16*>(at<const unsigned char>(a.w_comb_recv, ((u64)k * a.capacity + r) * a.record_bytes));
+        }
+        if (weights) {
+            float wtotal = 0.f;
+            for (int k = 0; k < a.nodes; ++k) {
+                if (k == my_node) wtotal += wmine;
+                else if (other[k]) wtotal += reinterpret_cast<const volatile float*>(reinterpret_cast<const unsigned char*>(other[k]) + rb)[lane];
+            }
+            at<float>(a.out_w, t * a.topk + lane)[0] = wtotal;
         }
         for (int v = lane; v < vecs; v += 32) {
             float total[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

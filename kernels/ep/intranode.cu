@@ -61,12 +61,14 @@ __device__ __forceinline__ unsigned int next_item(unsigned int* work) {
 // meets every rank in a barrier, copies the rank matrix into `rank_matrix_out` and publishes
 // host_info = [seq, rows received, rows per local expert..., bad ids, the most tokens any rank
 // has] with host_info[0] written last; `counters->overflow` tells ep_dispatch when that is more
-// than `capacity`.
+// than `capacity`. `expert_counts` (int32 [num_experts], else null) replaces the counts per
+// expert (a dispatch by layout alone reports the caller's).
 extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
     const long long* __restrict__ topk_idx, int num_tokens, int topk, int experts_per_rank, int num_ranks,
     int num_experts, int* __restrict__ slot, int* __restrict__ send_list, int* tokens_per_rank,
     int* tokens_per_expert, int* __restrict__ rank_matrix_out, Counters* counters, int notify, int* rank_matrix,
-    int* expert_matrix, volatile int* host_info, int seq, int capacity) {
+    int* expert_matrix, volatile int* host_info, int seq, int capacity,
+    const int* __restrict__ expert_counts) {
     const int d = blockIdx.x;
     if (d == num_ranks) {
         __shared__ int hist[4096];
@@ -80,7 +82,8 @@ extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
         }
         if (bad) atomicOr(&counters->bad_ids, 1);
         __syncthreads();
-        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) tokens_per_expert[e] = hist[e];
+        // The caller's counts, when given, stand for the routing's (a dispatch by layout alone).
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) tokens_per_expert[e] = expert_counts ? expert_counts[e] : hist[e];
     } else {
         int running = 0;
         for (int base = 0; base < num_tokens; base += blockDim.x) {
@@ -200,12 +203,19 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch(
 
 // On a receiver: every received row that came from another rank (rows are grouped by source)
 // goes back to its source's combine buffer at [me][slot]; this rank's own rows stay in y for the
-// reduce. rank_matrix is the dispatch's (the handle's copy). Last block: barrier.
+// reduce. rank_matrix is the dispatch's (the handle's copy). With weights `w` ([num_recv][topk]
+// f32, else null) each row's weights go to the source's comb_w at [me][slot] as well; with
+// `send_rows` 0 (y on the heap, read in place by the reduce) only the weights move. Last block:
+// barrier.
 extern "C" __global__ void __launch_bounds__(512) ep_combine_send(const unsigned char* __restrict__ y, u64 row_bytes,
                                                                    int num_recv, int num_ranks,
                                                                    const int* __restrict__ rank_matrix,
                                                                    unsigned char* comb_buf, u64 max_tokens,
-                                                                   Counters* counters) {
+                                                                   Counters* counters,
+                                                                   const float* __restrict__ w,
+                                                                   float* comb_w,
+                                                                   int topk,
+                                                                   int send_rows) {
     __shared__ int seg_base[MAX_RANKS + 1];
     const int me = my_pe();
     if (threadIdx.x == 0) {
@@ -226,7 +236,10 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_send(const unsigned
         int s = 0;
         while (s + 1 < num_ranks && j >= seg_base[s + 1]) ++s;
         const u64 slot = static_cast<u64>(j - seg_base[s]);
-        warp_copy16(ptr(comb_buf + ((u64)me * max_tokens + slot) * row_bytes, s), y + (u64)j * row_bytes, row_bytes);
+        if (send_rows) warp_copy16(ptr(comb_buf + ((u64)me * max_tokens + slot) * row_bytes, s), y + (u64)j * row_bytes, row_bytes);
+        if (w && lane_id() < topk) {
+            *ptr(comb_w + ((u64)me * max_tokens + slot) * topk + lane_id(), s) = w[(u64)j * topk + lane_id()];
+        }
     }
     if (last_block_done(&counters->ticket)) {
         if (threadIdx.x == 0) counters->work = 0;
@@ -237,11 +250,17 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_send(const unsigned
 // On a source: out[t] = Σ over ranks d that received t of that rank's row for t, in fp32, stored
 // as bf16. The rank's own row is read from y (its own receive order); other ranks' rows from
 // comb_buf[d][slot] (after ep_combine_send), or, when `y_on_heap`, straight from rank d's y over
-// NVLink. Tokens routed nowhere get zeros. hidden % 8 == 0.
+// NVLink. With `out_w` ([num_tokens][topk] f32, else null) also out_w[t] = Σ over the same ranks
+// in rank order of their weights row (this rank's from w, the others' from comb_w[d][slot]).
+// Tokens routed nowhere get zeros. hidden % 8 == 0.
 extern "C" __global__ void __launch_bounds__(512) ep_combine_reduce(
     const unsigned char* __restrict__ y, int y_on_heap, const unsigned char* __restrict__ comb_buf, u64 max_tokens,
     int hidden, int num_tokens, int num_ranks, const int* __restrict__ slot, const int* __restrict__ rank_matrix,
-    unsigned short* __restrict__ out) {
+    unsigned short* __restrict__ out,
+    const float* __restrict__ w,
+    const float* __restrict__ comb_w,
+    int topk,
+    float* __restrict__ out_w) {
     constexpr int U = 4;
     __shared__ int base[MAX_RANKS];
     const int me = my_pe();
@@ -262,6 +281,15 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_reduce(
             else if (y_on_heap) r = ptr(y + (u64)(base[d] + s) * row_bytes, d);
             else r = comb_buf + ((u64)d * max_tokens + s) * row_bytes;
             rows[nrows++] = reinterpret_cast<const Vec16*>(r);
+        }
+        if (out_w && lane < topk) {
+            float acc = 0.f;
+            for (int d = 0; d < num_ranks; ++d) {
+                const int s = slot[t * num_ranks + d];
+                if (s < 0) continue;
+                acc += d == me ? w[(u64)(base[me] + s) * topk + lane] : comb_w[((u64)d * max_tokens + s) * topk + lane];
+            }
+            out_w[t * topk + lane] = acc;
         }
         for (int v0 = lane; v0 < vecs; v0 += 32 * U) {
             float acc[U][8];

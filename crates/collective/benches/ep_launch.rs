@@ -90,6 +90,7 @@ fn main() {
             weights.ptr(),
             TOKENS,
             &layout,
+            0,
             SMS,
             Some(stream.handle()),
         )
@@ -104,6 +105,7 @@ fn main() {
             TOKENS,
             &layout,
             out.ptr(),
+            None,
             SMS,
             Some(stream.handle()),
         )

@@ -25,6 +25,8 @@ kernel_params! {
         pub seq: i32,
         /// Tokens per rank the buffers hold (a rank with more: no rows move, see intranode.cu).
         pub capacity: i32,
+        /// int32 `[num_experts]` counts reported instead of the routing's (0: the routing's).
+        pub expert_counts: DevicePtr,
     }
 }
 
@@ -64,6 +66,12 @@ kernel_params! {
         pub comb_buf: DevicePtr,
         pub max_tokens: u64,
         pub counters: DevicePtr,
+        /// The received rows' weights `[num_recv][topk]` f32 (0: none).
+        pub w: DevicePtr,
+        pub comb_w: DevicePtr,
+        pub topk: i32,
+        /// 0 when the reduce reads `y` in place (only the weights move).
+        pub send_rows: i32,
     }
 }
 
@@ -80,6 +88,11 @@ kernel_params! {
         pub slot: DevicePtr,
         pub rank_matrix: DevicePtr,
         pub out: DevicePtr,
+        pub w: DevicePtr,
+        pub comb_w: DevicePtr,
+        pub topk: i32,
+        /// The combined weights `[num_tokens][topk]` f32 (0: none).
+        pub out_w: DevicePtr,
     }
 }
 
@@ -205,7 +218,8 @@ kernel_params! {
         pub row_bytes: u64,
         pub record_bytes: u64,
         pub vec_stride: i32,
-        pub reserved: i32,
+        /// Combine: every rank passed weights rows (their pointer is null for no rows).
+        pub with_weights: i32,
         pub x: u64,
         pub scales: u64,
         pub topk_idx: u64,
@@ -242,5 +256,8 @@ kernel_params! {
         pub w_comb_sig: u64,
         pub counters: u64,
         pub host_info: u64,
+        pub comb_w: u64,
+        pub relay_w: u64,
+        pub out_w: u64,
     }
 }

@@ -80,7 +80,7 @@ impl Ep {
         let rows = w * t;
         let epr = u64::from(shape.experts_per_rank());
         // (bytes, zero-filled): recv_x, recv_scales, recv_idx, recv_w, recv_src, the count
-        // matrices by parity, the combine buffer.
+        // matrices by parity, the combine buffer, the combine's weights rows.
         let sizes = [
             (rows * h * 2, false),
             (rows * (h / u64::from(SCALE_BLOCK)) * 4, false),
@@ -90,6 +90,7 @@ impl Ep {
             (2 * w * w * 4, true),
             (2 * w * (epr + 1) * 4, true),
             (rows * h * 2, false),
+            (rows * k * 4, false),
         ];
         let mut offsets = Vec::with_capacity(sizes.len());
         for (bytes, zero) in sizes {
@@ -125,6 +126,7 @@ impl Ep {
             rank_matrix: half(5, sizes[5].0),
             expert_matrix: half(6, sizes[6].0),
             comb: at(7),
+            comb_w: at(8),
             counters: counters.ptr(),
             host_info: host_info.ptr(),
         };

@@ -31,6 +31,8 @@ pub struct Internode {
     /// Symmetric heap: ranks x max_tokens bf16 rows, where a receiver leaves the rows of other
     /// nodes' tokens for its forwarder (mori.ep's combine input area).
     pub relay: u64,
+    /// Symmetric heap: ranks x max_tokens f32 rows of topk, the relay area of a combine's weights.
+    pub relay_w: u64,
     /// This rank's address of the area in the proxy window (zeroed, same offset everywhere).
     pub window: u64,
 }
@@ -52,6 +54,7 @@ impl Internode {
             counts: 0,
             flags: 0,
             relay: 0,
+            relay_w: 0,
             window: 0,
         }
     }
@@ -83,6 +86,14 @@ impl Internode {
         raw.div_ceil(16) * 16
     }
 
+    /// Bytes of a combine record in the window: a bf16 row, then room for the forwarder's f32
+    /// sum of the node's weights rows (one stride whether a combine has weights or not, so the
+    /// forwarder's records and their readers agree), rounded up to 16 bytes.
+    pub fn combine_record_stride(&self, shape: &EpShape) -> u64 {
+        let raw = u64::from(shape.hidden) * 2 + u64::from(shape.topk) * 4;
+        raw.div_ceil(16) * 16
+    }
+
     /// The largest record (BF16 rows; room for FP8 scales): what the window holds at capacity.
     pub fn record_bytes(&self, shape: &EpShape) -> u64 {
         let h = u64::from(shape.hidden);
@@ -90,8 +101,8 @@ impl Internode {
     }
 
     /// Offsets in the window area of: counts out, counts in, count signals, send records,
-    /// received records, record signals, combine rows out, combine rows in, combine signals;
-    /// then the end.
+    /// received records, record signals, combine records out, combine records in, combine
+    /// signals; then the end.
     fn window_offsets(&self, shape: &EpShape) -> [u64; 10] {
         let (r, n, c) = (
             u64::from(shape.num_ranks),
@@ -100,7 +111,7 @@ impl Internode {
         );
         let vs = self.vec_stride(shape) * 4;
         let rec = self.record_bytes(shape);
-        let row = u64::from(shape.hidden) * 2;
+        let row = self.combine_record_stride(shape);
         let sizes = [
             2 * vs,
             2 * r * vs,
@@ -180,6 +191,8 @@ mod tests {
         assert_eq!(g.record_stride(&shape(), 2048, 16), 2224);
         // BF16 rows carry no scales: 4096 + 96 + 4 + 8 = 4204 -> 4208.
         assert_eq!(g.record_stride(&shape(), 4096, 0), 4208);
+        // Combine records: the bf16 row, then room for 8 f32 weights.
+        assert_eq!(g.combine_record_stride(&shape()), 4128);
     }
 
     #[test]

@@ -55,6 +55,8 @@ pub struct NormalBuffers {
     /// `[ranks][experts_per_rank + 1]` int32 each: a rank's counts per expert, then its tokens.
     pub expert_matrix: [u64; 2],
     pub comb: u64,
+    /// `[ranks][max_tokens][topk]` f32: the weights rows a combine with weights sends back.
+    pub comb_w: u64,
     /// The kernels' `Counters` (device memory).
     pub counters: u64,
     /// Pinned host words the GPU publishes a dispatch's totals into: [seq, rows, per expert...,
@@ -180,6 +182,17 @@ fn next_seq(seq: i32) -> i32 {
     seq % 0x7FFF_FFFF + 1
 }
 
+/// A combine's top-k weights (DeepEP's combined weights): `weights`, f32 `[num_recv][topk]`, one
+/// row per received row, are summed per token over the ranks it went to into `out`, f32
+/// `[num_tokens][topk]` (in rank order on one node; across nodes per node in rank order, then
+/// over nodes in order). Every rank of a combine passes weights or none does; `weights` may be
+/// null on a rank that received no rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CombineWeights {
+    pub weights: u64,
+    pub out: u64,
+}
+
 /// A planned launch: its entry, grid, block, shared bytes and parameter bytes.
 pub type Planned = (&'static str, u32, u32, u32, Vec<u8>);
 
@@ -295,7 +308,8 @@ impl EpRuntime {
     /// As [`EpRuntime::new`] for every address in `internode`; its heap areas are symmetric
     /// allocations of [`crate::ep_internode::InternodeSizes::counts_bytes`] and [`crate::ep_internode::InternodeSizes::flags_bytes`]
     /// zeroed, its window area [`crate::ep_internode::InternodeSizes::window_bytes`] of the shmem proxy window,
-    /// zeroed, at the same offset on every rank; `relay` holds ranks x max_tokens bf16 rows.
+    /// zeroed, at the same offset on every rank; `relay` holds ranks x max_tokens bf16 rows and
+    /// `relay_w` ranks x max_tokens f32 rows of topk.
     pub unsafe fn with_internode(
         mut self,
         internode: Internode,
@@ -435,6 +449,8 @@ impl EpRuntime {
             recv_src: b.recv_src,
             comb: b.comb,
             relay: geo.relay,
+            comb_w: b.comb_w,
+            relay_w: geo.relay_w,
             counts: geo.counts,
             flags: geo.flags,
             w_counts_out: w[0],
@@ -461,6 +477,7 @@ impl EpRuntime {
         layout: &Layout,
         dispatch: bool,
         notify: bool,
+        expert_counts: u64,
     ) -> Result<(Launch, i32)> {
         let s = &self.shape;
         let mut calls = self.calls()?;
@@ -488,6 +505,7 @@ impl EpRuntime {
             host_info: DevicePtr(self.normal.host_info),
             seq: calls.seq,
             capacity: int(s.max_tokens),
+            expert_counts: DevicePtr(expert_counts),
         };
         Ok((launch("ep_prepare", s.num_ranks + 1, 1024, 0, p), calls.seq))
     }
@@ -504,17 +522,21 @@ impl EpRuntime {
         layout: &Layout,
         stream: Option<StreamHandle>,
     ) -> Result<Vec<Planned>> {
-        let (l, _) = self.prepare(topk_idx, n, layout, false, false)?;
+        let (l, _) = self.prepare(topk_idx, n, layout, false, false, 0)?;
         // SAFETY: the caller's guarantee.
         unsafe { self.run(vec![l], stream) }
     }
 
     /// A normal dispatch: the layout with the count exchange, then the rows. Returns the
     /// sequence number the GPU publishes this dispatch's totals with (in `host_info[0]`).
+    /// `expert_counts` (int32 `[num_experts]`, or 0): the counts per expert the exchange carries
+    /// instead of those of `topk_idx`, so the received counts per local expert are the sums of
+    /// the callers' (DeepEP's dispatch by layout alone routes by rank).
     ///
     /// # Safety
     /// Every per-call address (`x`: n rows of `row_bytes`; `scales`: n x `scale_cols` f32 or 0;
-    /// `topk_idx`, `weights`: n x topk; the layout area) valid until the kernels have run.
+    /// `topk_idx`, `weights`: n x topk; `expert_counts`; the layout area) valid until the
+    /// kernels have run.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn dispatch(
         &self,
@@ -526,11 +548,12 @@ impl EpRuntime {
         weights: u64,
         n: u32,
         layout: &Layout,
+        expert_counts: u64,
         sms: u32,
         stream: Option<StreamHandle>,
     ) -> Result<(i32, Vec<Planned>)> {
         if let Some(geo) = &self.internode {
-            let (prepare, seq) = self.prepare(topk_idx, n, layout, true, false)?;
+            let (prepare, seq) = self.prepare(topk_idx, n, layout, true, false, expert_counts)?;
             let s = &self.shape;
             if row_bytes > u64::from(s.hidden) * 2 || scale_cols > s.hidden / SCALE_BLOCK {
                 return Err(Error::InvalidArgument(format!(
@@ -558,7 +581,7 @@ impl EpRuntime {
         }
         let s = &self.shape;
         let b = &self.normal;
-        let (prepare, seq) = self.prepare(topk_idx, n, layout, true, true)?;
+        let (prepare, seq) = self.prepare(topk_idx, n, layout, true, true, expert_counts)?;
         let d = EpDispatch {
             x: DevicePtr(x),
             row_bytes,
@@ -595,11 +618,12 @@ impl EpRuntime {
 
     /// A normal combine of `num_recv` received rows `y` back into `out` (`num_tokens` rows):
     /// the copy into the source ranks' combine buffers (skipped when `y` is the heap's combine
-    /// input: `y_on_heap`, the caller then fences all ranks around this call) and the reduce.
+    /// input: `y_on_heap`, the caller then fences all ranks around this call) and the reduce;
+    /// with `weights`, their per-token sums too.
     ///
     /// # Safety
-    /// `y` (`num_recv` rows), `out` (`num_tokens` rows) and the layout area valid until the
-    /// kernels have run.
+    /// `y` (`num_recv` rows), `out` (`num_tokens` rows), the weights' rows and the layout area
+    /// valid until the kernels have run.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn combine(
         &self,
@@ -609,9 +633,11 @@ impl EpRuntime {
         num_tokens: u32,
         layout: &Layout,
         out: u64,
+        weights: Option<CombineWeights>,
         sms: u32,
         stream: Option<StreamHandle>,
     ) -> Result<Vec<Planned>> {
+        let (w_in, w_out) = weights.map_or((0, 0), |w| (w.weights, w.out));
         if let Some(geo) = &self.internode {
             if y_on_heap {
                 return Err(Error::InvalidArgument(
@@ -627,6 +653,10 @@ impl EpRuntime {
             a.y = y;
             a.out = out;
             a.num_recv = int(num_recv);
+            a.topk_w = w_in;
+            a.out_w = w_out;
+            a.with_weights = i32::from(weights.is_some());
+            a.record_bytes = geo.combine_record_stride(&self.shape);
             let launches = vec![
                 launch("ep_internode_combine_send", sms, 512, 0, a),
                 launch("ep_internode_combine_forward", sms, 512, 0, a),
@@ -639,7 +669,7 @@ impl EpRuntime {
         let b = &self.normal;
         let row_bytes = u64::from(s.hidden) * 2;
         let mut launches = Vec::with_capacity(2);
-        if !y_on_heap {
+        if !y_on_heap || weights.is_some() {
             let p = EpCombineSend {
                 y: DevicePtr(y),
                 row_bytes,
@@ -649,6 +679,10 @@ impl EpRuntime {
                 comb_buf: DevicePtr(b.comb),
                 max_tokens: u64::from(s.max_tokens),
                 counters: DevicePtr(b.counters),
+                w: DevicePtr(w_in),
+                comb_w: DevicePtr(b.comb_w),
+                topk: int(s.topk),
+                send_rows: i32::from(!y_on_heap),
             };
             launches.push(launch("ep_combine_send", sms, 512, 0, p));
         }
@@ -664,6 +698,10 @@ impl EpRuntime {
                 slot: layout.slot(),
                 rank_matrix: layout.rank_matrix(),
                 out: DevicePtr(out),
+                w: DevicePtr(w_in),
+                comb_w: DevicePtr(b.comb_w),
+                topk: int(s.topk),
+                out_w: DevicePtr(w_out),
             };
             launches.push(launch("ep_combine_reduce", sms, 512, 0, p));
         }

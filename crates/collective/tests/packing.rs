@@ -19,6 +19,7 @@ fn ep_prepare(rng: &mut Lcg) -> EpPrepare {
         rank_matrix: p(),
         expert_matrix: p(),
         host_info: p(),
+        expert_counts: p(),
         ..EpPrepare::default()
     };
     let mut i = || rng.next() as i32;
@@ -49,6 +50,7 @@ fn ep_prepare_values(s: &EpPrepare) -> Vec<Value<'static>> {
         p(s.host_info),
         Value::I32(s.seq),
         Value::I32(s.capacity),
+        p(s.expert_counts),
     ]
 }
 
@@ -65,7 +67,7 @@ fn typed_and_packer_bytes_agree_with_zero_padding() {
         assert_eq!(bytes.bytes(), s.packed().bytes());
         // P i i i i i: the padding after the fifth int, before `slot`
         assert_eq!(&bytes.bytes()[28..32], &[0; 4]);
-        assert_eq!(bytes.bytes().len(), 120, "no tail padding, as struct.pack");
+        assert_eq!(bytes.bytes().len(), 128, "no tail padding, as struct.pack");
         assert_eq!(&bytes.bytes()[..8], &s.topk_idx.0.to_ne_bytes());
     }
 }
@@ -125,13 +127,13 @@ fn wrong_fields_are_errors_naming_them() {
     p.set(1, Value::U64(3)).unwrap();
     assert!(msg(p.set(1, Value::U64(4)).unwrap_err()).contains("\"row_bytes\" given twice"));
     assert!(
-        msg(p.set(8, Value::U64(4)).unwrap_err())
-            .starts_with("ep_combine_send takes 8 fields (y: T*, row_bytes: u64")
+        msg(p.set(12, Value::U64(4)).unwrap_err())
+            .starts_with("ep_combine_send takes 12 fields (y: T*, row_bytes: u64")
     );
     let e = p.finish().err().unwrap();
     assert_eq!(
         msg(e),
-        "ep_combine_send: missing fields: y, num_recv, num_ranks, rank_matrix, comb_buf, max_tokens, counters"
+        "ep_combine_send: missing fields: y, num_recv, num_ranks, rank_matrix, comb_buf, max_tokens, counters, w, comb_w, topk, send_rows"
     );
     let mut c = mori_collective::packer("ccl_push").unwrap();
     let e = c.set(17, Value::U64s(&[0; CCL_MAX_RANKS + 1])).unwrap_err();

@@ -413,10 +413,10 @@ fn planned(stream: Option<StreamHandle>, launches: Vec<ep_runtime::Planned>) -> 
 impl EpRuntime {
     /// `shape`: (ranks, experts, hidden, topk, max tokens per rank, low-latency max tokens);
     /// `normal`: addresses (recv_x, recv_scales, recv_idx, recv_w, recv_src, rank_matrix[0],
-    /// rank_matrix[1], expert_matrix[0], expert_matrix[1], comb, counters, host_info);
+    /// rank_matrix[1], expert_matrix[0], expert_matrix[1], comb, comb_w, counters, host_info);
     /// `low_latency`: (rows, meta, wts, comb, sent[0], sent[1], sent[2], state, chunks) or None.
     /// The modules (`ep/intranode`, `ep/low_latency`) are None for a planner. Across nodes,
-    /// `internode` is (nodes, ranks per node, counts, flags, relay, window area) with the
+    /// `internode` is (nodes, ranks per node, counts, flags, relay, relay_w, window area) with the
     /// `ep/internode` module (see `ep_internode_sizes`).
     #[new]
     #[pyo3(signature = (intranode, low_latency_module, shape, normal, low_latency=None, internode=None, internode_module=None))]
@@ -425,9 +425,9 @@ impl EpRuntime {
         intranode: Option<&ShmemModule>,
         low_latency_module: Option<&ShmemModule>,
         shape: (u32, u32, u32, u32, u32, u32),
-        normal: [u64; 12],
+        normal: [u64; 13],
         low_latency: Option<[u64; 9]>,
-        internode: Option<(u32, u32, u64, u64, u64, u64)>,
+        internode: Option<(u32, u32, u64, u64, u64, u64, u64)>,
         internode_module: Option<&ShmemModule>,
     ) -> Result<Self> {
         let shape = ep_shape(shape);
@@ -441,8 +441,9 @@ impl EpRuntime {
             rank_matrix: [n[5], n[6]],
             expert_matrix: [n[7], n[8]],
             comb: n[9],
-            counters: n[10],
-            host_info: n[11],
+            comb_w: n[10],
+            counters: n[11],
+            host_info: n[12],
         };
         let ll = low_latency.map(|l| ep_runtime::LowLatencyBuffers {
             rows: l[0],
@@ -457,7 +458,7 @@ impl EpRuntime {
         // SAFETY: mori.ep allocates every address (symmetric tensors, device counters, pinned
         // host words) for the Buffer's lifetime, which outlives this runtime.
         let mut inner = unsafe { ep_runtime::EpRuntime::new(shape, normal, ll, modules) }?;
-        if let Some((nodes, local_size, counts, flags, relay, window)) = internode {
+        if let Some((nodes, local_size, counts, flags, relay, relay_w, window)) = internode {
             if intranode.is_some() != internode_module.is_some() {
                 return Err(mori_collective::Error::InvalidArgument(
                     "across nodes the ep/internode module comes with the ep/intranode one".into(),
@@ -470,6 +471,7 @@ impl EpRuntime {
                 counts,
                 flags,
                 relay,
+                relay_w,
                 window,
             };
             // SAFETY: mori.ep allocates these areas with the sizes ep_internode_sizes gave, for
@@ -505,8 +507,10 @@ impl EpRuntime {
     }
 
     /// A normal dispatch's launches; returns (the sequence number its totals are published
-    /// with, the planned launches or None).
+    /// with, the planned launches or None). `expert_counts`: int32 [experts] counts carried
+    /// instead of the routing's, or 0.
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, x, row_bytes, scales, scale_cols, topk_idx, weights, n, layout, sms, expert_counts=0))]
     fn dispatch(
         &self,
         stream: Option<usize>,
@@ -519,6 +523,7 @@ impl EpRuntime {
         n: u32,
         layout: u64,
         sms: u32,
+        expert_counts: u64,
     ) -> Result<(i32, PlannedEp)> {
         let stream = self.stream(stream)?;
         let area = self.layout(layout, n);
@@ -526,7 +531,17 @@ impl EpRuntime {
         // the stream ran the kernels.
         let (seq, l) = unsafe {
             self.inner.dispatch(
-                x, row_bytes, scales, scale_cols, topk_idx, weights, n, &area, sms, stream,
+                x,
+                row_bytes,
+                scales,
+                scale_cols,
+                topk_idx,
+                weights,
+                n,
+                &area,
+                expert_counts,
+                sms,
+                stream,
             )
         }?;
         Ok((seq, planned(stream, l)))
@@ -543,8 +558,10 @@ impl EpRuntime {
         Ok(py.detach(|| self.inner.wait_dispatched(seq, timeout)))
     }
 
-    /// A normal combine's launches.
+    /// A normal combine's launches. `weights`: (received rows' f32 [num_recv, topk] weights,
+    /// f32 [num_tokens, topk] output for their per-token sums), or None.
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, y, y_on_heap, num_recv, num_tokens, layout, out, sms, weights=None))]
     fn combine(
         &self,
         stream: Option<usize>,
@@ -555,13 +572,16 @@ impl EpRuntime {
         layout: u64,
         out: u64,
         sms: u32,
+        weights: Option<(u64, u64)>,
     ) -> Result<PlannedEp> {
         let stream = self.stream(stream)?;
         let area = self.layout(layout, num_tokens);
+        let weights = weights.map(|(weights, out)| ep_runtime::CombineWeights { weights, out });
         // SAFETY: as dispatch.
         let l = unsafe {
-            self.inner
-                .combine(y, y_on_heap, num_recv, num_tokens, &area, out, sms, stream)
+            self.inner.combine(
+                y, y_on_heap, num_recv, num_tokens, &area, out, weights, sms, stream,
+            )
         }?;
         Ok(planned(stream, l))
     }

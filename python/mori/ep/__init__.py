@@ -84,12 +84,12 @@ def _ptr(t: Any) -> int:
 
 
 def runtime_addresses(recv_x: Any, recv_scales: Any, recv_idx: Any, recv_w: Any, recv_src: Any, rank_matrix: Any,
-                      expert_matrix: Any, comb: Any, counters: Any, host_info: Any) -> list[int]:
+                      expert_matrix: Any, comb: Any, comb_w: Any, counters: Any, host_info: Any) -> list[int]:
     """The normal mode's addresses in the order the Rust runtime takes them (the two count
     matrices by call parity)."""
     return [recv_x.data_ptr(), recv_scales.data_ptr(), recv_idx.data_ptr(), recv_w.data_ptr(), recv_src.data_ptr(),
             rank_matrix[0].data_ptr(), rank_matrix[1].data_ptr(), expert_matrix[0].data_ptr(), expert_matrix[1].data_ptr(),
-            comb.data_ptr(), counters.data_ptr(), host_info.data_ptr()]
+            comb.data_ptr(), comb_w.data_ptr(), counters.data_ptr(), host_info.data_ptr()]
 
 
 class Handle:
@@ -202,6 +202,7 @@ class Buffer:
         self._expert_matrix = shmem.tensor((2, w, self.experts_per_rank + 1), torch.int32, zero=True)
         self._comb = shmem.tensor((rows * h * 2,), torch.uint8)
         self._comb_in = shmem.tensor((rows, h), torch.bfloat16)
+        self._comb_w = shmem.tensor((rows, k), torch.float32)  # weights rows a combine with weights sends back
         self._counters = torch.zeros(8, dtype=torch.int32, device=dev)  # InternodeCounters in internode.cu
         # The receiver's totals, written by the GPU into pinned host memory the host polls.
         self._host_info = torch.zeros(4 + self.experts_per_rank, dtype=torch.int32, device="cpu", pin_memory=True)
@@ -214,12 +215,13 @@ class Buffer:
         shape = (w, config.num_experts, h, k, t, config.low_latency_max_tokens)
         # Across nodes: count vectors and flags on the heap, the traffic between nodes in the
         # shmem proxy window (pinned host memory, same offset on every rank).
-        self._counts = self._flags = self._window_offset = None
+        self._counts = self._flags = self._relay_w = self._window_offset = None
         internode = None
         if self.nodes > 1:
             counts_bytes, flags_bytes, window_bytes = _core.ep_internode_sizes(shape, self.nodes)
             self._counts = shmem.tensor((counts_bytes,), torch.uint8, zero=True)
             self._flags = shmem.tensor((flags_bytes,), torch.uint8, zero=True)
+            self._relay_w = shmem.tensor((rows, k), torch.float32)
             session = shmem._s()
             try:
                 self._window_offset = session.window_calloc(window_bytes, 256)
@@ -231,13 +233,13 @@ class Buffer:
                 raise InvalidArgumentError(f"mori.ep across {self.nodes} nodes needs {window_bytes} bytes of the shmem proxy "
                                            f"window for this config ({e})") from e
             internode = (self.nodes, w // self.nodes, self._counts.data_ptr(), self._flags.data_ptr(), self._comb_in.data_ptr(),
-                         session.window[0] + self._window_offset)
+                         self._relay_w.data_ptr(), session.window[0] + self._window_offset)
         self._runtime: _core.EpRuntime | None = _core.EpRuntime(
             shmem._s().load_variant("ep/intranode"),
             shmem._s().load_variant("ep/low_latency") if self._ll else None,
             shape,
             runtime_addresses(self._recv_x, self._recv_scales, self._recv_idx, self._recv_w, self._recv_src, self._rank_matrix,
-                              self._expert_matrix, self._comb, self._counters, self._host_info),
+                              self._expert_matrix, self._comb, self._comb_w, self._counters, self._host_info),
             self._ll.addresses() if self._ll else None,
             internode,
             shmem._s().load_variant("ep/internode") if internode else None,
@@ -246,8 +248,8 @@ class Buffer:
     def _heap_tensors(self) -> list:
         """This Buffer's allocations on the symmetric heap, in one order on every rank."""
         own = [self._recv_x, self._recv_scales, self._recv_idx, self._recv_w, self._recv_src, self._rank_matrix,
-               self._expert_matrix, self._comb, self._comb_in]
-        own += [t for t in (self._counts, self._flags) if t is not None]
+               self._expert_matrix, self._comb, self._comb_in, self._comb_w]
+        own += [t for t in (self._counts, self._flags, self._relay_w) if t is not None]
         return own + ([self._ll._rows, self._ll._meta, self._ll._wts, self._ll._comb, self._ll._sent] if self._ll else [])
 
     def destroy(self) -> None:
@@ -350,12 +352,16 @@ class Buffer:
         return h.num_tokens_per_rank, h.num_tokens_per_expert, h.is_token_in_rank, h.slot
 
     def dispatch(
-        self, x: Any, topk_idx: Any, topk_weights: Any, *, stream: Any = None, num_sms: int | None = None
+        self, x: Any, topk_idx: Any, topk_weights: Any, *, stream: Any = None, num_sms: int | None = None,
+        expert_counts: Any = None,
     ) -> DispatchResult:
         """``x``: bf16 [T, hidden], or (float8_e4m3fn [T, hidden], float32 scales [T, hidden/128]).
         ``num_sms`` overrides the config's SM budget for this call. When some rank passes more
         than ``max_tokens_per_rank`` tokens, no rows move and every rank raises
-        :class:`~mori.errors.CapacityError` (``needed``: the most tokens any rank passed)."""
+        :class:`~mori.errors.CapacityError` (``needed``: the most tokens any rank passed).
+        ``expert_counts`` (int32 [num_experts] on the GPU): the tokens this rank reports per
+        expert instead of those ``topk_idx`` routes, so ``num_recv_tokens_per_expert`` sums the
+        callers' counts (a dispatch that routes by rank, as DeepEP's by layout alone)."""
         import torch
 
         cfg = self.config
@@ -375,6 +381,10 @@ class Buffer:
         if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, cfg.topk):
             raise InvalidArgumentError(f"topk_weights must be float32 [{n}, {cfg.topk}]")
         x, topk_weights = x.contiguous(), topk_weights.contiguous()
+        if expert_counts is not None:
+            if expert_counts.dtype != torch.int32 or tuple(expert_counts.shape) != (cfg.num_experts,) or expert_counts.device != x.device:
+                raise InvalidArgumentError(f"expert_counts must be int32 [{cfg.num_experts}] on {x.device}")
+            expert_counts = expert_counts.contiguous()
         marks = self._marks(stream)
         w = self.num_ranks
         handle = self._handle(topk_idx, n)
@@ -384,7 +394,7 @@ class Buffer:
         row_bytes = cfg.hidden * (1 if scales is not None else 2)
         scale_cols = cfg.hidden // SCALE_BLOCK if scales is not None else 0
         seq, _ = self._rt.dispatch(self._stream(stream), x.data_ptr(), row_bytes, _ptr(scales), scale_cols, topk_idx.data_ptr(),
-                                   topk_weights.data_ptr(), n, handle.meta.data_ptr(), num_sms or cfg.num_sms)
+                                   topk_weights.data_ptr(), n, handle.meta.data_ptr(), num_sms or cfg.num_sms, _ptr(expert_counts))
         marks("launch")
         info = self._wait_host_info(seq)
         marks("end")
@@ -422,16 +432,26 @@ class Buffer:
         and the choice is each rank's own."""
         return self._comb_in[: handle.num_recv]
 
-    def combine(self, y: Any, handle: Handle, *, stream: Any = None, num_sms: int | None = None):
+    def combine(self, y: Any, handle: Handle, *, stream: Any = None, num_sms: int | None = None, topk_weights: Any = None):
         """Sums every token's rows back on its source rank: returns bf16 [T, hidden] (fp32 sums,
         weights not applied). ``y``: bf16 [num_recv, hidden], the expert outputs in received-row
-        order; see :meth:`get_combine_input` for the zero-copy form."""
+        order; see :meth:`get_combine_input` for the zero-copy form. With ``topk_weights``
+        (float32 [num_recv, topk], a row per received row) it returns ``(out, combined_weights)``:
+        float32 [T, topk], per token the sum of the rows the ranks it went to passed (in rank
+        order; across nodes each node's sum in rank order, then the nodes' in node order), zeros
+        for tokens routed nowhere: DeepEP's combined top-k weights. Every rank passes
+        ``topk_weights`` or none does (across nodes a forwarder sums its node's rows for others)."""
         import torch
 
         cfg = self.config
         if y.dtype != torch.bfloat16 or tuple(y.shape) != (handle.num_recv, cfg.hidden):
             raise InvalidArgumentError(f"y must be bfloat16 [{handle.num_recv}, {cfg.hidden}], got {y.dtype} {tuple(y.shape)}")
         y = y.contiguous()
+        if topk_weights is not None:
+            if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (handle.num_recv, cfg.topk) or topk_weights.device != y.device:
+                raise InvalidArgumentError(f"topk_weights must be float32 [{handle.num_recv}, {cfg.topk}] on {y.device}, "
+                                           f"got {topk_weights.dtype} {tuple(topk_weights.shape)}")
+            topk_weights = topk_weights.contiguous()
         if self.nodes > 1:
             shmem.check()
         s = self._stream(stream)
@@ -441,11 +461,13 @@ class Buffer:
         if zero_copy:
             shmem.barrier_all(stream=s)  # every rank's expert outputs are complete
         out = torch.empty((handle.num_tokens, cfg.hidden), dtype=torch.bfloat16, device=y.device)
+        out_w = None if topk_weights is None else torch.empty((handle.num_tokens, cfg.topk), dtype=torch.float32, device=y.device)
+        weights = None if out_w is None else (topk_weights.data_ptr(), out_w.data_ptr())
         self._rt.combine(s, y.data_ptr(), zero_copy, handle.num_recv, handle.num_tokens, handle.meta.data_ptr(), out.data_ptr(),
-                         num_sms or cfg.num_sms)
+                         num_sms or cfg.num_sms, weights)
         if zero_copy:
             shmem.barrier_all(stream=s)  # peers are done reading this rank's outputs
-        return out
+        return out if out_w is None else (out, out_w)
 
     def receive_area(self, low_latency: bool = False) -> Any:
         """This rank's receive area as raw bytes (uint8 on the symmetric heap, so peers reach it

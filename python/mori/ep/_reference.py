@@ -162,15 +162,49 @@ def expected_normal_combine(x: Any, scales: Any, idx: Any, num_experts: int, wor
     return total.to(torch.bfloat16)
 
 
-def check_normal_combine(out: Any, expected: Any) -> None:
-    """``out`` == :func:`expected_normal_combine`, bit-exact."""
+def weights_back(recv_topk_weights: Any, rank: int) -> Any:
+    """The weights rows a test's experts on ``rank`` pass back to combine: the received rows
+    times (1 + rank), so a sum that misses a rank or reads another token's row differs."""
+    return recv_topk_weights * float(rank + 1)
+
+
+def expected_combined_weights(weights: Any, idx: Any, num_experts: int, world: int, local_size: int | None = None) -> Any:
+    """f32 [T, topk]: combine's summed weights on the tokens' own rank when every rank passed
+    back :func:`weights_back` of the ``weights`` rows it received: per token, over the ranks it
+    went to, each node's sum in rank order, then the nodes' sums in node order (fp32 throughout;
+    on one node one sum in rank order)."""
     import torch
 
-    assert out.dtype == torch.bfloat16 and tuple(out.shape) == tuple(expected.shape), f"combine returned {out.dtype} {tuple(out.shape)}"
-    out = out.to(expected.device)
-    if not torch.equal(out, expected):
-        bad = (out != expected).any(dim=1).nonzero().flatten()
-        raise AssertionError(f"combine != sum over ranks d of bf16(x * (1 + d)) at {bad.numel()} tokens, first {bad[:5].tolist()}")
+    local_size = local_size or world
+    hit = ranks_hit(idx, num_experts, world)
+    total = torch.zeros(weights.shape, dtype=torch.float32, device=weights.device)
+    for first in range(0, world, local_size):
+        node = torch.zeros_like(total)
+        for d in range(first, first + local_size):
+            node = node + torch.where(hit[:, d : d + 1], weights_back(weights, d), 0.0)
+        total = total + node
+    return total
+
+
+def _check_rows_exact(got: Any, expected: Any, what: str, meaning: str) -> None:
+    """``got`` == ``expected`` bit-exact (same dtype and shape), else names the tokens that differ."""
+    import torch
+
+    assert got.dtype == expected.dtype and tuple(got.shape) == tuple(expected.shape), f"{what} returned {got.dtype} {tuple(got.shape)}"
+    got = got.to(expected.device)
+    if not torch.equal(got, expected):
+        bad = (got != expected).any(dim=1).nonzero().flatten()
+        raise AssertionError(f"{what} != {meaning} at {bad.numel()} tokens, first {bad[:5].tolist()}")
+
+
+def check_combined_weights(got: Any, expected: Any) -> None:
+    """``got`` == :func:`expected_combined_weights` (float32), bit-exact."""
+    _check_rows_exact(got, expected, "combined weights", "sum over the token's ranks d of w * (1 + d)")
+
+
+def check_normal_combine(out: Any, expected: Any) -> None:
+    """``out`` == :func:`expected_normal_combine` (bfloat16), bit-exact."""
+    _check_rows_exact(out, expected, "combine", "sum over ranks d of bf16(x * (1 + d))")
 
 
 # ---- low-latency mode -----------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """mori.ep.deepep: a DeepEP-compatible facade over :mod:`mori.ep`.
 
 ``mori.ep.deepep.Buffer`` has the constructor, method names, arguments and return values of
-``deep_ep.Buffer`` (DeepEP v1.2.x) for intranode normal and low-latency use, so a program
-written for DeepEP runs by changing its import::
+``deep_ep.Buffer`` (DeepEP v1.2.x) for normal mode within a node and across nodes and for
+low-latency use within a node, so a program written for DeepEP runs by changing its import::
 
     from mori.ep.deepep import Buffer, EventOverlap, Config     # was: from deep_ep import ...
 
@@ -37,15 +37,25 @@ Everything runs on top of one :class:`mori.ep.Buffer`. What differs from DeepEP 
   nothing observable. Low-latency calls run on the caller's stream (CUDA-graph capture needs
   no stream fork); their ``async_finish`` event is recorded there.
 * **Initialisation.** The constructor only records the group. :mod:`mori.shmem` is initialised
-  from ``group`` (unless it already is) by the first dispatch/combine, which every rank calls.
+  from ``group`` (unless it already is) by the first ``get_dispatch_layout`` or collective
+  call, which every rank makes.
+* **Across nodes** (the group's ranks on several nodes, :func:`mori.shmem.nodes`): the normal
+  mode runs on mori.ep's internode kernels (each token crosses to another node once, through
+  the shmem proxy, and fans out over NVLink there); ``get_dispatch_layout`` returns
+  ``num_tokens_per_rdma_rank`` per node; combine sums each node's rows first, so its bf16
+  result is rounded once more than on one node. Nodes are mori's (up to 8 nodes of up to 8
+  consecutive ranks), not DeepEP's fixed 8 ranks per node. The traffic between nodes lives in
+  the shmem proxy window (``MORI_SHMEM_WINDOW_SIZE``; a buffer that does not fit raises with
+  the bytes it needs).
 * **Dispatch by layout alone** (no ``topk_idx``): mori routes by expert, so the facade gives
   each token one slot per rank it goes to (that rank's first expert); the rows move once per
-  rank as with DeepEP, and the per-expert counts come from every rank's
-  ``num_tokens_per_expert`` (exchanged through the symmetric heap, one barrier).
-* **Not supported** (raise :class:`mori.errors.InvalidArgumentError`): internode groups, an
-  mpi4py ``comm`` instead of a group, per-tensor quantisation (``use_per_tensor_quantization``
-  / ``static_scale``, not in DeepEP v1.2.1's ``low_latency_dispatch`` either), and ``use_logfmt``
-  in low-latency combine (DeepEP's LogFMT wire format: mori's combine sends bf16 partial sums).
+  rank as with DeepEP, and the dispatch's own count exchange carries the caller's
+  ``num_tokens_per_expert`` (no extra step).
+* **Not supported** (raise :class:`mori.errors.InvalidArgumentError`): the low-latency mode
+  across nodes, an mpi4py ``comm`` instead of a group, per-tensor quantisation
+  (``use_per_tensor_quantization`` / ``static_scale``, not in DeepEP v1.2.1's
+  ``low_latency_dispatch`` either), and ``use_logfmt`` in low-latency combine (DeepEP's LogFMT
+  wire format: mori's combine sends bf16 partial sums).
 """
 
 from __future__ import annotations
@@ -56,7 +66,8 @@ from mori.errors import CapacityError, InvalidArgumentError, MoriError
 
 __all__ = ["Buffer", "Config", "EventOverlap"]
 
-NUM_MAX_NVL_PEERS = 8  # intranode limit, as mori.ep.MAX_RANKS
+NUM_MAX_NVL_PEERS = 8  # ranks of one node, as mori.ep.MAX_RANKS
+NUM_MAX_RANKS = 64  # mori.ep.MAX_NODES nodes of NUM_MAX_NVL_PEERS ranks
 _CAPACITY_STEP = 256  # normal-mode token capacity grows in multiples of this
 _SCALE_BLOCK = 128
 
@@ -90,21 +101,28 @@ class Config:
         self.num_max_rdma_chunked_recv_tokens = _round_up(int(num_max_rdma_chunked_recv_tokens), self.num_max_rdma_chunked_send_tokens)
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of a chunked receive area for ``num_ranks`` peers (informational: mori sizes its
-        buffers from the shapes of the calls, see the module docstring)."""
-        if not 1 <= num_ranks <= NUM_MAX_NVL_PEERS:
-            raise InvalidArgumentError(f"intranode only: 1..{NUM_MAX_NVL_PEERS} ranks, got {num_ranks}")
+        """Bytes of a chunked receive area for the ``num_ranks`` peers of a node (informational:
+        mori sizes its buffers from the shapes of the calls, see the module docstring)."""
+        if not 1 <= num_ranks <= NUM_MAX_RANKS:
+            raise InvalidArgumentError(f"1..{NUM_MAX_RANKS} ranks, got {num_ranks}")
         channels = max(self.num_sms // 2, 1)
         # per received row: the row, 128 top-k ids (int64) and weights (fp32), 128 scales (fp32)
         per_row = hidden_bytes + 128 * 8 + 128 * 4 + 128 * 4
-        total = channels * num_ranks * (5 * 4 + self.num_max_nvl_chunked_recv_tokens * per_row)
+        total = channels * min(num_ranks, NUM_MAX_NVL_PEERS) * (5 * 4 + self.num_max_nvl_chunked_recv_tokens * per_row)
         return _round_up(total, 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """0: intranode groups need no RDMA buffer (the only kind the facade supports)."""
-        if num_ranks > NUM_MAX_NVL_PEERS:
-            raise InvalidArgumentError(f"internode EP (more than {NUM_MAX_NVL_PEERS} ranks) is not supported by mori yet")
-        return 0
+        """0 for one node of up to 8 ranks; for more, DeepEP's nodes of 8 ranks, the bytes of a
+        chunked receive area per other node (informational: mori's traffic between nodes lives
+        in the shmem proxy window, sized by ``MORI_SHMEM_WINDOW_SIZE``; docs/ep.md)."""
+        if not 1 <= num_ranks <= NUM_MAX_RANKS:
+            raise InvalidArgumentError(f"1..{NUM_MAX_RANKS} ranks, got {num_ranks}")
+        if num_ranks <= NUM_MAX_NVL_PEERS:
+            return 0
+        channels = max(self.num_sms // 2, 1)
+        per_row = hidden_bytes + 128 * 8 + 128 * 4 + 128 * 4
+        nodes = (num_ranks + NUM_MAX_NVL_PEERS - 1) // NUM_MAX_NVL_PEERS
+        return _round_up(channels * nodes * 2 * self.num_max_rdma_chunked_recv_tokens * per_row, 128)
 
     def __repr__(self) -> str:
         return (
@@ -224,12 +242,12 @@ _shmem_users = 0
 
 
 class Buffer:
-    """DeepEP's ``Buffer`` for one node, on :class:`mori.ep.Buffer` (see the module docstring for
-    the sizing policy and the differences).
+    """DeepEP's ``Buffer``, on :class:`mori.ep.Buffer` (see the module docstring for the sizing
+    policy, what changes across nodes, and the differences).
 
     Accepted and ignored: ``num_nvl_bytes``, ``num_rdma_bytes`` (sizing comes from the calls),
-    ``low_latency_mode`` (both modes always work; no ``clean_low_latency_buffer`` is needed
-    between them), ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode`` (always NVLink),
+    ``low_latency_mode`` (both modes always work on one node; no ``clean_low_latency_buffer`` is
+    needed between them), ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode`` (always NVLink),
     ``allow_mnnvl``, ``use_fabric``, ``enable_shrink``.
     ``explicitly_destroy``: as in DeepEP, :meth:`destroy` is allowed only when it is set; without
     it the heap memory is released when :mod:`mori.shmem` is finalised (never in a destructor,
@@ -267,22 +285,16 @@ class Buffer:
         self.group = group
         self.rank = group.rank()
         self.group_size = group.size()
-        if self.group_size > NUM_MAX_NVL_PEERS:
-            raise InvalidArgumentError(
-                f"internode EP is not supported by mori yet: the group has {self.group_size} ranks, at most {NUM_MAX_NVL_PEERS} fit one node"
-            )
+        if self.group_size > NUM_MAX_RANKS:
+            raise InvalidArgumentError(f"the group has {self.group_size} ranks; mori.ep takes at most {NUM_MAX_RANKS} "
+                                       f"({NUM_MAX_RANKS // NUM_MAX_NVL_PEERS} nodes of {NUM_MAX_NVL_PEERS})")
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self._fixed_capacity = max_tokens_per_rank
         self._mori: Any = None  # mori.ep.Buffer, built by the first collective call
-        self._wbuf: Any = None  # [2, ranks, capacity + 1, topk] fp32 heap tensor for combined top-k weights
-        self._wpeers: list[Any] = []
-        self._wcalls = 0
-        self._ecounts: Any = None  # [2, ranks, local experts] int32 heap tensor: per-expert counts of layout-only dispatch
-        self._epeers: list[Any] = []
-        self._ecalls = 0
+        self._nodes = 1  # nodes of the group's ranks (mori.shmem.nodes()), known once shmem is initialised
         self._comm_stream: Any = None  # the normal mode's communication stream, made by the first call
         self._warned_logfmt = False
         self._generation = 0
@@ -333,16 +345,16 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        """The default dispatch config (``num_sms`` = ``Buffer.num_sms``) for 1..8 ranks."""
-        if not 1 <= num_ranks <= NUM_MAX_NVL_PEERS:
-            raise InvalidArgumentError(f"unsupported number of EP ranks: {num_ranks} (intranode: 1..{NUM_MAX_NVL_PEERS})")
+        """The default dispatch config (``num_sms`` = ``Buffer.num_sms``) for 1..64 ranks."""
+        if not 1 <= num_ranks <= NUM_MAX_RANKS:
+            raise InvalidArgumentError(f"unsupported number of EP ranks: {num_ranks} (1..{NUM_MAX_RANKS})")
         return Config(Buffer.num_sms, 24 if num_ranks <= 2 else 6, 256, 6, 128)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        """The default combine config (``num_sms`` = ``Buffer.num_sms``) for 1..8 ranks."""
-        if not 1 <= num_ranks <= NUM_MAX_NVL_PEERS:
-            raise InvalidArgumentError(f"unsupported number of EP ranks: {num_ranks} (intranode: 1..{NUM_MAX_NVL_PEERS})")
+        """The default combine config (``num_sms`` = ``Buffer.num_sms``) for 1..64 ranks."""
+        if not 1 <= num_ranks <= NUM_MAX_RANKS:
+            raise InvalidArgumentError(f"unsupported number of EP ranks: {num_ranks} (1..{NUM_MAX_RANKS})")
         return Config(Buffer.num_sms, 10 if num_ranks <= 2 else 4, 256, 6, 128)
 
     # ---- lifetime -----------------------------------------------------------------------------
@@ -433,21 +445,12 @@ class Buffer:
                 f"mori.shmem is initialised with PE {shmem.my_pe()}/{shmem.n_pes()} but the group gives rank {self.rank}/{self.group_size}: "
                 "the EP group must be the whole shmem world"
             )
-        if shmem.node_team()[1] != shmem.n_pes():
-            raise InvalidArgumentError("internode EP is not supported by mori yet: every rank of the group must be on this node")
+        self._nodes = len(shmem.nodes())
         self._shmem_ready = True
 
     def _free_buffers(self) -> None:
-        from mori import shmem
-
         if self._comm_stream is not None:
             self._comm_stream.synchronize()  # its queued work may still read what is freed here
-        if self._wbuf is not None:
-            shmem.free(self._wbuf)
-            self._wbuf, self._wpeers = None, []
-        if self._ecounts is not None:
-            shmem.free(self._ecounts)
-            self._ecounts, self._epeers = None, []
         if self._mori is not None:
             self._mori.destroy()
             self._mori = None
@@ -466,21 +469,15 @@ class Buffer:
             )
         if num_experts % self.group_size:
             raise InvalidArgumentError(f"{num_experts} experts do not divide over {self.group_size} ranks")
-        if len(shmem.nodes()) > 1:
-            # The facade's own heap tensors (combined weights, layout-only counts) are read over
-            # NVLink; mori.ep.Buffer has the normal mode across nodes, this facade does not yet.
-            raise InvalidArgumentError(f"the DeepEP facade runs on one node; the ranks are on nodes {shmem.nodes()} "
-                                       "(use mori.ep.Buffer's normal mode across nodes)")
+        if self._nodes > 1 and ll_tokens:
+            raise InvalidArgumentError(f"the low-latency mode runs on one node; these ranks are on nodes {shmem.nodes()} "
+                                       "(mori has no low-latency kernels across nodes yet; the normal mode works across nodes)")
         config = EpConfig(
             num_experts=num_experts, hidden=hidden, max_tokens_per_rank=capacity, topk=topk,
             num_sms=max(Buffer.num_sms, 1), low_latency_max_tokens=ll_tokens,
         )
         self._free_buffers()
         self._mori = MoriBuffer(config, group=self.group)
-        self._wbuf = shmem.tensor((2, self.group_size, capacity + 1, topk), torch.float32, zero=True)
-        self._wpeers = [self._wbuf if s == self.rank else shmem.peer_tensor(self._wbuf, s) for s in range(self.group_size)]
-        self._ecounts = shmem.tensor((2, self.group_size, num_experts // self.group_size), torch.int32, zero=True)
-        self._epeers = [self._ecounts if s == self.rank else shmem.peer_tensor(self._ecounts, s) for s in range(self.group_size)]
         self._generation += 1
 
     def _ensure(
@@ -554,16 +551,20 @@ class Buffer:
 
     def get_dispatch_layout(
         self, topk_idx: Any, num_experts: int, previous_event: Any = None, async_finish: bool = False, allocate_on_comm_stream: bool = False
-    ) -> tuple[Any, None, Any, Any, EventOverlap]:
-        """(num_tokens_per_rank [ranks] int32, None (intranode), num_tokens_per_expert [experts]
-        int32, is_token_in_rank [tokens, ranks] bool, event). Local (not collective): uses mori's
-        layout kernel when the current buffer fits, else the same counts computed with torch."""
+    ) -> tuple[Any, Any, Any, Any, EventOverlap]:
+        """(num_tokens_per_rank [ranks] int32, num_tokens_per_rdma_rank ([nodes] int32: tokens
+        sent to each node; None on one node), num_tokens_per_expert [experts] int32,
+        is_token_in_rank [tokens, ranks] bool, event). Local: uses mori's layout kernel when the
+        current buffer fits, else the same counts computed with torch. The first call of a
+        Buffer initialises :mod:`mori.shmem` unless it is already (collective, as DeepEP's
+        constructor is), to learn the node layout."""
         import torch
 
         self._check_alive()
         n, k = self._check_topk_idx(topk_idx)
         if num_experts <= 0 or num_experts % self.group_size:
             raise InvalidArgumentError(f"num_experts={num_experts} must be a positive multiple of the group size {self.group_size}")
+        self._init_shmem()
         with self._stream_scope(previous_event) as scope:
             cfg = self._mori.config if self._mori is not None else None
             if cfg is not None and cfg.num_experts == num_experts and cfg.topk == k and n <= cfg.max_tokens_per_rank:
@@ -580,7 +581,11 @@ class Buffer:
                 in_rank.scatter_(1, ranks, True)
                 in_rank = in_rank[:, :w].contiguous()
                 per_rank = in_rank.sum(dim=0, dtype=torch.int32)
-        return per_rank, None, per_expert, in_rank, scope.finish(async_finish, (topk_idx,), (per_rank, per_expert, in_rank))
+            per_node = None
+            if self._nodes > 1:
+                per_node = in_rank.view(n, self._nodes, self.group_size // self._nodes).any(dim=2).sum(dim=0, dtype=torch.int32)
+        outputs = (per_rank, per_node, per_expert, in_rank)
+        return *outputs, scope.finish(async_finish, (topk_idx,), tuple(t for t in outputs if t is not None))
 
     def dispatch(
         self,
@@ -670,9 +675,12 @@ class Buffer:
         # fit on every rank, so nothing needs sizing (DeepEP's timed form).
         num_sms = (config if config is not None else self.get_dispatch_config(self.group_size)).num_sms
         xin = x_data.contiguous() if x_scales is None else (x_data.contiguous(), x_scales.contiguous())
+        # By layout alone the routing is by rank: the exchange carries the caller's counts per
+        # expert instead, so the received counts per local expert are DeepEP's.
+        counts = num_tokens_per_expert.to(torch.int32).contiguous() if layout_only else None
         try:
             routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
-            res = self._mori.dispatch(xin, *routing, num_sms=num_sms or None)
+            res = self._mori.dispatch(xin, *routing, num_sms=num_sms or None, expert_counts=counts)
         except CapacityError as e:
             # Raised on every rank by the same call (the count exchange carries each rank's
             # token count), so every rank rebuilds alike; a cached handle fit when it was made.
@@ -680,7 +688,7 @@ class Buffer:
                 raise
             self._ensure_normal(hidden, k, num_experts, needed=e.needed)
             routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
-            res = self._mori.dispatch(xin, *routing, num_sms=num_sms or None)
+            res = self._mori.dispatch(xin, *routing, num_sms=num_sms or None, expert_counts=counts)
         topk_idx, topk_weights = routing
         num_recv = int(res.recv_x.shape[0])
         rows = max(num_recv, num_worst_tokens)
@@ -703,7 +711,7 @@ class Buffer:
             return recv_x, None, None, None, None, scope.finish(async_finish, inputs, recv_x)
         if layout_only:
             recv_idx = recv_w = None
-            received = [] if num_worst_tokens else self._received_per_expert(num_tokens_per_expert)
+            received = [] if num_worst_tokens else res.num_recv_tokens_per_expert
         else:
             recv_idx = padded(res.recv_topk_idx[:, :k], -1)
             recv_w = torch.zeros((rows, k), dtype=torch.float32, device=recv_idx.device)
@@ -744,56 +752,6 @@ class Buffer:
         weights = torch.cat([topk_weights, torch.zeros((n, extra), dtype=torch.float32, device=topk_weights.device)], dim=1)
         return ids, weights
 
-    def _received_per_expert(self, num_tokens_per_expert: Any) -> list[int]:
-        """Tokens each local expert receives, for a dispatch by layout alone (the routing mori
-        moved says nothing about experts): every rank stores its counts for rank d's experts
-        into rank d's heap slot, then a barrier, then each rank sums its slots (as DeepEP's
-        notify step exchanges num_tokens_per_expert). Two slots alternate by call: a rank can
-        be one call ahead of a peer, never two (the barrier)."""
-        import torch
-
-        from mori import shmem
-
-        w = self.group_size
-        parity = self._ecalls % 2
-        self._ecalls += 1
-        counts = num_tokens_per_expert.to(torch.int32).reshape(w, -1)
-        for d in range(w):
-            self._epeers[d][parity, self.rank].copy_(counts[d])
-        shmem.barrier_all(stream=torch.cuda.current_stream())
-        return self._ecounts[parity].sum(dim=0).tolist()
-
-    def _combine_weights(self, topk_weights: Any, h: _NormalHandle) -> Any:
-        """DeepEP's combined top-k weights: per token, the sum over the ranks it went to of the
-        weight rows those ranks pass back. Each rank stores its rows straight into the source
-        rank's heap buffer (slot [receiver][token]); after a barrier every rank sums its own."""
-        import torch
-
-        from mori import shmem
-
-        k = self._mori.config.topk
-        if topk_weights.dtype != torch.float32 or topk_weights.dim() != 2 or not 0 < topk_weights.shape[1] <= k or topk_weights.shape[0] < h.num_recv:
-            raise InvalidArgumentError(f"topk_weights must be float32 [{h.num_recv}, top-k <= {k}]")
-        given = topk_weights.shape[1]
-        w_rows = topk_weights[: h.num_recv]
-        if given < k:
-            w_rows = torch.cat([w_rows, torch.zeros((h.num_recv, k - given), dtype=torch.float32, device=w_rows.device)], dim=1)
-        w_rows = w_rows.contiguous()
-        parity = self._wcalls % 2
-        self._wcalls += 1
-        world, me, dummy = self.group_size, self.rank, self._wbuf.shape[2] - 1
-        dev = w_rows.device
-        counts = h.mori.rank_matrix[:, me].to(torch.int64)
-        src_rank = torch.repeat_interleave(torch.arange(world, device=dev), counts, output_size=h.num_recv)
-        src_idx = h[3].to(torch.int64)
-        for s in range(world):
-            rows = torch.where(src_rank == s, src_idx, dummy)
-            self._wpeers[s][parity, me].index_copy_(0, rows, w_rows)
-        shmem.barrier_all(stream=torch.cuda.current_stream())
-        mine = self._wbuf[parity, :, : h.num_tokens]  # [ranks, tokens, k]
-        mask = h.mori.is_token_in_rank.t().unsqueeze(-1)
-        return torch.where(mask, mine, 0.0).sum(dim=0)[:, :given]
-
     def combine(
         self,
         x: Any,
@@ -821,6 +779,12 @@ class Buffer:
         for b in biases:
             if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (h.num_tokens, h.hidden)):
                 raise InvalidArgumentError(f"bias must be [{h.num_tokens}, {h.hidden}] tensors")
+        k = self._mori.config.topk
+        if topk_weights is not None and (
+            not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32 or topk_weights.dim() != 2
+            or not 0 < topk_weights.shape[1] <= k or topk_weights.shape[0] < h.num_recv
+        ):
+            raise InvalidArgumentError(f"topk_weights must be float32 [{h.num_recv}, top-k <= {k}]")
         with self._stream_scope(previous_event) as scope:
             out, combined_w = self._combine_on_comm_stream(x, h, topk_weights, biases, config)
         return out, combined_w, scope.finish(async_finish, (x, topk_weights, *biases), (out, combined_w))
@@ -830,14 +794,25 @@ class Buffer:
 
         num_sms = (config if config is not None else self.get_combine_config(self.group_size)).num_sms
         y = x[: h.num_recv]
-        out = self._mori.combine(y if y.is_contiguous() else y.contiguous(), h.mori, num_sms=num_sms or None)
+        y = y if y.is_contiguous() else y.contiguous()
+        if topk_weights is None:
+            out, combined_w = self._mori.combine(y, h.mori, num_sms=num_sms or None), None
+        else:
+            # DeepEP's combined top-k weights: per token the sum of the weights rows its ranks
+            # pass back, summed by mori's combine kernels with the rows (padded to the buffer's
+            # top-k width, the received rows only).
+            k, given = self._mori.config.topk, int(topk_weights.shape[1])
+            w_rows = topk_weights[: h.num_recv]
+            if given < k:
+                w_rows = torch.cat([w_rows, torch.zeros((h.num_recv, k - given), dtype=torch.float32, device=w_rows.device)], dim=1)
+            out, combined_w = self._mori.combine(y, h.mori, num_sms=num_sms or None, topk_weights=w_rows.contiguous())
+            combined_w = combined_w[:, :given]
         if any(b is not None for b in biases):
             acc = out.float()
             for b in biases:
                 if b is not None:
                     acc = acc + b.float()
             out = acc.to(torch.bfloat16)
-        combined_w = self._combine_weights(topk_weights, h) if topk_weights is not None else None
         return out, combined_w
 
     # ---- low-latency mode ---------------------------------------------------------------------
