@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from tests._ep_reference import experts_for
-from tests._ranks import assert_ok, by_case, device_of, run_ranks, skip_unless_gpus, world_under_test
+from tests._ranks import assert_ok, by_case, device_of, run_cases, run_ranks, skip_unless_gpus, world_under_test
 
 WORLD = world_under_test()
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
@@ -30,10 +30,22 @@ HIDDEN, EXPERTS, TOPK, LL_MAX = 2048, experts_for(WORLD), 8, 128
 RANKS_TIMEOUT_S = 240.0 + 30.0 * (WORLD - 2)  # more ranks: more rows to gather and check per case
 
 
-def _suite(rank: int, store_path: str) -> dict[str, str]:
+def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
+    """Every case on this rank; with ``nodes`` > 1 the ranks are split into that many emulated
+    nodes (MORI_NODE), the normal-mode cases run across them and the low-latency mode must be
+    refused (tests/test_gpu_ep_deepep_nodes.py)."""
     import os
     import traceback
 
+    if nodes > 1:
+        os.environ["MORI_NODE"] = f"emulated-{rank // (WORLD // nodes)}"
+        # torch's kernels load with the context, not at their first launch behind a kernel
+        # waiting for the proxy (docs/ccl.md, "Across nodes").
+        os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+        os.environ.setdefault("MORI_SHMEM_WINDOW_SIZE", "384M")  # the 7168-hidden rebuild's records and rows
+        # GPU waits through the proxy give up after this (the session timeout): a lost peer
+        # shows as an error well within the suite's time.
+        os.environ.setdefault("MORI_BOOTSTRAP_TIMEOUT", "45")
     import torch
     import torch.distributed as dist
 
@@ -46,10 +58,10 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
     torch.set_default_dtype(torch.bfloat16)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     group = dist.group.WORLD
-    results: dict[str, str] = {}
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     gather = util.torch_gather(group)
+    local_size = WORLD // nodes
     el = EXPERTS // WORLD
     Buffer.set_num_sms(24)
     num_nvl_bytes = Buffer.get_dispatch_config(WORLD).get_nvl_buffer_size_hint(HIDDEN * 2, WORLD)
@@ -85,7 +97,7 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         return data, torch.rand((n, hidden // 128), device="cuda", generator=gen, dtype=torch.float32)
 
     def normal_case(n, mode, fp8, *, hidden=HIDDEN, alignment=1, worst=0, async_finish=False, cached=False, bias=False,
-                    with_topk=True):
+                    with_topk=True, weights_back=True):
         idx = routing(n, mode)
         weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
         x = tokens(n, hidden)
@@ -116,7 +128,9 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         if bias:
             out_bias = (tokens(n, hidden), tokens(n, hidden))
         y = ref.normal_expert(recv_data, recv_scales, rank)
-        combined, combined_w, cevent = buf.combine(y, handle, topk_weights=recv_w, bias=out_bias, async_finish=async_finish)
+        # Weights passed back times (1 + rank): the combined weight of a slot is its expert's rank's.
+        w_back = ref.weights_back(recv_w, rank) if with_topk and weights_back else None
+        combined, combined_w, cevent = buf.combine(y, handle, topk_weights=w_back, bias=out_bias, async_finish=async_finish)
         with cevent:
             pass
         if cached:
@@ -137,7 +151,11 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         assert torch.equal(raw_rows.view(torch.uint8), recv_data_copy[:num_recv].contiguous().view(torch.uint8)), (
             "get_local_buffer_tensor does not show the rows dispatch returned")
         want_rank, want_expert, want_in = ref.expected_layout(idx, EXPERTS, WORLD)
-        assert layout[1] is None, "num_tokens_per_rdma_rank must be None intranode"
+        if nodes == 1:
+            assert layout[1] is None, "num_tokens_per_rdma_rank must be None intranode"
+        else:
+            want_nodes = want_in.view(n, nodes, local_size).any(dim=2).sum(dim=0, dtype=torch.int32)
+            assert torch.equal(layout[1].cpu(), want_nodes), "num_tokens_per_rdma_rank (tokens to each node)"
         assert torch.equal(layout[0].cpu(), want_rank), "num_tokens_per_rank"
         assert torch.equal(layout[2].cpu(), want_expert), "num_tokens_per_expert"
         assert torch.equal(layout[3].cpu(), want_in), "is_token_in_rank"
@@ -151,15 +169,17 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         sent_matrix = torch.stack([r.to(torch.int32) for r in all_rank])  # [src, dst]
         assert torch.equal(handle[0].cpu(), torch.cumsum(sent_matrix, dim=0, dtype=torch.int32)), "rank_prefix_matrix"
         assert torch.equal(handle[4].cpu(), want_in), "handle's is_token_in_rank"
-        base = ref.expected_normal_combine(sent, scales, idx, EXPERTS, WORLD)
+        base = ref.expected_normal_combine(sent, scales, idx, EXPERTS, WORLD, local_size=local_size)
         if bias:
             want = (base.float() + out_bias[0].float() + out_bias[1].float()).to(torch.bfloat16)
             assert torch.equal(combined, want), "combine with bias"
         else:
             ref.check_normal_combine(combined, base)
-        if with_topk:
-            want_w = torch.where(idx >= 0, weights, torch.zeros_like(weights))
-            assert torch.equal(combined_w, want_w), "combined top-k weights != weights of the token's valid experts"
+        if with_topk and weights_back:
+            want_w = torch.where(idx >= 0, weights * (idx // el + 1).float(), torch.zeros_like(weights))
+            assert torch.equal(combined_w, want_w), "combined top-k weights != weight x (1 + expert's rank) of the token's valid experts"
+        elif with_topk:
+            assert combined_w is None, "combine without topk_weights returns no combined weights"
         else:
             assert recv_idx is None and recv_w is None and combined_w is None, "a dispatch by layout returns no top-k ids / weights"
         if cached:
@@ -342,17 +362,26 @@ def _suite(rank: int, store_path: str) -> dict[str, str]:
         "clean_then_capture": clean_then_capture,
         "no_all_reduce": no_all_reduce,
     }
-    for name, fn in cases.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:
-            results[name] = f"(seed {seed})\n" + traceback.format_exc()
-        try:
-            barrier()
-        except Exception:
-            results[name] = results.get(name, "") + "\nafter the case:\n" + traceback.format_exc()
-            break
+    if nodes > 1:
+        from mori.errors import InvalidArgumentError
+
+        def ll_refused():
+            # Every rank is refused alike, before anything collective; the buffer goes on.
+            try:
+                buf.low_latency_dispatch(tokens(50), routing(50, "random"), LL_MAX, EXPERTS)
+            except InvalidArgumentError as e:
+                assert "one node" in str(e), str(e)
+            else:
+                raise AssertionError("the low-latency mode ran across nodes")
+            normal_case(200, "random", False)
+
+        across = {
+            "ll_refused": ll_refused,
+            "hidden_4096": lambda: normal_case(300, "random", False, hidden=4096),
+            "hidden_7168": lambda: normal_case(300, "random", True, hidden=7168),
+        }
+        cases = {name: across.get(name, cases.get(name)) for name in NODE_CASES if name != "destroy"}
+    results = run_cases(rank, seed, cases, barrier, "deepep" if nodes == 1 else "deepep-nodes")
     try:
         buf.destroy()
     except Exception:
@@ -371,6 +400,13 @@ CASES = [
     "ll_max_tokens_fp8", "ll_repeated", "ll_hook", "ll_hook_fp8", "ll_zero_copy_out", "ll_one_expert", "ll_duplicate_ids",
     "ll_round_scale", "ll_ue8m0", "ll_ue8m0_hook", "ll_wait_times", "ll_graph", "ll_graph_fp8", "normal_after_ll", "hidden_4096",
     "hidden_7168", "clean_then_capture", "no_all_reduce", "destroy",
+]
+# Across nodes (tests/test_gpu_ep_deepep_nodes.py): the normal-mode cases, in this order.
+NODE_CASES = [
+    "random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_expert", "duplicate_ids", "one_token",
+    "max_tokens", "max_tokens_fp8", "repeated", "grow", "alignment_worst_tokens", "alignment_worst_tokens_fp8", "cached_async",
+    "cached_fp8", "bias", "layout_only", "layout_only_fp8_cached", "ll_refused", "hidden_4096", "hidden_7168", "no_all_reduce",
+    "destroy",
 ]
 
 
