@@ -390,7 +390,7 @@ def test_across_nodes_the_runtime_launches_the_internode_kernels_with_call_numbe
     w, e, h, k, tmax = 4, 32, 2048, 8, 256
     shape = (w, e, h, k, tmax, 0)
     counts_bytes, flags_bytes, window_bytes = _core.ep_internode_sizes(shape, 2)
-    assert counts_bytes == 2 * w * 40 * 4 and flags_bytes == 3 * w * 4  # vector: 4 + 32 + 1 + 2 -> 40 int32
+    assert counts_bytes == 2 * w * 40 * 4 and flags_bytes == 4 * w * 4  # vector: 4 + 32 + 1 + 2 -> 40 int32
     # The window holds each node's records (a bf16 row and its metadata) twice, and bf16 rows twice, at capacity.
     assert window_bytes >= 2 * 2 * tmax * (h * 2 + k * 12) + 2 * 2 * tmax * h * 2
     assert _core.ep_internode_sizes((w, e, h, k, 2 * tmax, 0), 2)[2] > window_bytes

@@ -42,7 +42,6 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         # torch's kernels load with the context, not at their first launch behind a kernel
         # waiting for the proxy (docs/ccl.md, "Across nodes").
         os.environ["CUDA_MODULE_LOADING"] = "EAGER"
-        os.environ.setdefault("MORI_SHMEM_WINDOW_SIZE", "384M")  # the 7168-hidden rebuild's records and rows
         # GPU waits through the proxy give up after this (the session timeout): a lost peer
         # shows as an error well within the suite's time.
         os.environ.setdefault("MORI_BOOTSTRAP_TIMEOUT", "45")
@@ -66,6 +65,11 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
     Buffer.set_num_sms(24)
     num_nvl_bytes = Buffer.get_dispatch_config(WORLD).get_nvl_buffer_size_hint(HIDDEN * 2, WORLD)
     num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(LL_MAX, HIDDEN, WORLD, EXPERTS)
+    if nodes > 1:
+        # As DeepEP programs across nodes pass a large num_rdma_bytes: it sizes the shmem proxy
+        # window, which must hold the 7168-hidden rebuild's records and rows (more than the
+        # default 128 MiB).
+        num_rdma_bytes = max(num_rdma_bytes, WINDOW_BYTES)
     buf = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=True, num_qps_per_rank=el, explicitly_destroy=True)
     # DeepEP does no all-reduce per call; neither may the facade (its buffer grows through the
     # dispatch's own count exchange). The suite's own collectives are gathers and barriers.
@@ -365,6 +369,12 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
     if nodes > 1:
         from mori.errors import InvalidArgumentError
 
+        def window_from_num_rdma_bytes():
+            from mori import shmem
+
+            assert "MORI_SHMEM_WINDOW_SIZE" not in os.environ
+            assert shmem._s().window[1] >= WINDOW_BYTES, f"proxy window {shmem._s().window[1]} bytes, asked {WINDOW_BYTES}"
+
         def ll_refused():
             # Every rank is refused alike, before anything collective; the buffer goes on.
             try:
@@ -379,6 +389,7 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
             "ll_refused": ll_refused,
             "hidden_4096": lambda: normal_case(300, "random", False, hidden=4096),
             "hidden_7168": lambda: normal_case(300, "random", True, hidden=7168),
+            "window_from_num_rdma_bytes": window_from_num_rdma_bytes,
         }
         cases = {name: across.get(name, cases.get(name)) for name in NODE_CASES if name != "destroy"}
     results = run_cases(rank, seed, cases, barrier, "deepep" if nodes == 1 else "deepep-nodes")
@@ -405,9 +416,10 @@ CASES = [
 NODE_CASES = [
     "random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_expert", "duplicate_ids", "one_token",
     "max_tokens", "max_tokens_fp8", "repeated", "grow", "alignment_worst_tokens", "alignment_worst_tokens_fp8", "cached_async",
-    "cached_fp8", "bias", "layout_only", "layout_only_fp8_cached", "ll_refused", "hidden_4096", "hidden_7168", "no_all_reduce",
-    "destroy",
+    "cached_fp8", "bias", "layout_only", "layout_only_fp8_cached", "ll_refused", "window_from_num_rdma_bytes", "hidden_4096",
+    "hidden_7168", "no_all_reduce", "destroy",
 ]
+WINDOW_BYTES = 384 << 20  # num_rdma_bytes across nodes (above)
 
 
 @pytest.fixture(scope="module")

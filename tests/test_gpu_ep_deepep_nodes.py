@@ -7,8 +7,9 @@ proxy. Checked as there, with the node-grouped combine reference (each node's ro
 rounded first), num_tokens_per_rdma_rank (tokens to each node), combined top-k weights passed
 back rank-dependent, dispatch by layout alone (the callers' counts per expert carried by the
 count exchange), cached dispatch, alignment and worst-case padding, bias, growth of the buffer,
-hidden 2048 / 4096 / 7168; the low-latency mode is refused with the reason on every rank and the
-buffer goes on.
+hidden 2048 / 4096 / 7168 (the last needs the proxy window that DeepEP's ``num_rdma_bytes`` sized,
+more than mori's default); the low-latency mode is refused with the reason on every rank and
+the buffer goes on.
 """
 
 from __future__ import annotations

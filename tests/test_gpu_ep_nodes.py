@@ -10,7 +10,8 @@ source index bit-exact against the reference built from every rank's inputs, and
 rank-dependent experts bit-exact against the reference that sums each node's rows in rank order
 and the nodes' bf16 sums in node order, and combine's summed top-k weights (each rank passes
 back its received weights times 1 + rank; fp32, grouped the same way) bit-exact, also with the
-outputs in the combine input area; plus the routes asserted (rows that must come from the
+outputs in the combine input area (read in place by the node's sources; on every rank, and on
+half of them); plus the routes asserted (rows that must come from the
 other node did, from ranks whose memory is not mapped here), one rank over the capacity
 (every rank raises CapacityError and the buffer goes on), the low-latency mode refused with the
 reason, and a rank killed on one node: the others raise instead of hanging.
@@ -140,9 +141,11 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         normal_case(250, "random", True, b=buf)
 
     cases = util.normal_cases(normal_case, rank, MAX_TOKENS) | {
-        # Expert outputs written into the combine input area (the relay area across nodes), with and without weights.
+        # Expert outputs written into the combine input area (the relay area across nodes: the
+        # node's sources read it in place), with and without weights, and chosen by half the ranks.
         "zero_copy_combine": lambda: (normal_case(600, "random", False, zero_copy=True),
-                                      normal_case(300, "duplicates", True, zero_copy=True, weights_back=False)),
+                                      normal_case(300, "duplicates", True, zero_copy=True, weights_back=False),
+                                      normal_case(400, "random", False, zero_copy=rank % 2 == 0)),
         "routes": routes, "over_capacity": over_capacity, "low_latency_refused": low_latency_refused, "destroy": destroy,
     }
 

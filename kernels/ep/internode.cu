@@ -20,7 +20,8 @@
 //             -> ep_internode_forward (each other node's records from the window to their rows
 //                at this node's ranks; then a barrier among the node's ranks)
 // One combine:   ep_internode_combine_send (rows from this node's sources to their combine
-//                buffers, as intranode; rows from other nodes into this rank's relay area;
+//                buffers, as intranode, unless the combine input is the relay area: then the
+//                sources read them there; rows from other nodes into this rank's relay area;
 //                barrier in the node)
 //             -> ep_internode_combine_forward (per record from another node: the sum of this
 //                node's rows for it, rounded to bf16, put back to its source's window)
@@ -91,7 +92,8 @@ struct InternodeArgs {
     u64 comb;
     u64 relay;
     u64 counts;     // [2][ranks][vec_stride] int32: count vectors from this node's ranks, by parity
-    u64 flags;      // int32 [3][ranks]: counts arrived, dispatch barrier, combine barrier (by source)
+    u64 flags;      // int32 [4][ranks]: counts arrived, dispatch barrier, combine barrier (by source);
+                    // the source's combine input is its relay area (row 3: 1 or 0, set before row 2)
     // Proxy window (the same offsets on every rank).
     u64 w_counts_out;  // [2][vec_stride] int32: this rank's vector, staged for the proxy
     u64 w_counts_in;   // [2][ranks][vec_stride] int32: from other nodes' ranks
@@ -499,9 +501,10 @@ extern "C" __global__ void __launch_bounds__(512) ep_internode_forward(mori::ep:
 }
 
 // As a receiver: rows from this node's sources go to their combine buffers at [me][slot]
-// (this rank's own stay in y); rows from other nodes' sources go to this rank's relay area at
-// their row (skipped when y is the relay area), where the forwarder reads them. Weights rows,
-// when given, go the same ways (comb_w, relay_w). Barrier in the node.
+// (this rank's own stay in y), except when y is the relay area: then the sources read them
+// there (this rank says so in flag row 3 before the barrier); rows from other nodes' sources go
+// to this rank's relay area at their row (no copy when y is the relay area), where the
+// forwarder reads them. Weights rows, when given, go to comb_w / relay_w. Barrier in the node.
 extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_send(mori::ep::InternodeArgs a) {
     const int L = a.local_size, me = my_pe(), my_node = me / L;
     __shared__ int seg_base[MAX_INTERNODE_RANKS + 1];
@@ -515,6 +518,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_send(mori
     }
     __syncthreads();
     const u64 rb = (u64)a.hidden * 2;
+    const bool in_place = a.y == a.relay;
     const u64 warps = (u64)gridDim.x * warps_per_block();
     for (u64 j = (u64)blockIdx.x * warps_per_block() + warp_id(); j < (u64)a.num_recv; j += warps) {
         int s = 0;
@@ -525,7 +529,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_send(mori
         const float wv = weights ? at<const float>(a.topk_w, j * a.topk + lane_id())[0] : 0.f;
         if (s / L == my_node) {
             const u64 slot = j - seg_base[s];
-            warp_copy16(ptr(at<unsigned char>(a.comb, ((u64)me * a.capacity + slot) * rb), s), row, rb);
+            if (!in_place) warp_copy16(ptr(at<unsigned char>(a.comb, ((u64)me * a.capacity + slot) * rb), s), row, rb);
             if (weights) *ptr(at<float>(a.comb_w, ((u64)me * a.capacity + slot) * a.topk + lane_id()), s) = wv;
         } else {
             unsigned char* relay = at<unsigned char>(a.relay, j * rb);
@@ -533,7 +537,11 @@ extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_send(mori
             if (weights) at<float>(a.relay_w, j * a.topk + lane_id())[0] = wv;
         }
     }
-    if (last_block_done(&counters(a)->ticket)) node_barrier(a, 2);
+    if (last_block_done(&counters(a)->ticket)) {
+        const int first = my_node * L, peer = first + static_cast<int>(threadIdx.x);
+        if (threadIdx.x < L && peer != me) *ptr(at<int>(a.flags, 3 * (u64)a.num_ranks + me), peer) = in_place;
+        node_barrier(a, 2);  // its fence orders the store above before the barrier's flag
+    }
 }
 
 // As the forwarder: for each record from another node, the fp32 sum, in local rank order, of
@@ -581,18 +589,23 @@ extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_forward(m
 }
 
 // On a source: out[t] = bf16(Σ over nodes in order of float(that node's bf16 sum)): this node's
-// summed here in rank order from the combine buffers (its own row from y), another node's read
-// from the window (its forwarder's sum). With weights, out_w[t] = Σ over nodes in order of that
+// summed here in rank order from the combine buffers (its own row from y; a node peer's from
+// its relay area when it combined from there), another node's read from the window (its
+// forwarder's sum). With weights, out_w[t] = Σ over nodes in order of that
 // node's f32 sum of weights rows (this node's in rank order from comb_w, its own from topk_w).
 // Tokens routed nowhere get zeros. Waits for every other node's signal first.
 extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_reduce(mori::ep::InternodeArgs a) {
     const int L = a.local_size, me = my_pe(), my_node = me / L, first = my_node * L, local = me - first;
-    __shared__ int base[MAX_RANKS];
+    __shared__ int base[MAX_RANKS], in_place[MAX_RANKS];
     if (__ldcg(&counters(a)->failed)) return;
     int failed = 0;
     const int tk = threadIdx.x;
     if (tk < a.nodes && tk != my_node) failed = !wait_signal(at<u64>(a.w_comb_sig, tk), (u64)a.seq, a);
-    if (threadIdx.x < L) base[threadIdx.x] = rows_before_rank(at<const int>(a.rank_matrix, 0), a.num_ranks, me, first + threadIdx.x);
+    if (threadIdx.x < L) {
+        base[threadIdx.x] = rows_before_rank(at<const int>(a.rank_matrix, 0), a.num_ranks, me, first + threadIdx.x);
+        // Set by each node peer before the combine's node barrier, which this call passed.
+        in_place[threadIdx.x] = at<const volatile int>(a.flags, 3 * (u64)a.num_ranks + first + threadIdx.x)[0];
+    }
     if (__syncthreads_or(failed)) {
         if (threadIdx.x == 0) fail(a);
         return;
@@ -608,8 +621,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_internode_combine_reduce(mo
         for (int j = 0; j < L; ++j) {
             const int s = at<const int>(a.slot, t * a.num_ranks + first + j)[0];
             if (s < 0) continue;
-            const unsigned char* r = j == local ? at<const unsigned char>(a.y, (u64)(base[j] + s) * rb)
-                                                : at<const unsigned char>(a.comb, ((u64)(first + j) * a.capacity + s) * rb);
+            const unsigned char* r = j == local      ? at<const unsigned char>(a.y, (u64)(base[j] + s) * rb)
+                                     : in_place[j] ? ptr(at<const unsigned char>(a.relay, (u64)(base[j] + s) * rb), first + j)
+                                                   : at<const unsigned char>(a.comb, ((u64)(first + j) * a.capacity + s) * rb);
             mine[n++] = reinterpret_cast<const Vec16*>(r);
             if (weights) {
                 wmine += j == local ? at<const float>(a.topk_w, (u64)(base[j] + s) * a.topk + lane)[0]

@@ -81,9 +81,13 @@ def init(
     device: int | None = None,
     heap_size: int | None = None,
     timeout: float | None = None,
+    window_size: int | None = None,
 ) -> Session:
     """Collective: joins ``world_size`` PEs (through ``unique_id``, or an existing
-    ``bootstrap``) and sets up this PE's heap on GPU ``device`` (default ``rank % GPUs``)."""
+    ``bootstrap``) and sets up this PE's heap on GPU ``device`` (default ``rank % GPUs``).
+    ``window_size``: the least bytes of the proxy window (pinned host memory for traffic to
+    PEs on other nodes, allocated only when there are such PEs; the same on every PE);
+    ``MORI_SHMEM_WINDOW_SIZE``, when set, wins, and below its default the default is used."""
     global _session, _bootstrap
     if _session is not None:
         raise MoriError("mori.shmem is already initialised in this process; call finalize() first")
@@ -93,7 +97,9 @@ def init(
         bootstrap = Bootstrap(unique_id, rank, world_size, timeout)
     if device is None:
         device = bootstrap.rank % gpu.device_count()
-    _session = _core.Shmem(bootstrap._core, device, default_heap_size() if heap_size is None else heap_size)
+    if window_size is not None and window_size <= 0:
+        raise InvalidArgumentError(f"window_size must be positive, got {window_size}")
+    _session = _core.Shmem(bootstrap._core, device, default_heap_size() if heap_size is None else heap_size, window_size)
     _bootstrap = bootstrap
     if _session.has_proxy and os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER":
         warnings.warn(
@@ -106,12 +112,15 @@ def init(
     return Session()
 
 
-def init_from_torch(group: Any = None, *, device: int | None = None, heap_size: int | None = None, timeout: float | None = None) -> Session:
-    """Collective over a ``torch.distributed`` group; ``device`` defaults to torch's current."""
+def init_from_torch(group: Any = None, *, device: int | None = None, heap_size: int | None = None, timeout: float | None = None,
+                    window_size: int | None = None) -> Session:
+    """Collective over a ``torch.distributed`` group; ``device`` defaults to torch's current;
+    the rest as :func:`init`."""
     import torch
 
     bs = Bootstrap.from_torch(group, timeout)
-    return init(bootstrap=bs, device=torch.cuda.current_device() if device is None else device, heap_size=heap_size)
+    return init(bootstrap=bs, device=torch.cuda.current_device() if device is None else device, heap_size=heap_size,
+                window_size=window_size)
 
 
 def finalize() -> None:

@@ -26,7 +26,8 @@ pub struct Internode {
     pub local_size: u32,
     /// Symmetric heap, zeroed: `[2][ranks][vec_stride]` int32 count vectors from the node's ranks.
     pub counts: u64,
-    /// Symmetric heap, zeroed: int32 `[3][ranks]` flags (counts, dispatch barrier, combine barrier).
+    /// Symmetric heap, zeroed: int32 `[4][ranks]` flags (counts, dispatch barrier, combine
+    /// barrier, combine input in the relay area).
     pub flags: u64,
     /// Symmetric heap: ranks x max_tokens bf16 rows, where a receiver leaves the rows of other
     /// nodes' tokens for its forwarder (mori.ep's combine input area).
@@ -65,7 +66,7 @@ impl Internode {
         let r = u64::from(shape.num_ranks);
         InternodeSizes {
             counts_bytes: 2 * r * geo.vec_stride(shape) * 4,
-            flags_bytes: 3 * r * 4,
+            flags_bytes: 4 * r * 4,
             window_bytes: geo.window_offsets(shape)[9],
         }
     }

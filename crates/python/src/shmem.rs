@@ -30,19 +30,24 @@ impl Shmem {
 
 #[pymethods]
 impl Shmem {
+    /// `window_size`: the proxy window's least size in bytes (None: the default), see
+    /// `mori_shmem::Shmem::init_with_window`.
     #[new]
+    #[pyo3(signature = (bootstrap, device_ordinal, heap_size, window_size=None))]
     fn new(
         py: Python<'_>,
         bootstrap: &Bootstrap,
         device_ordinal: usize,
         heap_size: u64,
+        window_size: Option<u64>,
     ) -> Result<Self> {
         let bs = bootstrap.inner.clone();
         let shmem = py.detach(|| -> Result<_> {
-            Ok(mori_shmem::Shmem::init(
+            Ok(mori_shmem::Shmem::init_with_window(
                 bs,
                 Device::get(device_ordinal)?,
                 heap_size,
+                window_size,
             )?)
         })?;
         Ok(Self {

@@ -65,10 +65,10 @@ fn node_key() -> String {
 pub const DEFAULT_WINDOW_SIZE: u64 = 128 << 20;
 
 /// The proxy window's size: `MORI_SHMEM_WINDOW_SIZE` (bytes, or with a K/M/G suffix), else
-/// [`DEFAULT_WINDOW_SIZE`].
-fn window_size() -> Result<u64> {
+/// the larger of `wanted` (what the caller asked for, if anything) and [`DEFAULT_WINDOW_SIZE`].
+fn window_size(wanted: Option<u64>) -> Result<u64> {
     match std::env::var("MORI_SHMEM_WINDOW_SIZE") {
-        Err(_) => Ok(DEFAULT_WINDOW_SIZE),
+        Err(_) => Ok(wanted.map_or(DEFAULT_WINDOW_SIZE, |w| w.max(DEFAULT_WINDOW_SIZE))),
         Ok(text) => mori_io::parse_bytes(&text)
             .filter(|&n| n >= 4096)
             .ok_or_else(|| {
@@ -161,14 +161,31 @@ impl PeInfo {
 impl Shmem {
     /// Collective: every PE of `bootstrap` calls it with its GPU and the same `heap_size`.
     pub fn init(bootstrap: Arc<Bootstrap>, device: Device, heap_size: u64) -> Result<Self> {
+        Self::init_with_window(bootstrap, device, heap_size, None)
+    }
+
+    /// [`Shmem::init`] with a proxy window of at least `window_size` bytes (the same on every
+    /// PE; allocated only when some PEs are on other nodes). `MORI_SHMEM_WINDOW_SIZE`, when
+    /// set, wins; below [`DEFAULT_WINDOW_SIZE`] the default is used.
+    pub fn init_with_window(
+        bootstrap: Arc<Bootstrap>,
+        device: Device,
+        heap_size: u64,
+        window_size: Option<u64>,
+    ) -> Result<Self> {
         if ACTIVE.swap(true, Ordering::SeqCst) {
             return Err(Error::AlreadyInitialized);
         }
-        Self::init_active(bootstrap, device, heap_size)
+        Self::init_active(bootstrap, device, heap_size, window_size)
             .inspect_err(|_| ACTIVE.store(false, Ordering::SeqCst))
     }
 
-    fn init_active(bootstrap: Arc<Bootstrap>, device: Device, heap_size: u64) -> Result<Self> {
+    fn init_active(
+        bootstrap: Arc<Bootstrap>,
+        device: Device,
+        heap_size: u64,
+        wanted_window: Option<u64>,
+    ) -> Result<Self> {
         let (me, n) = (bootstrap.rank(), bootstrap.world_size());
         if n > MAX_PES {
             return Err(Error::InvalidArgument(format!(
@@ -292,7 +309,7 @@ impl Shmem {
                 device,
                 heap.local_base(),
                 heap.size(),
-                window_size()?,
+                window_size(wanted_window)?,
                 &via,
             )?)
         } else {

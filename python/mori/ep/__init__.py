@@ -428,8 +428,10 @@ class Buffer:
         Passing it to :meth:`combine` skips the copy of the outputs into the peers' combine
         buffers: the reduce reads them over NVLink. Every rank must then pass its combine input
         (the choice is collective); valid until the next combine on this buffer. Across nodes it
-        is the area the node's forwarders read rows for other nodes from (no copy there either),
-        and the choice is each rank's own."""
+        is also the area the node's forwarders read rows for other nodes from, the node's
+        sources read their rows there in place, and the choice is each rank's own (the kernels
+        tell each other); the next dispatch's barrier orders writing it again after those
+        reads."""
         return self._comb_in[: handle.num_recv]
 
     def combine(self, y: Any, handle: Handle, *, stream: Any = None, num_sms: int | None = None, topk_weights: Any = None):

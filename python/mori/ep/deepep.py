@@ -437,7 +437,9 @@ class Buffer:
         from mori import shmem
 
         if not shmem.is_initialized():
-            shmem.init_from_torch(self.group)
+            # DeepEP's num_rdma_bytes sizes the proxy window that carries the traffic between
+            # nodes (unless MORI_SHMEM_WINDOW_SIZE is set; unused on one node).
+            shmem.init_from_torch(self.group, window_size=self.num_rdma_bytes or None)
             self._owns_shmem = True
             _shmem_users += 1
         elif shmem.n_pes() != self.group_size or shmem.my_pe() != self.rank:
