@@ -534,8 +534,12 @@ def test_cluster_master_killed_mid_batch_is_a_clear_error(start_umbpd, tmp_path)
     assert failure, "the batch loop finished without noticing the master died"
     assert isinstance(failure[0], errors.TransportError), repr(failure[0])
     assert stopped_at[0] - killed < 10, stopped_at[0] - killed
+    # A key this client stored is still read from its peer (the client knows the route); a
+    # get that needs the master fails clearly.
+    got = c.get("b0-0")
+    assert got is not None and len(got) == 1024
     with pytest.raises(errors.TransportError):
-        c.get("b0-0")
+        c.get("never-stored")
 
 
 def test_cluster_peer_restarted_with_its_ssd_dir_reregisters_and_keys_come_back(start_umbpd, tmp_path):

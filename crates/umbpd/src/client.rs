@@ -27,6 +27,13 @@
 //! without waiting for the answer. A key whose peer cannot be reached is a miss (the peer
 //! died; the master forgets its keys once its heartbeats stop).
 //!
+//! A single get of a key whose peer this client learnt (from its own put of the key, or an
+//! earlier route) goes straight to that peer: one round trip, no lease (the peer reads its
+//! pool under its lock) and the peer reports the read to the master with its next heartbeat,
+//! which keeps the cluster's LRU order. A miss there (the key left that peer) or a peer that
+//! cannot be reached drops the route and asks the master as above. At most
+//! [`ROUTE_CACHE_KEYS`] routes are kept (the oldest half dropped beyond).
+//!
 //! Every call to a peer on a get path (`BatchGet`, `BatchGetInto` and its byte-path
 //! fallback) has one deadline covering connecting and the call itself: the master's
 //! `peer_timeout` (learnt from its `Health` answer), or [`ClientOptions::peer_timeout`]. A
@@ -344,6 +351,8 @@ type PeerGroups = BTreeMap<u64, (String, Vec<usize>)>;
 #[derive(Debug)]
 struct Cluster {
     master: MasterClient<Channel>,
+    /// Routes this client learnt: key -> (peer id, its address), for single gets.
+    routes: Mutex<RouteCache>,
     /// Options of the connections to peers ([`peer_options`] of the client's options).
     opts: ClientOptions,
     /// Deadline of each call to a peer on a get path.
@@ -356,6 +365,72 @@ struct Cluster {
     small_peers: Mutex<HashMap<u64, (String, Arc<SmallOpsClient>)>>,
     /// Small ops to the master (a single get's route); `None` with `MORI_UMBP_SMALL_OPS=0`.
     master_small: Option<SmallOpsClient>,
+}
+
+/// Most routes a client keeps for single gets ([`RouteCache`]).
+pub const ROUTE_CACHE_KEYS: usize = 1 << 16;
+
+/// Where keys were last found or stored: key -> (peer id, address), in insertion order so that
+/// beyond [`ROUTE_CACHE_KEYS`] the oldest half is dropped.
+#[derive(Debug, Default)]
+struct RouteCache {
+    by_key: HashMap<Vec<u8>, (u64, Arc<str>, u64)>,
+    order: BTreeMap<u64, Vec<u8>>,
+    next: u64,
+}
+
+impl RouteCache {
+    fn learn(&mut self, key: &[u8], peer: u64, addr: &str) {
+        if let Some((p, a, _)) = self.by_key.get(key)
+            && *p == peer
+            && **a == *addr
+        {
+            return;
+        }
+        self.drop_key(key);
+        if self.by_key.len() >= ROUTE_CACHE_KEYS {
+            let oldest: Vec<u64> = self
+                .order
+                .keys()
+                .take(ROUTE_CACHE_KEYS / 2)
+                .copied()
+                .collect();
+            for n in oldest {
+                if let Some(k) = self.order.remove(&n) {
+                    self.by_key.remove(&k);
+                }
+            }
+        }
+        self.next += 1;
+        self.order.insert(self.next, key.to_vec());
+        self.by_key
+            .insert(key.to_vec(), (peer, Arc::from(addr), self.next));
+    }
+
+    fn get(&self, key: &[u8]) -> Option<(u64, Arc<str>)> {
+        self.by_key.get(key).map(|(p, a, _)| (*p, Arc::clone(a)))
+    }
+
+    fn drop_key(&mut self, key: &[u8]) {
+        if let Some((_, _, n)) = self.by_key.remove(key) {
+            self.order.remove(&n);
+        }
+    }
+
+    /// Drops every route to `peer` (it could not be reached).
+    fn forget_peer(&mut self, peer: u64) {
+        let gone: Vec<u64> = self
+            .by_key
+            .values()
+            .filter(|(p, _, _)| *p == peer)
+            .map(|(_, _, n)| *n)
+            .collect();
+        for n in gone {
+            if let Some(k) = self.order.remove(&n) {
+                self.by_key.remove(&k);
+            }
+        }
+    }
 }
 
 /// The client of peer `id` at `addr` kept in `map`, or a new one from `make` (kept in its
@@ -433,7 +508,12 @@ impl Cluster {
         }
     }
 
+    fn routes(&self) -> std::sync::MutexGuard<'_, RouteCache> {
+        self.routes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn forget(&self, id: u64) {
+        self.routes().forget_peer(id);
         self.peers
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -710,6 +790,7 @@ impl Client {
                 secret: Arc::clone(&secret),
                 peers: Mutex::new(HashMap::new()),
                 small_peers: Mutex::new(HashMap::new()),
+                routes: Mutex::new(RouteCache::default()),
                 master_small: small_ops_enabled().then(|| {
                     SmallOpsClient::new(
                         hostport,
@@ -832,18 +913,22 @@ impl Client {
                 let mut tasks = tokio::task::JoinSet::new();
                 for (peer, (addr, idxs)) in groups {
                     let call = send(c.peer(peer, &addr)?, &idxs);
-                    tasks.spawn(async move { (peer, idxs, call.await) });
+                    tasks.spawn(async move { (peer, addr, idxs, call.await) });
                 }
                 let mut retry = Vec::new();
                 let mut failure: Option<tonic::Status> = None;
                 let mut last_transport = None;
                 while let Some(done) = tasks.join_next().await {
-                    let (peer, idxs, res) = done
+                    let (peer, addr, idxs, res) = done
                         .map_err(|e| tonic::Status::internal(format!("client task failed: {e}")))?;
                     match res {
                         Ok(stored) => {
+                            let mut routes = c.routes();
                             for (i, s) in idxs.into_iter().zip(stored) {
                                 out[i] = s;
+                                if s {
+                                    routes.learn(keys[i], peer, &addr);
+                                }
                             }
                         }
                         Err(s) if is_transport(&s) => {
@@ -924,6 +1009,21 @@ impl Client {
         key: &[u8],
         sink: &mut dyn Sink,
     ) -> Result<Option<usize>> {
+        let known = c.routes().get(key);
+        if let Some((peer, addr)) = known
+            && let Some(answer) =
+                c.small_peer(peer, &addr)?
+                    .call_into(small_ops::GET, key, None, sink)
+        {
+            match answer {
+                Ok(Some(n)) => return Ok(Some(n)),
+                Ok(None) => c.routes().drop_key(key), // the key left that peer: ask the master
+                Err(s) if is_transport(&s) || s.code() == tonic::Code::DeadlineExceeded => {
+                    c.forget(peer)
+                }
+                Err(s) => return Err(s.into()),
+            }
+        }
         let small_route = c
             .master_small
             .as_ref()
@@ -947,6 +1047,9 @@ impl Client {
                 let small = c
                     .small_peer(peer, &addr)?
                     .call_into(small_ops::GET, key, None, sink);
+                if let Some(Ok(Some(_))) = &small {
+                    c.routes().learn(key, peer, &addr);
+                }
                 let answer = match small {
                     Some(answer) => answer,
                     None => {

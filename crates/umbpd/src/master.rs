@@ -47,6 +47,10 @@ pub trait Clock: Send + Sync + fmt::Debug {
     fn now(&self) -> Duration;
 }
 
+/// Most keys a peer reports as read in one heartbeat (single gets it served without the
+/// master's route); the rest of a busier interval is not reported (their LRU renewal is a hint).
+pub const MAX_REPORTED_READS: usize = 8192;
+
 /// The real clock.
 #[derive(Debug)]
 pub struct SystemClock(Instant);
@@ -406,14 +410,16 @@ impl MasterCore {
         Ok(id)
     }
 
-    /// A heartbeat of peer `id`: records its load, forgets the keys its pool dropped, and
-    /// returns the keys it should evict from DRAM. `None`: the peer is unknown (dead or never
+    /// A heartbeat of peer `id`: records its load, forgets the keys its pool dropped, renews
+    /// the keys it served to single gets (`read`) as routed reads, and returns the keys it
+    /// should evict from DRAM. `None`: the peer is unknown (dead or never
     /// registered) and must register again.
     pub fn heartbeat(
         &mut self,
         id: u64,
         load: PeerLoad,
         dropped: &[Vec<u8>],
+        read: &[Vec<u8>],
     ) -> Result<Option<Vec<Vec<u8>>>> {
         self.sweep()?;
         let now = self.clock.now();
@@ -426,7 +432,35 @@ impl MasterCore {
         for key in dropped {
             self.unpublish_if_at(key, id)?;
         }
+        // Keys the peer served to clients that did not ask for a route: renewed as reads.
+        let capacity = self
+            .peers
+            .get(&id)
+            .map_or(0, |p| p.load.stats.dram_capacity_bytes);
+        if !read.is_empty() {
+            let keys: Vec<&[u8]> = read.iter().map(Vec::as_slice).collect();
+            for (key, loc) in keys.iter().zip(self.meta.batch_get(&keys)?) {
+                if let Some(loc) = loc
+                    && loc.peer == id
+                    && !self.removing.contains(*key)
+                {
+                    self.renew_read(key, loc, capacity)?;
+                }
+            }
+        }
         self.direct_eviction(id).map(Some)
+    }
+
+    /// A read of `key` at `loc` (on a peer with `dram_capacity` bytes of DRAM): its peer's pool
+    /// promotes an SSD hit to DRAM when it fits, so the index does too, and the key is renewed
+    /// in the LRU order.
+    fn renew_read(&mut self, key: &[u8], mut loc: Location, dram_capacity: u64) -> Result<()> {
+        if loc.tier == Tier::Ssd && loc.len <= dram_capacity {
+            self.meta.update_tier(key, Tier::Ssd, Tier::Dram)?;
+            loc.tier = Tier::Dram;
+        }
+        self.touch(key, &loc);
+        Ok(())
     }
 
     /// Removes `key` from the index if the index places it at `peer`.
@@ -585,7 +619,7 @@ impl MasterCore {
         let mut out = Vec::with_capacity(keys.len());
         let mut leased = Vec::new();
         for (key, loc) in keys.iter().zip(found) {
-            let Some(mut loc) = loc else {
+            let Some(loc) = loc else {
                 out.push(None);
                 continue;
             };
@@ -602,12 +636,8 @@ impl MasterCore {
                 addr: peer.addr.clone(),
                 len: loc.len,
             };
-            // An SSD hit is promoted to DRAM by the peer's pool when it fits.
-            if loc.tier == Tier::Ssd && loc.len <= peer.load.stats.dram_capacity_bytes {
-                self.meta.update_tier(key, Tier::Ssd, Tier::Dram)?;
-                loc.tier = Tier::Dram;
-            }
-            self.touch(key, &loc);
+            let capacity = peer.load.stats.dram_capacity_bytes;
+            self.renew_read(key, loc, capacity)?;
             leased.push(key.to_vec());
             out.push(Some(route));
         }
@@ -848,7 +878,7 @@ mod tests {
             "{err}"
         );
         // A heartbeat resets the reservations.
-        m.heartbeat(a, load(1000, 0, 0), &[]).unwrap();
+        m.heartbeat(a, load(1000, 0, 0), &[], &[]).unwrap();
         let r = m.route_put(&[b"k8"], &[900], &[], ip("10.0.0.1")).unwrap();
         assert_eq!(r[0].as_ref().unwrap().peer, a);
         // A key already published is "exists" (None), and bad input is refused.
@@ -896,7 +926,11 @@ mod tests {
         m.commit(b, &e(b"kb")).unwrap();
         for _ in 0..3 {
             clock.advance(600 * MS);
-            assert!(m.heartbeat(b, load(1 << 20, 0, 0), &[]).unwrap().is_some());
+            assert!(
+                m.heartbeat(b, load(1 << 20, 0, 0), &[], &[])
+                    .unwrap()
+                    .is_some()
+            );
         }
         // 1800 ms without a heartbeat from a (timeout 1000 ms): dead, without any tick.
         assert_eq!(m.exists(&[b"ka", b"kb"]).unwrap(), vec![false, true]);
@@ -904,7 +938,11 @@ mod tests {
         assert_eq!(m.len().unwrap(), 1);
         let c = m.counters();
         assert_eq!((c.peers_declared_dead, c.keys_lost_with_peers), (1, 1));
-        assert_eq!(m.heartbeat(a, load(1, 0, 0), &[]).unwrap(), None, "unknown");
+        assert_eq!(
+            m.heartbeat(a, load(1, 0, 0), &[], &[]).unwrap(),
+            None,
+            "unknown"
+        );
         assert_eq!(m.commit(a, &e(b"ka")).unwrap(), None);
         // Re-registration: a new id, and its keys can be published again.
         let a2 = m.register("127.0.0.1:1", load(1 << 20, 0, 0)).unwrap();
@@ -934,7 +972,7 @@ mod tests {
             vec![false],
             "old life's keys are gone"
         );
-        assert_eq!(m.heartbeat(a, load(1, 0, 0), &[]).unwrap(), None);
+        assert_eq!(m.heartbeat(a, load(1, 0, 0), &[], &[]).unwrap(), None);
         assert_eq!(
             m.commit(a2, &[(b"k".to_vec(), 1, true)]).unwrap(),
             Some(vec![true])
@@ -991,6 +1029,35 @@ mod tests {
     }
 
     #[test]
+    fn reads_a_peer_reports_renew_keys_as_routed_reads_do() {
+        let (mut m, _) = master();
+        let a = m.register("127.0.0.1:1", load(1000, 0, 0)).unwrap();
+        let b = m.register("127.0.0.1:2", load(1000, 0, 0)).unwrap();
+        for i in 0..4u8 {
+            m.commit(a, &[(vec![b'k', b'0' + i], 100, false)]).unwrap();
+        }
+        m.commit(b, &[(b"kb".to_vec(), 100, false)]).unwrap();
+        // a served k0 and k1 to clients that knew the way; a's report of b's key changes nothing.
+        let read = [
+            b"k0".to_vec(),
+            b"k1".to_vec(),
+            b"kb".to_vec(),
+            b"gone".to_vec(),
+        ];
+        assert_eq!(
+            m.heartbeat(a, load(1000, 0, 0), &[], &read).unwrap(),
+            Some(vec![])
+        );
+        // 950 used: evict 250 bytes, least recently used first: k2, k3, then k0 (renewed first).
+        let ev = m
+            .heartbeat(a, load(1000, 950, 0), &[], &[])
+            .unwrap()
+            .unwrap();
+        assert_eq!(ev, vec![b"k2".to_vec(), b"k3".to_vec(), b"k0".to_vec()]);
+        assert_eq!(m.exists(&[b"k1", b"kb"]).unwrap(), vec![true, true]);
+    }
+
+    #[test]
     fn eviction_follows_cluster_lru_skips_leased_keys_and_respects_watermarks() {
         let (mut m, _) = master();
         let a = m.register("127.0.0.1:1", load(1000, 0, 0)).unwrap();
@@ -1006,11 +1073,14 @@ mod tests {
         let (_, held) = m.route_get(&[b"k4"]).unwrap();
         // Under the high watermark (900 of 1000): nothing.
         assert_eq!(
-            m.heartbeat(a, load(1000, 900, 0), &[]).unwrap(),
+            m.heartbeat(a, load(1000, 900, 0), &[], &[]).unwrap(),
             Some(vec![])
         );
         // 950 used: evict down to 700, i.e. 250 bytes = 3 keys of 100, LRU first, k4 leased.
-        let ev = m.heartbeat(a, load(1000, 950, 0), &[]).unwrap().unwrap();
+        let ev = m
+            .heartbeat(a, load(1000, 950, 0), &[], &[])
+            .unwrap()
+            .unwrap();
         assert_eq!(ev, vec![b"k6".to_vec(), b"k8".to_vec(), b"k0".to_vec()]);
         // Without SSD the victims leave the index at once.
         assert_eq!(
@@ -1019,12 +1089,12 @@ mod tests {
         );
         // With SSD (peer b) they stay, moved to the SSD tier (not picked again).
         let ev = m
-            .heartbeat(b, load(1000, 950, 10_000), &[])
+            .heartbeat(b, load(1000, 950, 10_000), &[], &[])
             .unwrap()
             .unwrap();
         assert_eq!(ev, vec![b"k1".to_vec(), b"k3".to_vec(), b"k5".to_vec()]);
         let ev = m
-            .heartbeat(b, load(1000, 950, 10_000), &[])
+            .heartbeat(b, load(1000, 950, 10_000), &[], &[])
             .unwrap()
             .unwrap();
         assert_eq!(ev, vec![b"k7".to_vec(), b"k9".to_vec()]);
@@ -1033,17 +1103,25 @@ mod tests {
         let (_, l) = m.route_get(&[b"k1"]).unwrap();
         m.release(l).unwrap();
         let ev = m
-            .heartbeat(b, load(1000, 950, 10_000), &[])
+            .heartbeat(b, load(1000, 950, 10_000), &[], &[])
             .unwrap()
             .unwrap();
         assert_eq!(ev, vec![b"k1".to_vec()]);
         assert_eq!(m.counters().evictions_directed, 9);
         // Keys a peer dropped by itself leave the index, only if indexed at that peer.
-        m.heartbeat(b, load(1000, 0, 10_000), &[b"k2".to_vec(), b"k3".to_vec()])
-            .unwrap();
+        m.heartbeat(
+            b,
+            load(1000, 0, 10_000),
+            &[b"k2".to_vec(), b"k3".to_vec()],
+            &[],
+        )
+        .unwrap();
         assert_eq!(m.exists(&[b"k2", b"k3"]).unwrap(), vec![true, false]);
         m.release(held).unwrap();
-        let ev = m.heartbeat(a, load(1000, 950, 0), &[]).unwrap().unwrap();
+        let ev = m
+            .heartbeat(a, load(1000, 950, 0), &[], &[])
+            .unwrap()
+            .unwrap();
         assert_eq!(
             ev,
             vec![b"k2".to_vec(), b"k4".to_vec()],

@@ -365,11 +365,13 @@ impl Master for MasterService {
             peer_id,
             report,
             dropped,
+            mut read,
         } = req.into_inner();
         let load = load_of(report);
+        read.truncate(crate::master::MAX_REPORTED_READS); // a hint: more is not worth the work
         let evict = self
             .state
-            .with(move |m| m.heartbeat(peer_id, load, &dropped))
+            .with(move |m| m.heartbeat(peer_id, load, &dropped, &read))
             .await?;
         Ok(Response::new(HeartbeatResponse {
             known: evict.is_some(),

@@ -47,6 +47,9 @@ pub struct PeerLink {
     master: MasterClient<Channel>,
     master_addr: String,
     id: AtomicU64,
+    /// Keys single gets read here since the last heartbeat (at most
+    /// [`crate::master::MAX_REPORTED_READS`]), reported so the master renews them.
+    reads: std::sync::Mutex<Vec<Vec<u8>>>,
 }
 
 impl PeerLink {
@@ -69,7 +72,29 @@ impl PeerLink {
             master,
             master_addr: addr.to_string(),
             id: AtomicU64::new(0),
+            reads: std::sync::Mutex::new(Vec::new()),
         })
+    }
+
+    /// Notes a single get of `key` here, for the next heartbeat (clients that know where a key
+    /// is read it without the master, which keeps the cluster's LRU order).
+    pub(crate) fn note_read(&self, key: &[u8]) {
+        let mut reads = self
+            .reads
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if reads.len() < crate::master::MAX_REPORTED_READS {
+            reads.push(key.to_vec());
+        }
+    }
+
+    fn take_reads(&self) -> Vec<Vec<u8>> {
+        std::mem::take(
+            &mut *self
+                .reads
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
     }
 
     /// The id the master gave this peer (0: not registered).
@@ -243,6 +268,7 @@ async fn heartbeat(
         peer_id: link.id(),
         report: Some(rep),
         dropped: dropped.clone(),
+        read: link.take_reads(), // lost with a failed heartbeat: a hint only
     };
     let resp = match link.master.clone().heartbeat(req).await {
         Ok(r) => r.into_inner(),

@@ -750,10 +750,13 @@ impl UmbpService {
         self
     }
 
-    /// The value of `key` (`Get`, over gRPC or small ops): a miss or a small DRAM value is
-    /// answered on this task — handing the call to a blocking thread and back costs more than
+    /// The value of `key` (`Get`, over gRPC or small ops; a peer notes it for its master's LRU
+    /// order): a miss or a small DRAM value is answered on this task — handing the call to a blocking thread and back costs more than
     /// the copy (benches/NOTES.md) —, anything else on a blocking thread.
     pub(crate) async fn value_of_key(&self, key: Vec<u8>) -> Result<Option<Vec<u8>>, Status> {
+        if let Some(link) = &self.link {
+            link.note_read(&key);
+        }
         let at_once = self
             .pool
             .try_with(|p| p.try_get_at_once(&key, INLINE_BYTES))?;

@@ -107,9 +107,24 @@ fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
     );
     assert_eq!(
         master_served() - routed_before,
-        keys.len() as u64 + 1,
-        "one route per get, the miss's too"
+        1,
+        "the putting client knows every key's peer: only the miss asks the master"
     );
+    // Another client learns each route from the master once, then goes straight to the peer.
+    let other = Client::connect(&cl.master.addr).unwrap();
+    for round in 0..2 {
+        let (before, routed_before) = (served(&cl), master_served());
+        for (k, v) in keys.iter().zip(&values) {
+            assert_eq!(other.get(k).unwrap().as_ref(), Some(v));
+        }
+        assert_eq!(served(&cl) - before, keys.len() as u64);
+        let routes = if round == 0 { keys.len() as u64 } else { 0 };
+        assert_eq!(
+            master_served() - routed_before,
+            routes,
+            "round {round}: routes asked"
+        );
+    }
     let mut found = 0;
     for peer in &cl.peers {
         let direct = Client::connect(&peer.addr).unwrap();
@@ -122,6 +137,33 @@ fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
         }
     }
     assert_eq!(found, keys.len(), "each key on exactly one peer");
+}
+
+#[test]
+fn a_route_that_went_stale_falls_back_to_the_master() {
+    let cl = cluster(&["--dram-bytes", "8M"], false);
+    let reader = Client::connect(&cl.master.addr).unwrap();
+    let writer = Client::connect(&cl.master.addr).unwrap();
+    let (k, v1, v2) = (key(7), bytes(1, 3000), bytes(2, 5000));
+    assert!(reader.put(&k, &v1).unwrap()); // the reader learns the key's peer
+    assert_eq!(reader.get(&k).unwrap(), Some(v1));
+    // Removed and stored again by another client (on either peer): the reader's route names
+    // the old peer, which no longer has it or has the new value: never the old bytes.
+    assert!(writer.remove(&k).unwrap());
+    assert!(writer.put(&k, &v2).unwrap());
+    assert_eq!(reader.get(&k).unwrap(), Some(v2.clone()));
+    assert!(writer.remove(&k).unwrap());
+    assert_eq!(reader.get(&k).unwrap(), None);
+    assert!(writer.put(&k, &v2).unwrap());
+    assert_eq!(reader.get(&k).unwrap(), Some(v2.clone()));
+    // The peer holding it dies: the route is dropped and the key is a miss (as a routed get).
+    let holder = cl
+        .peers
+        .iter()
+        .position(|p| Client::connect(&p.addr).unwrap().get(&k).unwrap().is_some())
+        .expect("a peer holds the key");
+    cl.peers[holder].signal(libc::SIGKILL);
+    assert_eq!(reader.get(&k).unwrap(), None);
 }
 
 #[test]
@@ -562,6 +604,7 @@ fn register_fake_peer(master: &str, addr: &str, keys: &[&[u8]]) {
                 peer_id: id,
                 report: Some(report.clone()),
                 dropped: Vec::new(),
+                read: Vec::new(),
             };
             if rt.block_on(m.heartbeat(beat)).is_err() {
                 return;

@@ -268,6 +268,7 @@ fn a_rogue_peer_cannot_register_heartbeat_or_commit() {
                 peer_id,
                 report: None,
                 dropped: Vec::new(),
+                read: Vec::new(),
             })
             .await;
         let commit = rogue

@@ -101,7 +101,11 @@ def _timed_get_into(client, keys: list[bytes], out: np.ndarray) -> float:
     return time.perf_counter() - t0 - t_poison
 
 
-def _pool_rows(client, label: str, total_bytes: int, checks: Checks) -> list[dict[str, Any]]:
+def _pool_rows(client, label: str, total_bytes: int, checks: Checks, reader=None) -> list[dict[str, Any]]:
+    """Puts and gets through ``client`` per value size and batch; with ``reader`` (another
+    client of the same cluster) single gets are timed through it too, before ``client``'s: its
+    first get of each key asks the master for the route, where ``client`` knows the peers from
+    its own puts."""
     rows = []
     rng = _rng()
     for size in SIZES:
@@ -121,6 +125,13 @@ def _pool_rows(client, label: str, total_bytes: int, checks: Checks) -> list[dic
                 else:
                     client.batch_put(keys[i : i + batch], values[i : i + batch])
             t_put = time.perf_counter() - t0
+            t_new = None
+            if reader is not None and batch == 1:
+                t0 = time.perf_counter()
+                for k in keys:
+                    got = reader.get(k)
+                t_new = time.perf_counter() - t0
+                ok_new = _same(checks, f"{what}: another client's last get", got, values[-1])
             t0 = time.perf_counter()
             for i in range(0, len(keys), batch):
                 if batch == 1:
@@ -133,6 +144,9 @@ def _pool_rows(client, label: str, total_bytes: int, checks: Checks) -> list[dic
             row = {"backend": label, "value_bytes": size, "batch": batch, "keys": len(keys),
                    "put_gbps": len(keys) * size / t_put / 1e9, "put_ops": len(keys) / t_put,
                    "get_gbps": len(keys) * size / t_get / 1e9, "get_ops": len(keys) / t_get}
+            if t_new is not None:
+                row |= {"get_new_client_gbps": len(keys) * size / t_new / 1e9, "get_new_client_ops": len(keys) / t_new}
+                ok &= ok_new
             if batch == 1:
                 t_into = _timed_get_into(client, keys, out)
                 ok &= _same(checks, f"{what}: the last get_into", out.tobytes(), values[-1])
@@ -157,7 +171,9 @@ def _pool_rows(client, label: str, total_bytes: int, checks: Checks) -> list[dic
             print(f"  {label:<8} {human_bytes(size):>8} ×{batch:<4} put {row['put_gbps']:6.2f} GB/s {row['put_ops']:9.0f}/s | "
                   f"get {row['get_gbps']:6.2f} GB/s {row['get_ops']:9.0f}/s"
                   + (f" | get_into {row['get_into_gbps']:6.2f} GB/s | memcpy into {row['memcpy_into_gbps']:6.2f}, new "
-                     f"{row['memcpy_new_gbps']:6.2f} GB/s" if "get_into_gbps" in row else ""), flush=True)
+                     f"{row['memcpy_new_gbps']:6.2f} GB/s" if "get_into_gbps" in row else "")
+                  + (f" | another client's first gets {row['get_new_client_ops']:9.0f}/s" if "get_new_client_ops" in row else ""),
+                  flush=True)
     return rows
 
 
@@ -627,7 +643,7 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         try:
             master = _start_cluster(daemon, tmp, procs)
             c = Client(master=master)
-            rows += _pool_rows(c, "2peers", 64 << 20, checks=checks)
+            rows += _pool_rows(c, "2peers", 64 << 20, checks=checks, reader=Client(master=master))
             print("  registered buffers (values over mori.io, control over gRPC):")
             rows += _dataplane_rows(c, "2peers-io", 256 << 20, checks)
             print("  multi-client gets (registered buffers):")
