@@ -45,8 +45,9 @@ Everything runs on top of one :class:`mori.ep.Buffer`. What differs from DeepEP 
   ``num_tokens_per_rdma_rank`` per node; combine sums each node's rows first, so its bf16
   result is rounded once more than on one node. Nodes are mori's (up to 8 nodes of up to 8
   consecutive ranks), not DeepEP's fixed 8 ranks per node. The traffic between nodes lives in
-  the shmem proxy window (``MORI_SHMEM_WINDOW_SIZE``; a buffer that does not fit raises with
-  the bytes it needs).
+  the shmem proxy window, which ``num_rdma_bytes`` sizes when the facade initialises
+  :mod:`mori.shmem` (``MORI_SHMEM_WINDOW_SIZE``, when set, wins; a buffer that does not fit
+  raises with the bytes it needs).
 * **Dispatch by layout alone** (no ``topk_idx``): mori routes by expert, so the facade gives
   each token one slot per rank it goes to (that rank's first expert); the rows move once per
   rank as with DeepEP, and the dispatch's own count exchange carries the caller's
@@ -100,27 +101,27 @@ class Config:
         self.num_max_rdma_chunked_send_tokens = int(num_max_rdma_chunked_send_tokens)
         self.num_max_rdma_chunked_recv_tokens = _round_up(int(num_max_rdma_chunked_recv_tokens), self.num_max_rdma_chunked_send_tokens)
 
+    def _hint_terms(self, hidden_bytes: int, num_ranks: int) -> tuple[int, int]:
+        """(channels, bytes per received row) of the size hints, after checking ``num_ranks``.
+        A row: the data, 128 top-k ids (int64) and weights (fp32), 128 scales (fp32)."""
+        if not 1 <= num_ranks <= NUM_MAX_RANKS:
+            raise InvalidArgumentError(f"1..{NUM_MAX_RANKS} ranks, got {num_ranks}")
+        return max(self.num_sms // 2, 1), hidden_bytes + 128 * 8 + 128 * 4 + 128 * 4
+
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of a chunked receive area for the ``num_ranks`` peers of a node (informational:
         mori sizes its buffers from the shapes of the calls, see the module docstring)."""
-        if not 1 <= num_ranks <= NUM_MAX_RANKS:
-            raise InvalidArgumentError(f"1..{NUM_MAX_RANKS} ranks, got {num_ranks}")
-        channels = max(self.num_sms // 2, 1)
-        # per received row: the row, 128 top-k ids (int64) and weights (fp32), 128 scales (fp32)
-        per_row = hidden_bytes + 128 * 8 + 128 * 4 + 128 * 4
+        channels, per_row = self._hint_terms(hidden_bytes, num_ranks)
         total = channels * min(num_ranks, NUM_MAX_NVL_PEERS) * (5 * 4 + self.num_max_nvl_chunked_recv_tokens * per_row)
         return _round_up(total, 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """0 for one node of up to 8 ranks; for more, DeepEP's nodes of 8 ranks, the bytes of a
         chunked receive area per other node (informational: mori's traffic between nodes lives
-        in the shmem proxy window, sized by ``MORI_SHMEM_WINDOW_SIZE``; docs/ep.md)."""
-        if not 1 <= num_ranks <= NUM_MAX_RANKS:
-            raise InvalidArgumentError(f"1..{NUM_MAX_RANKS} ranks, got {num_ranks}")
+        in the shmem proxy window, which ``Buffer(num_rdma_bytes=...)`` sizes; docs/ep.md)."""
+        channels, per_row = self._hint_terms(hidden_bytes, num_ranks)
         if num_ranks <= NUM_MAX_NVL_PEERS:
             return 0
-        channels = max(self.num_sms // 2, 1)
-        per_row = hidden_bytes + 128 * 8 + 128 * 4 + 128 * 4
         nodes = (num_ranks + NUM_MAX_NVL_PEERS - 1) // NUM_MAX_NVL_PEERS
         return _round_up(channels * nodes * 2 * self.num_max_rdma_chunked_recv_tokens * per_row, 128)
 
@@ -245,7 +246,8 @@ class Buffer:
     """DeepEP's ``Buffer``, on :class:`mori.ep.Buffer` (see the module docstring for the sizing
     policy, what changes across nodes, and the differences).
 
-    Accepted and ignored: ``num_nvl_bytes``, ``num_rdma_bytes`` (sizing comes from the calls),
+    Accepted and not used for the buffers' sizes (they come from the calls): ``num_nvl_bytes``,
+    ``num_rdma_bytes`` (it sizes the shmem proxy window across nodes). Accepted and ignored:
     ``low_latency_mode`` (both modes always work on one node; no ``clean_low_latency_buffer`` is
     needed between them), ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode`` (always NVLink),
     ``allow_mnnvl``, ``use_fabric``, ``enable_shrink``.
