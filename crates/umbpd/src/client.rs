@@ -353,6 +353,10 @@ struct Cluster {
     master: MasterClient<Channel>,
     /// Routes this client learnt: key -> (peer id, its address), for single gets.
     routes: Mutex<RouteCache>,
+    /// Staging buffers shared with peers on this host, by peer id (with the address; `None`:
+    /// that peer is on another host, offers none, or `MORI_UMBP_SHM=0`), made at the first
+    /// single get from the peer through a known route.
+    peer_staging: Mutex<HashMap<u64, (String, Option<Staging>)>>,
     /// Options of the connections to peers ([`peer_options`] of the client's options).
     opts: ClientOptions,
     /// Deadline of each call to a peer on a get path.
@@ -366,6 +370,9 @@ struct Cluster {
     /// Small ops to the master (a single get's route); `None` with `MORI_UMBP_SMALL_OPS=0`.
     master_small: Option<SmallOpsClient>,
 }
+
+/// A staging buffer shared with a daemon on this host, for single gets.
+type Staging = Arc<Mutex<SharedBuffer>>;
 
 /// Most routes a client keeps for single gets ([`RouteCache`]).
 pub const ROUTE_CACHE_KEYS: usize = 1 << 16;
@@ -430,6 +437,28 @@ impl RouteCache {
                 self.by_key.remove(&k);
             }
         }
+    }
+}
+
+/// A single get through `staging` (a buffer shared with a daemon on this host): the daemon
+/// copies the value there, then it is copied into `sink`. `None` to take another path: the
+/// buffer busy with another thread's get, or the value longer than the buffer.
+fn staged_get(
+    staging: &Mutex<SharedBuffer>,
+    key: &[u8],
+    sink: &mut dyn Sink,
+) -> Option<std::result::Result<Option<usize>, tonic::Status>> {
+    let buf = staging.try_lock().ok()?;
+    match buf.get_into(key, 0, buf.len() as u64) {
+        Ok(None) => Some(Ok(None)),
+        Ok(Some(n)) => {
+            // SAFETY: the first n bytes of the mapping, which the daemon finished writing before
+            // it answered; the lock keeps other gets of this client out meanwhile.
+            let value = unsafe { std::slice::from_raw_parts(buf.as_ptr(), n) };
+            Some(fill(sink, value).map(Some))
+        }
+        Err(status) if status.code() == tonic::Code::InvalidArgument => None,
+        Err(status) => Some(Err(status)),
     }
 }
 
@@ -512,8 +541,59 @@ impl Cluster {
         self.routes.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The staging buffer shared with peer `id` at `addr`, when it is on this host (`None`
+    /// otherwise); an error when the peer did not answer the question (nothing is kept then).
+    fn peer_staging(&self, id: u64, addr: &str) -> Result<Option<Staging>> {
+        if !shm_enabled() {
+            return Ok(None);
+        }
+        let connect = || -> Result<Option<Staging>> {
+            let name = match self
+                .small_peer(id, addr)?
+                .call(small_ops::SHM_NAME, b"", None)
+            {
+                Some(Ok(Some(name))) => name,
+                Some(Err(s)) => return Err(s.into()),
+                Some(Ok(None)) | None => return Ok(None),
+            };
+            Ok(
+                SharedBuffer::connect(&name, &self.secret, SHM_STAGING_BYTES)
+                    .map_err(|e| tracing::debug!("peer {id} at {addr} is not on this host: {e}"))
+                    .ok()
+                    .map(|b| Arc::new(Mutex::new(b))),
+            )
+        };
+        kept_for_peer(&self.peer_staging, id, addr, connect)
+    }
+
+    /// A single get from peer `id` at `addr`: through the staging buffer shared with it when it
+    /// is on this host, else over small ops; `None` when the peer speaks neither.
+    fn single_get(
+        &self,
+        id: u64,
+        addr: &str,
+        key: &[u8],
+        sink: &mut dyn Sink,
+    ) -> Result<Option<small_ops::SinkAnswer>> {
+        let staging = match self.peer_staging(id, addr) {
+            Ok(staging) => staging,
+            Err(ClientError::Rpc(s)) => return Ok(Some(Err(s))), // the peer did not answer
+            Err(e) => return Err(e),
+        };
+        if let Some(answer) = staging.and_then(|b| staged_get(&b, key, sink)) {
+            return Ok(Some(answer));
+        }
+        Ok(self
+            .small_peer(id, addr)?
+            .call_into(small_ops::GET, key, None, sink))
+    }
+
     fn forget(&self, id: u64) {
         self.routes().forget_peer(id);
+        self.peer_staging
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&id);
         self.peers
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -791,6 +871,7 @@ impl Client {
                 peers: Mutex::new(HashMap::new()),
                 small_peers: Mutex::new(HashMap::new()),
                 routes: Mutex::new(RouteCache::default()),
+                peer_staging: Mutex::new(HashMap::new()),
                 master_small: small_ops_enabled().then(|| {
                     SmallOpsClient::new(
                         hostport,
@@ -1009,19 +1090,16 @@ impl Client {
         key: &[u8],
         sink: &mut dyn Sink,
     ) -> Result<Option<usize>> {
-        let known = c.routes().get(key);
-        if let Some((peer, addr)) = known
-            && let Some(answer) =
-                c.small_peer(peer, &addr)?
-                    .call_into(small_ops::GET, key, None, sink)
-        {
-            match answer {
-                Ok(Some(n)) => return Ok(Some(n)),
-                Ok(None) => c.routes().drop_key(key), // the key left that peer: ask the master
-                Err(s) if is_transport(&s) || s.code() == tonic::Code::DeadlineExceeded => {
+        let known = c.routes().get(key); // a statement of its own: the lock is not held below
+        if let Some((peer, addr)) = known {
+            match c.single_get(peer, &addr, key, sink)? {
+                Some(Ok(Some(n))) => return Ok(Some(n)),
+                Some(Ok(None)) => c.routes().drop_key(key), // the key left that peer: ask the master
+                Some(Err(s)) if is_transport(&s) || s.code() == tonic::Code::DeadlineExceeded => {
                     c.forget(peer)
                 }
-                Err(s) => return Err(s.into()),
+                Some(Err(s)) => return Err(s.into()),
+                None => {} // the peer does not speak small ops: the master's route and gRPC
             }
         }
         let small_route = c
@@ -1044,9 +1122,7 @@ impl Client {
         let answer = match route {
             None => Ok(None), // the master does not know the key
             Some((peer, addr)) => {
-                let small = c
-                    .small_peer(peer, &addr)?
-                    .call_into(small_ops::GET, key, None, sink);
+                let small = c.single_get(peer, &addr, key, sink)?;
                 if let Some(Ok(Some(_))) = &small {
                     c.routes().learn(key, peer, &addr);
                 }
@@ -1174,18 +1250,7 @@ impl Client {
                 made.map(Mutex::new)
             })
             .as_ref()?;
-        let buf = staging.try_lock().ok()?;
-        match buf.get_into(key, 0, buf.len() as u64) {
-            Ok(None) => Some(Ok(None)),
-            Ok(Some(n)) => {
-                // SAFETY: the first n bytes of the mapping, which the daemon finished writing
-                // before it answered; the lock keeps other gets of this client out meanwhile.
-                let value = unsafe { std::slice::from_raw_parts(buf.as_ptr(), n) };
-                Some(fill(sink, value).map(Some).map_err(Into::into))
-            }
-            Err(status) if status.code() == tonic::Code::InvalidArgument => None,
-            Err(status) => Some(Err(status.into())),
-        }
+        staged_get(staging, key, sink).map(|r| r.map_err(Into::into))
     }
 
     /// The abstract name of the daemon's same-host socket ([`crate::shm`]), as it says over

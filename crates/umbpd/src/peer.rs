@@ -374,12 +374,15 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
         })?,
     );
     let data = crate::server::start_data_plane(&shared, cfg, &security.secret);
+    // Clients on this host read single values through shared memory of their own, as from a
+    // standalone daemon (crate::shm).
     let service = UmbpService::new(Arc::clone(&shared), "peer")
         .with_link(Arc::clone(&link))
         .with_data_plane(data.clone())
-        .with_listener_stats(Arc::clone(&security.stats));
-    // Small ops answer a cluster client's single gets once the master has routed them (and
-    // leased the key); a put over them is published to the master as over gRPC.
+        .with_listener_stats(Arc::clone(&security.stats))
+        .with_same_host(Arc::clone(&security.secret), Arc::clone(&security.stats));
+    // Small ops answer a cluster client's single gets (routed by the master, or through a
+    // route the client knew); a put over them is published to the master as over gRPC.
     let serving = start_serving(
         listener,
         tonic::service::Routes::new(umbp_server(service.clone())),

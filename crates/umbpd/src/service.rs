@@ -713,6 +713,7 @@ impl UmbpService {
                     Arc::clone(&self.pool),
                     Arc::clone(&sh.secret),
                     Arc::clone(&sh.stats),
+                    self.link.clone(),
                 ) {
                     Ok(server) => Some(server.name().to_vec()),
                     Err(e) => {

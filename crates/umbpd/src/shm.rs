@@ -278,11 +278,13 @@ pub struct ShmServer {
 impl ShmServer {
     /// Binds a new abstract socket and serves it for `pool` until the process ends (a closed
     /// pool answers `UNAVAILABLE`).
-    /// Refused handshakes and served gets are counted in `stats` (reported by `Health`).
+    /// Refused handshakes and served gets are counted in `stats` (reported by `Health`); a
+    /// cluster peer notes each get in `link` for its master's LRU order.
     pub fn start(
         pool: Arc<SharedPool>,
         secret: Arc<Secret>,
         stats: Arc<ListenerStats>,
+        link: Option<Arc<crate::peer::PeerLink>>,
     ) -> io::Result<ShmServer> {
         // Unique on the host, not secret (the handshake is what a client must pass).
         let since = std::time::SystemTime::now()
@@ -301,17 +303,20 @@ impl ShmServer {
                         stats.refused.fetch_add(1, Ordering::Relaxed);
                         continue; // dropped: closed
                     }
-                    let (pool, secret, stats, mine) = (
+                    let (pool, secret, stats, mine, link) = (
                         Arc::clone(&pool),
                         Arc::clone(&secret),
                         Arc::clone(&stats),
                         Arc::clone(&open),
+                        link.clone(),
                     );
                     let spawned =
                         std::thread::Builder::new()
                             .name("umbpd-shm".into())
                             .spawn(move || {
-                                if let Err(e) = serve(stream, &pool, &secret, &stats) {
+                                if let Err(e) =
+                                    serve(stream, &pool, &secret, &stats, link.as_deref())
+                                {
                                     debug!("umbpd same-host connection ended: {e}");
                                 }
                                 mine.fetch_sub(1, Ordering::AcqRel);
@@ -362,6 +367,7 @@ fn serve(
     pool: &SharedPool,
     secret: &Secret,
     stats: &ListenerStats,
+    link: Option<&crate::peer::PeerLink>,
 ) -> io::Result<()> {
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
@@ -434,6 +440,9 @@ fn serve(
             return Ok(());
         };
         stats.same_host_served.fetch_add(1, Ordering::Relaxed);
+        if let Some(link) = link {
+            link.note_read(&key);
+        }
         let got = pool.with_status(|p| p.get_into(&key, out).map_err(crate::service::status_of));
         answer(
             &mut stream,

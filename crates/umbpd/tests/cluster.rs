@@ -73,37 +73,48 @@ fn cluster_with(peer_args: &[&str], ssd: bool, peer_timeout: &str) -> Cluster {
 /// A cluster client's single gets are routed by the master and read from the peer, both over
 /// small ops (master and peers count them), byte-exact, a miss included; a client straight on
 /// a peer uses them too.
+/// The keys and values of the single-get tests (the child process below makes the same).
+fn single_get_pairs() -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let keys = (0..8).map(key).collect();
+    let values = (0..8).map(|i| bytes(i as u64 + 900, 5000)).collect();
+    (keys, values)
+}
+
+/// Per path, the single gets the daemons at `addrs` answered: (over small ops, through shared
+/// memory on this host).
+fn served_at(addrs: &[String]) -> (u64, u64) {
+    addrs
+        .iter()
+        .map(|a| Client::connect(a).unwrap().health().unwrap())
+        .fold((0, 0), |(s, h), x| {
+            (s + x.small_ops_served, h + x.same_host_served)
+        })
+}
+
 #[test]
 fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
     let cl = cluster(&["--dram-bytes", "8M"], false);
     let via_master = Client::connect(&cl.master.addr).unwrap();
-    let keys: Vec<Vec<u8>> = (0..8).map(key).collect();
-    let values: Vec<Vec<u8>> = (0..8).map(|i| bytes(i as u64 + 900, 5000)).collect();
+    let (keys, values) = single_get_pairs();
     for (k, v) in keys.iter().zip(&values) {
         assert!(via_master.put(k, v).unwrap());
     }
-    let served = |cl: &Cluster| -> u64 {
-        cl.peers
-            .iter()
-            .map(|p| {
-                Client::connect(&p.addr)
-                    .unwrap()
-                    .health()
-                    .unwrap()
-                    .small_ops_served
-            })
-            .sum()
-    };
+    let peers: Vec<String> = cl.peers.iter().map(|p| p.addr.clone()).collect();
     let master_served = || via_master.health().unwrap().small_ops_served;
-    let (before, routed_before) = (served(&cl), master_served());
+    let (before, routed_before) = (served_at(&peers), master_served());
     for (k, v) in keys.iter().zip(&values) {
         assert_eq!(via_master.get(k).unwrap().as_ref(), Some(v));
     }
     assert_eq!(via_master.get(b"nowhere").unwrap(), None);
+    let after = served_at(&peers);
     assert_eq!(
-        served(&cl) - before,
+        after.1 - before.1,
         keys.len() as u64,
-        "one small op at a peer per routed get"
+        "each get through the staging buffer shared with its peer on this host"
+    );
+    assert!(
+        after.0 - before.0 <= peers.len() as u64,
+        "small ops at the peers: only the socket names"
     );
     assert_eq!(
         master_served() - routed_before,
@@ -113,11 +124,11 @@ fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
     // Another client learns each route from the master once, then goes straight to the peer.
     let other = Client::connect(&cl.master.addr).unwrap();
     for round in 0..2 {
-        let (before, routed_before) = (served(&cl), master_served());
+        let (before, routed_before) = (served_at(&peers), master_served());
         for (k, v) in keys.iter().zip(&values) {
             assert_eq!(other.get(k).unwrap().as_ref(), Some(v));
         }
-        assert_eq!(served(&cl) - before, keys.len() as u64);
+        assert_eq!(served_at(&peers).1 - before.1, keys.len() as u64);
         let routes = if round == 0 { keys.len() as u64 } else { 0 };
         assert_eq!(
             master_served() - routed_before,
@@ -125,6 +136,21 @@ fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
             "round {round}: routes asked"
         );
     }
+    // Without shared memory (MORI_UMBP_SHM=0, in a child to keep this process's environment)
+    // the same gets go over small ops.
+    let out = mori_testutil::this_test("single_gets_child_read_over_small_ops")
+        .arg("--include-ignored")
+        .env("MORI_UMBP_SHM", "0")
+        .env("UMBP_TEST_MASTER", &cl.master.addr)
+        .env("UMBP_TEST_PEERS", peers.join(","))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut found = 0;
     for peer in &cl.peers {
         let direct = Client::connect(&peer.addr).unwrap();
@@ -137,6 +163,36 @@ fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
         }
     }
     assert_eq!(found, keys.len(), "each key on exactly one peer");
+}
+
+/// Run by the test above in a child process with `MORI_UMBP_SHM=0`: a new client's single gets
+/// take the master's route once per key, then go straight to the peer, over small ops.
+#[test]
+#[ignore = "run by single_gets_in_a_cluster_read_the_peer_over_small_ops"]
+fn single_gets_child_read_over_small_ops() {
+    let master = std::env::var("UMBP_TEST_MASTER").unwrap();
+    let peers: Vec<String> = std::env::var("UMBP_TEST_PEERS")
+        .unwrap()
+        .split(',')
+        .map(String::from)
+        .collect();
+    let c = Client::connect(&master).unwrap();
+    let (keys, values) = single_get_pairs();
+    for round in 0..2 {
+        let before = (served_at(&peers), c.health().unwrap().small_ops_served);
+        for (k, v) in keys.iter().zip(&values) {
+            assert_eq!(c.get(k).unwrap().as_ref(), Some(v));
+        }
+        let after = (served_at(&peers), c.health().unwrap().small_ops_served);
+        assert_eq!(
+            after.0.0 - before.0.0,
+            keys.len() as u64,
+            "one small op at a peer per get"
+        );
+        assert_eq!(after.0.1, before.0.1, "no shared memory");
+        let routes = if round == 0 { keys.len() as u64 } else { 0 };
+        assert_eq!(after.1 - before.1, routes, "round {round}: routes asked");
+    }
 }
 
 #[test]
