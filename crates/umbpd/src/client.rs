@@ -588,8 +588,16 @@ impl Cluster {
             .call_into(small_ops::GET, key, None, sink))
     }
 
-    fn forget(&self, id: u64) {
+    /// A peer a get could not reach: its connections and the routes to it go (its keys are
+    /// misses until the master routes them elsewhere).
+    fn unreachable(&self, id: u64) {
         self.routes().forget_peer(id);
+        self.forget(id);
+    }
+
+    /// Drops the connections to peer `id` (a later call connects again). Routes to it stay: a
+    /// put it refused says nothing about the values it holds.
+    fn forget(&self, id: u64) {
         self.peer_staging
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -1068,7 +1076,7 @@ impl Client {
                         }
                     }
                     // The peer is gone: its keys are misses.
-                    Err(s) if is_transport(&s) => c.forget(peer),
+                    Err(s) if is_transport(&s) => c.unreachable(peer),
                     Err(s) => failure = failure.or(Some(s)),
                 }
             }
@@ -1096,7 +1104,7 @@ impl Client {
                 Some(Ok(Some(n))) => return Ok(Some(n)),
                 Some(Ok(None)) => c.routes().drop_key(key), // the key left that peer: ask the master
                 Some(Err(s)) if is_transport(&s) || s.code() == tonic::Code::DeadlineExceeded => {
-                    c.forget(peer)
+                    c.unreachable(peer)
                 }
                 Some(Err(s)) => return Err(s.into()),
                 None => {} // the peer does not speak small ops: the master's route and gRPC
@@ -1143,7 +1151,7 @@ impl Client {
                 };
                 match answer {
                     Err(s) if is_transport(&s) || s.code() == tonic::Code::DeadlineExceeded => {
-                        c.forget(peer);
+                        c.unreachable(peer);
                         Ok(None)
                     }
                     other => other,
@@ -1591,7 +1599,7 @@ impl Client {
                             results[i] = v;
                         }
                     }
-                    Err(s) if is_transport(&s) => c.forget(*peer),
+                    Err(s) if is_transport(&s) => c.unreachable(*peer),
                     Err(s) => failure = failure.or(Some(s)),
                 }
             }
