@@ -78,6 +78,26 @@ pub fn this_test(test: &str) -> std::process::Command {
     c
 }
 
+/// Runs the `#[ignore]`d test `test` of this binary in a child process with `envs` added to its
+/// environment (a setting this process must keep out of its own), and asserts that it ran and
+/// passed; the child's output is in the failure message.
+pub fn run_ignored_child(test: &str, envs: &[(&str, &str)]) {
+    let mut c = this_test(test);
+    c.arg("--include-ignored");
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    let out = c.output().expect("running the test binary again");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "child test {test}:\n{stdout}\n{stderr}"
+    );
+}
+
 /// This host's name as the kernel reports it.
 pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")

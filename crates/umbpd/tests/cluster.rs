@@ -138,18 +138,14 @@ fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
     }
     // Without shared memory (MORI_UMBP_SHM=0, in a child to keep this process's environment)
     // the same gets go over small ops.
-    let out = mori_testutil::this_test("single_gets_child_read_over_small_ops")
-        .arg("--include-ignored")
-        .env("MORI_UMBP_SHM", "0")
-        .env("UMBP_TEST_MASTER", &cl.master.addr)
-        .env("UMBP_TEST_PEERS", peers.join(","))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let peer_list = peers.join(",");
+    mori_testutil::run_ignored_child(
+        "single_gets_child_read_over_small_ops",
+        &[
+            ("MORI_UMBP_SHM", "0"),
+            ("UMBP_TEST_MASTER", &cl.master.addr),
+            ("UMBP_TEST_PEERS", &peer_list),
+        ],
     );
     let mut found = 0;
     for peer in &cl.peers {

@@ -305,21 +305,9 @@ fn single_gets_take_shared_memory_on_the_same_host_and_small_ops_beyond_it() {
     drop(c);
     // The switch: a client started with MORI_UMBP_SHM=0 (in a child, to keep this process's
     // environment) reads over small ops only.
-    let out = mori_testutil::this_test("same_host_child_reads_over_small_ops")
-        .arg("--include-ignored")
-        .env("MORI_UMBP_SHM", "0")
-        .env("UMBP_TEST_ADDR", &d.addr)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
+    mori_testutil::run_ignored_child(
+        "same_host_child_reads_over_small_ops",
+        &[("MORI_UMBP_SHM", "0"), ("UMBP_TEST_ADDR", &d.addr)],
     );
 }
 
