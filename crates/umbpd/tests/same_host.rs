@@ -182,6 +182,60 @@ fn shared_buffers_take_values_straight_from_the_pool_and_nowhere_else() {
     assert!(mem[placed[3].0..placed[3].0 + (1 << 20)] == values[3][..]);
 }
 
+/// A cluster peer's same-host socket (clients of the cluster read single values through it)
+/// is the same guarded door: attacked from this process, a wrong secret is refused and
+/// counted, a descriptor that is not a memfd is refused, and the peer goes on serving.
+#[test]
+fn a_cluster_peers_same_host_socket_refuses_strangers_and_bad_descriptors() {
+    let dirs: Vec<tempfile::TempDir> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+    let sf = secret_file(dirs[0].path(), "secret", GOOD);
+    let secret = sf.to_str().unwrap();
+    let master = Daemon::start(
+        dirs[0].path(),
+        &["--role", "master", "--secret-file", secret],
+        &[],
+    );
+    let peer = Daemon::start(
+        dirs[1].path(),
+        &[
+            "--role",
+            "peer",
+            "--master",
+            &master.addr,
+            "--secret-file",
+            secret,
+            "--heartbeat-interval",
+            "100ms",
+            "--dram-bytes",
+            "16M",
+        ],
+        &[],
+    );
+    let direct = Client::connect_with(&peer.addr, &opts(GOOD)).unwrap();
+    let name = direct.same_host_socket().unwrap();
+    let refused = direct.health().unwrap().connections_refused;
+    assert!(
+        raw(&name, BAD).is_err(),
+        "a wrong secret passed the peer's handshake"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(direct.health().unwrap().connections_refused, refused + 1);
+    let mut s = raw(&name, GOOD).unwrap();
+    let file = std::fs::File::create(dirs[1].path().join("plain")).unwrap();
+    file.set_len(1 << 20).unwrap();
+    send_with_fd(&s, HELLO, file.as_raw_fd()).unwrap();
+    let (code, msg) = hello_answer(&mut s).unwrap_err();
+    assert_eq!(code, tonic::Code::InvalidArgument as i32);
+    assert!(msg.contains("not a memfd"), "{msg}");
+    // The cluster's own client still reads through it.
+    let c = Client::connect_with(&master.addr, &opts(GOOD)).unwrap();
+    let v = bytes(9, 3000);
+    assert!(c.put(b"guarded", &v).unwrap());
+    let served = direct.health().unwrap().same_host_served;
+    assert_eq!(c.get(b"guarded").unwrap(), Some(v));
+    assert_eq!(direct.health().unwrap().same_host_served, served + 1);
+}
+
 /// The raw protocol from this process: without the secret nothing is served; with it, a
 /// descriptor that is not a memfd, an unsealed memfd and a hello without a descriptor are
 /// refused naming why; a request outside the buffer fails OUT_OF_RANGE and closes the
