@@ -128,6 +128,117 @@ def native_normal_round(b: Any, n: int, mode: str, fp8: bool, *, rank: int, worl
     return exp
 
 
+def native_ll_run(b: Any, x: Any, idx: Any, weights: Any, fp8: bool, hook: bool, *, rank: int, **scale_format: Any) -> tuple:
+    """A low-latency dispatch, the test experts (mori.ep._reference.ll_expert) and combine through
+    mori.ep.Buffer ``b`` (with ``hook``, each call split by its recv hook, with other GPU work in
+    between); returns (copies of the dispatch outputs, the combined rows, whether the hooks came
+    back as asked)."""
+    import torch
+
+    from mori.ep import _reference as ref
+
+    res = b.low_latency_dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook, **scale_format)
+    hook_ok = (res.hook is not None) == hook
+    if hook:
+        torch.mm(torch.randn((256, 256), device="cuda"), torch.randn((256, 256), device="cuda"))  # overlapped work
+        res.hook()
+    snap = dict(
+        recv_x=res.recv_x.clone(), recv_x_scales=res.recv_x_scales.clone() if fp8 else None, recv_count=res.recv_count.clone(),
+        recv_src_info=res.recv_src_info.clone(), recv_layout_range=res.recv_layout_range.clone(),
+    )
+    y = ref.ll_expert(snap["recv_x"], snap["recv_x_scales"], rank)
+    out, chook = b.low_latency_combine(y, idx, weights, res.handle, return_recv_hook=hook)
+    hook_ok = hook_ok and (chook is not None) == hook
+    if hook:
+        chook()
+    torch.cuda.synchronize()
+    return snap, out, hook_ok
+
+
+def native_ll_check(x: Any, idx: Any, weights: Any, fp8: bool, snap: dict, out: Any, hook_ok: bool, hook: bool, *, rank: int,
+                    world: int, num_experts: int, max_tokens: int, gather: Callable[[Any], list], sync: Callable[[], None],
+                    round_scale: bool = False) -> None:
+    """Checks what :func:`native_ll_run` returned against the references built from every rank's
+    inputs (``sync`` runs after the gathers, before the checks). The references are computed on
+    the GPU: across emulated nodes the proxies' polling threads share the host's cores with every
+    rank's torch CPU threads, and the FP8 reference took seconds per call there."""
+    from mori.ep import _reference as ref
+
+    all_x, all_idx = [t.cuda() for t in gather(x)], [t.cuda() for t in gather(idx)]
+    sync()
+    assert hook_ok, f"hook returned {'None' if hook else 'a callable'} with return_recv_hook={hook}"
+    ref.check_ll_dispatch(rank=rank, world=world, num_experts=num_experts, max_tokens=max_tokens, all_x=all_x, all_idx=all_idx,
+                          round_scale=round_scale, **snap)
+    ref.check_ll_combine(out, ref.expected_ll_combine(x, idx, weights, fp8, round_scale))
+
+
+def native_ll_round(b: Any, n: int, mode: str, fp8: bool, *, rank: int, world: int, routing: Callable[[int, str], Any],
+                    tokens: Callable[[int, int], Any], gen: Any, gather: Callable[[Any], list], sync: Callable[[], None],
+                    hook: bool = False, **scale_format: Any) -> None:
+    """One low-latency dispatch + combine of ``n`` fresh tokens routed by ``mode`` with fresh
+    weights, checked (dispatch layout, rows, FP8 scales in the asked format, combine)."""
+    import torch
+
+    idx = routing(n, mode)
+    weights = torch.rand((n, b.config.topk), device="cuda", generator=gen, dtype=torch.float32)
+    x = tokens(n, b.config.hidden)
+    snap, out, hook_ok = native_ll_run(b, x, idx, weights, fp8, hook, rank=rank, **scale_format)
+    if scale_format.get("scales_column_major"):
+        hook_ok = hook_ok and snap["recv_x_scales"].stride(1) == 1
+    native_ll_check(x, idx, weights, fp8, snap, out, hook_ok, hook, rank=rank, world=world, num_experts=b.config.num_experts,
+                    max_tokens=b.config.low_latency_max_tokens, gather=gather, sync=sync,
+                    round_scale=scale_format.get("round_scale", False))
+
+
+def native_ll_graph(b: Any, fp8: bool, *, n: int, rank: int, routing: Callable[[int, float], Any], tokens: Callable[[int], Any],
+                    gen: Any, sync: Callable[[], None], check: Callable[..., None]) -> None:
+    """A low-latency dispatch + test experts + combine of ``n`` tokens captured in a CUDA graph
+    (after a warm-up on a side stream), replayed four times with new tokens, routing (``routing(n,
+    drop)``, more -1 ids each replay) and weights copied into the captured inputs; each replay's
+    outputs checked with ``check(x, idx, weights, fp8, snap, out, hook_ok, hook)``."""
+    import torch
+
+    from mori.ep import _reference as ref
+
+    topk = b.config.topk
+    x_s = tokens(n)
+    idx_s = routing(n, 0.1)
+    w_s = torch.rand((n, topk), device="cuda", generator=gen, dtype=torch.float32)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph, on a side stream
+        for _ in range(2):
+            r = b.low_latency_dispatch(x_s, idx_s, use_fp8=fp8)
+            b.low_latency_combine(ref.ll_expert(r.recv_x, r.recv_x_scales, rank), idx_s, w_s, r.handle)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        r = b.low_latency_dispatch(x_s, idx_s, use_fp8=fp8)
+        out, _ = b.low_latency_combine(ref.ll_expert(r.recv_x, r.recv_x_scales, rank), idx_s, w_s, r.handle)
+    torch.cuda.synchronize()
+    sync()
+    failures = []
+    for replay in range(4):
+        x_s.copy_(tokens(n))
+        idx_s.copy_(routing(n, 0.05 * replay))
+        w_s.copy_(torch.rand((n, topk), device="cuda", generator=gen, dtype=torch.float32))
+        graph.replay()
+        torch.cuda.synchronize()
+        snap = dict(
+            recv_x=r.recv_x.clone(), recv_x_scales=r.recv_x_scales.clone() if fp8 else None, recv_count=r.recv_count.clone(),
+            recv_src_info=r.recv_src_info.clone(), recv_layout_range=r.recv_layout_range.clone(),
+        )
+        got = out.clone()
+        x, idx, w = x_s.clone(), idx_s.clone(), w_s.clone()
+        try:
+            check(x, idx, w, fp8, snap, got, True, False)
+        except AssertionError as e:
+            failures.append(f"replay {replay}: {e}")
+    del graph
+    assert not failures, "\n".join(failures)
+
+
 def routing(n: int, mode: str, *, num_experts: int, topk: int, world: int, rank: int, gen: Any, drop: float = 0.1) -> Any:
     """int64 [n, topk] expert ids on the GPU. Modes: "random" (distinct experts, ~``drop`` of the
     ids -1), "to_rank0" (every id on rank 0), "local_only" (every id on this rank); in the last

@@ -150,17 +150,19 @@ KERNELS = Path(__file__).parent.parent / "kernels" / "ep"
 # Frozen: the struct codes mori.ep packed each launch with before crates/collective
 # (P pointer, i int32, Q uint64; native alignment, no tail padding), with the fields added
 # since: the low-latency dispatch's round_scale (send), scale_format and wait_ns (receive), the
-# low-latency combine's wait_ns (receive), the normal prepare's capacity and expert_counts, and the
-# normal combine's weights (w, comb_w, topk, send_rows / out_w).
+# low-latency combine's wait_ns (receive), the normal prepare's capacity and expert_counts, the
+# normal combine's weights (w, comb_w, topk, send_rows / out_w), and the low-latency mode's ranks
+# per node and window areas (ep_ll_route is new with those).
 OLD_LAYOUTS = {
     "ep_prepare": "PiiiiiPPPPPPiPPPiiP",
     "ep_dispatch": "PQPiPPiiiiPPPPPPPPP",
     "ep_combine_send": "PQiiPPQPPPii",
     "ep_combine_reduce": "PiPQiiiPPPPPiP",
-    "ep_ll_dispatch_send": "PPiiiiiiiiiPPPP",
-    "ep_ll_dispatch_recv": "iiiiiiiiPPPPPPPPPPPPP",
-    "ep_ll_combine_send": "PPPiiiiiiiPPPPPPP",
-    "ep_ll_combine_recv": "PiiiiiiiiPPPPPP",
+    "ep_ll_dispatch_send": "PPiiiiiiiiiPPPP" + "iQPPPPP",
+    "ep_ll_dispatch_recv": "iiiiiiiiPPPPPPPPPPPPP" + "iQPPP",
+    "ep_ll_combine_send": "PPPiiiiiiiPPPPPPP" + "iPPPPPPPP",
+    "ep_ll_combine_recv": "PiiiiiiiiPPPPPP" + "iPPP",
+    "ep_ll_route": "PiiiiiiiPP",
 }
 
 
@@ -313,7 +315,7 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
         el = e // w
         a = [rng.getrandbits(40) << 4 for _ in range(13)]
         recv, rank_m, expert_m, comb, comb_w, counters, host_info = a[0:5], a[5:7], a[7:9], a[9], a[10], a[11], a[12]
-        ll = [rng.getrandbits(40) << 4 for _ in range(8)] + [2] if tll else None
+        ll = [rng.getrandbits(40) << 4 for _ in range(8)] + [2, 0] if tll else None
         rt = _core.EpRuntime(None, None, (w, e, h, k, tmax, tll), a, ll)
         n, topk_idx, weights, x, scales, meta, out, y, counts, out_w = 37, *[rng.getrandbits(40) << 4 for _ in range(9)]
 
@@ -357,7 +359,7 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
             with pytest.raises(errors.InvalidArgumentError, match="low-latency"):
                 rt.ll_dispatch_send(None, x, topk_idx, n, (False, False, False))
             continue
-        rows, llmeta, wts, llcomb, sent0, sent1, sent2, state, chunks = ll
+        rows, llmeta, wts, llcomb, sent0, sent1, sent2, state, chunks, route = ll
         outputs = [rng.getrandbits(40) << 4 for _ in range(7)]
         ids_pos, wait_ns = outputs[5], outputs[6]
         half = 4 * w * tll * k
@@ -368,17 +370,19 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
                     rt.ll_dispatch_send(None, x, topk_idx, n, fp8)
                 continue
             assert rt.ll_dispatch_send(None, x, topk_idx, n, fp8) == [("ep_ll_dispatch_send", 64, 512, 0, packed(
-                "ep_ll_dispatch_send", x, topk_idx, n, k, h, el, w, tll, use_fp8, round_scale, chunks, rows, llmeta, sent0, state))]
+                "ep_ll_dispatch_send", x, topk_idx, n, k, h, el, w, tll, use_fp8, round_scale, chunks, rows, llmeta, sent0, state,
+                w, 0, 0, 0, 0, route, state + 16))]
             assert rt.ll_dispatch_recv(None, fp8, outputs) == [("ep_ll_dispatch_recv", el, 1024, 4 * w * tll, packed(
                 "ep_ll_dispatch_recv", k, h, el, w, tll, use_fp8, scale_format, 64, rows, llmeta, sent0, *outputs[:5], ids_pos,
-                ids_pos + half, state, state + 8, wait_ns))]
+                ids_pos + half, state, state + 8, wait_ns, w, 0, 0, 0, ids_pos + 2 * half))]
         with pytest.raises(errors.InvalidArgumentError, match="round_scale"):
             rt.ll_dispatch_recv(None, (False, True, False), outputs)
         assert rt.ll_combine_send(None, y, topk_idx, weights, n, ids_pos) == [("ep_ll_combine_send", 64, 512, 0, packed(
             "ep_ll_combine_send", y, topk_idx, weights, n, k, h, el, w, tll, chunks, ids_pos, ids_pos + half, wts, sent1, llcomb,
-            sent2, state))]
+            sent2, state, w, 0, 0, 0, 0, 0, route, ids_pos + 2 * half, state + 20))]
         assert rt.ll_combine_recv(None, topk_idx, n, out, wait_ns) == [("ep_ll_combine_recv", 64, 512, 0, packed(
-            "ep_ll_combine_recv", topk_idx, n, k, h, el, w, tll, chunks, 64, llcomb, sent2, out, state, state + 12, wait_ns))]
+            "ep_ll_combine_recv", topk_idx, n, k, h, el, w, tll, chunks, 64, llcomb, sent2, out, state, state + 12, wait_ns,
+            w, 0, 0, route))]
 
 
 def test_across_nodes_the_runtime_launches_the_internode_kernels_with_call_numbers_and_its_areas():
@@ -433,10 +437,64 @@ def test_across_nodes_the_runtime_launches_the_internode_kernels_with_call_numbe
             assert params.count(struct.pack("<Q", address)) == 1, f"{address:#x} not in the combine's parameters"
     with pytest.raises(InvalidArgumentError, match="y_on_heap"):
         rt.combine(None, 5 << 30, True, 100, n, 4 << 30, 6 << 30, 16)
-    with pytest.raises(InvalidArgumentError, match="low-latency"):
-        _core.EpRuntime(None, None, (w, e, h, k, tmax, 16), normal, [(i + 1) << 24 for i in range(8)] + [2], area)
+    with pytest.raises(InvalidArgumentError, match="route tables"):
+        _core.EpRuntime(None, None, (w, e, h, k, tmax, 16), normal, [(i + 1) << 24 for i in range(8)] + [2, 0], area)
     with pytest.raises(InvalidArgumentError, match="3 nodes of 2 ranks"):
         _core.EpRuntime(None, None, shape, normal, None, (3, 2, *area[2:]))
+
+
+def test_across_nodes_the_low_latency_calls_route_first_and_reach_the_other_node_through_the_window():
+    from mori import _core
+
+    w, e, h, k, tmax, tll = 4, 32, 2048, 8, 256, 64
+    shape = (w, e, h, k, tmax, tll)
+    normal_window = _core.ep_internode_sizes((w, e, h, k, tmax, 0), 2)[2]
+    window_bytes = _core.ep_internode_sizes(shape, 2)[2]
+    record = _core.ep_ll_record_bytes(shape, 2)
+    assert record == 2 * h + 64  # the row area, then 16 int32 of metadata
+    entries = 2 * w * tll  # both parities, by rank
+    # Dispatch records both ways, three signal rows, weights both ways, partial rows both ways.
+    assert window_bytes - normal_window >= 2 * entries * record + 3 * w * 8 + 2 * entries * k * 4 + 2 * entries * 2 * h
+    normal = [(i + 1) << 20 for i in range(13)]
+    window = 0x7300_0000
+    area = (2, 2, 0x7000_0000, 0x7100_0000, 0x7200_0000, 0x7280_0000, window)
+    ll = [(i + 1) << 24 for i in range(8)] + [2, 0x7400_0000]
+    state, route = ll[7], ll[9]
+    rt = _core.EpRuntime(None, None, shape, normal, ll, area)
+    n, x, topk_idx, weights, y, out = 37, 1 << 30, 2 << 30, 3 << 30, 4 << 30, 5 << 30
+    ids_pos = 6 << 30
+
+    def fields(entry: str, params: bytes) -> list[int]:
+        import struct
+
+        codes = OLD_LAYOUTS[entry]
+        return list(struct.unpack("@" + codes, params))
+
+    def in_window(addresses):
+        assert all(window + normal_window <= a < window + window_bytes for a in addresses), [hex(a) for a in addresses]
+
+    launches = rt.ll_dispatch_send(None, x, topk_idx, n, None)
+    assert [(l[0], l[1], l[2]) for l in launches] == [("ep_ll_route", w, 1024), ("ep_ll_dispatch_send", 64, 512)]
+    assert fields("ep_ll_route", launches[0][4]) == [topk_idx, n, k, e // w, w, 2, tll, 0, route, state]
+    send = fields("ep_ll_dispatch_send", launches[1][4])
+    assert send[15:17] == [2, record] and send[-2:] == [route, state + 16]
+    in_window(send[17:20])
+    assert len(set(send[17:20])) == 3
+    outputs = [(7 + i) << 30 for i in range(7)]
+    outputs[5] = ids_pos
+    recv = rt.ll_dispatch_recv(None, None, outputs)
+    assert [l[0] for l in recv] == ["ep_ll_dispatch_recv"], "the receive half needs no route"
+    got = fields("ep_ll_dispatch_recv", recv[0][4])
+    assert got[21:23] == [2, record] and got[23:25] == send[18:20]  # the same receive area and signals
+    launches = rt.ll_combine_send(None, y, topk_idx, weights, n, ids_pos)
+    assert [l[0] for l in launches] == ["ep_ll_route", "ep_ll_combine_send"]
+    assert fields("ep_ll_route", launches[0][4])[7] == 1, "combine fills its own route table"
+    comb = fields("ep_ll_combine_send", launches[1][4])
+    in_window(comb[18:23])
+    assert comb[22] == send[19] and comb[23:] == [route, got[25], state + 20]
+    reduce = rt.ll_combine_recv(None, topk_idx, n, out, 0)
+    assert [l[0] for l in reduce] == ["ep_ll_combine_recv"]
+    assert fields("ep_ll_combine_recv", reduce[0][4])[15:] == [2, comb[21], send[19], route]
 
 
 def test_the_node_grouped_combine_reference_is_not_the_flat_sum():

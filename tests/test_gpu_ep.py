@@ -41,7 +41,6 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
     import mori.shmem as shmem
     from mori import Bootstrap
     from mori.ep import Buffer, EpConfig
-    from mori.ep import _reference as ref
     from tests import _ep_reference as util
 
     started = time.monotonic()
@@ -80,41 +79,13 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
 
     # ---- low-latency mode -----------------------------------------------------------------
 
-    def ll_run(x, idx, weights, fp8, hook, b=buf, **scale_format):
-        """Dispatch, the test experts, combine; returns what the checks need (copies)."""
-        res = b.low_latency_dispatch(x, idx, use_fp8=fp8, return_recv_hook=hook, **scale_format)
-        hook_ok = (res.hook is not None) == hook
-        if hook:
-            torch.mm(torch.randn((256, 256), device="cuda"), torch.randn((256, 256), device="cuda"))  # overlapped work
-            res.hook()
-        snap = dict(
-            recv_x=res.recv_x.clone(), recv_x_scales=res.recv_x_scales.clone() if fp8 else None, recv_count=res.recv_count.clone(),
-            recv_src_info=res.recv_src_info.clone(), recv_layout_range=res.recv_layout_range.clone(),
-        )
-        y = ref.ll_expert(snap["recv_x"], snap["recv_x_scales"], rank)
-        out, chook = b.low_latency_combine(y, idx, weights, res.handle, return_recv_hook=hook)
-        hook_ok = hook_ok and (chook is not None) == hook
-        if hook:
-            chook()
-        torch.cuda.synchronize()
-        return snap, out, hook_ok
-
     def ll_check(x, idx, weights, fp8, snap, out, hook_ok, hook, round_scale=False, max_tokens=LL_MAX):
-        all_x, all_idx = gather(x), gather(idx)
-        shmem.barrier_all()
-        assert hook_ok, f"hook returned {'None' if hook else 'a callable'} with return_recv_hook={hook}"
-        ref.check_ll_dispatch(rank=rank, world=world, num_experts=experts, max_tokens=max_tokens, all_x=all_x, all_idx=all_idx,
-                              round_scale=round_scale, **snap)
-        ref.check_ll_combine(out, ref.expected_ll_combine(x, idx, weights, fp8, round_scale))
+        util.native_ll_check(x, idx, weights, fp8, snap, out, hook_ok, hook, rank=rank, world=world, num_experts=experts,
+                             max_tokens=max_tokens, gather=gather, sync=shmem.barrier_all, round_scale=round_scale)
 
     def ll_case(n, mode, fp8, hook=False, b=buf, **scale_format):
-        idx = routing(n, mode)
-        weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
-        x = tokens(n, b.config.hidden)
-        snap, out, hook_ok = ll_run(x, idx, weights, fp8, hook, b, **scale_format)
-        if scale_format.get("scales_column_major"):
-            hook_ok = hook_ok and snap["recv_x_scales"].stride(1) == 1
-        ll_check(x, idx, weights, fp8, snap, out, hook_ok, hook, scale_format.get("round_scale", False), b.config.low_latency_max_tokens)
+        util.native_ll_round(b, n, mode, fp8, rank=rank, world=world, routing=routing, tokens=tokens, gen=gen, gather=gather,
+                             sync=shmem.barrier_all, hook=hook, **scale_format)
 
     wide: list = []  # a second buffer at hidden 7168, built by the first case that needs it
 
@@ -156,43 +127,9 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
             ll_case((17 + 37 * i + 11 * rank) % (LL_MAX + 1), "random", i % 2 == 1, hook=i % 3 == 2)
 
     def ll_graph(fp8):
-        n = 64 + 13 * rank % 64  # within LL_MAX on every rank
-        x_s = tokens(n)
-        idx_s = routing(n, "random")
-        w_s = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the graph, on a side stream
-            for _ in range(2):
-                r = buf.low_latency_dispatch(x_s, idx_s, use_fp8=fp8)
-                buf.low_latency_combine(ref.ll_expert(r.recv_x, r.recv_x_scales, rank), idx_s, w_s, r.handle)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            r = buf.low_latency_dispatch(x_s, idx_s, use_fp8=fp8)
-            out, _ = buf.low_latency_combine(ref.ll_expert(r.recv_x, r.recv_x_scales, rank), idx_s, w_s, r.handle)
-        torch.cuda.synchronize()
-        shmem.barrier_all()
-        failures = []
-        for replay in range(4):
-            x_s.copy_(tokens(n))
-            idx_s.copy_(util.routing(n, "random", num_experts=experts, topk=TOPK, world=world, rank=rank, gen=gen, drop=0.05 * replay))
-            w_s.copy_(torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32))
-            graph.replay()
-            torch.cuda.synchronize()
-            snap = dict(
-                recv_x=r.recv_x.clone(), recv_x_scales=r.recv_x_scales.clone() if fp8 else None, recv_count=r.recv_count.clone(),
-                recv_src_info=r.recv_src_info.clone(), recv_layout_range=r.recv_layout_range.clone(),
-            )
-            got = out.clone()
-            x, idx, w = x_s.clone(), idx_s.clone(), w_s.clone()
-            try:
-                ll_check(x, idx, w, fp8, snap, got, True, False)
-            except AssertionError as e:
-                failures.append(f"replay {replay}: {e}")
-        del graph
-        assert not failures, "\n".join(failures)
+        util.native_ll_graph(buf, fp8, n=64 + 13 * rank % 64, rank=rank, tokens=tokens, gen=gen, sync=shmem.barrier_all, check=ll_check,
+                             routing=lambda n, drop: util.routing(n, "random", num_experts=experts, topk=TOPK, world=world, rank=rank,
+                                                                  gen=gen, drop=drop))
 
     cases = {
         **util.normal_cases(normal_case, rank, MAX_TOKENS),

@@ -32,8 +32,7 @@ RANKS_TIMEOUT_S = 240.0 + 30.0 * (WORLD - 2)  # more ranks: more rows to gather 
 
 def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
     """Every case on this rank; with ``nodes`` > 1 the ranks are split into that many emulated
-    nodes (MORI_NODE), the normal-mode cases run across them and the low-latency mode must be
-    refused (tests/test_gpu_ep_deepep_nodes.py)."""
+    nodes (MORI_NODE) and both modes run across them (tests/test_gpu_ep_deepep_nodes.py)."""
     import os
     import traceback
 
@@ -367,31 +366,14 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         "no_all_reduce": no_all_reduce,
     }
     if nodes > 1:
-        from mori.errors import InvalidArgumentError
-
         def window_from_num_rdma_bytes():
             from mori import shmem
 
             assert "MORI_SHMEM_WINDOW_SIZE" not in os.environ
             assert shmem._s().window[1] >= WINDOW_BYTES, f"proxy window {shmem._s().window[1]} bytes, asked {WINDOW_BYTES}"
 
-        def ll_refused():
-            # Every rank is refused alike, before anything collective; the buffer goes on.
-            try:
-                buf.low_latency_dispatch(tokens(50), routing(50, "random"), LL_MAX, EXPERTS)
-            except InvalidArgumentError as e:
-                assert "one node" in str(e), str(e)
-            else:
-                raise AssertionError("the low-latency mode ran across nodes")
-            normal_case(200, "random", False)
-
-        across = {
-            "ll_refused": ll_refused,
-            "hidden_4096": lambda: normal_case(300, "random", False, hidden=4096),
-            "hidden_7168": lambda: normal_case(300, "random", True, hidden=7168),
-            "window_from_num_rdma_bytes": window_from_num_rdma_bytes,
-        }
-        cases = {name: across.get(name, cases.get(name)) for name in NODE_CASES if name != "destroy"}
+        cases["window_from_num_rdma_bytes"] = window_from_num_rdma_bytes
+        cases = {name: cases[name] for name in NODE_CASES if name != "destroy"}
     results = run_cases(rank, seed, cases, barrier, "deepep" if nodes == 1 else "deepep-nodes")
     try:
         buf.destroy()
@@ -412,13 +394,8 @@ CASES = [
     "ll_round_scale", "ll_ue8m0", "ll_ue8m0_hook", "ll_wait_times", "ll_graph", "ll_graph_fp8", "normal_after_ll", "hidden_4096",
     "hidden_7168", "clean_then_capture", "no_all_reduce", "destroy",
 ]
-# Across nodes (tests/test_gpu_ep_deepep_nodes.py): the normal-mode cases, in this order.
-NODE_CASES = [
-    "random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_expert", "duplicate_ids", "one_token",
-    "max_tokens", "max_tokens_fp8", "repeated", "grow", "alignment_worst_tokens", "alignment_worst_tokens_fp8", "cached_async",
-    "cached_fp8", "bias", "layout_only", "layout_only_fp8_cached", "ll_refused", "window_from_num_rdma_bytes", "hidden_4096",
-    "hidden_7168", "no_all_reduce", "destroy",
-]
+# Across nodes (tests/test_gpu_ep_deepep_nodes.py): every case, and the window sized from num_rdma_bytes.
+NODE_CASES = CASES[:-1] + ["window_from_num_rdma_bytes", "destroy"]
 WINDOW_BYTES = 384 << 20  # num_rdma_bytes across nodes (above)
 
 

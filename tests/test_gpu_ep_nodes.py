@@ -1,4 +1,4 @@
-"""mori.ep's normal mode across nodes: MORI_NODE splits the MORI_TEST_WORLD ranks into two
+"""mori.ep across nodes, both modes: MORI_NODE splits the MORI_TEST_WORLD ranks into two
 emulated nodes (2 x 1 at world 2, 2 x 2 at world 4, 2 x 4 at world 8; ranks share GPUs where
 there are fewer), so every token that goes to the other node crosses it once through the shmem
 proxy (mori.io between the two nodes' proxies) and fans out there over NVLink.
@@ -13,8 +13,15 @@ back its received weights times 1 + rank; fp32, grouped the same way) bit-exact,
 outputs in the combine input area (read in place by the node's sources; on every rank, and on
 half of them); plus the routes asserted (rows that must come from the
 other node did, from ranks whose memory is not mapped here), one rank over the capacity
-(every rank raises CapacityError and the buffer goes on), the low-latency mode refused with the
-reason, and a rank killed on one node: the others raise instead of hanging.
+(every rank raises CapacityError and the buffer goes on), and a rank killed on one node: the
+others raise instead of hanging.
+
+The low-latency mode on the same buffer, where each call's tokens for a rank on the other node
+travel as one message through the proxy windows: the low-latency routing matrix of
+tests/test_gpu_ep.py (BF16 and FP8, the scale formats, hooks, CUDA-graph replays, hidden 7168)
+checked the same way (every received row, scale, count, source index and layout range
+bit-exact; combine of expert-dependent experts against the float reference), and its route
+asserted (every row from the other node, whose heaps are not mapped here).
 """
 
 from __future__ import annotations
@@ -31,11 +38,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
 WORLD = world_under_test()
 HALF = WORLD // 2
-HIDDEN, TOPK, MAX_TOKENS = 2048, 8, 1024
+HIDDEN, TOPK, MAX_TOKENS, LL_MAX = 2048, 8, 1024, 128
 KERNEL_TIMEOUT_S = 20.0  # ranks sharing a GPU time-slice: a proxy round trip can take milliseconds
 RANKS_TIMEOUT_S = 150.0 + 60.0 * WORLD
 CASES = ["random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_expert", "duplicate_ids", "one_token",
-         "max_tokens", "max_tokens_fp8", "repeated", "zero_copy_combine", "routes", "over_capacity", "low_latency_refused", "destroy"]
+         "max_tokens", "max_tokens_fp8", "repeated", "zero_copy_combine", "routes", "over_capacity", "ll_random", "ll_random_fp8",
+         "ll_all_to_rank0", "ll_no_remote", "ll_zero_tokens_on_rank1", "ll_one_token", "ll_max_tokens", "ll_max_tokens_fp8",
+         "ll_repeated", "ll_graph", "ll_graph_fp8", "ll_one_expert", "ll_duplicate_ids", "ll_ue8m0_column_major", "ll_routes",
+         "ll_hidden_7168", "normal_after_ll", "destroy"]
 
 
 def _start(rank: int, uid: bytes):
@@ -62,7 +72,6 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
     from mori.ep import Buffer, EpConfig
     from mori.ep import _reference as ref
-    from mori.errors import InvalidArgumentError
     from tests import _ep_reference as util
 
     started = time.monotonic()
@@ -72,7 +81,7 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     gather = util.bootstrap_gather(bs)
-    cfg = EpConfig(num_experts=experts, hidden=HIDDEN, max_tokens_per_rank=MAX_TOKENS, topk=TOPK, num_sms=16)
+    cfg = EpConfig(num_experts=experts, hidden=HIDDEN, max_tokens_per_rank=MAX_TOKENS, topk=TOPK, num_sms=16, low_latency_max_tokens=LL_MAX)
     buf = Buffer(cfg)
     assert buf.nodes == 2, f"expected two emulated nodes, got {shmem.nodes()}"
     print(f"[rank {rank}] EP buffer across {shmem.nodes()} ready: {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
@@ -80,14 +89,14 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
     def routing(n, mode):
         return util.routing(n, mode, num_experts=experts, topk=TOPK, world=world, rank=rank, gen=gen)
 
-    def tokens(n):
-        x = torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16)
+    def tokens(n, hidden=HIDDEN):
+        x = torch.randn((n, hidden), device="cuda", generator=gen).to(torch.bfloat16)
         if n:
             x[0, :128] = 0
         return x
 
     def normal_case(n, mode, fp8, b=buf, weights_back=True, zero_copy=False):
-        return util.native_normal_round(b, n, mode, fp8, rank=rank, world=world, routing=routing, tokens=lambda n, _: tokens(n), gen=gen,
+        return util.native_normal_round(b, n, mode, fp8, rank=rank, world=world, routing=routing, tokens=tokens, gen=gen,
                                         gather=gather, sync=torch.cuda.synchronize, weights_back=weights_back, zero_copy=zero_copy, local_size=HALF)
 
     def routes():
@@ -126,19 +135,57 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         util.over_capacity_case(lambda n: buf.dispatch(tokens(n), routing(n, "random"), torch.rand((n, TOPK), device="cuda", generator=gen)),
                                 MAX_TOKENS, rank, world, meet, lambda: normal_case(300, "random", False))
 
-    def low_latency_refused():
-        try:
-            Buffer(EpConfig(num_experts=experts, hidden=HIDDEN, max_tokens_per_rank=64, topk=TOPK, low_latency_max_tokens=64))
-        except InvalidArgumentError as e:
-            assert "one node" in str(e), str(e)
-        else:
-            raise AssertionError("a low-latency Buffer across nodes was built")
+    def ll_check(x, idx, weights, fp8, snap, out, hook_ok, hook, round_scale=False, max_tokens=LL_MAX):
+        util.native_ll_check(x, idx, weights, fp8, snap, out, hook_ok, hook, rank=rank, world=world, num_experts=experts,
+                             max_tokens=max_tokens, gather=gather, sync=torch.cuda.synchronize, round_scale=round_scale)
+
+    def ll_case(n, mode, fp8, hook=False, b=None, **scale_format):
+        util.native_ll_round(b or buf, n, mode, fp8, rank=rank, world=world, routing=routing, tokens=tokens, gen=gen, gather=gather,
+                             sync=torch.cuda.synchronize, hook=hook, **scale_format)
+
+    def ll_graph(fp8):
+        util.native_ll_graph(buf, fp8, n=64 + 13 * rank % 64, rank=rank, tokens=tokens, gen=gen, sync=bs.barrier, check=ll_check,
+                             routing=lambda n, drop: util.routing(n, "random", num_experts=experts, topk=TOPK, world=world, rank=rank,
+                                                                  gen=gen, drop=drop))
+
+    def ll_routes():
+        # Every token to experts on the other node only: every received row came through the
+        # proxy windows (from ranks whose heaps are not mapped here), one message per sender.
+        other = (rank // HALF + 1) % 2
+        el = experts // world
+        n = 100
+        idx = torch.full((n, TOPK), -1, dtype=torch.int64, device="cuda")
+        idx[:, 0] = other * HALF * el + torch.randint(0, HALF * el, (n,), device="cuda", generator=gen)
+        idx[::3, 1] = other * HALF * el + torch.randint(0, HALF * el, (len(range(0, n, 3)),), device="cuda", generator=gen)
+        idx[::3, 1] = torch.where(idx[::3, 1] == idx[::3, 0], -1, idx[::3, 1])
+        x = tokens(n)
+        weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
+        snap, out, hook_ok = util.native_ll_run(buf, x, idx, weights, False, False, rank=rank)
+        ll_check(x, idx, weights, False, snap, out, hook_ok, False)
+        ranges = snap["recv_layout_range"].cpu() & 0xFFFFFFFF  # rows per (expert, source)
+        mine = range((rank // HALF) * HALF, (rank // HALF + 1) * HALF)
+        far = [pe for pe in range(world) if pe not in mine]
+        assert all(int(ranges[:, s].sum()) == 0 for s in mine), f"rows from this node's ranks: {ranges.tolist()}"
+        assert int(ranges[:, far].sum()) > 0, "the routing sent this rank nothing to check"
+        assert all(shmem._s().peer_addr(0, pe) is None for pe in far), "the other node's heaps are mapped here"
+
+    wide: list = []
+
+    def ll_hidden_7168():
+        if not wide:
+            wide.append(Buffer(EpConfig(num_experts=experts, hidden=7168, max_tokens_per_rank=64, topk=TOPK, num_sms=16,
+                                        low_latency_max_tokens=32)))
+        ll_case(32, "random", True, b=wide[0], round_scale=True, use_ue8m0=True, scales_column_major=True)
+        ll_case(20, "one_expert", False, b=wide[0])
+        ll_case(32, "random", False, b=wide[0], hook=True)
+        wide.pop().destroy()
 
     def destroy():
         nonlocal buf
         buf.destroy()
         buf = Buffer(cfg)
         normal_case(250, "random", True, b=buf)
+        ll_case(60, "random", True)
 
     cases = util.normal_cases(normal_case, rank, MAX_TOKENS) | {
         # Expert outputs written into the combine input area (the relay area across nodes: the
@@ -146,7 +193,23 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
         "zero_copy_combine": lambda: (normal_case(600, "random", False, zero_copy=True),
                                       normal_case(300, "duplicates", True, zero_copy=True, weights_back=False),
                                       normal_case(400, "random", False, zero_copy=rank % 2 == 0)),
-        "routes": routes, "over_capacity": over_capacity, "low_latency_refused": low_latency_refused, "destroy": destroy,
+        "routes": routes, "over_capacity": over_capacity, "destroy": destroy,
+        "ll_random": lambda: ll_case(100, "random", False),
+        "ll_random_fp8": lambda: ll_case(100, "random", True),
+        "ll_all_to_rank0": lambda: ll_case(90, "to_rank0", False),
+        "ll_no_remote": lambda: ll_case(70, "local_only", True),
+        "ll_zero_tokens_on_rank1": lambda: ll_case(0 if rank == 1 else 50, "random", False),
+        "ll_one_token": lambda: ll_case(1, "random", True),
+        "ll_max_tokens": lambda: ll_case(LL_MAX, "random", False),
+        "ll_max_tokens_fp8": lambda: ll_case(LL_MAX, "random", True, round_scale=True),
+        "ll_repeated": lambda: [ll_case((17 + 37 * i + 11 * rank) % (LL_MAX + 1), "random", i % 2 == 1, hook=i % 3 == 2) for i in range(6)],
+        "ll_graph": lambda: ll_graph(False),
+        "ll_graph_fp8": lambda: ll_graph(True),
+        "ll_one_expert": lambda: ll_case(80, "one_expert", True),
+        "ll_duplicate_ids": lambda: ll_case(80, "duplicates", True),
+        "ll_ue8m0_column_major": lambda: ll_case(100, "random", True, hook=True, round_scale=True, use_ue8m0=True, scales_column_major=True),
+        "ll_routes": ll_routes, "ll_hidden_7168": ll_hidden_7168,
+        "normal_after_ll": lambda: normal_case(700, "random", False),
     }
 
     def settle():

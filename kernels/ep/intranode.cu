@@ -85,22 +85,9 @@ extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
         // The caller's counts, when given, stand for the routing's (a dispatch by layout alone).
         for (int e = threadIdx.x; e < num_experts; e += blockDim.x) tokens_per_expert[e] = expert_counts ? expert_counts[e] : hist[e];
     } else {
-        int running = 0;
-        for (int base = 0; base < num_tokens; base += blockDim.x) {
-            const int t = base + threadIdx.x;
-            int f = 0;
-            if (t < num_tokens) {
-                for (int k = 0; k < topk; ++k) f |= rank_of_expert(topk_idx[(u64)t * topk + k], experts_per_rank) == d;
-            }
-            int chunk_total;
-            const int prefix = block_exclusive_scan(f, &chunk_total);
-            if (t < num_tokens) {
-                slot[(u64)t * num_ranks + d] = f ? running + prefix : -1;
-                if (f) send_list[(u64)d * num_tokens + running + prefix] = t;
-            }
-            running += chunk_total;
-        }
-        if (threadIdx.x == 0) tokens_per_rank[d] = running;
+        const int count = number_tokens_to_rank(topk_idx, num_tokens, topk, experts_per_rank, d, slot + d, num_ranks,
+                                                send_list + (u64)d * num_tokens);
+        if (threadIdx.x == 0) tokens_per_rank[d] = count;
     }
     if (!last_block_done(&counters->ticket)) return;
 

@@ -10,6 +10,14 @@
 // rank sums, per received token, w_k * y[expert_k][position_k] over its local experts in fp32
 // and sends one bf16 partial row per token back; the source sums the partials in fp32.
 //
+// Across nodes (ranks in `nodes` groups of `local_size` consecutive ranks): a rank on another
+// node cannot be stored to, so each message goes through the shmem proxy once per destination
+// rank and call, never per token. Rows, ids and weights for such a rank are packed into its block
+// of this rank's proxy window (pinned host memory), one record per token it receives, numbered
+// by ep_ll_route in token order; the send half's last block puts every block with a signal
+// (SET seq) into the receiver's window, where the receive half reads them. Records carry their
+// token index and tag, so the receiver scans window entries as it scans the heap ones.
+//
 // Sequencing: state[0] / state[1] count dispatches / combines on this rank (advanced by the last
 // block of each receive half); buffers alternate by the parity of that count. Completion is
 // signalled by monotonic per-source counters that every send block adds 1 to at every rank, so a
@@ -22,42 +30,89 @@ using namespace mori;
 using namespace mori::shmem;
 using namespace mori::ep;
 
-// Words per (source, token) entry of the metadata area: [tag = seq, local id per top-k slot...].
+// Words per (source, token) entry of the metadata area: [tag = seq, local id per top-k slot...,
+// the token's index on its source in the last word].
 constexpr int META_STRIDE = 16;
+constexpr int META_TOKEN = META_STRIDE - 1;
+static_assert(1 + MAX_TOPK <= META_TOKEN, "the metadata entry holds the tag, the ids and the token");
+constexpr int MAX_LL_RANKS = shmem::MAX_PES;
+
+// Ranks on other nodes (local_size < num_ranks; all of these are unused on one node). Proxy
+// window areas, the same offsets on every rank (crates/collective/src/ep_internode.rs):
+// w_send / w_recv [2][ranks][max_tokens] dispatch records of record_bytes (the row, then a
+// META_STRIDE entry), by destination / by source; w_sig u64 [3][ranks] (dispatch rows, weights,
+// combine rows; by sender); w_wsend / w_wrecv [2][ranks][max_tokens][topk] f32 weights;
+// w_csend / w_crecv [2][ranks][max_tokens] bf16 partial rows. route: ep_ll_route's tables (device),
+// int32 [2 (dispatch, combine)][2 (parity)][1 + max_tokens][ranks]: records per destination, then
+// each token's record index at each destination (-1: none; rows of same-node ranks unused).
 
 namespace {
 
 // Bit d set when one of the token's top-k experts lives on rank d (lanes < topk hold the ids).
 // Ids outside [0, experts) select nothing (there is no host check in this mode).
-__device__ __forceinline__ unsigned int dest_mask(long long id, int experts_per_rank, int num_ranks) {
+__device__ __forceinline__ u64 dest_mask(long long id, int experts_per_rank, int num_ranks) {
     const int r = rank_of_expert(id, experts_per_rank);
-    const unsigned int bit = r >= 0 && r < num_ranks ? 1u << r : 0u;
-    return __reduce_or_sync(0xffffffffu, bit);
+    const u64 bit = r >= 0 && r < num_ranks ? 1ull << r : 0ull;
+    const u32 lo = __reduce_or_sync(0xffffffffu, static_cast<u32>(bit));
+    const u32 hi = __reduce_or_sync(0xffffffffu, static_cast<u32>(bit >> 32));
+    return static_cast<u64>(hi) << 32 | lo;
 }
 
-// Adds 1 to counter[me] at every rank, after this block's stores (quiet + barrier + release).
-__device__ __forceinline__ void signal_all_ranks(u64* counter, int num_ranks) {
+// The lowest rank in `mask` (which is not empty).
+__device__ __forceinline__ int lowest(u64 mask) { return __ffsll(static_cast<long long>(mask)) - 1; }
+
+__device__ __forceinline__ bool same_node(int a, int b, int local_size) { return a / local_size == b / local_size; }
+
+// ep_ll_route's table `which` (0: dispatch, 1: combine) for `parity`: [0, ranks) the records per
+// destination, then [token][ranks] each token's record index.
+__device__ __forceinline__ int* route_table(int* route, int which, int parity, int max_tokens, int num_ranks) {
+    return route + (u64)(which * 2 + parity) * (max_tokens + 1) * num_ranks;
+}
+
+// Adds 1 to counter[me] at every rank of this node, after this block's stores (quiet + barrier +
+// release).
+__device__ __forceinline__ void signal_node(u64* counter, int local_size) {
     quiet();
     __syncthreads();
     if (threadIdx.x == 0) {
-        const int me = my_pe();
-        for (int d = 0; d < num_ranks; ++d) signal_op(counter + me, 1, SIGNAL_ADD, d);
+        const int me = my_pe(), first = me - me % local_size;
+        for (int d = first; d < first + local_size; ++d) signal_op(counter + me, 1, SIGNAL_ADD, d);
     }
 }
 
-// Block-wide wait until counter[s] >= target for every source s. With `wait_ns`, block 0 adds
-// to wait_ns[s] the ns from the start of its wait until source s's count was seen (sources are
-// checked in rank order, so a late source also delays the figures of the ones after it).
-__device__ __forceinline__ void wait_all_ranks(u64* counter, int num_ranks, u64 target, long long* wait_ns = nullptr) {
+// Block-wide wait until every source s's data is in: counter[s] >= target for this node's
+// sources, the window signal sig[s] >= seq (set by the proxy after the data) for the others.
+// With `wait_ns`, block 0 adds to wait_ns[s] the ns from the start of its wait until source s's
+// was seen (sources are checked in rank order, so a late source also delays the figures of the
+// ones after it).
+__device__ __forceinline__ void wait_sources(u64* counter, u64 target, u64* sig, u64 seq, int num_ranks, int local_size,
+                                             long long* wait_ns = nullptr) {
     if (threadIdx.x == 0) {
+        const int me = my_pe();
         const bool timed = wait_ns != nullptr && blockIdx.x == 0;
         const u64 start = timed ? mori::shmem::detail::now_ns() : 0;
         for (int s = 0; s < num_ranks; ++s) {
-            wait_until(counter + s, CMP_GE, target);
+            if (same_node(s, me, local_size)) wait_until(counter + s, CMP_GE, target);
+            else wait_until(sig + s, CMP_GE, seq);
             if (timed) wait_ns[s] += static_cast<long long>(mori::shmem::detail::now_ns() - start);
         }
     }
     __syncthreads();
+}
+
+// By one thread of the send half's last block: for each rank d on another node, puts this
+// rank's window block for d (`count(d)` units of `unit` bytes at send + d * block) into the
+// block for this rank at d (recv + me * block), with sig[me] := seq there. An empty block still
+// puts one unit, so every receiver waits for exactly one signal per sender and call.
+template <typename Count>
+__device__ void put_blocks(const unsigned char* send, unsigned char* recv, u64 unit, u64 block, u64* sig, int seq, int num_ranks,
+                           int local_size, Count count) {
+    const int me = my_pe();
+    for (int d = 0; d < num_ranks; ++d) {
+        if (same_node(d, me, local_size)) continue;
+        const u64 n = static_cast<u64>(count(d));
+        putmem_signal_nbi(recv + (u64)me * block, send + (u64)d * block, (n ? n : 1) * unit, sig + me, (u64)seq, SIGNAL_SET, d);
+    }
 }
 
 // Received FP8 scale formats (`scale_format` bits of ep_ll_dispatch_recv).
@@ -113,18 +168,38 @@ __device__ __forceinline__ u64 quantize8(const Vec16& v, bool round_scale, float
 
 }  // namespace
 
+// Across nodes, before each send half: for each destination rank d on another node (block d),
+// the record index at d of every token that goes there, in token order, and their count (table
+// `which`, 0: dispatch, 1: combine, of the call's parity). Grid: ranks; blocks of this node's
+// ranks do nothing. Ids are taken as dest_mask takes them, so both sides agree.
+extern "C" __global__ void __launch_bounds__(1024) ep_ll_route(
+    const long long* __restrict__ topk_idx, int num_tokens, int topk, int experts_per_rank, int num_ranks, int local_size,
+    int max_tokens, int which, int* route, const int* __restrict__ state) {
+    const int d = blockIdx.x;
+    if (d >= num_ranks || same_node(d, my_pe(), local_size)) return;
+    int* table = route_table(route, which, (state[which] + 1) & 1, max_tokens, num_ranks);
+    const int count = number_tokens_to_rank(topk_idx, num_tokens, topk, experts_per_rank, d, table + num_ranks + d, num_ranks, nullptr);
+    if (threadIdx.x == 0) table[d] = count;
+}
+
 // Send half of dispatch. Grid: `blocks` (the same on every rank and every call). A warp per
 // (token, chunk of the row): the token's ids go to every destination rank as local ids (-1
-// elsewhere) with the tag, and its row once per destination. x: bf16 [num_tokens, hidden].
-// rows: [2][ranks][max_tokens][2 * hidden] bytes; meta: [2][ranks][max_tokens][META_STRIDE] int32.
-// round_scale: power-of-two FP8 scales (see quantize8).
+// elsewhere) with the tag and the token index, and its row once per destination: into the heap
+// of this node's ranks, into this rank's window block for ranks on other nodes (put by the last
+// block). x: bf16 [num_tokens, hidden]. rows: [2][ranks][max_tokens][2 * hidden] bytes; meta:
+// [2][ranks][max_tokens][META_STRIDE] int32. round_scale: power-of-two FP8 scales (see quantize8).
+// Across nodes see "Ranks on other nodes" above; `ticket` (zeroed) elects the last block.
 extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(
     const unsigned short* __restrict__ x, const long long* __restrict__ topk_idx, int num_tokens, int topk,
     int hidden, int experts_per_rank, int num_ranks, int max_tokens, int use_fp8, int round_scale, int chunks, unsigned char* rows,
-    int* meta, u64* sent, const int* __restrict__ state) {
+    int* meta, u64* sent, const int* __restrict__ state, int local_size, u64 record_bytes, unsigned char* w_send,
+    unsigned char* w_recv, u64* w_sig, int* route, unsigned int* ticket) {
     const int me = my_pe();
     const int seq = state[0] + 1, parity = seq & 1;
     const u64 row_stride = (u64)hidden * 2;
+    const bool across = local_size < num_ranks;
+    const int* table = across ? route_table(route, 0, parity, max_tokens, num_ranks) : nullptr;
+    unsigned char* stage = across ? w_send + (u64)parity * num_ranks * max_tokens * record_bytes : nullptr;
     const int lane = lane_id();
     const int chunk_vecs = hidden / 8 / chunks;  // 16-byte vectors of bf16 input per chunk
     const u64 warps = (u64)gridDim.x * warps_per_block();
@@ -132,18 +207,25 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(
         const u64 t = item / chunks;
         const int first = static_cast<int>(item % chunks) * chunk_vecs, end = first + chunk_vecs;
         const long long id = lane < topk ? topk_idx[t * topk + lane] : -1;
-        const unsigned int mask = dest_mask(id, experts_per_rank, num_ranks);
+        const u64 mask = dest_mask(id, experts_per_rank, num_ranks);
         const u64 entry = ((u64)parity * num_ranks + me) * max_tokens + t;
+        // The token's row at rank d: its entry in d's heap, or its record in d's window block.
+        auto row_at = [&](int d) -> unsigned char* {
+            if (same_node(d, me, local_size)) return ptr(rows + entry * row_stride, d);
+            return stage + ((u64)d * max_tokens + table[num_ranks + t * num_ranks + d]) * record_bytes;
+        };
         if (first == 0) {
-            for (int d = 0; d < num_ranks; ++d) {
-                if (!(mask >> d & 1u)) continue;
-                int* m = ptr(meta + entry * META_STRIDE, d);
-                if (lane < topk) m[1 + lane] = rank_of_expert(id, experts_per_rank) == d ? (int)(id - (long long)d * experts_per_rank) : -1;
-                if (lane == 0) m[0] = seq;
+            for (u64 m = mask; m; m &= m - 1) {
+                const int d = lowest(m);
+                int* e = same_node(d, me, local_size) ? ptr(meta + entry * META_STRIDE, d) : reinterpret_cast<int*>(row_at(d) + row_stride);
+                if (lane < topk) e[1 + lane] = rank_of_expert(id, experts_per_rank) == d ? (int)(id - (long long)d * experts_per_rank) : -1;
+                if (lane == 0) {
+                    e[META_TOKEN] = static_cast<int>(t);
+                    e[0] = seq;
+                }
             }
         }
         const Vec16* src = reinterpret_cast<const Vec16*>(x + t * hidden);
-        unsigned char* dst_row = rows + entry * row_stride;
         if (!use_fp8) {
             constexpr int U = 4;
             for (int v0 = first + lane; v0 < end; v0 += 32 * U) {
@@ -152,9 +234,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(
                 for (int u = 0; u < U; ++u) {
                     if (v0 + 32 * u < end) v[u] = load_streaming(src + v0 + 32 * u);
                 }
-                for (int d = 0; d < num_ranks; ++d) {
-                    if (!(mask >> d & 1u)) continue;
-                    Vec16* out = reinterpret_cast<Vec16*>(ptr(dst_row, d));
+                for (u64 m = mask; m; m &= m - 1) {
+                    Vec16* out = reinterpret_cast<Vec16*>(row_at(lowest(m)));
 #pragma unroll
                     for (int u = 0; u < U; ++u) {
                         if (v0 + 32 * u < end) store_vec(out + v0 + 32 * u, v[u]);
@@ -167,68 +248,86 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(
             for (int v = first + lane; v < end; v += 32) {
                 float scale;
                 const u64 q = quantize8(load_streaming(src + v), round_scale != 0, &scale);
-                for (int d = 0; d < num_ranks; ++d) {
-                    if (!(mask >> d & 1u)) continue;
-                    unsigned char* out = ptr(dst_row, d);
+                for (u64 m = mask; m; m &= m - 1) {
+                    unsigned char* out = row_at(lowest(m));
                     *reinterpret_cast<u64*>(out + (u64)v * 8) = q;
                     if ((lane & 15) == 0) reinterpret_cast<float*>(out + hidden)[v / 16] = scale;
                 }
             }
         }
     }
-    signal_all_ranks(sent, num_ranks);
+    signal_node(sent, local_size);
+    if (!across) return;
+    detail::memory_fence();  // the window records reach system scope before the last block's puts
+    if (!last_block_done(ticket) || threadIdx.x != 0) return;
+    const u64 block = (u64)max_tokens * record_bytes;
+    put_blocks(stage, w_recv + (u64)parity * num_ranks * block, record_bytes, block, w_sig, seq, num_ranks, local_size,
+               [&](int d) { return table[d]; });
 }
 
 // Receive half of dispatch. Grid: any; block b handles local experts b, b + grid, ... Waits for
-// every source's send blocks, then for each expert scans the (source, token) entries in order,
-// places the matching rows (positions by a block scan), copies them into recv_x (and the scales
-// into recv_scales), and writes recv_count, recv_src_info, layout_range ((begin << 32) | count per
-// source) and the handle: handle_ids / handle_pos [ranks][max_tokens][topk] (local id and position
-// per top-k slot, -1 where none). The last block advances state[0]. recv_scales is in
-// `scale_format` (SCALES_* bits); wait_ns (optional, int64 [ranks]) gets the ns waited per source.
+// every source, then for each expert scans the (source, index) entries in order (this node's
+// sources on the heap, by token; the others' records in the window, in token order), places the
+// matching rows (positions by a block scan), copies them into recv_x (and the scales into
+// recv_scales), and writes recv_count, recv_src_info, layout_range ((begin << 32) | count per
+// source) and the handle: handle_ids / handle_pos [ranks][max_tokens][topk] (local id and
+// position per top-k slot, -1 where none) and handle_count [ranks] (records from each source on
+// another node). The last block advances state[0]. recv_scales is in `scale_format` (SCALES_*
+// bits); wait_ns (optional, int64 [ranks]) gets the ns waited per source.
 extern "C" __global__ void __launch_bounds__(1024) ep_ll_dispatch_recv(
     int topk, int hidden, int experts_per_rank, int num_ranks, int max_tokens, int use_fp8, int scale_format,
     int send_blocks, const unsigned char* rows, const int* meta, u64* sent, unsigned char* __restrict__ recv_x,
     void* __restrict__ recv_scales, int* __restrict__ recv_count, int* __restrict__ recv_src_info,
     long long* __restrict__ layout_range, int* __restrict__ handle_ids, int* __restrict__ handle_pos, int* state,
-    unsigned int* ticket, long long* wait_ns) {
-    __shared__ int begin[MAX_RANKS + 1];
-    extern __shared__ int picked[];  // entries of the current expert: (source * max_tokens + token)
+    unsigned int* ticket, long long* wait_ns, int local_size, u64 record_bytes, const unsigned char* w_recv, u64* w_sig,
+    int* __restrict__ handle_count) {
+    __shared__ int begin[MAX_LL_RANKS + 1];
+    extern __shared__ int picked[];  // entries of the current expert: (source * max_tokens + index)
     const int seq = state[0] + 1, parity = seq & 1;
-    wait_all_ranks(sent, num_ranks, (u64)seq * send_blocks, wait_ns);
+    wait_sources(sent, (u64)seq * send_blocks, w_sig, (u64)seq, num_ranks, local_size, wait_ns);
+    const int me = my_pe();
     const int entries = num_ranks * max_tokens;
     const u64 in_stride = (u64)hidden * 2;
     const u64 data_bytes = use_fp8 ? (u64)hidden : (u64)hidden * 2;
     const int scale_cols = hidden / SCALE_BLOCK;
-    const int* meta_p = meta + (u64)parity * entries * META_STRIDE;
-    // The handle's ids: one writer per entry (entry % grid == block).
+    auto local = [&](int j) { return same_node(j / max_tokens, me, local_size); };
+    auto row_of = [&](int j) -> const unsigned char* {
+        const u64 at = (u64)parity * entries + j;
+        return local(j) ? rows + at * in_stride : w_recv + at * record_bytes;
+    };
+    auto meta_of = [&](int j) -> const int* {
+        return local(j) ? meta + ((u64)parity * entries + j) * META_STRIDE : reinterpret_cast<const int*>(row_of(j) + in_stride);
+    };
+    auto valid = [&](int j) { return ((volatile const int*)meta_of(j))[0] == seq; };
+    // The handle's ids (one writer per entry: entry % grid == block), and per source on another
+    // node its record count: its valid records are the first ones (the rest hold older tags).
     for (int j = blockIdx.x + gridDim.x * threadIdx.x; j < entries; j += gridDim.x * blockDim.x) {
-        const int* m = meta_p + (u64)j * META_STRIDE;
-        const bool valid = ((volatile const int*)m)[0] == seq;
+        const int* m = meta_of(j);
+        const bool ok = valid(j);
         for (int k = 0; k < topk; ++k) {
-            const int id = valid ? m[1 + k] : -1;
+            const int id = ok ? m[1 + k] : -1;
             handle_ids[(u64)j * topk + k] = id;
             if (id < 0) handle_pos[(u64)j * topk + k] = -1;
         }
+        const int i = j % max_tokens;
+        if (!local(j) && (ok ? i + 1 == max_tokens || !valid(j + 1) : i == 0)) handle_count[j / max_tokens] = ok ? i + 1 : 0;
     }
     for (int e = blockIdx.x; e < experts_per_rank; e += gridDim.x) {
         int running = 0;
         for (int base = 0; base < entries; base += blockDim.x) {
             const int j = base + threadIdx.x;
             int f = 0;
-            if (j < entries) {
-                const int* m = meta_p + (u64)j * META_STRIDE;
-                if (((volatile const int*)m)[0] == seq) {
-                    for (int k = 0; k < topk; ++k) f |= m[1 + k] == e;
-                }
+            if (j < entries && valid(j)) {
+                const int* m = meta_of(j);
+                for (int k = 0; k < topk; ++k) f |= m[1 + k] == e;
             }
             int chunk_total;
             const int pos = running + block_exclusive_scan(f, &chunk_total);
             if (j < entries && j % max_tokens == 0) begin[j / max_tokens] = pos;
             if (f) {
                 picked[pos] = j;
-                recv_src_info[(u64)e * entries + pos] = j % max_tokens;
-                const int* m = meta_p + (u64)j * META_STRIDE;
+                const int* m = meta_of(j);
+                recv_src_info[(u64)e * entries + pos] = m[META_TOKEN];
                 for (int k = 0; k < topk; ++k) {
                     if (m[1 + k] == e) handle_pos[(u64)j * topk + k] = pos;
                 }
@@ -252,8 +351,7 @@ extern "C" __global__ void __launch_bounds__(1024) ep_ll_dispatch_recv(
         const int nwarps = static_cast<int>(warps_per_block());
         for (int item = warp_id(); item < running * ROW_PARTS; item += nwarps) {
             const int i = item / ROW_PARTS, part = item % ROW_PARTS;
-            const u64 j = static_cast<u64>(picked[i]);
-            const unsigned char* src = rows + ((u64)parity * entries + j) * in_stride;
+            const unsigned char* src = row_of(picked[i]);
             warp_copy16(recv_x + ((u64)e * entries + i) * data_bytes + part * part_bytes, src + part * part_bytes, part_bytes);
             if (use_fp8 && part == 0) {
                 const float* s = reinterpret_cast<const float*>(src + hidden);
@@ -266,47 +364,69 @@ extern "C" __global__ void __launch_bounds__(1024) ep_ll_dispatch_recv(
 }
 
 // Send half of combine (grid: `blocks`, as for dispatch). 1) This rank, as a source, pushes its
-// tokens' top-k weights to the ranks they went to, then waits for every source's weights.
-// 2) As an expert rank: per received (source, token), partial = Σ_k w_k * y[id_k][pos_k] in fp32
-// over the local top-k slots, stored as bf16 into the source's comb[parity][me][token].
-// y: bf16 [local experts][ranks * max_tokens][hidden].
+// tokens' top-k weights to the ranks they went to (on other nodes through its window blocks and
+// one put each, by the last block: tickets[0]), then waits for every source's weights. 2) As an
+// expert rank: per received (source, index) entry, partial = Σ_k w_k * y[id_k][pos_k] in fp32
+// over the local top-k slots, stored as bf16 into the source's comb[parity][me][token], or for a
+// source on another node into this rank's window block for it at the record's index (put by the
+// last block: tickets[1]). y: bf16 [local experts][ranks * max_tokens][hidden].
 extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(
     const unsigned short* __restrict__ y, const long long* __restrict__ topk_idx, const float* __restrict__ topk_w,
     int num_tokens, int topk, int hidden, int experts_per_rank, int num_ranks, int max_tokens, int chunks,
     const int* __restrict__ handle_ids, const int* __restrict__ handle_pos, float* wts, u64* wts_sent,
-    unsigned char* comb, u64* comb_sent, const int* __restrict__ state) {
+    unsigned char* comb, u64* comb_sent, const int* __restrict__ state, int local_size, float* w_wsend, float* w_wrecv,
+    unsigned char* w_csend, unsigned char* w_crecv, u64* w_sig, int* route, const int* __restrict__ handle_count,
+    unsigned int* tickets) {
     constexpr int U = 2;
     const int me = my_pe();
     const int seq = state[1] + 1, parity = seq & 1;
     const int lane = lane_id();
     const int entries = num_ranks * max_tokens;
+    const bool across = local_size < num_ranks;
+    const int* table = across ? route_table(route, 1, parity, max_tokens, num_ranks) : nullptr;
+    float* wstage = across ? w_wsend + (u64)parity * entries * topk : nullptr;
     const u64 warps = (u64)gridDim.x * warps_per_block();
     const u64 gw = (u64)blockIdx.x * warps_per_block() + warp_id();
     for (u64 t = gw; t < (u64)num_tokens; t += warps) {
         const long long id = lane < topk ? topk_idx[t * topk + lane] : -1;
-        const unsigned int mask = dest_mask(id, experts_per_rank, num_ranks);
+        const u64 mask = dest_mask(id, experts_per_rank, num_ranks);
         if (lane < topk) {
             const float w = topk_w[t * topk + lane];
             float* dst = wts + (((u64)parity * num_ranks + me) * max_tokens + t) * topk + lane;
-            for (int d = 0; d < num_ranks; ++d) {
-                if (mask >> d & 1u) *ptr(dst, d) = w;
+            for (u64 m = mask; m; m &= m - 1) {
+                const int d = lowest(m);
+                if (same_node(d, me, local_size)) *ptr(dst, d) = w;
+                else wstage[((u64)d * max_tokens + table[num_ranks + t * num_ranks + d]) * topk + lane] = w;
             }
         }
     }
-    signal_all_ranks(wts_sent, num_ranks);
-    wait_all_ranks(wts_sent, num_ranks, (u64)seq * gridDim.x);
+    signal_node(wts_sent, local_size);
+    if (across) {
+        detail::memory_fence();
+        if (last_block_done(tickets) && threadIdx.x == 0) {
+            const u64 unit = (u64)topk * 4, block = (u64)max_tokens * unit;
+            put_blocks(reinterpret_cast<const unsigned char*>(wstage), reinterpret_cast<unsigned char*>(w_wrecv) + (u64)parity * num_ranks * block,
+                       unit, block, w_sig + num_ranks, seq, num_ranks, local_size, [&](int d) { return table[d]; });
+        }
+    }
+    wait_sources(wts_sent, (u64)seq * gridDim.x, w_sig + num_ranks, (u64)seq, num_ranks, local_size);
 
     const int chunk_vecs = hidden / 8 / chunks;
     const u64 row_bytes = (u64)hidden * 2;
+    unsigned char* cstage = across ? w_csend + (u64)parity * entries * row_bytes : nullptr;
     for (u64 item = gw; item < (u64)entries * chunks; item += warps) {
         const u64 j = item / chunks;
         const int first = static_cast<int>(item % chunks) * chunk_vecs, end = first + chunk_vecs;
         const int id = lane < topk ? handle_ids[j * topk + lane] : -1;
         if (!__any_sync(0xffffffffu, id >= 0)) continue;
         const int pos = lane < topk ? handle_pos[j * topk + lane] : -1;
-        const float w = id >= 0 ? ((volatile const float*)wts)[((u64)parity * entries + j) * topk + lane] : 0.f;
-        const int s = static_cast<int>(j / max_tokens), t = static_cast<int>(j % max_tokens);
-        Vec16* out = reinterpret_cast<Vec16*>(ptr(comb + (((u64)parity * num_ranks + me) * max_tokens + t) * row_bytes, s));
+        const int s = static_cast<int>(j / max_tokens), i = static_cast<int>(j % max_tokens);
+        const bool local = same_node(s, me, local_size);
+        // The weights of entry j arrived at the same index in the heap or in the window.
+        const float* w_in = local ? wts : w_wrecv;
+        const float w = id >= 0 ? ((volatile const float*)w_in)[((u64)parity * entries + j) * topk + lane] : 0.f;
+        Vec16* out = reinterpret_cast<Vec16*>(local ? ptr(comb + (((u64)parity * num_ranks + me) * max_tokens + i) * row_bytes, s)
+                                                    : cstage + j * row_bytes);
         // Every top-k slot's row is loaded before any is summed: up to MAX_TOPK x U loads in
         // flight per lane instead of U (the rows are independent HBM reads).
         const Vec16* rows[MAX_TOPK];
@@ -331,7 +451,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(
 #pragma unroll
             for (int u = 0; u < U; ++u)
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
+                for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
 #pragma unroll
             for (int k = 0; k < MAX_TOPK; ++k) {
 #pragma unroll
@@ -345,19 +465,28 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(
             }
         }
     }
-    signal_all_ranks(comb_sent, num_ranks);
+    signal_node(comb_sent, local_size);
+    if (!across) return;
+    detail::memory_fence();
+    if (!last_block_done(tickets + 1) || threadIdx.x != 0) return;
+    const u64 block = (u64)max_tokens * row_bytes;
+    put_blocks(cstage, w_crecv + (u64)parity * num_ranks * block, row_bytes, block, w_sig + 2 * num_ranks, seq, num_ranks, local_size,
+               [&](int s) { return handle_count[s]; });
 }
 
-// Receive half of combine. Waits for every rank's send blocks, then out[t] = Σ over ranks d the
-// token went to of comb[parity][d][t] (fp32, stored as bf16); tokens routed nowhere get zeros.
+// Receive half of combine. Waits for every rank's partial rows, then out[t] = Σ over ranks d the
+// token went to of d's partial (fp32, stored as bf16): comb[parity][d][t] from this node's ranks,
+// the window's row at the token's record index from the others. Tokens routed nowhere get zeros.
 // The last block advances state[1]. wait_ns (optional, int64 [ranks]) gets the ns waited per source.
 extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_recv(
     const long long* __restrict__ topk_idx, int num_tokens, int topk, int hidden, int experts_per_rank, int num_ranks,
     int max_tokens, int chunks, int send_blocks, const unsigned char* comb, u64* comb_sent, unsigned short* __restrict__ out,
-    int* state, unsigned int* ticket, long long* wait_ns) {
+    int* state, unsigned int* ticket, long long* wait_ns, int local_size, const unsigned char* w_crecv, u64* w_sig, int* route) {
     constexpr int U = 4;
     const int seq = state[1] + 1, parity = seq & 1;
-    wait_all_ranks(comb_sent, num_ranks, (u64)seq * send_blocks, wait_ns);
+    wait_sources(comb_sent, (u64)seq * send_blocks, w_sig + 2 * num_ranks, (u64)seq, num_ranks, local_size, wait_ns);
+    const int me = my_pe();
+    const int* table = local_size < num_ranks ? route_table(route, 1, parity, max_tokens, num_ranks) : nullptr;
     const int lane = lane_id();
     const int chunk_vecs = hidden / 8 / chunks;
     const u64 row_bytes = (u64)hidden * 2;
@@ -366,16 +495,18 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_recv(
         const u64 t = item / chunks;
         const int first = static_cast<int>(item % chunks) * chunk_vecs, end = first + chunk_vecs;
         const long long id = lane < topk ? topk_idx[t * topk + lane] : -1;
-        const unsigned int mask = dest_mask(id, experts_per_rank, num_ranks);
+        const u64 mask = dest_mask(id, experts_per_rank, num_ranks);
         for (int v0 = first + lane; v0 < end; v0 += 32 * U) {
             float acc[U][8];
 #pragma unroll
             for (int u = 0; u < U; ++u)
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
-            for (int d = 0; d < num_ranks; ++d) {
-                if (!(mask >> d & 1u)) continue;
-                const Vec16* row = reinterpret_cast<const Vec16*>(comb + (((u64)parity * num_ranks + d) * max_tokens + t) * row_bytes);
+            for (u64 m = mask; m; m &= m - 1) {
+                const int d = lowest(m);
+                const u64 at = same_node(d, me, local_size) ? t : (u64)table[num_ranks + t * num_ranks + d];
+                const unsigned char* base = same_node(d, me, local_size) ? comb : w_crecv;
+                const Vec16* row = reinterpret_cast<const Vec16*>(base + (((u64)parity * num_ranks + d) * max_tokens + at) * row_bytes);
                 Vec16 v[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {

@@ -97,6 +97,29 @@ __device__ __forceinline__ unsigned short float2_to_e4m3x2(float lo, float hi) {
     return r;
 }
 
+// Block-wide, for destination rank d: numbers the tokens with a top-k expert on d in token order:
+// slot[t * slot_stride] = the token's number, or -1; list[number] = t when `list` is given.
+// Returns the count (to every thread).
+__device__ inline int number_tokens_to_rank(const long long* __restrict__ topk_idx, int num_tokens, int topk, int experts_per_rank,
+                                            int d, int* slot, u64 slot_stride, int* list) {
+    int running = 0;
+    for (int base = 0; base < num_tokens; base += blockDim.x) {
+        const int t = base + threadIdx.x;
+        int f = 0;
+        if (t < num_tokens) {
+            for (int k = 0; k < topk; ++k) f |= rank_of_expert(topk_idx[(u64)t * topk + k], experts_per_rank) == d;
+        }
+        int chunk_total;
+        const int prefix = block_exclusive_scan(f, &chunk_total);
+        if (t < num_tokens) {
+            slot[(u64)t * slot_stride] = f ? running + prefix : -1;
+            if (f && list) list[running + prefix] = t;
+        }
+        running += chunk_total;
+    }
+    return running;
+}
+
 // Called by every thread of a block when the block's work is done (its stores issued).
 // Returns true in exactly one block of the grid: the last to arrive, which then sees every
 // other block's stores (device scope; remote stores were completed by quiet() before).

@@ -97,6 +97,23 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `ep_ll_route`: across nodes, each token's record index at each rank on another node.
+    pub struct EpLlRoute for &["ep_ll_route"], Passing::Params => {
+        pub topk_idx: DevicePtr,
+        pub num_tokens: i32,
+        pub topk: i32,
+        pub experts_per_rank: i32,
+        pub num_ranks: i32,
+        pub local_size: i32,
+        pub max_tokens: i32,
+        /// 0: the dispatch's table, 1: the combine's.
+        pub which: i32,
+        pub route: DevicePtr,
+        pub state: DevicePtr,
+    }
+}
+
+kernel_params! {
     /// `ep_ll_dispatch_send`: the low-latency dispatch's send half.
     pub struct EpLlDispatchSend for &["ep_ll_dispatch_send"], Passing::Params => {
         pub x: DevicePtr,
@@ -114,6 +131,14 @@ kernel_params! {
         pub meta: DevicePtr,
         pub sent: DevicePtr,
         pub state: DevicePtr,
+        /// Ranks per node (`num_ranks` on one node: the fields after it are then unused).
+        pub local_size: i32,
+        pub record_bytes: u64,
+        pub w_send: DevicePtr,
+        pub w_recv: DevicePtr,
+        pub w_sig: DevicePtr,
+        pub route: DevicePtr,
+        pub ticket: DevicePtr,
     }
 }
 
@@ -141,6 +166,11 @@ kernel_params! {
         pub state: DevicePtr,
         pub ticket: DevicePtr,
         pub wait_ns: DevicePtr,
+        pub local_size: i32,
+        pub record_bytes: u64,
+        pub w_recv: DevicePtr,
+        pub w_sig: DevicePtr,
+        pub handle_count: DevicePtr,
     }
 }
 
@@ -164,6 +194,15 @@ kernel_params! {
         pub comb: DevicePtr,
         pub comb_sent: DevicePtr,
         pub state: DevicePtr,
+        pub local_size: i32,
+        pub w_wsend: DevicePtr,
+        pub w_wrecv: DevicePtr,
+        pub w_csend: DevicePtr,
+        pub w_crecv: DevicePtr,
+        pub w_sig: DevicePtr,
+        pub route: DevicePtr,
+        pub handle_count: DevicePtr,
+        pub tickets: DevicePtr,
     }
 }
 
@@ -185,6 +224,10 @@ kernel_params! {
         pub state: DevicePtr,
         pub ticket: DevicePtr,
         pub wait_ns: DevicePtr,
+        pub local_size: i32,
+        pub w_crecv: DevicePtr,
+        pub w_sig: DevicePtr,
+        pub route: DevicePtr,
     }
 }
 

@@ -1,7 +1,8 @@
-//! mori.ep's normal mode across nodes: the node geometry, where its areas live (the symmetric
-//! heap, the shmem proxy window, the per-call layout), and their sizes, which the allocating
-//! side (mori.ep's `Buffer`) asks for before it allocates. The kernels are
-//! `kernels/ep/internode.cu`; the launches are [`crate::ep_runtime::EpRuntime`]'s.
+//! mori.ep across nodes: the node geometry, where its areas live (the symmetric heap, the shmem
+//! proxy window, the per-call layout), and their sizes, which the allocating side (mori.ep's
+//! `Buffer`) asks for before it allocates. The normal mode's kernels are
+//! `kernels/ep/internode.cu`; the low-latency mode's, `kernels/ep/low_latency.cu` (whose window
+//! areas follow the normal mode's); the launches are [`crate::ep_runtime::EpRuntime`]'s.
 
 use crate::ep_buffers::SCALE_BLOCK;
 use crate::ep_runtime::{EpShape, Layout};
@@ -38,6 +39,29 @@ pub struct Internode {
     pub window: u64,
 }
 
+/// Words of a low-latency dispatch record after its row (META_STRIDE in low_latency.cu).
+const LL_META_BYTES: u64 = 16 * 4;
+
+/// This rank's addresses of the low-latency mode's window areas (see "Ranks on other nodes" in
+/// kernels/ep/low_latency.cu), each `[2 parities][ranks][low_latency_max_tokens]` units. All
+/// zero on one node.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LlWindow {
+    /// Bytes of a dispatch record: a row (BF16, or FP8 and its scales), then its metadata.
+    pub record_bytes: u64,
+    /// Dispatch records, by destination / by source.
+    pub send: u64,
+    pub recv: u64,
+    /// u64 `[3][ranks]`: dispatch rows, weights, combine rows, by sender.
+    pub sig: u64,
+    /// f32 weights rows of topk, by destination / by source.
+    pub wsend: u64,
+    pub wrecv: u64,
+    /// bf16 partial rows, by source / by expert rank.
+    pub csend: u64,
+    pub crecv: u64,
+}
+
 /// Bytes the internode areas need, for a shape and a node count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InternodeSizes {
@@ -67,7 +91,7 @@ impl Internode {
         InternodeSizes {
             counts_bytes: 2 * r * geo.vec_stride(shape) * 4,
             flags_bytes: 4 * r * 4,
-            window_bytes: geo.window_offsets(shape)[9],
+            window_bytes: geo.window_offsets(shape)[16],
         }
     }
 
@@ -101,10 +125,17 @@ impl Internode {
         self.record_stride(shape, h * 2, h / u64::from(SCALE_BLOCK))
     }
 
+    /// Bytes of a low-latency dispatch record (the row area holds a BF16 row, or an FP8 row
+    /// and its scales).
+    pub fn ll_record_bytes(&self, shape: &EpShape) -> u64 {
+        (u64::from(shape.hidden) * 2 + LL_META_BYTES).div_ceil(16) * 16
+    }
+
     /// Offsets in the window area of: counts out, counts in, count signals, send records,
     /// received records, record signals, combine records out, combine records in, combine
-    /// signals; then the end.
-    fn window_offsets(&self, shape: &EpShape) -> [u64; 10] {
+    /// signals; the low-latency mode's areas (empty without it) as [`LlWindow`] lists them;
+    /// then the end.
+    fn window_offsets(&self, shape: &EpShape) -> [u64; 17] {
         let (r, n, c) = (
             u64::from(shape.num_ranks),
             u64::from(self.nodes),
@@ -124,17 +155,49 @@ impl Internode {
             n * c * row,
             n * 8,
         ];
-        let mut out = [0u64; 10];
+        let ll = u64::from(shape.low_latency_max_tokens) * r * 2; // entries of both parities
+        let (k, h2) = (u64::from(shape.topk), u64::from(shape.hidden) * 2);
+        let ll_sizes = if ll == 0 {
+            [0; 7]
+        } else {
+            let rec = self.ll_record_bytes(shape);
+            [
+                ll * rec,
+                ll * rec,
+                3 * r * 8,
+                ll * k * 4,
+                ll * k * 4,
+                ll * h2,
+                ll * h2,
+            ]
+        };
+        let sizes: Vec<u64> = sizes.into_iter().chain(ll_sizes).collect();
+        let mut out = [0u64; 17];
         for (i, bytes) in sizes.iter().enumerate() {
             out[i + 1] = out[i] + align(*bytes);
         }
         out
     }
 
-    /// The addresses of the window areas (as [`Self::window_offsets`], without the end).
+    /// The addresses of the normal mode's window areas (as [`Self::window_offsets`]).
     pub(crate) fn window_areas(&self, shape: &EpShape) -> [u64; 9] {
         let o = self.window_offsets(shape);
         std::array::from_fn(|i| self.window + o[i])
+    }
+
+    /// The low-latency mode's window areas (meaningful when the shape has that mode).
+    pub fn ll_window(&self, shape: &EpShape) -> LlWindow {
+        let o = self.window_offsets(shape).map(|v| self.window + v);
+        LlWindow {
+            record_bytes: self.ll_record_bytes(shape),
+            send: o[9],
+            recv: o[10],
+            sig: o[11],
+            wsend: o[12],
+            wrecv: o[13],
+            csend: o[14],
+            crecv: o[15],
+        }
     }
 
     /// int32 elements after the one-node layout: node slot `[T, nodes]` | node list
@@ -204,13 +267,48 @@ mod tests {
             ..Internode::geometry(&s, 2)
         };
         let o = g.window_offsets(&s);
-        for pair in o.windows(2) {
+        for pair in o[..10].windows(2) {
             assert!(pair[0] < pair[1] && pair[0] % ALIGN == 0, "{o:?}");
         }
         // The records of every node at capacity fit between their neighbours.
         assert!(o[4] - o[3] >= 2 * 1024 * g.record_bytes(&s));
-        assert_eq!(Internode::sizes(&s, 2).window_bytes, o[9]);
+        assert_eq!(
+            o[9..]
+                .iter()
+                .collect::<std::collections::HashSet<_>>()
+                .len(),
+            1,
+            "no low-latency areas: {o:?}"
+        );
+        assert_eq!(Internode::sizes(&s, 2).window_bytes, o[16]);
         assert_eq!(g.window_areas(&s)[3], 0x1000 + o[3]);
+    }
+
+    #[test]
+    fn low_latency_areas_follow_the_normal_ones_and_hold_both_parities() {
+        let s = EpShape {
+            low_latency_max_tokens: 128,
+            ..shape()
+        };
+        let g = Internode {
+            window: 0x1000,
+            ..Internode::geometry(&s, 2)
+        };
+        let o = g.window_offsets(&s);
+        for pair in o.windows(2) {
+            assert!(pair[0] < pair[1] && pair[0] % ALIGN == 0, "{o:?}");
+        }
+        // A record: the 4096-byte row area, then 16 int32 of metadata.
+        assert_eq!(g.ll_record_bytes(&s), 4160);
+        let w = g.ll_window(&s);
+        let entries = 2 * 4 * 128; // parities x ranks x tokens
+        assert_eq!(w.send, 0x1000 + o[9]);
+        assert!(w.recv - w.send >= entries * 4160);
+        assert!(w.sig - w.recv >= entries * 4160);
+        assert!(w.wsend - w.sig >= 3 * 4 * 8);
+        assert!(w.csend - w.wrecv >= entries * 8 * 4);
+        assert!(0x1000 + o[16] - w.crecv >= entries * 4096);
+        assert_eq!(Internode::sizes(&s, 2).window_bytes, o[16]);
     }
 
     #[test]

@@ -14,10 +14,10 @@ use mori_gpu::kernels::LaunchConfig;
 
 use crate::ep::{
     EpCombineReduce, EpCombineSend, EpDispatch, EpInternodeArgs, EpLlCombineRecv, EpLlCombineSend,
-    EpLlDispatchRecv, EpLlDispatchSend, EpPrepare,
+    EpLlDispatchRecv, EpLlDispatchSend, EpLlRoute, EpPrepare,
 };
 use crate::ep_buffers::SCALE_BLOCK;
-pub use crate::ep_internode::{INTERNODE_MAX_LOCAL, INTERNODE_MAX_NODES, Internode};
+pub use crate::ep_internode::{INTERNODE_MAX_LOCAL, INTERNODE_MAX_NODES, Internode, LlWindow};
 use crate::error::{Error, Result};
 use crate::launch::Kernel;
 use crate::params::{DevicePtr, KernelParams};
@@ -73,10 +73,20 @@ pub struct LowLatencyBuffers {
     pub comb: u64,
     /// Rows sent by dispatch, weights sent, rows sent by combine (one `[ranks]` i64 row each).
     pub sent: [u64; 3],
-    /// `[dispatch seq, combine seq, dispatch-recv ticket, combine-recv ticket]` (i32).
+    /// i32 `[dispatch seq, combine seq, dispatch-recv ticket, combine-recv ticket,
+    /// dispatch-send ticket, combine-send tickets (weights, rows), unused]`, zeroed.
     pub state: u64,
     /// Row chunks per warp.
     pub chunks: u32,
+    /// Across nodes: device int32 `[2][2][1 + low_latency_max_tokens][ranks]`, ep_ll_route's
+    /// tables (0 on one node).
+    pub route: u64,
+}
+
+impl LowLatencyBuffers {
+    fn ticket(&self, i: u64) -> DevicePtr {
+        DevicePtr(self.state + 4 * i)
+    }
 }
 
 /// The per-call int32 area a normal dispatch's layout lives in: slot `[T, ranks]` | send list
@@ -123,7 +133,8 @@ pub struct LlReceived {
     pub recv_count: u64,
     pub src_info: u64,
     pub layout_range: u64,
-    /// `[2, ranks, max_tokens, topk]` int32: local expert ids, then packed positions.
+    /// int32 `[2, ranks, max_tokens, topk]` (local expert ids, then packed positions), then
+    /// `[ranks]` (records received from each rank on another node).
     pub ids_pos: u64,
     /// 0, or int64 `[ranks]`: ns this call waited for each source's rows are added to it.
     pub wait_ns: u64,
@@ -285,6 +296,7 @@ impl EpRuntime {
                     "ep_ll_dispatch_recv",
                     "ep_ll_combine_send",
                     "ep_ll_combine_recv",
+                    "ep_ll_route",
                 ] {
                     kernels.push(Kernel::load(m, entry)?);
                 }
@@ -300,9 +312,9 @@ impl EpRuntime {
         })
     }
 
-    /// The normal mode across nodes: dispatch and combine then run the kernels of
-    /// `ep/internode` (`module`; None for a planner) with `internode`'s buffers; the low-latency
-    /// mode is refused.
+    /// Across nodes: dispatch and combine then run the kernels of `ep/internode` (`module`;
+    /// None for a planner) with `internode`'s buffers, and the low-latency mode reaches the
+    /// other nodes' ranks through its window areas (it then needs its `route` tables).
     ///
     /// # Safety
     /// As [`EpRuntime::new`] for every address in `internode`; its heap areas are symmetric
@@ -329,10 +341,11 @@ impl EpRuntime {
                 internode.nodes, internode.local_size
             )));
         }
-        if self.ll.is_some() {
+        if let Some(ll) = &self.ll
+            && ll.route == 0
+        {
             return Err(Error::InvalidArgument(
-                "the low-latency mode is not built across nodes yet: build the buffer without it"
-                    .into(),
+                "the low-latency mode across nodes needs its route tables".into(),
             ));
         }
         if let Some(m) = module {
@@ -709,6 +722,40 @@ impl EpRuntime {
         unsafe { self.run(launches, stream) }
     }
 
+    /// The low-latency mode's ranks per node and window areas (all ranks, zeros on one node).
+    fn ll_nodes(&self) -> (i32, LlWindow) {
+        match &self.internode {
+            Some(geo) => (int(geo.local_size), geo.ll_window(&self.shape)),
+            None => (int(self.shape.num_ranks), LlWindow::default()),
+        }
+    }
+
+    /// Across nodes, the launch that fills route table `which` (0: dispatch, 1: combine) for
+    /// the call's `topk_idx`, before its send half.
+    fn ll_route(
+        &self,
+        ll: &LowLatencyBuffers,
+        topk_idx: u64,
+        n: u32,
+        which: i32,
+    ) -> Option<Launch> {
+        let s = &self.shape;
+        let geo = self.internode.as_ref()?;
+        let p = EpLlRoute {
+            topk_idx: DevicePtr(topk_idx),
+            num_tokens: int(n),
+            topk: int(s.topk),
+            experts_per_rank: int(s.experts_per_rank()),
+            num_ranks: int(s.num_ranks),
+            local_size: int(geo.local_size),
+            max_tokens: int(s.low_latency_max_tokens),
+            which,
+            route: DevicePtr(ll.route),
+            state: DevicePtr(ll.state),
+        };
+        Some(launch("ep_ll_route", s.num_ranks, 1024, 0, p))
+    }
+
     /// The low-latency dispatch's send half.
     ///
     /// # Safety
@@ -725,6 +772,7 @@ impl EpRuntime {
         if let Some(f) = fp8 {
             f.check(s.hidden)?;
         }
+        let (local_size, w) = self.ll_nodes();
         let p = EpLlDispatchSend {
             x: DevicePtr(x),
             topk_idx: DevicePtr(topk_idx),
@@ -741,10 +789,18 @@ impl EpRuntime {
             meta: DevicePtr(ll.meta),
             sent: DevicePtr(ll.sent[0]),
             state: DevicePtr(ll.state),
+            local_size,
+            record_bytes: w.record_bytes,
+            w_send: DevicePtr(w.send),
+            w_recv: DevicePtr(w.recv),
+            w_sig: DevicePtr(w.sig),
+            route: DevicePtr(ll.route),
+            ticket: ll.ticket(4),
         };
-        let l = launch("ep_ll_dispatch_send", LL_SEND_BLOCKS, 512, 0, p);
+        let launches = self.ll_route(ll, topk_idx, n, 0).into_iter();
+        let launches = launches.chain([launch("ep_ll_dispatch_send", LL_SEND_BLOCKS, 512, 0, p)]);
         // SAFETY: the caller's guarantee.
-        unsafe { self.run(vec![l], stream) }
+        unsafe { self.run(launches.collect(), stream) }
     }
 
     /// The low-latency dispatch's receive half, into `out`.
@@ -763,6 +819,7 @@ impl EpRuntime {
         }
         let entries = s.num_ranks * s.low_latency_max_tokens;
         let half = u64::from(entries * s.topk) * 4;
+        let (local_size, w) = self.ll_nodes();
         let p = EpLlDispatchRecv {
             topk: int(s.topk),
             hidden: int(s.hidden),
@@ -783,8 +840,13 @@ impl EpRuntime {
             handle_ids: DevicePtr(out.ids_pos),
             handle_pos: DevicePtr(out.ids_pos + half),
             state: DevicePtr(ll.state),
-            ticket: DevicePtr(ll.state + 8),
+            ticket: ll.ticket(2),
             wait_ns: DevicePtr(out.wait_ns),
+            local_size,
+            record_bytes: w.record_bytes,
+            w_recv: DevicePtr(w.recv),
+            w_sig: DevicePtr(w.sig),
+            handle_count: DevicePtr(out.ids_pos + 2 * half),
         };
         let l = launch(
             "ep_ll_dispatch_recv",
@@ -813,6 +875,7 @@ impl EpRuntime {
     ) -> Result<Vec<Planned>> {
         let (s, ll) = (&self.shape, self.ll()?);
         let half = u64::from(s.num_ranks * s.low_latency_max_tokens * s.topk) * 4;
+        let (local_size, w) = self.ll_nodes();
         let p = EpLlCombineSend {
             y: DevicePtr(y),
             topk_idx: DevicePtr(topk_idx),
@@ -831,10 +894,20 @@ impl EpRuntime {
             comb: DevicePtr(ll.comb),
             comb_sent: DevicePtr(ll.sent[2]),
             state: DevicePtr(ll.state),
+            local_size,
+            w_wsend: DevicePtr(w.wsend),
+            w_wrecv: DevicePtr(w.wrecv),
+            w_csend: DevicePtr(w.csend),
+            w_crecv: DevicePtr(w.crecv),
+            w_sig: DevicePtr(w.sig),
+            route: DevicePtr(ll.route),
+            handle_count: DevicePtr(ids_pos + 2 * half),
+            tickets: ll.ticket(5),
         };
-        let l = launch("ep_ll_combine_send", LL_SEND_BLOCKS, 512, 0, p);
+        let launches = self.ll_route(ll, topk_idx, n, 1).into_iter();
+        let launches = launches.chain([launch("ep_ll_combine_send", LL_SEND_BLOCKS, 512, 0, p)]);
         // SAFETY: the caller's guarantee.
-        unsafe { self.run(vec![l], stream) }
+        unsafe { self.run(launches.collect(), stream) }
     }
 
     /// The low-latency combine's receive half: the weighted sums into `out` (`n` x hidden bf16).
@@ -851,6 +924,7 @@ impl EpRuntime {
         stream: Option<StreamHandle>,
     ) -> Result<Vec<Planned>> {
         let (s, ll) = (&self.shape, self.ll()?);
+        let (local_size, w) = self.ll_nodes();
         let p = EpLlCombineRecv {
             topk_idx: DevicePtr(topk_idx),
             num_tokens: int(n),
@@ -865,8 +939,12 @@ impl EpRuntime {
             comb_sent: DevicePtr(ll.sent[2]),
             out: DevicePtr(out),
             state: DevicePtr(ll.state),
-            ticket: DevicePtr(ll.state + 12),
+            ticket: ll.ticket(3),
             wait_ns: DevicePtr(wait_ns),
+            local_size,
+            w_crecv: DevicePtr(w.crecv),
+            w_sig: DevicePtr(w.sig),
+            route: DevicePtr(ll.route),
         };
         let l = launch("ep_ll_combine_recv", LL_SEND_BLOCKS, 512, 0, p);
         // SAFETY: the caller's guarantee.

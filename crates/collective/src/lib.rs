@@ -21,7 +21,7 @@ pub use launch::Kernel;
 pub use params::{DevicePtr, KernelParams, Layout, Packed, Packer, Value};
 
 /// The layout of every parameter struct.
-pub fn layouts() -> [&'static Layout; 10] {
+pub fn layouts() -> [&'static Layout; 11] {
     [
         ep::EpPrepare::layout(),
         ep::EpDispatch::layout(),
@@ -31,6 +31,7 @@ pub fn layouts() -> [&'static Layout; 10] {
         ep::EpLlDispatchRecv::layout(),
         ep::EpLlCombineSend::layout(),
         ep::EpLlCombineRecv::layout(),
+        ep::EpLlRoute::layout(),
         ep::EpInternodeArgs::layout(),
         ccl::CclArgs::layout(),
     ]

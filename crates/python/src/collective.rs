@@ -396,6 +396,14 @@ pub fn ep_internode_record_bytes(
         .record_stride(&shape, row_bytes, scale_cols)
 }
 
+/// Bytes of one token's record in a low-latency dispatch to a rank on another node (the row
+/// area, BF16 or FP8 and its scales, then the token's metadata).
+#[pyfunction]
+pub fn ep_ll_record_bytes(shape: (u32, u32, u32, u32, u32, u32), nodes: u32) -> u64 {
+    let shape = ep_shape(shape);
+    mori_collective::ep_internode::Internode::geometry(&shape, nodes).ll_record_bytes(&shape)
+}
+
 /// The low-latency FP8 options from Python's (round_scale, ue8m0, column-major scales).
 fn ll_fp8(fp8: Option<(bool, bool, bool)>) -> Option<ep_runtime::LlFp8> {
     fp8.map(|(round_scale, ue8m0, column_major)| ep_runtime::LlFp8 {
@@ -414,7 +422,7 @@ impl EpRuntime {
     /// `shape`: (ranks, experts, hidden, topk, max tokens per rank, low-latency max tokens);
     /// `normal`: addresses (recv_x, recv_scales, recv_idx, recv_w, recv_src, rank_matrix[0],
     /// rank_matrix[1], expert_matrix[0], expert_matrix[1], comb, comb_w, counters, host_info);
-    /// `low_latency`: (rows, meta, wts, comb, sent[0], sent[1], sent[2], state, chunks) or None.
+    /// `low_latency`: (rows, meta, wts, comb, sent[0], sent[1], sent[2], state, chunks, route or 0) or None.
     /// The modules (`ep/intranode`, `ep/low_latency`) are None for a planner. Across nodes,
     /// `internode` is (nodes, ranks per node, counts, flags, relay, relay_w, window area) with the
     /// `ep/internode` module (see `ep_internode_sizes`).
@@ -426,7 +434,7 @@ impl EpRuntime {
         low_latency_module: Option<&ShmemModule>,
         shape: (u32, u32, u32, u32, u32, u32),
         normal: [u64; 13],
-        low_latency: Option<[u64; 9]>,
+        low_latency: Option<[u64; 10]>,
         internode: Option<(u32, u32, u64, u64, u64, u64, u64)>,
         internode_module: Option<&ShmemModule>,
     ) -> Result<Self> {
@@ -453,6 +461,7 @@ impl EpRuntime {
             sent: [l[4], l[5], l[6]],
             state: l[7],
             chunks: l[8] as u32,
+            route: l[9],
         });
         let modules = intranode.map(|m| (m.module, low_latency_module.map(|l| l.module)));
         // SAFETY: mori.ep allocates every address (symmetric tensors, device counters, pinned

@@ -1,4 +1,4 @@
-"""mori.ep: MoE expert-parallel dispatch and combine, inside one node and (normal mode) across nodes.
+"""mori.ep: MoE expert-parallel dispatch and combine, inside one node and across nodes.
 
 Two modes on one :class:`Buffer` (see docs/ep.md):
 
@@ -17,8 +17,9 @@ Two modes on one :class:`Buffer` (see docs/ep.md):
 Built on :mod:`mori.shmem`: every rank stores straight into the other ranks' receive buffers over
 NVLink. Across nodes (ranks on several nodes, :func:`mori.shmem.nodes`) the normal mode sends a
 token once to each destination node through the shmem proxy and fans it out there over NVLink
-(docs/ep.md, "Across nodes"); the low-latency mode is one node only. Rules (as with DeepEP): every rank calls the same operations in the same order, each on
-one stream; the tensors a normal dispatch returns are views into the buffer, valid until the next
+(docs/ep.md, "Across nodes"); the low-latency mode packs each call's tokens for a rank on another
+node into one message to it. Rules (as with DeepEP): every rank calls the same operations in the
+same order, each on one stream; the tensors a normal dispatch returns are views into the buffer, valid until the next
 dispatch on this buffer.
 """
 
@@ -149,7 +150,7 @@ class DispatchResult:
 class LowLatencyHandle:
     """What low_latency_combine needs from a low-latency dispatch."""
 
-    ids_pos: Any  # [2, ranks, max_tokens, topk] int32: local expert id / packed position per slot
+    ids_pos: Any  # int32 [2, ranks, max_tokens, topk] (local expert id / packed position per slot), then [ranks]
     num_tokens: int
 
 
@@ -181,9 +182,6 @@ class Buffer:
         self.config = config
         self.rank, self.num_ranks = shmem.my_pe(), shmem.n_pes()
         self.nodes = _node_layout(shmem.nodes(), self.num_ranks)
-        if self.nodes > 1 and config.low_latency_max_tokens:
-            raise InvalidArgumentError("the low-latency mode runs on one node only: across nodes build the Buffer with "
-                                       "low_latency_max_tokens=0 (normal mode)")
         if config.num_experts % self.num_ranks:
             raise InvalidArgumentError(f"{config.num_experts} experts do not divide over {self.num_ranks} ranks")
         self.device = shmem.device()
@@ -531,18 +529,22 @@ class _LowLatency:
         self._wts = shmem.tensor((2 * w * t * k,), torch.float32)
         self._comb = shmem.tensor((2 * w * t * h * 2,), torch.uint8)
         self._sent = shmem.tensor((3, w), torch.int64, zero=True)  # dispatch rows, weights, combine rows
-        # [dispatch seq, combine seq, dispatch-recv ticket, combine-recv ticket]
-        self._state = torch.zeros(4, dtype=torch.int32, device=f"cuda:{buf.device}")
+        # [dispatch seq, combine seq, then tickets: dispatch recv, combine recv, dispatch send,
+        # combine send (weights, rows); one unused]
+        self._state = torch.zeros(8, dtype=torch.int32, device=f"cuda:{buf.device}")
+        # Across nodes: each token's record index at each rank on another node, by call kind and
+        # parity (ep_ll_route in kernels/ep/low_latency.cu).
+        self._route = torch.zeros((2, 2, t + 1, w), dtype=torch.int32, device=f"cuda:{buf.device}") if buf.nodes > 1 else None
         # Row chunks per warp: a multiple of 32 vectors each (whole warps for the FP8 shuffles).
         vecs = h // 8
         self.chunks = next(c for c in (4, 2, 1) if vecs % (32 * c) == 0) if vecs % 32 == 0 else 1
 
     def addresses(self) -> list[int]:
         """What the Rust runtime launches with: rows, meta, weights, combine rows, the three
-        sent-count rows, the state words, and the row chunks per warp."""
+        sent-count rows, the state words, the row chunks per warp, and the route tables (0 on one node)."""
         sent = [self._sent[i].data_ptr() for i in range(3)]
         return [self._rows.data_ptr(), self._meta.data_ptr(), self._wts.data_ptr(), self._comb.data_ptr(), *sent,
-                self._state.data_ptr(), self.chunks]
+                self._state.data_ptr(), self.chunks, _ptr(self._route)]
 
     def dispatch(self, x: Any, topk_idx: Any, fp8: tuple[bool, bool, bool] | None, wait_stats: Any, stream: Any,
                  return_recv_hook: bool) -> LowLatencyDispatchResult:
@@ -575,7 +577,8 @@ class _LowLatency:
         recv_count = torch.empty(el, dtype=torch.int32, device=dev)
         src_info = torch.empty((el, self.entries), dtype=torch.int32, device=dev)
         layout_range = torch.empty((el, w), dtype=torch.int64, device=dev)
-        ids_pos = torch.empty((2, w, tm, k), dtype=torch.int32, device=dev)
+        # Local expert ids and positions [2, ranks, max tokens, topk], then records per source.
+        ids_pos = torch.empty(2 * w * tm * k + w, dtype=torch.int32, device=dev)
         rt = buf._rt
         rt.ll_dispatch_send(s, x.data_ptr(), topk_idx.data_ptr(), n, fp8)
         outputs = [recv_x.data_ptr(), _ptr(recv_scales), recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),

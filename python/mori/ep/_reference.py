@@ -227,8 +227,10 @@ def quantize_ref(x: Any, round_scale: bool = False) -> tuple:
         scale = ((exponent + 127) << 23).view(torch.float32)
         inv = ((127 - exponent) << 23).view(torch.float32)
     else:
-        scale = amax / FP8_MAX
-        # A tensor/tensor division: `448.0 / amax` would be reciprocal(amax) * 448 in torch, rounded twice.
+        # Tensor/tensor divisions, rounded once as the kernel's are: torch divides by a scalar as
+        # a multiplication by its reciprocal on CUDA (rounded twice), and `448.0 / amax` as
+        # reciprocal(amax) * 448 on any device.
+        scale = torch.div(amax, torch.full_like(amax, FP8_MAX))
         inv = torch.where(amax > 0, torch.div(torch.full_like(amax, FP8_MAX), amax), torch.zeros_like(amax))
     q = (xf * inv[..., None]).to(torch.float8_e4m3fn).reshape(n, h)
     return q, scale

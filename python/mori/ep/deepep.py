@@ -43,7 +43,9 @@ Everything runs on top of one :class:`mori.ep.Buffer`. What differs from DeepEP 
   mode runs on mori.ep's internode kernels (each token crosses to another node once, through
   the shmem proxy, and fans out over NVLink there); ``get_dispatch_layout`` returns
   ``num_tokens_per_rdma_rank`` per node; combine sums each node's rows first, so its bf16
-  result is rounded once more than on one node. Nodes are mori's (up to 8 nodes of up to 8
+  result is rounded once more than on one node. The low-latency mode sends each call's tokens for
+  a rank on another node as one message through the proxy (mori.ep's low-latency kernels, no
+  host work: graph-capturable as on one node). Nodes are mori's (up to 8 nodes of up to 8
   consecutive ranks), not DeepEP's fixed 8 ranks per node. The traffic between nodes lives in
   the shmem proxy window, which ``num_rdma_bytes`` sizes when the facade initialises
   :mod:`mori.shmem` (``MORI_SHMEM_WINDOW_SIZE``, when set, wins; a buffer that does not fit
@@ -52,8 +54,7 @@ Everything runs on top of one :class:`mori.ep.Buffer`. What differs from DeepEP 
   each token one slot per rank it goes to (that rank's first expert); the rows move once per
   rank as with DeepEP, and the dispatch's own count exchange carries the caller's
   ``num_tokens_per_expert`` (no extra step).
-* **Not supported** (raise :class:`mori.errors.InvalidArgumentError`): the low-latency mode
-  across nodes, an mpi4py ``comm`` instead of a group, per-tensor quantisation
+* **Not supported** (raise :class:`mori.errors.InvalidArgumentError`): an mpi4py ``comm`` instead of a group, per-tensor quantisation
   (``use_per_tensor_quantization`` / ``static_scale``, not in DeepEP v1.2.1's
   ``low_latency_dispatch`` either), and ``use_logfmt`` in low-latency combine (DeepEP's LogFMT
   wire format: mori's combine sends bf16 partial sums).
@@ -463,7 +464,6 @@ class Buffer:
         """Collective: (re)builds the mori buffer for these sizes."""
         import torch
 
-        from mori import shmem
         from mori.ep import Buffer as MoriBuffer
         from mori.ep import EpConfig
 
@@ -473,9 +473,6 @@ class Buffer:
             )
         if num_experts % self.group_size:
             raise InvalidArgumentError(f"{num_experts} experts do not divide over {self.group_size} ranks")
-        if self._nodes > 1 and ll_tokens:
-            raise InvalidArgumentError(f"the low-latency mode runs on one node; these ranks are on nodes {shmem.nodes()} "
-                                       "(mori has no low-latency kernels across nodes yet; the normal mode works across nodes)")
         config = EpConfig(
             num_experts=num_experts, hidden=hidden, max_tokens_per_rank=capacity, topk=topk,
             num_sms=max(Buffer.num_sms, 1), low_latency_max_tokens=ll_tokens,
