@@ -27,12 +27,13 @@
 //! without waiting for the answer. A key whose peer cannot be reached is a miss (the peer
 //! died; the master forgets its keys once its heartbeats stop).
 //!
-//! A single get of a key whose peer this client learnt (from its own put of the key, or an
-//! earlier route) goes straight to that peer: one round trip, no lease (the peer reads its
-//! pool under its lock) and the peer reports the read to the master with its next heartbeat,
-//! which keeps the cluster's LRU order. A miss there (the key left that peer) or a peer that
-//! cannot be reached drops the route and asks the master as above. At most
-//! [`ROUTE_CACHE_KEYS`] routes are kept (the oldest half dropped beyond).
+//! A get of a key whose peer this client learnt (from its own put of the key, or an earlier
+//! routed get) goes straight to that peer: one round trip, no lease (the peer reads its pool
+//! under its lock) and the peer reports the read to the master with its next heartbeat, which
+//! keeps the cluster's LRU order. A batch sends its known keys to their peers while the master
+//! routes the rest, in parallel. A miss there (the key left that peer) or a peer that cannot be
+//! reached drops the route and asks the master as above. At most [`ROUTE_CACHE_KEYS`] routes
+//! are kept (the oldest half dropped beyond).
 //!
 //! Every call to a peer on a get path (`BatchGet`, `BatchGetInto` and its byte-path
 //! fallback) has one deadline covering connecting and the call itself: the master's
@@ -347,6 +348,14 @@ fn local_ip_towards(addr: &str) -> IpAddr {
 /// Key indices by peer id, with the peer's address.
 type PeerGroups = BTreeMap<u64, (String, Vec<usize>)>;
 
+/// What a batch read from peers brought: values by key index, and the indices that were not
+/// found (or whose peer could not be reached).
+#[derive(Debug, Default)]
+struct Fetched {
+    found: Vec<(usize, Vec<u8>)>,
+    missed: Vec<usize>,
+}
+
 /// The routing state of a client connected to a master.
 #[derive(Debug)]
 struct Cluster {
@@ -525,6 +534,95 @@ impl Cluster {
             }
         }
         Ok((groups, resp.lease_id))
+    }
+
+    /// `keys` indices grouped by the peer this client last found or stored them on, and the
+    /// indices of the keys it knows no peer for.
+    fn known_routes(&self, keys: &[&[u8]]) -> (PeerGroups, Vec<usize>) {
+        let routes = self.routes();
+        let (mut known, mut unknown) = (PeerGroups::new(), Vec::new());
+        for (i, k) in keys.iter().enumerate() {
+            match routes.get(k) {
+                Some((peer, addr)) => known
+                    .entry(peer)
+                    .or_insert_with(|| (addr.to_string(), Vec::new()))
+                    .1
+                    .push(i),
+                None => unknown.push(i),
+            }
+        }
+        (known, unknown)
+    }
+
+    /// Reads each group's keys (indices into `keys`) from its peer, the groups in parallel.
+    /// Keys a peer did not have, and every key of a peer that could not be reached (its
+    /// connections and routes dropped), are `missed`; with `learn` the found keys' routes are
+    /// kept for later gets.
+    async fn fetch_groups(
+        &self,
+        keys: &[&[u8]],
+        groups: PeerGroups,
+        learn: bool,
+    ) -> Result<Fetched> {
+        let mut tasks = tokio::task::JoinSet::new();
+        for (peer, (addr, idxs)) in groups {
+            let pc = self.peer(peer, &addr)?;
+            let wanted: Vec<Vec<u8>> = idxs.iter().map(|&i| keys[i].to_vec()).collect();
+            let deadline = self.peer_deadline;
+            tasks.spawn(async move {
+                let res = batch_get_streamed(pc, wanted, Some((&addr, deadline))).await;
+                (peer, addr, idxs, res)
+            });
+        }
+        let mut fetched = Fetched::default();
+        let mut failure: Option<tonic::Status> = None;
+        while let Some(done) = tasks.join_next().await {
+            let (peer, addr, idxs, res) =
+                done.map_err(|e| tonic::Status::internal(format!("client task failed: {e}")))?;
+            match res {
+                Ok(values) => {
+                    let mut routes = learn.then(|| self.routes());
+                    for (i, v) in idxs.into_iter().zip(values) {
+                        match value_of(v) {
+                            Some(v) => {
+                                if let Some(r) = routes.as_mut() {
+                                    r.learn(keys[i], peer, &addr);
+                                }
+                                fetched.found.push((i, v));
+                            }
+                            None => fetched.missed.push(i),
+                        }
+                    }
+                }
+                Err(s) if is_transport(&s) => {
+                    self.unreachable(peer);
+                    fetched.missed.extend(idxs);
+                }
+                Err(s) => failure = failure.or(Some(s)),
+            }
+        }
+        match failure {
+            Some(s) => Err(s.into()),
+            None => Ok(fetched),
+        }
+    }
+
+    /// The keys at `idxs` through the master: their routes and a read lease, then the peers
+    /// (a key the master does not know, or whose peer has gone, is a miss); the routes of the
+    /// keys found are kept.
+    async fn routed_fetch(&self, keys: &[&[u8]], idxs: Vec<usize>) -> Result<Fetched> {
+        if idxs.is_empty() {
+            return Ok(Fetched::default());
+        }
+        let asked: Vec<&[u8]> = idxs.iter().map(|&i| keys[i]).collect();
+        let (groups, lease_id) = self.route_get(&asked).await?;
+        let groups = groups
+            .into_iter()
+            .map(|(peer, (addr, at))| (peer, (addr, at.into_iter().map(|j| idxs[j]).collect())))
+            .collect();
+        let fetched = self.fetch_groups(keys, groups, true).await;
+        self.release_lease(lease_id);
+        fetched
     }
 
     /// Releases read lease `lease_id` (0: none) in the background.
@@ -1050,41 +1148,33 @@ impl Client {
         })
     }
 
-    /// Routed batch get (see the module docs).
+    /// Routed batch get (see the module docs): keys whose peer this client knows go straight
+    /// to it while the master routes the others; a known route that went stale (the peer no
+    /// longer has the key, or cannot be reached) is asked of the master afterwards.
     fn cluster_get(&self, c: &Cluster, keys: &[&[u8]]) -> Result<Vec<Option<Vec<u8>>>> {
         self.rt.block_on(async {
-            let (groups, lease_id) = c.route_get(keys).await?;
+            let (known, unknown) = c.known_routes(keys);
+            let (direct, routed) = tokio::join!(
+                c.fetch_groups(keys, known, false),
+                c.routed_fetch(keys, unknown)
+            );
+            let (direct, routed) = (direct?, routed?);
             let mut out: Vec<Option<Vec<u8>>> = vec![None; keys.len()];
-            let mut tasks = tokio::task::JoinSet::new();
-            for (peer, (addr, idxs)) in groups {
-                let pc = c.peer(peer, &addr)?;
-                let wanted: Vec<Vec<u8>> = idxs.iter().map(|&i| keys[i].to_vec()).collect();
-                let deadline = c.peer_deadline;
-                tasks.spawn(async move {
-                    let res = batch_get_streamed(pc, wanted, Some((&addr, deadline))).await;
-                    (peer, idxs, res)
-                });
+            for (i, v) in direct.found.into_iter().chain(routed.found) {
+                out[i] = Some(v);
             }
-            let mut failure: Option<tonic::Status> = None;
-            while let Some(done) = tasks.join_next().await {
-                let (peer, idxs, res) =
-                    done.map_err(|e| tonic::Status::internal(format!("client task failed: {e}")))?;
-                match res {
-                    Ok(values) => {
-                        for (i, v) in idxs.into_iter().zip(values) {
-                            out[i] = value_of(v);
-                        }
+            if !direct.missed.is_empty() {
+                {
+                    let mut routes = c.routes();
+                    for &i in &direct.missed {
+                        routes.drop_key(keys[i]);
                     }
-                    // The peer is gone: its keys are misses.
-                    Err(s) if is_transport(&s) => c.unreachable(peer),
-                    Err(s) => failure = failure.or(Some(s)),
+                }
+                for (i, v) in c.routed_fetch(keys, direct.missed).await?.found {
+                    out[i] = Some(v);
                 }
             }
-            c.release_lease(lease_id);
-            match failure {
-                Some(s) => Err(s.into()),
-                None => Ok(out),
-            }
+            Ok(out)
         })
     }
 

@@ -76,16 +76,24 @@ impl PeerLink {
         })
     }
 
-    /// Notes a single get of `key` here, for the next heartbeat (clients that know where a key
-    /// is read it without the master, which keeps the cluster's LRU order).
-    pub(crate) fn note_read(&self, key: &[u8]) {
+    /// Notes gets of `keys` here, for the next heartbeat (clients that know where a key is read
+    /// it without the master, which keeps the cluster's LRU order); at most
+    /// [`crate::master::MAX_REPORTED_READS`] wait for one heartbeat.
+    pub(crate) fn note_reads<'a>(&self, keys: impl IntoIterator<Item = &'a [u8]>) {
         let mut reads = self
             .reads
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if reads.len() < crate::master::MAX_REPORTED_READS {
+        for key in keys {
+            if reads.len() >= crate::master::MAX_REPORTED_READS {
+                break;
+            }
             reads.push(key.to_vec());
         }
+    }
+
+    pub(crate) fn note_read(&self, key: &[u8]) {
+        self.note_reads([key]);
     }
 
     fn take_reads(&self) -> Vec<Vec<u8>> {

@@ -751,6 +751,14 @@ impl UmbpService {
         self
     }
 
+    /// A peer notes the keys of a batch read for its master's LRU order (a client that knows
+    /// their peer reads them without the master).
+    fn note_reads(&self, keys: &[Vec<u8>]) {
+        if let Some(link) = &self.link {
+            link.note_reads(keys.iter().map(Vec::as_slice));
+        }
+    }
+
     /// The value of `key` (`Get`, over gRPC or small ops; a peer notes it for its master's LRU
     /// order): a miss or a small DRAM value is answered on this task — handing the call to a blocking thread and back costs more than
     /// the copy (benches/NOTES.md) —, anything else on a blocking thread.
@@ -1151,6 +1159,7 @@ impl Umbp for UmbpService {
         req: Request<BatchGetRequest>,
     ) -> Result<Response<Self::BatchGetStreamStream>, Status> {
         let BatchGetRequest { keys } = req.into_inner();
+        self.note_reads(&keys);
         let (tx, rx) = tokio::sync::mpsc::channel(STREAM_AHEAD);
         let pool = Arc::clone(&self.pool);
         // Each message: the next keys whose values fill STREAM_CHUNK_BYTES, read in one hold of
@@ -1188,6 +1197,7 @@ impl Umbp for UmbpService {
         req: Request<BatchGetRequest>,
     ) -> Result<Response<BatchGetResponse>, Status> {
         let BatchGetRequest { keys } = req.into_inner();
+        self.note_reads(&keys);
         let values = self
             .call(move |p| {
                 // As many keys as fit in one reply; the client asks again for the rest.

@@ -219,6 +219,60 @@ fn a_route_that_went_stale_falls_back_to_the_master() {
 }
 
 #[test]
+fn batches_read_known_keys_from_their_peers_without_the_master() {
+    let cl = cluster(&["--dram-bytes", "16M"], false);
+    let writer = Client::connect(&cl.master.addr).unwrap();
+    let reader = Client::connect(&cl.master.addr).unwrap();
+    let n = 120;
+    let keys: Vec<Vec<u8>> = (0..n).map(|i| key(5000 + i)).collect();
+    let mut values: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 11, 700 + 53 * i)).collect();
+    let items: Vec<(&[u8], &[u8])> = keys
+        .iter()
+        .zip(&values)
+        .map(|(k, v)| (k.as_slice(), v.as_slice()))
+        .collect();
+    assert_eq!(writer.batch_put(&items).unwrap(), vec![true; n]);
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let expect = |values: &[Vec<u8>]| values.iter().map(|v| Some(v.clone())).collect::<Vec<_>>();
+    // The reader learns every key's peer from the master's routes, with a key nobody stored.
+    let mut with_unknown = refs.clone();
+    with_unknown.push(b"cl-nobody");
+    let mut want = expect(&values);
+    want.push(None);
+    assert_eq!(reader.batch_get(&with_unknown).unwrap(), want);
+    // A key removed and stored again with other bytes (on either peer): the stale route gives
+    // the new bytes or a miss that the master then routes, never the old bytes.
+    assert!(writer.remove(&keys[3]).unwrap());
+    values[3] = bytes(99, 4321);
+    assert!(writer.put(&keys[3], &values[3]).unwrap());
+    assert!(writer.remove(&keys[4]).unwrap());
+    let mut want = expect(&values);
+    want[4] = None;
+    assert_eq!(reader.batch_get(&refs).unwrap(), want);
+    assert!(writer.put(&keys[4], &values[4]).unwrap());
+    assert_eq!(reader.batch_get(&refs).unwrap(), expect(&values));
+    // The master gone: the keys the reader knows still come from their peers in one batch; a
+    // key it knows no peer for needs the master, so that batch fails.
+    cl.master.signal(libc::SIGKILL);
+    assert_eq!(reader.batch_get(&refs).unwrap(), expect(&values));
+    assert!(
+        reader.batch_get(&with_unknown).is_err(),
+        "an unknown key was read without a master"
+    );
+    let mut sinks_data: Vec<Vec<u8>> = vec![Vec::new(); n];
+    let mut sinks: Vec<&mut dyn mori_umbpd::small_ops::Sink> = sinks_data
+        .iter_mut()
+        .map(|v| v as &mut dyn mori_umbpd::small_ops::Sink)
+        .collect();
+    let lens = reader.batch_get_with(&refs, &mut sinks).unwrap();
+    assert_eq!(
+        lens,
+        values.iter().map(|v| Some(v.len())).collect::<Vec<_>>()
+    );
+    assert_eq!(sinks_data, values);
+}
+
+#[test]
 fn routes_across_peers_first_writer_wins_and_a_dead_peers_keys_become_misses() {
     let cl = cluster(&["--dram-bytes", "8M"], false);
     let c = Client::connect(&cl.master.addr).unwrap();
