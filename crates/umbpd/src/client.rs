@@ -33,7 +33,7 @@
 //! keeps the cluster's LRU order. A batch sends its known keys to their peers while the master
 //! routes the rest, in parallel. A miss there (the key left that peer) or a peer that cannot be
 //! reached drops the route and asks the master as above. At most [`ROUTE_CACHE_KEYS`] routes
-//! are kept (the oldest half dropped beyond).
+//! are kept (the least recently used half dropped beyond).
 //!
 //! Every call to a peer on a get path (`BatchGet`, `BatchGetInto` and its byte-path
 //! fallback) has one deadline covering connecting and the call itself: the master's
@@ -383,11 +383,12 @@ struct Cluster {
 /// A staging buffer shared with a daemon on this host, for single gets.
 type Staging = Arc<Mutex<SharedBuffer>>;
 
-/// Most routes a client keeps for single gets ([`RouteCache`]).
+/// Most routes a client keeps for its gets ([`RouteCache`]).
 pub const ROUTE_CACHE_KEYS: usize = 1 << 16;
 
-/// Where keys were last found or stored: key -> (peer id, address), in insertion order so that
-/// beyond [`ROUTE_CACHE_KEYS`] the oldest half is dropped.
+/// Where keys were last found or stored: key -> (peer id, address), ordered by last use (a
+/// lookup or a store) so that beyond [`ROUTE_CACHE_KEYS`] the least recently used half is
+/// dropped.
 #[derive(Debug, Default)]
 struct RouteCache {
     by_key: HashMap<Vec<u8>, (u64, Arc<str>, u64)>,
@@ -423,8 +424,15 @@ impl RouteCache {
             .insert(key.to_vec(), (peer, Arc::from(addr), self.next));
     }
 
-    fn get(&self, key: &[u8]) -> Option<(u64, Arc<str>)> {
-        self.by_key.get(key).map(|(p, a, _)| (*p, Arc::clone(a)))
+    /// The key's route, which becomes the most recently used.
+    fn get(&mut self, key: &[u8]) -> Option<(u64, Arc<str>)> {
+        let (peer, addr, used) = self.by_key.get_mut(key)?;
+        if let Some(k) = self.order.remove(used) {
+            self.next += 1;
+            *used = self.next;
+            self.order.insert(self.next, k);
+        }
+        Some((*peer, Arc::clone(addr)))
     }
 
     fn drop_key(&mut self, key: &[u8]) {
@@ -539,7 +547,7 @@ impl Cluster {
     /// `keys` indices grouped by the peer this client last found or stored them on, and the
     /// indices of the keys it knows no peer for.
     fn known_routes(&self, keys: &[&[u8]]) -> (PeerGroups, Vec<usize>) {
-        let routes = self.routes();
+        let mut routes = self.routes();
         let (mut known, mut unknown) = (PeerGroups::new(), Vec::new());
         for (i, k) in keys.iter().enumerate() {
             match routes.get(k) {
@@ -1908,6 +1916,41 @@ async fn put_from_at(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_route_cache_drops_the_least_recently_used_half_when_full() {
+        let mut routes = RouteCache::default();
+        let key = |i: usize| format!("k{i}").into_bytes();
+        for i in 0..ROUTE_CACHE_KEYS {
+            routes.learn(&key(i), 1 + (i % 3) as u64, "peer");
+        }
+        // Key 0 is read (the most recently used now); key 1 is stored again at another peer.
+        assert_eq!(routes.get(&key(0)).map(|(p, _)| p), Some(1));
+        routes.learn(&key(1), 9, "moved");
+        routes.learn(&key(ROUTE_CACHE_KEYS), 1, "peer"); // over the bound: half goes
+        assert_eq!(routes.by_key.len(), ROUTE_CACHE_KEYS / 2 + 1);
+        assert_eq!(routes.order.len(), routes.by_key.len());
+        assert_eq!(
+            routes.get(&key(0)).map(|(p, _)| p),
+            Some(1),
+            "recently read: kept"
+        );
+        assert_eq!(
+            routes.get(&key(1)).map(|(p, a)| (p, a.to_string())),
+            Some((9, "moved".into()))
+        );
+        assert!(
+            routes.get(&key(2)).is_none(),
+            "least recently used: dropped"
+        );
+        assert!(
+            routes.get(&key(ROUTE_CACHE_KEYS - 1)).is_some(),
+            "stored late: kept"
+        );
+        routes.forget_peer(9);
+        assert!(routes.get(&key(1)).is_none());
+        assert_eq!(routes.order.len(), routes.by_key.len());
+    }
 
     #[test]
     fn batches_are_cut_by_value_bytes() {
