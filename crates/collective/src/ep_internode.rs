@@ -171,10 +171,10 @@ impl Internode {
                 ll * h2,
             ]
         };
-        let sizes: Vec<u64> = sizes.into_iter().chain(ll_sizes).collect();
+        // Computed on every launch's parameters: no allocation.
         let mut out = [0u64; 17];
-        for (i, bytes) in sizes.iter().enumerate() {
-            out[i + 1] = out[i] + align(*bytes);
+        for (i, bytes) in sizes.into_iter().chain(ll_sizes).enumerate() {
+            out[i + 1] = out[i] + align(bytes);
         }
         out
     }
