@@ -305,7 +305,10 @@ extern "C" __global__ void __launch_bounds__(1024) ep_ll_dispatch_recv(
         const int* m = meta_of(j);
         const bool ok = valid(j);
         for (int k = 0; k < topk; ++k) {
-            const int id = ok ? m[1 + k] : -1;
+            // Ids a sender wrote are used as indices into y by combine: anything outside this
+            // rank's experts counts as none (an honest sender writes -1 there).
+            const int raw = ok ? m[1 + k] : -1;
+            const int id = raw >= 0 && raw < experts_per_rank ? raw : -1;
             handle_ids[(u64)j * topk + k] = id;
             if (id < 0) handle_pos[(u64)j * topk + k] = -1;
         }
