@@ -450,11 +450,13 @@ def test_across_nodes_the_low_latency_calls_route_first_and_reach_the_other_node
     shape = (w, e, h, k, tmax, tll)
     normal_window = _core.ep_internode_sizes((w, e, h, k, tmax, 0), 2)[2]
     window_bytes = _core.ep_internode_sizes(shape, 2)[2]
-    record = _core.ep_ll_record_bytes(shape, 2)
-    assert record == 2 * h + 64  # the row area, then 16 int32 of metadata
+    record = _core.ep_ll_record_bytes(shape, 2, False)
+    assert record == 2 * h + 64  # the row, then 16 int32 of metadata
+    fp8_record = _core.ep_ll_record_bytes(shape, 2, True)
+    assert fp8_record == h + h // 128 * 4 + 64  # e4m3 row, f32 scales, metadata: an FP8 put carries no BF16-sized slack
     entries = 2 * w * tll  # both parities, by rank
-    # Dispatch records both ways, three signal rows, weights both ways, partial rows both ways.
-    assert window_bytes - normal_window >= 2 * entries * record + 3 * w * 8 + 2 * entries * k * 4 + 2 * entries * 2 * h
+    # Dispatch records both ways, three signal rows per parity, weights both ways, partial rows both ways.
+    assert window_bytes - normal_window >= 2 * entries * record + 3 * 2 * w * 8 + 2 * entries * k * 4 + 2 * entries * 2 * h
     normal = [(i + 1) << 20 for i in range(13)]
     window = 0x7300_0000
     area = (2, 2, 0x7000_0000, 0x7100_0000, 0x7200_0000, 0x7280_0000, window)
@@ -486,6 +488,10 @@ def test_across_nodes_the_low_latency_calls_route_first_and_reach_the_other_node
     assert [l[0] for l in recv] == ["ep_ll_dispatch_recv"], "the receive half needs no route"
     got = fields("ep_ll_dispatch_recv", recv[0][4])
     assert got[21:23] == [2, record] and got[23:25] == send[18:20]  # the same receive area and signals
+    # An FP8 call's records are packed at the FP8 size on both sides.
+    fp8 = (True, False, False)
+    assert fields("ep_ll_dispatch_send", rt.ll_dispatch_send(None, x, topk_idx, n, fp8)[1][4])[15:17] == [2, fp8_record]
+    assert fields("ep_ll_dispatch_recv", rt.ll_dispatch_recv(None, fp8, outputs)[0][4])[21:23] == [2, fp8_record]
     launches = rt.ll_combine_send(None, y, topk_idx, weights, n, ids_pos)
     assert [l[0] for l in launches] == ["ep_ll_route", "ep_ll_combine_send"]
     assert fields("ep_ll_route", launches[0][4])[7] == 1, "combine fills its own route table"

@@ -15,8 +15,10 @@
 // rank and call, never per token. Rows, ids and weights for such a rank are packed into its block
 // of this rank's proxy window (pinned host memory), one record per token it receives, numbered
 // by ep_ll_route in token order; the send half's last block puts every block with a signal
-// (SET seq) into the receiver's window, where the receive half reads them. Records carry their
-// token index and tag, so the receiver scans window entries as it scans the heap ones.
+// (SET (seq << 32) | records, one signal word per kind, parity and sender) into the receiver's
+// window, where the receive half reads the first `records` of them. A record's stride is the
+// call's (`record_bytes`: FP8 records are about half the BF16 ones, so a put carries only what
+// the format needs), its metadata in its last META_STRIDE words.
 //
 // Sequencing: state[0] / state[1] count dispatches / combines on this rank (advanced by the last
 // block of each receive half); buffers alternate by the parity of that count. Completion is
@@ -36,12 +38,13 @@ constexpr int META_STRIDE = 16;
 constexpr int META_TOKEN = META_STRIDE - 1;
 static_assert(1 + MAX_TOPK <= META_TOKEN, "the metadata entry holds the tag, the ids and the token");
 constexpr int MAX_LL_RANKS = shmem::MAX_PES;
+constexpr u64 META_BYTES = META_STRIDE * 4;
 
 // Ranks on other nodes (local_size < num_ranks; all of these are unused on one node). Proxy
 // window areas, the same offsets on every rank (crates/collective/src/ep_internode.rs):
-// w_send / w_recv [2][ranks][max_tokens] dispatch records of record_bytes (the row, then a
-// META_STRIDE entry), by destination / by source; w_sig u64 [3][ranks] (dispatch rows, weights,
-// combine rows; by sender); w_wsend / w_wrecv [2][ranks][max_tokens][topk] f32 weights;
+// w_send / w_recv [2][ranks][max_tokens] dispatch records of the call's record_bytes (the row
+// as sent, then a META_STRIDE entry in the last words), by destination / by source; w_sig u64 [3][2][ranks] (dispatch rows,
+// weights, combine rows; by parity; by sender); w_wsend / w_wrecv [2][ranks][max_tokens][topk] f32 weights;
 // w_csend / w_crecv [2][ranks][max_tokens] bf16 partial rows. route: ep_ll_route's tables (device),
 // int32 [2 (dispatch, combine)][2 (parity)][1 + max_tokens][ranks]: records per destination, then
 // each token's record index at each destination (-1: none; rows of same-node ranks unused).
@@ -69,6 +72,12 @@ __device__ __forceinline__ int* route_table(int* route, int which, int parity, i
     return route + (u64)(which * 2 + parity) * (max_tokens + 1) * num_ranks;
 }
 
+// The window signal words of `kind` (0: dispatch rows, 1: weights, 2: combine rows) for `parity`,
+// by sender.
+__device__ __forceinline__ u64* window_signals(u64* w_sig, int kind, int parity, int num_ranks) {
+    return w_sig + (u64)(kind * 2 + parity) * num_ranks;
+}
+
 // Adds 1 to counter[me] at every rank of this node, after this block's stores (quiet + barrier +
 // release).
 __device__ __forceinline__ void signal_node(u64* counter, int local_size) {
@@ -81,19 +90,24 @@ __device__ __forceinline__ void signal_node(u64* counter, int local_size) {
 }
 
 // Block-wide wait until every source s's data is in: counter[s] >= target for this node's
-// sources, the window signal sig[s] >= seq (set by the proxy after the data) for the others.
-// With `wait_ns`, block 0 adds to wait_ns[s] the ns from the start of its wait until source s's
-// was seen (sources are checked in rank order, so a late source also delays the figures of the
-// ones after it).
-__device__ __forceinline__ void wait_sources(u64* counter, u64 target, u64* sig, u64 seq, int num_ranks, int local_size,
-                                             long long* wait_ns = nullptr) {
+// sources, the window signal sig[s] of call `seq` (set by the proxy after the data) for the
+// others. With `records`, their record counts (at most `max_records`: the signal's low word comes
+// from the peer) for every block's threads; the node's sources get 0. With `wait_ns`, block 0
+// adds to wait_ns[s] the ns from the start of its wait until source s's was seen (sources are
+// checked in rank order, so a late source also delays the figures of the ones after it).
+__device__ __forceinline__ void wait_sources(u64* counter, u64 target, u64* sig, int seq, int num_ranks, int local_size,
+                                             long long* wait_ns = nullptr, int* records = nullptr, int max_records = 0) {
     if (threadIdx.x == 0) {
         const int me = my_pe();
         const bool timed = wait_ns != nullptr && blockIdx.x == 0;
         const u64 start = timed ? mori::shmem::detail::now_ns() : 0;
         for (int s = 0; s < num_ranks; ++s) {
-            if (same_node(s, me, local_size)) wait_until(counter + s, CMP_GE, target);
-            else wait_until(sig + s, CMP_GE, seq);
+            const bool here = same_node(s, me, local_size);
+            if (here) wait_until(counter + s, CMP_GE, target);
+            else wait_until(sig + s, CMP_GE, (u64)seq << 32);
+            // Read with the records it counts: a later call of this parity would overwrite both
+            // (the ordering rule under Sequencing keeps it out).
+            if (records) records[s] = here ? 0 : static_cast<int>(min(((volatile u64*)sig)[s] & 0xffffffffull, (u64)max_records));
             if (timed) wait_ns[s] += static_cast<long long>(mori::shmem::detail::now_ns() - start);
         }
     }
@@ -102,7 +116,8 @@ __device__ __forceinline__ void wait_sources(u64* counter, u64 target, u64* sig,
 
 // By one thread of the send half's last block: for each rank d on another node, puts this
 // rank's window block for d (`count(d)` units of `unit` bytes at send + d * block) into the
-// block for this rank at d (recv + me * block), with sig[me] := seq there. An empty block still
+// block for this rank at d (recv + me * block), with sig[me] := (seq << 32) | count(d) there
+// (`sig`: the call's window_signals). An empty block still
 // puts one unit, so every receiver waits for exactly one signal per sender and call.
 template <typename Count>
 __device__ void put_blocks(const unsigned char* send, unsigned char* recv, u64 unit, u64 block, u64* sig, int seq, int num_ranks,
@@ -111,7 +126,7 @@ __device__ void put_blocks(const unsigned char* send, unsigned char* recv, u64 u
     for (int d = 0; d < num_ranks; ++d) {
         if (same_node(d, me, local_size)) continue;
         const u64 n = static_cast<u64>(count(d));
-        putmem_signal_nbi(recv + (u64)me * block, send + (u64)d * block, (n ? n : 1) * unit, sig + me, (u64)seq, SIGNAL_SET, d);
+        putmem_signal_nbi(recv + (u64)me * block, send + (u64)d * block, (n ? n : 1) * unit, sig + me, (u64)seq << 32 | n, SIGNAL_SET, d);
     }
 }
 
@@ -217,11 +232,12 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(
         if (first == 0) {
             for (u64 m = mask; m; m &= m - 1) {
                 const int d = lowest(m);
-                int* e = same_node(d, me, local_size) ? ptr(meta + entry * META_STRIDE, d) : reinterpret_cast<int*>(row_at(d) + row_stride);
+                const bool here = same_node(d, me, local_size);
+                int* e = here ? ptr(meta + entry * META_STRIDE, d) : reinterpret_cast<int*>(row_at(d) + record_bytes - META_BYTES);
                 if (lane < topk) e[1 + lane] = rank_of_expert(id, experts_per_rank) == d ? (int)(id - (long long)d * experts_per_rank) : -1;
                 if (lane == 0) {
                     e[META_TOKEN] = static_cast<int>(t);
-                    e[0] = seq;
+                    if (here) e[0] = seq;  // a window record is valid by its index, below the signalled count
                 }
             }
         }
@@ -261,8 +277,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_dispatch_send(
     detail::memory_fence();  // the window records reach system scope before the last block's puts
     if (!last_block_done(ticket) || threadIdx.x != 0) return;
     const u64 block = (u64)max_tokens * record_bytes;
-    put_blocks(stage, w_recv + (u64)parity * num_ranks * block, record_bytes, block, w_sig, seq, num_ranks, local_size,
-               [&](int d) { return table[d]; });
+    put_blocks(stage, w_recv + (u64)parity * num_ranks * block, record_bytes, block, window_signals(w_sig, 0, parity, num_ranks), seq,
+               num_ranks, local_size, [&](int d) { return table[d]; });
 }
 
 // Receive half of dispatch. Grid: any; block b handles local experts b, b + grid, ... Waits for
@@ -282,9 +298,11 @@ extern "C" __global__ void __launch_bounds__(1024) ep_ll_dispatch_recv(
     unsigned int* ticket, long long* wait_ns, int local_size, u64 record_bytes, const unsigned char* w_recv, u64* w_sig,
     int* __restrict__ handle_count) {
     __shared__ int begin[MAX_LL_RANKS + 1];
+    __shared__ int records[MAX_LL_RANKS];  // per source on another node, the records its put carried
     extern __shared__ int picked[];  // entries of the current expert: (source * max_tokens + index)
     const int seq = state[0] + 1, parity = seq & 1;
-    wait_sources(sent, (u64)seq * send_blocks, w_sig, (u64)seq, num_ranks, local_size, wait_ns);
+    wait_sources(sent, (u64)seq * send_blocks, window_signals(w_sig, 0, parity, num_ranks), seq, num_ranks, local_size, wait_ns,
+                 records, max_tokens);
     const int me = my_pe();
     const int entries = num_ranks * max_tokens;
     const u64 in_stride = (u64)hidden * 2;
@@ -296,11 +314,16 @@ extern "C" __global__ void __launch_bounds__(1024) ep_ll_dispatch_recv(
         return local(j) ? rows + at * in_stride : w_recv + at * record_bytes;
     };
     auto meta_of = [&](int j) -> const int* {
-        return local(j) ? meta + ((u64)parity * entries + j) * META_STRIDE : reinterpret_cast<const int*>(row_of(j) + in_stride);
+        return local(j) ? meta + ((u64)parity * entries + j) * META_STRIDE
+                        : reinterpret_cast<const int*>(row_of(j) + record_bytes - META_BYTES);
     };
-    auto valid = [&](int j) { return ((volatile const int*)meta_of(j))[0] == seq; };
-    // The handle's ids (one writer per entry: entry % grid == block), and per source on another
-    // node its record count: its valid records are the first ones (the rest hold older tags).
+    // Heap entries by their tag; window records by index (the rest of a block holds older calls'
+    // bytes, possibly at another stride).
+    auto valid = [&](int j) {
+        return local(j) ? ((volatile const int*)meta_of(j))[0] == seq : j % max_tokens < records[j / max_tokens];
+    };
+    // The handle: the ids (one writer per entry: entry % grid == block) and the record counts.
+    if (blockIdx.x == 0 && threadIdx.x < num_ranks && !same_node(threadIdx.x, me, local_size)) handle_count[threadIdx.x] = records[threadIdx.x];
     for (int j = blockIdx.x + gridDim.x * threadIdx.x; j < entries; j += gridDim.x * blockDim.x) {
         const int* m = meta_of(j);
         const bool ok = valid(j);
@@ -312,8 +335,6 @@ extern "C" __global__ void __launch_bounds__(1024) ep_ll_dispatch_recv(
             handle_ids[(u64)j * topk + k] = id;
             if (id < 0) handle_pos[(u64)j * topk + k] = -1;
         }
-        const int i = j % max_tokens;
-        if (!local(j) && (ok ? i + 1 == max_tokens || !valid(j + 1) : i == 0)) handle_count[j / max_tokens] = ok ? i + 1 : 0;
     }
     for (int e = blockIdx.x; e < experts_per_rank; e += gridDim.x) {
         int running = 0;
@@ -409,10 +430,10 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(
         if (last_block_done(tickets) && threadIdx.x == 0) {
             const u64 unit = (u64)topk * 4, block = (u64)max_tokens * unit;
             put_blocks(reinterpret_cast<const unsigned char*>(wstage), reinterpret_cast<unsigned char*>(w_wrecv) + (u64)parity * num_ranks * block,
-                       unit, block, w_sig + num_ranks, seq, num_ranks, local_size, [&](int d) { return table[d]; });
+                       unit, block, window_signals(w_sig, 1, parity, num_ranks), seq, num_ranks, local_size, [&](int d) { return table[d]; });
         }
     }
-    wait_sources(wts_sent, (u64)seq * gridDim.x, w_sig + num_ranks, (u64)seq, num_ranks, local_size);
+    wait_sources(wts_sent, (u64)seq * gridDim.x, window_signals(w_sig, 1, parity, num_ranks), seq, num_ranks, local_size);
 
     const int chunk_vecs = hidden / 8 / chunks;
     const u64 row_bytes = (u64)hidden * 2;
@@ -473,8 +494,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_send(
     detail::memory_fence();
     if (!last_block_done(tickets + 1) || threadIdx.x != 0) return;
     const u64 block = (u64)max_tokens * row_bytes;
-    put_blocks(cstage, w_crecv + (u64)parity * num_ranks * block, row_bytes, block, w_sig + 2 * num_ranks, seq, num_ranks, local_size,
-               [&](int s) { return handle_count[s]; });
+    put_blocks(cstage, w_crecv + (u64)parity * num_ranks * block, row_bytes, block, window_signals(w_sig, 2, parity, num_ranks), seq,
+               num_ranks, local_size, [&](int s) { return handle_count[s]; });
 }
 
 // Receive half of combine. Waits for every rank's partial rows, then out[t] = Σ over ranks d the
@@ -487,7 +508,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_ll_combine_recv(
     int* state, unsigned int* ticket, long long* wait_ns, int local_size, const unsigned char* w_crecv, u64* w_sig, int* route) {
     constexpr int U = 4;
     const int seq = state[1] + 1, parity = seq & 1;
-    wait_sources(comb_sent, (u64)seq * send_blocks, w_sig + 2 * num_ranks, (u64)seq, num_ranks, local_size, wait_ns);
+    wait_sources(comb_sent, (u64)seq * send_blocks, window_signals(w_sig, 2, parity, num_ranks), seq, num_ranks, local_size, wait_ns);
     const int me = my_pe();
     const int* table = local_size < num_ranks ? route_table(route, 1, parity, max_tokens, num_ranks) : nullptr;
     const int lane = lane_id();

@@ -47,12 +47,14 @@ const LL_META_BYTES: u64 = 16 * 4;
 /// zero on one node.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LlWindow {
-    /// Bytes of a dispatch record: a row (BF16, or FP8 and its scales), then its metadata.
+    /// Bytes of a BF16 dispatch record (the row, then its metadata): the window's room per record.
     pub record_bytes: u64,
+    /// Bytes of an FP8 dispatch record (the row, its scales, then its metadata).
+    pub fp8_record_bytes: u64,
     /// Dispatch records, by destination / by source.
     pub send: u64,
     pub recv: u64,
-    /// u64 `[3][ranks]`: dispatch rows, weights, combine rows, by sender.
+    /// u64 `[3][2][ranks]`: dispatch rows, weights, combine rows; by parity; by sender.
     pub sig: u64,
     /// f32 weights rows of topk, by destination / by source.
     pub wsend: u64,
@@ -60,6 +62,17 @@ pub struct LlWindow {
     /// bf16 partial rows, by source / by expert rank.
     pub csend: u64,
     pub crecv: u64,
+}
+
+impl LlWindow {
+    /// The record bytes of a call in this format.
+    pub fn call_record_bytes(&self, fp8: bool) -> u64 {
+        if fp8 {
+            self.fp8_record_bytes
+        } else {
+            self.record_bytes
+        }
+    }
 }
 
 /// Bytes the internode areas need, for a shape and a node count.
@@ -125,10 +138,17 @@ impl Internode {
         self.record_stride(shape, h * 2, h / u64::from(SCALE_BLOCK))
     }
 
-    /// Bytes of a low-latency dispatch record (the row area holds a BF16 row, or an FP8 row
-    /// and its scales).
-    pub fn ll_record_bytes(&self, shape: &EpShape) -> u64 {
-        (u64::from(shape.hidden) * 2 + LL_META_BYTES).div_ceil(16) * 16
+    /// Bytes of a low-latency dispatch record: the row as sent (BF16, or FP8 and its scales),
+    /// then its metadata. A call's records are packed at its format's size (the window has
+    /// room for BF16 ones).
+    pub fn ll_record_bytes(&self, shape: &EpShape, fp8: bool) -> u64 {
+        let h = u64::from(shape.hidden);
+        let row = if fp8 {
+            h + h / u64::from(SCALE_BLOCK) * 4
+        } else {
+            h * 2
+        };
+        (row + LL_META_BYTES).div_ceil(16) * 16
     }
 
     /// Offsets in the window area of: counts out, counts in, count signals, send records,
@@ -160,11 +180,11 @@ impl Internode {
         let ll_sizes = if ll == 0 {
             [0; 7]
         } else {
-            let rec = self.ll_record_bytes(shape);
+            let rec = self.ll_record_bytes(shape, false);
             [
                 ll * rec,
                 ll * rec,
-                3 * r * 8,
+                3 * 2 * r * 8,
                 ll * k * 4,
                 ll * k * 4,
                 ll * h2,
@@ -189,7 +209,8 @@ impl Internode {
     pub fn ll_window(&self, shape: &EpShape) -> LlWindow {
         let o = self.window_offsets(shape).map(|v| self.window + v);
         LlWindow {
-            record_bytes: self.ll_record_bytes(shape),
+            record_bytes: self.ll_record_bytes(shape, false),
+            fp8_record_bytes: self.ll_record_bytes(shape, true),
             send: o[9],
             recv: o[10],
             sig: o[11],
@@ -299,13 +320,15 @@ mod tests {
             assert!(pair[0] < pair[1] && pair[0] % ALIGN == 0, "{o:?}");
         }
         // A record: the 4096-byte row area, then 16 int32 of metadata.
-        assert_eq!(g.ll_record_bytes(&s), 4160);
+        assert_eq!(g.ll_record_bytes(&s, false), 4160);
+        // FP8: 2048 bytes of e4m3, 16 f32 scales, the metadata.
+        assert_eq!(g.ll_record_bytes(&s, true), 2048 + 64 + 64);
         let w = g.ll_window(&s);
         let entries = 2 * 4 * 128; // parities x ranks x tokens
         assert_eq!(w.send, 0x1000 + o[9]);
         assert!(w.recv - w.send >= entries * 4160);
         assert!(w.sig - w.recv >= entries * 4160);
-        assert!(w.wsend - w.sig >= 3 * 4 * 8);
+        assert!(w.wsend - w.sig >= 3 * 2 * 4 * 8);
         assert!(w.csend - w.wrecv >= entries * 8 * 4);
         assert!(0x1000 + o[16] - w.crecv >= entries * 4096);
         assert_eq!(Internode::sizes(&s, 2).window_bytes, o[16]);

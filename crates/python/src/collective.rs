@@ -396,12 +396,12 @@ pub fn ep_internode_record_bytes(
         .record_stride(&shape, row_bytes, scale_cols)
 }
 
-/// Bytes of one token's record in a low-latency dispatch to a rank on another node (the row
-/// area, BF16 or FP8 and its scales, then the token's metadata).
+/// Bytes of one token's record in a low-latency dispatch to a rank on another node (the row as
+/// sent, BF16 or FP8 and its scales, then the token's metadata).
 #[pyfunction]
-pub fn ep_ll_record_bytes(shape: (u32, u32, u32, u32, u32, u32), nodes: u32) -> u64 {
+pub fn ep_ll_record_bytes(shape: (u32, u32, u32, u32, u32, u32), nodes: u32, fp8: bool) -> u64 {
     let shape = ep_shape(shape);
-    mori_collective::ep_internode::Internode::geometry(&shape, nodes).ll_record_bytes(&shape)
+    mori_collective::ep_internode::Internode::geometry(&shape, nodes).ll_record_bytes(&shape, fp8)
 }
 
 /// The low-latency FP8 options from Python's (round_scale, ue8m0, column-major scales).

@@ -15,14 +15,17 @@ Bytes that cross the network, per rank and call: dispatch, one record per token 
 node other than its own (the row as sent, BF16 or FP8, then its ids, weights, FP8 scales, source
 index and slots: ``_core.ep_internode_record_bytes``); combine, one bf16 row per such token
 coming back. Low-latency mode, what the rank's puts carry: dispatch, per rank on the other node
-one record per token going there (``_core.ep_ll_record_bytes``: the row area, then metadata;
-an empty put one record); combine, the same count of top-k weights rows to those ranks, then
+one record per token going there (``_core.ep_ll_record_bytes``: the row as sent, BF16 or FP8
+and its scales, then metadata; an empty put one record); combine, the same count of top-k weights rows to those ranks, then
 one bf16 partial row per token received from each of them. Network GB/s = those bytes / time
 (1e9 B/s). Ceiling: a mori.io engine pair between the ranks at one
 place on the two nodes, on the plane the shmem proxy uses (``same_host_direct`` and
 ``cuda_ipc`` off; TCP, or libfabric under ``MORI_IO_FABRIC``), writing the same bytes between
 pinned host buffers (the records travel between the proxy windows, pinned host memory),
-submission to completion, median of trials.
+submission to completion, median of trials. ``ll_dispatch_*_wait_far_us``: how long a low-latency
+receive half waited, from its start, for the other node's ranks' records (its ``wait_stats``,
+mean over the timed calls; the most of any rank): the part of a call spent waiting on the path
+and on the senders rather than working.
 
 Verified: fresh random data before the timed calls, new data for each timed call; the last
 timed call's outputs are checked against the reference built from every rank's inputs (received
@@ -82,9 +85,9 @@ def _rank(rank: int, world: int, uid: bytes, iters: int, tokens: list[int], num_
     rows: list[dict[str, Any]] = []
     partner = (rank + half) % world
     engine = IOEngine(f"bench-ep-nodes-{rank}", timeout=120.0, same_host_direct=False, cuda_ipc=False)
-    ll_record = _core.ep_ll_record_bytes(shape, 2)
+    ll_record = {fp8: _core.ep_ll_record_bytes(shape, 2, fp8) for fp8 in (False, True)}
     # The most one rank's puts carry in a call (the ceiling writes as much from one buffer).
-    biggest = max(max(tokens) * max(record_bytes.values()), half * max(LL_TOKENS) * (ll_record + TOPK * 4 + HIDDEN * 2))
+    biggest = max(max(tokens) * max(record_bytes.values()), half * max(LL_TOKENS) * (ll_record[False] + TOPK * 4 + HIDDEN * 2))
     cpu_gen = torch.Generator().manual_seed(seed + world + rank)
     src = torch.randint(0, 256, (biggest,), dtype=torch.uint8, device="cpu", generator=cpu_gen).pin_memory()
     dst = torch.empty_like(src).pin_memory()
@@ -189,7 +192,7 @@ def _rank(rank: int, world: int, uid: bytes, iters: int, tokens: list[int], num_
         sent_by = bs.allgather_object(dict(zip(far, to_far)))
         from_far = [sent_by[s][rank] for s in far]
         puts = {"records": sum(max(c, 1) for c in to_far), "partials": sum(max(c, 1) for c in from_far)}
-        crossing = {"ll_dispatch_bf16": puts["records"] * ll_record, "ll_dispatch_fp8": puts["records"] * ll_record,
+        crossing = {"ll_dispatch_bf16": puts["records"] * ll_record[False], "ll_dispatch_fp8": puts["records"] * ll_record[True],
                     "ll_combine": puts["records"] * TOPK * 4 + puts["partials"] * HIDDEN * 2}
         w = torch.rand((n, TOPK), device="cuda", generator=gen)
         for fp8 in (False, True):
@@ -198,9 +201,10 @@ def _rank(rank: int, world: int, uid: bytes, iters: int, tokens: list[int], num_
             res = buf.low_latency_dispatch(x, idx, use_fp8=fp8)  # warm-up on fresh data
             buf.low_latency_combine(ref.ll_expert(res.recv_x, res.recv_x_scales, rank), idx, w, res.handle)
             times, ctimes = [], []
+            waited = torch.zeros(world, dtype=torch.int64, device="cuda")
             for _ in range(iters):
                 x = torch.randn((n, HIDDEN), device="cuda", generator=gen).to(torch.bfloat16)  # new data for every call
-                t, res = timed(lambda: buf.low_latency_dispatch(x, idx, use_fp8=fp8))
+                t, res = timed(lambda: buf.low_latency_dispatch(x, idx, use_fp8=fp8, wait_stats=waited))
                 times.append(t)
                 snap = dict(recv_x=res.recv_x.clone(), recv_x_scales=res.recv_x_scales.clone() if fp8 else None,
                             recv_count=res.recv_count.clone(), recv_src_info=res.recv_src_info.clone(),
@@ -209,6 +213,7 @@ def _rank(rank: int, world: int, uid: bytes, iters: int, tokens: list[int], num_
                 t, (out, _) = timed(lambda: buf.low_latency_combine(y, idx, w, res.handle))
                 ctimes.append(t)
             row[op] = median(times)
+            row[f"{op}_wait_far"] = int(waited[far].max()) / iters / 1e9
             if not fp8:
                 row["ll_combine"] = median(ctimes)
             all_x = [t.to("cuda") for t in bs.allgather_object(x.cpu())]
@@ -252,6 +257,8 @@ def run(iters: int, tokens: list[int], out_dir: str, world: int, num_sms: int) -
                 row[f"{op}_network_gbps"] = None if not t else crossing / t / 1e9
                 row[f"{op}_ceiling_us"] = None if ceiling is None else ceiling * 1e6
                 row[f"{op}_ceiling_gbps"] = None if not ceiling else crossing / ceiling / 1e9
+                if f"{op}_wait_far" in per_rank[0]:
+                    row[f"{op}_wait_far_us"] = max(r[f"{op}_wait_far"] for r in per_rank) * 1e6
             rows.append(row)
         return rows
 
