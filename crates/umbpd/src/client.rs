@@ -69,7 +69,7 @@ use crate::proto::{
 use crate::server::{
     H2_CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, H2_STREAM_WINDOW_BYTES, MAX_MESSAGE_BYTES,
 };
-use crate::shm::SharedBuffer;
+use crate::shm::{SharedBuffer, Staged};
 use crate::small_ops::{self, Sink, SmallOpsClient};
 
 /// Errors of [`Client`].
@@ -479,6 +479,63 @@ fn staged_get(
     }
 }
 
+/// Batch gets of `keys` through `staging` (a buffer shared with a daemon on this host): as
+/// many values per request as the buffer holds, holding it for the batch. The values found
+/// and absent by position, `None` for those to take another path (longer than the buffer). A
+/// failed call ends the batch with its status.
+fn staged_batch(
+    staging: &Mutex<SharedBuffer>,
+    keys: &[Vec<u8>],
+) -> std::result::Result<Vec<Option<Option<Vec<u8>>>>, tonic::Status> {
+    let buf = staging.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut out = Vec::with_capacity(keys.len());
+    while out.len() < keys.len() {
+        let rest: Vec<&[u8]> = keys[out.len()..].iter().map(Vec::as_slice).collect();
+        for staged in buf.get_many_into(&rest)? {
+            out.push(match staged {
+                Staged::Absent => Some(None),
+                Staged::TooLong => None,
+                // SAFETY: bytes inside the mapping (get_many_into checked), which the daemon
+                // finished writing before it answered; the lock keeps this client's other gets
+                // out until they are copied.
+                Staged::Found { offset, len } => Some(Some(
+                    unsafe { std::slice::from_raw_parts(buf.as_ptr().add(offset), len) }.to_vec(),
+                )),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The values of `keys` from peer `peer` at `addr`: through `staging` when it shares a buffer
+/// with this client (a peer on this host), the rest, or all, streamed over gRPC.
+async fn peer_batch_get(
+    client: UmbpClient<Channel>,
+    staging: Option<Staging>,
+    keys: Vec<Vec<u8>>,
+    peer: (&str, Duration),
+) -> std::result::Result<Vec<Option<Vec<u8>>>, tonic::Status> {
+    let staged = match staging {
+        Some(staging) => {
+            let wanted = keys.clone();
+            tokio::task::spawn_blocking(move || staged_batch(&staging, &wanted))
+                .await
+                .map_err(|e| tonic::Status::internal(format!("staged batch task failed: {e}")))??
+        }
+        None => vec![None; keys.len()],
+    };
+    let rest: Vec<usize> = (0..keys.len()).filter(|&i| staged[i].is_none()).collect();
+    let mut out: Vec<Option<Vec<u8>>> = staged.into_iter().map(Option::flatten).collect();
+    if !rest.is_empty() {
+        let wanted = rest.iter().map(|&i| keys[i].clone()).collect();
+        let values = batch_get_streamed(client, wanted, Some(peer)).await?;
+        for (i, v) in rest.into_iter().zip(values) {
+            out[i] = value_of(v);
+        }
+    }
+    Ok(out)
+}
+
 /// The client of peer `id` at `addr` kept in `map`, or a new one from `make` (kept in its
 /// place; a peer that re-registered at another address gets a new one).
 fn kept_for_peer<C: Clone>(
@@ -573,16 +630,29 @@ impl Cluster {
         learn: bool,
     ) -> Result<Fetched> {
         let mut tasks = tokio::task::JoinSet::new();
+        let mut fetched = Fetched::default();
         for (peer, (addr, idxs)) in groups {
             let pc = self.peer(peer, &addr)?;
+            let staging = match self.peer_staging(peer, &addr) {
+                Ok(staging) => staging,
+                // It did not answer whether it shares memory (within the peer deadline): its
+                // keys are misses, as after a failed batch.
+                Err(ClientError::Rpc(s))
+                    if is_transport(&s) || s.code() == tonic::Code::DeadlineExceeded =>
+                {
+                    self.unreachable(peer);
+                    fetched.missed.extend(idxs);
+                    continue;
+                }
+                Err(_) => None,
+            };
             let wanted: Vec<Vec<u8>> = idxs.iter().map(|&i| keys[i].to_vec()).collect();
             let deadline = self.peer_deadline;
             tasks.spawn(async move {
-                let res = batch_get_streamed(pc, wanted, Some((&addr, deadline))).await;
+                let res = peer_batch_get(pc, staging, wanted, (&addr, deadline)).await;
                 (peer, addr, idxs, res)
             });
         }
-        let mut fetched = Fetched::default();
         let mut failure: Option<tonic::Status> = None;
         while let Some(done) = tasks.join_next().await {
             let (peer, addr, idxs, res) =
@@ -591,7 +661,7 @@ impl Cluster {
                 Ok(values) => {
                     let mut routes = learn.then(|| self.routes());
                     for (i, v) in idxs.into_iter().zip(values) {
-                        match value_of(v) {
+                        match v {
                             Some(v) => {
                                 if let Some(r) = routes.as_mut() {
                                     r.learn(keys[i], peer, &addr);

@@ -22,6 +22,14 @@
 //! `FOUND` with the value's length (`u64`; its bytes are at `offset` in the buffer), or
 //! `FAILED`. A request outside the buffer fails `OUT_OF_RANGE` and the daemon closes the
 //! connection.
+//!
+//! [`GET_MANY_INTO`] (a batch): the same head, whose "key" is the batch's keys, each a `u16`
+//! length and its bytes, then `offset`, `cap`. The daemon copies the values one after another
+//! from `offset`, each at the next multiple of [`MANY_ALIGN`] bytes, and stops at the first
+//! that does not fit the rest of `cap`; it answers `FOUND` with, for each key it took (at
+//! least the first), a status byte ([`MANY_ABSENT`], [`MANY_FOUND`], or [`MANY_TOO_LONG`]: the
+//! first key's value is longer than `cap`) and the value's length (`u64`). The client asks
+//! again for the keys after those.
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -45,6 +53,16 @@ pub const PURPOSE: &str = "umbpd-shm";
 pub const HELLO: &[u8; 8] = b"UMBSHMEM";
 /// Request: copy the value of a key into the buffer at an offset.
 pub const GET_INTO: u8 = 1;
+/// Request: copy the values of several keys into the buffer, one after another.
+pub const GET_MANY_INTO: u8 = 2;
+/// A batch's values start at multiples of this many bytes from the request's offset.
+pub const MANY_ALIGN: u64 = 64;
+/// Per key of a batch answer: absent.
+pub const MANY_ABSENT: u8 = 0;
+/// Per key of a batch answer: copied (its length follows).
+pub const MANY_FOUND: u8 = 1;
+/// Per key of a batch answer: longer than the whole room asked for (read it another way).
+pub const MANY_TOO_LONG: u8 = 2;
 /// A connection idle this long is closed by the daemon.
 const IDLE_CLOSE: Duration = Duration::from_secs(60);
 /// The handshake and the hello must complete within this.
@@ -417,7 +435,7 @@ fn serve(
         stream.read_exact(&mut key)?;
         let mut where_ = [0u8; 16];
         stream.read_exact(&mut where_)?;
-        if head[0] != GET_INTO {
+        if head[0] != GET_INTO && head[0] != GET_MANY_INTO {
             answer(
                 &mut stream,
                 &Err(Status::unimplemented(format!(
@@ -439,16 +457,98 @@ fn serve(
             )?;
             return Ok(());
         };
-        stats.same_host_served.fetch_add(1, Ordering::Relaxed);
-        if let Some(link) = link {
-            link.note_read(&key);
+        let served = |key: &[u8]| {
+            stats.same_host_served.fetch_add(1, Ordering::Relaxed);
+            if let Some(link) = link {
+                link.note_read(key);
+            }
+        };
+        if head[0] == GET_MANY_INTO {
+            answer(&mut stream, &get_many_into(pool, &key, out, served))?;
+            continue;
         }
+        served(&key);
         let got = pool.with_status(|p| p.get_into(&key, out).map_err(crate::service::status_of));
         answer(
             &mut stream,
             &got.and_then(|n| n.map_or(Ok(None), |n| length(n as u64))),
         )?;
     }
+}
+
+/// The keys packed in a batch request: each a `u16` length and its bytes.
+fn unpack_keys(packed: &[u8]) -> Result<Vec<&[u8]>, Status> {
+    let mut keys = Vec::new();
+    let mut rest = packed;
+    while !rest.is_empty() {
+        let (len, tail) = rest
+            .split_first_chunk::<2>()
+            .ok_or_else(|| Status::invalid_argument("a batch's keys end inside a length"))?;
+        let len = u16::from_le_bytes(*len) as usize;
+        if tail.len() < len {
+            return Err(Status::invalid_argument("a batch's keys end inside a key"));
+        }
+        keys.push(&tail[..len]);
+        rest = &tail[len..];
+    }
+    if keys.is_empty() {
+        return Err(Status::invalid_argument("a batch without keys"));
+    }
+    Ok(keys)
+}
+
+/// Serves a [`GET_MANY_INTO`] into `out` (the request's room in the client's buffer): the
+/// answer's body, or the failure of the first key that failed other than by its length.
+fn get_many_into(
+    pool: &SharedPool,
+    packed: &[u8],
+    out: &mut [u8],
+    served: impl Fn(&[u8]),
+) -> Result<Option<Vec<u8>>, Status> {
+    let keys = unpack_keys(packed)?;
+    let mut body = Vec::with_capacity(keys.len() * 9);
+    let mut at = 0usize;
+    for key in keys {
+        let got = pool.with_status(|p| {
+            p.get_into(key, &mut out[at..])
+                .map_err(crate::service::status_of)
+        });
+        let (status, len) = match got {
+            Ok(None) => (MANY_ABSENT, 0),
+            Ok(Some(n)) => {
+                // The next value's start: aligned, at most the end (then only absent keys fit).
+                at = (at + n)
+                    .next_multiple_of(MANY_ALIGN as usize)
+                    .min(out.len());
+                (MANY_FOUND, n as u64)
+            }
+            // Too long for the rest: with nothing placed yet the key had the whole room, so
+            // its value is read another way; otherwise it is asked for again.
+            Err(s) if s.code() == tonic::Code::InvalidArgument && at == 0 => (MANY_TOO_LONG, 0),
+            Err(s) if s.code() == tonic::Code::InvalidArgument => break,
+            Err(s) => return Err(s),
+        };
+        served(key);
+        body.push(status);
+        body.extend_from_slice(&len.to_le_bytes());
+    }
+    Ok(Some(body))
+}
+
+/// Where one key of a [`SharedBuffer::get_many_into`] went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Staged {
+    /// The daemon does not hold the key.
+    Absent,
+    /// Its value is in the buffer.
+    Found {
+        /// Where it starts.
+        offset: usize,
+        /// Its bytes.
+        len: usize,
+    },
+    /// Its value is longer than the buffer.
+    TooLong,
 }
 
 /// A client's shared buffer at the daemon: the memfd mapping and the connection its requests
@@ -514,6 +614,77 @@ impl SharedBuffer {
     /// The buffer's address in this process (the daemon writes values there).
     pub fn as_ptr(&self) -> *mut u8 {
         self.map.as_ptr()
+    }
+
+    /// Has the daemon copy the values of the first of `keys` into the whole buffer, one after
+    /// another ([`GET_MANY_INTO`]): an answer for each key it took, in order (at least one;
+    /// fewer than `keys` when the rest did not fit: ask again for them). Keys are sent up to
+    /// what one request frames (64 KiB of keys).
+    pub fn get_many_into(&self, keys: &[&[u8]]) -> Result<Vec<Staged>, Status> {
+        let mut packed = Vec::new();
+        for key in keys {
+            let len = u16::try_from(key.len())
+                .map_err(|_| Status::invalid_argument("a key too long to frame"))?;
+            if !packed.is_empty() && packed.len() + 2 + key.len() > usize::from(u16::MAX) {
+                break;
+            }
+            packed.extend_from_slice(&len.to_le_bytes());
+            packed.extend_from_slice(key);
+        }
+        let mut req =
+            request(GET_MANY_INTO, &packed).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        req.extend_from_slice(&0u64.to_le_bytes());
+        req.extend_from_slice(&(self.map.len() as u64).to_le_bytes());
+        let mut body = Vec::new();
+        {
+            let mut stream = self
+                .stream
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let io = |e: io::Error| {
+                Status::unavailable(format!("umbpd's same-host connection failed: {e}"))
+            };
+            stream.write_all(&req).map_err(io)?;
+            if read_answer(&mut *stream, &mut body).map_err(io)??.is_none() {
+                return Err(Status::internal("umbpd answered a batch with nothing"));
+            }
+        }
+        let answered = body.len() / 9;
+        if body.len() % 9 != 0 || answered == 0 || answered > keys.len() {
+            return Err(Status::internal(format!(
+                "umbpd answered a batch of {} keys with {} bytes",
+                keys.len(),
+                body.len()
+            )));
+        }
+        let mut at = 0usize;
+        let mut out = Vec::with_capacity(answered);
+        for a in body.chunks_exact(9) {
+            let len = u64::from_le_bytes(a[1..].try_into().expect("8 bytes"));
+            out.push(match a[0] {
+                MANY_ABSENT => Staged::Absent,
+                MANY_TOO_LONG => Staged::TooLong,
+                MANY_FOUND => {
+                    let len = usize::try_from(len)
+                        .ok()
+                        .filter(|&n| at.checked_add(n).is_some_and(|end| end <= self.map.len()))
+                        .ok_or_else(|| {
+                            Status::internal(format!("umbpd placed {len} bytes outside the buffer"))
+                        })?;
+                    let found = Staged::Found { offset: at, len };
+                    at = (at + len)
+                        .next_multiple_of(MANY_ALIGN as usize)
+                        .min(self.map.len());
+                    found
+                }
+                other => {
+                    return Err(Status::internal(format!(
+                        "umbpd answered a batch key with status {other}"
+                    )));
+                }
+            });
+        }
+        Ok(out)
     }
 
     /// Has the daemon copy the value of `key` to `offset` (at most `cap` bytes): its length,

@@ -786,24 +786,98 @@ fn a_hung_peer_fails_a_get_within_the_peer_timeout() {
 
 /// Through a master: a bytes batch larger than one call carries is split per peer both ways
 /// and comes back byte-exact.
+/// The keys and values of the split-batch test (its child makes the same): 192 MiB over two
+/// peers, so each peer's part is more than one 64 MiB reply.
+fn split_batch_pairs() -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let n = 48;
+    let keys = (0..n).map(key).collect();
+    let values = (0..n).map(|i| bytes(i as u64 + 77, 4 << 20)).collect();
+    (keys, values)
+}
+
 #[test]
 fn cluster_batches_beyond_one_message_are_split_both_ways() {
     // A 64 MiB reply of a debug-built peer on a busy machine can take more than the other
     // tests' 1 s peer deadline (which would make its keys misses).
     let cl = cluster_with(&["--dram-bytes", "300M"], false, "20s");
     let c = Client::connect(&cl.master.addr).unwrap();
-    let n = 48; // 192 MiB over two peers: each peer's part is more than one 64 MiB reply
-    let keys: Vec<Vec<u8>> = (0..n).map(key).collect();
-    let values: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 77, 4 << 20)).collect();
+    let (keys, values) = split_batch_pairs();
     let items: Vec<(&[u8], &[u8])> = keys
         .iter()
         .zip(&values)
         .map(|(k, v)| (k.as_slice(), v.as_slice()))
         .collect();
-    assert_eq!(c.batch_put(&items).unwrap(), vec![true; n]);
+    assert_eq!(c.batch_put(&items).unwrap(), vec![true; keys.len()]);
+    // Batch gets from peers on this host go through shared memory; the gRPC replies are split
+    // only without it (MORI_UMBP_SHM=0, in a child to keep this process's environment).
+    mori_testutil::run_ignored_child(
+        "split_batches_child_over_grpc",
+        &[
+            ("MORI_UMBP_SHM", "0"),
+            ("UMBP_TEST_MASTER", &cl.master.addr),
+        ],
+    );
+}
+
+/// Run by the test above in a child process with `MORI_UMBP_SHM=0`.
+#[test]
+#[ignore = "run by cluster_batches_beyond_one_message_are_split_both_ways"]
+fn split_batches_child_over_grpc() {
+    let c = Client::connect(&std::env::var("UMBP_TEST_MASTER").unwrap()).unwrap();
+    let (keys, values) = split_batch_pairs();
     let want: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
     let got = c.batch_get(&want).unwrap();
     for (i, g) in got.iter().enumerate() {
         assert!(g.as_deref() == Some(values[i].as_slice()), "value {i}");
     }
+}
+
+#[test]
+fn cluster_batches_read_peers_on_this_host_through_shared_memory() {
+    // The 20 MiB value's gRPC reply from a debug-built peer on a busy machine can take more
+    // than the other tests' 1 s peer deadline (which would make its peer's keys misses).
+    let cl = cluster_with(&["--dram-bytes", "64M"], false, "20s");
+    let c = Client::connect(&cl.master.addr).unwrap();
+    // Sizes around the 16 MiB staging buffer: the 20 MiB value cannot go through it.
+    let sizes = [1, 4096, 1 << 20, 16 << 20, 20 << 20, 70_000];
+    let keys: Vec<Vec<u8>> = (0..sizes.len()).map(|i| key(500 + i)).collect();
+    let values: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| bytes(i as u64 + 300, n))
+        .collect();
+    for (k, v) in keys.iter().zip(&values) {
+        assert!(c.put(k, v).unwrap());
+    }
+    let peers: Vec<String> = cl.peers.iter().map(|p| p.addr.clone()).collect();
+    let mut want: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    want.insert(2, b"cl-absent");
+    let before = served_at(&peers);
+    let mut got = c.batch_get(&want).unwrap();
+    let after = served_at(&peers);
+    assert_eq!(got[2], None, "the absent key");
+    got.remove(2);
+    for (i, g) in got.iter().enumerate() {
+        assert!(
+            g.as_deref() == Some(values[i].as_slice()),
+            "value {i} ({} bytes): got {:?} bytes",
+            sizes[i],
+            g.as_ref().map(Vec::len)
+        );
+    }
+    assert_eq!(
+        after.1 - before.1,
+        sizes.len() as u64,
+        "every value asked through the staging buffer (the 20 MiB one, too long for it, then over gRPC)"
+    );
+    // batch_get_with reads the same way into sinks.
+    let mut outs: Vec<Vec<u8>> = vec![Vec::new(); keys.len()];
+    let mut sinks: Vec<&mut dyn mori_umbpd::small_ops::Sink> = outs
+        .iter_mut()
+        .map(|o| o as &mut dyn mori_umbpd::small_ops::Sink)
+        .collect();
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let lens = c.batch_get_with(&refs, &mut sinks).unwrap();
+    assert_eq!(lens, sizes.iter().map(|&n| Some(n)).collect::<Vec<_>>());
+    assert_eq!(outs, values);
 }

@@ -14,7 +14,7 @@ use std::path::Path;
 
 use common::{Daemon, bytes, opts, secret_file};
 use mori_auth::Secret;
-use mori_umbpd::shm::{GET_INTO, HELLO, PURPOSE, send_with_fd};
+use mori_umbpd::shm::{GET_INTO, GET_MANY_INTO, HELLO, PURPOSE, Staged, send_with_fd};
 use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND};
 use mori_umbpd::{Client, ClientError};
 
@@ -314,6 +314,153 @@ fn the_same_host_socket_refuses_strangers_bad_descriptors_and_requests_outside_t
     assert!(
         matches!(err, ClientError::Auth(_) | ClientError::Connect { .. }),
         "{err:?}"
+    );
+}
+
+/// A batch request of `packed` keys (each a u16 length and its bytes) into `cap` bytes at
+/// `offset`.
+fn get_many_request(packed: &[u8], offset: u64, cap: u64) -> Vec<u8> {
+    let mut r = vec![GET_MANY_INTO];
+    r.extend_from_slice(&(packed.len() as u16).to_le_bytes());
+    r.extend_from_slice(packed);
+    r.extend_from_slice(&offset.to_le_bytes());
+    r.extend_from_slice(&cap.to_le_bytes());
+    r
+}
+
+fn packed(keys: &[&[u8]]) -> Vec<u8> {
+    keys.iter()
+        .flat_map(|k| {
+            (k.len() as u16)
+                .to_le_bytes()
+                .into_iter()
+                .chain(k.iter().copied())
+        })
+        .collect()
+}
+
+/// A batch fills the buffer with as many values as fit, each at the next 64-byte boundary and
+/// byte-exact, the bytes between them untouched; the rest are asked for again; a value longer
+/// than the buffer is reported as such (and nothing written), an absent key takes no room.
+/// Raw requests with keys that end inside a length or a key, or without keys, fail
+/// INVALID_ARGUMENT and the connection goes on; one outside the buffer fails OUT_OF_RANGE and
+/// the connection is closed.
+#[test]
+fn batches_fill_the_shared_buffer_with_what_fits_and_ask_again_for_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let sizes = [300_000usize, 1, 400_000, 2 << 20, 500_000];
+    let values: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| bytes(900 + i as u64, n))
+        .collect();
+    let keys: Vec<Vec<u8>> = (0..sizes.len())
+        .map(|i| format!("many-{i}").into_bytes())
+        .collect();
+    for (k, v) in keys.iter().zip(&values) {
+        assert!(c.put(k, v).unwrap());
+    }
+    let len = 1 << 20;
+    let buf = c.shared_buffer(len).unwrap();
+    // SAFETY: the buffer's mapping, written only by this thread and the daemon (during
+    // get_many_into, which returns after the copies).
+    let mem = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr(), len) };
+    mem.fill(0xAB);
+    let ask: Vec<&[u8]> = vec![&keys[0], b"many-absent", &keys[1], &keys[2], &keys[4]];
+    let first = buf.get_many_into(&ask).unwrap();
+    // 300000 B at 0, the absent key, 1 B at the next 64-byte boundary, 400000 B after it;
+    // 500000 B do not fit the rest of 1 MiB.
+    let second_at = 300_000usize.next_multiple_of(64);
+    let third_at = (second_at + 1).next_multiple_of(64);
+    assert_eq!(
+        first,
+        vec![
+            Staged::Found {
+                offset: 0,
+                len: 300_000
+            },
+            Staged::Absent,
+            Staged::Found {
+                offset: second_at,
+                len: 1
+            },
+            Staged::Found {
+                offset: third_at,
+                len: 400_000
+            },
+        ]
+    );
+    assert_eq!(&mem[..300_000], values[0].as_slice());
+    assert!(mem[300_000..second_at].iter().all(|&b| b == 0xAB));
+    assert_eq!(&mem[second_at..second_at + 1], values[1].as_slice());
+    assert!(mem[second_at + 1..third_at].iter().all(|&b| b == 0xAB));
+    assert_eq!(&mem[third_at..third_at + 400_000], values[2].as_slice());
+    assert!(mem[third_at + 400_000..].iter().all(|&b| b == 0xAB));
+    // Asked again, the rest fits; a 2 MiB value is longer than the whole buffer.
+    mem.fill(0xCD);
+    let again = buf.get_many_into(&[&keys[4], &keys[3]]).unwrap();
+    assert_eq!(
+        again,
+        vec![Staged::Found {
+            offset: 0,
+            len: 500_000
+        }]
+    );
+    assert_eq!(&mem[..500_000], values[4].as_slice());
+    assert_eq!(
+        buf.get_many_into(&[&keys[3], &keys[1]]).unwrap()[0],
+        Staged::TooLong
+    );
+
+    // The raw protocol.
+    let name = c.same_host_socket().unwrap();
+    let fd = memfd(1 << 20, true);
+    let mut s = raw(&name, GOOD).unwrap();
+    send_with_fd(&s, HELLO, fd.as_raw_fd()).unwrap();
+    assert_eq!(hello_answer(&mut s).unwrap(), 1 << 20);
+    let mut cut_key = packed(&[&keys[1]]);
+    cut_key.pop();
+    for bad in [vec![5u8], cut_key, Vec::new()] {
+        s.write_all(&get_many_request(&bad, 0, 4096)).unwrap();
+        let (status, body) = raw_answer(&mut s);
+        assert_eq!(status, FAILED);
+        assert_eq!(
+            failed(&body).0,
+            tonic::Code::InvalidArgument as i32,
+            "{bad:?}"
+        );
+    }
+    s.write_all(&get_many_request(
+        &packed(&[&keys[1], b"many-absent"]),
+        64,
+        4096,
+    ))
+    .unwrap();
+    let (status, body) = raw_answer(&mut s);
+    assert_eq!(
+        status, FOUND,
+        "the connection goes on after a malformed batch"
+    );
+    assert_eq!(body.len(), 18);
+    assert_eq!((body[0], body[9]), (1, 0), "found, then absent");
+    s.write_all(&get_many_request(
+        &packed(&[&keys[1]]),
+        (1 << 20) - 10,
+        4096,
+    ))
+    .unwrap();
+    let (status, body) = raw_answer(&mut s);
+    assert_eq!(
+        (status, failed(&body).0),
+        (FAILED, tonic::Code::OutOfRange as i32)
+    );
+    let mut rest = [0u8; 1];
+    assert_eq!(
+        s.read(&mut rest).unwrap_or(0),
+        0,
+        "the connection stayed open"
     );
 }
 
