@@ -482,6 +482,9 @@ def test_across_nodes_the_low_latency_calls_route_first_and_reach_the_other_node
     assert send[15:17] == [2, record] and send[-2:] == [route, state + 16]
     in_window(send[17:20])
     assert len(set(send[17:20])) == 3
+    # The offsets a test uses to write these areas as a peer would are the planner's.
+    offsets = _core.ep_ll_window_offsets(shape, 2)
+    assert send[17:20] == [window + o for o in offsets[:3]]
     outputs = [(7 + i) << 30 for i in range(7)]
     outputs[5] = ids_pos
     recv = rt.ll_dispatch_recv(None, None, outputs)
@@ -498,6 +501,7 @@ def test_across_nodes_the_low_latency_calls_route_first_and_reach_the_other_node
     comb = fields("ep_ll_combine_send", launches[1][4])
     in_window(comb[18:23])
     assert comb[22] == send[19] and comb[23:] == [route, got[25], state + 20]
+    assert comb[18:22] == [window + o for o in offsets[3:]]
     reduce = rt.ll_combine_recv(None, topk_idx, n, out, 0)
     assert [l[0] for l in reduce] == ["ep_ll_combine_recv"]
     assert fields("ep_ll_combine_recv", reduce[0][4])[15:] == [2, comb[21], send[19], route]

@@ -22,17 +22,27 @@ tests/test_gpu_ep.py (BF16 and FP8, the scale formats, hooks, CUDA-graph replays
 checked the same way (every received row, scale, count, source index and layout range
 bit-exact; combine of expert-dependent experts against the float reference), and its route
 asserted (every row from the other node, whose heaps are not mapped here).
+
+A faulty or hostile rank on the other node (two ranks, one per node, whatever the world): instead
+of dispatching it writes, through the proxy's real put-with-signal, records into its block of the
+other rank's window with expert ids outside that rank's experts, junk weights and partial rows,
+and signals claiming 2^32 - 1 records each. The receiving rank takes at most its capacity of
+records and only its own experts' ids (the others dropped), its combine reads and puts nothing
+outside its buffers, and its own tokens' results stay exact.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
 import mori
 from tests._ranks import assert_ok, by_case, device_of, run_cases, run_ranks, run_with_rank0_killed, skip_unless_gpus, world_under_test
+
+PROXY_KERNELS = Path(__file__).parent / "kernels" / "shmem_proxy.cu"
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
@@ -48,8 +58,8 @@ CASES = ["random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_ra
          "ll_hidden_7168", "normal_after_ll", "destroy"]
 
 
-def _start(rank: int, uid: bytes):
-    os.environ["MORI_NODE"] = f"emulated-{rank // HALF}"
+def _start(rank: int, uid: bytes, world: int = WORLD):
+    os.environ["MORI_NODE"] = f"emulated-{rank // (world // 2)}"
     # torch's kernels load with the context, not at their first launch, which could wait behind
     # a kernel spinning on the GPU for the proxy (docs/ccl.md, "Across nodes").
     os.environ["CUDA_MODULE_LOADING"] = "EAGER"
@@ -60,7 +70,7 @@ def _start(rank: int, uid: bytes):
     from mori import Bootstrap
 
     torch.cuda.set_device(device_of(rank))
-    bs = Bootstrap(uid, rank, WORLD, timeout=120)
+    bs = Bootstrap(uid, rank, world, timeout=120)
     shmem.init(bootstrap=bs, device=device_of(rank), heap_size=1 << 30, timeout=KERNEL_TIMEOUT_S)
     return bs, shmem
 
@@ -272,3 +282,95 @@ def test_a_rank_killed_on_one_node_fails_every_other_rank_instead_of_hanging():
     for rank, r in results.items():
         assert r["error"], (rank, r)
         assert r["waited"] < 90, (rank, r)
+
+
+def _hostile_peer(rank: int, uid: bytes) -> dict:
+    """Rank 0 makes one low-latency dispatch and combine of its own tokens (to its own experts);
+    rank 1, on the other node, forges what a peer's proxy puts would deliver for that call."""
+    import numpy as np
+    import torch
+
+    from mori import _core
+    from mori.ep import Buffer, EpConfig
+    from mori.ep import _reference as ref
+
+    world, experts, topk, llt, hidden = 2, 8, 4, 16, HIDDEN
+    el = experts // world
+    bs, shmem = _start(rank, uid, world)
+    buf = Buffer(EpConfig(num_experts=experts, hidden=hidden, max_tokens_per_rank=64, topk=topk, num_sms=16, low_latency_max_tokens=llt))
+    shape = (world, experts, hidden, topk, 64, llt)
+    send, recv, sig, wsend, wrecv, csend, crecv = _core.ep_ll_window_offsets(shape, 2)
+    record = _core.ep_ll_record_bytes(shape, 2, False)
+    area = shmem._s().window[0] + buf._window_offset  # the same offset on both ranks
+    parity, seq, source = 1, 1, 1  # rank 0's first low-latency call; rank 1 writes as source 1
+    claimed = (seq << 32) | 0xFFFFFFFF  # "this put carried 2^32 - 1 records"
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    # Per forged record i: its expert ids at rank 0 (some valid, some outside [0, el)) and a row.
+    forged_ids = [[i % el, el + i % 3, -(i + 2), 2**31 - 1 if i % 2 else (i + 1) % el] for i in range(llt)]
+    forged_rows = torch.randn((llt, hidden), device="cuda", generator=gen).to(torch.bfloat16)
+    result: dict = {}
+    mod = shmem.compile(PROXY_KERNELS.read_text(), "shmem_proxy.cu")
+    # Heap allocations are collective: both ranks make them.
+    block = shmem.tensor((llt * record,), torch.uint8, zero=True)
+    junk = shmem.tensor((llt * hidden * 2,), torch.uint8)
+    if rank == 1:
+        rec = block.view(llt, record)
+        rec[:, : hidden * 2] = forged_rows.view(torch.uint8).view(llt, hidden * 2)
+        meta = torch.zeros((llt, 16), dtype=torch.int32, device="cuda")
+        meta[:, 0] = 777  # a tag the receiver must not need
+        meta[:, 1 : 1 + topk] = torch.tensor(forged_ids, dtype=torch.int32)
+        meta[:, 15] = 10**9 + torch.arange(llt, dtype=torch.int32)  # token indices "on the source"
+        rec[:, record - 64 :] = meta.view(torch.uint8).view(llt, 64)
+        junk.fill_(0xFF)  # NaN weights and NaN partial rows
+
+        def forge(dest_area, unit, src, kind):
+            dest = area + dest_area + (parity * world + source) * llt * unit
+            mod.launch("put_signal", 1, 32, np.uint64(dest), src, np.uint64(llt * unit), np.uint64(area + sig + ((kind * 2 + parity) * world + source) * 8),
+                       np.uint64(claimed), np.int32(0), np.int32(0), np.int32(0))
+
+        forge(recv, record, block, 0)  # dispatch records
+        forge(wrecv, topk * 4, junk, 1)  # weights for combine
+        forge(crecv, hidden * 2, junk, 2)  # partial rows back
+        torch.cuda.synchronize()
+        shmem.check()
+        bs.barrier()
+        bs.barrier()
+        result["forged"] = True
+    else:
+        bs.barrier()  # rank 1 has forged
+        n = 12
+        idx = torch.rand((n, el), device="cuda", generator=gen).argsort(dim=1)[:, :topk].contiguous()  # own experts only
+        idx[::4, 3] = -1
+        x = torch.randn((n, hidden), device="cuda", generator=gen).to(torch.bfloat16)
+        w = torch.rand((n, topk), device="cuda", generator=gen)
+        res = buf.low_latency_dispatch(x, idx, use_fp8=False)
+        y = ref.ll_expert(res.recv_x, None, rank)
+        out, _ = buf.low_latency_combine(y, idx, w, res.handle)
+        torch.cuda.synchronize()
+        shmem.check()  # the forged counts made no put leave the window
+        counts, src_info = res.recv_count.cpu(), res.recv_src_info.cpu()
+        ranges = res.recv_layout_range.cpu()
+        for e in range(el):
+            own = [t for t in range(n) if e in idx[t].tolist()]
+            forged = [i for i in range(llt) if e in forged_ids[i]]
+            assert int(counts[e]) == len(own) + len(forged), (e, int(counts[e]), len(own), len(forged))
+            assert int(ranges[e, 1]) == (len(own) << 32) | len(forged), (e, int(ranges[e, 1]))
+            assert torch.equal(res.recv_x[e, : len(own)], x[own]), f"expert {e}: own rows"
+            assert torch.equal(res.recv_x[e, len(own) : len(own) + len(forged)], forged_rows[forged]), f"expert {e}: forged rows"
+            assert src_info[e, len(own) : len(own) + len(forged)].tolist() == [10**9 + i for i in forged]
+        ref.check_ll_combine(out, ref.expected_ll_combine(x, idx, w, False))
+        torch.cuda.synchronize()
+        bs.barrier()
+        result["checked"] = True
+    shmem.free(block)
+    shmem.free(junk)
+    buf.destroy()
+    shmem.finalize()
+    return result
+
+
+@pytest.mark.timeout(240)
+def test_a_hostile_rank_on_the_other_node_cannot_push_low_latency_calls_outside_their_buffers():
+    skip_unless_gpus(2)
+    results = run_ranks(_hostile_peer, 2, mori.get_unique_id(), timeout=180)
+    assert results[0].get("checked") and results[1].get("forged"), results

@@ -404,6 +404,19 @@ pub fn ep_ll_record_bytes(shape: (u32, u32, u32, u32, u32, u32), nodes: u32, fp8
     mori_collective::ep_internode::Internode::geometry(&shape, nodes).ll_record_bytes(&shape, fp8)
 }
 
+/// Offsets in mori.ep's proxy window area of the low-latency mode's areas across `nodes` nodes:
+/// (send records, received records, signals, weights out, weights in, partial rows out, partial
+/// rows in); see `LlWindow`. For tests that write those areas as a peer would.
+#[pyfunction]
+pub fn ep_ll_window_offsets(
+    shape: (u32, u32, u32, u32, u32, u32),
+    nodes: u32,
+) -> (u64, u64, u64, u64, u64, u64, u64) {
+    let shape = ep_shape(shape);
+    let w = mori_collective::ep_internode::Internode::geometry(&shape, nodes).ll_window(&shape);
+    (w.send, w.recv, w.sig, w.wsend, w.wrecv, w.csend, w.crecv)
+}
+
 /// The low-latency FP8 options from Python's (round_scale, ue8m0, column-major scales).
 fn ll_fp8(fp8: Option<(bool, bool, bool)>) -> Option<ep_runtime::LlFp8> {
     fp8.map(|(round_scale, ue8m0, column_major)| ep_runtime::LlFp8 {

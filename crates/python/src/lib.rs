@@ -100,6 +100,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(collective::ep_internode_sizes, m)?)?;
     m.add_function(wrap_pyfunction!(collective::ep_internode_record_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(collective::ep_ll_record_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(collective::ep_ll_window_offsets, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::stream_synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::memcpy_htod, m)?)?;
