@@ -479,52 +479,77 @@ fn staged_get(
     }
 }
 
-/// Batch gets of `keys` through `staging` (a buffer shared with a daemon on this host): as
-/// many values per request as the buffer holds, holding it for the batch. The values found
-/// and absent by position, `None` for those to take another path (longer than the buffer). A
-/// failed call ends the batch with its status.
+/// Batch gets of `keys` through `staging` (a buffer shared with a daemon on this host), as
+/// many values per request as the buffer holds, each found value copied into `sinks[i]`: per
+/// key its length, `Some(None)` when absent, or `None` to take another path (longer than the
+/// buffer). `None` overall when another thread of this client holds the buffer. A failed call
+/// ends the batch with its status.
+#[allow(clippy::type_complexity)]
 fn staged_batch(
     staging: &Mutex<SharedBuffer>,
-    keys: &[Vec<u8>],
-) -> std::result::Result<Vec<Option<Option<Vec<u8>>>>, tonic::Status> {
-    let buf = staging.lock().unwrap_or_else(PoisonError::into_inner);
+    keys: &[&[u8]],
+    sinks: &mut [&mut dyn Sink],
+) -> Option<std::result::Result<Vec<Option<Option<usize>>>, tonic::Status>> {
+    let buf = staging.try_lock().ok()?;
     let mut out = Vec::with_capacity(keys.len());
     while out.len() < keys.len() {
-        let rest: Vec<&[u8]> = keys[out.len()..].iter().map(Vec::as_slice).collect();
-        for staged in buf.get_many_into(&rest)? {
+        let answers = match buf.get_many_into(&keys[out.len()..]) {
+            Ok(answers) => answers,
+            Err(status) => return Some(Err(status)),
+        };
+        for staged in answers {
+            let i = out.len();
             out.push(match staged {
                 Staged::Absent => Some(None),
                 Staged::TooLong => None,
-                // SAFETY: bytes inside the mapping (get_many_into checked), which the daemon
-                // finished writing before it answered; the lock keeps this client's other gets
-                // out until they are copied.
-                Staged::Found { offset, len } => Some(Some(
-                    unsafe { std::slice::from_raw_parts(buf.as_ptr().add(offset), len) }.to_vec(),
-                )),
+                Staged::Found { offset, len } => {
+                    // SAFETY: bytes inside the mapping (get_many_into checked), which the
+                    // daemon finished writing before it answered; the lock keeps this
+                    // client's other gets out until they are copied.
+                    let value =
+                        unsafe { std::slice::from_raw_parts(buf.as_ptr().add(offset), len) };
+                    match fill(&mut *sinks[i], value) {
+                        Ok(n) => Some(Some(n)),
+                        Err(status) => return Some(Err(status)),
+                    }
+                }
             });
         }
     }
-    Ok(out)
+    Some(Ok(out))
 }
 
 /// The values of `keys` from peer `peer` at `addr`: through `staging` when it shares a buffer
-/// with this client (a peer on this host), the rest, or all, streamed over gRPC.
+/// with this client (a peer on this host) and no other thread holds it, the rest, or all,
+/// streamed over gRPC.
 async fn peer_batch_get(
     client: UmbpClient<Channel>,
     staging: Option<Staging>,
     keys: Vec<Vec<u8>>,
     peer: (&str, Duration),
 ) -> std::result::Result<Vec<Option<Vec<u8>>>, tonic::Status> {
-    let staged = match staging {
-        Some(staging) => {
-            let wanted = keys.clone();
-            tokio::task::spawn_blocking(move || staged_batch(&staging, &wanted))
-                .await
-                .map_err(|e| tonic::Status::internal(format!("staged batch task failed: {e}")))??
-        }
-        None => vec![None; keys.len()],
+    let n = keys.len();
+    let (keys, staged) = match staging {
+        Some(staging) => tokio::task::spawn_blocking(move || {
+            let mut values: Vec<Vec<u8>> = vec![Vec::new(); keys.len()];
+            let mut sinks: Vec<&mut dyn Sink> =
+                values.iter_mut().map(|v| v as &mut dyn Sink).collect();
+            let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+            let answers = staged_batch(&staging, &refs, &mut sinks).transpose()?;
+            let staged = answers.map(|a| {
+                a.into_iter()
+                    .zip(values)
+                    .map(|(got, v)| got.map(|found| found.map(|_| v)))
+                    .collect::<Vec<_>>()
+            });
+            Ok::<_, tonic::Status>((keys, staged))
+        })
+        .await
+        .map_err(|e| tonic::Status::internal(format!("staged batch task failed: {e}")))??,
+        None => (keys, None),
     };
-    let rest: Vec<usize> = (0..keys.len()).filter(|&i| staged[i].is_none()).collect();
+    let staged = staged.unwrap_or_else(|| vec![None; n]);
+    let rest: Vec<usize> = (0..n).filter(|&i| staged[i].is_none()).collect();
     let mut out: Vec<Option<Vec<u8>>> = staged.into_iter().map(Option::flatten).collect();
     if !rest.is_empty() {
         let wanted = rest.iter().map(|&i| keys[i].clone()).collect();
@@ -1414,8 +1439,13 @@ impl Client {
     /// such daemon (or `MORI_UMBP_SHM=0`), the buffer busy with another thread's get, or the
     /// value longer than the buffer.
     fn shm_get(&self, key: &[u8], sink: &mut dyn Sink) -> Option<Result<Option<usize>>> {
-        let staging = self
-            .staging
+        staged_get(self.own_staging()?, key, sink).map(|r| r.map_err(Into::into))
+    }
+
+    /// The staging buffer shared with this client's standalone daemon on this host, made at
+    /// the first call; `None` without such a daemon (or with `MORI_UMBP_SHM=0`).
+    fn own_staging(&self) -> Option<&Mutex<SharedBuffer>> {
+        self.staging
             .get_or_init(|| {
                 let made = (shm_enabled() && self.small_ops.is_some())
                     .then(|| self.shared_buffer(SHM_STAGING_BYTES))
@@ -1425,8 +1455,7 @@ impl Client {
                     });
                 made.map(Mutex::new)
             })
-            .as_ref()?;
-        staged_get(staging, key, sink).map(|r| r.map_err(Into::into))
+            .as_ref()
     }
 
     /// The abstract name of the daemon's same-host socket ([`crate::shm`]), as it says over
@@ -1524,7 +1553,7 @@ impl Client {
         }
         let mut values: Vec<Vec<u8>> = vec![Vec::new(); keys.len()];
         let mut sinks: Vec<&mut dyn Sink> = values.iter_mut().map(|v| v as &mut dyn Sink).collect();
-        if let Some(answers) = self.small_gets(keys, &mut sinks) {
+        if let Some(answers) = self.standalone_batch(keys, &mut sinks) {
             let found = answers?;
             return Ok(found
                 .into_iter()
@@ -1556,7 +1585,7 @@ impl Client {
             ))));
         }
         if self.cluster.is_none()
-            && let Some(answers) = self.small_gets(keys, sinks)
+            && let Some(answers) = self.standalone_batch(keys, sinks)
         {
             return answers;
         }
@@ -1568,6 +1597,44 @@ impl Client {
                 None => Ok(None),
             })
             .collect()
+    }
+
+    /// A standalone daemon's batch into `sinks`: through the staging buffer shared with it on
+    /// this host when no other thread holds it, the rest (values longer than it), or all,
+    /// over pipelined small ops; `None` where neither is used.
+    fn standalone_batch(
+        &self,
+        keys: &[&[u8]],
+        sinks: &mut [&mut dyn Sink],
+    ) -> Option<Result<Vec<Option<usize>>>> {
+        let staged = match self
+            .own_staging()
+            .and_then(|s| staged_batch(s, keys, sinks))
+        {
+            None => return self.small_gets(keys, sinks),
+            Some(Err(status)) => return Some(Err(status.into())),
+            Some(Ok(staged)) => staged,
+        };
+        let rest: Vec<usize> = (0..keys.len()).filter(|&i| staged[i].is_none()).collect();
+        let mut out: Vec<Option<usize>> = staged.into_iter().map(Option::flatten).collect();
+        if rest.is_empty() {
+            return Some(Ok(out));
+        }
+        let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i]).collect();
+        let mut rest_sinks: Vec<&mut dyn Sink> = sinks
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| rest.binary_search(i).is_ok())
+            .map(|(_, s)| &mut **s as &mut dyn Sink)
+            .collect();
+        let answers = match self.small_gets(&rest_keys, &mut rest_sinks)? {
+            Ok(answers) => answers,
+            Err(e) => return Some(Err(e)),
+        };
+        for (i, a) in rest.into_iter().zip(answers) {
+            out[i] = a;
+        }
+        Some(Ok(out))
     }
 
     /// Pipelined small-ops gets into `sinks` (a standalone daemon); `None` where small ops are

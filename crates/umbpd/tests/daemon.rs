@@ -771,20 +771,12 @@ fn a_value_over_the_bytes_api_is_out_of_range_for_get_and_read_by_get_into() {
     assert!(back == value, "get_into returned other bytes");
 }
 
-/// A byte batch get from a standalone daemon goes as pipelined small-ops gets (the daemon counts
-/// each): more keys than the pipeline holds, keys long enough that the byte bound splits the
-/// requests, absent keys between present ones, values from 1 byte to 1 MiB, in order and
-/// byte-exact, as values and read into sinks; then a failing key (a value over the bytes API) fails the call and the
-/// connection stays usable.
-#[test]
-fn byte_batch_gets_go_pipelined_over_small_ops_in_order() {
-    let dir = tempfile::tempdir().unwrap();
-    // Room for the values and the one over the bytes API (nothing is evicted).
-    let d = Daemon::start(dir.path(), &["--dram-bytes", "600M"], &[]);
-    let c = Client::connect(&d.addr).unwrap();
+/// The keys and values of the byte-batch tests: more keys than the small-ops pipeline holds,
+/// every seventh 6 KiB long (a few fill its byte bound, and split a shared-memory batch's
+/// requests), values from 1 byte to 1 MiB; every eleventh (from the fourth) never put.
+fn byte_batch_pairs() -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
     let n = 3 * mori_umbpd::small_ops::PIPELINE_REQUESTS + 5;
-    // Every seventh key is 6 KiB long: a few of them fill the pipeline's byte bound.
-    let keys: Vec<Vec<u8>> = (0..n)
+    let keys = (0..n)
         .map(|i| {
             let mut k = key(i);
             if i % 7 == 0 {
@@ -794,16 +786,20 @@ fn byte_batch_gets_go_pipelined_over_small_ops_in_order() {
         })
         .collect();
     let size = |i: usize| [1, 4096, 65536, 1 << 20, 100][i % 5];
-    let values: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 900, size(i))).collect();
-    for (i, (k, v)) in keys.iter().zip(&values).enumerate() {
-        if i % 11 != 3 {
-            assert!(c.put(k, v).unwrap(), "put {i}");
-        }
-    }
+    let values = (0..n).map(|i| bytes(i as u64 + 900, size(i))).collect();
+    (keys, values)
+}
+
+/// `c`'s byte batch gets of [`byte_batch_pairs`], as values and into sinks: in order and
+/// byte-exact, each key counted once by `served` (the daemon's count of the path expected); a
+/// wrong sink count is refused before anything moves. Returns the values got.
+fn check_byte_batches(c: &Client, served: impl Fn(&Client) -> u64) -> Vec<Option<Vec<u8>>> {
+    let (keys, values) = byte_batch_pairs();
+    let n = keys.len();
     let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-    let before = c.health().unwrap().small_ops_served;
+    let before = served(c);
     let got = c.batch_get(&refs).unwrap();
-    assert_eq!(c.health().unwrap().small_ops_served - before, n as u64);
+    assert_eq!(served(c) - before, n as u64);
     assert_eq!(got.len(), n);
     for (i, g) in got.iter().enumerate() {
         if i % 11 == 3 {
@@ -812,18 +808,16 @@ fn byte_batch_gets_go_pipelined_over_small_ops_in_order() {
             assert!(g.as_deref() == Some(values[i].as_slice()), "value {i}");
         }
     }
-    // The same into sinks: each value read straight into its own buffer; a wrong sink count is
-    // refused before anything moves.
     let mut bufs: Vec<Vec<u8>> = vec![vec![0xEE; 3]; n];
     let mut sinks: Vec<&mut dyn mori_umbpd::small_ops::Sink> = bufs
         .iter_mut()
         .map(|b| b as &mut dyn mori_umbpd::small_ops::Sink)
         .collect();
-    let before = c.health().unwrap().small_ops_served;
+    let before = served(c);
     let lens = c.batch_get_with(&refs, &mut sinks).unwrap();
     assert!(c.batch_get_with(&refs[..2], &mut sinks[..1]).is_err());
     drop(sinks);
-    assert_eq!(c.health().unwrap().small_ops_served - before, n as u64);
+    assert_eq!(served(c) - before, n as u64);
     for (i, (l, b)) in lens.iter().zip(&bufs).enumerate() {
         if i % 11 == 3 {
             assert_eq!(*l, None, "key {i}");
@@ -832,6 +826,47 @@ fn byte_batch_gets_go_pipelined_over_small_ops_in_order() {
             assert!(*b == values[i], "value {i} in its sink");
         }
     }
+    got
+}
+
+/// A byte batch get from a standalone daemon on this host goes through the client's shared
+/// staging buffer (the daemon counts each key as same-host), in order and byte-exact; with
+/// `MORI_UMBP_SHM=0` (the child below) as pipelined small-ops gets.
+#[test]
+fn byte_batch_gets_go_through_shared_memory_or_pipelined_over_small_ops_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    // Room for the values and the one over the bytes API (nothing is evicted).
+    let d = Daemon::start(dir.path(), &["--dram-bytes", "600M"], &[]);
+    let c = Client::connect(&d.addr).unwrap();
+    let (keys, values) = byte_batch_pairs();
+    for (i, (k, v)) in keys.iter().zip(&values).enumerate() {
+        if i % 11 != 3 {
+            assert!(c.put(k, v).unwrap(), "put {i}");
+        }
+    }
+    let before = c.health().unwrap().small_ops_served;
+    check_byte_batches(&c, |c| c.health().unwrap().same_host_served);
+    assert_eq!(
+        c.health().unwrap().small_ops_served - before,
+        1,
+        "one small op: the socket's name"
+    );
+    mori_testutil::run_ignored_child(
+        "byte_batch_child_over_small_ops",
+        &[("MORI_UMBP_SHM", "0"), ("UMBP_TEST_ADDR", &d.addr)],
+    );
+}
+
+/// Run by the test above in a child process with `MORI_UMBP_SHM=0`: the same batches over
+/// small ops; then a failing key (a value over the bytes API) fails the call and the
+/// connection stays usable.
+#[test]
+#[ignore = "run by byte_batch_gets_go_through_shared_memory_or_pipelined_over_small_ops_in_order"]
+fn byte_batch_child_over_small_ops() {
+    let c = Client::connect(&std::env::var("UMBP_TEST_ADDR").unwrap()).unwrap();
+    let got = check_byte_batches(&c, |c| c.health().unwrap().small_ops_served);
+    let (keys, _) = byte_batch_pairs();
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
     let len = mori_umbpd::client::MAX_BYTES_VALUE + 1;
     let big = bytes(5, len);
     // SAFETY: `big` outlives the call that reads it.
