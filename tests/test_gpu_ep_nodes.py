@@ -25,10 +25,11 @@ asserted (every row from the other node, whose heaps are not mapped here).
 
 A faulty or hostile rank on the other node (two ranks, one per node, whatever the world): instead
 of dispatching it writes, through the proxy's real put-with-signal, records into its block of the
-other rank's window with expert ids outside that rank's experts, junk weights and partial rows,
-and signals claiming 2^32 - 1 records each. The receiving rank takes at most its capacity of
-records and only its own experts' ids (the others dropped), its combine reads and puts nothing
-outside its buffers, and its own tokens' results stay exact.
+other rank's window with expert ids outside that rank's experts, token indices no sender can
+have, junk weights and partial rows, and signals claiming 2^32 - 1 records each. The receiving
+rank takes at most its capacity of records and only its own experts' ids (the others dropped),
+reports those token indices as -1, its combine reads and puts nothing outside its buffers, and
+its own tokens' results stay exact.
 """
 
 from __future__ import annotations
@@ -357,7 +358,7 @@ def _hostile_peer(rank: int, uid: bytes) -> dict:
             assert int(ranges[e, 1]) == (len(own) << 32) | len(forged), (e, int(ranges[e, 1]))
             assert torch.equal(res.recv_x[e, : len(own)], x[own]), f"expert {e}: own rows"
             assert torch.equal(res.recv_x[e, len(own) : len(own) + len(forged)], forged_rows[forged]), f"expert {e}: forged rows"
-            assert src_info[e, len(own) : len(own) + len(forged)].tolist() == [10**9 + i for i in forged]
+            assert src_info[e, len(own) : len(own) + len(forged)].tolist() == [-1] * len(forged), "token indices no sender has"
         ref.check_ll_combine(out, ref.expected_ll_combine(x, idx, w, False))
         torch.cuda.synchronize()
         bs.barrier()

@@ -351,7 +351,9 @@ extern "C" __global__ void __launch_bounds__(1024) ep_ll_dispatch_recv(
             if (f) {
                 picked[pos] = j;
                 const int* m = meta_of(j);
-                recv_src_info[(u64)e * entries + pos] = m[META_TOKEN];
+                // A token index a sender wrote that no sender can have counts as none (-1).
+                const int token = m[META_TOKEN];
+                recv_src_info[(u64)e * entries + pos] = token >= 0 && token < max_tokens ? token : -1;
                 for (int k = 0; k < topk; ++k) {
                     if (m[1 + k] == e) handle_pos[(u64)j * topk + k] = pos;
                 }
