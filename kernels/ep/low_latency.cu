@@ -43,11 +43,12 @@ constexpr u64 META_BYTES = META_STRIDE * 4;
 // Ranks on other nodes (local_size < num_ranks; all of these are unused on one node). Proxy
 // window areas, the same offsets on every rank (crates/collective/src/ep_internode.rs):
 // w_send / w_recv [2][ranks][max_tokens] dispatch records of the call's record_bytes (the row
-// as sent, then a META_STRIDE entry in the last words), by destination / by source; w_sig u64 [3][2][ranks] (dispatch rows,
-// weights, combine rows; by parity; by sender); w_wsend / w_wrecv [2][ranks][max_tokens][topk] f32 weights;
-// w_csend / w_crecv [2][ranks][max_tokens] bf16 partial rows. route: ep_ll_route's tables (device),
-// int32 [2 (dispatch, combine)][2 (parity)][1 + max_tokens][ranks]: records per destination, then
-// each token's record index at each destination (-1: none; rows of same-node ranks unused).
+// as sent, then a META_STRIDE entry in the last words), by destination / by source; w_sig u64
+// [3][2][ranks] (dispatch rows, weights, combine rows; by parity; by sender); w_wsend / w_wrecv
+// [2][ranks][max_tokens][topk] f32 weights; w_csend / w_crecv [2][ranks][max_tokens] bf16
+// partial rows. route: ep_ll_route's tables (device), int32 [2 (dispatch, combine)][2 (parity)]
+// [1 + max_tokens][ranks]: records per destination, then each token's record index at each
+// destination (-1: none; rows of same-node ranks unused).
 
 namespace {
 
