@@ -730,17 +730,20 @@ impl EpRuntime {
         }
     }
 
-    /// Across nodes, the launch that fills route table `which` (0: dispatch, 1: combine) for
-    /// the call's `topk_idx`, before its send half.
-    fn ll_route(
+    /// A send half's launches: across nodes the launch that fills route table `which` (0:
+    /// dispatch, 1: combine) for the call's `topk_idx` first, then `send`.
+    fn routed_send(
         &self,
         ll: &LowLatencyBuffers,
         topk_idx: u64,
         n: u32,
         which: i32,
-    ) -> Option<Launch> {
+        send: Launch,
+    ) -> Vec<Launch> {
         let s = &self.shape;
-        let geo = self.internode.as_ref()?;
+        let Some(geo) = self.internode.as_ref() else {
+            return vec![send];
+        };
         let p = EpLlRoute {
             topk_idx: DevicePtr(topk_idx),
             num_tokens: int(n),
@@ -753,7 +756,7 @@ impl EpRuntime {
             route: DevicePtr(ll.route),
             state: DevicePtr(ll.state),
         };
-        Some(launch("ep_ll_route", s.num_ranks, 1024, 0, p))
+        vec![launch("ep_ll_route", s.num_ranks, 1024, 0, p), send]
     }
 
     /// The low-latency dispatch's send half.
@@ -797,10 +800,9 @@ impl EpRuntime {
             route: DevicePtr(ll.route),
             ticket: ll.ticket(4),
         };
-        let launches = self.ll_route(ll, topk_idx, n, 0).into_iter();
-        let launches = launches.chain([launch("ep_ll_dispatch_send", LL_SEND_BLOCKS, 512, 0, p)]);
+        let send = launch("ep_ll_dispatch_send", LL_SEND_BLOCKS, 512, 0, p);
         // SAFETY: the caller's guarantee.
-        unsafe { self.run(launches.collect(), stream) }
+        unsafe { self.run(self.routed_send(ll, topk_idx, n, 0, send), stream) }
     }
 
     /// The low-latency dispatch's receive half, into `out`.
@@ -904,10 +906,9 @@ impl EpRuntime {
             handle_count: DevicePtr(ids_pos + 2 * half),
             tickets: ll.ticket(5),
         };
-        let launches = self.ll_route(ll, topk_idx, n, 1).into_iter();
-        let launches = launches.chain([launch("ep_ll_combine_send", LL_SEND_BLOCKS, 512, 0, p)]);
+        let send = launch("ep_ll_combine_send", LL_SEND_BLOCKS, 512, 0, p);
         // SAFETY: the caller's guarantee.
-        unsafe { self.run(launches.collect(), stream) }
+        unsafe { self.run(self.routed_send(ll, topk_idx, n, 1, send), stream) }
     }
 
     /// The low-latency combine's receive half: the weighted sums into `out` (`n` x hidden bf16).
