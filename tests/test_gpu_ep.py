@@ -106,7 +106,7 @@ def _suite(rank: int, uid: bytes, world: int) -> dict[str, str]:
         config = EpConfig(num_experts=experts, hidden=7168, max_tokens_per_rank=256, topk=TOPK, num_sms=24,
                           low_latency_max_tokens=32)
         b = wide.pop() if wide else Buffer(config)
-        ptrs = [t.data_ptr() for t in b._heap_tensors()]
+        ptrs = b._rt.heap_addresses()
         assert len(ptrs) == 15, len(ptrs)  # 10 normal-mode buffers, 5 low-latency ones
         b.destroy()
         left = [p for p in ptrs if shmem._s().locate(p) is not None]

@@ -121,7 +121,9 @@ fn main() {
         let t0 = Instant::now();
         for _ in 0..iters {
             let seq = dispatch();
-            ep.wait_received(seq, WAIT).expect("no counts from the GPU");
+            ep.wait_received(seq, WAIT)
+                .expect("dispatch")
+                .expect("no counts from the GPU");
         }
         t0.elapsed()
     });
@@ -136,6 +138,7 @@ fn main() {
     unsafe { mori_gpu::copy_host_to_device(device, x.ptr(), &fresh) }.expect("x");
     let got = ep
         .wait_received(dispatch(), WAIT)
+        .expect("dispatch")
         .expect("no counts from the GPU");
     assert_eq!(got.rows, TOKENS, "one PE receives every token once");
     assert_eq!(

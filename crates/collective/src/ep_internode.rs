@@ -39,8 +39,10 @@ pub struct Internode {
     pub window: u64,
 }
 
-/// Words of a low-latency dispatch record after its row (META_STRIDE in low_latency.cu).
-const LL_META_BYTES: u64 = 16 * 4;
+/// int32 words of a low-latency token's metadata (META_STRIDE in low_latency.cu).
+pub(crate) const LL_META_WORDS: u64 = 16;
+/// Bytes of a low-latency dispatch record after its row.
+const LL_META_BYTES: u64 = LL_META_WORDS * 4;
 
 /// This rank's addresses of the low-latency mode's window areas (see "Ranks on other nodes" in
 /// kernels/ep/low_latency.cu), each `[2 parities][ranks][low_latency_max_tokens]` units. All

@@ -33,6 +33,9 @@ pub enum Error {
     },
     #[error("{0}")]
     InvalidArgument(String),
+    /// An operation that ran and failed (not a bad argument).
+    #[error("{0}")]
+    Failed(String),
     #[error(transparent)]
     Gpu(#[from] mori_gpu::Error),
     #[error("mori.shmem: {0}")]

@@ -7,6 +7,7 @@ use mori_collective::KernelParams;
 use mori_collective::communicator::{
     Algorithm, CclConfig, Communicator, DType, Exchange, Launch, ReduceOp, node_count,
 };
+use mori_collective::ep_buffers::{Ep, EpMemory};
 use mori_collective::ep_runtime;
 use mori_collective::params::CType;
 use mori_collective::{Packed, Packer, Value};
@@ -15,7 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::errors::Result;
-use crate::shmem::{ShmemModule, finalized};
+use crate::shmem::{Shmem, ShmemModule, finalized};
 
 /// Sets field `index` of `packer` from `obj`, converted to the field's C type.
 fn set(packer: &mut Packer, index: usize, obj: &Bound<'_, PyAny>) -> Result<()> {
@@ -323,29 +324,64 @@ impl CclRuntime {
 }
 
 /// mori.ep's host runtime for one rank (`mori_collective::ep_runtime`): each operation's
-/// launches filled in Rust from typed parameter structs, one call from Python. Without modules
-/// it only plans: each call then returns its launches (entry, grid, block, shared bytes,
-/// parameter bytes) instead of making them.
+/// launches filled in Rust from typed parameter structs, one call from Python. `create` makes
+/// it with the memory it launches with (`mori_collective::ep_buffers::Ep`), freed by
+/// `destroy`. Without modules it only plans: each call then returns its launches (entry, grid,
+/// block, shared bytes, parameter bytes) instead of making them.
 #[pyclass(frozen, module = "mori._core")]
 pub struct EpRuntime {
     session: Option<Arc<Mutex<Option<mori_shmem::Shmem>>>>,
     inner: ep_runtime::EpRuntime,
+    /// What `create` allocated (None once destroyed); None for a runtime over the caller's addresses.
+    memory: Option<Mutex<Option<EpMemory>>>,
 }
+
+fn destroyed() -> crate::errors::Error {
+    crate::errors::Error::Closed("this mori.ep Buffer (destroyed)".into())
+}
+
+/// Held while a runtime made by `create` launches: its memory is not freed meanwhile.
+type Alive<'a> = Option<std::sync::MutexGuard<'a, Option<EpMemory>>>;
 
 /// A launch as Python sees a planned EP one.
 type PlannedEp = Option<Vec<(&'static str, u32, u32, u32, Vec<u8>)>>;
 
 impl EpRuntime {
     /// The stream to launch on (None: plan only), after checking the session is alive.
-    fn stream(&self, stream: Option<usize>) -> Result<Option<StreamHandle>> {
+    /// The stream to launch on (None: plan only), after checking the session is alive, and
+    /// the guard that keeps `create`'s memory from being freed while the launches are made.
+    fn stream(&self, stream: Option<usize>) -> Result<(Option<StreamHandle>, Alive<'_>)> {
+        let alive = self.alive()?;
         let Some(stream) = stream else {
-            return Ok(None);
+            return Ok((None, alive));
         };
         match &self.session {
             Some(s) if s.lock().map_err(|_| finalized())?.is_some() => {}
             _ => return Err(finalized()),
         }
-        Ok(Some(StreamHandle::from_raw(stream)))
+        Ok((Some(StreamHandle::from_raw(stream)), alive))
+    }
+
+    /// The lock on the memory `create` allocated (None for a runtime over the caller's
+    /// addresses); an error once destroyed.
+    fn alive(&self) -> Result<Alive<'_>> {
+        let Some(slot) = &self.memory else {
+            return Ok(None);
+        };
+        let guard = slot.lock().map_err(|_| destroyed())?;
+        if guard.is_none() {
+            return Err(destroyed());
+        }
+        Ok(Some(guard))
+    }
+
+    fn owned<T>(&self, f: impl FnOnce(&EpMemory) -> T) -> Result<T> {
+        match self.alive()?.as_deref() {
+            Some(Some(memory)) => Ok(f(memory)),
+            _ => Err(crate::errors::Error::InvalidArgument(
+                "this EP runtime launches with its caller's memory (made by EpRuntime(...), not create)".into(),
+            )),
+        }
     }
 
     fn layout(&self, base: u64, num_tokens: u32) -> ep_runtime::Layout {
@@ -503,6 +539,81 @@ impl EpRuntime {
         Ok(Self {
             session: intranode.map(|m| m.session.clone()),
             inner,
+            memory: None,
+        })
+    }
+
+    /// Collective: allocates mori.ep's memory for `shape` on `session`'s heap (and, across
+    /// nodes, its proxy window), loads the kernels and returns the runtime that launches with
+    /// them (`mori_collective::ep_buffers::Ep::create`).
+    #[staticmethod]
+    fn create(
+        py: Python<'_>,
+        session: &Shmem,
+        shape: (u32, u32, u32, u32, u32, u32),
+    ) -> Result<Self> {
+        let ep = py.detach(|| session.with(|s| Ok(Ep::create(s, ep_shape(shape))?)))?;
+        let (inner, memory) = ep.into_parts();
+        Ok(Self {
+            session: Some(session.inner.clone()),
+            inner,
+            memory: Some(Mutex::new(Some(memory))),
+        })
+    }
+
+    /// This rank's addresses of what `create` allocated, by name: the normal mode's receive
+    /// buffers (recv_x, recv_scales, recv_idx, recv_w, recv_src), comb_in, ll_rows (0 without
+    /// the low-latency mode), and `nodes` with, across nodes, `window_offset`.
+    fn areas(&self) -> Result<std::collections::HashMap<&'static str, u64>> {
+        self.owned(|m| {
+            let a = m.areas();
+            let mut named = std::collections::HashMap::from([
+                ("recv_x", a.normal.recv_x),
+                ("recv_scales", a.normal.recv_scales),
+                ("recv_idx", a.normal.recv_idx),
+                ("recv_w", a.normal.recv_w),
+                ("recv_src", a.normal.recv_src),
+                ("comb_in", a.comb_in),
+                ("ll_rows", a.low_latency.map_or(0, |l| l.rows)),
+                ("nodes", u64::from(a.internode.map_or(1, |i| i.nodes))),
+            ]);
+            if let Some(offset) = a.window_offset {
+                named.insert("window_offset", offset);
+            }
+            named
+        })
+    }
+
+    /// This rank's addresses of the symmetric allocations `create` made.
+    fn heap_addresses(&self) -> Result<Vec<u64>> {
+        self.owned(EpMemory::heap_addresses)
+    }
+
+    /// Waits, with the GIL released, for dispatch `seq`'s totals: [rows received (-1: the count
+    /// exchange across nodes failed), rows per local expert..., bad ids, the most tokens any
+    /// rank dispatched]; None after `timeout_s`.
+    fn received(&self, py: Python<'_>, seq: i32, timeout_s: f64) -> Result<Option<Vec<i32>>> {
+        self.owned(|_| ())?;
+        if !self.wait_dispatched(py, seq, timeout_s)? {
+            return Ok(None);
+        }
+        self.owned(|m| Some(m.published()))
+    }
+
+    /// Collective: waits for this GPU's work, then frees what `create` allocated on every rank;
+    /// later launches raise. A second call does nothing.
+    fn destroy(&self, py: Python<'_>) -> Result<()> {
+        let Some(slot) = &self.memory else {
+            return Ok(());
+        };
+        let Some(memory) = slot.lock().map_err(|_| destroyed())?.take() else {
+            return Ok(());
+        };
+        let session = self.session.as_ref().ok_or_else(finalized)?;
+        py.detach(|| {
+            let guard = session.lock().map_err(|_| finalized())?;
+            let shmem = guard.as_ref().ok_or_else(finalized)?;
+            Ok(memory.free(shmem)?)
         })
     }
 
@@ -520,7 +631,7 @@ impl EpRuntime {
         n: u32,
         layout: u64,
     ) -> Result<PlannedEp> {
-        let stream = self.stream(stream)?;
+        let (stream, _alive) = self.stream(stream)?;
         let area = self.layout(layout, n);
         // SAFETY: mori.ep checked topk_idx ([n, topk] int64) and allocated the area for n
         // tokens; both live until the stream ran the kernel.
@@ -547,7 +658,7 @@ impl EpRuntime {
         sms: u32,
         expert_counts: u64,
     ) -> Result<(i32, PlannedEp)> {
-        let stream = self.stream(stream)?;
+        let (stream, _alive) = self.stream(stream)?;
         let area = self.layout(layout, n);
         // SAFETY: mori.ep checked every tensor's dtype and shape and keeps them alive until
         // the stream ran the kernels.
@@ -577,6 +688,8 @@ impl EpRuntime {
                 "timeout {timeout_s} s is not a duration"
             ))
         })?;
+        // The pinned words it polls are create's memory: kept alive through the wait.
+        let _alive = self.alive()?;
         Ok(py.detach(|| self.inner.wait_dispatched(seq, timeout)))
     }
 
@@ -596,7 +709,7 @@ impl EpRuntime {
         sms: u32,
         weights: Option<(u64, u64)>,
     ) -> Result<PlannedEp> {
-        let stream = self.stream(stream)?;
+        let (stream, _alive) = self.stream(stream)?;
         let area = self.layout(layout, num_tokens);
         let weights = weights.map(|(weights, out)| ep_runtime::CombineWeights { weights, out });
         // SAFETY: as dispatch.
@@ -617,7 +730,7 @@ impl EpRuntime {
         n: u32,
         fp8: Option<(bool, bool, bool)>,
     ) -> Result<PlannedEp> {
-        let stream = self.stream(stream)?;
+        let (stream, _alive) = self.stream(stream)?;
         // SAFETY: as dispatch.
         let l = unsafe {
             self.inner
@@ -634,7 +747,7 @@ impl EpRuntime {
         fp8: Option<(bool, bool, bool)>,
         outputs: [u64; 7],
     ) -> Result<PlannedEp> {
-        let stream = self.stream(stream)?;
+        let (stream, _alive) = self.stream(stream)?;
         let out = ep_runtime::LlReceived {
             recv_x: outputs[0],
             recv_scales: outputs[1],
@@ -659,7 +772,7 @@ impl EpRuntime {
         n: u32,
         ids_pos: u64,
     ) -> Result<PlannedEp> {
-        let stream = self.stream(stream)?;
+        let (stream, _alive) = self.stream(stream)?;
         // SAFETY: as dispatch.
         let l = unsafe {
             self.inner
@@ -676,7 +789,7 @@ impl EpRuntime {
         out: u64,
         wait_ns: u64,
     ) -> Result<PlannedEp> {
-        let stream = self.stream(stream)?;
+        let (stream, _alive) = self.stream(stream)?;
         // SAFETY: as dispatch.
         let l = unsafe {
             self.inner

@@ -184,6 +184,9 @@ impl From<Error> for PyErr {
                 mori_io::FailureKind::Timeout => TimeoutError::new_err(f.message),
                 _ => TransportError::new_err(f.message),
             },
+            Error::Collective(e @ mori_collective::Error::Failed(_)) => {
+                MoriError::new_err(e.to_string())
+            }
             // Every other mori-collective error is about the parameters given.
             Error::Collective(e) => InvalidArgumentError::new_err(e.to_string()),
             Error::InvalidArgument(msg) => InvalidArgumentError::new_err(msg),

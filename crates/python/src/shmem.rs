@@ -18,11 +18,11 @@ pub(crate) fn finalized() -> Error {
 /// This process's PE. `finalize()` ends it; methods then raise.
 #[pyclass(frozen, module = "mori._core")]
 pub struct Shmem {
-    inner: Arc<Mutex<Option<mori_shmem::Shmem>>>,
+    pub(crate) inner: Arc<Mutex<Option<mori_shmem::Shmem>>>,
 }
 
 impl Shmem {
-    fn with<T>(&self, f: impl FnOnce(&mori_shmem::Shmem) -> Result<T>) -> Result<T> {
+    pub(crate) fn with<T>(&self, f: impl FnOnce(&mori_shmem::Shmem) -> Result<T>) -> Result<T> {
         let guard: MutexGuard<'_, _> = self.inner.lock().map_err(|_| finalized())?;
         f(guard.as_ref().ok_or_else(finalized)?)
     }

@@ -37,8 +37,6 @@ MAX_EXPERTS = 4096  # ep_prepare's shared-memory histogram
 MAX_RANKS = 8  # ep::MAX_RANKS in kernels/ep/mori_ep.cuh: ranks on one node
 MAX_NODES = 8  # ep::MAX_NODES in kernels/ep/internode.cu
 SCALE_BLOCK = 128
-LL_META_STRIDE = 16  # META_STRIDE in kernels/ep/low_latency.cu
-LL_MAX_ENTRIES = 48 * 1024  # ranks * low_latency_max_tokens: the receive half's shared memory
 HOST_WAIT_TIMEOUT_S = 60.0
 
 
@@ -69,28 +67,19 @@ class EpConfig:
             raise InvalidArgumentError("low_latency_max_tokens must be >= 0 (0: no low-latency buffers)")
 
 
-def _node_layout(nodes: list[list[int]], world: int) -> int:
-    """The node count, after checking the layout the kernels assume: as many consecutive ranks
-    on every node, at most MAX_RANKS per node and MAX_NODES nodes."""
-    per = len(nodes[0])
-    if any(ranks != list(range(i * per, (i + 1) * per)) for i, ranks in enumerate(nodes)) or per * len(nodes) != world:
-        raise InvalidArgumentError(f"mori.ep needs as many consecutive ranks on every node, got nodes {nodes}")
-    if per > MAX_RANKS or len(nodes) > MAX_NODES:
-        raise InvalidArgumentError(f"mori.ep supports up to {MAX_NODES} nodes of up to {MAX_RANKS} ranks, got {len(nodes)} of {per}")
-    return len(nodes)
-
-
 def _ptr(t: Any) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def runtime_addresses(recv_x: Any, recv_scales: Any, recv_idx: Any, recv_w: Any, recv_src: Any, rank_matrix: Any,
-                      expert_matrix: Any, comb: Any, comb_w: Any, counters: Any, host_info: Any) -> list[int]:
-    """The normal mode's addresses in the order the Rust runtime takes them (the two count
-    matrices by call parity)."""
-    return [recv_x.data_ptr(), recv_scales.data_ptr(), recv_idx.data_ptr(), recv_w.data_ptr(), recv_src.data_ptr(),
-            rank_matrix[0].data_ptr(), rank_matrix[1].data_ptr(), expert_matrix[0].data_ptr(), expert_matrix[1].data_ptr(),
-            comb.data_ptr(), comb_w.data_ptr(), counters.data_ptr(), host_info.data_ptr()]
+def _heap_view(addr: int, shape: tuple[int, ...], dtype: Any, device: int, owner: Any):
+    """A tensor over ``addr``, memory the Rust runtime ``owner`` allocated on the heap."""
+    import torch
+
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = max(1, numel * torch.empty((), dtype=dtype, device="meta").element_size())
+    return shmem._as_tensor(addr, nbytes, shape, dtype, device, owner)
 
 
 class Handle:
@@ -168,7 +157,7 @@ class LowLatencyDispatchResult:
 
 
 class Buffer:
-    """Symmetric buffers and kernels for dispatch/combine on one node.
+    """Symmetric buffers and kernels for dispatch/combine, on one node or across nodes.
 
     Collective: every rank constructs it with the same config. Initialises :mod:`mori.shmem`
     from the torch group (``group``) if it is not initialised yet.
@@ -181,94 +170,38 @@ class Buffer:
             shmem.init_from_torch(group)
         self.config = config
         self.rank, self.num_ranks = shmem.my_pe(), shmem.n_pes()
-        self.nodes = _node_layout(shmem.nodes(), self.num_ranks)
-        if config.num_experts % self.num_ranks:
-            raise InvalidArgumentError(f"{config.num_experts} experts do not divide over {self.num_ranks} ranks")
         self.device = shmem.device()
         self.experts_per_rank = config.num_experts // self.num_ranks
         w, t, h, k = self.num_ranks, config.max_tokens_per_rank, config.hidden, config.topk
         rows = w * t
-        dev = f"cuda:{self.device}"
-        self._recv_x = shmem.tensor((rows * h * 2,), torch.uint8)
-        self._recv_scales = shmem.tensor((rows, h // SCALE_BLOCK), torch.float32)
-        self._recv_idx = shmem.tensor((rows, k), torch.int64)
-        self._recv_w = shmem.tensor((rows, k), torch.float32)
-        self._recv_src = shmem.tensor((rows,), torch.int32)
-        # Double-buffered by call parity: a rank one dispatch ahead writes the other half.
-        self._rank_matrix = shmem.tensor((2, w, w), torch.int32, zero=True)
-        # A row per source rank: its counts for this rank's experts, then its token count.
-        self._expert_matrix = shmem.tensor((2, w, self.experts_per_rank + 1), torch.int32, zero=True)
-        self._comb = shmem.tensor((rows * h * 2,), torch.uint8)
-        self._comb_in = shmem.tensor((rows, h), torch.bfloat16)
-        self._comb_w = shmem.tensor((rows, k), torch.float32)  # weights rows a combine with weights sends back
-        self._counters = torch.zeros(8, dtype=torch.int32, device=dev)  # InternodeCounters in internode.cu
-        # The receiver's totals, written by the GPU into pinned host memory the host polls.
-        self._host_info = torch.zeros(4 + self.experts_per_rank, dtype=torch.int32, device="cpu", pin_memory=True)
-        self._host_info_np = self._host_info.numpy()
-        # Addresses used on every call, read once.
-        self.profile: list[dict[str, float]] | None = None  # set to [] to record phase timings
-        self._ll = _LowLatency(self) if config.low_latency_max_tokens else None
-        # Launches, their parameter structs and the call sequence live in Rust
-        # (crates/collective/src/ep_runtime.rs); this class checks tensors and owns memory.
+        # Every buffer, the kernels and the launches live in Rust (crates/collective/src/
+        # ep_buffers.rs and ep_runtime.rs), which checks the shape and the node layout; this
+        # class checks tensors and views the receive areas.
         shape = (w, config.num_experts, h, k, t, config.low_latency_max_tokens)
-        # Across nodes: count vectors and flags on the heap, the traffic between nodes in the
-        # shmem proxy window (pinned host memory, same offset on every rank).
-        self._counts = self._flags = self._relay_w = self._window_offset = None
-        internode = None
-        if self.nodes > 1:
-            counts_bytes, flags_bytes, window_bytes = _core.ep_internode_sizes(shape, self.nodes)
-            self._counts = shmem.tensor((counts_bytes,), torch.uint8, zero=True)
-            self._flags = shmem.tensor((flags_bytes,), torch.uint8, zero=True)
-            self._relay_w = shmem.tensor((rows, k), torch.float32)
-            session = shmem._s()
-            try:
-                self._window_offset = session.window_calloc(window_bytes, 256)
-            except MoriError as e:
-                # Collective like the allocation (every rank asked for the same bytes): free the
-                # heap on every rank alike before raising.
-                for tensor in self._heap_tensors():
-                    shmem.free(tensor)
-                raise InvalidArgumentError(f"mori.ep across {self.nodes} nodes needs {window_bytes} bytes of the shmem proxy "
-                                           f"window for this config ({e})") from e
-            internode = (self.nodes, w // self.nodes, self._counts.data_ptr(), self._flags.data_ptr(), self._comb_in.data_ptr(),
-                         self._relay_w.data_ptr(), session.window[0] + self._window_offset)
-        self._runtime: _core.EpRuntime | None = _core.EpRuntime(
-            shmem._s().load_variant("ep/intranode"),
-            shmem._s().load_variant("ep/low_latency") if self._ll else None,
-            shape,
-            runtime_addresses(self._recv_x, self._recv_scales, self._recv_idx, self._recv_w, self._recv_src, self._rank_matrix,
-                              self._expert_matrix, self._comb, self._comb_w, self._counters, self._host_info),
-            self._ll.addresses() if self._ll else None,
-            internode,
-            shmem._s().load_variant("ep/internode") if internode else None,
-        )
+        self._runtime: _core.EpRuntime | None = _core.EpRuntime.create(shmem._s(), shape)
+        areas = self._runtime.areas()
+        self.nodes = areas["nodes"]
 
-    def _heap_tensors(self) -> list:
-        """This Buffer's allocations on the symmetric heap, in one order on every rank."""
-        own = [self._recv_x, self._recv_scales, self._recv_idx, self._recv_w, self._recv_src, self._rank_matrix,
-               self._expert_matrix, self._comb, self._comb_in, self._comb_w]
-        own += [t for t in (self._counts, self._flags, self._relay_w) if t is not None]
-        return own + ([self._ll._rows, self._ll._meta, self._ll._wts, self._ll._comb, self._ll._sent] if self._ll else [])
+        def view(name: str, shape: tuple[int, ...], dtype: Any):
+            return _heap_view(areas[name], shape, dtype, self.device, self._runtime)
+
+        self._recv_x = view("recv_x", (rows * h * 2,), torch.uint8)
+        self._recv_scales = view("recv_scales", (rows, h // SCALE_BLOCK), torch.float32)
+        self._recv_idx = view("recv_idx", (rows, k), torch.int64)
+        self._recv_w = view("recv_w", (rows, k), torch.float32)
+        self._recv_src = view("recv_src", (rows,), torch.int32)
+        self._comb_in = view("comb_in", (rows, h), torch.bfloat16)
+        self.profile: list[dict[str, float]] | None = None  # set to [] to record phase timings
+        self._ll = _LowLatency(self, view) if config.low_latency_max_tokens else None
 
     def destroy(self) -> None:
         """Collective: waits for this GPU's work, then frees the Buffer's symmetric memory on every
         rank (also when waiting raises: that error comes afterwards, so one rank's GPU error does not
         leave the others waiting in the frees). Later calls raise :class:`mori.errors.MoriError`;
         a second ``destroy()`` does nothing."""
-        if self._runtime is None:
-            return
-        import torch
-
-        heap = self._heap_tensors()
-        window, self._window_offset = self._window_offset, None
-        self._runtime = None
-        try:
-            torch.cuda.synchronize(self.device)
-        finally:
-            for t in heap:
-                shmem.free(t)
-            if window is not None:
-                shmem._s().window_free(window)
+        runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            runtime.destroy()
 
     @property
     def _rt(self) -> _core.EpRuntime:
@@ -332,14 +265,14 @@ class Buffer:
         """Spins until the GPU has published dispatch ``seq``'s totals (the normal mode's one
         host synchronisation); returns [rows received, rows per local expert..., bad ids, the
         most tokens any rank dispatched]."""
-        info = self._host_info_np
         # Spins in Rust with the GIL released (other Python threads run meanwhile).
-        if info[0] != seq and not self._rt.wait_dispatched(seq, HOST_WAIT_TIMEOUT_S):
+        info = self._rt.received(seq, HOST_WAIT_TIMEOUT_S)
+        if info is None:
             raise TimeoutError(
                 f"mori.ep dispatch: no counts from the GPU after {HOST_WAIT_TIMEOUT_S:.0f} s; "
                 "did every rank call dispatch?"
             )
-        return info[1:].tolist()
+        return info
 
     def get_dispatch_layout(self, topk_idx: Any, *, stream: Any = None):
         """(num_tokens_per_rank [ranks] int32, num_tokens_per_expert [experts] int32,
@@ -515,36 +448,14 @@ class Buffer:
 class _LowLatency:
     """The low-latency mode's symmetric buffers, device-side sequence counters and launches."""
 
-    def __init__(self, buf: Buffer):
+    def __init__(self, buf: Buffer, view: Callable[[str, tuple[int, ...], Any], Any]):
         import torch
 
         cfg = buf.config
         self.buf = buf
-        w, t, h, k = buf.num_ranks, cfg.low_latency_max_tokens, cfg.hidden, cfg.topk
-        self.entries = w * t
-        if self.entries > LL_MAX_ENTRIES:
-            raise InvalidArgumentError(f"ranks x low_latency_max_tokens must be <= {LL_MAX_ENTRIES}, got {self.entries}")
-        self._rows = shmem.tensor((2 * w * t * h * 2,), torch.uint8)
-        self._meta = shmem.tensor((2 * w * t * LL_META_STRIDE,), torch.int32, zero=True)
-        self._wts = shmem.tensor((2 * w * t * k,), torch.float32)
-        self._comb = shmem.tensor((2 * w * t * h * 2,), torch.uint8)
-        self._sent = shmem.tensor((3, w), torch.int64, zero=True)  # dispatch rows, weights, combine rows
-        # [dispatch seq, combine seq, then tickets: dispatch recv, combine recv, dispatch send,
-        # combine send (weights, rows); one unused]
-        self._state = torch.zeros(8, dtype=torch.int32, device=f"cuda:{buf.device}")
-        # Across nodes: each token's record index at each rank on another node, by call kind and
-        # parity (ep_ll_route in kernels/ep/low_latency.cu).
-        self._route = torch.zeros((2, 2, t + 1, w), dtype=torch.int32, device=f"cuda:{buf.device}") if buf.nodes > 1 else None
-        # Row chunks per warp: a multiple of 32 vectors each (whole warps for the FP8 shuffles).
-        vecs = h // 8
-        self.chunks = next(c for c in (4, 2, 1) if vecs % (32 * c) == 0) if vecs % 32 == 0 else 1
-
-    def addresses(self) -> list[int]:
-        """What the Rust runtime launches with: rows, meta, weights, combine rows, the three
-        sent-count rows, the state words, the row chunks per warp, and the route tables (0 on one node)."""
-        sent = [self._sent[i].data_ptr() for i in range(3)]
-        return [self._rows.data_ptr(), self._meta.data_ptr(), self._wts.data_ptr(), self._comb.data_ptr(), *sent,
-                self._state.data_ptr(), self.chunks, _ptr(self._route)]
+        self.entries = buf.num_ranks * cfg.low_latency_max_tokens
+        # Incoming rows, both parities (receive_area).
+        self._rows = view("ll_rows", (2 * self.entries * cfg.hidden * 2,), torch.uint8)
 
     def dispatch(self, x: Any, topk_idx: Any, fp8: tuple[bool, bool, bool] | None, wait_stats: Any, stream: Any,
                  return_recv_hook: bool) -> LowLatencyDispatchResult:
