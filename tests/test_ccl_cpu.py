@@ -43,7 +43,7 @@ def _planner(world: int, rank: int, config: ccl.CclConfig, base: int = 0, nodes:
 
     local = world // nodes
     layout = [list(range(k * local, (k + 1) * local)) for k in range(nodes)]
-    return _core.CclRuntime(None, base, 0, rank, world, layout, *config._runtime_args())
+    return _core.CclRuntime(base, 0, rank, world, layout, *config._runtime_args())
 
 
 def test_algorithm_by_size_rank_count_and_override():
@@ -198,7 +198,7 @@ def fake_comm(world, rank, config, records):
     c.config, c.rank, c.world_size, c.device = config, rank, world, 0
     c._rt = _Recorder(_planner(world, rank, config, _Buf.ptr), config.threads, records)
     c.slot_bytes = c._rt.rt.slot_bytes
-    c._buffer = _Buf()
+    c._closed = False
     c._stream = lambda stream: stream
     c._tensor = lambda *a, **k: None
     c._reduce_dtypes = lambda: None

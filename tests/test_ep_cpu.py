@@ -316,7 +316,7 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
         a = [rng.getrandbits(40) << 4 for _ in range(13)]
         recv, rank_m, expert_m, comb, comb_w, counters, host_info = a[0:5], a[5:7], a[7:9], a[9], a[10], a[11], a[12]
         ll = [rng.getrandbits(40) << 4 for _ in range(8)] + [2, 0] if tll else None
-        rt = _core.EpRuntime(None, None, (w, e, h, k, tmax, tll), a, ll)
+        rt = _core.EpRuntime((w, e, h, k, tmax, tll), a, ll)
         n, topk_idx, weights, x, scales, meta, out, y, counts, out_w = 37, *[rng.getrandbits(40) << 4 for _ in range(9)]
 
         def prepare(parity, notify, seq, expert_counts=0):
@@ -400,8 +400,8 @@ def test_across_nodes_the_runtime_launches_the_internode_kernels_with_call_numbe
     assert _core.ep_internode_sizes((w, e, h, k, 2 * tmax, 0), 2)[2] > window_bytes
     normal = [(i + 1) << 20 for i in range(13)]
     area = (2, 2, 0x7000_0000, 0x7100_0000, 0x7200_0000, 0x7280_0000, 0x7300_0000)
-    rt = _core.EpRuntime(None, None, shape, normal, None, area)
-    one_node = _core.EpRuntime(None, None, shape, normal, None)
+    rt = _core.EpRuntime(shape, normal, None, area)
+    one_node = _core.EpRuntime(shape, normal, None)
     n = 37
     assert rt.layout_len(n) == one_node.layout_len(n) + 2 * n * 2 + 2 * 2 + 2 * tmax * 2
 
@@ -438,9 +438,9 @@ def test_across_nodes_the_runtime_launches_the_internode_kernels_with_call_numbe
     with pytest.raises(InvalidArgumentError, match="y_on_heap"):
         rt.combine(None, 5 << 30, True, 100, n, 4 << 30, 6 << 30, 16)
     with pytest.raises(InvalidArgumentError, match="route tables"):
-        _core.EpRuntime(None, None, (w, e, h, k, tmax, 16), normal, [(i + 1) << 24 for i in range(8)] + [2, 0], area)
+        _core.EpRuntime((w, e, h, k, tmax, 16), normal, [(i + 1) << 24 for i in range(8)] + [2, 0], area)
     with pytest.raises(InvalidArgumentError, match="3 nodes of 2 ranks"):
-        _core.EpRuntime(None, None, shape, normal, None, (3, 2, *area[2:]))
+        _core.EpRuntime(shape, normal, None, (3, 2, *area[2:]))
 
 
 def test_across_nodes_the_low_latency_calls_route_first_and_reach_the_other_node_through_the_window():
@@ -462,7 +462,7 @@ def test_across_nodes_the_low_latency_calls_route_first_and_reach_the_other_node
     area = (2, 2, 0x7000_0000, 0x7100_0000, 0x7200_0000, 0x7280_0000, window)
     ll = [(i + 1) << 24 for i in range(8)] + [2, 0x7400_0000]
     state, route = ll[7], ll[9]
-    rt = _core.EpRuntime(None, None, shape, normal, ll, area)
+    rt = _core.EpRuntime(shape, normal, ll, area)
     n, x, topk_idx, weights, y, out = 37, 1 << 30, 2 << 30, 3 << 30, 4 << 30, 5 << 30
     ids_pos = 6 << 30
 

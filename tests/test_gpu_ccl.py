@@ -80,13 +80,10 @@ def _suite(rank: int, uid: bytes) -> dict[str, str]:
 
     def rebuild(names):
         for name in names:
-            old = cc[name]
             try:
-                torch.cuda.synchronize()
+                cc[name].close()  # collective: frees on every rank whatever the GPU said, then raises
             except Exception:
-                log(rank, f"synchronize before rebuilding {name} raised:\n{traceback.format_exc()}")
-            shmem.free(old._buffer)  # collective, on every rank whatever the GPU said
-            old._buffer = None
+                log(rank, f"closing {name} before rebuilding it raised:\n{traceback.format_exc()}")
             cc[name] = ccl.Communicator(config=configs[name])
 
     runner = CaseRunner(rank, bs.allgather, synchronize=torch.cuda.synchronize, digest=digest,

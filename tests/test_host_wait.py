@@ -17,7 +17,7 @@ from mori.errors import InvalidArgumentError
 
 def _runtime(host_info: int):
     addresses = [0x10000 * (i + 1) for i in range(12)] + [host_info]
-    return _core.EpRuntime(None, None, (2, 8, 256, 2, 64, 0), addresses)
+    return _core.EpRuntime((2, 8, 256, 2, 64, 0), addresses)
 
 
 def test_the_wait_ends_when_the_word_is_set_and_other_threads_run_meanwhile():

@@ -123,40 +123,21 @@ class Communicator:
         self.rank, self.world_size = shmem.my_pe(), shmem.n_pes()
         if self.world_size > MAX_RANKS:
             raise InvalidArgumentError(f"mori.ccl supports up to {MAX_RANKS} ranks, got {self.world_size}")
-        nodes = shmem.nodes()  # the runtime checks the layout (as many consecutive ranks on every node)
-        self.nodes = len(nodes)
+        self.nodes = len(shmem.nodes())
         self.device = shmem.device()
-        self._buffer = None
-        # Plans and launches are Rust's (crates/collective/src/communicator.rs): this planner
-        # knows the buffer's size before it exists.
-        planner = _core.CclRuntime(None, 0, 0, self.rank, self.world_size, nodes, *self.config._runtime_args())
-        # Compile/load the kernels first: NVRTC may take a while, and on one rank only (a warm
-        # cache elsewhere). The collective calloc below ends in a barrier, so every rank starts
-        # its first collective together instead of a peer's kernel timing out meanwhile.
-        session = shmem._s()
-        module = session.load_variant("collective/ccl")
-        # Across nodes the cross-node slots live in the proxy window (pinned host memory).
-        self._window_offset = None
-        x_base = 0
-        if planner.window_bytes_needed:
-            self._window_offset = session.window_calloc(planner.window_bytes_needed, 256)
-            x_base = session.window[0] + self._window_offset
-        try:
-            self._buffer = shmem.calloc(planner.buffer_bytes_needed)  # zeroed: epoch 0, no flags raised, no error
-        except BaseException:
-            if self._window_offset is not None:
-                session.window_free(self._window_offset)
-            raise
-        self._rt = _core.CclRuntime(module, self._buffer.ptr, x_base, self.rank, self.world_size, nodes,
-                                    *self.config._runtime_args())
+        # Kernels, memory (the zeroed buffer on the heap; across nodes the cross-node slots in
+        # the proxy window), plans and launches are Rust's (crates/collective/src/
+        # communicator.rs), which also checks the node layout.
+        self._rt = _core.CclRuntime.create(shmem._s(), *self.config._runtime_args())
+        self._closed = False
         self.slot_bytes = self._rt.slot_bytes
         # The state words at the buffer's start: launches done (u64), then the error bits.
-        self._state = shmem._as_tensor(self._buffer.ptr, 16, (4,), torch.int32, self.device, self._buffer)
+        self._state = shmem._as_tensor(self._rt.base, 16, (4,), torch.int32, self.device, self._rt)
 
     # ---- plumbing -----------------------------------------------------------------------------
 
     def _stream(self, stream: Any) -> int:
-        if self._buffer is None:
+        if self._closed:
             raise MoriError("this mori.ccl Communicator was closed")
         return gpu._stream_handle(stream, self.device)
 
@@ -313,18 +294,9 @@ class Communicator:
         """Collective: frees the buffers (after this GPU's work). The free happens on every rank
         even when waiting for the GPU raises (that error is raised afterwards), so one rank's
         GPU error cannot leave the others waiting in the collective free."""
-        if self._buffer is None or not shmem.is_initialized():
-            self._buffer = None
-            return
-        buffer, self._buffer = self._buffer, None
-        window, self._window_offset = self._window_offset, None
-        torch = __import__("torch")
-        try:
-            torch.cuda.synchronize(self.device)
-        finally:
-            shmem.free(buffer)
-            if window is not None:
-                shmem._s().window_free(window)
+        closed, self._closed = self._closed, True
+        if not closed and shmem.is_initialized():
+            self._rt.destroy()
 
     def __repr__(self) -> str:
         return f"mori.ccl.Communicator(rank {self.rank}/{self.world_size}, {self.config!r})"

@@ -24,7 +24,7 @@ fn main() {
     };
     let mut bench = Bench::new("ccl-launch");
     let config = CclConfig::default();
-    let comm = Communicator::create(&shmem, config).expect("communicator");
+    let (comm, memory) = Communicator::create(&shmem, config).expect("communicator");
     let stream = Stream::new(device).expect("stream");
     let input = DeviceBuffer::new(device, (ELEMENTS * 2) as usize).expect("input");
     let gathered = DeviceBuffer::new(device, (ELEMENTS * 2) as usize).expect("output");
@@ -99,7 +99,8 @@ fn main() {
     bench.config("elements", ELEMENTS);
     bench.config("burst", BURST);
     bench.config("gpu", device.name().unwrap_or_default());
-    comm.destroy(&shmem).expect("destroy");
+    drop(comm);
+    memory.free(&shmem).expect("free");
     shmem.finalize().expect("finalize");
     bench.finish().expect("writing the record");
 }

@@ -552,6 +552,27 @@ pub fn node_count(nodes: &[Vec<usize>]) -> Result<usize> {
     Ok(nodes.len())
 }
 
+/// What [`Communicator::create`] allocated: the symmetric buffer and, across nodes, the
+/// proxy-window area (offsets, the same on every PE).
+#[derive(Debug)]
+pub struct CclMemory {
+    offset: u64,
+    window: Option<u64>,
+}
+
+impl CclMemory {
+    /// Collective: waits for this GPU's work, then frees the allocations on every PE (also when
+    /// waiting failed: that error comes afterwards).
+    pub fn free(self, shmem: &Shmem) -> Result<()> {
+        let synced = shmem.device().synchronize();
+        let freed = shmem.free(self.offset);
+        let window = self.window.map_or(Ok(()), |w| shmem.window_free(w));
+        synced?;
+        freed?;
+        Ok(window?)
+    }
+}
+
 /// One rank's collectives: plans launched on its symmetric buffer with its loaded kernels.
 pub struct Communicator {
     geo: Geometry,
@@ -600,9 +621,9 @@ impl Communicator {
 
     /// Collective over the PEs of `shmem`: loads the kernels, allocates the zeroed symmetric
     /// buffer from the heap (and across nodes the cross-node slots from the proxy window) and
-    /// returns this PE's communicator (a Rust program's entry point; free it with
-    /// [`Communicator::destroy`]).
-    pub fn create(shmem: &Shmem, config: CclConfig) -> Result<Self> {
+    /// returns this PE's communicator with what it allocated (free that with
+    /// [`CclMemory::free`] once no launch of the communicator can run).
+    pub fn create(shmem: &Shmem, config: CclConfig) -> Result<(Self, CclMemory)> {
         config.validate()?;
         let (rank, world) = (shmem.my_pe(), shmem.n_pes());
         let nodes = node_count(shmem.nodes())?;
@@ -610,37 +631,47 @@ impl Communicator {
         // Kernels first: NVRTC may take a while on one PE, and the calloc's barrier then starts
         // every PE's first collective together.
         let module = shmem.load(&mori_gpu::kernels::ccl_spec())?;
-        let x_base = match geo.window_bytes() {
-            0 => 0,
-            n => shmem.state().window_base + shmem.window_calloc(n, 256)?,
+        let window = match geo.window_bytes() {
+            0 => None,
+            n => Some(shmem.window_calloc(n, 256)?),
         };
-        let offset = shmem.calloc(geo.buffer_bytes(), 256)?;
-        // SAFETY: the allocations are symmetric, zeroed and live until `destroy`.
-        unsafe {
+        let offset = match shmem.calloc(geo.buffer_bytes(), 256) {
+            Ok(offset) => offset,
+            Err(e) => {
+                // Collective like the calloc: every PE failed it alike.
+                if let Some(w) = window {
+                    let _ = shmem.window_free(w);
+                }
+                return Err(e.into());
+            }
+        };
+        let memory = CclMemory { offset, window };
+        // SAFETY: the allocations are symmetric, zeroed and live until `memory` is freed, which
+        // its caller does after the communicator's last launch ran.
+        let comm = unsafe {
             Self::new(
                 Some(module),
                 shmem.heap_base() + offset,
-                x_base,
+                window.map_or(0, |w| shmem.state().window_base + w),
                 rank,
                 world,
                 nodes,
                 config,
             )
+        };
+        match comm {
+            Ok(comm) => Ok((comm, memory)),
+            Err(e) => {
+                let _ = memory.free(shmem);
+                Err(e)
+            }
         }
     }
 
-    /// Collective: waits for this GPU's work, then frees what [`Communicator::create`]
-    /// allocated from `shmem` (on every rank, also when waiting failed).
-    pub fn destroy(self, shmem: &Shmem) -> Result<()> {
-        let synced = shmem.device().synchronize();
-        let freed = shmem.free(self.base - shmem.heap_base());
-        let window = match self.x_base {
-            0 => Ok(()),
-            x => shmem.window_free(x - shmem.state().window_base),
-        };
-        synced?;
-        freed?;
-        Ok(window?)
+    /// This rank's address of the symmetric buffer: launches done (u64), then the error bits
+    /// (u32) at its start.
+    pub fn base(&self) -> u64 {
+        self.base
     }
 
     pub fn geometry(&self) -> &Geometry {

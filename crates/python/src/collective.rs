@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use mori_collective::KernelParams;
 use mori_collective::communicator::{
-    Algorithm, CclConfig, Communicator, DType, Exchange, Launch, ReduceOp, node_count,
+    Algorithm, CclConfig, CclMemory, Communicator, DType, Exchange, Launch, ReduceOp, node_count,
 };
 use mori_collective::ep_buffers::{Ep, EpMemory};
 use mori_collective::ep_runtime;
@@ -16,7 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::errors::Result;
-use crate::shmem::{Shmem, ShmemModule, finalized};
+use crate::shmem::{Shmem, finalized};
 
 /// Sets field `index` of `packer` from `obj`, converted to the field's C type.
 fn set(packer: &mut Packer, index: usize, obj: &Bound<'_, PyAny>) -> Result<()> {
@@ -94,12 +94,56 @@ pub fn kernel_params<'py>(
 }
 
 /// mori.ccl's host runtime for one rank (`mori_collective::communicator`): each collective is
-/// planned and launched in Rust, one call from Python. Without a module it only plans: each
-/// call then returns its launches (entry, grid, parameter bytes) instead of launching them.
+/// planned and launched in Rust, one call from Python. `create` makes it with the memory it
+/// launches on, freed by `destroy`; `CclRuntime(...)` only plans: each call then returns its
+/// launches (entry, grid, parameter bytes) instead of launching them.
 #[pyclass(frozen, module = "mori._core")]
 pub struct CclRuntime {
     session: Option<Arc<Mutex<Option<mori_shmem::Shmem>>>>,
     inner: Communicator,
+    /// What `create` allocated (None once destroyed); None for a runtime on the caller's buffer.
+    memory: Option<Mutex<Option<CclMemory>>>,
+}
+
+/// Frees what `create` allocated, once: collective, with the GIL released.
+fn free_once<M>(
+    py: Python<'_>,
+    memory: &Option<Mutex<Option<M>>>,
+    session: &Option<Arc<Mutex<Option<mori_shmem::Shmem>>>>,
+    free: impl FnOnce(M, &mori_shmem::Shmem) -> mori_collective::Result<()> + Send,
+) -> Result<()>
+where
+    M: Send,
+{
+    let Some(slot) = memory else {
+        return Ok(());
+    };
+    let Some(taken) = slot.lock().map_err(|_| finalized())?.take() else {
+        return Ok(());
+    };
+    let session = session.as_ref().ok_or_else(finalized)?;
+    py.detach(|| {
+        let guard = session.lock().map_err(|_| finalized())?;
+        let shmem = guard.as_ref().ok_or_else(finalized)?;
+        Ok(free(taken, shmem)?)
+    })
+}
+
+/// The lock on what `create` allocated, held while launching so it is not freed meanwhile
+/// (None for a runtime on the caller's memory); `closed` once it was freed.
+fn alive<'a, M>(
+    memory: &'a Option<Mutex<Option<M>>>,
+    closed: &str,
+) -> Result<Option<std::sync::MutexGuard<'a, Option<M>>>> {
+    let Some(slot) = memory else {
+        return Ok(None);
+    };
+    let gone = || crate::errors::Error::Closed(closed.into());
+    let guard = slot.lock().map_err(|_| gone())?;
+    if guard.is_none() {
+        return Err(gone());
+    }
+    Ok(Some(guard))
 }
 
 /// A launch as Python sees a planned one: entry, grid, the kernel's parameter bytes.
@@ -121,9 +165,11 @@ impl CclRuntime {
             Some(s) if s.lock().map_err(|_| finalized())?.is_some() => {}
             _ => return Err(finalized()),
         }
+        let _alive = alive(&self.memory, "this mori.ccl Communicator")?;
         // SAFETY: mori.ccl checked every tensor the plan addresses (on this rank's GPU, the
         // sizes planned) and keeps them alive until the stream ran the kernels; the buffer
-        // stays allocated until Communicator.close, after this GPU's work.
+        // stays allocated until `destroy`, which waits for this GPU's work, and not while
+        // `_alive` is held.
         unsafe { self.inner.launch(plan, StreamHandle::from_raw(stream)) }?;
         Ok(None)
     }
@@ -174,15 +220,13 @@ pub fn ccl_check_config(
 
 #[pymethods]
 impl CclRuntime {
-    /// `module`: the `collective/ccl` variant loaded for the session (None: a planner only);
-    /// `base`: this rank's address of the zeroed symmetric buffer of `buffer_bytes_needed`
-    /// bytes, and `x_base` of the zeroed proxy-window area of `window_bytes_needed` bytes (0
-    /// when that is 0), which the caller keeps allocated while launches may run; `nodes`: every
-    /// node's ranks (mori.shmem's layout: as many consecutive ranks on each node).
+    /// A planner (it never launches): each call returns its launches for rank `rank` of
+    /// `world` on `nodes` (every node's ranks, as many consecutive ranks on each), with the
+    /// buffer at `base` and the proxy-window area at `x_base` (addresses written into the
+    /// parameters only). `create` makes a runtime that launches.
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        module: Option<&ShmemModule>,
         base: u64,
         x_base: u64,
         rank: usize,
@@ -202,24 +246,55 @@ impl CclRuntime {
             timeout_s,
         )?;
         let nodes = node_count(&nodes)?;
-        // SAFETY: mori.ccl allocates `base` collectively from the symmetric heap and `x_base`
-        // from the proxy window, and frees them only after this rank's GPU work finished
-        // (Communicator.close).
-        let inner = unsafe {
-            Communicator::new(
-                module.map(|m| m.module),
-                base,
-                x_base,
-                rank,
-                world,
-                nodes,
-                config,
-            )
-        }?;
+        // SAFETY: without a module the communicator never launches; the addresses are only
+        // written into planned parameters.
+        let inner = unsafe { Communicator::new(None, base, x_base, rank, world, nodes, config) }?;
         Ok(Self {
-            session: module.map(|m| m.session.clone()),
+            session: None,
             inner,
+            memory: None,
         })
+    }
+
+    /// Collective: loads the kernels, allocates the communicator's zeroed buffer on `session`'s
+    /// heap (and across nodes its proxy-window area) and returns the runtime that launches on
+    /// them (`mori_collective::communicator::Communicator::create`).
+    #[staticmethod]
+    fn create(
+        py: Python<'_>,
+        session: &Shmem,
+        buffer_bytes: u64,
+        one_shot_max_bytes: Option<u64>,
+        max_blocks: u32,
+        threads: u32,
+        timeout_s: f64,
+    ) -> Result<Self> {
+        let config = ccl_config(
+            buffer_bytes,
+            one_shot_max_bytes,
+            max_blocks,
+            threads,
+            timeout_s,
+        )?;
+        let (inner, memory) =
+            py.detach(|| session.with(|s| Ok(Communicator::create(s, config)?)))?;
+        Ok(Self {
+            session: Some(session.inner.clone()),
+            inner,
+            memory: Some(Mutex::new(Some(memory))),
+        })
+    }
+
+    /// This rank's address of the symmetric buffer (launches done, u64, then the error bits).
+    #[getter]
+    fn base(&self) -> u64 {
+        self.inner.base()
+    }
+
+    /// Collective: waits for this GPU's work, then frees what `create` allocated on every rank;
+    /// later launches raise. A second call does nothing.
+    fn destroy(&self, py: Python<'_>) -> Result<()> {
+        free_once(py, &self.memory, &self.session, CclMemory::free)
     }
 
     /// Bytes each peer owns in a receive area (the most one launch moves per rank pair).
@@ -326,7 +401,7 @@ impl CclRuntime {
 /// mori.ep's host runtime for one rank (`mori_collective::ep_runtime`): each operation's
 /// launches filled in Rust from typed parameter structs, one call from Python. `create` makes
 /// it with the memory it launches with (`mori_collective::ep_buffers::Ep`), freed by
-/// `destroy`. Without modules it only plans: each call then returns its launches (entry, grid,
+/// `destroy`; `EpRuntime(...)` only plans: each call then returns its launches (entry, grid,
 /// block, shared bytes, parameter bytes) instead of making them.
 #[pyclass(frozen, module = "mori._core")]
 pub struct EpRuntime {
@@ -334,10 +409,6 @@ pub struct EpRuntime {
     inner: ep_runtime::EpRuntime,
     /// What `create` allocated (None once destroyed); None for a runtime over the caller's addresses.
     memory: Option<Mutex<Option<EpMemory>>>,
-}
-
-fn destroyed() -> crate::errors::Error {
-    crate::errors::Error::Closed("this mori.ep Buffer (destroyed)".into())
 }
 
 /// Held while a runtime made by `create` launches: its memory is not freed meanwhile.
@@ -365,14 +436,7 @@ impl EpRuntime {
     /// The lock on the memory `create` allocated (None for a runtime over the caller's
     /// addresses); an error once destroyed.
     fn alive(&self) -> Result<Alive<'_>> {
-        let Some(slot) = &self.memory else {
-            return Ok(None);
-        };
-        let guard = slot.lock().map_err(|_| destroyed())?;
-        if guard.is_none() {
-            return Err(destroyed());
-        }
-        Ok(Some(guard))
+        alive(&self.memory, "this mori.ep Buffer")
     }
 
     fn owned<T>(&self, f: impl FnOnce(&EpMemory) -> T) -> Result<T> {
@@ -468,24 +532,22 @@ fn planned(stream: Option<StreamHandle>, launches: Vec<ep_runtime::Planned>) -> 
 
 #[pymethods]
 impl EpRuntime {
-    /// `shape`: (ranks, experts, hidden, topk, max tokens per rank, low-latency max tokens);
-    /// `normal`: addresses (recv_x, recv_scales, recv_idx, recv_w, recv_src, rank_matrix[0],
-    /// rank_matrix[1], expert_matrix[0], expert_matrix[1], comb, comb_w, counters, host_info);
-    /// `low_latency`: (rows, meta, wts, comb, sent[0], sent[1], sent[2], state, chunks, route or 0) or None.
-    /// The modules (`ep/intranode`, `ep/low_latency`) are None for a planner. Across nodes,
-    /// `internode` is (nodes, ranks per node, counts, flags, relay, relay_w, window area) with the
-    /// `ep/internode` module (see `ep_internode_sizes`).
+    /// A planner (it never launches): each call returns its launches. `shape`: (ranks,
+    /// experts, hidden, topk, max tokens per rank, low-latency max tokens); `normal`: addresses
+    /// (recv_x, recv_scales, recv_idx, recv_w, recv_src, rank_matrix[0], rank_matrix[1],
+    /// expert_matrix[0], expert_matrix[1], comb, comb_w, counters, host_info); `low_latency`:
+    /// (rows, meta, wts, comb, sent[0], sent[1], sent[2], state, chunks, route or 0) or None;
+    /// across nodes `internode`: (nodes, ranks per node, counts, flags, relay, relay_w, window
+    /// area). The addresses are only written into planned parameters, except `host_info`,
+    /// which `wait_dispatched` polls (it must be 4-byte aligned readable memory that outlives
+    /// the runtime). `create` makes a runtime that launches.
     #[new]
-    #[pyo3(signature = (intranode, low_latency_module, shape, normal, low_latency=None, internode=None, internode_module=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (shape, normal, low_latency=None, internode=None))]
     fn new(
-        intranode: Option<&ShmemModule>,
-        low_latency_module: Option<&ShmemModule>,
         shape: (u32, u32, u32, u32, u32, u32),
         normal: [u64; 13],
         low_latency: Option<[u64; 10]>,
         internode: Option<(u32, u32, u64, u64, u64, u64, u64)>,
-        internode_module: Option<&ShmemModule>,
     ) -> Result<Self> {
         let shape = ep_shape(shape);
         let n = normal;
@@ -512,17 +574,9 @@ impl EpRuntime {
             chunks: l[8] as u32,
             route: l[9],
         });
-        let modules = intranode.map(|m| (m.module, low_latency_module.map(|l| l.module)));
-        // SAFETY: mori.ep allocates every address (symmetric tensors, device counters, pinned
-        // host words) for the Buffer's lifetime, which outlives this runtime.
-        let mut inner = unsafe { ep_runtime::EpRuntime::new(shape, normal, ll, modules) }?;
+        // SAFETY: without modules the runtime never launches.
+        let mut inner = unsafe { ep_runtime::EpRuntime::new(shape, normal, ll, None) }?;
         if let Some((nodes, local_size, counts, flags, relay, relay_w, window)) = internode {
-            if intranode.is_some() != internode_module.is_some() {
-                return Err(mori_collective::Error::InvalidArgument(
-                    "across nodes the ep/internode module comes with the ep/intranode one".into(),
-                )
-                .into());
-            }
             let geo = ep_runtime::Internode {
                 nodes,
                 local_size,
@@ -532,12 +586,11 @@ impl EpRuntime {
                 relay_w,
                 window,
             };
-            // SAFETY: mori.ep allocates these areas with the sizes ep_internode_sizes gave, for
-            // the Buffer's lifetime.
-            inner = unsafe { inner.with_internode(geo, internode_module.map(|m| &m.module)) }?;
+            // SAFETY: as above, a planner.
+            inner = unsafe { inner.with_internode(geo, None) }?;
         }
         Ok(Self {
-            session: intranode.map(|m| m.session.clone()),
+            session: None,
             inner,
             memory: None,
         })
@@ -603,18 +656,7 @@ impl EpRuntime {
     /// Collective: waits for this GPU's work, then frees what `create` allocated on every rank;
     /// later launches raise. A second call does nothing.
     fn destroy(&self, py: Python<'_>) -> Result<()> {
-        let Some(slot) = &self.memory else {
-            return Ok(());
-        };
-        let Some(memory) = slot.lock().map_err(|_| destroyed())?.take() else {
-            return Ok(());
-        };
-        let session = self.session.as_ref().ok_or_else(finalized)?;
-        py.detach(|| {
-            let guard = session.lock().map_err(|_| finalized())?;
-            let shmem = guard.as_ref().ok_or_else(finalized)?;
-            Ok(memory.free(shmem)?)
-        })
+        free_once(py, &self.memory, &self.session, EpMemory::free)
     }
 
     /// int32 elements of a normal dispatch's per-call layout area for `num_tokens` tokens.
