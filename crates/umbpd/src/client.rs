@@ -457,9 +457,19 @@ impl RouteCache {
     }
 }
 
+/// Whether a same-host call that failed with `status` is to be made another way: the
+/// connection could not be made (the daemon restarted, say), or the daemon is older than the
+/// call.
+fn other_path(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable | tonic::Code::Unimplemented
+    )
+}
+
 /// A single get through `staging` (a buffer shared with a daemon on this host): the daemon
 /// copies the value there, then it is copied into `sink`. `None` to take another path: the
-/// buffer busy with another thread's get, or the value longer than the buffer.
+/// buffer busy with another thread's get, the value longer than the buffer, or no connection.
 fn staged_get(
     staging: &Mutex<SharedBuffer>,
     key: &[u8],
@@ -474,7 +484,7 @@ fn staged_get(
             let value = unsafe { std::slice::from_raw_parts(buf.as_ptr(), n) };
             Some(fill(sink, value).map(Some))
         }
-        Err(status) if status.code() == tonic::Code::InvalidArgument => None,
+        Err(status) if status.code() == tonic::Code::InvalidArgument || other_path(&status) => None,
         Err(status) => Some(Err(status)),
     }
 }
@@ -482,8 +492,9 @@ fn staged_get(
 /// Batch gets of `keys` through `staging` (a buffer shared with a daemon on this host), as
 /// many values per request as the buffer holds, each found value copied into `sinks[i]`: per
 /// key its length, `Some(None)` when absent, or `None` to take another path (longer than the
-/// buffer). `None` overall when another thread of this client holds the buffer. A failed call
-/// ends the batch with its status.
+/// buffer). `None` overall when another thread of this client holds the buffer, or the whole
+/// batch is to be read another way (no connection, or a daemon older than batches into shared
+/// memory). Any other failure ends the batch with its status.
 #[allow(clippy::type_complexity)]
 fn staged_batch(
     staging: &Mutex<SharedBuffer>,
@@ -495,6 +506,7 @@ fn staged_batch(
     while out.len() < keys.len() {
         let answers = match buf.get_many_into(&keys[out.len()..]) {
             Ok(answers) => answers,
+            Err(status) if other_path(&status) => return None,
             Err(status) => return Some(Err(status)),
         };
         for staged in answers {

@@ -213,7 +213,7 @@ pub fn send_with_fd(stream: &UnixStream, bytes: &[u8], fd: RawFd) -> io::Result<
 
 /// Receives exactly `buf.len()` bytes, the first read with at most one descriptor attached:
 /// returns it (None when the peer attached none).
-fn recv_with_fd(stream: &UnixStream, buf: &mut [u8]) -> io::Result<Option<OwnedFd>> {
+pub fn recv_with_fd(stream: &UnixStream, buf: &mut [u8]) -> io::Result<Option<OwnedFd>> {
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
@@ -365,19 +365,50 @@ fn length(n: u64) -> Result<Option<Vec<u8>>, Status> {
     Ok(Some(n.to_le_bytes().to_vec()))
 }
 
-/// Reads one answer whose found body is a length.
-fn read_length(r: &mut impl Read) -> io::Result<Result<Option<u64>, Status>> {
+/// The length an answer's found body holds.
+fn length_of(body: Option<Vec<u8>>) -> Result<Option<u64>, Status> {
+    match body {
+        None => Ok(None),
+        Some(b) => b
+            .try_into()
+            .map(|b| Some(u64::from_le_bytes(b)))
+            .map_err(|b: Vec<u8>| {
+                Status::internal(format!(
+                    "umbpd answered a same-host length of {} bytes",
+                    b.len()
+                ))
+            }),
+    }
+}
+
+/// A connection to the daemon's socket `name`: the secret proven, the memfd `fd` of `len`
+/// bytes handed over and mapped by the daemon.
+fn handshake(name: &[u8], secret: &Secret, fd: &OwnedFd, len: usize) -> io::Result<UnixStream> {
+    let mut stream = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name)?)?;
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    mori_auth::connect(&mut stream, secret, PURPOSE)
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    send_with_fd(&stream, HELLO, fd.as_raw_fd())?;
     let mut body = Vec::new();
-    Ok(match read_answer(r, &mut body)? {
-        Ok(Some(8)) => Ok(Some(u64::from_le_bytes(
-            body[..8].try_into().expect("8 bytes"),
-        ))),
-        Ok(Some(n)) => Err(Status::internal(format!(
-            "umbpd answered a same-host length of {n} bytes"
-        ))),
-        Ok(None) => Ok(None),
-        Err(status) => Err(status),
-    })
+    match read_answer(&mut stream, &mut body)?.map(|found| found.map(|_| body)) {
+        Ok(found) if length_of(found.clone()).ok().flatten() == Some(len as u64) => {}
+        Err(status) => {
+            return Err(io::Error::other(format!(
+                "umbpd refused the shared buffer: {}",
+                status.message()
+            )));
+        }
+        _ => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the daemon answered the same-host hello wrongly",
+            ));
+        }
+    }
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)?;
+    Ok(stream)
 }
 
 fn serve(
@@ -552,10 +583,19 @@ pub enum Staged {
 }
 
 /// A client's shared buffer at the daemon: the memfd mapping and the connection its requests
-/// go over (one at a time).
+/// go over (one at a time). A connection that fails (the daemon closes idle ones, and one
+/// after a refused request) is made anew, the same memfd handed over again.
 pub struct SharedBuffer {
     map: Mapping,
-    stream: std::sync::Mutex<UnixStream>,
+    /// The memfd, kept to hand over on a new connection.
+    fd: OwnedFd,
+    name: Vec<u8>,
+    secret: Secret,
+    /// None after a failed connection: the next request connects.
+    stream: std::sync::Mutex<Option<UnixStream>>,
+    /// Cleared once the daemon answered a batch `UNIMPLEMENTED` (a daemon older than
+    /// [`GET_MANY_INTO`]): batches then take other paths without asking again.
+    batches: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for SharedBuffer {
@@ -570,35 +610,53 @@ impl SharedBuffer {
     /// Connects to the daemon's socket `name`, proves the secret, and hands it a new sealed
     /// memfd of `len` bytes.
     pub fn connect(name: &[u8], secret: &Secret, len: usize) -> io::Result<SharedBuffer> {
-        let mut stream = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name)?)?;
-        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        mori_auth::connect(&mut stream, secret, PURPOSE)
-            .map_err(|e| io::Error::other(e.to_string()))?;
         let (fd, map) = sealed_memfd(len)?;
-        send_with_fd(&stream, HELLO, fd.as_raw_fd())?;
-        drop(fd); // the mapping and the daemon's copy keep the memory
-        match read_length(&mut stream)? {
-            Ok(Some(n)) if n == len as u64 => {}
-            Err(status) => {
-                return Err(io::Error::other(format!(
-                    "umbpd refused the shared buffer: {}",
-                    status.message()
-                )));
-            }
-            _ => {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "the daemon answered the same-host hello wrongly",
-                ));
-            }
-        }
-        stream.set_read_timeout(None)?;
-        stream.set_write_timeout(None)?;
+        let stream = handshake(name, secret, &fd, len)?;
         Ok(SharedBuffer {
             map,
-            stream: std::sync::Mutex::new(stream),
+            fd,
+            name: name.to_vec(),
+            secret: secret.clone(),
+            stream: std::sync::Mutex::new(Some(stream)),
+            batches: std::sync::atomic::AtomicBool::new(true),
         })
+    }
+
+    /// Sends `req` and returns its answer's found body. On a connection that served before and
+    /// now fails (closed while idle, or after a refused request) the request is sent once more
+    /// on a new one: a get only reads, so asking twice is safe. `UNAVAILABLE` when no
+    /// connection can be made or the new one fails too.
+    fn call(&self, req: &[u8]) -> Result<Option<Vec<u8>>, Status> {
+        let unavailable =
+            |e: io::Error| Status::unavailable(format!("umbpd's same-host connection failed: {e}"));
+        let mut slot = self
+            .stream
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        loop {
+            let fresh = slot.is_none();
+            let stream = match slot.as_mut() {
+                Some(stream) => stream,
+                None => slot.insert(
+                    handshake(&self.name, &self.secret, &self.fd, self.map.len())
+                        .map_err(unavailable)?,
+                ),
+            };
+            let mut body = Vec::new();
+            match stream
+                .write_all(req)
+                .and_then(|()| read_answer(stream, &mut body))
+            {
+                Ok(answer) => return answer.map(|found| found.map(|_| body)),
+                Err(e) => {
+                    *slot = None;
+                    if fresh {
+                        return Err(unavailable(e));
+                    }
+                    debug!("umbpd's same-host connection failed ({e}); connecting again");
+                }
+            }
+        }
     }
 
     /// Its bytes.
@@ -631,24 +689,23 @@ impl SharedBuffer {
             packed.extend_from_slice(&len.to_le_bytes());
             packed.extend_from_slice(key);
         }
+        let old = || Status::unimplemented("this umbpd reads no batches into shared memory");
+        if !self.batches.load(Ordering::Relaxed) {
+            return Err(old());
+        }
         let mut req =
             request(GET_MANY_INTO, &packed).map_err(|e| Status::invalid_argument(e.to_string()))?;
         req.extend_from_slice(&0u64.to_le_bytes());
         req.extend_from_slice(&(self.map.len() as u64).to_le_bytes());
-        let mut body = Vec::new();
-        {
-            let mut stream = self
-                .stream
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let io = |e: io::Error| {
-                Status::unavailable(format!("umbpd's same-host connection failed: {e}"))
-            };
-            stream.write_all(&req).map_err(io)?;
-            if read_answer(&mut *stream, &mut body).map_err(io)??.is_none() {
-                return Err(Status::internal("umbpd answered a batch with nothing"));
+        let body = match self.call(&req) {
+            Ok(Some(body)) => body,
+            Ok(None) => return Err(Status::internal("umbpd answered a batch with nothing")),
+            Err(status) if status.code() == tonic::Code::Unimplemented => {
+                self.batches.store(false, Ordering::Relaxed);
+                return Err(old());
             }
-        }
+            Err(status) => return Err(status),
+        };
         let answered = body.len() / 9;
         if body.len() % 9 != 0 || answered == 0 || answered > keys.len() {
             return Err(Status::internal(format!(
@@ -703,13 +760,6 @@ impl SharedBuffer {
             request(GET_INTO, key).map_err(|e| Status::invalid_argument(e.to_string()))?;
         req.extend_from_slice(&offset.to_le_bytes());
         req.extend_from_slice(&cap.to_le_bytes());
-        let mut stream = self
-            .stream
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let io =
-            |e: io::Error| Status::unavailable(format!("umbpd's same-host connection failed: {e}"));
-        stream.write_all(&req).map_err(io)?;
-        Ok(read_length(&mut *stream).map_err(io)??.map(|n| n as usize))
+        Ok(self.call(&req).and_then(length_of)?.map(|n| n as usize))
     }
 }

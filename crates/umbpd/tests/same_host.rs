@@ -524,3 +524,125 @@ fn same_host_child_reads_over_small_ops() {
     assert_eq!(h1.same_host_served, h0.same_host_served);
     assert_eq!(h1.small_ops_served - h0.small_ops_served, 1);
 }
+
+/// Writes one answer in small ops' framing.
+fn raw_reply(s: &mut UnixStream, status: u8, body: &[u8]) {
+    let mut a = vec![status];
+    a.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    a.extend_from_slice(body);
+    s.write_all(&a).unwrap();
+}
+
+/// A daemon older than batches into shared memory, on the raw protocol: it serves `GET_INTO`
+/// (the value of a key is the key repeated to 100 bytes), closes its first connection after
+/// one get (as an idle connection is closed), and answers `GET_MANY_INTO` `UNIMPLEMENTED`
+/// and closes, as a daemon that does not know the op does. Logs "<connection> <op>".
+fn older_daemon(
+    listener: std::os::unix::net::UnixListener,
+    secret: Secret,
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+) {
+    for (conn, stream) in listener.incoming().enumerate() {
+        let mut s = stream.unwrap();
+        mori_auth::accept(&mut s, &secret, PURPOSE).unwrap();
+        let mut hello = [0u8; 8];
+        let fd = mori_umbpd::shm::recv_with_fd(&s, &mut hello)
+            .unwrap()
+            .unwrap();
+        assert_eq!(&hello, HELLO);
+        // SAFETY: fstat into a zeroed struct; the memfd the client sent.
+        let len = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            assert_eq!(libc::fstat(fd.as_raw_fd(), &mut st), 0);
+            st.st_size as usize
+        };
+        // SAFETY: maps the whole memfd, shared; unmapped below.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        raw_reply(&mut s, FOUND, &(len as u64).to_le_bytes());
+        loop {
+            let mut head = [0u8; 3];
+            if s.read_exact(&mut head).is_err() {
+                break;
+            }
+            let mut key = vec![0u8; u16::from_le_bytes([head[1], head[2]]) as usize];
+            s.read_exact(&mut key).unwrap();
+            let mut at = [0u8; 16];
+            s.read_exact(&mut at).unwrap();
+            log.lock().unwrap().push(format!("{conn} {}", head[0]));
+            if head[0] != GET_INTO {
+                let mut body = 12i32.to_le_bytes().to_vec(); // UNIMPLEMENTED
+                body.extend_from_slice(b"unknown same-host op");
+                raw_reply(&mut s, FAILED, &body);
+                break;
+            }
+            let value: Vec<u8> = key.iter().copied().cycle().take(100).collect();
+            let offset = u64::from_le_bytes(at[..8].try_into().unwrap()) as usize;
+            assert!(offset + value.len() <= len);
+            // SAFETY: inside the mapping (checked above).
+            unsafe {
+                std::ptr::copy_nonoverlapping(value.as_ptr(), map.cast::<u8>().add(offset), 100)
+            };
+            raw_reply(&mut s, FOUND, &100u64.to_le_bytes());
+            if conn == 0 {
+                break; // closed after one get, as when idle
+            }
+        }
+        // SAFETY: the mapping made above.
+        unsafe { libc::munmap(map, len) };
+    }
+}
+
+/// A shared buffer keeps working when the daemon closes its connection (it connects again and
+/// hands the same memory over, the get asked once more), and against a daemon older than
+/// batches: the batch fails `UNIMPLEMENTED` (the client then reads it another way), is not asked
+/// again, and single gets go on over a new connection.
+#[test]
+fn shared_buffers_connect_again_and_stop_asking_an_older_daemon_for_batches() {
+    let secret = Secret::new(GOOD.as_bytes().to_vec()).unwrap();
+    let name = format!("mori-umbpd-test-older-{}", std::process::id()).into_bytes();
+    let listener = std::os::unix::net::UnixListener::bind_addr(
+        &SocketAddr::from_abstract_name(&name).unwrap(),
+    )
+    .unwrap();
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (s2, l2) = (secret.clone(), std::sync::Arc::clone(&log));
+    std::thread::spawn(move || older_daemon(listener, s2, l2));
+    let buf = mori_umbpd::shm::SharedBuffer::connect(&name, &secret, 1 << 20).unwrap();
+    let read = |offset: usize| {
+        // SAFETY: the mapping holds 1 MiB; nothing writes it while it is read here.
+        unsafe { std::slice::from_raw_parts(buf.as_ptr().add(offset), 100) }.to_vec()
+    };
+    let want = |key: &[u8]| key.iter().copied().cycle().take(100).collect::<Vec<u8>>();
+    assert_eq!(buf.get_into(b"first", 0, 1000).unwrap(), Some(100));
+    assert_eq!(read(0), want(b"first"));
+    // The daemon closed that connection: this get connects again.
+    assert_eq!(buf.get_into(b"second", 4096, 1000).unwrap(), Some(100));
+    assert_eq!(read(4096), want(b"second"));
+    let refused = buf.get_many_into(&[b"a", b"b"]).unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unimplemented, "{refused:?}");
+    let again = buf.get_many_into(&[b"a"]).unwrap_err();
+    assert_eq!(again.code(), tonic::Code::Unimplemented, "{again:?}");
+    assert_eq!(buf.get_into(b"third", 8192, 1000).unwrap(), Some(100));
+    assert_eq!(read(8192), want(b"third"));
+    let (g, m) = (GET_INTO, GET_MANY_INTO);
+    assert_eq!(
+        *log.lock().unwrap(),
+        [
+            format!("0 {g}"),
+            format!("1 {g}"),
+            format!("1 {m}"),
+            format!("2 {g}")
+        ],
+        "one batch request only, and a new connection after each close"
+    );
+}
