@@ -69,7 +69,7 @@ use crate::proto::{
 use crate::server::{
     H2_CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, H2_STREAM_WINDOW_BYTES, MAX_MESSAGE_BYTES,
 };
-use crate::shm::{SharedBuffer, Staged};
+use crate::shm::SharedBuffer;
 use crate::small_ops::{self, Sink, SmallOpsClient};
 
 /// Errors of [`Client`].
@@ -502,33 +502,11 @@ fn staged_batch(
     sinks: &mut [&mut dyn Sink],
 ) -> Option<std::result::Result<Vec<Option<Option<usize>>>, tonic::Status>> {
     let buf = staging.try_lock().ok()?;
-    let mut out = Vec::with_capacity(keys.len());
-    while out.len() < keys.len() {
-        let answers = match buf.get_many_into(&keys[out.len()..]) {
-            Ok(answers) => answers,
-            Err(status) if other_path(&status) => return None,
-            Err(status) => return Some(Err(status)),
-        };
-        for staged in answers {
-            let i = out.len();
-            out.push(match staged {
-                Staged::Absent => Some(None),
-                Staged::TooLong => None,
-                Staged::Found { offset, len } => {
-                    // SAFETY: bytes inside the mapping (get_many_into checked), which the
-                    // daemon finished writing before it answered; the lock keeps this
-                    // client's other gets out until they are copied.
-                    let value =
-                        unsafe { std::slice::from_raw_parts(buf.as_ptr().add(offset), len) };
-                    match fill(&mut *sinks[i], value) {
-                        Ok(n) => Some(Some(n)),
-                        Err(status) => return Some(Err(status)),
-                    }
-                }
-            });
-        }
+    match buf.get_many_with(keys, |i, value| fill(&mut *sinks[i], value).map(|_| ())) {
+        Ok(out) => Some(Ok(out)),
+        Err(status) if other_path(&status) => None,
+        Err(status) => Some(Err(status)),
     }
-    Some(Ok(out))
 }
 
 /// The values of `keys` from peer `peer` at `addr`: through `staging` when it shares a buffer

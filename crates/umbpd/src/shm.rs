@@ -365,6 +365,36 @@ fn length(n: u64) -> Result<Option<Vec<u8>>, Status> {
     Ok(Some(n.to_le_bytes().to_vec()))
 }
 
+fn unavailable(e: io::Error) -> Status {
+    Status::unavailable(format!("umbpd's same-host connection failed: {e}"))
+}
+
+fn older() -> Status {
+    Status::unimplemented("this umbpd reads no batches into shared memory")
+}
+
+/// A [`GET_MANY_INTO`] request for the first of `keys` (up to 64 KiB of them) into `room`
+/// (offset and bytes of the buffer), and how many keys it sent.
+fn many_request(keys: &[&[u8]], room: (usize, usize)) -> Result<(Vec<u8>, usize), Status> {
+    let mut packed = Vec::new();
+    let mut sent = 0;
+    for key in keys {
+        let len = u16::try_from(key.len())
+            .map_err(|_| Status::invalid_argument("a key too long to frame"))?;
+        if !packed.is_empty() && packed.len() + 2 + key.len() > usize::from(u16::MAX) {
+            break;
+        }
+        packed.extend_from_slice(&len.to_le_bytes());
+        packed.extend_from_slice(key);
+        sent += 1;
+    }
+    let mut req =
+        request(GET_MANY_INTO, &packed).map_err(|e| Status::invalid_argument(e.to_string()))?;
+    req.extend_from_slice(&(room.0 as u64).to_le_bytes());
+    req.extend_from_slice(&(room.1 as u64).to_le_bytes());
+    Ok((req, sent))
+}
+
 /// The length an answer's found body holds.
 fn length_of(body: Option<Vec<u8>>) -> Result<Option<u64>, Status> {
     match body {
@@ -627,8 +657,6 @@ impl SharedBuffer {
     /// on a new one: a get only reads, so asking twice is safe. `UNAVAILABLE` when no
     /// connection can be made or the new one fails too.
     fn call(&self, req: &[u8]) -> Result<Option<Vec<u8>>, Status> {
-        let unavailable =
-            |e: io::Error| Status::unavailable(format!("umbpd's same-host connection failed: {e}"));
         let mut slot = self
             .stream
             .lock()
@@ -679,42 +707,134 @@ impl SharedBuffer {
     /// fewer than `keys` when the rest did not fit: ask again for them). Keys are sent up to
     /// what one request frames (64 KiB of keys).
     pub fn get_many_into(&self, keys: &[&[u8]]) -> Result<Vec<Staged>, Status> {
-        let mut packed = Vec::new();
-        for key in keys {
-            let len = u16::try_from(key.len())
-                .map_err(|_| Status::invalid_argument("a key too long to frame"))?;
-            if !packed.is_empty() && packed.len() + 2 + key.len() > usize::from(u16::MAX) {
-                break;
+        self.batches_known()?;
+        let room = (0, self.map.len());
+        let (req, sent) = many_request(keys, room)?;
+        let body = self.call(&req).map_err(|s| self.old_daemon(s))?;
+        self.placed(body, sent, room)
+    }
+
+    /// Reads `keys` into the buffer half of it at a time, one request ahead: while `each(i,
+    /// value)` takes the values in one half, the daemon copies the next keys' into the other,
+    /// so the two copies overlap and each half is read back while it is still in cache. Per
+    /// key: its length, `Some(None)` when absent, `None` when longer than the whole buffer (a
+    /// value longer than a half is asked again alone, with the whole buffer). `each` failing
+    /// ends the batch with its status; so does a failed connection (`UNAVAILABLE`, not asked
+    /// again: the caller reads the batch another way).
+    pub fn get_many_with(
+        &self,
+        keys: &[&[u8]],
+        mut each: impl FnMut(usize, &[u8]) -> Result<(), Status>,
+    ) -> Result<Vec<Option<Option<usize>>>, Status> {
+        self.batches_known()?;
+        let half = (self.map.len() / 2) / MANY_ALIGN as usize * MANY_ALIGN as usize;
+        let rooms = [(0, half), (half, self.map.len() - half)];
+        let mut out = vec![None; keys.len()];
+        let mut longer = Vec::new();
+        {
+            let mut slot = self
+                .stream
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let stream = match slot.as_mut() {
+                Some(stream) => stream,
+                None => slot.insert(
+                    handshake(&self.name, &self.secret, &self.fd, self.map.len())
+                        .map_err(unavailable)?,
+                ),
+            };
+            let mut pipelined = || -> Result<(), Status> {
+                let (req, mut sent) = many_request(keys, rooms[0])?;
+                stream.write_all(&req).map_err(unavailable)?;
+                let (mut next, mut room) = (0, 0);
+                loop {
+                    let mut body = Vec::new();
+                    let body = read_answer(stream, &mut body)
+                        .map_err(unavailable)?
+                        .map(|found| found.map(|_| body))
+                        .map_err(|s| self.old_daemon(s))?;
+                    let placed = self.placed(body, sent, rooms[room])?;
+                    let first = next;
+                    next += placed.len();
+                    if next < keys.len() {
+                        let (req, s) = many_request(&keys[next..], rooms[1 - room])?;
+                        sent = s;
+                        stream.write_all(&req).map_err(unavailable)?;
+                    }
+                    for (i, staged) in (first..).zip(placed) {
+                        match staged {
+                            Staged::Absent => out[i] = Some(None),
+                            Staged::TooLong => longer.push(i),
+                            Staged::Found { offset, len } => {
+                                // SAFETY: inside the mapping (`placed` checked it), written by
+                                // the daemon before it answered; its next request fills the
+                                // other half.
+                                each(i, unsafe {
+                                    std::slice::from_raw_parts(self.as_ptr().add(offset), len)
+                                })?;
+                                out[i] = Some(Some(len));
+                            }
+                        }
+                    }
+                    if next == keys.len() {
+                        return Ok(());
+                    }
+                    room = 1 - room;
+                }
+            };
+            if let Err(status) = pipelined() {
+                // An answer may still be on its way: the connection is dropped, not reused.
+                *slot = None;
+                return Err(status);
             }
-            packed.extend_from_slice(&len.to_le_bytes());
-            packed.extend_from_slice(key);
         }
-        let old = || Status::unimplemented("this umbpd reads no batches into shared memory");
-        if !self.batches.load(Ordering::Relaxed) {
-            return Err(old());
-        }
-        let mut req =
-            request(GET_MANY_INTO, &packed).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        req.extend_from_slice(&0u64.to_le_bytes());
-        req.extend_from_slice(&(self.map.len() as u64).to_le_bytes());
-        let body = match self.call(&req) {
-            Ok(Some(body)) => body,
-            Ok(None) => return Err(Status::internal("umbpd answered a batch with nothing")),
-            Err(status) if status.code() == tonic::Code::Unimplemented => {
-                self.batches.store(false, Ordering::Relaxed);
-                return Err(old());
+        for i in longer {
+            if let Some(Staged::Found { offset, len }) = self.get_many_into(&[keys[i]])?.first() {
+                // SAFETY: as above, a whole-buffer request's placement.
+                each(i, unsafe {
+                    std::slice::from_raw_parts(self.as_ptr().add(*offset), *len)
+                })?;
+                out[i] = Some(Some(*len));
             }
-            Err(status) => return Err(status),
-        };
+        }
+        Ok(out)
+    }
+
+    /// `UNIMPLEMENTED` without asking when the daemon already said it is older than batches.
+    fn batches_known(&self) -> Result<(), Status> {
+        if self.batches.load(Ordering::Relaxed) {
+            Ok(())
+        } else {
+            Err(older())
+        }
+    }
+
+    /// `status` of a batch request, noting a daemon older than batches.
+    fn old_daemon(&self, status: Status) -> Status {
+        if status.code() != tonic::Code::Unimplemented {
+            return status;
+        }
+        self.batches.store(false, Ordering::Relaxed);
+        older()
+    }
+
+    /// Where a batch answer `body` (to a request that sent `sent` keys, into `room`: offset and
+    /// bytes) placed each key, checked to lie inside the room.
+    fn placed(
+        &self,
+        body: Option<Vec<u8>>,
+        sent: usize,
+        room: (usize, usize),
+    ) -> Result<Vec<Staged>, Status> {
+        let body = body.ok_or_else(|| Status::internal("umbpd answered a batch with nothing"))?;
         let answered = body.len() / 9;
-        if body.len() % 9 != 0 || answered == 0 || answered > keys.len() {
+        if body.len() % 9 != 0 || answered == 0 || answered > sent {
             return Err(Status::internal(format!(
-                "umbpd answered a batch of {} keys with {} bytes",
-                keys.len(),
+                "umbpd answered a batch of {sent} keys with {} bytes",
                 body.len()
             )));
         }
-        let mut at = 0usize;
+        let (mut at, end) = (room.0, room.0 + room.1);
         let mut out = Vec::with_capacity(answered);
         for a in body.chunks_exact(9) {
             let len = u64::from_le_bytes(a[1..].try_into().expect("8 bytes"));
@@ -724,14 +844,12 @@ impl SharedBuffer {
                 MANY_FOUND => {
                     let len = usize::try_from(len)
                         .ok()
-                        .filter(|&n| at.checked_add(n).is_some_and(|end| end <= self.map.len()))
+                        .filter(|&n| at.checked_add(n).is_some_and(|e| e <= end))
                         .ok_or_else(|| {
                             Status::internal(format!("umbpd placed {len} bytes outside the buffer"))
                         })?;
                     let found = Staged::Found { offset: at, len };
-                    at = (at + len)
-                        .next_multiple_of(MANY_ALIGN as usize)
-                        .min(self.map.len());
+                    at = (at + len).next_multiple_of(MANY_ALIGN as usize).min(end);
                     found
                 }
                 other => {

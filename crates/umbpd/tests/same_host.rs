@@ -646,3 +646,78 @@ fn shared_buffers_connect_again_and_stop_asking_an_older_daemon_for_batches() {
         "one batch request only, and a new connection after each close"
     );
 }
+
+/// A batch read half the buffer at a time, one request ahead: every value of many rounds
+/// reaches the callback byte-exact, in key order, with its own index; absent keys are
+/// `Some(None)`; a value longer than half the buffer is read with the whole buffer; one
+/// longer than the whole buffer is `None` (left to another path); and a failing callback ends
+/// the batch with its status, the buffer working on after it.
+#[test]
+fn batches_read_half_the_buffer_at_a_time_while_the_other_half_fills() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let len = 1 << 20; // halves of 512 KiB
+    // 30 values of 100–300 KB (many rounds), one of 700 KB (longer than a half), one of
+    // 1.5 MB (longer than the buffer).
+    let mut sizes: Vec<usize> = (0..30).map(|i| 100_000 + (i * 7_919) % 200_000).collect();
+    sizes.insert(11, 700_000);
+    sizes.insert(20, 1_500_000);
+    let values: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| bytes(1200 + i as u64, n))
+        .collect();
+    let keys: Vec<Vec<u8>> = (0..sizes.len())
+        .map(|i| format!("halves-{i}").into_bytes())
+        .collect();
+    for (k, v) in keys.iter().zip(&values) {
+        assert!(c.put(k, v).unwrap());
+    }
+    let buf = c.shared_buffer(len).unwrap();
+    let mut ask: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    ask.insert(5, b"halves-absent");
+    let mut expect: Vec<Option<&[u8]>> = values.iter().map(|v| Some(v.as_slice())).collect();
+    expect.insert(5, None);
+    let mut seen = Vec::new();
+    let got = buf
+        .get_many_with(&ask, |i, v| {
+            seen.push(i);
+            assert!(expect[i] == Some(v), "value of key {i}: {} bytes", v.len());
+            Ok(())
+        })
+        .unwrap();
+    let longer_than_half = 11 + 1; // index in `ask`, after the absent key
+    let longer_than_buffer = 20 + 1;
+    let want_seen: Vec<usize> = (0..ask.len())
+        .filter(|&i| i != 5 && i != longer_than_half && i != longer_than_buffer)
+        .chain([longer_than_half])
+        .collect();
+    assert_eq!(
+        seen, want_seen,
+        "values in key order, the one longer than a half last"
+    );
+    for (i, g) in got.iter().enumerate() {
+        let want = match expect[i] {
+            _ if i == longer_than_buffer => None,
+            v => Some(v.map(<[u8]>::len)),
+        };
+        assert_eq!(*g, want, "answer for key {i}");
+    }
+    // A callback that fails ends the batch with its status; the buffer reads on afterwards.
+    let failed = buf
+        .get_many_with(&ask, |_, _| {
+            Err(tonic::Status::resource_exhausted("no room"))
+        })
+        .unwrap_err();
+    assert_eq!(failed.code(), tonic::Code::ResourceExhausted);
+    let again = buf.get_many_with(&ask[..3], |_, _| Ok(())).unwrap();
+    assert_eq!(
+        again,
+        [
+            Some(Some(sizes[0])),
+            Some(Some(sizes[1])),
+            Some(Some(sizes[2]))
+        ]
+    );
+}
