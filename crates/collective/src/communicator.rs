@@ -536,7 +536,7 @@ pub fn plan_exchange(
 }
 
 /// The number of nodes of a shmem session's layout (`nodes`: every node's PEs), which mori.ccl
-/// runs on only when every node holds as many consecutive ranks.
+/// and mori.ep run on only when every node holds as many consecutive ranks.
 pub fn node_count(nodes: &[Vec<usize>]) -> Result<usize> {
     let local = nodes.first().map_or(0, Vec::len);
     let regular = nodes
@@ -545,8 +545,8 @@ pub fn node_count(nodes: &[Vec<usize>]) -> Result<usize> {
         .all(|(k, pes)| pes.iter().copied().eq(k * local..(k + 1) * local));
     if local == 0 || !regular {
         return Err(Error::InvalidArgument(format!(
-            "mori.ccl needs the same number of consecutive ranks on every node; the nodes are \
-             {nodes:?}"
+            "mori.ccl and mori.ep need the same number of consecutive ranks on every node; the \
+             nodes are {nodes:?}"
         )));
     }
     Ok(nodes.len())

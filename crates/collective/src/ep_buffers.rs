@@ -60,25 +60,22 @@ pub struct EpAreas {
 }
 
 /// The node count of `nodes` (every node's PEs, as mori.shmem groups them) after checking the
-/// layout the kernels assume: as many consecutive ranks on every node, within their limits.
+/// layout the kernels assume: as many consecutive ranks on every node
+/// ([`crate::communicator::node_count`]), all `world` of them, within the kernels' limits.
 pub fn node_count(nodes: &[Vec<usize>], world: usize) -> Result<u32> {
-    let per = nodes.first().map_or(0, Vec::len);
-    let consecutive = nodes
-        .iter()
-        .enumerate()
-        .all(|(i, pes)| pes.iter().copied().eq(i * per..(i + 1) * per));
-    if per == 0 || !consecutive || per * nodes.len() != world {
+    let count = crate::communicator::node_count(nodes)?;
+    let per = nodes[0].len();
+    if per * count != world {
         return Err(Error::InvalidArgument(format!(
-            "mori.ep needs as many consecutive ranks on every node, got nodes {nodes:?}"
+            "the nodes {nodes:?} do not hold the session's {world} ranks as consecutive runs"
         )));
     }
-    if per > INTERNODE_MAX_LOCAL as usize || nodes.len() > INTERNODE_MAX_NODES as usize {
+    if per > INTERNODE_MAX_LOCAL as usize || count > INTERNODE_MAX_NODES as usize {
         return Err(Error::InvalidArgument(format!(
-            "mori.ep supports up to {INTERNODE_MAX_NODES} nodes of up to {INTERNODE_MAX_LOCAL} ranks, got {} of {per}",
-            nodes.len()
+            "mori.ep supports up to {INTERNODE_MAX_NODES} nodes of up to {INTERNODE_MAX_LOCAL} ranks, got {count} of {per}"
         )));
     }
-    Ok(nodes.len() as u32)
+    Ok(count as u32)
 }
 
 /// Row chunks per warp of the low-latency kernels for rows of `hidden` values: a multiple of 32
