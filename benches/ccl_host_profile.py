@@ -12,21 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
-
-
-def _per_call_us(fn, torch, calls: int = 200, rounds: int = 15) -> float:
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def main() -> int:
@@ -37,7 +22,7 @@ def main() -> int:
     import torch
 
     from mori import ccl, get_unique_id, gpu, shmem
-    from mori.bench._common import environment, write_record
+    from mori.bench._common import environment, host_us_per_call, write_record
 
     torch.cuda.set_device(0)
     shmem.init(get_unique_id(), 0, 1, device=0)
@@ -55,7 +40,7 @@ def main() -> int:
         "runtime_plan_only": lambda: comm._rt.all_reduce(None, x.data_ptr(), x.data_ptr(), 1024, "bfloat16", "sum", None),
         "torch_add_": lambda: x.add_(0),
     }
-    result = {name: _per_call_us(fn, torch) for name, fn in rows.items()}
+    result = {name: host_us_per_call(fn, torch) for name, fn in rows.items()}
     torch.cuda.synchronize()
     comm.check()
     ok = torch.equal(x, want)

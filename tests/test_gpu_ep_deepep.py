@@ -325,6 +325,14 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         del graph
         assert not failures, "\n".join(failures)
 
+    def two_caller_streams():
+        # Synchronous calls run on the caller's stream; one on another stream than the previous
+        # call's must still follow it (DeepEP's calls share one communication stream).
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            normal_case(600, "random", False, cached=True)
+        normal_case(600, "random", True, cached=True)
+
     def no_all_reduce():
         assert not all_reduces, f"the facade called torch.distributed.all_reduce {len(all_reduces)} times"
 
@@ -363,6 +371,7 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         "hidden_7168": lambda: (normal_case(300, "random", True, hidden=7168),
                                 ll_case(60, "duplicates", True, hidden=7168, round_scale=True, ue8m0=True)),
         "clean_then_capture": clean_then_capture,
+        "two_caller_streams": two_caller_streams,
         "no_all_reduce": no_all_reduce,
     }
     if nodes > 1:
@@ -392,7 +401,7 @@ CASES = [
     "ll_random", "ll_random_fp8", "ll_all_to_rank0", "ll_no_remote", "ll_zero_tokens_on_rank1", "ll_one_token", "ll_max_tokens",
     "ll_max_tokens_fp8", "ll_repeated", "ll_hook", "ll_hook_fp8", "ll_zero_copy_out", "ll_one_expert", "ll_duplicate_ids",
     "ll_round_scale", "ll_ue8m0", "ll_ue8m0_hook", "ll_wait_times", "ll_graph", "ll_graph_fp8", "normal_after_ll", "hidden_4096",
-    "hidden_7168", "clean_then_capture", "no_all_reduce", "destroy",
+    "hidden_7168", "clean_then_capture", "two_caller_streams", "no_all_reduce", "destroy",
 ]
 # Across nodes (tests/test_gpu_ep_deepep_nodes.py): every case, and the window sized from num_rdma_bytes.
 NODE_CASES = CASES[:-1] + ["window_from_num_rdma_bytes", "destroy"]

@@ -126,6 +126,21 @@ def preflight(bench: str, out_dir: str | os.PathLike, needs: Sequence[tuple[str,
     return None if _make_out_dir(bench, out_dir) else 2
 
 
+def host_us_per_call(fn: Callable[[], Any], torch: Any, calls: int = 200, rounds: int = 15) -> float:
+    """Host µs per call of ``fn``: the median over ``rounds`` of ``calls`` calls back to back,
+    the GPU drained between rounds so launch queues never fill (benches/*_host*.py)."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def write_record(kind: str, record: dict[str, Any], out_dir: str | os.PathLike) -> Path:
     """Writes ``record`` as ``<out_dir>/<kind>-<gpu>-<UTC time>.json``; returns the absolute path."""
     out = Path(out_dir).resolve()

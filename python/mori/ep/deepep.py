@@ -28,14 +28,23 @@ Everything runs on top of one :class:`mori.ep.Buffer`. What differs from DeepEP 
 
   A rebuild invalidates handles from before it (using one raises ``InvalidArgumentError``), and
   is refused during CUDA-graph capture: run one call with the captured shapes first.
-* **Streams.** Normal-mode calls (``get_dispatch_layout``, ``dispatch``, ``combine``) run on the
+* **Streams.** Normal-mode calls (``get_dispatch_layout``, ``dispatch``, ``combine``) given
+  ``previous_event``, ``async_finish=True`` or ``allocate_on_comm_stream=True`` run on the
   buffer's communication stream (``get_comm_stream()``) as with DeepEP: after ``previous_event``,
   or after the work already queued on the caller's stream; then the caller's stream waits for
   them, or with ``async_finish=True`` they return an :class:`EventOverlap` to wait on instead
-  (the caller's stream runs on meanwhile). Outputs always come from the communication stream's
+  (the caller's stream runs on meanwhile). Their outputs come from the communication stream's
   memory pool and are recorded on the caller's stream, so ``allocate_on_comm_stream`` changes
-  nothing observable. Low-latency calls run on the caller's stream (CUDA-graph capture needs
-  no stream fork); their ``async_finish`` event is recorded there.
+  nothing observable. Without any of the three, DeepEP's communication stream would wait for
+  the caller's and the caller's for it, which orders the work exactly as the caller's stream
+  alone does: such calls run on the caller's stream, with no stream switch, no cross-stream
+  waits and outputs from its own pool (recording outputs on a second stream makes the caching
+  allocator hold their memory until an event passes, so back-to-back calls kept allocating
+  new blocks). The calls still follow one another as on DeepEP's one communication stream: a
+  call whose stream differs from the previous normal-mode call's (the communication stream
+  after an ``async_finish`` call, another caller's stream) first waits for that stream.
+  Low-latency calls run on the caller's stream (CUDA-graph capture needs no stream fork); their
+  ``async_finish`` event is recorded there.
 * **Initialisation.** The constructor only records the group. :mod:`mori.shmem` is initialised
   from ``group`` (unless it already is) by the first ``get_dispatch_layout`` or collective
   call, which every rank makes.
@@ -54,10 +63,10 @@ Everything runs on top of one :class:`mori.ep.Buffer`. What differs from DeepEP 
   each token one slot per rank it goes to (that rank's first expert); the rows move once per
   rank as with DeepEP, and the dispatch's own count exchange carries the caller's
   ``num_tokens_per_expert`` (no extra step).
-* **Not supported** (raise :class:`mori.errors.InvalidArgumentError`): an mpi4py ``comm`` instead of a group, per-tensor quantisation
+* **Not supported** (raise :class:`mori.errors.InvalidArgumentError`): an mpi4py ``comm`` instead of a group and per-tensor quantisation
   (``use_per_tensor_quantization`` / ``static_scale``, not in DeepEP v1.2.1's
-  ``low_latency_dispatch`` either), and ``use_logfmt`` in low-latency combine (DeepEP's LogFMT
-  wire format: mori's combine sends bf16 partial sums).
+  ``low_latency_dispatch`` either). ``use_logfmt`` in low-latency combine is accepted with a
+  warning: mori's combine sends bf16 partial sums, not DeepEP's LogFMT wire format.
 """
 
 from __future__ import annotations
@@ -172,7 +181,7 @@ class _StreamScope:
     calls). DeepEP's ``allocate_on_comm_stream`` picks which stream's pool the outputs come
     from; here they always come from the communication stream's, which is safe either way."""
 
-    def __init__(self, comm: Any, previous_event: Any) -> None:
+    def __init__(self, comm: Any, previous_event: Any, last: Any) -> None:
         import torch
 
         self.compute, self.comm = torch.cuda.current_stream(), comm
@@ -181,6 +190,10 @@ class _StreamScope:
             comm.wait_event(event)
         else:
             comm.wait_stream(self.compute)
+        if last is not None and last != comm and (event is not None or last != self.compute):
+            # The previous call ran on a caller's stream (see _CallerStream): in DeepEP it would
+            # have run on the communication stream, ahead of this call.
+            comm.wait_stream(last)
         self._switch = torch.cuda.stream(comm)
 
     def __enter__(self) -> _StreamScope:
@@ -215,6 +228,29 @@ class _StreamScope:
         event = torch.cuda.Event()
         event.record(self.comm)
         return EventOverlap(event, tuple(given + made))
+
+
+class _CallerStream:
+    """The normal-mode call's scope when it needs no communication stream (no
+    ``previous_event``, ``async_finish`` or ``allocate_on_comm_stream``): the work stays on the
+    caller's stream, which orders it as DeepEP's wait-there-and-back does. DeepEP's calls also
+    follow each other on the one communication stream, whatever stream each caller is on: so
+    when the previous normal-mode call ran on another stream (the communication stream after an
+    ``async_finish`` call, or another caller's), the caller's stream first waits for that one
+    (Buffer._stream_scope)."""
+
+    def __enter__(self) -> _CallerStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    @staticmethod
+    def finish(async_finish: bool, inputs: tuple, outputs: Any) -> EventOverlap:
+        return EventOverlap(None)
+
+
+_CALLER_STREAM = _CallerStream()
 
 
 class _NormalHandle(tuple):
@@ -299,8 +335,12 @@ class Buffer:
         self._mori: Any = None  # mori.ep.Buffer, built by the first collective call
         self._nodes = 1  # nodes of the group's ranks (mori.shmem.nodes()), known once shmem is initialised
         self._comm_stream: Any = None  # the normal mode's communication stream, made by the first call
+        self._last_stream: Any = None  # the stream the last normal-mode call ran on (_stream_scope)
+        self._last_raw: Any = None  # its raw handle
+        self._device: Optional[int] = None  # torch's current device at the first normal-mode call
         self._warned_logfmt = False
         self._generation = 0
+        self._fitted: tuple = ()  # _ensure's arguments when they last fitted (with the generation)
         self._zero_copy: Any = None
         self._shmem_ready = False
         self._owns_shmem = False
@@ -459,6 +499,7 @@ class Buffer:
         if self._mori is not None:
             self._mori.destroy()
             self._mori = None
+        self._fitted = ()
 
     def _build(self, *, num_experts: int, hidden: int, topk: int, capacity: int, ll_tokens: int) -> None:
         """Collective: (re)builds the mori buffer for these sizes."""
@@ -488,6 +529,9 @@ class Buffer:
         on every rank (``tokens`` too: it comes from a dispatch every rank saw). ``wider_topk``: a buffer
         built for more top-k slots fits too (normal mode pads the rows with -1; a rebuild keeps
         the wider width, so alternating widths do not rebuild every call)."""
+        asked = (self._generation, num_experts, hidden, topk, tokens, ll_tokens, wider_topk)
+        if asked == self._fitted:
+            return  # the same sizes as the last call of this buffer's generation (every call of a loop)
         self._init_shmem()
         cfg = self._mori.config if self._mori is not None else None
         have_cap = cfg.max_tokens_per_rank if cfg is not None else 0
@@ -503,22 +547,37 @@ class Buffer:
         have_topk = cfg.topk if cfg is not None else 0
         topk_fits = have_topk == topk or (wider_topk and have_topk > topk)
         same = cfg is not None and (cfg.num_experts, cfg.hidden) == (num_experts, hidden) and topk_fits
-        if same and capacity == have_cap and want_ll == have_ll:
-            return
-        build_topk = max(topk, have_topk) if wider_topk else topk
-        self._build(num_experts=num_experts, hidden=hidden, topk=build_topk, capacity=capacity, ll_tokens=want_ll)
+        if not (same and capacity == have_cap and want_ll == have_ll):
+            build_topk = max(topk, have_topk) if wider_topk else topk
+            self._build(num_experts=num_experts, hidden=hidden, topk=build_topk, capacity=capacity, ll_tokens=want_ll)
+        self._fitted = (self._generation, num_experts, hidden, topk, tokens, ll_tokens, wider_topk)
 
     def _ensure_normal(self, hidden: int, topk: int, num_experts: int, needed: int = 1) -> None:
         """Sizing for normal mode (see the module docstring), decided alike on every rank:
         the shapes are equal everywhere and ``needed`` comes from a dispatch every rank saw."""
         self._ensure(num_experts=num_experts, hidden=hidden, topk=topk, tokens=needed, wider_topk=True)
 
-    def _stream_scope(self, previous_event: Any) -> _StreamScope:
+    def _stream_scope(self, previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool) -> _StreamScope | _CallerStream:
         import torch
 
+        last = self._last_stream
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            # The raw handle compares in a fraction of what building a torch.cuda.Stream takes
+            # (mori.gpu._stream_handle); the Stream is made when the stream changes, and kept,
+            # so its handle cannot be reused by another stream meanwhile.
+            if self._device is None:
+                self._device = torch.cuda.current_device()
+            raw = torch._C._cuda_getCurrentRawStream(self._device)
+            if raw != self._last_raw:
+                here = torch.cuda.current_stream()
+                if last is not None:
+                    here.wait_stream(last)
+                self._last_stream, self._last_raw = here, raw
+            return _CALLER_STREAM
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.Stream(device=torch.cuda.current_device())
-        return _StreamScope(self._comm_stream, previous_event)
+        self._last_stream, self._last_raw = self._comm_stream, self._comm_stream.cuda_stream
+        return _StreamScope(self._comm_stream, previous_event, last)
 
     @staticmethod
     def _event(async_finish: bool, extra: Optional[tuple] = None) -> EventOverlap:
@@ -566,7 +625,7 @@ class Buffer:
         if num_experts <= 0 or num_experts % self.group_size:
             raise InvalidArgumentError(f"num_experts={num_experts} must be a positive multiple of the group size {self.group_size}")
         self._init_shmem()
-        with self._stream_scope(previous_event) as scope:
+        with self._stream_scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             cfg = self._mori.config if self._mori is not None else None
             if cfg is not None and cfg.num_experts == num_experts and cfg.topk == k and n <= cfg.max_tokens_per_rank:
                 per_rank, per_expert, in_rank, _ = self._mori.get_dispatch_layout(topk_idx.contiguous())
@@ -654,16 +713,19 @@ class Buffer:
             elif topk_weights is None:
                 raise InvalidArgumentError("topk_idx without topk_weights")
         _, k = self._check_topk_idx(topk_idx, n)
-        if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, k):
+        if topk_weights is not None and (topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, k)):
             raise InvalidArgumentError(f"topk_weights must be float32 [{n}, {k}]")
-        with self._stream_scope(previous_event) as scope:
-            return self._dispatch_on_comm_stream(
+        with self._stream_scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
+            if topk_weights is None:  # a cached dispatch: the handle's zero weights, made on its first use
+                handle.zero_weights = torch.zeros((n, k), dtype=torch.float32, device=topk_idx.device)
+                topk_weights = handle.zero_weights
+            return self._run_dispatch(
                 scope, x_data, x_scales, topk_idx, topk_weights, handle, layout_only, num_tokens_per_expert, num_experts,
                 expert_alignment, num_worst_tokens, config, async_finish,
             )
 
-    def _dispatch_on_comm_stream(
-        self, scope: _StreamScope, x_data: Any, x_scales: Any, topk_idx: Any, topk_weights: Any, handle: Any, layout_only: bool,
+    def _run_dispatch(
+        self, scope: _StreamScope | _CallerStream, x_data: Any, x_scales: Any, topk_idx: Any, topk_weights: Any, handle: Any, layout_only: bool,
         num_tokens_per_expert: Any, num_experts: int, expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
         async_finish: bool,
     ) -> tuple[Any, Any, Any, Any, Any, EventOverlap]:
@@ -698,6 +760,8 @@ class Buffer:
 
         def padded(t: Any, fill: int) -> Any:
             # A copy (the buffer's rows are overwritten by the next dispatch), padded to `rows`.
+            if rows == num_recv:
+                return t.clone(memory_format=torch.contiguous_format)
             out = torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
             out[:num_recv].copy_(t)
             if rows > num_recv:
@@ -715,15 +779,19 @@ class Buffer:
             received = [] if num_worst_tokens else res.num_recv_tokens_per_expert
         else:
             recv_idx = padded(res.recv_topk_idx[:, :k], -1)
-            recv_w = torch.zeros((rows, k), dtype=torch.float32, device=recv_idx.device)
-            recv_w[:num_recv] = torch.where(res.recv_topk_idx[:, :k] >= 0, res.recv_topk_weights[:, :k], 0.0)
+            masked = torch.where(res.recv_topk_idx[:, :k] >= 0, res.recv_topk_weights[:, :k], 0.0)
+            if rows == num_recv:
+                recv_w = masked
+            else:
+                recv_w = torch.zeros((rows, k), dtype=torch.float32, device=recv_idx.device)
+                recv_w[:num_recv] = masked
             received = [] if num_worst_tokens else res.num_recv_tokens_per_expert
-        per_expert = [_round_up(int(c), expert_alignment) for c in received]
+        per_expert = list(received) if expert_alignment == 1 else [_round_up(int(c), expert_alignment) for c in received]
         mh = res.handle
         new_handle = _NormalHandle(
             (torch.cumsum(mh.rank_matrix, dim=0, dtype=torch.int32), None, None, res.recv_src_idx.clone(), mh.is_token_in_rank, None),
             mori=mh, owner=self, generation=self._generation, topk_idx=topk_idx.clone(), num_experts=num_experts,
-            zero_weights=torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device),
+            zero_weights=None,
             num_tokens=n, num_recv=num_recv, hidden=hidden,
         )
         outputs = (recv_x, recv_idx, recv_w, mh.meta, *new_handle)
@@ -786,15 +854,15 @@ class Buffer:
             or not 0 < topk_weights.shape[1] <= k or topk_weights.shape[0] < h.num_recv
         ):
             raise InvalidArgumentError(f"topk_weights must be float32 [{h.num_recv}, top-k <= {k}]")
-        with self._stream_scope(previous_event) as scope:
-            out, combined_w = self._combine_on_comm_stream(x, h, topk_weights, biases, config)
+        with self._stream_scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
+            out, combined_w = self._run_combine(x, h, topk_weights, biases, config)
         return out, combined_w, scope.finish(async_finish, (x, topk_weights, *biases), (out, combined_w))
 
-    def _combine_on_comm_stream(self, x: Any, h: _NormalHandle, topk_weights: Any, biases: tuple, config: Optional[Config]) -> tuple[Any, Any]:
+    def _run_combine(self, x: Any, h: _NormalHandle, topk_weights: Any, biases: tuple, config: Optional[Config]) -> tuple[Any, Any]:
         import torch
 
         num_sms = (config if config is not None else self.get_combine_config(self.group_size)).num_sms
-        y = x[: h.num_recv]
+        y = x if x.shape[0] == h.num_recv else x[: h.num_recv]
         y = y if y.is_contiguous() else y.contiguous()
         if topk_weights is None:
             out, combined_w = self._mori.combine(y, h.mori, num_sms=num_sms or None), None
@@ -868,7 +936,7 @@ class Buffer:
         wait_stats = self._wait_stats_row(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
         self._ensure(num_experts=num_experts, hidden=hidden, topk=k, ll_tokens=num_max_dispatch_tokens_per_rank)
         res = self._mori.low_latency_dispatch(
-            x.contiguous(), topk_idx.contiguous(), use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+            x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
             scales_column_major=True, wait_stats=wait_stats, return_recv_hook=return_recv_hook,
         )
         stats = cumulative_local_expert_recv_stats
@@ -951,7 +1019,7 @@ class Buffer:
                 raise InvalidArgumentError("zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled first")
             x = self._zero_copy
         combined, hook = self._mori.low_latency_combine(
-            x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), h.mori, return_recv_hook=return_recv_hook, out=out,
+            x, topk_idx, topk_weights, h.mori, return_recv_hook=return_recv_hook, out=out,
             wait_stats=wait_stats,
         )
         event = self._event(async_finish, (x, topk_idx, topk_weights, h[0], h[1], combined))
