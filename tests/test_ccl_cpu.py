@@ -43,7 +43,7 @@ def _planner(world: int, rank: int, config: ccl.CclConfig, base: int = 0, nodes:
 
     local = world // nodes
     layout = [list(range(k * local, (k + 1) * local)) for k in range(nodes)]
-    return _core.CclRuntime(base, 0, rank, world, layout, *config._runtime_args())
+    return _core.CclRuntime(base, 0, rank, world, layout, config._runtime_args())
 
 
 def test_algorithm_by_size_rank_count_and_override():

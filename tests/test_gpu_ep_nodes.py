@@ -302,7 +302,7 @@ def _hostile_peer(rank: int, uid: bytes) -> dict:
     shape = (world, experts, hidden, topk, 64, llt)
     send, recv, sig, wsend, wrecv, csend, crecv = _core.ep_ll_window_offsets(shape, 2)
     record = _core.ep_ll_record_bytes(shape, 2, False)
-    area = shmem._s().window[0] + buf._rt.areas()["window_offset"]  # the same offset on both ranks
+    area = buf._rt.areas()["window"]  # at the same offset in the window on both ranks
     parity, seq, source = 1, 1, 1  # rank 0's first low-latency call; rank 1 writes as source 1
     claimed = (seq << 32) | 0xFFFFFFFF  # "this put carried 2^32 - 1 records"
     gen = torch.Generator(device="cuda").manual_seed(11)

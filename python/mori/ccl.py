@@ -63,7 +63,7 @@ class CclConfig:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.one_shot_max_bytes is not None and self.one_shot_max_bytes < 0:
             raise InvalidArgumentError("one_shot_max_bytes must be >= 0")
-        _core.ccl_check_config(*self._runtime_args())  # the kernels' limits (crates/collective)
+        _core.ccl_check_config(self._runtime_args())  # the kernels' limits (crates/collective)
 
     def _runtime_args(self) -> tuple:
         return self.buffer_bytes, self.one_shot_max_bytes, self.max_blocks, self.threads, float(self.timeout_s)
@@ -128,7 +128,7 @@ class Communicator:
         # Kernels, memory (the zeroed buffer on the heap; across nodes the cross-node slots in
         # the proxy window), plans and launches are Rust's (crates/collective/src/
         # communicator.rs), which also checks the node layout.
-        self._rt = _core.CclRuntime.create(shmem._s(), *self.config._runtime_args())
+        self._rt = _core.CclRuntime.create(shmem._s(), self.config._runtime_args())
         self._closed = False
         self.slot_bytes = self._rt.slot_bytes
         # The state words at the buffer's start: launches done (u64), then the error bits.

@@ -53,10 +53,9 @@ pub struct EpAreas {
     /// into (mori.ep's `get_combine_input`); across nodes also the relay area.
     pub comb_in: u64,
     pub low_latency: Option<LowLatencyBuffers>,
-    /// Across nodes: the geometry and the internode areas.
+    /// Across nodes: the geometry and the internode areas (`window`: this rank's address of
+    /// the area in the proxy window, at the same offset on every rank).
     pub internode: Option<Internode>,
-    /// Across nodes: the offset of the internode area in the proxy window (the same on every rank).
-    pub window_offset: Option<u64>,
 }
 
 /// The node count of `nodes` (every node's PEs, as mori.shmem groups them) after checking the
@@ -209,7 +208,9 @@ impl EpMemory {
     /// not leave the others waiting in the frees).
     pub fn free(self, shmem: &Shmem) -> Result<()> {
         let synced = shmem.device().synchronize();
-        let freed = Heap::release(shmem, &self.heap, self.areas.window_offset);
+        let window_offset =
+            (self.areas.internode).map(|geo| geo.window - shmem.state().window_base);
+        let freed = Heap::release(shmem, &self.heap, window_offset);
         synced?;
         freed
     }
@@ -393,7 +394,7 @@ impl Ep {
         } else {
             None
         };
-        let (internode, window_offset) = if nodes > 1 {
+        let internode = if nodes > 1 {
             let sizes = Internode::sizes(&shape, nodes);
             let counts = heap.alloc(sizes.counts_bytes, true)?;
             let flags = heap.alloc(sizes.flags_bytes, true)?;
@@ -412,16 +413,15 @@ impl Ep {
                 window: heap.shmem.state().window_base + offset,
                 ..Internode::geometry(&shape, nodes)
             };
-            (Some(geo), Some(offset))
+            Some(geo)
         } else {
-            (None, None)
+            None
         };
         Ok(EpAreas {
             normal,
             comb_in,
             low_latency,
             internode,
-            window_offset,
         })
     }
 

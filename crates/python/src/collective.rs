@@ -101,7 +101,7 @@ pub fn kernel_params<'py>(
 pub struct CclRuntime {
     session: Option<Arc<Mutex<Option<mori_shmem::Shmem>>>>,
     inner: Communicator,
-    /// What `create` allocated (None once destroyed); None for a runtime on the caller's buffer.
+    /// What `create` allocated (None once destroyed); None for a planner.
     memory: Option<Mutex<Option<CclMemory>>>,
 }
 
@@ -130,7 +130,7 @@ where
 }
 
 /// The lock on what `create` allocated, held while launching so it is not freed meanwhile
-/// (None for a runtime on the caller's memory); `closed` once it was freed.
+/// (None for a planner); `closed` once it was freed.
 fn alive<'a, M>(
     memory: &'a Option<Mutex<Option<M>>>,
     closed: &str,
@@ -175,13 +175,12 @@ impl CclRuntime {
     }
 }
 
-fn ccl_config(
-    buffer_bytes: u64,
-    one_shot_max_bytes: Option<u64>,
-    max_blocks: u32,
-    threads: u32,
-    timeout_s: f64,
-) -> Result<CclConfig> {
+/// mori.ccl's CclConfig as Python passes it (`CclConfig._runtime_args`): buffer bytes, the
+/// one-shot limit, max blocks, threads, timeout in seconds.
+type CclConfigArgs = (u64, Option<u64>, u32, u32, f64);
+
+fn ccl_config(args: CclConfigArgs) -> Result<CclConfig> {
+    let (buffer_bytes, one_shot_max_bytes, max_blocks, threads, timeout_s) = args;
     let invalid = |m: String| mori_collective::Error::InvalidArgument(m);
     if timeout_s.is_nan() || timeout_s <= 0.0 {
         return Err(invalid(format!("timeout_s must be positive, got {timeout_s}")).into());
@@ -201,21 +200,8 @@ fn ccl_config(
 
 /// Checks a communicator's sizes (mori.ccl's CclConfig) against the kernels' limits.
 #[pyfunction]
-pub fn ccl_check_config(
-    buffer_bytes: u64,
-    one_shot_max_bytes: Option<u64>,
-    max_blocks: u32,
-    threads: u32,
-    timeout_s: f64,
-) -> Result<()> {
-    ccl_config(
-        buffer_bytes,
-        one_shot_max_bytes,
-        max_blocks,
-        threads,
-        timeout_s,
-    )
-    .map(|_| ())
+pub fn ccl_check_config(config: CclConfigArgs) -> Result<()> {
+    ccl_config(config).map(|_| ())
 }
 
 #[pymethods]
@@ -225,26 +211,15 @@ impl CclRuntime {
     /// buffer at `base` and the proxy-window area at `x_base` (addresses written into the
     /// parameters only). `create` makes a runtime that launches.
     #[new]
-    #[allow(clippy::too_many_arguments)]
     fn new(
         base: u64,
         x_base: u64,
         rank: usize,
         world: usize,
         nodes: Vec<Vec<usize>>,
-        buffer_bytes: u64,
-        one_shot_max_bytes: Option<u64>,
-        max_blocks: u32,
-        threads: u32,
-        timeout_s: f64,
+        config: CclConfigArgs,
     ) -> Result<Self> {
-        let config = ccl_config(
-            buffer_bytes,
-            one_shot_max_bytes,
-            max_blocks,
-            threads,
-            timeout_s,
-        )?;
+        let config = ccl_config(config)?;
         let nodes = node_count(&nodes)?;
         // SAFETY: without a module the communicator never launches; the addresses are only
         // written into planned parameters.
@@ -260,22 +235,8 @@ impl CclRuntime {
     /// heap (and across nodes its proxy-window area) and returns the runtime that launches on
     /// them (`mori_collective::communicator::Communicator::create`).
     #[staticmethod]
-    fn create(
-        py: Python<'_>,
-        session: &Shmem,
-        buffer_bytes: u64,
-        one_shot_max_bytes: Option<u64>,
-        max_blocks: u32,
-        threads: u32,
-        timeout_s: f64,
-    ) -> Result<Self> {
-        let config = ccl_config(
-            buffer_bytes,
-            one_shot_max_bytes,
-            max_blocks,
-            threads,
-            timeout_s,
-        )?;
+    fn create(py: Python<'_>, session: &Shmem, config: CclConfigArgs) -> Result<Self> {
+        let config = ccl_config(config)?;
         let (inner, memory) =
             py.detach(|| session.with(|s| Ok(Communicator::create(s, config)?)))?;
         Ok(Self {
@@ -407,7 +368,7 @@ impl CclRuntime {
 pub struct EpRuntime {
     session: Option<Arc<Mutex<Option<mori_shmem::Shmem>>>>,
     inner: ep_runtime::EpRuntime,
-    /// What `create` allocated (None once destroyed); None for a runtime over the caller's addresses.
+    /// What `create` allocated (None once destroyed); None for a planner.
     memory: Option<Mutex<Option<EpMemory>>>,
 }
 
@@ -418,7 +379,6 @@ type Alive<'a> = Option<std::sync::MutexGuard<'a, Option<EpMemory>>>;
 type PlannedEp = Option<Vec<(&'static str, u32, u32, u32, Vec<u8>)>>;
 
 impl EpRuntime {
-    /// The stream to launch on (None: plan only), after checking the session is alive.
     /// The stream to launch on (None: plan only), after checking the session is alive, and
     /// the guard that keeps `create`'s memory from being freed while the launches are made.
     fn stream(&self, stream: Option<usize>) -> Result<(Option<StreamHandle>, Alive<'_>)> {
@@ -433,8 +393,8 @@ impl EpRuntime {
         Ok((Some(StreamHandle::from_raw(stream)), alive))
     }
 
-    /// The lock on the memory `create` allocated (None for a runtime over the caller's
-    /// addresses); an error once destroyed.
+    /// The lock on the memory `create` allocated (None for a planner); an error once
+    /// destroyed.
     fn alive(&self) -> Result<Alive<'_>> {
         alive(&self.memory, "this mori.ep Buffer")
     }
@@ -443,7 +403,8 @@ impl EpRuntime {
         match self.alive()?.as_deref() {
             Some(Some(memory)) => Ok(f(memory)),
             _ => Err(crate::errors::Error::InvalidArgument(
-                "this EP runtime launches with its caller's memory (made by EpRuntime(...), not create)".into(),
+                "this EP runtime is a planner (EpRuntime(...)): only EpRuntime.create's has memory"
+                    .into(),
             )),
         }
     }
@@ -616,7 +577,8 @@ impl EpRuntime {
 
     /// This rank's addresses of what `create` allocated, by name: the normal mode's receive
     /// buffers (recv_x, recv_scales, recv_idx, recv_w, recv_src), comb_in, ll_rows (0 without
-    /// the low-latency mode), and `nodes` with, across nodes, `window_offset`.
+    /// the low-latency mode), and `nodes` with, across nodes, `window` (the area in the proxy
+    /// window, at the same offset on every rank).
     fn areas(&self) -> Result<std::collections::HashMap<&'static str, u64>> {
         self.owned(|m| {
             let a = m.areas();
@@ -630,8 +592,8 @@ impl EpRuntime {
                 ("ll_rows", a.low_latency.map_or(0, |l| l.rows)),
                 ("nodes", u64::from(a.internode.map_or(1, |i| i.nodes))),
             ]);
-            if let Some(offset) = a.window_offset {
-                named.insert("window_offset", offset);
+            if let Some(geo) = a.internode {
+                named.insert("window", geo.window);
             }
             named
         })
