@@ -365,7 +365,7 @@ struct Cluster {
     /// Staging buffers shared with peers on this host, by peer id (with the address; `None`:
     /// that peer is on another host, offers none, or `MORI_UMBP_SHM=0`), made at the first
     /// single get from the peer through a known route.
-    peer_staging: Mutex<HashMap<u64, (String, Option<Staging>)>>,
+    peer_staging: Arc<StagingByPeer>,
     /// Options of the connections to peers ([`peer_options`] of the client's options).
     opts: ClientOptions,
     /// Deadline of each call to a peer on a get path.
@@ -382,6 +382,10 @@ struct Cluster {
 
 /// A staging buffer shared with a daemon on this host, for single gets.
 type Staging = Arc<Mutex<SharedBuffer>>;
+
+/// Staging buffers by peer id, with the address each was made for (`None`: that peer offers
+/// none to this client).
+type StagingByPeer = Mutex<HashMap<u64, (String, Option<Staging>)>>;
 
 /// Most routes a client keeps for its gets ([`RouteCache`]).
 pub const ROUTE_CACHE_KEYS: usize = 1 << 16;
@@ -560,14 +564,54 @@ fn kept_for_peer<C: Clone>(
     make: impl FnOnce() -> Result<C>,
 ) -> Result<C> {
     let mut map = map.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some((a, c)) = map.get(&id)
-        && a == addr
-    {
-        return Ok(c.clone());
+    if let Some(c) = kept_at(&map, id, addr) {
+        return Ok(c);
     }
     let c = make()?;
     map.insert(id, (addr.to_string(), c.clone()));
     Ok(c)
+}
+
+/// What `map` keeps for peer `id` when it was made for `addr`.
+fn kept_at<C: Clone>(map: &HashMap<u64, (String, C)>, id: u64, addr: &str) -> Option<C> {
+    map.get(&id)
+        .filter(|(a, _)| a == addr)
+        .map(|(_, c)| c.clone())
+}
+
+/// The staging buffer shared with peer `id` at `addr` when it is on this host (`None`
+/// otherwise), kept in `map`; the first call asks the peer (`small`) for its memory's name and
+/// connects, blocking: an error when the peer did not answer (nothing is kept then).
+fn staging_for_peer(
+    map: &StagingByPeer,
+    small: &SmallOpsClient,
+    secret: &Arc<Secret>,
+    id: u64,
+    addr: &str,
+) -> Result<Option<Staging>> {
+    if !shm_enabled() {
+        return Ok(None);
+    }
+    let connect = || -> Result<Option<Staging>> {
+        let name = match small.call(small_ops::SHM_NAME, b"", None) {
+            Some(Ok(Some(name))) => name,
+            Some(Err(s)) => return Err(s.into()),
+            Some(Ok(None)) | None => return Ok(None),
+        };
+        Ok(SharedBuffer::connect(&name, secret, SHM_STAGING_BYTES)
+            .map_err(|e| tracing::debug!("peer {id} at {addr} is not on this host: {e}"))
+            .ok()
+            .map(|b| Arc::new(Mutex::new(b))))
+    };
+    kept_for_peer(map, id, addr, connect)
+}
+
+/// What reading one peer's keys of a batch gave.
+enum PeerRead {
+    Values(Vec<Option<Vec<u8>>>),
+    /// The peer did not answer whether it shares memory (within the peer deadline).
+    Unanswered,
+    Failed(tonic::Status),
 }
 
 impl Cluster {
@@ -648,32 +692,50 @@ impl Cluster {
         let mut fetched = Fetched::default();
         for (peer, (addr, idxs)) in groups {
             let pc = self.peer(peer, &addr)?;
-            let staging = match self.peer_staging(peer, &addr) {
-                Ok(staging) => staging,
-                // It did not answer whether it shares memory (within the peer deadline): its
-                // keys are misses, as after a failed batch.
-                Err(ClientError::Rpc(s))
-                    if is_transport(&s) || s.code() == tonic::Code::DeadlineExceeded =>
-                {
-                    self.unreachable(peer);
-                    fetched.missed.extend(idxs);
-                    continue;
-                }
-                Err(_) => None,
-            };
+            let small = self.small_peer(peer, &addr)?;
+            let (map, secret) = (Arc::clone(&self.peer_staging), Arc::clone(&self.secret));
             let wanted: Vec<Vec<u8>> = idxs.iter().map(|&i| keys[i].to_vec()).collect();
             let deadline = self.peer_deadline;
+            let known = kept_at(
+                &map.lock().unwrap_or_else(PoisonError::into_inner),
+                peer,
+                &addr,
+            );
             tasks.spawn(async move {
-                let res = peer_batch_get(pc, staging, wanted, (&addr, deadline)).await;
-                (peer, addr, idxs, res)
+                // The first batch to a peer asks whether it shares memory: a blocking round
+                // trip, made off the runtime's threads (the other groups go on meanwhile).
+                let staging = match known {
+                    Some(staging) => Ok(Ok(staging)),
+                    None => {
+                        let at = addr.clone();
+                        tokio::task::spawn_blocking(move || {
+                            staging_for_peer(&map, &small, &secret, peer, &at)
+                        })
+                        .await
+                    }
+                };
+                let staging = match staging {
+                    Ok(Ok(staging)) => staging,
+                    Ok(Err(ClientError::Rpc(s)))
+                        if is_transport(&s) || s.code() == tonic::Code::DeadlineExceeded =>
+                    {
+                        return (peer, addr, idxs, PeerRead::Unanswered);
+                    }
+                    Ok(Err(_)) | Err(_) => None,
+                };
+                let read = match peer_batch_get(pc, staging, wanted, (&addr, deadline)).await {
+                    Ok(values) => PeerRead::Values(values),
+                    Err(s) => PeerRead::Failed(s),
+                };
+                (peer, addr, idxs, read)
             });
         }
         let mut failure: Option<tonic::Status> = None;
         while let Some(done) = tasks.join_next().await {
-            let (peer, addr, idxs, res) =
+            let (peer, addr, idxs, read) =
                 done.map_err(|e| tonic::Status::internal(format!("client task failed: {e}")))?;
-            match res {
-                Ok(values) => {
+            match read {
+                PeerRead::Values(values) => {
                     let mut routes = learn.then(|| self.routes());
                     for (i, v) in idxs.into_iter().zip(values) {
                         match v {
@@ -687,11 +749,16 @@ impl Cluster {
                         }
                     }
                 }
-                Err(s) if is_transport(&s) => {
+                // Its keys are misses, as after a failed batch.
+                PeerRead::Unanswered => {
                     self.unreachable(peer);
                     fetched.missed.extend(idxs);
                 }
-                Err(s) => failure = failure.or(Some(s)),
+                PeerRead::Failed(s) if is_transport(&s) => {
+                    self.unreachable(peer);
+                    fetched.missed.extend(idxs);
+                }
+                PeerRead::Failed(s) => failure = failure.or(Some(s)),
             }
         }
         match failure {
@@ -735,26 +802,13 @@ impl Cluster {
     /// The staging buffer shared with peer `id` at `addr`, when it is on this host (`None`
     /// otherwise); an error when the peer did not answer the question (nothing is kept then).
     fn peer_staging(&self, id: u64, addr: &str) -> Result<Option<Staging>> {
-        if !shm_enabled() {
-            return Ok(None);
-        }
-        let connect = || -> Result<Option<Staging>> {
-            let name = match self
-                .small_peer(id, addr)?
-                .call(small_ops::SHM_NAME, b"", None)
-            {
-                Some(Ok(Some(name))) => name,
-                Some(Err(s)) => return Err(s.into()),
-                Some(Ok(None)) | None => return Ok(None),
-            };
-            Ok(
-                SharedBuffer::connect(&name, &self.secret, SHM_STAGING_BYTES)
-                    .map_err(|e| tracing::debug!("peer {id} at {addr} is not on this host: {e}"))
-                    .ok()
-                    .map(|b| Arc::new(Mutex::new(b))),
-            )
-        };
-        kept_for_peer(&self.peer_staging, id, addr, connect)
+        staging_for_peer(
+            &self.peer_staging,
+            &*self.small_peer(id, addr)?,
+            &self.secret,
+            id,
+            addr,
+        )
     }
 
     /// A single get from peer `id` at `addr`: through the staging buffer shared with it when it
@@ -1070,7 +1124,7 @@ impl Client {
                 peers: Mutex::new(HashMap::new()),
                 small_peers: Mutex::new(HashMap::new()),
                 routes: Mutex::new(RouteCache::default()),
-                peer_staging: Mutex::new(HashMap::new()),
+                peer_staging: Arc::new(Mutex::new(HashMap::new())),
                 master_small: small_ops_enabled().then(|| {
                     SmallOpsClient::new(
                         hostport,
