@@ -523,3 +523,37 @@ def test_the_node_grouped_combine_reference_is_not_the_flat_sum():
     assert not torch.equal(grouped, flat)
     with pytest.raises(AssertionError, match="combine"):
         ref.check_normal_combine(flat, grouped)
+
+
+def test_the_received_rows_are_exported_by_one_planned_kernel_and_bad_requests_are_refused():
+    from mori import _core
+    from mori.errors import InvalidArgumentError
+
+    w, e, h, k, tmax = 4, 64, 7168, 8, 512
+    a = [(i + 1) << 20 for i in range(13)]
+    recv = a[0:5]  # recv_x, recv_scales, recv_idx, recv_w, recv_src
+    rt = _core.EpRuntime((w, e, h, k, tmax, 0), a, None)
+    out = [(i + 100) << 20 for i in range(5)]
+    # FP8 rows with scales, the first 6 of 8 ids, 300 received padded to 416 rows: 26 blocks of 16 warps.
+    got = rt.export_received(None, h, h // 128, 6, 300, 416, tuple(out))
+    assert got == [("ep_export_received", 26, 512, 0, _core.kernel_params(
+        "ep_export_received", recv[0], h, recv[1], h // 128, recv[2], recv[3], recv[4], k, 6, 300, 416, *out))]
+    # More rows than 1024 blocks hold warps for: the grid stops at 1024 (the kernel strides).
+    big = rt.export_received(None, 2 * h, 0, k, w * tmax, w * tmax, (out[0], 0, 0, 0, 0))
+    assert big[0][1] == min((w * tmax + 15) // 16, 1024)
+    assert rt.export_received(None, 2 * h, 0, k, 0, 0, (0, 0, 0, 0, 0)) == []  # nothing received, no padding
+    for why, args in [
+        ("rows below num_recv", (2 * h, 0, k, 300, 299, (out[0], 0, 0, 0, 0))),
+        ("more than the buffer holds", (2 * h, 0, k, w * tmax + 1, w * tmax + 1, (out[0], 0, 0, 0, 0))),
+        ("k above the buffer's top-k", (2 * h, 0, k + 1, 10, 10, (out[0], 0, 0, 0, 0))),
+        ("rows wider than hidden bf16", (2 * h + 16, 0, k, 10, 10, (out[0], 0, 0, 0, 0))),
+        ("rows not a multiple of 16 bytes", (2 * h - 8, 0, k, 10, 10, (out[0], 0, 0, 0, 0))),
+        ("scales without an address", (h, h // 128, k, 10, 10, (out[0], 0, 0, 0, 0))),
+        ("an address without scales", (h, 0, k, 10, 10, (out[0], out[1], 0, 0, 0))),
+        ("no address for the rows", (2 * h, 0, k, 10, 10, (0, 0, 0, 0, 0))),
+    ]:
+        try:
+            rt.export_received(None, *args)
+        except InvalidArgumentError:
+            continue
+        raise AssertionError(f"export_received accepted {why}")

@@ -188,6 +188,42 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch(
     }
 }
 
+// The last dispatch's received rows copied out of the receive buffers into caller-owned
+// tensors of `rows` rows (>= num_recv), one warp per row: the row bytes (a multiple of 16), its
+// scales (scale_cols floats), the first k of its topk local expert ids and its weights with a
+// weight of 0 where the id is -1, and its source index (for rows < num_recv only). Rows past
+// num_recv are padding: zero bytes and scales, ids -1, weights 0. A null output is skipped.
+// (mori.ep.deepep: DeepEP's outputs are the caller's, and the next dispatch reuses the buffers.)
+extern "C" __global__ void __launch_bounds__(512) ep_export_received(
+    const unsigned char* __restrict__ recv_x, u64 row_bytes, const float* __restrict__ recv_scales, int scale_cols,
+    const long long* __restrict__ recv_idx, const float* __restrict__ recv_w, const int* __restrict__ recv_src,
+    int topk, int k, int num_recv, int rows, unsigned char* __restrict__ out_x, float* __restrict__ out_scales,
+    long long* __restrict__ out_idx, float* __restrict__ out_w, int* __restrict__ out_src) {
+    const int lane = lane_id();
+    const int warps = gridDim.x * (blockDim.x / 32);
+    for (int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
+        const u64 row = static_cast<u64>(r);
+        const bool got = r < num_recv;
+        if (got) {
+            warp_copy16(out_x + row * row_bytes, recv_x + row * row_bytes, row_bytes);
+        } else {
+            Vec16* d = reinterpret_cast<Vec16*>(out_x + row * row_bytes);
+            for (u64 i = lane; i < row_bytes / 16; i += 32) store_vec(d + i, Vec16{0, 0, 0, 0});
+        }
+        if (out_scales) {
+            for (int c = lane; c < scale_cols; c += 32) {
+                out_scales[row * scale_cols + c] = got ? recv_scales[row * scale_cols + c] : 0.0f;
+            }
+        }
+        if (lane < k) {
+            const long long id = got ? recv_idx[row * topk + lane] : -1;
+            if (out_idx) out_idx[row * k + lane] = id;
+            if (out_w) out_w[row * k + lane] = id >= 0 ? recv_w[row * topk + lane] : 0.0f;
+        }
+        if (out_src && got && lane == 0) out_src[r] = recv_src[r];
+    }
+}
+
 // On a receiver: every received row that came from another rank (rows are grouped by source)
 // goes back to its source's combine buffer at [me][slot]; this rank's own rows stay in y for the
 // reduce. rank_matrix is the dispatch's (the handle's copy). With weights `w` ([num_recv][topk]

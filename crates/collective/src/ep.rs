@@ -56,6 +56,31 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `ep_export_received`: copies the last dispatch's received rows into caller-owned
+    /// tensors (mori.ep.deepep's outputs), padded to `rows`.
+    pub struct EpExportReceived for &["ep_export_received"], Passing::Params => {
+        pub recv_x: DevicePtr,
+        pub row_bytes: u64,
+        pub recv_scales: DevicePtr,
+        pub scale_cols: i32,
+        pub recv_idx: DevicePtr,
+        pub recv_w: DevicePtr,
+        pub recv_src: DevicePtr,
+        pub topk: i32,
+        /// Ids and weights per row kept (<= topk).
+        pub k: i32,
+        pub num_recv: i32,
+        pub rows: i32,
+        pub out_x: DevicePtr,
+        /// 0: not wanted (and for each output below).
+        pub out_scales: DevicePtr,
+        pub out_idx: DevicePtr,
+        pub out_w: DevicePtr,
+        pub out_src: DevicePtr,
+    }
+}
+
+kernel_params! {
     /// `ep_combine_send`: copies expert outputs into the source ranks' combine buffers.
     pub struct EpCombineSend for &["ep_combine_send"], Passing::Params => {
         pub y: DevicePtr,

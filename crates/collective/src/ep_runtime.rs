@@ -13,8 +13,8 @@ use mori_gpu::jit::Module;
 use mori_gpu::kernels::LaunchConfig;
 
 use crate::ep::{
-    EpCombineReduce, EpCombineSend, EpDispatch, EpInternodeArgs, EpLlCombineRecv, EpLlCombineSend,
-    EpLlDispatchRecv, EpLlDispatchSend, EpLlRoute, EpPrepare,
+    EpCombineReduce, EpCombineSend, EpDispatch, EpExportReceived, EpInternodeArgs, EpLlCombineRecv,
+    EpLlCombineSend, EpLlDispatchRecv, EpLlDispatchSend, EpLlRoute, EpPrepare,
 };
 use crate::ep_buffers::SCALE_BLOCK;
 pub use crate::ep_internode::{INTERNODE_MAX_LOCAL, INTERNODE_MAX_NODES, Internode, LlWindow};
@@ -204,6 +204,39 @@ pub struct CombineWeights {
     pub out: u64,
 }
 
+/// Where [`EpRuntime::export_received`] copies the received rows: device addresses of
+/// caller-owned tensors (0: not wanted; `x` is required).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExportTo {
+    /// `rows` rows of the dispatch's row bytes.
+    pub x: u64,
+    /// `rows` x scale_cols f32.
+    pub scales: u64,
+    /// `rows` x k int64 local expert ids (-1 elsewhere and in padding).
+    pub idx: u64,
+    /// `rows` x k f32 weights (0 where the id is -1).
+    pub w: u64,
+    /// `num_recv` int32 source token indices.
+    pub src: u64,
+}
+
+/// The kernels of `kernels/ep/intranode.cu` and `kernels/ep/low_latency.cu` a runtime loads:
+/// every entry point of each (a test checks against the sources).
+const INTRANODE_ENTRIES: [&str; 5] = [
+    "ep_prepare",
+    "ep_dispatch",
+    "ep_export_received",
+    "ep_combine_send",
+    "ep_combine_reduce",
+];
+const LOW_LATENCY_ENTRIES: [&str; 5] = [
+    "ep_ll_route",
+    "ep_ll_dispatch_send",
+    "ep_ll_dispatch_recv",
+    "ep_ll_combine_send",
+    "ep_ll_combine_recv",
+];
+
 /// A planned launch: its entry, grid, block, shared bytes and parameter bytes.
 pub type Planned = (&'static str, u32, u32, u32, Vec<u8>);
 
@@ -282,22 +315,11 @@ impl EpRuntime {
         }
         let mut kernels = Vec::new();
         if let Some((intranode, low_latency)) = &modules {
-            for entry in [
-                "ep_prepare",
-                "ep_dispatch",
-                "ep_combine_send",
-                "ep_combine_reduce",
-            ] {
+            for entry in INTRANODE_ENTRIES {
                 kernels.push(Kernel::load(intranode, entry)?);
             }
             if let Some(m) = low_latency {
-                for entry in [
-                    "ep_ll_dispatch_send",
-                    "ep_ll_dispatch_recv",
-                    "ep_ll_combine_send",
-                    "ep_ll_combine_recv",
-                    "ep_ll_route",
-                ] {
+                for entry in LOW_LATENCY_ENTRIES {
                     kernels.push(Kernel::load(m, entry)?);
                 }
             }
@@ -629,6 +651,84 @@ impl EpRuntime {
         unsafe { crate::host::wait_word(self.normal.host_info as *const i32, seq, timeout) }
     }
 
+    /// Copies the last dispatch's `num_recv` received rows (`row_bytes` each, `scale_cols` FP8
+    /// scales, the first `k` ids and weights per row) out of the receive buffers into `to`,
+    /// padded to `rows` (mori.ep.deepep: DeepEP's outputs belong to the caller, and the next
+    /// dispatch reuses the buffers). One kernel for what would be a copy per output.
+    ///
+    /// # Safety
+    /// The addresses in `to` valid for `rows` rows (`src`: `num_recv`) until the kernel has
+    /// run, and no dispatch of this buffer queued before it on another stream.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn export_received(
+        &self,
+        row_bytes: u64,
+        scale_cols: u32,
+        k: u32,
+        num_recv: u32,
+        rows: u32,
+        to: ExportTo,
+        stream: Option<StreamHandle>,
+    ) -> Result<Vec<Planned>> {
+        if rows == 0 {
+            return Ok(Vec::new()); // nothing received and no padding: empty outputs
+        }
+        let s = &self.shape;
+        let capacity = u64::from(s.num_ranks) * u64::from(s.max_tokens);
+        let bad = if to.x == 0 {
+            Some("no address for the rows".to_string())
+        } else if row_bytes == 0
+            || !row_bytes.is_multiple_of(16)
+            || row_bytes > u64::from(s.hidden) * 2
+        {
+            Some(format!("rows of {row_bytes} bytes (hidden {})", s.hidden))
+        } else if scale_cols > s.hidden / SCALE_BLOCK || (scale_cols > 0) != (to.scales != 0) {
+            Some(format!(
+                "{scale_cols} scale columns with scales at {:#x}",
+                to.scales
+            ))
+        } else if k > s.topk {
+            Some(format!("{k} ids per row of a buffer of top-k {}", s.topk))
+        } else if u64::from(num_recv) > capacity || num_recv > rows {
+            Some(format!(
+                "{num_recv} received rows into {rows} (the buffer holds {capacity})"
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = bad {
+            return Err(Error::InvalidArgument(format!("export_received: {why}")));
+        }
+        let b = &self.normal;
+        let p = EpExportReceived {
+            recv_x: DevicePtr(b.recv_x),
+            row_bytes,
+            recv_scales: DevicePtr(b.recv_scales),
+            scale_cols: int(scale_cols),
+            recv_idx: DevicePtr(b.recv_idx),
+            recv_w: DevicePtr(b.recv_w),
+            recv_src: DevicePtr(b.recv_src),
+            topk: int(s.topk),
+            k: int(k),
+            num_recv: int(num_recv),
+            rows: int(rows),
+            out_x: DevicePtr(to.x),
+            out_scales: DevicePtr(to.scales),
+            out_idx: DevicePtr(to.idx),
+            out_w: DevicePtr(to.w),
+            out_src: DevicePtr(to.src),
+        };
+        // A warp per row, 16 per block.
+        let blocks = rows.div_ceil(16).min(1024);
+        // SAFETY: the caller's guarantee for `to`; the receive buffers are `new`'s.
+        unsafe {
+            self.run(
+                vec![launch("ep_export_received", blocks, 512, 0, p)],
+                stream,
+            )
+        }
+    }
+
     /// A normal combine of `num_recv` received rows `y` back into `out` (`num_tokens` rows):
     /// the copy into the source ranks' combine buffers (skipped when `y` is the heap's combine
     /// input: `y_on_heap`, the caller then fences all ranks around this call) and the reduce;
@@ -950,5 +1050,36 @@ impl EpRuntime {
         let l = launch("ep_ll_combine_recv", LL_SEND_BLOCKS, 512, 0, p);
         // SAFETY: the caller's guarantee.
         unsafe { self.run(vec![l], stream) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{INTRANODE_ENTRIES, LOW_LATENCY_ENTRIES};
+
+    /// The `extern "C" __global__` entry points of a kernel source, in order.
+    fn entries(source: &str) -> Vec<&str> {
+        source
+            .split("extern \"C\" __global__")
+            .skip(1)
+            .filter_map(|rest| {
+                // `void [__launch_bounds__(n)] name(`
+                let rest = rest.trim_start().strip_prefix("void")?.trim_start();
+                let rest = match rest.strip_prefix("__launch_bounds__") {
+                    Some(bounds) => &bounds[bounds.find(')')? + 1..],
+                    None => rest,
+                };
+                rest[..rest.find('(')?].split_whitespace().last()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_runtime_loads_every_kernel_of_its_modules() {
+        // A kernel planned but not loaded fails at its first launch on the GPU only.
+        let intranode = include_str!("../../../kernels/ep/intranode.cu");
+        let ll = include_str!("../../../kernels/ep/low_latency.cu");
+        assert_eq!(entries(intranode), INTRANODE_ENTRIES);
+        assert_eq!(entries(ll), LOW_LATENCY_ENTRIES);
     }
 }

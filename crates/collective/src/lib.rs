@@ -21,10 +21,11 @@ pub use launch::Kernel;
 pub use params::{DevicePtr, KernelParams, Layout, Packed, Packer, Value};
 
 /// The layout of every parameter struct.
-pub fn layouts() -> [&'static Layout; 11] {
+pub fn layouts() -> [&'static Layout; 12] {
     [
         ep::EpPrepare::layout(),
         ep::EpDispatch::layout(),
+        ep::EpExportReceived::layout(),
         ep::EpCombineSend::layout(),
         ep::EpCombineReduce::layout(),
         ep::EpLlDispatchSend::layout(),

@@ -725,6 +725,37 @@ impl EpRuntime {
         Ok(planned(stream, l))
     }
 
+    /// Copies the last dispatch's received rows into caller-owned tensors at `to` = (rows,
+    /// scales, ids, weights, source indices; 0: not wanted), padded to `rows`
+    /// (`mori_collective::ep_runtime::EpRuntime::export_received`).
+    #[allow(clippy::too_many_arguments)]
+    fn export_received(
+        &self,
+        stream: Option<usize>,
+        row_bytes: u64,
+        scale_cols: u32,
+        k: u32,
+        num_recv: u32,
+        rows: u32,
+        to: (u64, u64, u64, u64, u64),
+    ) -> Result<PlannedEp> {
+        let (stream, _alive) = self.stream(stream)?;
+        let to = ep_runtime::ExportTo {
+            x: to.0,
+            scales: to.1,
+            idx: to.2,
+            w: to.3,
+            src: to.4,
+        };
+        // SAFETY: mori.ep.deepep allocates every output for `rows` rows (src: num_recv) on this
+        // GPU and queues the copy on the dispatch's stream, right after it.
+        let l = unsafe {
+            self.inner
+                .export_received(row_bytes, scale_cols, k, num_recv, rows, to, stream)
+        }?;
+        Ok(planned(stream, l))
+    }
+
     /// `fp8`: None for BF16, else (round_scale, ue8m0, column-major scales).
     fn ll_dispatch_send(
         &self,

@@ -354,6 +354,25 @@ class Buffer:
             Handle(handle.meta, n, w, cfg.num_experts, num_recv),
         )
 
+    def _export_received(self, res: DispatchResult, rows: int, k: int, *, topk: bool, source: bool) -> tuple:
+        """(rows, FP8 scales or None, top-k ids [rows, k] or None, weights [rows, k] or None,
+        source indices [num_recv] or None): the dispatch ``res``'s received rows copied out of the
+        receive buffers into new tensors by one kernel on the current stream, padded to ``rows``
+        (zero rows and scales, ids -1, weights 0), the weights 0 where the id is -1, ids and
+        weights only when ``topk``, source indices only when ``source``. mori.ep.deepep's
+        outputs (DeepEP's are the caller's; the next dispatch reuses these buffers)."""
+        import torch
+
+        n, h, dev = int(res.recv_x.shape[0]), self.config.hidden, res.recv_x.device
+        x = torch.empty((rows, h), dtype=res.recv_x.dtype, device=dev)
+        scales = None if res.recv_x_scales is None else torch.empty((rows, h // SCALE_BLOCK), dtype=torch.float32, device=dev)
+        idx = torch.empty((rows, k), dtype=torch.int64, device=dev) if topk else None
+        w = torch.empty((rows, k), dtype=torch.float32, device=dev) if topk else None
+        src = torch.empty(n, dtype=torch.int32, device=dev) if source else None
+        self._rt.export_received(self._stream(None), h * x.element_size(), 0 if scales is None else h // SCALE_BLOCK, k, n, rows,
+                                 (x.data_ptr(), _ptr(scales), _ptr(idx), _ptr(w), _ptr(src)))
+        return x, scales, idx, w, src
+
     def get_combine_input(self, handle: Handle) -> Any:
         """A bf16 [num_recv, hidden] tensor on the symmetric heap to write expert outputs into.
         Passing it to :meth:`combine` skips the copy of the outputs into the peers' combine

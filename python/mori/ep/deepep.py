@@ -676,7 +676,9 @@ class Buffer:
         without ``topk_idx`` the dispatch goes by ``is_token_in_rank`` (module docstring) and
         returns None for the top-k ids and weights. ``config.num_sms`` is the SM budget;
         ``num_tokens_per_rdma_rank`` is ignored; streams as in the module docstring. Returned
-        tensors are the caller's (copies of mori's receive rows), as with DeepEP."""
+        tensors are the caller's (copies of mori's receive rows), as with DeepEP. The handle keeps
+        ``topk_idx`` and ``is_token_in_rank`` as passed (DeepEP's keeps ``is_token_in_rank``):
+        changed in place, they change what a cached dispatch with it routes by."""
         self._check_alive()
         if expert_alignment < 1:
             raise InvalidArgumentError(f"expert_alignment must be >= 1, got {expert_alignment}")
@@ -720,13 +722,13 @@ class Buffer:
                 handle.zero_weights = torch.zeros((n, k), dtype=torch.float32, device=topk_idx.device)
                 topk_weights = handle.zero_weights
             return self._run_dispatch(
-                scope, x_data, x_scales, topk_idx, topk_weights, handle, layout_only, num_tokens_per_expert, num_experts,
-                expert_alignment, num_worst_tokens, config, async_finish,
+                scope, x_data, x_scales, topk_idx, topk_weights, handle, layout_only, is_token_in_rank, num_tokens_per_expert,
+                num_experts, expert_alignment, num_worst_tokens, config, async_finish,
             )
 
     def _run_dispatch(
         self, scope: _StreamScope | _CallerStream, x_data: Any, x_scales: Any, topk_idx: Any, topk_weights: Any, handle: Any, layout_only: bool,
-        num_tokens_per_expert: Any, num_experts: int, expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
+        in_rank: Any, num_tokens_per_expert: Any, num_experts: int, expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
         async_finish: bool,
     ) -> tuple[Any, Any, Any, Any, Any, EventOverlap]:
         import torch
@@ -757,40 +759,20 @@ class Buffer:
         rows = max(num_recv, num_worst_tokens)
         if num_worst_tokens and num_recv > num_worst_tokens:
             raise InvalidArgumentError(f"received {num_recv} tokens, more than num_worst_tokens={num_worst_tokens}")
-
-        def padded(t: Any, fill: int) -> Any:
-            # A copy (the buffer's rows are overwritten by the next dispatch), padded to `rows`.
-            if rows == num_recv:
-                return t.clone(memory_format=torch.contiguous_format)
-            out = torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            out[:num_recv].copy_(t)
-            if rows > num_recv:
-                tail = out[num_recv:]
-                (tail.view(torch.uint8) if fill == 0 else tail).fill_(fill)  # bytes: fp8 has no fill
-            return out
-
-        recv_x = padded(res.recv_x, 0)
-        recv_x = (recv_x, padded(res.recv_x_scales, 0)) if x_scales is not None else recv_x
+        # The caller's copies (the buffer's rows are overwritten by the next dispatch), padded to
+        # `rows`, made by one kernel.
+        want_topk = handle is None and not layout_only
+        data, scales, recv_idx, recv_w, recv_src = self._mori._export_received(res, rows, k, topk=want_topk, source=handle is None)
+        recv_x = (data, scales) if x_scales is not None else data
         inputs = (x_data, x_scales, topk_idx, topk_weights)
         if handle is not None:
             return recv_x, None, None, None, None, scope.finish(async_finish, inputs, recv_x)
-        if layout_only:
-            recv_idx = recv_w = None
-            received = [] if num_worst_tokens else res.num_recv_tokens_per_expert
-        else:
-            recv_idx = padded(res.recv_topk_idx[:, :k], -1)
-            masked = torch.where(res.recv_topk_idx[:, :k] >= 0, res.recv_topk_weights[:, :k], 0.0)
-            if rows == num_recv:
-                recv_w = masked
-            else:
-                recv_w = torch.zeros((rows, k), dtype=torch.float32, device=recv_idx.device)
-                recv_w[:num_recv] = masked
-            received = [] if num_worst_tokens else res.num_recv_tokens_per_expert
+        received = [] if num_worst_tokens else res.num_recv_tokens_per_expert
         per_expert = list(received) if expert_alignment == 1 else [_round_up(int(c), expert_alignment) for c in received]
         mh = res.handle
         new_handle = _NormalHandle(
-            (torch.cumsum(mh.rank_matrix, dim=0, dtype=torch.int32), None, None, res.recv_src_idx.clone(), mh.is_token_in_rank, None),
-            mori=mh, owner=self, generation=self._generation, topk_idx=topk_idx.clone(), num_experts=num_experts,
+            (torch.cumsum(mh.rank_matrix, dim=0, dtype=torch.int32), None, None, recv_src, in_rank, None),
+            mori=mh, owner=self, generation=self._generation, topk_idx=topk_idx, num_experts=num_experts,
             zero_weights=None,
             num_tokens=n, num_recv=num_recv, hidden=hidden,
         )
