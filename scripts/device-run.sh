@@ -9,7 +9,9 @@
 # World size: the multi-rank GPU suites read MORI_TEST_WORLD from the environment (default 2);
 # benchmarks take --world (e.g. bench:ccl:--world,4).
 # Evidence: every pytest step writes a JUnit XML report to $OUT/tests/ (NN-<tests>-world<W>.xml),
-# to be committed under benches/results/tests/ beside the benchmark records.
+# to be committed under benches/results/tests/ beside the benchmark records. Pytest runs with -s:
+# the ranks' processes write their case timings and failures straight to pytest.txt, so a step
+# stopped by BUDGET (device-pack.sh) still shows how far each rank got.
 set -uo pipefail
 # NVLink multicast must never be used on the shared host.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -58,11 +60,11 @@ for step in "$@"; do
       python3 -m mori precompile 2>&1 | tee "$OUT/precompile.txt" || status=1 ;;
     tests)
       junit all
-      python3 -m pytest tests -rs -q -p no:cacheprovider --timeout 90 --junitxml="$report" 2>&1 | tee -a "$OUT/pytest.txt"
+      python3 -m pytest tests -rs -q -s -p no:cacheprovider --timeout 90 --junitxml="$report" 2>&1 | tee -a "$OUT/pytest.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     tests:*)
       junit "${step#tests:}"
-      python3 -m pytest -rs -q -p no:cacheprovider --timeout 90 --junitxml="$report" ${step#tests:} 2>&1 | tee -a "$OUT/pytest.txt"
+      python3 -m pytest -rs -q -s -p no:cacheprovider --timeout 90 --junitxml="$report" ${step#tests:} 2>&1 | tee -a "$OUT/pytest.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench:*)
       spec=${step#bench:}; name=${spec%%:*}; args=""; [ "$spec" != "$name" ] && args=${spec#*:}
