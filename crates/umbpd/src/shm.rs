@@ -652,6 +652,21 @@ impl SharedBuffer {
         })
     }
 
+    /// The connection in `slot`, made (with the handshake that hands the buffer over) when
+    /// there is none.
+    fn connected<'a>(
+        &self,
+        slot: &'a mut Option<UnixStream>,
+    ) -> Result<&'a mut UnixStream, Status> {
+        match slot {
+            Some(stream) => Ok(stream),
+            None => Ok(slot.insert(
+                handshake(&self.name, &self.secret, &self.fd, self.map.len())
+                    .map_err(unavailable)?,
+            )),
+        }
+    }
+
     /// Sends `req` and returns its answer's found body. On a connection that served before and
     /// now fails (closed while idle, or after a refused request) the request is sent once more
     /// on a new one: a get only reads, so asking twice is safe. `UNAVAILABLE` when no
@@ -663,13 +678,7 @@ impl SharedBuffer {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         loop {
             let fresh = slot.is_none();
-            let stream = match slot.as_mut() {
-                Some(stream) => stream,
-                None => slot.insert(
-                    handshake(&self.name, &self.secret, &self.fd, self.map.len())
-                        .map_err(unavailable)?,
-                ),
-            };
+            let stream = self.connected(&mut slot)?;
             let mut body = Vec::new();
             match stream
                 .write_all(req)
@@ -736,13 +745,7 @@ impl SharedBuffer {
                 .stream
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let stream = match slot.as_mut() {
-                Some(stream) => stream,
-                None => slot.insert(
-                    handshake(&self.name, &self.secret, &self.fd, self.map.len())
-                        .map_err(unavailable)?,
-                ),
-            };
+            let stream = self.connected(&mut slot)?;
             let mut pipelined = || -> Result<(), Status> {
                 let (req, mut sent) = many_request(keys, rooms[0])?;
                 stream.write_all(&req).map_err(unavailable)?;

@@ -113,20 +113,30 @@ fn get_into_request(key: &[u8], offset: u64, cap: u64) -> Vec<u8> {
 /// Values of 1 B to 3 MiB land byte-exact at the offsets asked for, the bytes around them keep
 /// the client's pattern, an absent key answers None and writes nothing, a value longer than the
 /// room asked for fails INVALID_ARGUMENT, and two clients' buffers are their own.
+/// Stores a value of each of `sizes` (bytes seeded from `seed` + its index) under
+/// `{prefix}-{index}`: the keys and the values.
+fn put_sized(c: &Client, prefix: &str, seed: u64, sizes: &[usize]) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let keys: Vec<Vec<u8>> = (0..sizes.len())
+        .map(|i| format!("{prefix}-{i}").into_bytes())
+        .collect();
+    let values: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| bytes(seed + i as u64, n))
+        .collect();
+    for (k, v) in keys.iter().zip(&values) {
+        assert!(c.put(k, v).unwrap());
+    }
+    (keys, values)
+}
+
 #[test]
 fn shared_buffers_take_values_straight_from_the_pool_and_nowhere_else() {
     let dir = tempfile::tempdir().unwrap();
     let d = standalone(dir.path());
     let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
     let sizes = [1usize, 4096, 65536 + 3, 1 << 20, 3 << 20];
-    let values: Vec<Vec<u8>> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| bytes(70 + i as u64, n))
-        .collect();
-    for (i, v) in values.iter().enumerate() {
-        assert!(c.put(format!("shm-{i}").as_bytes(), v).unwrap());
-    }
+    let (_, values) = put_sized(&c, "shm", 70, &sizes);
     let len = 8 << 20;
     let buf = c.shared_buffer(len).unwrap();
     let before = c.health().unwrap();
@@ -351,17 +361,7 @@ fn batches_fill_the_shared_buffer_with_what_fits_and_ask_again_for_the_rest() {
     let d = standalone(dir.path());
     let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
     let sizes = [300_000usize, 1, 400_000, 2 << 20, 500_000];
-    let values: Vec<Vec<u8>> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| bytes(900 + i as u64, n))
-        .collect();
-    let keys: Vec<Vec<u8>> = (0..sizes.len())
-        .map(|i| format!("many-{i}").into_bytes())
-        .collect();
-    for (k, v) in keys.iter().zip(&values) {
-        assert!(c.put(k, v).unwrap());
-    }
+    let (keys, values) = put_sized(&c, "many", 900, &sizes);
     let len = 1 << 20;
     let buf = c.shared_buffer(len).unwrap();
     // SAFETY: the buffer's mapping, written only by this thread and the daemon (during
@@ -483,14 +483,7 @@ fn single_gets_take_shared_memory_on_the_same_host_and_small_ops_beyond_it() {
     );
     let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
     let big = mori_umbpd::client::SHM_STAGING_BYTES + 4096;
-    let values: Vec<Vec<u8>> = [4096usize, 1 << 20, big]
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| bytes(300 + i as u64, n))
-        .collect();
-    for (i, v) in values.iter().enumerate() {
-        assert!(c.put(format!("g-{i}").as_bytes(), v).unwrap());
-    }
+    let (_, values) = put_sized(&c, "g", 300, &[4096, 1 << 20, big]);
     let h0 = c.health().unwrap();
     assert_eq!(c.get(b"g-0").unwrap().as_deref(), Some(&values[0][..]));
     assert_eq!(c.get(b"g-1").unwrap().as_deref(), Some(&values[1][..]));
@@ -663,17 +656,7 @@ fn batches_read_half_the_buffer_at_a_time_while_the_other_half_fills() {
     let mut sizes: Vec<usize> = (0..30).map(|i| 100_000 + (i * 7_919) % 200_000).collect();
     sizes.insert(11, 700_000);
     sizes.insert(20, 1_500_000);
-    let values: Vec<Vec<u8>> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| bytes(1200 + i as u64, n))
-        .collect();
-    let keys: Vec<Vec<u8>> = (0..sizes.len())
-        .map(|i| format!("halves-{i}").into_bytes())
-        .collect();
-    for (k, v) in keys.iter().zip(&values) {
-        assert!(c.put(k, v).unwrap());
-    }
+    let (keys, values) = put_sized(&c, "halves", 1200, &sizes);
     let buf = c.shared_buffer(len).unwrap();
     let mut ask: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
     ask.insert(5, b"halves-absent");
