@@ -151,10 +151,10 @@ KERNELS = Path(__file__).parent.parent / "kernels" / "ep"
 # (P pointer, i int32, Q uint64; native alignment, no tail padding), with the fields added
 # since: the low-latency dispatch's round_scale (send), scale_format and wait_ns (receive), the
 # low-latency combine's wait_ns (receive), the normal prepare's capacity and expert_counts, the
-# normal combine's weights (w, comb_w, topk, send_rows / out_w), and the low-latency mode's ranks
-# per node and window areas (ep_ll_route is new with those).
+# normal combine's weights (w, comb_w, topk, send_rows / out_w), the low-latency mode's ranks
+# per node and window areas (ep_ll_route is new with those), and the layout's in_rank.
 OLD_LAYOUTS = {
-    "ep_prepare": "PiiiiiPPPPPPiPPPiiP",
+    "ep_prepare": "PiiiiiPPPPPPiPPPiiP" + "P",
     "ep_dispatch": "PQPiPPiiiiPPPPPPPPP",
     "ep_combine_send": "PQiiPPQPPPii",
     "ep_combine_reduce": "PiPQiiiPPPPPiP",
@@ -319,12 +319,12 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
         rt = _core.EpRuntime((w, e, h, k, tmax, tll), a, ll)
         n, topk_idx, weights, x, scales, meta, out, y, counts, out_w = 37, *[rng.getrandbits(40) << 4 for _ in range(9)]
 
-        def prepare(parity, notify, seq, expert_counts=0):
+        def prepare(parity, notify, seq, expert_counts=0, in_rank=0):
             nw = n * w
             return ("ep_prepare", w + 1, 1024, 0, packed(
                 "ep_prepare", topk_idx, n, k, el, w, e, meta, meta + 4 * nw, meta + 8 * nw, meta + 4 * (2 * nw + w),
                 meta + 4 * (2 * nw + w + e), counters, int(notify), rank_m[parity], expert_m[parity], host_info, seq, tmax,
-                expert_counts))
+                expert_counts, in_rank))
 
         def layout_part(offset):
             return meta + 4 * offset
@@ -334,6 +334,7 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
         assert rt.layout_len(n) == 2 * nw + w + e + w * w
         # A layout, two dispatches (parity 0 then 1, sequence 1 then 2), a layout after them.
         assert rt.layout(None, topk_idx, n, meta) == [prepare(0, False, 0)]
+        assert rt.layout(None, topk_idx, n, meta, out_w) == [prepare(0, False, 0, in_rank=out_w)]  # is_token_in_rank too
         for parity, seq, fp8 in ((0, 1, False), (1, 2, True)):
             row_bytes, cols = (h, h // 128) if fp8 else (2 * h, 0)
             # The second carries the caller's counts per expert (a dispatch by layout alone).
@@ -537,7 +538,19 @@ def test_the_received_rows_are_exported_by_one_planned_kernel_and_bad_requests_a
     # FP8 rows with scales, the first 6 of 8 ids, 300 received padded to 416 rows: 26 blocks of 16 warps.
     got = rt.export_received(None, h, h // 128, 6, 300, 416, tuple(out))
     assert got == [("ep_export_received", 26, 512, 0, _core.kernel_params(
-        "ep_export_received", recv[0], h, recv[1], h // 128, recv[2], recv[3], recv[4], k, 6, 300, 416, *out))]
+        "ep_export_received", recv[0], h, recv[1], h // 128, recv[2], recv[3], recv[4], k, 6, 300, 416, *out, 0, w, 0))]
+    # With the rank prefix matrix: summed from the rank matrix of the dispatch's layout area (37 tokens).
+    meta, prefix = 7 << 30, 9 << 30
+    rank_matrix = meta + 4 * (2 * 37 * w + w + e)
+    got = rt.export_received(None, h, h // 128, 6, 300, 416, tuple(out), (prefix, meta, 37))
+    assert got == [("ep_export_received", 26, 512, 0, _core.kernel_params(
+        "ep_export_received", recv[0], h, recv[1], h // 128, recv[2], recv[3], recv[4], k, 6, 300, 416, *out, rank_matrix, w,
+        prefix))]
+    # Nothing received and no padding: one block still writes the prefix matrix (the rows' outputs are empty).
+    assert rt.export_received(None, 2 * h, 0, k, 0, 0, (0, 0, 0, 0, 0), (prefix, meta, 37)) == [
+        ("ep_export_received", 1, 512, 0, _core.kernel_params(
+            "ep_export_received", recv[0], 2 * h, recv[1], 0, recv[2], recv[3], recv[4], k, k, 0, 0, 0, 0, 0, 0, 0, rank_matrix, w,
+            prefix))]
     # More rows than 1024 blocks hold warps for: the grid stops at 1024 (the kernel strides).
     big = rt.export_received(None, 2 * h, 0, k, w * tmax, w * tmax, (out[0], 0, 0, 0, 0))
     assert big[0][1] == min((w * tmax + 15) // 16, 1024)

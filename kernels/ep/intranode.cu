@@ -62,13 +62,15 @@ __device__ __forceinline__ unsigned int next_item(unsigned int* work) {
 // host_info = [seq, rows received, rows per local expert..., bad ids, the most tokens any rank
 // has] with host_info[0] written last; `counters->overflow` tells ep_dispatch when that is more
 // than `capacity`. `expert_counts` (int32 [num_experts], else null) replaces the counts per
-// expert (a dispatch by layout alone reports the caller's).
+// expert (a dispatch by layout alone reports the caller's). `in_rank` (bool [num_tokens,
+// num_ranks], else null): whether each token goes to each rank (get_dispatch_layout's
+// is_token_in_rank, written here rather than derived from `slot` by another kernel).
 extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
     const long long* __restrict__ topk_idx, int num_tokens, int topk, int experts_per_rank, int num_ranks,
     int num_experts, int* __restrict__ slot, int* __restrict__ send_list, int* tokens_per_rank,
     int* tokens_per_expert, int* __restrict__ rank_matrix_out, Counters* counters, int notify, int* rank_matrix,
     int* expert_matrix, volatile int* host_info, int seq, int capacity,
-    const int* __restrict__ expert_counts) {
+    const int* __restrict__ expert_counts, bool* __restrict__ in_rank) {
     const int d = blockIdx.x;
     if (d == num_ranks) {
         __shared__ int hist[4096];
@@ -86,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
         for (int e = threadIdx.x; e < num_experts; e += blockDim.x) tokens_per_expert[e] = expert_counts ? expert_counts[e] : hist[e];
     } else {
         const int count = number_tokens_to_rank(topk_idx, num_tokens, topk, experts_per_rank, d, slot + d, num_ranks,
-                                                send_list + (u64)d * num_tokens);
+                                                send_list + (u64)d * num_tokens, in_rank ? in_rank + d : nullptr);
         if (threadIdx.x == 0) tokens_per_rank[d] = count;
     }
     if (!last_block_done(&counters->ticket)) return;
@@ -193,12 +195,23 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch(
 // scales (scale_cols floats), the first k of its topk local expert ids and its weights with a
 // weight of 0 where the id is -1, and its source index (for rows < num_recv only). Rows past
 // num_recv are padding: zero bytes and scales, ids -1, weights 0. A null output is skipped.
+// With `out_rank_prefix`, block 0 also writes the dispatch's rank matrix summed over source
+// ranks (DeepEP's rank_prefix_matrix: [s][d] = tokens ranks 0..s sent to d), which a torch
+// cumsum would make as another launch of several times this kernel's host cost.
 // (mori.ep.deepep: DeepEP's outputs are the caller's, and the next dispatch reuses the buffers.)
 extern "C" __global__ void __launch_bounds__(512) ep_export_received(
     const unsigned char* __restrict__ recv_x, u64 row_bytes, const float* __restrict__ recv_scales, int scale_cols,
     const long long* __restrict__ recv_idx, const float* __restrict__ recv_w, const int* __restrict__ recv_src,
     int topk, int k, int num_recv, int rows, unsigned char* __restrict__ out_x, float* __restrict__ out_scales,
-    long long* __restrict__ out_idx, float* __restrict__ out_w, int* __restrict__ out_src) {
+    long long* __restrict__ out_idx, float* __restrict__ out_w, int* __restrict__ out_src,
+    const int* __restrict__ rank_matrix, int num_ranks, int* __restrict__ out_rank_prefix) {
+    if (out_rank_prefix && blockIdx.x == 0) {
+        for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
+            int sum = 0;
+            for (int s = 0; s <= i / num_ranks; ++s) sum += rank_matrix[s * num_ranks + i % num_ranks];
+            out_rank_prefix[i] = sum;
+        }
+    }
     const int lane = lane_id();
     const int warps = gridDim.x * (blockDim.x / 32);
     for (int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {

@@ -98,10 +98,11 @@ __device__ __forceinline__ unsigned short float2_to_e4m3x2(float lo, float hi) {
 }
 
 // Block-wide, for destination rank d: numbers the tokens with a top-k expert on d in token order:
-// slot[t * slot_stride] = the token's number, or -1; list[number] = t when `list` is given.
+// slot[t * slot_stride] = the token's number, or -1; list[number] = t when `list` is given;
+// in_rank[t * slot_stride] = whether it has one, when `in_rank` is given.
 // Returns the count (to every thread).
 __device__ inline int number_tokens_to_rank(const long long* __restrict__ topk_idx, int num_tokens, int topk, int experts_per_rank,
-                                            int d, int* slot, u64 slot_stride, int* list) {
+                                            int d, int* slot, u64 slot_stride, int* list, bool* in_rank = nullptr) {
     int running = 0;
     for (int base = 0; base < num_tokens; base += blockDim.x) {
         const int t = base + threadIdx.x;
@@ -113,6 +114,7 @@ __device__ inline int number_tokens_to_rank(const long long* __restrict__ topk_i
         const int prefix = block_exclusive_scan(f, &chunk_total);
         if (t < num_tokens) {
             slot[(u64)t * slot_stride] = f ? running + prefix : -1;
+            if (in_rank) in_rank[(u64)t * slot_stride] = f;
             if (f && list) list[running + prefix] = t;
         }
         running += chunk_total;

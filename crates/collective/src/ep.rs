@@ -27,6 +27,8 @@ kernel_params! {
         pub capacity: i32,
         /// int32 `[num_experts]` counts reported instead of the routing's (0: the routing's).
         pub expert_counts: DevicePtr,
+        /// bool `[num_tokens, num_ranks]`: whether each token goes to each rank (0: not wanted).
+        pub in_rank: DevicePtr,
     }
 }
 
@@ -77,6 +79,11 @@ kernel_params! {
         pub out_idx: DevicePtr,
         pub out_w: DevicePtr,
         pub out_src: DevicePtr,
+        /// The dispatch's rank matrix `[num_ranks, num_ranks]` (its layout area's).
+        pub rank_matrix: DevicePtr,
+        pub num_ranks: i32,
+        /// int32 `[num_ranks, num_ranks]`: the rank matrix summed over source ranks (0: not wanted).
+        pub out_rank_prefix: DevicePtr,
     }
 }
 

@@ -218,6 +218,10 @@ pub struct ExportTo {
     pub w: u64,
     /// `num_recv` int32 source token indices.
     pub src: u64,
+    /// `[ranks, ranks]` int32: the dispatch's rank matrix summed over source ranks, read from
+    /// `rank_matrix` (the dispatch's layout area's; both or neither).
+    pub rank_prefix: u64,
+    pub rank_matrix: u64,
 }
 
 /// The kernels of `kernels/ep/intranode.cu` and `kernels/ep/low_latency.cu` a runtime loads:
@@ -236,6 +240,17 @@ const LOW_LATENCY_ENTRIES: [&str; 5] = [
     "ep_ll_combine_send",
     "ep_ll_combine_recv",
 ];
+
+/// What a layout kernel is launched for.
+#[derive(Debug, Clone, Copy)]
+enum PrepareFor {
+    /// A layout alone; `in_rank`: bool `[n, ranks]` to fill, or 0.
+    Layout { in_rank: u64 },
+    /// A dispatch's first kernel (counts as a dispatch: its sequence number is returned);
+    /// `notify`: the kernel exchanges the counts (one node); `expert_counts`: int32
+    /// `[num_experts]` reported instead of the routing's, or 0.
+    Dispatch { notify: bool, expert_counts: u64 },
+}
 
 /// A planned launch: its entry, grid, block, shared bytes and parameter bytes.
 pub type Planned = (&'static str, u32, u32, u32, Vec<u8>);
@@ -503,17 +518,21 @@ impl EpRuntime {
         }
     }
 
-    /// The layout kernel; `dispatch`: counts as a dispatch (its sequence number, returned),
-    /// `notify`: the kernel exchanges the counts (one node).
+    /// The layout kernel, for a layout alone or as a dispatch's first kernel.
     fn prepare(
         &self,
         topk_idx: u64,
         n: u32,
         layout: &Layout,
-        dispatch: bool,
-        notify: bool,
-        expert_counts: u64,
+        call: PrepareFor,
     ) -> Result<(Launch, i32)> {
+        let (dispatch, notify, expert_counts, in_rank) = match call {
+            PrepareFor::Layout { in_rank } => (false, false, 0, in_rank),
+            PrepareFor::Dispatch {
+                notify,
+                expert_counts,
+            } => (true, notify, expert_counts, 0),
+        };
         let s = &self.shape;
         let mut calls = self.calls()?;
         let parity = (calls.calls % 2) as usize;
@@ -541,23 +560,26 @@ impl EpRuntime {
             seq: calls.seq,
             capacity: int(s.max_tokens),
             expert_counts: DevicePtr(expert_counts),
+            in_rank: DevicePtr(in_rank),
         };
         Ok((launch("ep_prepare", s.num_ranks + 1, 1024, 0, p), calls.seq))
     }
 
-    /// The routing layout of `n` tokens into `layout` (no exchange with the peers).
+    /// The routing layout of `n` tokens into `layout` (no exchange with the peers); with
+    /// `in_rank` (bool `[n, ranks]`, else 0) whether each token goes to each rank as well.
     ///
     /// # Safety
-    /// `topk_idx` (`n` x topk int64) and the layout area must be valid device memory until the
-    /// kernel has run.
+    /// `topk_idx` (`n` x topk int64), the layout area and `in_rank` must be valid device memory
+    /// until the kernel has run.
     pub unsafe fn layout(
         &self,
         topk_idx: u64,
         n: u32,
         layout: &Layout,
+        in_rank: u64,
         stream: Option<StreamHandle>,
     ) -> Result<Vec<Planned>> {
-        let (l, _) = self.prepare(topk_idx, n, layout, false, false, 0)?;
+        let (l, _) = self.prepare(topk_idx, n, layout, PrepareFor::Layout { in_rank })?;
         // SAFETY: the caller's guarantee.
         unsafe { self.run(vec![l], stream) }
     }
@@ -588,7 +610,15 @@ impl EpRuntime {
         stream: Option<StreamHandle>,
     ) -> Result<(i32, Vec<Planned>)> {
         if let Some(geo) = &self.internode {
-            let (prepare, seq) = self.prepare(topk_idx, n, layout, true, false, expert_counts)?;
+            let (prepare, seq) = self.prepare(
+                topk_idx,
+                n,
+                layout,
+                PrepareFor::Dispatch {
+                    notify: false,
+                    expert_counts,
+                },
+            )?;
             let s = &self.shape;
             if row_bytes > u64::from(s.hidden) * 2 || scale_cols > s.hidden / SCALE_BLOCK {
                 return Err(Error::InvalidArgument(format!(
@@ -616,7 +646,15 @@ impl EpRuntime {
         }
         let s = &self.shape;
         let b = &self.normal;
-        let (prepare, seq) = self.prepare(topk_idx, n, layout, true, true, expert_counts)?;
+        let (prepare, seq) = self.prepare(
+            topk_idx,
+            n,
+            layout,
+            PrepareFor::Dispatch {
+                notify: true,
+                expert_counts,
+            },
+        )?;
         let d = EpDispatch {
             x: DevicePtr(x),
             row_bytes,
@@ -670,12 +708,12 @@ impl EpRuntime {
         to: ExportTo,
         stream: Option<StreamHandle>,
     ) -> Result<Vec<Planned>> {
-        if rows == 0 {
+        if rows == 0 && to.rank_prefix == 0 {
             return Ok(Vec::new()); // nothing received and no padding: empty outputs
         }
         let s = &self.shape;
         let capacity = u64::from(s.num_ranks) * u64::from(s.max_tokens);
-        let bad = if to.x == 0 {
+        let bad = if to.x == 0 && rows > 0 {
             Some("no address for the rows".to_string())
         } else if row_bytes == 0
             || !row_bytes.is_multiple_of(16)
@@ -689,6 +727,8 @@ impl EpRuntime {
             ))
         } else if k > s.topk {
             Some(format!("{k} ids per row of a buffer of top-k {}", s.topk))
+        } else if (to.rank_prefix == 0) != (to.rank_matrix == 0) {
+            Some("a rank prefix matrix needs the rank matrix it sums, and only then".to_string())
         } else if u64::from(num_recv) > capacity || num_recv > rows {
             Some(format!(
                 "{num_recv} received rows into {rows} (the buffer holds {capacity})"
@@ -717,9 +757,12 @@ impl EpRuntime {
             out_idx: DevicePtr(to.idx),
             out_w: DevicePtr(to.w),
             out_src: DevicePtr(to.src),
+            rank_matrix: DevicePtr(to.rank_matrix),
+            num_ranks: int(s.num_ranks),
+            out_rank_prefix: DevicePtr(to.rank_prefix),
         };
-        // A warp per row, 16 per block.
-        let blocks = rows.div_ceil(16).min(1024);
+        // A warp per row, 16 per block (one block at least: block 0 sums the rank matrix).
+        let blocks = rows.div_ceil(16).clamp(1, 1024);
         // SAFETY: the caller's guarantee for `to`; the receive buffers are `new`'s.
         unsafe {
             self.run(

@@ -20,6 +20,7 @@ fn ep_prepare(rng: &mut Lcg) -> EpPrepare {
         expert_matrix: p(),
         host_info: p(),
         expert_counts: p(),
+        in_rank: p(),
         ..EpPrepare::default()
     };
     let mut i = || rng.next() as i32;
@@ -51,6 +52,7 @@ fn ep_prepare_values(s: &EpPrepare) -> Vec<Value<'static>> {
         Value::I32(s.seq),
         Value::I32(s.capacity),
         p(s.expert_counts),
+        p(s.in_rank),
     ]
 }
 
@@ -67,7 +69,7 @@ fn typed_and_packer_bytes_agree_with_zero_padding() {
         assert_eq!(bytes.bytes(), s.packed().bytes());
         // P i i i i i: the padding after the fifth int, before `slot`
         assert_eq!(&bytes.bytes()[28..32], &[0; 4]);
-        assert_eq!(bytes.bytes().len(), 128, "no tail padding, as struct.pack");
+        assert_eq!(bytes.bytes().len(), 136, "no tail padding, as struct.pack");
         assert_eq!(&bytes.bytes()[..8], &s.topk_idx.0.to_ne_bytes());
     }
 }

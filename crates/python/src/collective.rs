@@ -626,20 +626,22 @@ impl EpRuntime {
         self.inner.layout_len(num_tokens)
     }
 
-    /// The routing layout only (no exchange), into the area at `layout`.
-    #[pyo3(name = "layout")]
+    /// The routing layout only (no exchange), into the area at `layout`; `in_rank`: bool
+    /// [n, ranks] to fill with whether each token goes to each rank, or 0.
+    #[pyo3(name = "layout", signature = (stream, topk_idx, n, layout, in_rank=0))]
     fn py_layout(
         &self,
         stream: Option<usize>,
         topk_idx: u64,
         n: u32,
         layout: u64,
+        in_rank: u64,
     ) -> Result<PlannedEp> {
         let (stream, _alive) = self.stream(stream)?;
         let area = self.layout(layout, n);
-        // SAFETY: mori.ep checked topk_idx ([n, topk] int64) and allocated the area for n
-        // tokens; both live until the stream ran the kernel.
-        let l = unsafe { self.inner.layout(topk_idx, n, &area, stream) }?;
+        // SAFETY: mori.ep checked topk_idx ([n, topk] int64) and allocated the area and in_rank
+        // for n tokens; all live until the stream ran the kernel.
+        let l = unsafe { self.inner.layout(topk_idx, n, &area, in_rank, stream) }?;
         Ok(planned(stream, l))
     }
 
@@ -727,8 +729,11 @@ impl EpRuntime {
 
     /// Copies the last dispatch's received rows into caller-owned tensors at `to` = (rows,
     /// scales, ids, weights, source indices; 0: not wanted), padded to `rows`
-    /// (`mori_collective::ep_runtime::EpRuntime::export_received`).
+    /// (`mori_collective::ep_runtime::EpRuntime::export_received`); `rank_prefix` = (int32
+    /// [ranks, ranks] output, the dispatch's layout area, its token count): the rank matrix
+    /// summed over source ranks as well.
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, row_bytes, scale_cols, k, num_recv, rows, to, rank_prefix=None))]
     fn export_received(
         &self,
         stream: Option<usize>,
@@ -738,17 +743,24 @@ impl EpRuntime {
         num_recv: u32,
         rows: u32,
         to: (u64, u64, u64, u64, u64),
+        rank_prefix: Option<(u64, u64, u32)>,
     ) -> Result<PlannedEp> {
         let (stream, _alive) = self.stream(stream)?;
+        let (prefix, matrix) = rank_prefix.map_or((0, 0), |(out, base, n)| {
+            (out, self.layout(base, n).rank_matrix().0)
+        });
         let to = ep_runtime::ExportTo {
             x: to.0,
             scales: to.1,
             idx: to.2,
             w: to.3,
             src: to.4,
+            rank_prefix: prefix,
+            rank_matrix: matrix,
         };
-        // SAFETY: mori.ep.deepep allocates every output for `rows` rows (src: num_recv) on this
-        // GPU and queues the copy on the dispatch's stream, right after it.
+        // SAFETY: mori.ep.deepep allocates every output for `rows` rows (src: num_recv; the
+        // prefix [ranks, ranks]) on this GPU and queues the copy on the dispatch's stream, right
+        // after it; the layout area is the dispatch's, alive in its handle.
         let l = unsafe {
             self.inner
                 .export_received(row_bytes, scale_cols, k, num_recv, rows, to, stream)

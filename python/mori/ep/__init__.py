@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from mori import _core, gpu, shmem
 from mori.errors import CapacityError, InvalidArgumentError, MoriError, TimeoutError
@@ -122,6 +122,15 @@ class Handle:
     @property
     def is_token_in_rank(self) -> Any:  # [T, ranks] bool
         return self.slot >= 0
+
+
+class _Dispatched(NamedTuple):
+    """A normal dispatch that has run up to its host wait (Buffer._dispatch_rows)."""
+
+    fp8: bool
+    num_recv: int
+    per_expert: list[int]  # rows received per local expert
+    handle: Handle
 
 
 @dataclass(frozen=True)
@@ -277,10 +286,19 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: Any, *, stream: Any = None):
         """(num_tokens_per_rank [ranks] int32, num_tokens_per_expert [experts] int32,
         is_token_in_rank [T, ranks] bool, slot [T, ranks] int32), computed on the GPU."""
+        h, in_rank = self._layout(topk_idx, stream)
+        return h.num_tokens_per_rank, h.num_tokens_per_expert, in_rank, h.slot
+
+    def _layout(self, topk_idx: Any, stream: Any) -> tuple[Handle, Any]:
+        """The layout kernel's outputs: (a handle over its layout area, is_token_in_rank)."""
+        import torch
+
         topk_idx, n = self._check_topk(topk_idx, self.config.max_tokens_per_rank)
         h = self._handle(topk_idx, n)
-        self._rt.layout(self._stream(stream), topk_idx.data_ptr(), n, h.meta.data_ptr())
-        return h.num_tokens_per_rank, h.num_tokens_per_expert, h.is_token_in_rank, h.slot
+        # The layout kernel writes is_token_in_rank as well: `slot >= 0` would be another launch.
+        in_rank = torch.empty((n, self.num_ranks), dtype=torch.bool, device=topk_idx.device)
+        self._rt.layout(self._stream(stream), topk_idx.data_ptr(), n, h.meta.data_ptr(), in_rank.data_ptr())
+        return h, in_rank
 
     def dispatch(
         self, x: Any, topk_idx: Any, topk_weights: Any, *, stream: Any = None, num_sms: int | None = None,
@@ -293,6 +311,28 @@ class Buffer:
         ``expert_counts`` (int32 [num_experts] on the GPU): the tokens this rank reports per
         expert instead of those ``topk_idx`` routes, so ``num_recv_tokens_per_expert`` sums the
         callers' counts (a dispatch that routes by rank, as DeepEP's by layout alone)."""
+        import torch
+
+        got = self._dispatch_rows(x, topk_idx, topk_weights, stream, num_sms, expert_counts)
+        h, num_recv = self.config.hidden, got.num_recv
+        if got.fp8:
+            recv_x = self._recv_x[: num_recv * h].view(torch.float8_e4m3fn).view(num_recv, h)
+        else:
+            recv_x = self._recv_x[: num_recv * h * 2].view(torch.bfloat16).view(num_recv, h)
+        return DispatchResult(
+            recv_x,
+            self._recv_scales[:num_recv, :] if got.fp8 else None,
+            self._recv_idx[:num_recv],
+            self._recv_w[:num_recv],
+            self._recv_src[:num_recv],
+            got.per_expert,
+            got.handle,
+        )
+
+    def _dispatch_rows(self, x: Any, topk_idx: Any, topk_weights: Any, stream: Any, num_sms: int | None,
+                       expert_counts: Any) -> _Dispatched:
+        """A dispatch up to its host wait, the rows in the receive buffers (mori.ep.deepep copies
+        them out with :meth:`_export_received` without the views :meth:`dispatch` makes)."""
         import torch
 
         cfg = self.config
@@ -317,7 +357,6 @@ class Buffer:
                 raise InvalidArgumentError(f"expert_counts must be int32 [{cfg.num_experts}] on {x.device}")
             expert_counts = expert_counts.contiguous()
         marks = self._marks(stream)
-        w = self.num_ranks
         handle = self._handle(topk_idx, n)
         # The layout (with the count exchange) and the dispatch, launched together: the dispatch
         # needs only what the layout kernel leaves on the GPU, so the host waits for the received
@@ -341,37 +380,33 @@ class Buffer:
             # Out-of-range ids were skipped on the GPU like -1, so every rank's kernels still
             # matched; the error is this rank's alone.
             raise InvalidArgumentError(f"topk_idx holds ids outside [-1, {cfg.num_experts})")
-        num_recv = counts[0]
-        raw = self._recv_x[: num_recv * row_bytes]
-        recv_x = raw.view(torch.float8_e4m3fn if scales is not None else torch.bfloat16).view(num_recv, cfg.hidden)
-        return DispatchResult(
-            recv_x,
-            self._recv_scales[:num_recv, :] if scales is not None else None,
-            self._recv_idx[:num_recv],
-            self._recv_w[:num_recv],
-            self._recv_src[:num_recv],
-            counts[1:],
-            Handle(handle.meta, n, w, cfg.num_experts, num_recv),
-        )
+        handle.num_recv = counts[0]
+        return _Dispatched(scales is not None, counts[0], counts[1:], handle)
 
-    def _export_received(self, res: DispatchResult, rows: int, k: int, *, topk: bool, source: bool) -> tuple:
+    def _export_received(self, got: _Dispatched, rows: int, k: int, *, topk: bool, handle_parts: bool) -> tuple:
         """(rows, FP8 scales or None, top-k ids [rows, k] or None, weights [rows, k] or None,
-        source indices [num_recv] or None): the dispatch ``res``'s received rows copied out of the
-        receive buffers into new tensors by one kernel on the current stream, padded to ``rows``
-        (zero rows and scales, ids -1, weights 0), the weights 0 where the id is -1, ids and
-        weights only when ``topk``, source indices only when ``source``. mori.ep.deepep's
-        outputs (DeepEP's are the caller's; the next dispatch reuses these buffers)."""
+        source indices [num_recv] or None, rank prefix matrix [ranks, ranks] or None): the
+        dispatch ``got``'s received rows copied out of the receive buffers into new tensors by
+        one kernel on the current stream, padded to ``rows`` (zero rows and scales, ids -1,
+        weights 0), the weights 0 where the id is -1, ids and weights only when ``topk``; with
+        ``handle_parts`` the source indices and the dispatch's rank matrix summed over source
+        ranks too. mori.ep.deepep's outputs (DeepEP's are the caller's; the next dispatch reuses
+        these buffers)."""
         import torch
 
-        n, h, dev = int(res.recv_x.shape[0]), self.config.hidden, res.recv_x.device
-        x = torch.empty((rows, h), dtype=res.recv_x.dtype, device=dev)
-        scales = None if res.recv_x_scales is None else torch.empty((rows, h // SCALE_BLOCK), dtype=torch.float32, device=dev)
+        n, h, dev = got.num_recv, self.config.hidden, got.handle.meta.device
+        x = torch.empty((rows, h), dtype=torch.float8_e4m3fn if got.fp8 else torch.bfloat16, device=dev)
+        scales = torch.empty((rows, h // SCALE_BLOCK), dtype=torch.float32, device=dev) if got.fp8 else None
         idx = torch.empty((rows, k), dtype=torch.int64, device=dev) if topk else None
         w = torch.empty((rows, k), dtype=torch.float32, device=dev) if topk else None
-        src = torch.empty(n, dtype=torch.int32, device=dev) if source else None
-        self._rt.export_received(self._stream(None), h * x.element_size(), 0 if scales is None else h // SCALE_BLOCK, k, n, rows,
-                                 (x.data_ptr(), _ptr(scales), _ptr(idx), _ptr(w), _ptr(src)))
-        return x, scales, idx, w, src
+        src = prefix = rank_prefix = None
+        if handle_parts:
+            src = torch.empty(n, dtype=torch.int32, device=dev)
+            prefix = torch.empty((self.num_ranks, self.num_ranks), dtype=torch.int32, device=dev)
+            rank_prefix = (prefix.data_ptr(), got.handle.meta.data_ptr(), got.handle.num_tokens)
+        self._rt.export_received(self._stream(None), h * x.element_size(), h // SCALE_BLOCK if got.fp8 else 0, k, n, rows,
+                                 (x.data_ptr(), _ptr(scales), _ptr(idx), _ptr(w), _ptr(src)), rank_prefix)
+        return x, scales, idx, w, src, prefix
 
     def get_combine_input(self, handle: Handle) -> Any:
         """A bf16 [num_recv, hidden] tensor on the symmetric heap to write expert outputs into.

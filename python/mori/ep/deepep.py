@@ -628,7 +628,8 @@ class Buffer:
         with self._stream_scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             cfg = self._mori.config if self._mori is not None else None
             if cfg is not None and cfg.num_experts == num_experts and cfg.topk == k and n <= cfg.max_tokens_per_rank:
-                per_rank, per_expert, in_rank, _ = self._mori.get_dispatch_layout(topk_idx.contiguous())
+                h, in_rank = self._mori._layout(topk_idx, None)
+                per_rank, per_expert = h.num_tokens_per_rank, h.num_tokens_per_expert
             else:
                 w = self.group_size
                 valid = (topk_idx >= 0) & (topk_idx < num_experts)
@@ -745,7 +746,7 @@ class Buffer:
         counts = num_tokens_per_expert.to(torch.int32).contiguous() if layout_only else None
         try:
             routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
-            res = self._mori.dispatch(xin, *routing, num_sms=num_sms or None, expert_counts=counts)
+            got = self._mori._dispatch_rows(xin, *routing, None, num_sms or None, counts)
         except CapacityError as e:
             # Raised on every rank by the same call (the count exchange carries each rank's
             # token count), so every rank rebuilds alike; a cached handle fit when it was made.
@@ -753,25 +754,26 @@ class Buffer:
                 raise
             self._ensure_normal(hidden, k, num_experts, needed=e.needed)
             routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
-            res = self._mori.dispatch(xin, *routing, num_sms=num_sms or None, expert_counts=counts)
+            got = self._mori._dispatch_rows(xin, *routing, None, num_sms or None, counts)
         topk_idx, topk_weights = routing
-        num_recv = int(res.recv_x.shape[0])
+        num_recv = got.num_recv
         rows = max(num_recv, num_worst_tokens)
         if num_worst_tokens and num_recv > num_worst_tokens:
             raise InvalidArgumentError(f"received {num_recv} tokens, more than num_worst_tokens={num_worst_tokens}")
         # The caller's copies (the buffer's rows are overwritten by the next dispatch), padded to
         # `rows`, made by one kernel.
         want_topk = handle is None and not layout_only
-        data, scales, recv_idx, recv_w, recv_src = self._mori._export_received(res, rows, k, topk=want_topk, source=handle is None)
+        data, scales, recv_idx, recv_w, recv_src, rank_prefix = self._mori._export_received(
+            got, rows, k, topk=want_topk, handle_parts=handle is None)
         recv_x = (data, scales) if x_scales is not None else data
         inputs = (x_data, x_scales, topk_idx, topk_weights)
         if handle is not None:
             return recv_x, None, None, None, None, scope.finish(async_finish, inputs, recv_x)
-        received = [] if num_worst_tokens else res.num_recv_tokens_per_expert
-        per_expert = list(received) if expert_alignment == 1 else [_round_up(int(c), expert_alignment) for c in received]
-        mh = res.handle
+        received = [] if num_worst_tokens else got.per_expert
+        per_expert = received if expert_alignment == 1 else [_round_up(int(c), expert_alignment) for c in received]
+        mh = got.handle
         new_handle = _NormalHandle(
-            (torch.cumsum(mh.rank_matrix, dim=0, dtype=torch.int32), None, None, recv_src, in_rank, None),
+            (rank_prefix, None, None, recv_src, in_rank, None),
             mori=mh, owner=self, generation=self._generation, topk_idx=topk_idx, num_experts=num_experts,
             zero_weights=None,
             num_tokens=n, num_recv=num_recv, hidden=hidden,
