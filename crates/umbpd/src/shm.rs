@@ -728,8 +728,10 @@ impl SharedBuffer {
     /// so the two copies overlap and each half is read back while it is still in cache. Per
     /// key: its length, `Some(None)` when absent, `None` when longer than the whole buffer (a
     /// value longer than a half is asked again alone, with the whole buffer). `each` failing
-    /// ends the batch with its status; so does a failed connection (`UNAVAILABLE`, not asked
-    /// again: the caller reads the batch another way).
+    /// ends the batch with its status. A connection that served before and fails before the
+    /// first answer (closed while idle) is made anew and the batch asked again, as [`Self::call`]
+    /// does; one that fails otherwise ends the batch `UNAVAILABLE` (not asked again: the caller
+    /// reads the batch another way).
     pub fn get_many_with(
         &self,
         keys: &[&[u8]],
@@ -745,50 +747,66 @@ impl SharedBuffer {
                 .stream
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let stream = self.connected(&mut slot)?;
-            let mut pipelined = || -> Result<(), Status> {
-                let (req, mut sent) = many_request(keys, rooms[0])?;
-                stream.write_all(&req).map_err(unavailable)?;
-                let (mut next, mut room) = (0, 0);
-                loop {
-                    let mut body = Vec::new();
-                    let body = read_answer(stream, &mut body)
-                        .map_err(unavailable)?
-                        .map(|found| found.map(|_| body))
-                        .map_err(|s| self.old_daemon(s))?;
-                    let placed = self.placed(body, sent, rooms[room])?;
-                    let first = next;
-                    next += placed.len();
-                    if next < keys.len() {
-                        let (req, s) = many_request(&keys[next..], rooms[1 - room])?;
-                        sent = s;
-                        stream.write_all(&req).map_err(unavailable)?;
-                    }
-                    for (i, staged) in (first..).zip(placed) {
-                        match staged {
-                            Staged::Absent => out[i] = Some(None),
-                            Staged::TooLong => longer.push(i),
-                            Staged::Found { offset, len } => {
-                                // SAFETY: inside the mapping (`placed` checked it), written by
-                                // the daemon before it answered; its next request fills the
-                                // other half.
-                                each(i, unsafe {
-                                    std::slice::from_raw_parts(self.as_ptr().add(offset), len)
-                                })?;
-                                out[i] = Some(Some(len));
+            let mut fresh = slot.is_none();
+            loop {
+                let stream = self.connected(&mut slot)?;
+                // Whether the daemon answered on this connection, and whether it failed.
+                let (mut answered, mut lost) = (false, false);
+                let mut pipelined = || -> Result<(), Status> {
+                    let mut broken = |e: io::Error| {
+                        lost = true;
+                        unavailable(e)
+                    };
+                    let (req, mut sent) = many_request(keys, rooms[0])?;
+                    stream.write_all(&req).map_err(&mut broken)?;
+                    let (mut next, mut room) = (0, 0);
+                    loop {
+                        let mut body = Vec::new();
+                        let body = read_answer(stream, &mut body)
+                            .map_err(&mut broken)?
+                            .map(|found| found.map(|_| body))
+                            .map_err(|s| self.old_daemon(s))?;
+                        answered = true;
+                        let placed = self.placed(body, sent, rooms[room])?;
+                        let first = next;
+                        next += placed.len();
+                        if next < keys.len() {
+                            let (req, s) = many_request(&keys[next..], rooms[1 - room])?;
+                            sent = s;
+                            stream.write_all(&req).map_err(&mut broken)?;
+                        }
+                        for (i, staged) in (first..).zip(placed) {
+                            match staged {
+                                Staged::Absent => out[i] = Some(None),
+                                Staged::TooLong => longer.push(i),
+                                Staged::Found { offset, len } => {
+                                    // SAFETY: inside the mapping (`placed` checked it), written
+                                    // by the daemon before it answered; its next request fills
+                                    // the other half.
+                                    each(i, unsafe {
+                                        std::slice::from_raw_parts(self.as_ptr().add(offset), len)
+                                    })?;
+                                    out[i] = Some(Some(len));
+                                }
                             }
                         }
+                        if next == keys.len() {
+                            return Ok(());
+                        }
+                        room = 1 - room;
                     }
-                    if next == keys.len() {
-                        return Ok(());
-                    }
-                    room = 1 - room;
-                }
-            };
-            if let Err(status) = pipelined() {
+                };
+                let Err(status) = pipelined() else { break };
                 // An answer may still be on its way: the connection is dropped, not reused.
                 *slot = None;
-                return Err(status);
+                if !(lost && !answered && !fresh) {
+                    return Err(status);
+                }
+                // Nothing was handed out: the whole batch is asked again, once.
+                debug!(
+                    "umbpd's same-host connection failed before a batch's answer; connecting again"
+                );
+                fresh = true;
             }
         }
         for i in longer {

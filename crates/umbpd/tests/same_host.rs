@@ -14,7 +14,9 @@ use std::path::Path;
 
 use common::{Daemon, bytes, opts, secret_file};
 use mori_auth::Secret;
-use mori_umbpd::shm::{GET_INTO, GET_MANY_INTO, HELLO, PURPOSE, Staged, send_with_fd};
+use mori_umbpd::shm::{
+    GET_INTO, GET_MANY_INTO, HELLO, MANY_ALIGN, MANY_FOUND, PURPOSE, Staged, send_with_fd,
+};
 use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND};
 use mori_umbpd::{Client, ClientError};
 
@@ -526,18 +528,19 @@ fn raw_reply(s: &mut UnixStream, status: u8, body: &[u8]) {
     s.write_all(&a).unwrap();
 }
 
-/// A daemon older than batches into shared memory, on the raw protocol: it serves `GET_INTO`
-/// (the value of a key is the key repeated to 100 bytes), closes its first connection after
-/// one get (as an idle connection is closed), and answers `GET_MANY_INTO` `UNIMPLEMENTED`
-/// and closes, as a daemon that does not know the op does. Logs "<connection> <op>".
-fn older_daemon(
-    listener: std::os::unix::net::UnixListener,
-    secret: Secret,
-    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-) {
-    for (conn, stream) in listener.incoming().enumerate() {
-        let mut s = stream.unwrap();
-        mori_auth::accept(&mut s, &secret, PURPOSE).unwrap();
+/// One connection of a fake daemon on the raw protocol, past the handshake: the stream and the
+/// client's buffer mapped here.
+struct FakeConnection {
+    s: UnixStream,
+    map: *mut u8,
+    len: usize,
+}
+
+impl FakeConnection {
+    /// Serves the handshake as the daemon does: the secret proven, the hello with the client's
+    /// memfd, mapped, and its length answered.
+    fn accept(mut s: UnixStream, secret: &Secret) -> FakeConnection {
+        mori_auth::accept(&mut s, secret, PURPOSE).unwrap();
         let mut hello = [0u8; 8];
         let fd = mori_umbpd::shm::recv_with_fd(&s, &mut hello)
             .unwrap()
@@ -549,7 +552,7 @@ fn older_daemon(
             assert_eq!(libc::fstat(fd.as_raw_fd(), &mut st), 0);
             st.st_size as usize
         };
-        // SAFETY: maps the whole memfd, shared; unmapped below.
+        // SAFETY: maps the whole memfd, shared; unmapped on drop.
         let map = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -562,37 +565,92 @@ fn older_daemon(
         };
         assert_ne!(map, libc::MAP_FAILED);
         raw_reply(&mut s, FOUND, &(len as u64).to_le_bytes());
-        loop {
-            let mut head = [0u8; 3];
-            if s.read_exact(&mut head).is_err() {
-                break;
-            }
-            let mut key = vec![0u8; u16::from_le_bytes([head[1], head[2]]) as usize];
-            s.read_exact(&mut key).unwrap();
-            let mut at = [0u8; 16];
-            s.read_exact(&mut at).unwrap();
-            log.lock().unwrap().push(format!("{conn} {}", head[0]));
-            if head[0] != GET_INTO {
+        FakeConnection {
+            s,
+            map: map.cast(),
+            len,
+        }
+    }
+
+    /// The next request: its op, its key bytes (a batch's packed keys) and its 16 closing
+    /// bytes (offset and bytes); None once the client closed.
+    fn request(&mut self) -> Option<(u8, Vec<u8>, [u8; 16])> {
+        let mut head = [0u8; 3];
+        self.s.read_exact(&mut head).ok()?;
+        let mut key = vec![0u8; u16::from_le_bytes([head[1], head[2]]) as usize];
+        self.s.read_exact(&mut key).unwrap();
+        let mut at = [0u8; 16];
+        self.s.read_exact(&mut at).unwrap();
+        Some((head[0], key, at))
+    }
+
+    /// Writes `bytes` at `offset` of the client's buffer.
+    fn write(&mut self, offset: usize, bytes: &[u8]) {
+        assert!(offset + bytes.len() <= self.len);
+        // SAFETY: inside the mapping (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.add(offset), bytes.len()) };
+    }
+}
+
+impl Drop for FakeConnection {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in accept.
+        unsafe { libc::munmap(self.map.cast(), self.len) };
+    }
+}
+
+/// The fake daemons' value of `key`: the key repeated to 100 bytes.
+fn fake_value(key: &[u8]) -> Vec<u8> {
+    key.iter().copied().cycle().take(100).collect()
+}
+
+/// A daemon older than batches into shared memory, on the raw protocol: it serves `GET_INTO`
+/// (values: [`fake_value`]), closes its first connection after one get (as an idle connection
+/// is closed), and answers `GET_MANY_INTO` `UNIMPLEMENTED` and closes, as a daemon that does not
+/// know the op does. Logs "<connection> <op>".
+fn older_daemon(listener: std::os::unix::net::UnixListener, secret: Secret, log: FakeLog) {
+    for (conn, stream) in listener.incoming().enumerate() {
+        let mut c = FakeConnection::accept(stream.unwrap(), &secret);
+        while let Some((op, key, at)) = c.request() {
+            log.lock().unwrap().push(format!("{conn} {op}"));
+            if op != GET_INTO {
                 let mut body = 12i32.to_le_bytes().to_vec(); // UNIMPLEMENTED
                 body.extend_from_slice(b"unknown same-host op");
-                raw_reply(&mut s, FAILED, &body);
+                raw_reply(&mut c.s, FAILED, &body);
                 break;
             }
-            let value: Vec<u8> = key.iter().copied().cycle().take(100).collect();
-            let offset = u64::from_le_bytes(at[..8].try_into().unwrap()) as usize;
-            assert!(offset + value.len() <= len);
-            // SAFETY: inside the mapping (checked above).
-            unsafe {
-                std::ptr::copy_nonoverlapping(value.as_ptr(), map.cast::<u8>().add(offset), 100)
-            };
-            raw_reply(&mut s, FOUND, &100u64.to_le_bytes());
+            c.write(
+                u64::from_le_bytes(at[..8].try_into().unwrap()) as usize,
+                &fake_value(&key),
+            );
+            raw_reply(&mut c.s, FOUND, &100u64.to_le_bytes());
             if conn == 0 {
                 break; // closed after one get, as when idle
             }
         }
-        // SAFETY: the mapping made above.
-        unsafe { libc::munmap(map, len) };
     }
+}
+
+/// What a fake daemon logs, shared with the test.
+type FakeLog = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+
+/// Runs `serve` on a new abstract socket (named after `tag`) on a thread, and returns a shared
+/// buffer of 1 MiB connected to it (the first connection) and the fake's log.
+fn fake_daemon(
+    tag: &str,
+    serve: fn(std::os::unix::net::UnixListener, Secret, FakeLog),
+) -> (mori_umbpd::shm::SharedBuffer, FakeLog) {
+    let secret = Secret::new(GOOD.as_bytes().to_vec()).unwrap();
+    let name = format!("mori-umbpd-test-{tag}-{}", std::process::id()).into_bytes();
+    let listener = std::os::unix::net::UnixListener::bind_addr(
+        &SocketAddr::from_abstract_name(&name).unwrap(),
+    )
+    .unwrap();
+    let log = FakeLog::default();
+    let (s2, l2) = (secret.clone(), std::sync::Arc::clone(&log));
+    std::thread::spawn(move || serve(listener, s2, l2));
+    let buf = mori_umbpd::shm::SharedBuffer::connect(&name, &secret, 1 << 20).unwrap();
+    (buf, log)
 }
 
 /// A shared buffer keeps working when the daemon closes its connection (it connects again and
@@ -601,21 +659,12 @@ fn older_daemon(
 /// again, and single gets go on over a new connection.
 #[test]
 fn shared_buffers_connect_again_and_stop_asking_an_older_daemon_for_batches() {
-    let secret = Secret::new(GOOD.as_bytes().to_vec()).unwrap();
-    let name = format!("mori-umbpd-test-older-{}", std::process::id()).into_bytes();
-    let listener = std::os::unix::net::UnixListener::bind_addr(
-        &SocketAddr::from_abstract_name(&name).unwrap(),
-    )
-    .unwrap();
-    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let (s2, l2) = (secret.clone(), std::sync::Arc::clone(&log));
-    std::thread::spawn(move || older_daemon(listener, s2, l2));
-    let buf = mori_umbpd::shm::SharedBuffer::connect(&name, &secret, 1 << 20).unwrap();
+    let (buf, log) = fake_daemon("older", older_daemon);
     let read = |offset: usize| {
         // SAFETY: the mapping holds 1 MiB; nothing writes it while it is read here.
         unsafe { std::slice::from_raw_parts(buf.as_ptr().add(offset), 100) }.to_vec()
     };
-    let want = |key: &[u8]| key.iter().copied().cycle().take(100).collect::<Vec<u8>>();
+    let want = fake_value;
     assert_eq!(buf.get_into(b"first", 0, 1000).unwrap(), Some(100));
     assert_eq!(read(0), want(b"first"));
     // The daemon closed that connection: this get connects again.
@@ -637,6 +686,66 @@ fn shared_buffers_connect_again_and_stop_asking_an_older_daemon_for_batches() {
             format!("2 {g}")
         ],
         "one batch request only, and a new connection after each close"
+    );
+}
+
+/// A daemon that serves batches into shared memory on the raw protocol (every key found, its
+/// value [`fake_value`] at the next 64-byte boundary of the request's room) and closes each
+/// connection after one batch, as the daemon closes one left idle between a client's batches.
+/// Logs "<connection> <op> <keys>".
+fn batch_then_close_daemon(
+    listener: std::os::unix::net::UnixListener,
+    secret: Secret,
+    log: FakeLog,
+) {
+    for (conn, stream) in listener.incoming().enumerate() {
+        let mut c = FakeConnection::accept(stream.unwrap(), &secret);
+        let Some((op, mut packed, at)) = c.request() else {
+            continue;
+        };
+        let (mut offset, mut body, mut keys) = (
+            u64::from_le_bytes(at[..8].try_into().unwrap()) as usize,
+            Vec::new(),
+            0,
+        );
+        while !packed.is_empty() {
+            let len = u16::from_le_bytes([packed[0], packed[1]]) as usize;
+            let key: Vec<u8> = packed.drain(..2 + len).skip(2).collect();
+            c.write(offset, &fake_value(&key));
+            body.push(MANY_FOUND);
+            body.extend_from_slice(&100u64.to_le_bytes());
+            offset = (offset + 100).next_multiple_of(MANY_ALIGN as usize);
+            keys += 1;
+        }
+        log.lock().unwrap().push(format!("{conn} {op} {keys}"));
+        raw_reply(&mut c.s, FOUND, &body);
+    } // each connection closed when its FakeConnection drops
+}
+
+/// A connection the daemon closed between two batches (as it closes idle ones) is made anew and
+/// the batch asked again over it: every batch reads byte-exact through the shared buffer instead
+/// of failing `UNAVAILABLE` (which sent the caller to gRPC for that batch).
+#[test]
+fn a_batch_after_the_daemon_closed_the_connection_connects_again() {
+    let (buf, log) = fake_daemon("closing", batch_then_close_daemon);
+    let batches: [&[&[u8]]; 3] = [&[b"one", b"two", b"three"], &[b"four", b"five"], &[b"six"]];
+    for keys in batches {
+        let mut seen = Vec::new();
+        let got = buf
+            .get_many_with(keys, |i, v| {
+                seen.push((i, v.to_vec()));
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(got, vec![Some(Some(100)); keys.len()]);
+        let want: Vec<(usize, Vec<u8>)> = keys.iter().map(|k| fake_value(k)).enumerate().collect();
+        assert_eq!(seen, want);
+    }
+    let m = GET_MANY_INTO;
+    assert_eq!(
+        *log.lock().unwrap(),
+        [format!("0 {m} 3"), format!("1 {m} 2"), format!("2 {m} 1")],
+        "each batch once, each over a new connection"
     );
 }
 
