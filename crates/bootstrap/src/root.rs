@@ -780,8 +780,9 @@ mod tests {
             b"MAUC\x01\x0emori.bootstrap",
         ] {
             let mut s = TcpStream::connect(addr).unwrap();
-            s.write_all(junk).unwrap();
-            s.shutdown(Shutdown::Write).unwrap();
+            // The gate may refuse and close (a reset, with junk left unread) before the write
+            // or the shutdown: either may then fail; what matters is the count below.
+            let _ = s.write_all(junk).and_then(|()| s.shutdown(Shutdown::Write));
             let (_, got) = until_closed(s);
             assert!(got.is_empty());
         }
