@@ -29,6 +29,7 @@
 //! | `secret_file`    | `UMBP_SECRET_FILE`    | `--secret-file`      | none (the deployment secret) |
 //! | `max_connections` | `UMBP_MAX_CONNECTIONS` | `--max-connections` | `1024`          |
 //! | `handshake_timeout` | `UMBP_HANDSHAKE_TIMEOUT` | `--handshake-timeout` | `5s`     |
+//! | `same_host_idle_timeout` | `UMBP_SAME_HOST_IDLE_TIMEOUT` | `--same-host-idle-timeout` | `60s` |
 //!
 //! The pool settings (`dram_bytes` … `ssd_io`) apply to the standalone and peer roles;
 //! `master`, `advertise` and `heartbeat_interval` to peers; `peer_timeout`, `lease_timeout`,
@@ -43,6 +44,9 @@
 //! `mori_auth::Secret::deployment`). `max_connections` bounds the open connections
 //! (authenticated or still authenticating; at the limit the daemon stops accepting until one
 //! closes); a peer that has not authenticated within `handshake_timeout` is dropped.
+//! `same_host_idle_timeout` (standalone and peer roles): a client's same-host connection
+//! ([`crate::shm`]) that sends no request for this long is closed (the client connects again
+//! at its next request).
 //!
 //! Besides these, `UMBP_CONFIG` (the file) and `UMBP_LOG` (the `tracing` filter) are
 //! recognised. An unknown TOML key, an unknown `UMBP_*` variable or an invalid value is a
@@ -166,10 +170,13 @@ pub struct Cli {
     /// A connection that has not authenticated within this long is dropped, e.g. 5s.
     #[arg(long, value_name = "DURATION")]
     pub handshake_timeout: Option<String>,
+    /// A same-host (shared-memory) connection without a request for this long is closed, e.g. 60s.
+    #[arg(long, value_name = "DURATION")]
+    pub same_host_idle_timeout: Option<String>,
 }
 
 /// The names of every setting, in printing order (TOML keys; see the module docs).
-pub const SETTINGS: [&str; 22] = [
+pub const SETTINGS: [&str; 23] = [
     "role",
     "listen",
     "dram_bytes",
@@ -192,6 +199,7 @@ pub const SETTINGS: [&str; 22] = [
     "secret_file",
     "max_connections",
     "handshake_timeout",
+    "same_host_idle_timeout",
 ];
 
 /// Largest `max_connections` accepted (each connection is a file descriptor).
@@ -345,6 +353,8 @@ pub struct Config {
     pub max_connections: Setting<u64>,
     /// `handshake_timeout`.
     pub handshake_timeout: Setting<Duration>,
+    /// `same_host_idle_timeout` (standalone and peer roles).
+    pub same_host_idle_timeout: Setting<Duration>,
 }
 
 impl Default for Config {
@@ -372,6 +382,7 @@ impl Default for Config {
             secret_file: Setting::default(None),
             max_connections: Setting::default(1024),
             handshake_timeout: Setting::default(Duration::from_secs(5)),
+            same_host_idle_timeout: Setting::default(Duration::from_secs(60)),
         }
     }
 }
@@ -683,6 +694,9 @@ impl Config {
                 set(&mut self.max_connections, n, source);
             }
             "handshake_timeout" => set(&mut self.handshake_timeout, raw.duration()?, source),
+            "same_host_idle_timeout" => {
+                set(&mut self.same_host_idle_timeout, raw.duration()?, source);
+            }
             _ => return Ok(false),
         }
         Ok(true)
@@ -830,6 +844,10 @@ impl Config {
                 format_duration(self.handshake_timeout.value),
                 &self.handshake_timeout.source,
             ),
+            "same_host_idle_timeout" => (
+                format_duration(self.same_host_idle_timeout.value),
+                &self.same_host_idle_timeout.source,
+            ),
             _ => return None,
         })
     }
@@ -840,7 +858,7 @@ impl Config {
             .iter()
             .filter_map(|name| {
                 self.describe(name)
-                    .map(|(v, src)| format!("{name:<18} = {v} ({src})"))
+                    .map(|(v, src)| format!("{name:<22} = {v} ({src})"))
             })
             .collect()
     }
@@ -906,7 +924,7 @@ pub fn resolve(cli: &Cli, env: &[(String, String)]) -> Result<Config, ConfigErro
         cfg.apply(setting, Raw::Text(value), Source::Env(name.clone()))
             .map_err(|why| ConfigError(format!("invalid value for {name}: {why}")))?;
     }
-    let flags: [(&str, &Option<String>); 22] = [
+    let flags: [(&str, &Option<String>); 23] = [
         ("role", &cli.role),
         ("listen", &cli.listen),
         ("dram_bytes", &cli.dram_bytes),
@@ -929,6 +947,7 @@ pub fn resolve(cli: &Cli, env: &[(String, String)]) -> Result<Config, ConfigErro
         ("secret_file", &cli.secret_file),
         ("max_connections", &cli.max_connections),
         ("handshake_timeout", &cli.handshake_timeout),
+        ("same_host_idle_timeout", &cli.same_host_idle_timeout),
     ];
     for (setting, value) in flags {
         if let Some(v) = value {

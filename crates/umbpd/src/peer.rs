@@ -388,7 +388,7 @@ pub async fn run_peer(cfg: &Config) -> Result<CloseReport, DaemonError> {
         .with_link(Arc::clone(&link))
         .with_data_plane(data.clone())
         .with_listener_stats(Arc::clone(&security.stats))
-        .with_same_host(Arc::clone(&security.secret), Arc::clone(&security.stats));
+        .with_same_host(&security);
     // Small ops answer a cluster client's single gets (routed by the master, or through a
     // route the client knew); a put over them is published to the master as over gRPC.
     let serving = start_serving(

@@ -147,6 +147,8 @@ pub struct Security {
     pub limits: Limits,
     /// The listener's counters.
     pub stats: Arc<ListenerStats>,
+    /// A same-host connection without a request for this long is closed.
+    pub same_host_idle_timeout: Duration,
 }
 
 impl Security {
@@ -166,6 +168,7 @@ impl Security {
                 handshake_timeout: cfg.handshake_timeout.value,
             },
             stats: Arc::new(ListenerStats::default()),
+            same_host_idle_timeout: cfg.same_host_idle_timeout.value,
         })
     }
 }
@@ -317,7 +320,7 @@ pub async fn run_standalone(cfg: &Config) -> Result<CloseReport, DaemonError> {
         .with_listener_stats(Arc::clone(&security.stats));
     // Clients on this host read values through shared memory of their own (crate::shm): the
     // socket starts when the first client asks for it.
-    service = service.with_same_host(Arc::clone(&security.secret), Arc::clone(&security.stats));
+    service = service.with_same_host(&security);
     let serving = start_serving(
         listener,
         tonic::service::Routes::new(umbp_server(service.clone())),

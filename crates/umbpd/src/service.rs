@@ -669,6 +669,7 @@ pub struct UmbpService {
 struct SameHost {
     secret: Arc<mori_auth::Secret>,
     stats: Arc<ListenerStats>,
+    idle_timeout: std::time::Duration,
     name: std::sync::OnceLock<Option<Vec<u8>>>,
 }
 
@@ -688,16 +689,14 @@ impl UmbpService {
     }
 
     /// Serves clients on this host through shared memory ([`crate::shm`]): the socket starts
-    /// at the first request for its name (small ops' `SHM_NAME`); `secret` authenticates its
-    /// connections, `stats` counts them.
-    pub fn with_same_host(
-        mut self,
-        secret: Arc<mori_auth::Secret>,
-        stats: Arc<ListenerStats>,
-    ) -> UmbpService {
+    /// at the first request for its name (small ops' `SHM_NAME`); the daemon's secret
+    /// authenticates its connections, its listener counters count them, and a connection idle
+    /// for its `same_host_idle_timeout` is closed.
+    pub fn with_same_host(mut self, security: &crate::server::Security) -> UmbpService {
         self.same_host = Some(Arc::new(SameHost {
-            secret,
-            stats,
+            secret: Arc::clone(&security.secret),
+            stats: Arc::clone(&security.stats),
+            idle_timeout: security.same_host_idle_timeout,
             name: std::sync::OnceLock::new(),
         }));
         self
@@ -714,6 +713,7 @@ impl UmbpService {
                     Arc::clone(&sh.secret),
                     Arc::clone(&sh.stats),
                     self.link.clone(),
+                    sh.idle_timeout,
                 ) {
                     Ok(server) => Some(server.name().to_vec()),
                     Err(e) => {

@@ -63,8 +63,6 @@ pub const MANY_ABSENT: u8 = 0;
 pub const MANY_FOUND: u8 = 1;
 /// Per key of a batch answer: longer than the whole room asked for (read it another way).
 pub const MANY_TOO_LONG: u8 = 2;
-/// A connection idle this long is closed by the daemon.
-const IDLE_CLOSE: Duration = Duration::from_secs(60);
 /// The handshake and the hello must complete within this.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Same-host connections open at once (each has a thread); more are closed at once, and
@@ -297,12 +295,14 @@ impl ShmServer {
     /// Binds a new abstract socket and serves it for `pool` until the process ends (a closed
     /// pool answers `UNAVAILABLE`).
     /// Refused handshakes and served gets are counted in `stats` (reported by `Health`); a
-    /// cluster peer notes each get in `link` for its master's LRU order.
+    /// cluster peer notes each get in `link` for its master's LRU order. A connection without
+    /// a request for `idle_timeout` is closed.
     pub fn start(
         pool: Arc<SharedPool>,
         secret: Arc<Secret>,
         stats: Arc<ListenerStats>,
         link: Option<Arc<crate::peer::PeerLink>>,
+        idle_timeout: Duration,
     ) -> io::Result<ShmServer> {
         // Unique on the host, not secret (the handshake is what a client must pass).
         let since = std::time::SystemTime::now()
@@ -332,9 +332,15 @@ impl ShmServer {
                         std::thread::Builder::new()
                             .name("umbpd-shm".into())
                             .spawn(move || {
-                                if let Err(e) =
-                                    serve(stream, &pool, &secret, &stats, link.as_deref())
-                                {
+                                let served = serve(
+                                    stream,
+                                    &pool,
+                                    &secret,
+                                    &stats,
+                                    link.as_deref(),
+                                    idle_timeout,
+                                );
+                                if let Err(e) = served {
                                     debug!("umbpd same-host connection ended: {e}");
                                 }
                                 mine.fetch_sub(1, Ordering::AcqRel);
@@ -447,6 +453,7 @@ fn serve(
     secret: &Secret,
     stats: &ListenerStats,
     link: Option<&crate::peer::PeerLink>,
+    idle_timeout: Duration,
 ) -> io::Result<()> {
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
@@ -474,19 +481,19 @@ fn serve(
         }
     };
     answer(&mut stream, &length(map.len() as u64))?;
-    stream.set_read_timeout(Some(IDLE_CLOSE))?;
+    stream.set_read_timeout(Some(idle_timeout))?;
     loop {
         let mut head = [0u8; 3];
         match stream.read_exact(&mut head) {
             Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e)
                 if matches!(
                     e.kind(),
-                    io::ErrorKind::UnexpectedEof
-                        | io::ErrorKind::WouldBlock
-                        | io::ErrorKind::TimedOut
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                 ) =>
             {
+                debug!("umbpd closed a same-host connection idle for {idle_timeout:?}");
                 return Ok(());
             }
             Err(e) => return Err(e),

@@ -24,12 +24,15 @@ const GOOD: &str = "the-deployment-secret-of-the-same-host-test";
 const BAD: &str = "a-secret-that-is-not-the-deployment-one";
 
 fn standalone(dir: &Path) -> Daemon {
+    standalone_with(dir, &["--dram-bytes", "64M"], &[])
+}
+
+/// A standalone daemon with the test's secret and `args`, `envs`.
+fn standalone_with(dir: &Path, args: &[&str], envs: &[(&str, &str)]) -> Daemon {
     let sf = secret_file(dir, "secret", GOOD);
-    Daemon::start(
-        dir,
-        &["--secret-file", sf.to_str().unwrap(), "--dram-bytes", "64M"],
-        &[],
-    )
+    let mut all = vec!["--secret-file", sf.to_str().unwrap()];
+    all.extend_from_slice(args);
+    Daemon::start(dir, &all, envs)
 }
 
 /// A memfd of `len` bytes, sealed against shrinking when `seal`.
@@ -472,17 +475,7 @@ fn batches_fill_the_shared_buffer_with_what_fits_and_ask_again_for_the_rest() {
 #[test]
 fn single_gets_take_shared_memory_on_the_same_host_and_small_ops_beyond_it() {
     let dir = tempfile::tempdir().unwrap();
-    let sf = secret_file(dir.path(), "secret", GOOD);
-    let d = Daemon::start(
-        dir.path(),
-        &[
-            "--secret-file",
-            sf.to_str().unwrap(),
-            "--dram-bytes",
-            "128M",
-        ],
-        &[],
-    );
+    let d = standalone_with(dir.path(), &["--dram-bytes", "128M"], &[]);
     let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
     let big = mori_umbpd::client::SHM_STAGING_BYTES + 4096;
     let (_, values) = put_sized(&c, "g", 300, &[4096, 1 << 20, big]);
@@ -505,6 +498,59 @@ fn single_gets_take_shared_memory_on_the_same_host_and_small_ops_beyond_it() {
         "same_host_child_reads_over_small_ops",
         &[("MORI_UMBP_SHM", "0"), ("UMBP_TEST_ADDR", &d.addr)],
     );
+}
+
+/// The real daemon closing same-host connections idle for 1 s (`--same-host-idle-timeout`):
+/// after each idle pause (the daemon logs the close) a batch and a single get still read
+/// through shared memory over a new connection, byte-exact, every key counted in the daemon's
+/// `same_host_served` (a batch that failed over to gRPC would count none).
+#[test]
+fn gets_and_batches_after_the_daemon_closed_an_idle_same_host_connection_read_through_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone_with(
+        dir.path(),
+        &["--dram-bytes", "64M", "--same-host-idle-timeout", "1s"],
+        &[("UMBP_LOG", "mori_umbpd=debug")],
+    );
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let (keys, values) = put_sized(&c, "idle", 500, &[4096, 100_000, 1 << 20]);
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let want: Vec<Option<Vec<u8>>> = values.iter().cloned().map(Some).collect();
+    let closed = || {
+        d.stderr()
+            .matches("closed a same-host connection idle")
+            .count()
+    };
+    for round in 0..3 {
+        let h0 = c.health().unwrap();
+        assert_eq!(
+            c.batch_get(&refs).unwrap(),
+            want,
+            "round {round}: the batch"
+        );
+        assert_eq!(
+            c.get(&keys[1]).unwrap().as_ref(),
+            Some(&values[1]),
+            "round {round}: the get"
+        );
+        let h1 = c.health().unwrap();
+        assert_eq!(
+            h1.same_host_served - h0.same_host_served,
+            refs.len() as u64 + 1,
+            "round {round}: every key through shared memory"
+        );
+        let before = closed();
+        let t = std::time::Instant::now();
+        while closed() == before {
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(10),
+                "round {round}: the idle connection was not closed:\n{}\n{}",
+                d.stdout(),
+                d.stderr()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
 }
 
 /// Run by the test above in a child process with `MORI_UMBP_SHM=0`.
