@@ -9,6 +9,7 @@
 #   ipc:   benches/io_ab.py --routes cuda_ipc (two processes on GPU 0)
 #   ccl:   mori bench ccl --world 2 --max-bytes 1M (two ranks; host time per eager call)
 #   ep:    mori bench ep --world 2 --sms 24 (two ranks; host time per dispatch/combine call)
+#   facade: benches/ep_facade_host.py (one rank; host time per call, native beside the DeepEP facade)
 # VARIANTS: which runs alternate (default "before after"); "after:VAR=value" runs the after
 # wheel with an environment variable set (e.g. after:MORI_CHECKSUM_THREADS=1).
 # SHAPES (umbp only): one run per shape, so the variants alternate shape by shape.
@@ -41,6 +42,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
           ipc) cmd=(python3 "$repo/benches/io_ab.py" --routes cuda_ipc --trials "${TRIALS:-30}" --out "$dir/ipc.json") ;;
           ccl) cmd=(python3 -m mori bench ccl --world 2 --max-bytes 1M --trials "${TRIALS:-20}" --out "$dir") ;;
           ep) cmd=(python3 -m mori bench ep --world 2 --sms 24 --iters "${TRIALS:-10}" --out "$dir") ;;
+          facade) cmd=(python3 "$repo/benches/ep_facade_host.py" --out "$dir") ;;
         esac
         (cd /tmp && env PYTHONPATH="/tmp/site-$which" MORI_JIT_CACHE_DIR="/tmp/jit-$which" $setting \
           timeout "$(( budget < 240 ? budget : 240 ))" "${cmd[@]}") > "$dir/$what-$shape.log" 2>&1
