@@ -152,9 +152,10 @@ KERNELS = Path(__file__).parent.parent / "kernels" / "ep"
 # since: the low-latency dispatch's round_scale (send), scale_format and wait_ns (receive), the
 # low-latency combine's wait_ns (receive), the normal prepare's capacity and expert_counts, the
 # normal combine's weights (w, comb_w, topk, send_rows / out_w), the low-latency mode's ranks
-# per node and window areas (ep_ll_route is new with those), and the layout's in_rank.
+# per node and window areas (ep_ll_route is new with those), and the prepare's in_rank and
+# trap_overflow.
 OLD_LAYOUTS = {
-    "ep_prepare": "PiiiiiPPPPPPiPPPiiP" + "P",
+    "ep_prepare": "PiiiiiPPPPPPiPPPiiP" + "Pi",
     "ep_dispatch": "PQPiPPiiiiPPPPPPPPP",
     "ep_combine_send": "PQiiPPQPPPii",
     "ep_combine_reduce": "PiPQiiiPPPPPiP",
@@ -319,12 +320,12 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
         rt = _core.EpRuntime((w, e, h, k, tmax, tll), a, ll)
         n, topk_idx, weights, x, scales, meta, out, y, counts, out_w = 37, *[rng.getrandbits(40) << 4 for _ in range(9)]
 
-        def prepare(parity, notify, seq, expert_counts=0, in_rank=0):
+        def prepare(parity, notify, seq, expert_counts=0, in_rank=0, trap_overflow=0):
             nw = n * w
             return ("ep_prepare", w + 1, 1024, 0, packed(
                 "ep_prepare", topk_idx, n, k, el, w, e, meta, meta + 4 * nw, meta + 8 * nw, meta + 4 * (2 * nw + w),
                 meta + 4 * (2 * nw + w + e), counters, int(notify), rank_m[parity], expert_m[parity], host_info, seq, tmax,
-                expert_counts, in_rank))
+                expert_counts, in_rank, trap_overflow))
 
         def layout_part(offset):
             return meta + 4 * offset
@@ -345,6 +346,14 @@ def test_the_rust_runtime_launches_what_mori_ep_launched_before():
                 "ep_dispatch", x, row_bytes, scales if fp8 else 0, cols, topk_idx, weights, n, k, el, w, send_list, per_rank,
                 rank_matrix, *recv, counters))]
         assert rt.layout(None, topk_idx, n, meta) == [prepare(0, False, 2)]
+        # Without the host wait (mori.ep.deepep's num_worst_tokens): the same launches, the
+        # prepare trapping on a rank over the capacity; the combine then reads the count on the GPU.
+        got_seq, got = rt.dispatch(None, x, 2 * h, 0, 0, topk_idx, weights, n, meta, 24, 0, False)
+        assert got_seq == 3 and got[0] == prepare(0, True, 3, trap_overflow=1)
+        assert got[1] == ("ep_dispatch", 24, 512, 0, packed(
+            "ep_dispatch", x, 2 * h, 0, 0, topk_idx, weights, n, k, el, w, send_list, per_rank, rank_matrix, *recv, counters))
+        assert rt.combine(None, y, False, None, n, meta, out, 20)[0] == ("ep_combine_send", 20, 512, 0, packed(
+            "ep_combine_send", y, 2 * h, -1, w, rank_matrix, comb, tmax, counters, 0, comb_w, k, 1))
         num_recv = 91
         for on_heap in (False, True):
             for w_in, w_out in ((0, 0), (weights, out_w)):
@@ -536,34 +545,41 @@ def test_the_received_rows_are_exported_by_one_planned_kernel_and_bad_requests_a
     rt = _core.EpRuntime((w, e, h, k, tmax, 0), a, None)
     out = [(i + 100) << 20 for i in range(5)]
     # FP8 rows with scales, the first 6 of 8 ids, 300 received padded to 416 rows: 26 blocks of 16 warps.
-    got = rt.export_received(None, h, h // 128, 6, 300, 416, tuple(out))
+    got = rt.export_received(None, h, h // 128, 6, 300, 416, (*out, 0))
     assert got == [("ep_export_received", 26, 512, 0, _core.kernel_params(
         "ep_export_received", recv[0], h, recv[1], h // 128, recv[2], recv[3], recv[4], k, 6, 300, 416, *out, 0, w, 0))]
     # With the rank prefix matrix: summed from the rank matrix of the dispatch's layout area (37 tokens).
     meta, prefix = 7 << 30, 9 << 30
     rank_matrix = meta + 4 * (2 * 37 * w + w + e)
-    got = rt.export_received(None, h, h // 128, 6, 300, 416, tuple(out), (prefix, meta, 37))
+    got = rt.export_received(None, h, h // 128, 6, 300, 416, (*out, prefix), (meta, 37))
     assert got == [("ep_export_received", 26, 512, 0, _core.kernel_params(
         "ep_export_received", recv[0], h, recv[1], h // 128, recv[2], recv[3], recv[4], k, 6, 300, 416, *out, rank_matrix, w,
         prefix))]
     # Nothing received and no padding: one block still writes the prefix matrix (the rows' outputs are empty).
-    assert rt.export_received(None, 2 * h, 0, k, 0, 0, (0, 0, 0, 0, 0), (prefix, meta, 37)) == [
+    assert rt.export_received(None, 2 * h, 0, k, 0, 0, (0, 0, 0, 0, 0, prefix), (meta, 37)) == [
         ("ep_export_received", 1, 512, 0, _core.kernel_params(
             "ep_export_received", recv[0], 2 * h, recv[1], 0, recv[2], recv[3], recv[4], k, k, 0, 0, 0, 0, 0, 0, 0, rank_matrix, w,
             prefix))]
+    # The count left on the GPU (num_recv None): -1, read from the rank matrix, which is required.
+    got = rt.export_received(None, 2 * h, 0, k, None, 416, (out[0], 0, 0, 0, out[4], 0), (meta, 37))
+    assert got == [("ep_export_received", 26, 512, 0, _core.kernel_params(
+        "ep_export_received", recv[0], 2 * h, recv[1], 0, recv[2], recv[3], recv[4], k, k, -1, 416, out[0], 0, 0, 0, out[4],
+        rank_matrix, w, 0))]
     # More rows than 1024 blocks hold warps for: the grid stops at 1024 (the kernel strides).
-    big = rt.export_received(None, 2 * h, 0, k, w * tmax, w * tmax, (out[0], 0, 0, 0, 0))
+    big = rt.export_received(None, 2 * h, 0, k, w * tmax, w * tmax, (out[0], 0, 0, 0, 0, 0))
     assert big[0][1] == min((w * tmax + 15) // 16, 1024)
-    assert rt.export_received(None, 2 * h, 0, k, 0, 0, (0, 0, 0, 0, 0)) == []  # nothing received, no padding
+    assert rt.export_received(None, 2 * h, 0, k, 0, 0, (0, 0, 0, 0, 0, 0)) == []  # nothing received, no padding
     for why, args in [
-        ("rows below num_recv", (2 * h, 0, k, 300, 299, (out[0], 0, 0, 0, 0))),
-        ("more than the buffer holds", (2 * h, 0, k, w * tmax + 1, w * tmax + 1, (out[0], 0, 0, 0, 0))),
-        ("k above the buffer's top-k", (2 * h, 0, k + 1, 10, 10, (out[0], 0, 0, 0, 0))),
-        ("rows wider than hidden bf16", (2 * h + 16, 0, k, 10, 10, (out[0], 0, 0, 0, 0))),
-        ("rows not a multiple of 16 bytes", (2 * h - 8, 0, k, 10, 10, (out[0], 0, 0, 0, 0))),
-        ("scales without an address", (h, h // 128, k, 10, 10, (out[0], 0, 0, 0, 0))),
-        ("an address without scales", (h, 0, k, 10, 10, (out[0], out[1], 0, 0, 0))),
-        ("no address for the rows", (2 * h, 0, k, 10, 10, (0, 0, 0, 0, 0))),
+        ("rows below num_recv", (2 * h, 0, k, 300, 299, (out[0], 0, 0, 0, 0, 0))),
+        ("a count on the GPU without the rank matrix", (2 * h, 0, k, None, 10, (out[0], 0, 0, 0, 0, 0))),
+        ("a prefix matrix without the rank matrix", (2 * h, 0, k, 10, 10, (out[0], 0, 0, 0, 0, out[4]))),
+        ("more than the buffer holds", (2 * h, 0, k, w * tmax + 1, w * tmax + 1, (out[0], 0, 0, 0, 0, 0))),
+        ("k above the buffer's top-k", (2 * h, 0, k + 1, 10, 10, (out[0], 0, 0, 0, 0, 0))),
+        ("rows wider than hidden bf16", (2 * h + 16, 0, k, 10, 10, (out[0], 0, 0, 0, 0, 0))),
+        ("rows not a multiple of 16 bytes", (2 * h - 8, 0, k, 10, 10, (out[0], 0, 0, 0, 0, 0))),
+        ("scales without an address", (h, h // 128, k, 10, 10, (out[0], 0, 0, 0, 0, 0))),
+        ("an address without scales", (h, 0, k, 10, 10, (out[0], out[1], 0, 0, 0, 0))),
+        ("no address for the rows", (2 * h, 0, k, 10, 10, (0, 0, 0, 0, 0, 0))),
     ]:
         try:
             rt.export_received(None, *args)

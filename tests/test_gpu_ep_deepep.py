@@ -8,7 +8,8 @@ local id is -1, the handle's rank_prefix_matrix / recv_src_idx / is_token_in_ran
 top-k weights, expert_alignment, num_worst_tokens padding, the cached dispatch (of new tokens),
 events on the communication stream, column-major FP8 scales (amax / 448, powers of two, packed
 UE8M0, each bit-exact against mori.ep._reference's quantiser), cumulative receive statistics and
-wait times, zero-copy combine (other data in ``x``), the hook split, CUDA-graph replay, dispatch
+wait times, zero-copy combine (other data in ``x``), the hook split, CUDA-graph replay (low-latency,
+and normal mode with num_worst_tokens: layout, dispatch, expert and combine in one graph), dispatch
 by layout alone (no top-k ids), get_local_buffer_tensor against the rows dispatch returned, all
 tokens to one expert, duplicate expert ids in a row, and hidden sizes 2048 / 4096 / 7168.
 The buffer is sized lazily and grows collectively (a case sends more tokens than any before, and
@@ -124,6 +125,9 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
             event.current_stream_wait()
         recv_data, recv_scales = recv_x if fp8 else (recv_x, None)
         recv_data_copy = recv_data.clone()
+        # The rows received; on one node with num_worst_tokens as many as that (DeepEP's
+        # recv_src_idx too), the count itself staying on the GPU: the rows compared below are the
+        # expected count's.
         num_recv = int(handle[3].shape[0])
         # The raw receive area holds the rows this dispatch returned (until the next dispatch).
         raw_rows = buf.get_local_buffer_tensor(recv_data.dtype, torch.Size([num_recv, hidden])).clone()
@@ -151,8 +155,6 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         barrier()
         # checks (every collective call is done)
         assert event_ok, f"event {event!r} with async_finish={async_finish}"
-        assert torch.equal(raw_rows.view(torch.uint8), recv_data_copy[:num_recv].contiguous().view(torch.uint8)), (
-            "get_local_buffer_tensor does not show the rows dispatch returned")
         want_rank, want_expert, want_in = ref.expected_layout(idx, EXPERTS, WORLD)
         if nodes == 1:
             assert layout[1] is None, "num_tokens_per_rdma_rank must be None intranode"
@@ -163,9 +165,14 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         assert torch.equal(layout[2].cpu(), want_expert), "num_tokens_per_expert"
         assert torch.equal(layout[3].cpu(), want_in), "is_token_in_rank"
         exp = ref.expected_normal_dispatch(rank, WORLD, EXPERTS, all_idx, all_w, all_x, all_scales)
+        got = exp.src_idx.numel()
+        assert torch.equal(raw_rows[:got].view(torch.uint8), recv_data_copy[:got].contiguous().view(torch.uint8)), (
+            "get_local_buffer_tensor does not show the rows dispatch returned")
+        if worst and nodes == 1:  # these dispatches did not wait on the host (earlier ones sized the buffer)
+            assert num_recv == worst and bool((handle[3][got:] == -1).all()), "recv_src_idx: num_worst_tokens long, -1 past the count"
         ref.check_normal_dispatch(
             exp, recv_x=recv_data_copy, recv_x_scales=recv_scales, recv_topk_idx=recv_idx, recv_topk_weights=recv_w,
-            num_recv_tokens_per_expert=per_expert_list, recv_src_idx=handle[3][: exp.src_idx.numel()], weights_masked=True,
+            num_recv_tokens_per_expert=per_expert_list, recv_src_idx=handle[3][:got], weights_masked=True,
             expert_alignment=alignment, num_worst_tokens=worst,
         )
         assert isinstance(handle, tuple) and len(handle) == 6, "the handle is DeepEP's 6-tuple"
@@ -284,6 +291,22 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         del graph
         ll_check(x_s.clone(), idx_s.clone(), w_s.clone(), True, snap, combined.clone(), [True], round_scale=True)
 
+    def captured(step):
+        """(a CUDA graph of one ``step()``, its outputs), after two warm-up steps on a side stream
+        (as torch recommends before capturing)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+        torch.cuda.synchronize()
+        return graph, outputs
+
     def ll_graph(fp8):
         n = 64 + 13 * rank % 64  # within LL_MAX on every rank
         x_s, idx_s = tokens(n), routing(n, "random")
@@ -295,17 +318,7 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
             combined, _, _ = buf.low_latency_combine(ref.ll_expert(data, scales, rank), idx_s, w_s, handle)
             return data, scales, count, handle, combined
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            data, scales, count, handle, combined = step()
-        torch.cuda.synchronize()
+        graph, (data, scales, count, handle, combined) = captured(step)
         dist.barrier(group)
         failures = []
         for replay in range(4):
@@ -320,6 +333,54 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
             )
             try:
                 ll_check(x_s.clone(), idx_s.clone(), w_s.clone(), fp8, snap, combined.clone(), [True])
+            except AssertionError as e:
+                failures.append(f"replay {replay}: {e}")
+        del graph
+        assert not failures, "\n".join(failures)
+
+    def normal_graph(fp8):
+        # As DeepEP's num_worst_tokens: once a dispatch of this buffer waited on the host (the
+        # warm-up), the dispatch waits on nothing, so a CUDA graph captures layout, dispatch,
+        # expert and combine; each replay takes new tokens, scales and routing.
+        n = 200 + 17 * rank
+        worst = WORLD * 320  # above what any rank can receive (every rank sends at most 319 tokens)
+        x_s, idx_s = tokens(n), routing(n, "random")
+        w_s = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
+        q_s, s_s = fp8_tokens(n, HIDDEN)
+
+        def step():
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx_s, EXPERTS)
+            recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+                (q_s, s_s) if fp8 else x_s, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx_s, topk_weights=w_s, num_worst_tokens=worst)
+            data, scales = recv_x if fp8 else (recv_x, None)
+            combined, _, _ = buf.combine(ref.normal_expert(data, scales, rank), handle)
+            return data, scales, recv_idx, recv_w, handle, combined
+
+        graph, (data, scales, recv_idx, recv_w, handle, combined) = captured(step)
+        dist.barrier(group)
+        failures = []
+        for replay in range(3):
+            x_s.copy_(tokens(n))
+            q, sc = fp8_tokens(n, HIDDEN)
+            q_s.copy_(q)
+            s_s.copy_(sc)
+            idx_s.copy_(routing(n, "random", drop=0.05 * replay))
+            w_s.copy_(torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32))
+            graph.replay()
+            torch.cuda.synchronize()
+            got = dict(recv_x=data.clone(), recv_x_scales=scales.clone() if fp8 else None, recv_topk_idx=recv_idx.clone(),
+                       recv_topk_weights=recv_w.clone(), src=handle[3].clone(), combined=combined.clone())
+            sent, sent_scales = (q_s.clone(), s_s.clone()) if fp8 else (x_s.clone(), None)
+            all_idx, all_w, all_x = gather(idx_s.clone()), gather(w_s.clone()), gather(sent)
+            all_scales = gather(sent_scales) if fp8 else None
+            try:
+                exp = ref.expected_normal_dispatch(rank, WORLD, EXPERTS, all_idx, all_w, all_x, all_scales)
+                ref.check_normal_dispatch(
+                    exp, recv_x=got["recv_x"], recv_x_scales=got["recv_x_scales"], recv_topk_idx=got["recv_topk_idx"],
+                    recv_topk_weights=got["recv_topk_weights"], num_recv_tokens_per_expert=[],
+                    recv_src_idx=got["src"][: exp.src_idx.numel()], weights_masked=True, num_worst_tokens=worst)
+                ref.check_normal_combine(got["combined"], ref.expected_normal_combine(sent, sent_scales, idx_s, EXPERTS, WORLD))
             except AssertionError as e:
                 failures.append(f"replay {replay}: {e}")
         del graph
@@ -366,6 +427,8 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         "ll_wait_times": waits_recorded,
         "ll_graph": lambda: ll_graph(False),
         "ll_graph_fp8": lambda: ll_graph(True),
+        "normal_graph_worst_tokens": lambda: normal_graph(False),
+        "normal_graph_worst_tokens_fp8": lambda: normal_graph(True),
         "normal_after_ll": lambda: normal_case(800, "random", False),
         "hidden_4096": lambda: (normal_case(300, "random", False, hidden=4096), ll_case(60, "random", True, hidden=4096)),
         "hidden_7168": lambda: (normal_case(300, "random", True, hidden=7168),
@@ -400,11 +463,14 @@ CASES = [
     "cached_fp8", "bias", "layout_only", "layout_only_fp8_cached",
     "ll_random", "ll_random_fp8", "ll_all_to_rank0", "ll_no_remote", "ll_zero_tokens_on_rank1", "ll_one_token", "ll_max_tokens",
     "ll_max_tokens_fp8", "ll_repeated", "ll_hook", "ll_hook_fp8", "ll_zero_copy_out", "ll_one_expert", "ll_duplicate_ids",
-    "ll_round_scale", "ll_ue8m0", "ll_ue8m0_hook", "ll_wait_times", "ll_graph", "ll_graph_fp8", "normal_after_ll", "hidden_4096",
+    "ll_round_scale", "ll_ue8m0", "ll_ue8m0_hook", "ll_wait_times", "ll_graph", "ll_graph_fp8", "normal_graph_worst_tokens",
+    "normal_graph_worst_tokens_fp8", "normal_after_ll", "hidden_4096",
     "hidden_7168", "clean_then_capture", "two_caller_streams", "no_all_reduce", "destroy",
 ]
-# Across nodes (tests/test_gpu_ep_deepep_nodes.py): every case, and the window sized from num_rdma_bytes.
-NODE_CASES = CASES[:-1] + ["window_from_num_rdma_bytes", "destroy"]
+# Across nodes (tests/test_gpu_ep_deepep_nodes.py): every case but the normal mode's graph capture
+# (num_worst_tokens waits on the host across nodes, as DeepEP's is intranode only), and the window
+# sized from num_rdma_bytes.
+NODE_CASES = [c for c in CASES[:-1] if not c.startswith("normal_graph")] + ["window_from_num_rdma_bytes", "destroy"]
 WINDOW_BYTES = 384 << 20  # num_rdma_bytes across nodes (above)
 
 

@@ -65,12 +65,15 @@ __device__ __forceinline__ unsigned int next_item(unsigned int* work) {
 // expert (a dispatch by layout alone reports the caller's). `in_rank` (bool [num_tokens,
 // num_ranks], else null): whether each token goes to each rank (get_dispatch_layout's
 // is_token_in_rank, written here rather than derived from `slot` by another kernel).
+// `trap_overflow`: a dispatch the host does not wait for (mori.ep.deepep's num_worst_tokens)
+// traps when a rank has more tokens than the capacity, on every rank alike, instead of moving
+// no rows for a host that would not look.
 extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
     const long long* __restrict__ topk_idx, int num_tokens, int topk, int experts_per_rank, int num_ranks,
     int num_experts, int* __restrict__ slot, int* __restrict__ send_list, int* tokens_per_rank,
     int* tokens_per_expert, int* __restrict__ rank_matrix_out, Counters* counters, int notify, int* rank_matrix,
     int* expert_matrix, volatile int* host_info, int seq, int capacity,
-    const int* __restrict__ expert_counts, bool* __restrict__ in_rank) {
+    const int* __restrict__ expert_counts, bool* __restrict__ in_rank, int trap_overflow) {
     const int d = blockIdx.x;
     if (d == num_ranks) {
         __shared__ int hist[4096];
@@ -126,6 +129,7 @@ extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
             most = max(most, ((volatile int*)expert_matrix)[s * row + experts_per_rank]);
         }
         counters->overflow = most > capacity;
+        if (trap_overflow && most > capacity) __trap();
         host_info[1] = rows;
         host_info[2 + experts_per_rank] = bad_seen;
         host_info[3 + experts_per_rank] = most;
@@ -195,7 +199,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch(
 // scales (scale_cols floats), the first k of its topk local expert ids and its weights with a
 // weight of 0 where the id is -1, and its source index (for rows < num_recv only). Rows past
 // num_recv are padding: zero bytes and scales, ids -1, weights 0. A null output is skipped.
-// With `out_rank_prefix`, block 0 also writes the dispatch's rank matrix summed over source
+// `num_recv` < 0: the count is read on the GPU, the sum of the rank matrix's column for this
+// rank (a dispatch the host did not wait for); more than `rows` traps, and the source indices
+// (then `rows` of them) are -1 past it. With `out_rank_prefix`, block 0 also writes the dispatch's rank matrix summed over source
 // ranks (DeepEP's rank_prefix_matrix: [s][d] = tokens ranks 0..s sent to d), which a torch
 // cumsum would make as another launch of several times this kernel's host cost.
 // (mori.ep.deepep: DeepEP's outputs are the caller's, and the next dispatch reuses the buffers.)
@@ -212,11 +218,17 @@ extern "C" __global__ void __launch_bounds__(512) ep_export_received(
             out_rank_prefix[i] = sum;
         }
     }
+    int received = num_recv;
+    if (received < 0) {
+        received = 0;
+        for (int s = 0; s < num_ranks; ++s) received += rank_matrix[s * num_ranks + my_pe()];
+        if (received > rows) __trap();  // num_worst_tokens below what this rank received
+    }
     const int lane = lane_id();
     const int warps = gridDim.x * (blockDim.x / 32);
     for (int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
         const u64 row = static_cast<u64>(r);
-        const bool got = r < num_recv;
+        const bool got = r < received;
         if (got) {
             warp_copy16(out_x + row * row_bytes, recv_x + row * row_bytes, row_bytes);
         } else {
@@ -233,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_export_received(
             if (out_idx) out_idx[row * k + lane] = id;
             if (out_w) out_w[row * k + lane] = id >= 0 ? recv_w[row * topk + lane] : 0.0f;
         }
-        if (out_src && got && lane == 0) out_src[r] = recv_src[r];
+        if (out_src && lane == 0 && (got || num_recv < 0)) out_src[r] = got ? recv_src[r] : -1;
     }
 }
 
@@ -264,7 +276,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_send(const unsigned
     }
     __syncthreads();
     const unsigned int own = static_cast<unsigned int>(seg_base[me + 1] - seg_base[me]);
-    const unsigned int remote = static_cast<unsigned int>(num_recv) - own;
+    // num_recv < 0: the count from the rank matrix (a dispatch the host did not wait for).
+    const unsigned int received = static_cast<unsigned int>(num_recv < 0 ? seg_base[num_ranks] : num_recv);
+    const unsigned int remote = received - own;
     for (;;) {
         const unsigned int item = next_item(&counters->work);
         if (item >= remote) break;

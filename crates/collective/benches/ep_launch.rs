@@ -92,6 +92,7 @@ fn main() {
             &layout,
             0,
             SMS,
+            true,
             Some(stream.handle()),
         )
         .expect("dispatch")
@@ -101,7 +102,7 @@ fn main() {
         rt.combine(
             y,
             false,
-            num_recv,
+            Some(num_recv),
             TOKENS,
             &layout,
             out.ptr(),

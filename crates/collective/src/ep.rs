@@ -29,6 +29,8 @@ kernel_params! {
         pub expert_counts: DevicePtr,
         /// bool `[num_tokens, num_ranks]`: whether each token goes to each rank (0: not wanted).
         pub in_rank: DevicePtr,
+        /// Non-zero: a rank with more tokens than the capacity traps (no host looks at the counts).
+        pub trap_overflow: i32,
     }
 }
 

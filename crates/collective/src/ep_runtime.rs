@@ -216,7 +216,8 @@ pub struct ExportTo {
     pub idx: u64,
     /// `rows` x k f32 weights (0 where the id is -1).
     pub w: u64,
-    /// `num_recv` int32 source token indices.
+    /// `num_recv` int32 source token indices (`rows` when the count is read on the GPU, -1
+    /// past it).
     pub src: u64,
     /// `[ranks, ranks]` int32: the dispatch's rank matrix summed over source ranks, read from
     /// `rank_matrix` (the dispatch's layout area's; both or neither).
@@ -248,8 +249,13 @@ enum PrepareFor {
     Layout { in_rank: u64 },
     /// A dispatch's first kernel (counts as a dispatch: its sequence number is returned);
     /// `notify`: the kernel exchanges the counts (one node); `expert_counts`: int32
-    /// `[num_experts]` reported instead of the routing's, or 0.
-    Dispatch { notify: bool, expert_counts: u64 },
+    /// `[num_experts]` reported instead of the routing's, or 0; `host_wait`: the host waits for
+    /// the counts (else a rank over the capacity traps).
+    Dispatch {
+        notify: bool,
+        expert_counts: u64,
+        host_wait: bool,
+    },
 }
 
 /// A planned launch: its entry, grid, block, shared bytes and parameter bytes.
@@ -526,12 +532,13 @@ impl EpRuntime {
         layout: &Layout,
         call: PrepareFor,
     ) -> Result<(Launch, i32)> {
-        let (dispatch, notify, expert_counts, in_rank) = match call {
-            PrepareFor::Layout { in_rank } => (false, false, 0, in_rank),
+        let (dispatch, notify, expert_counts, in_rank, host_wait) = match call {
+            PrepareFor::Layout { in_rank } => (false, false, 0, in_rank, true),
             PrepareFor::Dispatch {
                 notify,
                 expert_counts,
-            } => (true, notify, expert_counts, 0),
+                host_wait,
+            } => (true, notify, expert_counts, 0, host_wait),
         };
         let s = &self.shape;
         let mut calls = self.calls()?;
@@ -561,6 +568,7 @@ impl EpRuntime {
             capacity: int(s.max_tokens),
             expert_counts: DevicePtr(expert_counts),
             in_rank: DevicePtr(in_rank),
+            trap_overflow: i32::from(!host_wait),
         };
         Ok((launch("ep_prepare", s.num_ranks + 1, 1024, 0, p), calls.seq))
     }
@@ -588,7 +596,10 @@ impl EpRuntime {
     /// sequence number the GPU publishes this dispatch's totals with (in `host_info[0]`).
     /// `expert_counts` (int32 `[num_experts]`, or 0): the counts per expert the exchange carries
     /// instead of those of `topk_idx`, so the received counts per local expert are the sums of
-    /// the callers' (DeepEP's dispatch by layout alone routes by rank).
+    /// the callers' (DeepEP's dispatch by layout alone routes by rank). Without `host_wait`
+    /// (one node only) nobody waits for the totals: a rank over the capacity traps on every
+    /// rank, and the receive count is read on the GPU by [`Self::export_received`] and
+    /// [`Self::combine`] (given `None`), so the calls can be captured in a CUDA graph.
     ///
     /// # Safety
     /// Every per-call address (`x`: n rows of `row_bytes`; `scales`: n x `scale_cols` f32 or 0;
@@ -607,9 +618,15 @@ impl EpRuntime {
         layout: &Layout,
         expert_counts: u64,
         sms: u32,
+        host_wait: bool,
         stream: Option<StreamHandle>,
     ) -> Result<(i32, Vec<Planned>)> {
         if let Some(geo) = &self.internode {
+            if !host_wait {
+                return Err(Error::InvalidArgument(
+                    "across nodes a dispatch's counts are waited for on the host".into(),
+                ));
+            }
             let (prepare, seq) = self.prepare(
                 topk_idx,
                 n,
@@ -617,6 +634,7 @@ impl EpRuntime {
                 PrepareFor::Dispatch {
                     notify: false,
                     expert_counts,
+                    host_wait,
                 },
             )?;
             let s = &self.shape;
@@ -653,6 +671,7 @@ impl EpRuntime {
             PrepareFor::Dispatch {
                 notify: true,
                 expert_counts,
+                host_wait,
             },
         )?;
         let d = EpDispatch {
@@ -693,22 +712,25 @@ impl EpRuntime {
     /// scales, the first `k` ids and weights per row) out of the receive buffers into `to`,
     /// padded to `rows` (mori.ep.deepep: DeepEP's outputs belong to the caller, and the next
     /// dispatch reuses the buffers). One kernel for what would be a copy per output.
+    /// `num_recv` `None`: a dispatch the host did not wait for; the kernel reads the count from
+    /// `to.rank_matrix` (traps when it exceeds `rows`) and `src` then holds `rows` entries, -1
+    /// past the count.
     ///
     /// # Safety
-    /// The addresses in `to` valid for `rows` rows (`src`: `num_recv`) until the kernel has
-    /// run, and no dispatch of this buffer queued before it on another stream.
+    /// The addresses in `to` valid for `rows` rows (`src`: `num_recv`, or `rows`) until the
+    /// kernel has run, and no dispatch of this buffer queued before it on another stream.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn export_received(
         &self,
         row_bytes: u64,
         scale_cols: u32,
         k: u32,
-        num_recv: u32,
+        num_recv: Option<u32>,
         rows: u32,
         to: ExportTo,
         stream: Option<StreamHandle>,
     ) -> Result<Vec<Planned>> {
-        if rows == 0 && to.rank_prefix == 0 {
+        if rows == 0 && to.rank_prefix == 0 && num_recv.is_some() {
             return Ok(Vec::new()); // nothing received and no padding: empty outputs
         }
         let s = &self.shape;
@@ -727,11 +749,11 @@ impl EpRuntime {
             ))
         } else if k > s.topk {
             Some(format!("{k} ids per row of a buffer of top-k {}", s.topk))
-        } else if (to.rank_prefix == 0) != (to.rank_matrix == 0) {
-            Some("a rank prefix matrix needs the rank matrix it sums, and only then".to_string())
-        } else if u64::from(num_recv) > capacity || num_recv > rows {
+        } else if (to.rank_prefix != 0 || num_recv.is_none()) && to.rank_matrix == 0 {
+            Some("no rank matrix for the prefix matrix or the count".to_string())
+        } else if num_recv.is_some_and(|n| u64::from(n) > capacity || n > rows) {
             Some(format!(
-                "{num_recv} received rows into {rows} (the buffer holds {capacity})"
+                "{num_recv:?} received rows into {rows} (the buffer holds {capacity})"
             ))
         } else {
             None
@@ -750,7 +772,7 @@ impl EpRuntime {
             recv_src: DevicePtr(b.recv_src),
             topk: int(s.topk),
             k: int(k),
-            num_recv: int(num_recv),
+            num_recv: num_recv.map_or(-1, int),
             rows: int(rows),
             out_x: DevicePtr(to.x),
             out_scales: DevicePtr(to.scales),
@@ -775,17 +797,18 @@ impl EpRuntime {
     /// A normal combine of `num_recv` received rows `y` back into `out` (`num_tokens` rows):
     /// the copy into the source ranks' combine buffers (skipped when `y` is the heap's combine
     /// input: `y_on_heap`, the caller then fences all ranks around this call) and the reduce;
-    /// with `weights`, their per-token sums too.
+    /// with `weights`, their per-token sums too. `num_recv` `None` (one node): the count is
+    /// read on the GPU from the layout's rank matrix (a dispatch the host did not wait for).
     ///
     /// # Safety
-    /// `y` (`num_recv` rows), `out` (`num_tokens` rows), the weights' rows and the layout area
-    /// valid until the kernels have run.
+    /// `y` (the received rows), `out` (`num_tokens` rows), the weights' rows and the layout
+    /// area valid until the kernels have run.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn combine(
         &self,
         y: u64,
         y_on_heap: bool,
-        num_recv: u32,
+        num_recv: Option<u32>,
         num_tokens: u32,
         layout: &Layout,
         out: u64,
@@ -795,6 +818,11 @@ impl EpRuntime {
     ) -> Result<Vec<Planned>> {
         let (w_in, w_out) = weights.map_or((0, 0), |w| (w.weights, w.out));
         if let Some(geo) = &self.internode {
+            let Some(num_recv) = num_recv else {
+                return Err(Error::InvalidArgument(
+                    "across nodes a combine needs the received count from the host".into(),
+                ));
+            };
             if y_on_heap {
                 return Err(Error::InvalidArgument(
                     "across nodes the combine input is read where it is (y_on_heap is for one node)".into(),
@@ -829,7 +857,7 @@ impl EpRuntime {
             let p = EpCombineSend {
                 y: DevicePtr(y),
                 row_bytes,
-                num_recv: int(num_recv),
+                num_recv: num_recv.map_or(-1, int),
                 num_ranks: int(s.num_ranks),
                 rank_matrix: layout.rank_matrix(),
                 comb_buf: DevicePtr(b.comb),

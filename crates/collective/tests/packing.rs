@@ -26,6 +26,7 @@ fn ep_prepare(rng: &mut Lcg) -> EpPrepare {
     let mut i = || rng.next() as i32;
     (s.num_tokens, s.topk, s.experts_per_rank, s.num_ranks) = (i(), i(), i(), i());
     (s.num_experts, s.notify, s.seq, s.capacity) = (i(), i(), i(), i());
+    s.trap_overflow = i();
     s
 }
 
@@ -53,6 +54,7 @@ fn ep_prepare_values(s: &EpPrepare) -> Vec<Value<'static>> {
         Value::I32(s.capacity),
         p(s.expert_counts),
         p(s.in_rank),
+        Value::I32(s.trap_overflow),
     ]
 }
 
@@ -69,7 +71,7 @@ fn typed_and_packer_bytes_agree_with_zero_padding() {
         assert_eq!(bytes.bytes(), s.packed().bytes());
         // P i i i i i: the padding after the fifth int, before `slot`
         assert_eq!(&bytes.bytes()[28..32], &[0; 4]);
-        assert_eq!(bytes.bytes().len(), 136, "no tail padding, as struct.pack");
+        assert_eq!(bytes.bytes().len(), 140, "no tail padding, as struct.pack");
         assert_eq!(&bytes.bytes()[..8], &s.topk_idx.0.to_ne_bytes());
     }
 }

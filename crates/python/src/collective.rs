@@ -647,9 +647,10 @@ impl EpRuntime {
 
     /// A normal dispatch's launches; returns (the sequence number its totals are published
     /// with, the planned launches or None). `expert_counts`: int32 [experts] counts carried
-    /// instead of the routing's, or 0.
+    /// instead of the routing's, or 0. `host_wait` False (one node): nobody waits for the
+    /// totals (export_received and combine then take num_recv None).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (stream, x, row_bytes, scales, scale_cols, topk_idx, weights, n, layout, sms, expert_counts=0))]
+    #[pyo3(signature = (stream, x, row_bytes, scales, scale_cols, topk_idx, weights, n, layout, sms, expert_counts=0, host_wait=true))]
     fn dispatch(
         &self,
         stream: Option<usize>,
@@ -663,6 +664,7 @@ impl EpRuntime {
         layout: u64,
         sms: u32,
         expert_counts: u64,
+        host_wait: bool,
     ) -> Result<(i32, PlannedEp)> {
         let (stream, _alive) = self.stream(stream)?;
         let area = self.layout(layout, n);
@@ -680,6 +682,7 @@ impl EpRuntime {
                 &area,
                 expert_counts,
                 sms,
+                host_wait,
                 stream,
             )
         }?;
@@ -700,7 +703,8 @@ impl EpRuntime {
     }
 
     /// A normal combine's launches. `weights`: (received rows' f32 [num_recv, topk] weights,
-    /// f32 [num_tokens, topk] output for their per-token sums), or None.
+    /// f32 [num_tokens, topk] output for their per-token sums), or None. `num_recv` None: the
+    /// count is read on the GPU (after a dispatch without host_wait).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (stream, y, y_on_heap, num_recv, num_tokens, layout, out, sms, weights=None))]
     fn combine(
@@ -708,7 +712,7 @@ impl EpRuntime {
         stream: Option<usize>,
         y: u64,
         y_on_heap: bool,
-        num_recv: u32,
+        num_recv: Option<u32>,
         num_tokens: u32,
         layout: u64,
         out: u64,
@@ -728,38 +732,36 @@ impl EpRuntime {
     }
 
     /// Copies the last dispatch's received rows into caller-owned tensors at `to` = (rows,
-    /// scales, ids, weights, source indices; 0: not wanted), padded to `rows`
-    /// (`mori_collective::ep_runtime::EpRuntime::export_received`); `rank_prefix` = (int32
-    /// [ranks, ranks] output, the dispatch's layout area, its token count): the rank matrix
-    /// summed over source ranks as well.
+    /// scales, ids, weights, source indices, int32 [ranks, ranks] rank prefix matrix; 0: not
+    /// wanted), padded to `rows` (`mori_collective::ep_runtime::EpRuntime::export_received`).
+    /// `layout` = (the dispatch's layout area, its token count): where the rank matrix is, for
+    /// the prefix matrix and for `num_recv` None (the count read on the GPU).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (stream, row_bytes, scale_cols, k, num_recv, rows, to, rank_prefix=None))]
+    #[pyo3(signature = (stream, row_bytes, scale_cols, k, num_recv, rows, to, layout=None))]
     fn export_received(
         &self,
         stream: Option<usize>,
         row_bytes: u64,
         scale_cols: u32,
         k: u32,
-        num_recv: u32,
+        num_recv: Option<u32>,
         rows: u32,
-        to: (u64, u64, u64, u64, u64),
-        rank_prefix: Option<(u64, u64, u32)>,
+        to: (u64, u64, u64, u64, u64, u64),
+        layout: Option<(u64, u32)>,
     ) -> Result<PlannedEp> {
         let (stream, _alive) = self.stream(stream)?;
-        let (prefix, matrix) = rank_prefix.map_or((0, 0), |(out, base, n)| {
-            (out, self.layout(base, n).rank_matrix().0)
-        });
+        let rank_matrix = layout.map_or(0, |(base, n)| self.layout(base, n).rank_matrix().0);
         let to = ep_runtime::ExportTo {
             x: to.0,
             scales: to.1,
             idx: to.2,
             w: to.3,
             src: to.4,
-            rank_prefix: prefix,
-            rank_matrix: matrix,
+            rank_prefix: to.5,
+            rank_matrix,
         };
-        // SAFETY: mori.ep.deepep allocates every output for `rows` rows (src: num_recv; the
-        // prefix [ranks, ranks]) on this GPU and queues the copy on the dispatch's stream, right
+        // SAFETY: mori.ep.deepep allocates every output for `rows` rows (src: num_recv, or rows
+        // without it; the prefix [ranks, ranks]) on this GPU and queues the copy on the dispatch's stream, right
         // after it; the layout area is the dispatch's, alive in its handle.
         let l = unsafe {
             self.inner

@@ -125,7 +125,8 @@ class Handle:
 
 
 class _Dispatched(NamedTuple):
-    """A normal dispatch that has run up to its host wait (Buffer._dispatch_rows)."""
+    """A normal dispatch that has run up to its host wait (Buffer._dispatch_rows); without
+    one, ``num_recv`` is -1 (read on the GPU) and ``per_expert`` empty."""
 
     fp8: bool
     num_recv: int
@@ -330,9 +331,13 @@ class Buffer:
         )
 
     def _dispatch_rows(self, x: Any, topk_idx: Any, topk_weights: Any, stream: Any, num_sms: int | None,
-                       expert_counts: Any) -> _Dispatched:
+                       expert_counts: Any, host_wait: bool = True) -> _Dispatched:
         """A dispatch up to its host wait, the rows in the receive buffers (mori.ep.deepep copies
-        them out with :meth:`_export_received` without the views :meth:`dispatch` makes)."""
+        them out with :meth:`_export_received` without the views :meth:`dispatch` makes).
+        Without ``host_wait`` (one node) nothing waits: the count stays on the GPU, where the
+        export and combine kernels read it, a rank over the capacity traps on every rank, and
+        out-of-range ids count as -1 unreported (mori.ep.deepep's ``num_worst_tokens``, which
+        a CUDA graph can capture)."""
         import torch
 
         cfg = self.config
@@ -364,8 +369,11 @@ class Buffer:
         row_bytes = cfg.hidden * (1 if scales is not None else 2)
         scale_cols = cfg.hidden // SCALE_BLOCK if scales is not None else 0
         seq, _ = self._rt.dispatch(self._stream(stream), x.data_ptr(), row_bytes, _ptr(scales), scale_cols, topk_idx.data_ptr(),
-                                   topk_weights.data_ptr(), n, handle.meta.data_ptr(), num_sms or cfg.num_sms, _ptr(expert_counts))
+                                   topk_weights.data_ptr(), n, handle.meta.data_ptr(), num_sms or cfg.num_sms, _ptr(expert_counts),
+                                   host_wait)
         marks("launch")
+        if not host_wait:
+            return _Dispatched(scales is not None, -1, [], handle)
         info = self._wait_host_info(seq)
         marks("end")
         *counts, bad_ids, most_tokens = info
@@ -391,7 +399,8 @@ class Buffer:
         weights 0), the weights 0 where the id is -1, ids and weights only when ``topk``; with
         ``handle_parts`` the source indices and the dispatch's rank matrix summed over source
         ranks too. mori.ep.deepep's outputs (DeepEP's are the caller's; the next dispatch reuses
-        these buffers)."""
+        these buffers). A count left on the GPU (``got.num_recv`` -1) is read there; the source
+        indices are then ``rows`` long, -1 past it."""
         import torch
 
         n, h, dev = got.num_recv, self.config.hidden, got.handle.meta.device
@@ -399,13 +408,14 @@ class Buffer:
         scales = torch.empty((rows, h // SCALE_BLOCK), dtype=torch.float32, device=dev) if got.fp8 else None
         idx = torch.empty((rows, k), dtype=torch.int64, device=dev) if topk else None
         w = torch.empty((rows, k), dtype=torch.float32, device=dev) if topk else None
-        src = prefix = rank_prefix = None
+        src = prefix = None
         if handle_parts:
-            src = torch.empty(n, dtype=torch.int32, device=dev)
+            src = torch.empty(n if n >= 0 else rows, dtype=torch.int32, device=dev)
             prefix = torch.empty((self.num_ranks, self.num_ranks), dtype=torch.int32, device=dev)
-            rank_prefix = (prefix.data_ptr(), got.handle.meta.data_ptr(), got.handle.num_tokens)
-        self._rt.export_received(self._stream(None), h * x.element_size(), h // SCALE_BLOCK if got.fp8 else 0, k, n, rows,
-                                 (x.data_ptr(), _ptr(scales), _ptr(idx), _ptr(w), _ptr(src)), rank_prefix)
+        self._rt.export_received(self._stream(None), h * x.element_size(), h // SCALE_BLOCK if got.fp8 else 0, k,
+                                 n if n >= 0 else None, rows,
+                                 (x.data_ptr(), _ptr(scales), _ptr(idx), _ptr(w), _ptr(src), _ptr(prefix)),
+                                 (got.handle.meta.data_ptr(), got.handle.num_tokens))
         return x, scales, idx, w, src, prefix
 
     def get_combine_input(self, handle: Handle) -> Any:
@@ -427,16 +437,20 @@ class Buffer:
         float32 [T, topk], per token the sum of the rows the ranks it went to passed (in rank
         order; across nodes each node's sum in rank order, then the nodes' in node order), zeros
         for tokens routed nowhere: DeepEP's combined top-k weights. Every rank passes
-        ``topk_weights`` or none does (across nodes a forwarder sums its node's rows for others)."""
+        ``topk_weights`` or none does (across nodes a forwarder sums its node's rows for others).
+        After a dispatch whose count stayed on the GPU (``handle.num_recv`` -1, mori.ep.deepep's
+        ``num_worst_tokens``) ``y`` and ``topk_weights`` have at least as many rows as were
+        received (the rows past them are not read)."""
         import torch
 
         cfg = self.config
-        if y.dtype != torch.bfloat16 or tuple(y.shape) != (handle.num_recv, cfg.hidden):
-            raise InvalidArgumentError(f"y must be bfloat16 [{handle.num_recv}, {cfg.hidden}], got {y.dtype} {tuple(y.shape)}")
+        rows = handle.num_recv if handle.num_recv >= 0 else y.shape[0]
+        if y.dtype != torch.bfloat16 or tuple(y.shape) != (rows, cfg.hidden):
+            raise InvalidArgumentError(f"y must be bfloat16 [{rows}, {cfg.hidden}], got {y.dtype} {tuple(y.shape)}")
         y = y.contiguous()
         if topk_weights is not None:
-            if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (handle.num_recv, cfg.topk) or topk_weights.device != y.device:
-                raise InvalidArgumentError(f"topk_weights must be float32 [{handle.num_recv}, {cfg.topk}] on {y.device}, "
+            if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (rows, cfg.topk) or topk_weights.device != y.device:
+                raise InvalidArgumentError(f"topk_weights must be float32 [{rows}, {cfg.topk}] on {y.device}, "
                                            f"got {topk_weights.dtype} {tuple(topk_weights.shape)}")
             topk_weights = topk_weights.contiguous()
         if self.nodes > 1:
@@ -444,14 +458,14 @@ class Buffer:
         s = self._stream(stream)
         # One node: the reduce reads the peers' combine inputs in place. Across nodes the kernels
         # read a combine input where it is (no copy into the relay area).
-        zero_copy = self.nodes == 1 and handle.num_recv > 0 and y.data_ptr() == self._comb_in.data_ptr()
+        zero_copy = self.nodes == 1 and handle.num_recv != 0 and y.data_ptr() == self._comb_in.data_ptr()
         if zero_copy:
             shmem.barrier_all(stream=s)  # every rank's expert outputs are complete
         out = torch.empty((handle.num_tokens, cfg.hidden), dtype=torch.bfloat16, device=y.device)
         out_w = None if topk_weights is None else torch.empty((handle.num_tokens, cfg.topk), dtype=torch.float32, device=y.device)
         weights = None if out_w is None else (topk_weights.data_ptr(), out_w.data_ptr())
-        self._rt.combine(s, y.data_ptr(), zero_copy, handle.num_recv, handle.num_tokens, handle.meta.data_ptr(), out.data_ptr(),
-                         num_sms or cfg.num_sms, weights)
+        self._rt.combine(s, y.data_ptr(), zero_copy, handle.num_recv if handle.num_recv >= 0 else None, handle.num_tokens,
+                         handle.meta.data_ptr(), out.data_ptr(), num_sms or cfg.num_sms, weights)
         if zero_copy:
             shmem.barrier_all(stream=s)  # peers are done reading this rank's outputs
         return out if out_w is None else (out, out_w)

@@ -341,6 +341,9 @@ class Buffer:
         self._warned_logfmt = False
         self._generation = 0
         self._fitted: tuple = ()  # _ensure's arguments when they last fitted (with the generation)
+        # The generation a normal dispatch waited for on the host (so its capacity holds every
+        # rank's tokens of that call): num_worst_tokens dispatches of it need no host wait.
+        self._sized = -1
         self._zero_copy: Any = None
         self._shmem_ready = False
         self._owns_shmem = False
@@ -521,6 +524,8 @@ class Buffer:
         self._free_buffers()
         self._mori = MoriBuffer(config, group=self.group)
         self._generation += 1
+        if self._fixed_capacity is not None:
+            self._sized = self._generation  # a fixed capacity: more tokens fail as they would anyway
 
     def _ensure(
         self, *, num_experts: int, hidden: int, topk: int, tokens: int = 0, ll_tokens: int | None = None, wider_topk: bool = False
@@ -570,7 +575,9 @@ class Buffer:
             raw = torch._C._cuda_getCurrentRawStream(self._device)
             if raw != self._last_raw:
                 here = torch.cuda.current_stream()
-                if last is not None:
+                # A capture may not wait on work outside it; torch.cuda.graph synchronises the
+                # device before it starts capturing, so there is nothing to wait for.
+                if last is not None and not torch.cuda.is_current_stream_capturing():
                     here.wait_stream(last)
                 self._last_stream, self._last_raw = here, raw
             return _CALLER_STREAM
@@ -671,8 +678,14 @@ class Buffer:
         event). As DeepEP: recv_topk_idx holds local expert ids (-1 elsewhere) and
         recv_topk_weights is 0 where recv_topk_idx is -1; the lists are aligned up to
         ``expert_alignment``; ``num_worst_tokens > 0`` pads every returned tensor to that many rows
-        (ids -1, weights 0, data 0) and returns an empty list (the host still synchronises once:
-        mori's normal mode always does). The layout tensors are accepted and checked for shape;
+        (ids -1, weights 0, data 0) and returns an empty list, and on one node,
+        once a dispatch of this buffer has waited for its counts (the first of a new size does;
+        with ``max_tokens_per_rank`` none needs to), the host waits on nothing: the call can be
+        captured in a CUDA graph, and a rank receiving more than ``num_worst_tokens`` rows, or one
+        passing more tokens than the buffer holds, traps the kernels (as DeepEP's device asserts);
+        recv_src_idx is then num_worst_tokens long, -1 past the count (after a host wait, the
+        count long).
+        The layout tensors are accepted and checked for shape;
         mori recomputes the layout from ``topk_idx`` inside the dispatch (the same values);
         without ``topk_idx`` the dispatch goes by ``is_token_in_rank`` (module docstring) and
         returns None for the top-k ids and weights. ``config.num_sms`` is the SM budget;
@@ -744,9 +757,19 @@ class Buffer:
         # By layout alone the routing is by rank: the exchange carries the caller's counts per
         # expert instead, so the received counts per local expert are DeepEP's.
         counts = num_tokens_per_expert.to(torch.int32).contiguous() if layout_only else None
+        # As DeepEP's, a num_worst_tokens dispatch does not wait on the host (a CUDA graph can
+        # capture it) once this buffer's capacity is known to fit: after a dispatch that waited
+        # (decided alike on every rank: dispatches are collective), or with a fixed capacity.
+        # A rank with more tokens than the capacity then traps on every rank, as a num_worst_tokens
+        # below what a rank receives does.
+        host_wait = not (num_worst_tokens and self._nodes == 1 and self._sized == self._generation)
+        if host_wait and torch.cuda.is_current_stream_capturing():
+            raise InvalidArgumentError(
+                "a normal-mode dispatch can be captured in a CUDA graph with num_worst_tokens, on one node, after one "
+                "dispatch of this buffer ran outside the capture (or with max_tokens_per_rank): this one would wait on the host")
         try:
             routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
-            got = self._mori._dispatch_rows(xin, *routing, None, num_sms or None, counts)
+            got = self._mori._dispatch_rows(xin, *routing, None, num_sms or None, counts, host_wait)
         except CapacityError as e:
             # Raised on every rank by the same call (the count exchange carries each rank's
             # token count), so every rank rebuilds alike; a cached handle fit when it was made.
@@ -756,7 +779,9 @@ class Buffer:
             routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
             got = self._mori._dispatch_rows(xin, *routing, None, num_sms or None, counts)
         topk_idx, topk_weights = routing
-        num_recv = got.num_recv
+        num_recv = got.num_recv  # -1 without the host wait
+        if host_wait:
+            self._sized = self._generation
         rows = max(num_recv, num_worst_tokens)
         if num_worst_tokens and num_recv > num_worst_tokens:
             raise InvalidArgumentError(f"received {num_recv} tokens, more than num_worst_tokens={num_worst_tokens}")
@@ -846,7 +871,8 @@ class Buffer:
         import torch
 
         num_sms = (config if config is not None else self.get_combine_config(self.group_size)).num_sms
-        y = x if x.shape[0] == h.num_recv else x[: h.num_recv]
+        # num_recv -1: the dispatch's count stayed on the GPU; the kernels read no row past it.
+        y = x if h.num_recv < 0 or x.shape[0] == h.num_recv else x[: h.num_recv]
         y = y if y.is_contiguous() else y.contiguous()
         if topk_weights is None:
             out, combined_w = self._mori.combine(y, h.mori, num_sms=num_sms or None), None
@@ -855,9 +881,9 @@ class Buffer:
             # pass back, summed by mori's combine kernels with the rows (padded to the buffer's
             # top-k width, the received rows only).
             k, given = self._mori.config.topk, int(topk_weights.shape[1])
-            w_rows = topk_weights[: h.num_recv]
+            w_rows = topk_weights[: y.shape[0]]
             if given < k:
-                w_rows = torch.cat([w_rows, torch.zeros((h.num_recv, k - given), dtype=torch.float32, device=w_rows.device)], dim=1)
+                w_rows = torch.cat([w_rows, torch.zeros((y.shape[0], k - given), dtype=torch.float32, device=w_rows.device)], dim=1)
             out, combined_w = self._mori.combine(y, h.mori, num_sms=num_sms or None, topk_weights=w_rows.contiguous())
             combined_w = combined_w[:, :given]
         if any(b is not None for b in biases):
