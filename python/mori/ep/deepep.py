@@ -801,7 +801,7 @@ class Buffer:
             (rank_prefix, None, None, recv_src, in_rank, None),
             mori=mh, owner=self, generation=self._generation, topk_idx=topk_idx, num_experts=num_experts,
             zero_weights=None,
-            num_tokens=n, num_recv=num_recv, hidden=hidden,
+            num_tokens=n, num_recv=num_recv, rows=rows, hidden=hidden,
         )
         outputs = (recv_x, recv_idx, recv_w, mh.meta, *new_handle)
         return recv_x, recv_idx, recv_w, per_expert, new_handle, scope.finish(async_finish, inputs, outputs)
@@ -851,8 +851,11 @@ class Buffer:
 
         self._check_alive()
         h = self._check_handle(handle, _NormalHandle)
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] < h.num_recv:
-            raise InvalidArgumentError(f"x must be bfloat16 [{h.num_recv}, hidden] (the received rows)")
+        # The rows the kernels may read: the count, or when it stayed on the GPU the dispatch's
+        # num_worst_tokens rows (which the count does not exceed).
+        need = h.num_recv if h.num_recv >= 0 else h.rows
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] < need:
+            raise InvalidArgumentError(f"x must be bfloat16 [{need}, hidden] (the received rows)")
         biases = bias if isinstance(bias, tuple) else (bias,)
         for b in biases:
             if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (h.num_tokens, h.hidden)):
@@ -860,9 +863,9 @@ class Buffer:
         k = self._mori.config.topk
         if topk_weights is not None and (
             not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32 or topk_weights.dim() != 2
-            or not 0 < topk_weights.shape[1] <= k or topk_weights.shape[0] < h.num_recv
+            or not 0 < topk_weights.shape[1] <= k or topk_weights.shape[0] < need
         ):
-            raise InvalidArgumentError(f"topk_weights must be float32 [{h.num_recv}, top-k <= {k}]")
+            raise InvalidArgumentError(f"topk_weights must be float32 [{need}, top-k <= {k}]")
         with self._stream_scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             out, combined_w = self._run_combine(x, h, topk_weights, biases, config)
         return out, combined_w, scope.finish(async_finish, (x, topk_weights, *biases), (out, combined_w))
@@ -871,8 +874,9 @@ class Buffer:
         import torch
 
         num_sms = (config if config is not None else self.get_combine_config(self.group_size)).num_sms
-        # num_recv -1: the dispatch's count stayed on the GPU; the kernels read no row past it.
-        y = x if h.num_recv < 0 or x.shape[0] == h.num_recv else x[: h.num_recv]
+        # num_recv -1: the dispatch's count stayed on the GPU, within its num_worst_tokens rows.
+        need = h.num_recv if h.num_recv >= 0 else h.rows
+        y = x if x.shape[0] == need else x[:need]
         y = y if y.is_contiguous() else y.contiguous()
         if topk_weights is None:
             out, combined_w = self._mori.combine(y, h.mori, num_sms=num_sms or None), None
@@ -881,9 +885,9 @@ class Buffer:
             # pass back, summed by mori's combine kernels with the rows (padded to the buffer's
             # top-k width, the received rows only).
             k, given = self._mori.config.topk, int(topk_weights.shape[1])
-            w_rows = topk_weights[: y.shape[0]]
+            w_rows = topk_weights[:need]
             if given < k:
-                w_rows = torch.cat([w_rows, torch.zeros((y.shape[0], k - given), dtype=torch.float32, device=w_rows.device)], dim=1)
+                w_rows = torch.cat([w_rows, torch.zeros((need, k - given), dtype=torch.float32, device=w_rows.device)], dim=1)
             out, combined_w = self._mori.combine(y, h.mori, num_sms=num_sms or None, topk_weights=w_rows.contiguous())
             combined_w = combined_w[:, :given]
         if any(b is not None for b in biases):
