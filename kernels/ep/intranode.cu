@@ -201,9 +201,10 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch(
 // num_recv are padding: zero bytes and scales, ids -1, weights 0. A null output is skipped.
 // `num_recv` < 0: the count is read on the GPU, the sum of the rank matrix's column for this
 // rank (a dispatch the host did not wait for); more than `rows` traps, and the source indices
-// (then `rows` of them) are -1 past it. With `out_rank_prefix`, block 0 also writes the dispatch's rank matrix summed over source
-// ranks (DeepEP's rank_prefix_matrix: [s][d] = tokens ranks 0..s sent to d), which a torch
-// cumsum would make as another launch of several times this kernel's host cost.
+// (then `rows` of them) are -1 past it. With `out_rank_prefix`, block 0 also writes the
+// dispatch's rank matrix summed over source ranks (DeepEP's rank_prefix_matrix: [s][d] =
+// tokens ranks 0..s sent to d), which a torch cumsum would make as another launch of several
+// times this kernel's host cost.
 // (mori.ep.deepep: DeepEP's outputs are the caller's, and the next dispatch reuses the buffers.)
 extern "C" __global__ void __launch_bounds__(512) ep_export_received(
     const unsigned char* __restrict__ recv_x, u64 row_bytes, const float* __restrict__ recv_scales, int scale_cols,

@@ -761,8 +761,9 @@ impl EpRuntime {
             rank_matrix,
         };
         // SAFETY: mori.ep.deepep allocates every output for `rows` rows (src: num_recv, or rows
-        // without it; the prefix [ranks, ranks]) on this GPU and queues the copy on the dispatch's stream, right
-        // after it; the layout area is the dispatch's, alive in its handle.
+        // without it; the prefix [ranks, ranks]) on this GPU and queues the copy on the
+        // dispatch's stream, right after it; the layout area is the dispatch's, alive in its
+        // handle.
         let l = unsafe {
             self.inner
                 .export_received(row_bytes, scale_cols, k, num_recv, rows, to, stream)

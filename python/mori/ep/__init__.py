@@ -119,10 +119,6 @@ class Handle:
         o = self._offset("per_expert")
         return self.meta[o : o + self.num_experts]
 
-    @property
-    def is_token_in_rank(self) -> Any:  # [T, ranks] bool
-        return self.slot >= 0
-
 
 class _Dispatched(NamedTuple):
     """A normal dispatch that has run up to its host wait (Buffer._dispatch_rows); without
@@ -316,10 +312,8 @@ class Buffer:
 
         got = self._dispatch_rows(x, topk_idx, topk_weights, stream, num_sms, expert_counts)
         h, num_recv = self.config.hidden, got.num_recv
-        if got.fp8:
-            recv_x = self._recv_x[: num_recv * h].view(torch.float8_e4m3fn).view(num_recv, h)
-        else:
-            recv_x = self._recv_x[: num_recv * h * 2].view(torch.bfloat16).view(num_recv, h)
+        dtype, size = (torch.float8_e4m3fn, 1) if got.fp8 else (torch.bfloat16, 2)
+        recv_x = self._recv_x[: num_recv * h * size].view(dtype).view(num_recv, h)
         return DispatchResult(
             recv_x,
             self._recv_scales[:num_recv, :] if got.fp8 else None,

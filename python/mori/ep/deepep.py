@@ -801,7 +801,9 @@ class Buffer:
             (rank_prefix, None, None, recv_src, in_rank, None),
             mori=mh, owner=self, generation=self._generation, topk_idx=topk_idx, num_experts=num_experts,
             zero_weights=None,
-            num_tokens=n, num_recv=num_recv, rows=rows, hidden=hidden,
+            # The rows combine reads: the count, or when it stayed on the GPU the dispatch's
+            # num_worst_tokens rows (which the count does not exceed).
+            num_tokens=n, combine_rows=num_recv if num_recv >= 0 else rows, hidden=hidden,
         )
         outputs = (recv_x, recv_idx, recv_w, mh.meta, *new_handle)
         return recv_x, recv_idx, recv_w, per_expert, new_handle, scope.finish(async_finish, inputs, outputs)
@@ -851,9 +853,7 @@ class Buffer:
 
         self._check_alive()
         h = self._check_handle(handle, _NormalHandle)
-        # The rows the kernels may read: the count, or when it stayed on the GPU the dispatch's
-        # num_worst_tokens rows (which the count does not exceed).
-        need = h.num_recv if h.num_recv >= 0 else h.rows
+        need = h.combine_rows
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] < need:
             raise InvalidArgumentError(f"x must be bfloat16 [{need}, hidden] (the received rows)")
         biases = bias if isinstance(bias, tuple) else (bias,)
@@ -874,8 +874,7 @@ class Buffer:
         import torch
 
         num_sms = (config if config is not None else self.get_combine_config(self.group_size)).num_sms
-        # num_recv -1: the dispatch's count stayed on the GPU, within its num_worst_tokens rows.
-        need = h.num_recv if h.num_recv >= 0 else h.rows
+        need = h.combine_rows
         y = x if x.shape[0] == need else x[:need]
         y = y if y.is_contiguous() else y.contiguous()
         if topk_weights is None:
