@@ -854,11 +854,12 @@ impl Config {
 
     /// One line per setting: `name = value (source)`.
     pub fn report_lines(&self) -> Vec<String> {
+        let width = SETTINGS.iter().map(|name| name.len()).max().unwrap_or(0);
         SETTINGS
             .iter()
             .filter_map(|name| {
                 self.describe(name)
-                    .map(|(v, src)| format!("{name:<22} = {v} ({src})"))
+                    .map(|(v, src)| format!("{name:<width$} = {v} ({src})"))
             })
             .collect()
     }

@@ -619,6 +619,22 @@ pub enum Staged {
     TooLong,
 }
 
+/// Why [`SharedBuffer::get_many_with`]'s requests stopped: a status, and whether the
+/// connection failed before any answer (nothing handed out: the batch can be asked again).
+struct BatchStop {
+    status: Status,
+    before_answer: bool,
+}
+
+impl From<Status> for BatchStop {
+    fn from(status: Status) -> BatchStop {
+        BatchStop {
+            status,
+            before_answer: false,
+        }
+    }
+}
+
 /// A client's shared buffer at the daemon: the memfd mapping and the connection its requests
 /// go over (one at a time). A connection that fails (the daemon closes idle ones, and one
 /// after a refused request) is made anew, the same memfd handed over again.
@@ -757,57 +773,15 @@ impl SharedBuffer {
             let mut fresh = slot.is_none();
             loop {
                 let stream = self.connected(&mut slot)?;
-                // Whether the daemon answered on this connection, and whether it failed.
-                let (mut answered, mut lost) = (false, false);
-                let mut pipelined = || -> Result<(), Status> {
-                    let mut broken = |e: io::Error| {
-                        lost = true;
-                        unavailable(e)
-                    };
-                    let (req, mut sent) = many_request(keys, rooms[0])?;
-                    stream.write_all(&req).map_err(&mut broken)?;
-                    let (mut next, mut room) = (0, 0);
-                    loop {
-                        let mut body = Vec::new();
-                        let body = read_answer(stream, &mut body)
-                            .map_err(&mut broken)?
-                            .map(|found| found.map(|_| body))
-                            .map_err(|s| self.old_daemon(s))?;
-                        answered = true;
-                        let placed = self.placed(body, sent, rooms[room])?;
-                        let first = next;
-                        next += placed.len();
-                        if next < keys.len() {
-                            let (req, s) = many_request(&keys[next..], rooms[1 - room])?;
-                            sent = s;
-                            stream.write_all(&req).map_err(&mut broken)?;
-                        }
-                        for (i, staged) in (first..).zip(placed) {
-                            match staged {
-                                Staged::Absent => out[i] = Some(None),
-                                Staged::TooLong => longer.push(i),
-                                Staged::Found { offset, len } => {
-                                    // SAFETY: inside the mapping (`placed` checked it), written
-                                    // by the daemon before it answered; its next request fills
-                                    // the other half.
-                                    each(i, unsafe {
-                                        std::slice::from_raw_parts(self.as_ptr().add(offset), len)
-                                    })?;
-                                    out[i] = Some(Some(len));
-                                }
-                            }
-                        }
-                        if next == keys.len() {
-                            return Ok(());
-                        }
-                        room = 1 - room;
-                    }
+                let Err(stop) =
+                    self.pipelined(stream, keys, rooms, &mut out, &mut longer, &mut each)
+                else {
+                    break;
                 };
-                let Err(status) = pipelined() else { break };
                 // An answer may still be on its way: the connection is dropped, not reused.
                 *slot = None;
-                if !(lost && !answered && !fresh) {
-                    return Err(status);
+                if !stop.before_answer || fresh {
+                    return Err(stop.status);
                 }
                 // Nothing was handed out: the whole batch is asked again, once.
                 debug!(
@@ -826,6 +800,63 @@ impl SharedBuffer {
             }
         }
         Ok(out)
+    }
+
+    /// [`Self::get_many_with`]'s requests over `stream`, half of the buffer (`rooms`) at a time,
+    /// one request ahead; each key's answer goes to `out`, a value longer than a half to `longer`.
+    fn pipelined(
+        &self,
+        stream: &mut UnixStream,
+        keys: &[&[u8]],
+        rooms: [(usize, usize); 2],
+        out: &mut [Option<Option<usize>>],
+        longer: &mut Vec<usize>,
+        each: &mut impl FnMut(usize, &[u8]) -> Result<(), Status>,
+    ) -> Result<(), BatchStop> {
+        let mut answered = false;
+        let lost = |answered: bool| {
+            move |e: io::Error| BatchStop {
+                status: unavailable(e),
+                before_answer: !answered,
+            }
+        };
+        let (req, mut sent) = many_request(keys, rooms[0])?;
+        stream.write_all(&req).map_err(lost(answered))?;
+        let (mut next, mut room) = (0, 0);
+        loop {
+            let mut body = Vec::new();
+            let body = read_answer(stream, &mut body)
+                .map_err(lost(answered))?
+                .map(|found| found.map(|_| body))
+                .map_err(|s| self.old_daemon(s))?;
+            answered = true;
+            let placed = self.placed(body, sent, rooms[room])?;
+            let first = next;
+            next += placed.len();
+            if next < keys.len() {
+                let (req, s) = many_request(&keys[next..], rooms[1 - room])?;
+                sent = s;
+                stream.write_all(&req).map_err(lost(answered))?;
+            }
+            for (i, staged) in (first..).zip(placed) {
+                match staged {
+                    Staged::Absent => out[i] = Some(None),
+                    Staged::TooLong => longer.push(i),
+                    Staged::Found { offset, len } => {
+                        // SAFETY: inside the mapping (`placed` checked it), written by the daemon
+                        // before it answered; its next request fills the other half.
+                        each(i, unsafe {
+                            std::slice::from_raw_parts(self.as_ptr().add(offset), len)
+                        })?;
+                        out[i] = Some(Some(len));
+                    }
+                }
+            }
+            if next == keys.len() {
+                return Ok(());
+            }
+            room = 1 - room;
+        }
     }
 
     /// `UNIMPLEMENTED` without asking when the daemon already said it is older than batches.
