@@ -8,14 +8,16 @@ Rows: low-latency dispatch (BF16; FP8 with column-major scales, as the facade as
 (timed with a dispatch before each, whose time is then subtracted), get_dispatch_layout, the
 normal dispatch as a DeepEP program calls it (get_dispatch_layout, then dispatch),
 `dispatch_given_layout` (the facade's dispatch alone; native: its dispatch, which makes the
-layout itself) and combine.
+layout itself), `cached_dispatch` (the facade's dispatch with the first one's handle, DeepEP's
+timed form; native has no cached form: its dispatch) and combine.
 
 Shapes: the low-latency bench's (128 tokens, hidden 7168, 256 experts, top-8) and a normal
 mode of 1024 tokens. ``--facade-file PATH`` adds the same rows for the facade module at PATH
 (e.g. an earlier ``python/mori/ep/deepep.py``) loaded under another name: an A/B of a facade
 change in one run. Verified: after the timed calls each facade's low-latency combine (expert
 outputs 1 + expert id, so the packing order does not matter) and normal combine (rows in mori's
-order on either API) are compared with native's, bit-exact, so a facade that skipped work fails.
+order on either API) are compared with native's, bit-exact, and a cached dispatch of other
+tokens with native's dispatch of them, so a facade that skipped work fails.
 ``layout_kernel_gpu_us``: the GPU time of get_dispatch_layout's kernel alone, the work the
 facade's dispatch repeats (mori's dispatch computes the layout again in its first kernel).
 Prints a table and writes JSON to --out (default $OUT).
@@ -114,6 +116,7 @@ def main() -> int:
         "combine": timed(lambda: nbuf.combine(y, res.handle)),
     }
     native["dispatch_given_layout"] = native["dispatch"]  # mori's dispatch makes its layout itself
+    native["cached_dispatch"] = native["dispatch"]  # mori's has no cached form: the same call
     native["ll_combine"] -= native.pop("ll_dispatch_bf16_then_combine_dispatch")
     # What the facade's dispatch repeats of get_dispatch_layout's work: mori's dispatch computes
     # the layout again in its first kernel (the count exchange's).
@@ -121,6 +124,9 @@ def main() -> int:
     ll_handle = nbuf.low_latency_dispatch(ll_x, ll_idx, use_fp8=False).handle
     want_ll = nbuf.low_latency_combine(ll_y, ll_idx, ll_w, ll_handle)[0].clone()
     want_combine = nbuf.combine(y, res.handle).clone()
+    # Other tokens for checking the facade's cached dispatch (timed with x): its rows must be these.
+    x2 = torch.randn((NORMAL_TOKENS, HIDDEN), device="cuda", dtype=torch.bfloat16, generator=gen)
+    want_rows2 = nbuf.dispatch(x2, idx, w).recv_x.clone()
     results["native"] = native
     nbuf.destroy()
 
@@ -151,10 +157,14 @@ def main() -> int:
             "dispatch": timed(normal_dispatch),
             "dispatch_given_layout": timed(partial(normal_dispatch, fbuf.get_dispatch_layout(idx, EXPERTS))),
             "combine": timed(lambda: fbuf.combine(y, handle, config=cfg[1])),
+            "cached_dispatch": timed(lambda: fbuf.dispatch(x, handle=handle, config=cfg[0])),
         }
         row["ll_combine"] -= row.pop("ll_dispatch_bf16_then_combine_dispatch")
         got_ll = fbuf.low_latency_combine(ll_y, ll_idx, ll_w, ll_dispatch(False)[2])[0]
         got_combine = fbuf.combine(y, handle, config=cfg[1])[0]
+        got_rows2 = fbuf.dispatch(x2, handle=handle, config=cfg[0])[0]
+        if not torch.equal(got_rows2, want_rows2):
+            errors.append(f"{name}: cached dispatch's rows differ from native's dispatch of the same tokens")
         if not torch.equal(got_ll, want_ll):
             errors.append(f"{name}: low-latency combine differs from native's")
         if not torch.equal(got_combine, want_combine):

@@ -6,6 +6,7 @@ references as test_gpu_ep.py (mori/ep/_reference.py: combine inputs that depend 
 expert, BF16 and FP8) plus DeepEP's conventions: weights masked to 0 where the
 local id is -1, the handle's rank_prefix_matrix / recv_src_idx / is_token_in_rank, combined
 top-k weights, expert_alignment, num_worst_tokens padding, the cached dispatch (of new tokens),
+which dispatches wait on the host for their count (a spy on mori.ep's wait),
 events on the communication stream, column-major FP8 scales (amax / 448, powers of two, packed
 UE8M0, each bit-exact against mori.ep._reference's quantiser), cumulative receive statistics and
 wait times, zero-copy combine (other data in ``x``), the hook split, CUDA-graph replay (low-latency,
@@ -76,6 +77,13 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
     all_reduces = []
     real_all_reduce = dist.all_reduce
     dist.all_reduce = lambda *a, **k: (all_reduces.append(1), real_all_reduce(*a, **k))[1]
+    # Host waits for a dispatch's count (mori.ep's one host synchronisation): the cases assert
+    # which dispatches wait and which leave the count on the GPU.
+    from mori.ep import Buffer as NativeBuffer
+
+    host_waits = []
+    real_wait = NativeBuffer._wait_host_info
+    NativeBuffer._wait_host_info = lambda self, seq: (host_waits.append(seq), real_wait(self, seq))[1]
     stats = torch.zeros(el, dtype=torch.int32, device="cuda")
     # Wait times (ns per source rank): DeepEP documents [ranks, ranks]; mori adds to this rank's row.
     wait_dispatch = torch.zeros((WORLD, WORLD), dtype=torch.int64, device="cuda")
@@ -101,11 +109,12 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         return data, torch.rand((n, hidden // 128), device="cuda", generator=gen, dtype=torch.float32)
 
     def normal_case(n, mode, fp8, *, hidden=HIDDEN, alignment=1, worst=0, async_finish=False, cached=False, bias=False,
-                    with_topk=True, weights_back=True):
+                    with_topk=True, weights_back=True, on=None, expect_wait=None):
+        b = on or buf
         idx = routing(n, mode)
         weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
         x = tokens(n, hidden)
-        per_rank, per_rdma, per_expert, in_rank, event = buf.get_dispatch_layout(idx, EXPERTS, async_finish=async_finish)
+        per_rank, per_rdma, per_expert, in_rank, event = b.get_dispatch_layout(idx, EXPERTS, async_finish=async_finish)
         if async_finish:
             event.current_stream_wait()  # the layout ran on the communication stream
         layout = (per_rank.clone(), per_rdma, per_expert.clone(), in_rank.clone())
@@ -115,29 +124,30 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         else:
             sent = xin = x
         routed = dict(topk_idx=idx, topk_weights=weights) if with_topk else {}
-        recv_x, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
+        waits_before = len(host_waits)
+        recv_x, recv_idx, recv_w, per_expert_list, handle, event = b.dispatch(
             xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, **routed,
             expert_alignment=alignment, num_worst_tokens=worst, previous_event=event if async_finish else None,
             async_finish=async_finish, allocate_on_comm_stream=async_finish,
         )
+        dispatch_waited = len(host_waits) > waits_before
         event_ok = isinstance(event, EventOverlap) and (event.event is not None) == async_finish
         if async_finish:
             event.current_stream_wait()
         recv_data, recv_scales = recv_x if fp8 else (recv_x, None)
         recv_data_copy = recv_data.clone()
-        # The rows received; on one node with num_worst_tokens as many as that (DeepEP's
-        # recv_src_idx too), the count itself staying on the GPU: the rows compared below are the
-        # expected count's.
+        # The rows received; with num_worst_tokens as many as that (DeepEP's recv_src_idx too),
+        # -1 past the count: the rows compared below are the expected count's.
         num_recv = int(handle[3].shape[0])
         # The raw receive area holds the rows this dispatch returned (until the next dispatch).
-        raw_rows = buf.get_local_buffer_tensor(recv_data.dtype, torch.Size([num_recv, hidden])).clone()
+        raw_rows = b.get_local_buffer_tensor(recv_data.dtype, torch.Size([num_recv, hidden])).clone()
         out_bias = None
         if bias:
             out_bias = (tokens(n, hidden), tokens(n, hidden))
         y = ref.normal_expert(recv_data, recv_scales, rank)
         # Weights passed back times (1 + rank): the combined weight of a slot is its expert's rank's.
         w_back = ref.weights_back(recv_w, rank) if with_topk and weights_back else None
-        combined, combined_w, cevent = buf.combine(y, handle, topk_weights=w_back, bias=out_bias, async_finish=async_finish)
+        combined, combined_w, cevent = b.combine(y, handle, topk_weights=w_back, bias=out_bias, async_finish=async_finish)
         with cevent:
             pass
         if cached:
@@ -146,7 +156,9 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
                 sent2, scales2 = xin2 = fp8_tokens(n, hidden)
             else:
                 sent2 = xin2 = tokens(n, hidden)
-            again = buf.dispatch(xin2, handle=handle)
+            waits_before = len(host_waits)
+            again = b.dispatch(xin2, handle=handle)
+            cached_waited = len(host_waits) > waits_before
             cached_x, cached_rest = again[0], again[1:5]
             all_x2 = gather(sent2)
             all_scales2 = gather(scales2) if fp8 else None
@@ -168,8 +180,10 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         got = exp.src_idx.numel()
         assert torch.equal(raw_rows[:got].view(torch.uint8), recv_data_copy[:got].contiguous().view(torch.uint8)), (
             "get_local_buffer_tensor does not show the rows dispatch returned")
-        if worst and nodes == 1:  # these dispatches did not wait on the host (earlier ones sized the buffer)
+        if worst:
             assert num_recv == worst and bool((handle[3][got:] == -1).all()), "recv_src_idx: num_worst_tokens long, -1 past the count"
+        if expect_wait is not None:
+            assert dispatch_waited == expect_wait, f"the dispatch {'did not wait' if expect_wait else 'waited'} on the host"
         ref.check_normal_dispatch(
             exp, recv_x=recv_data_copy, recv_x_scales=recv_scales, recv_topk_idx=recv_idx, recv_topk_weights=recv_w,
             num_recv_tokens_per_expert=per_expert_list, recv_src_idx=handle[3][:got], weights_masked=True,
@@ -194,6 +208,10 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
             assert recv_idx is None and recv_w is None and combined_w is None, "a dispatch by layout returns no top-k ids / weights"
         if cached:
             assert cached_rest == (None, None, None, None), "a cached dispatch returns (recv_x, None, None, None, None, event)"
+            assert cached_waited == (nodes > 1), "a cached dispatch waits on the host across nodes only (its rows are the handle's)"
+            cached_data = cached_x[0] if fp8 else cached_x
+            assert cached_data.shape[0] == num_recv, f"cached dispatch: {cached_data.shape[0]} rows, the handle's recv_src_idx {num_recv}"
+            assert not bool(cached_data[got:].view(torch.uint8).any()), "cached dispatch: rows past the count are zero"
             exp2 = ref.expected_normal_dispatch(rank, WORLD, EXPERTS, all_idx, all_w, all_x2, all_scales2)
             got_cached = (cached_x[0] if fp8 else cached_x)[: exp2.rows.shape[0]].contiguous()
             assert torch.equal(got_cached.view(torch.uint8).reshape(exp2.rows.shape).cpu(), exp2.rows), "cached dispatch rows (the new tokens)"
@@ -394,14 +412,27 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
             normal_case(600, "random", False, cached=True)
         normal_case(600, "random", True, cached=True)
 
+    def fixed_capacity_worst_tokens():
+        # A fixed capacity: on one node a num_worst_tokens dispatch never waits on the host, the
+        # first of the buffer included (the count stays on the GPU; rows checked as any case's).
+        fixed = Buffer(group, explicitly_destroy=True, max_tokens_per_rank=512)
+        try:
+            normal_case(300 + 7 * rank, "random", True, worst=WORLD * 320, cached=True, on=fixed, expect_wait=nodes > 1)
+            normal_case(0 if rank == 1 else 200, "random", False, worst=WORLD * 320, on=fixed, expect_wait=nodes > 1)
+        finally:
+            fixed.destroy()
+
     def no_all_reduce():
         assert not all_reduces, f"the facade called torch.distributed.all_reduce {len(all_reduces)} times"
 
     cases = {
         **util.normal_cases(normal_case, rank, 1024),
         "grow": lambda: normal_case(1500 if rank == 0 else 10, "random", False),
-        "alignment_worst_tokens": lambda: normal_case(400, "random", False, alignment=4, worst=WORLD * 400),
-        "alignment_worst_tokens_fp8": lambda: normal_case(400, "random", True, alignment=8, worst=WORLD * 400 + 3),
+        # Eager on the growing buffer: they wait on the host (a larger call would grow it).
+        "alignment_worst_tokens": lambda: normal_case(400, "random", False, alignment=4, worst=WORLD * 400, expect_wait=True),
+        "alignment_worst_tokens_fp8": lambda: normal_case(400, "random", True, alignment=8, worst=WORLD * 400 + 3, expect_wait=True),
+        "cached_worst_tokens": lambda: normal_case(450, "random", False, worst=WORLD * 450 + 5, cached=True),
+        "fixed_capacity_worst_tokens": fixed_capacity_worst_tokens,
         "cached_async": lambda: normal_case(700, "random", False, async_finish=True, cached=True),
         "cached_fp8": lambda: normal_case(700, "random", True, cached=True),
         "bias": lambda: normal_case(300, "random", False, bias=True),
@@ -460,7 +491,7 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
 CASES = [
     "random", "random_fp8", "all_to_rank0", "no_remote", "zero_tokens_on_rank1", "one_expert", "duplicate_ids", "one_token",
     "max_tokens", "max_tokens_fp8", "repeated", "grow", "alignment_worst_tokens", "alignment_worst_tokens_fp8", "cached_async",
-    "cached_fp8", "bias", "layout_only", "layout_only_fp8_cached",
+    "cached_fp8", "cached_worst_tokens", "fixed_capacity_worst_tokens", "bias", "layout_only", "layout_only_fp8_cached",
     "ll_random", "ll_random_fp8", "ll_all_to_rank0", "ll_no_remote", "ll_zero_tokens_on_rank1", "ll_one_token", "ll_max_tokens",
     "ll_max_tokens_fp8", "ll_repeated", "ll_hook", "ll_hook_fp8", "ll_zero_copy_out", "ll_one_expert", "ll_duplicate_ids",
     "ll_round_scale", "ll_ue8m0", "ll_ue8m0_hook", "ll_wait_times", "ll_graph", "ll_graph_fp8", "normal_graph_worst_tokens",

@@ -197,11 +197,10 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch(
 // The last dispatch's received rows copied out of the receive buffers into caller-owned
 // tensors of `rows` rows (>= num_recv), one warp per row: the row bytes (a multiple of 16), its
 // scales (scale_cols floats), the first k of its topk local expert ids and its weights with a
-// weight of 0 where the id is -1, and its source index (for rows < num_recv only). Rows past
-// num_recv are padding: zero bytes and scales, ids -1, weights 0. A null output is skipped.
+// weight of 0 where the id is -1, and its source index. Rows past num_recv are padding: zero
+// bytes and scales, ids -1, weights 0, source index -1. A null output is skipped.
 // `num_recv` < 0: the count is read on the GPU, the sum of the rank matrix's column for this
-// rank (a dispatch the host did not wait for); more than `rows` traps, and the source indices
-// (then `rows` of them) are -1 past it. With `out_rank_prefix`, block 0 also writes the
+// rank (a dispatch the host did not wait for); more than `rows` traps. With `out_rank_prefix`, block 0 also writes the
 // dispatch's rank matrix summed over source ranks (DeepEP's rank_prefix_matrix: [s][d] =
 // tokens ranks 0..s sent to d), which a torch cumsum would make as another launch of several
 // times this kernel's host cost.
@@ -246,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_export_received(
             if (out_idx) out_idx[row * k + lane] = id;
             if (out_w) out_w[row * k + lane] = id >= 0 ? recv_w[row * topk + lane] : 0.0f;
         }
-        if (out_src && lane == 0 && (got || num_recv < 0)) out_src[r] = got ? recv_src[r] : -1;
+        if (out_src && lane == 0) out_src[r] = got ? recv_src[r] : -1;
     }
 }
 

@@ -712,13 +712,12 @@ impl EpRuntime {
     /// scales, the first `k` ids and weights per row) out of the receive buffers into `to`,
     /// padded to `rows` (mori.ep.deepep: DeepEP's outputs belong to the caller, and the next
     /// dispatch reuses the buffers). One kernel for what would be a copy per output.
-    /// `num_recv` `None`: a dispatch the host did not wait for; the kernel reads the count from
-    /// `to.rank_matrix` (traps when it exceeds `rows`) and `src` then holds `rows` entries, -1
-    /// past the count.
+    /// Source indices past the count are -1. `num_recv` `None`: a dispatch the host did not
+    /// wait for; the kernel reads the count from `to.rank_matrix` (traps when it exceeds `rows`).
     ///
     /// # Safety
-    /// The addresses in `to` valid for `rows` rows (`src`: `num_recv`, or `rows`) until the
-    /// kernel has run, and no dispatch of this buffer queued before it on another stream.
+    /// The addresses in `to` valid for `rows` rows until the kernel has run, and no dispatch of
+    /// this buffer queued before it on another stream.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn export_received(
         &self,

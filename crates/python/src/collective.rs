@@ -760,8 +760,8 @@ impl EpRuntime {
             rank_prefix: to.5,
             rank_matrix,
         };
-        // SAFETY: mori.ep.deepep allocates every output for `rows` rows (src: num_recv, or rows
-        // without it; the prefix [ranks, ranks]) on this GPU and queues the copy on the
+        // SAFETY: mori.ep.deepep allocates every output for `rows` rows (the prefix [ranks,
+        // ranks]) on this GPU and queues the copy on the
         // dispatch's stream, right after it; the layout area is the dispatch's, alive in its
         // handle.
         let l = unsafe {

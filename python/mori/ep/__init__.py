@@ -197,6 +197,9 @@ class Buffer:
         self._recv_w = view("recv_w", (rows, k), torch.float32)
         self._recv_src = view("recv_src", (rows,), torch.int32)
         self._comb_in = view("comb_in", (rows, h), torch.bfloat16)
+        # The received rows typed once, so that a dispatch's result is one slice of them.
+        self._recv_rows = {False: self._recv_x.view(torch.bfloat16).view(rows, h),
+                           True: self._recv_x[: rows * h].view(torch.float8_e4m3fn).view(rows, h)}
         self.profile: list[dict[str, float]] | None = None  # set to [] to record phase timings
         self._ll = _LowLatency(self, view) if config.low_latency_max_tokens else None
 
@@ -259,12 +262,10 @@ class Buffer:
 
     # ---- normal mode ----------------------------------------------------------------------
 
-    def _handle(self, topk_idx: Any, n: int) -> Handle:
+    def _handle(self, n: int) -> Handle:
         """A handle with a new per-call layout area (num_recv is filled in by dispatch after
         the host wait)."""
-        import torch
-
-        meta = torch.empty(self._rt.layout_len(n), dtype=torch.int32, device=topk_idx.device)
+        meta = self._recv_src.new_empty(self._rt.layout_len(n))  # int32 on this GPU, cheaper than torch.empty naming them
         return Handle(meta, n, self.num_ranks, self.config.num_experts)
 
     def _wait_host_info(self, seq: int) -> list[int]:
@@ -291,7 +292,7 @@ class Buffer:
         import torch
 
         topk_idx, n = self._check_topk(topk_idx, self.config.max_tokens_per_rank)
-        h = self._handle(topk_idx, n)
+        h = self._handle(n)
         # The layout kernel writes is_token_in_rank as well: `slot >= 0` would be another launch.
         in_rank = torch.empty((n, self.num_ranks), dtype=torch.bool, device=topk_idx.device)
         self._rt.layout(self._stream(stream), topk_idx.data_ptr(), n, h.meta.data_ptr(), in_rank.data_ptr())
@@ -308,15 +309,11 @@ class Buffer:
         ``expert_counts`` (int32 [num_experts] on the GPU): the tokens this rank reports per
         expert instead of those ``topk_idx`` routes, so ``num_recv_tokens_per_expert`` sums the
         callers' counts (a dispatch that routes by rank, as DeepEP's by layout alone)."""
-        import torch
-
         got = self._dispatch_rows(x, topk_idx, topk_weights, stream, num_sms, expert_counts)
-        h, num_recv = self.config.hidden, got.num_recv
-        dtype, size = (torch.float8_e4m3fn, 1) if got.fp8 else (torch.bfloat16, 2)
-        recv_x = self._recv_x[: num_recv * h * size].view(dtype).view(num_recv, h)
+        num_recv = got.num_recv
         return DispatchResult(
-            recv_x,
-            self._recv_scales[:num_recv, :] if got.fp8 else None,
+            self._recv_rows[got.fp8][:num_recv],
+            self._recv_scales[:num_recv] if got.fp8 else None,
             self._recv_idx[:num_recv],
             self._recv_w[:num_recv],
             self._recv_src[:num_recv],
@@ -327,11 +324,18 @@ class Buffer:
     def _dispatch_rows(self, x: Any, topk_idx: Any, topk_weights: Any, stream: Any, num_sms: int | None,
                        expert_counts: Any, host_wait: bool = True) -> _Dispatched:
         """A dispatch up to its host wait, the rows in the receive buffers (mori.ep.deepep copies
-        them out with :meth:`_export_received` without the views :meth:`dispatch` makes).
-        Without ``host_wait`` (one node) nothing waits: the count stays on the GPU, where the
-        export and combine kernels read it, a rank over the capacity traps on every rank, and
-        out-of-range ids count as -1 unreported (mori.ep.deepep's ``num_worst_tokens``, which
-        a CUDA graph can capture)."""
+        them out with :meth:`_export_received` without the views :meth:`dispatch` makes)."""
+        return self._received(*self._launch_dispatch(x, topk_idx, topk_weights, stream, num_sms, expert_counts, host_wait))
+
+    def _launch_dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, stream: Any, num_sms: int | None,
+                         expert_counts: Any, host_wait: bool = True, reuse: Handle | None = None) -> tuple:
+        """Checks and launches a dispatch; :meth:`_received` waits for it (the caller may work in
+        between, while the GPU runs). Without ``host_wait`` (one node) nothing will wait: the count
+        stays on the GPU, where the export and combine kernels read it, a rank over the capacity
+        traps on every rank, and out-of-range ids count as -1 unreported (mori.ep.deepep's
+        ``num_worst_tokens``, which a CUDA graph can capture). ``reuse``: the handle of an earlier
+        dispatch of the same tokens whose layout area this one rewrites (mori.ep.deepep's cached
+        dispatch) instead of a new one."""
         import torch
 
         cfg = self.config
@@ -355,8 +359,10 @@ class Buffer:
             if expert_counts.dtype != torch.int32 or tuple(expert_counts.shape) != (cfg.num_experts,) or expert_counts.device != x.device:
                 raise InvalidArgumentError(f"expert_counts must be int32 [{cfg.num_experts}] on {x.device}")
             expert_counts = expert_counts.contiguous()
+        if reuse is not None and reuse.num_tokens != n:
+            raise InvalidArgumentError(f"the reused handle is of {reuse.num_tokens} tokens, this dispatch has {n}")
         marks = self._marks(stream)
-        handle = self._handle(topk_idx, n)
+        handle = reuse if reuse is not None else self._handle(n)
         # The layout (with the count exchange) and the dispatch, launched together: the dispatch
         # needs only what the layout kernel leaves on the GPU, so the host waits for the received
         # count (for the output shapes) while both run.
@@ -366,8 +372,14 @@ class Buffer:
                                    topk_weights.data_ptr(), n, handle.meta.data_ptr(), num_sms or cfg.num_sms, _ptr(expert_counts),
                                    host_wait)
         marks("launch")
-        if not host_wait:
-            return _Dispatched(scales is not None, -1, [], handle)
+        return scales is not None, handle, seq if host_wait else None, marks
+
+    def _received(self, fp8: bool, handle: Handle, seq: int | None, marks: Callable[[str], None]) -> _Dispatched:
+        """Waits for the launched dispatch ``seq``'s counts (``seq`` None: a dispatch that does
+        not wait, its count left on the GPU)."""
+        cfg = self.config
+        if seq is None:
+            return _Dispatched(fp8, -1, [], handle)
         info = self._wait_host_info(seq)
         marks("end")
         *counts, bad_ids, most_tokens = info
@@ -383,34 +395,44 @@ class Buffer:
             # matched; the error is this rank's alone.
             raise InvalidArgumentError(f"topk_idx holds ids outside [-1, {cfg.num_experts})")
         handle.num_recv = counts[0]
-        return _Dispatched(scales is not None, counts[0], counts[1:], handle)
+        return _Dispatched(fp8, counts[0], counts[1:], handle)
 
-    def _export_received(self, got: _Dispatched, rows: int, k: int, *, topk: bool, handle_parts: bool) -> tuple:
-        """(rows, FP8 scales or None, top-k ids [rows, k] or None, weights [rows, k] or None,
-        source indices [num_recv] or None, rank prefix matrix [ranks, ranks] or None): the
-        dispatch ``got``'s received rows copied out of the receive buffers into new tensors by
-        one kernel on the current stream, padded to ``rows`` (zero rows and scales, ids -1,
-        weights 0), the weights 0 where the id is -1, ids and weights only when ``topk``; with
-        ``handle_parts`` the source indices and the dispatch's rank matrix summed over source
-        ranks too. mori.ep.deepep's outputs (DeepEP's are the caller's; the next dispatch reuses
-        these buffers). A count left on the GPU (``got.num_recv`` -1) is read there; the source
-        indices are then ``rows`` long, -1 past it."""
-        import torch
+    def _export_outputs(self, fp8: bool, rows: int, k: int, *, topk: bool, handle_parts: bool, prefix: Any = None) -> tuple:
+        """New tensors for :meth:`_export_received` to fill: (rows [rows, hidden], FP8 scales
+        or None, top-k ids [rows, k] and weights or None (without ``topk``), source indices
+        [rows] and rank prefix matrix [ranks, ranks] or None (without ``handle_parts``; a
+        ``prefix`` from :meth:`_new_rank_prefix` is used as it is)). Separate from the copy so
+        that they can be made while the dispatch runs when ``rows`` is known before its count.
+        ``new_empty`` of the receive buffers (same dtype and device) costs less host time than
+        ``torch.empty`` naming both."""
+        h = self.config.hidden
+        x = self._recv_rows[fp8].new_empty((rows, h))
+        scales = self._recv_scales.new_empty((rows, h // SCALE_BLOCK)) if fp8 else None
+        idx = self._recv_idx.new_empty((rows, k)) if topk else None
+        w = self._recv_w.new_empty((rows, k)) if topk else None
+        src = self._recv_src.new_empty(rows) if handle_parts else None
+        if handle_parts and prefix is None:
+            prefix = self._new_rank_prefix()
+        return x, scales, idx, w, src, prefix if handle_parts else None
 
-        n, h, dev = got.num_recv, self.config.hidden, got.handle.meta.device
-        x = torch.empty((rows, h), dtype=torch.float8_e4m3fn if got.fp8 else torch.bfloat16, device=dev)
-        scales = torch.empty((rows, h // SCALE_BLOCK), dtype=torch.float32, device=dev) if got.fp8 else None
-        idx = torch.empty((rows, k), dtype=torch.int64, device=dev) if topk else None
-        w = torch.empty((rows, k), dtype=torch.float32, device=dev) if topk else None
-        src = prefix = None
-        if handle_parts:
-            src = torch.empty(n if n >= 0 else rows, dtype=torch.int32, device=dev)
-            prefix = torch.empty((self.num_ranks, self.num_ranks), dtype=torch.int32, device=dev)
+    def _new_rank_prefix(self) -> Any:
+        """A new int32 [ranks, ranks] tensor for a dispatch's rank prefix matrix."""
+        return self._recv_src.new_empty((self.num_ranks, self.num_ranks))
+
+    def _export_received(self, got: _Dispatched, outputs: tuple, k: int) -> tuple:
+        """Fills ``outputs`` (:meth:`_export_outputs`' tensors, of ``rows`` rows) and returns
+        them: the dispatch ``got``'s received rows copied out of the receive buffers by one
+        kernel on the current stream, padded to ``rows`` (zero rows and scales, ids -1, weights 0,
+        source indices -1), the weights 0 where the id is -1; the source indices, and the
+        dispatch's rank matrix summed over source ranks, when asked. mori.ep.deepep's outputs
+        (DeepEP's are the caller's; the next dispatch reuses these buffers). A count left on the
+        GPU (``got.num_recv`` -1) is read there (more than ``rows`` traps)."""
+        x, scales, _, _, _, _ = outputs
+        h = self.config.hidden
         self._rt.export_received(self._stream(None), h * x.element_size(), h // SCALE_BLOCK if got.fp8 else 0, k,
-                                 n if n >= 0 else None, rows,
-                                 (x.data_ptr(), _ptr(scales), _ptr(idx), _ptr(w), _ptr(src), _ptr(prefix)),
+                                 got.num_recv if got.num_recv >= 0 else None, x.shape[0], tuple(_ptr(t) for t in outputs),
                                  (got.handle.meta.data_ptr(), got.handle.num_tokens))
-        return x, scales, idx, w, src, prefix
+        return outputs
 
     def get_combine_input(self, handle: Handle) -> Any:
         """A bf16 [num_recv, hidden] tensor on the symmetric heap to write expert outputs into.
@@ -455,8 +477,8 @@ class Buffer:
         zero_copy = self.nodes == 1 and handle.num_recv != 0 and y.data_ptr() == self._comb_in.data_ptr()
         if zero_copy:
             shmem.barrier_all(stream=s)  # every rank's expert outputs are complete
-        out = torch.empty((handle.num_tokens, cfg.hidden), dtype=torch.bfloat16, device=y.device)
-        out_w = None if topk_weights is None else torch.empty((handle.num_tokens, cfg.topk), dtype=torch.float32, device=y.device)
+        out = y.new_empty((handle.num_tokens, cfg.hidden))  # y's dtype and device, cheaper than torch.empty naming them
+        out_w = None if topk_weights is None else topk_weights.new_empty((handle.num_tokens, cfg.topk))
         weights = None if out_w is None else (topk_weights.data_ptr(), out_w.data_ptr())
         self._rt.combine(s, y.data_ptr(), zero_copy, handle.num_recv if handle.num_recv >= 0 else None, handle.num_tokens,
                          handle.meta.data_ptr(), out.data_ptr(), num_sms or cfg.num_sms, weights)

@@ -678,13 +678,14 @@ class Buffer:
         event). As DeepEP: recv_topk_idx holds local expert ids (-1 elsewhere) and
         recv_topk_weights is 0 where recv_topk_idx is -1; the lists are aligned up to
         ``expert_alignment``; ``num_worst_tokens > 0`` pads every returned tensor to that many rows
-        (ids -1, weights 0, data 0) and returns an empty list, and on one node,
-        once a dispatch of this buffer has waited for its counts (the first of a new size does;
-        with ``max_tokens_per_rank`` none needs to), the host waits on nothing: the call can be
-        captured in a CUDA graph, and a rank receiving more than ``num_worst_tokens`` rows, or one
-        passing more tokens than the buffer holds, traps the kernels (as DeepEP's device asserts);
-        recv_src_idx is then num_worst_tokens long, -1 past the count (after a host wait, the
-        count long).
+        (ids -1, weights 0, data 0, recv_src_idx -1) and returns an empty list. On one node the
+        host then waits on nothing when the buffer's capacity is fixed (``max_tokens_per_rank``),
+        or during a CUDA-graph capture after one dispatch of this buffer waited (outside a
+        capture a growable buffer waits, so a larger call grows it): such a call can be captured,
+        and a rank receiving more than ``num_worst_tokens`` rows, or one passing more tokens than
+        the buffer holds, traps the kernels (as DeepEP's device asserts). A cached dispatch on one
+        node waits on nothing either (its rows are the handle's dispatch's; a routing changed in
+        place since, receiving more, traps).
         The layout tensors are accepted and checked for shape;
         mori recomputes the layout from ``topk_idx`` inside the dispatch (the same values);
         without ``topk_idx`` the dispatch goes by ``is_token_in_rank`` (module docstring) and
@@ -748,28 +749,49 @@ class Buffer:
         import torch
 
         n, hidden, k = int(x_data.shape[0]), int(x_data.shape[1]), int(topk_idx.shape[1])
+        capturing = torch.cuda.is_current_stream_capturing()
         if handle is None:
             self._ensure_normal(hidden, k, num_experts)
-        # else: the handle is of this buffer's generation (checked), built when these token counts
-        # fit on every rank, so nothing needs sizing (DeepEP's timed form).
-        num_sms = (config if config is not None else self.get_dispatch_config(self.group_size)).num_sms
-        xin = x_data.contiguous() if x_scales is None else (x_data.contiguous(), x_scales.contiguous())
+            # Rows known before the count: num_worst_tokens (more received is an error).
+            rows = num_worst_tokens or None
+            # As DeepEP's, a num_worst_tokens dispatch need not wait on the host, so that a CUDA
+            # graph can capture it, once the buffer's capacity holds every rank's tokens: a fixed
+            # capacity, or under capture after a dispatch that waited (decided alike on every
+            # rank: dispatches are collective). A growable buffer waits outside a capture, so a
+            # larger call grows it instead of trapping.
+            host_wait = not (num_worst_tokens and self._nodes == 1 and self._sized == self._generation
+                             and (capturing or self._fixed_capacity is not None))
+        else:
+            # A cached dispatch: the tokens and routing of the handle's dispatch, which fitted this
+            # buffer (same generation), so on one node nothing waits and its rows are known.
+            rows = max(handle.rows, num_worst_tokens)
+            host_wait = self._nodes > 1
+        if host_wait and capturing:
+            raise InvalidArgumentError(
+                "a normal-mode dispatch can be captured in a CUDA graph on one node with num_worst_tokens, after one dispatch "
+                "of this buffer ran outside the capture (or with max_tokens_per_rank), or with a handle: this one would wait "
+                "on the host")
+        capacity = self._mori.config.max_tokens_per_rank
+        if capturing and n > capacity:
+            raise InvalidArgumentError(f"{n} tokens do not fit the buffer's {capacity} per rank: run a dispatch of this size before capturing")
+        num_sms = config.num_sms if config is not None else Buffer.num_sms  # the default config's, without building it
+        fp8 = x_scales is not None
+        xin = (x_data.contiguous(), x_scales.contiguous()) if fp8 else x_data.contiguous()
         # By layout alone the routing is by rank: the exchange carries the caller's counts per
         # expert instead, so the received counts per local expert are DeepEP's.
         counts = num_tokens_per_expert.to(torch.int32).contiguous() if layout_only else None
-        # As DeepEP's, a num_worst_tokens dispatch does not wait on the host (a CUDA graph can
-        # capture it) once this buffer's capacity is known to fit: after a dispatch that waited
-        # (decided alike on every rank: dispatches are collective), or with a fixed capacity.
-        # A rank with more tokens than the capacity then traps on every rank, as a num_worst_tokens
-        # below what a rank receives does.
-        host_wait = not (num_worst_tokens and self._nodes == 1 and self._sized == self._generation)
-        if host_wait and torch.cuda.is_current_stream_capturing():
-            raise InvalidArgumentError(
-                "a normal-mode dispatch can be captured in a CUDA graph with num_worst_tokens, on one node, after one "
-                "dispatch of this buffer ran outside the capture (or with max_tokens_per_rank): this one would wait on the host")
+        want_topk = handle is None and not layout_only
+        routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
+        reuse = handle.mori if handle is not None else None
+        launched = self._mori._launch_dispatch(xin, *routing, None, num_sms or None, counts, host_wait, reuse)
+        # The caller's copies (the buffer's rows are overwritten by the next dispatch): made
+        # while the GPU runs when their size is known before the count (else the prefix matrix).
+        if rows is None:
+            outputs, prefix = None, self._mori._new_rank_prefix()
+        else:
+            outputs = self._mori._export_outputs(fp8, rows, k, topk=want_topk, handle_parts=handle is None)
         try:
-            routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
-            got = self._mori._dispatch_rows(xin, *routing, None, num_sms or None, counts, host_wait)
+            got = self._mori._received(*launched)
         except CapacityError as e:
             # Raised on every rank by the same call (the count exchange carries each rank's
             # token count), so every rank rebuilds alike; a cached handle fit when it was made.
@@ -778,19 +800,18 @@ class Buffer:
             self._ensure_normal(hidden, k, num_experts, needed=e.needed)
             routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
             got = self._mori._dispatch_rows(xin, *routing, None, num_sms or None, counts)
-        topk_idx, topk_weights = routing
         num_recv = got.num_recv  # -1 without the host wait
         if host_wait:
             self._sized = self._generation
-        rows = max(num_recv, num_worst_tokens)
-        if num_worst_tokens and num_recv > num_worst_tokens:
-            raise InvalidArgumentError(f"received {num_recv} tokens, more than num_worst_tokens={num_worst_tokens}")
-        # The caller's copies (the buffer's rows are overwritten by the next dispatch), padded to
-        # `rows`, made by one kernel.
-        want_topk = handle is None and not layout_only
-        data, scales, recv_idx, recv_w, recv_src, rank_prefix = self._mori._export_received(
-            got, rows, k, topk=want_topk, handle_parts=handle is None)
-        recv_x = (data, scales) if x_scales is not None else data
+        if outputs is None:
+            rows = num_recv
+            outputs = self._mori._export_outputs(fp8, rows, k, topk=want_topk, handle_parts=True, prefix=prefix)
+        elif num_recv > rows:
+            limit = f"num_worst_tokens={num_worst_tokens}" if handle is None else "the handle's dispatch (its routing changed in place?)"
+            raise InvalidArgumentError(f"received {num_recv} tokens, more than {limit}")
+        # Padded to `rows` by the same kernel.
+        data, scales, recv_idx, recv_w, recv_src, rank_prefix = self._mori._export_received(got, outputs, k)
+        recv_x = (data, scales) if fp8 else data
         inputs = (x_data, x_scales, topk_idx, topk_weights)
         if handle is not None:
             return recv_x, None, None, None, None, scope.finish(async_finish, inputs, recv_x)
@@ -799,11 +820,11 @@ class Buffer:
         mh = got.handle
         new_handle = _NormalHandle(
             (rank_prefix, None, None, recv_src, in_rank, None),
-            mori=mh, owner=self, generation=self._generation, topk_idx=topk_idx, num_experts=num_experts,
-            zero_weights=None,
+            mori=mh, owner=self, generation=self._generation, topk_idx=routing[0],
+            num_experts=num_experts, zero_weights=None, num_tokens=n, hidden=hidden, rows=rows,
             # The rows combine reads: the count, or when it stayed on the GPU the dispatch's
             # num_worst_tokens rows (which the count does not exceed).
-            num_tokens=n, combine_rows=num_recv if num_recv >= 0 else rows, hidden=hidden,
+            combine_rows=num_recv if num_recv >= 0 else rows,
         )
         outputs = (recv_x, recv_idx, recv_w, mh.meta, *new_handle)
         return recv_x, recv_idx, recv_w, per_expert, new_handle, scope.finish(async_finish, inputs, outputs)
@@ -873,7 +894,7 @@ class Buffer:
     def _run_combine(self, x: Any, h: _NormalHandle, topk_weights: Any, biases: tuple, config: Optional[Config]) -> tuple[Any, Any]:
         import torch
 
-        num_sms = (config if config is not None else self.get_combine_config(self.group_size)).num_sms
+        num_sms = config.num_sms if config is not None else Buffer.num_sms  # the default config's, without building it
         need = h.combine_rows
         y = x if x.shape[0] == need else x[:need]
         y = y if y.is_contiguous() else y.contiguous()
@@ -889,7 +910,7 @@ class Buffer:
                 w_rows = torch.cat([w_rows, torch.zeros((need, k - given), dtype=torch.float32, device=w_rows.device)], dim=1)
             out, combined_w = self._mori.combine(y, h.mori, num_sms=num_sms or None, topk_weights=w_rows.contiguous())
             combined_w = combined_w[:, :given]
-        if any(b is not None for b in biases):
+        if len(biases) > 1 or biases[0] is not None:
             acc = out.float()
             for b in biases:
                 if b is not None:
