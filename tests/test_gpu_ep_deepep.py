@@ -422,6 +422,34 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         finally:
             fixed.destroy()
 
+    def unwaited_bad_ids():
+        # An out-of-range id in a dispatch that does not wait on the host (a cached one, on one
+        # node) is dropped like -1 on every rank and reported by this rank's next dispatch, once;
+        # across nodes the cached dispatch waits and reports it itself.
+        from mori.errors import InvalidArgumentError
+
+        n = 300
+        idx, x = routing(n, "random", drop=0.0), tokens(n)
+        weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
+
+        def fresh():
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
+            return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                topk_idx=idx, topk_weights=weights)
+
+        handle = fresh()[4]
+        if rank == 0:
+            handle.topk_idx[0, 0] = EXPERTS + 3  # what the cached dispatch routes by, changed in place
+        errors = []
+        for call in (lambda: buf.dispatch(x, handle=handle), fresh, fresh):
+            try:
+                call()
+            except InvalidArgumentError as e:
+                errors.append(str(e))
+            barrier()
+        assert len(errors) == (1 if rank == 0 else 0), f"errors on rank {rank}: {errors}"
+        assert all("outside [-1" in e for e in errors), errors
+
     def no_all_reduce():
         assert not all_reduces, f"the facade called torch.distributed.all_reduce {len(all_reduces)} times"
 
@@ -466,6 +494,7 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
                                 ll_case(60, "duplicates", True, hidden=7168, round_scale=True, ue8m0=True)),
         "clean_then_capture": clean_then_capture,
         "two_caller_streams": two_caller_streams,
+        "unwaited_bad_ids": unwaited_bad_ids,
         "no_all_reduce": no_all_reduce,
     }
     if nodes > 1:
@@ -496,7 +525,7 @@ CASES = [
     "ll_max_tokens_fp8", "ll_repeated", "ll_hook", "ll_hook_fp8", "ll_zero_copy_out", "ll_one_expert", "ll_duplicate_ids",
     "ll_round_scale", "ll_ue8m0", "ll_ue8m0_hook", "ll_wait_times", "ll_graph", "ll_graph_fp8", "normal_graph_worst_tokens",
     "normal_graph_worst_tokens_fp8", "normal_after_ll", "hidden_4096",
-    "hidden_7168", "clean_then_capture", "two_caller_streams", "no_all_reduce", "destroy",
+    "hidden_7168", "clean_then_capture", "two_caller_streams", "unwaited_bad_ids", "no_all_reduce", "destroy",
 ]
 # Across nodes (tests/test_gpu_ep_deepep_nodes.py): every case but the normal mode's graph capture
 # (num_worst_tokens waits on the host across nodes, as DeepEP's is intranode only), and the window

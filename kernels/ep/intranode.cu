@@ -60,14 +60,15 @@ __device__ __forceinline__ unsigned int next_item(unsigned int* work) {
 // every rank's rank/expert matrices (an expert matrix row ends with the rank's token count),
 // meets every rank in a barrier, copies the rank matrix into `rank_matrix_out` and publishes
 // host_info = [seq, rows received, rows per local expert..., bad ids, the most tokens any rank
-// has] with host_info[0] written last; `counters->overflow` tells ep_dispatch when that is more
+// has, the last unwaited dispatch with bad ids] with host_info[0] written last; `counters->overflow` tells ep_dispatch when that is more
 // than `capacity`. `expert_counts` (int32 [num_experts], else null) replaces the counts per
 // expert (a dispatch by layout alone reports the caller's). `in_rank` (bool [num_tokens,
 // num_ranks], else null): whether each token goes to each rank (get_dispatch_layout's
 // is_token_in_rank, written here rather than derived from `slot` by another kernel).
 // `trap_overflow`: a dispatch the host does not wait for (mori.ep.deepep's num_worst_tokens)
 // traps when a rank has more tokens than the capacity, on every rank alike, instead of moving
-// no rows for a host that would not look.
+// no rows for a host that would not look; when it saw out-of-range ids it leaves its `seq` in
+// the last word, which the host reads at a later dispatch (a word, not a count: nothing resets it).
 extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
     const long long* __restrict__ topk_idx, int num_tokens, int topk, int experts_per_rank, int num_ranks,
     int num_experts, int* __restrict__ slot, int* __restrict__ send_list, int* tokens_per_rank,
@@ -133,6 +134,7 @@ extern "C" __global__ void __launch_bounds__(1024) ep_prepare(
         host_info[1] = rows;
         host_info[2 + experts_per_rank] = bad_seen;
         host_info[3 + experts_per_rank] = most;
+        if (trap_overflow && bad_seen) host_info[4 + experts_per_rank] = seq;
     }
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -31,6 +31,10 @@ const ALIGN: u64 = 256;
 /// Bytes of the kernels' counters (`InternodeCounters` in kernels/ep/internode.cu, the largest).
 const COUNTERS_BYTES: usize = 32;
 
+/// host_info's int32 words besides the counts per local expert: seq, rows, bad ids, most tokens,
+/// the last unwaited dispatch with bad ids (kernels/ep/intranode.cu's ep_prepare).
+const HOST_INFO_WORDS: usize = 5;
+
 /// What one dispatch delivered to this rank, read from the words the GPU published.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Received {
@@ -195,10 +199,25 @@ impl EpMemory {
     /// count exchange across nodes failed), rows per local expert, bad ids, the most tokens any
     /// rank dispatched. Read after [`EpRuntime::wait_dispatched`] returned true.
     pub fn published(&self) -> Vec<i32> {
+        let words = self.host_words();
+        words[1..words.len() - 1].to_vec()
+    }
+
+    /// The sequence number of the last dispatch the host did not wait for that saw topk ids
+    /// outside [-1, experts) (counted as -1 on every rank), or 0: such a dispatch reports them
+    /// nowhere else, so mori.ep raises at a later dispatch when this changes.
+    pub fn unwaited_bad_ids(&self) -> i32 {
+        *self
+            .host_words()
+            .last()
+            .expect("host_info holds HOST_INFO_WORDS+ words")
+    }
+
+    /// host_info as int32: [seq, rows, per expert..., bad ids, most tokens, unwaited bad ids].
+    fn host_words(&self) -> Vec<i32> {
         self.host_info
             .as_slice()
             .chunks_exact(4)
-            .skip(1)
             .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
     }
@@ -261,7 +280,7 @@ impl Ep {
         let tl = u64::from(shape.low_latency_max_tokens);
         let epr = u64::from(shape.experts_per_rank());
         let counters = zeroed(device, COUNTERS_BYTES)?;
-        let host_info = PinnedBuffer::new(device, 4 * (4 + epr as usize))?;
+        let host_info = PinnedBuffer::new(device, 4 * (HOST_INFO_WORDS + epr as usize))?;
         let mut own = vec![];
         let ll_state = if ll_on {
             // [dispatch seq, combine seq, tickets...]: 8 int32.
@@ -291,7 +310,7 @@ impl Ep {
                 let runtime = {
                     // SAFETY: every address is an allocation of this `Ep` with the sizes the
                     // kernels expect, alive until `destroy` (which waits for the GPU first);
-                    // host_info holds 4 + experts_per_rank int32 values.
+                    // host_info holds HOST_INFO_WORDS + experts_per_rank int32 values.
                     let rt = unsafe {
                         EpRuntime::new(
                             shape,

@@ -615,6 +615,12 @@ impl EpRuntime {
         self.owned(|m| Some(m.published()))
     }
 
+    /// The sequence number of the last dispatch without a host wait that saw out-of-range
+    /// topk ids, or 0 (`mori_collective::ep_buffers::EpMemory::unwaited_bad_ids`).
+    fn unwaited_bad_ids(&self) -> Result<i32> {
+        self.owned(|m| m.unwaited_bad_ids())
+    }
+
     /// Collective: waits for this GPU's work, then frees what `create` allocated on every rank;
     /// later launches raise. A second call does nothing.
     fn destroy(&self, py: Python<'_>) -> Result<()> {

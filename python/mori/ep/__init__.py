@@ -201,6 +201,7 @@ class Buffer:
         self._recv_rows = {False: self._recv_x.view(torch.bfloat16).view(rows, h),
                            True: self._recv_x[: rows * h].view(torch.float8_e4m3fn).view(rows, h)}
         self.profile: list[dict[str, float]] | None = None  # set to [] to record phase timings
+        self._bad_ids_reported = 0  # the last unwaited dispatch with out-of-range ids this rank raised for
         self._ll = _LowLatency(self, view) if config.low_latency_max_tokens else None
 
     def destroy(self) -> None:
@@ -332,10 +333,10 @@ class Buffer:
         """Checks and launches a dispatch; :meth:`_received` waits for it (the caller may work in
         between, while the GPU runs). Without ``host_wait`` (one node) nothing will wait: the count
         stays on the GPU, where the export and combine kernels read it, a rank over the capacity
-        traps on every rank, and out-of-range ids count as -1 unreported (mori.ep.deepep's
-        ``num_worst_tokens``, which a CUDA graph can capture). ``reuse``: the handle of an earlier
-        dispatch of the same tokens whose layout area this one rewrites (mori.ep.deepep's cached
-        dispatch) instead of a new one."""
+        traps on every rank, and out-of-range ids count as -1, reported by this rank's next
+        dispatch (mori.ep.deepep's ``num_worst_tokens``, which a CUDA graph can capture).
+        ``reuse``: the handle of an earlier dispatch of the same tokens whose layout area this one
+        rewrites (mori.ep.deepep's cached dispatch) instead of a new one."""
         import torch
 
         cfg = self.config
@@ -372,6 +373,14 @@ class Buffer:
                                    topk_weights.data_ptr(), n, handle.meta.data_ptr(), num_sms or cfg.num_sms, _ptr(expert_counts),
                                    host_wait)
         marks("launch")
+        bad = self._rt.unwaited_bad_ids()
+        if bad != self._bad_ids_reported:
+            # After this call's launch, so every rank's kernels still match; the error is this
+            # rank's alone, as the host-waiting form's.
+            self._bad_ids_reported = bad
+            raise InvalidArgumentError(
+                f"an earlier dispatch that did not wait on the host (num_worst_tokens, a cached dispatch or a CUDA-graph "
+                f"replay) had topk_idx ids outside [-1, {cfg.num_experts}): they were dropped like -1")
         return scales is not None, handle, seq if host_wait else None, marks
 
     def _received(self, fp8: bool, handle: Handle, seq: int | None, marks: Callable[[str], None]) -> _Dispatched:
@@ -469,9 +478,15 @@ class Buffer:
                 raise InvalidArgumentError(f"topk_weights must be float32 [{rows}, {cfg.topk}] on {y.device}, "
                                            f"got {topk_weights.dtype} {tuple(topk_weights.shape)}")
             topk_weights = topk_weights.contiguous()
+        return self._combine_checked(y, handle, self._stream(stream), num_sms, topk_weights)
+
+    def _combine_checked(self, y: Any, handle: Handle, s: int, num_sms: int | None, topk_weights: Any) -> Any:
+        """:meth:`combine` after its checks: ``y`` bf16 [rows, hidden] and ``topk_weights``
+        (or None) float32 [rows, topk], contiguous, on this GPU (mori.ep.deepep checks its own
+        arguments, which come to these, and calls this directly)."""
+        cfg = self.config
         if self.nodes > 1:
             shmem.check()
-        s = self._stream(stream)
         # One node: the reduce reads the peers' combine inputs in place. Across nodes the kernels
         # read a combine input where it is (no copy into the relay area).
         zero_copy = self.nodes == 1 and handle.num_recv != 0 and y.data_ptr() == self._comb_in.data_ptr()

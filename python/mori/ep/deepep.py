@@ -875,8 +875,8 @@ class Buffer:
         self._check_alive()
         h = self._check_handle(handle, _NormalHandle)
         need = h.combine_rows
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] < need:
-            raise InvalidArgumentError(f"x must be bfloat16 [{need}, hidden] (the received rows)")
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] < need or x.shape[1] != h.hidden:
+            raise InvalidArgumentError(f"x must be bfloat16 [{need}, {h.hidden}] (the received rows)")
         biases = bias if isinstance(bias, tuple) else (bias,)
         for b in biases:
             if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (h.num_tokens, h.hidden)):
@@ -884,9 +884,9 @@ class Buffer:
         k = self._mori.config.topk
         if topk_weights is not None and (
             not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32 or topk_weights.dim() != 2
-            or not 0 < topk_weights.shape[1] <= k or topk_weights.shape[0] < need
+            or not 0 < topk_weights.shape[1] <= k or topk_weights.shape[0] < need or topk_weights.device != x.device
         ):
-            raise InvalidArgumentError(f"topk_weights must be float32 [{need}, top-k <= {k}]")
+            raise InvalidArgumentError(f"topk_weights must be float32 [{need}, top-k <= {k}] on {x.device}")
         with self._stream_scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             out, combined_w = self._run_combine(x, h, topk_weights, biases, config)
         return out, combined_w, scope.finish(async_finish, (x, topk_weights, *biases), (out, combined_w))
@@ -898,8 +898,9 @@ class Buffer:
         need = h.combine_rows
         y = x if x.shape[0] == need else x[:need]
         y = y if y.is_contiguous() else y.contiguous()
+        # Straight to mori.ep's combine after its checks: combine() checked what they come to.
         if topk_weights is None:
-            out, combined_w = self._mori.combine(y, h.mori, num_sms=num_sms or None), None
+            out, combined_w = self._mori._combine_checked(y, h.mori, self._mori._stream(None), num_sms or None, None), None
         else:
             # DeepEP's combined top-k weights: per token the sum of the weights rows its ranks
             # pass back, summed by mori's combine kernels with the rows (padded to the buffer's
@@ -908,7 +909,7 @@ class Buffer:
             w_rows = topk_weights[:need]
             if given < k:
                 w_rows = torch.cat([w_rows, torch.zeros((need, k - given), dtype=torch.float32, device=w_rows.device)], dim=1)
-            out, combined_w = self._mori.combine(y, h.mori, num_sms=num_sms or None, topk_weights=w_rows.contiguous())
+            out, combined_w = self._mori._combine_checked(y, h.mori, self._mori._stream(None), num_sms or None, w_rows.contiguous())
             combined_w = combined_w[:, :given]
         if len(biases) > 1 or biases[0] is not None:
             acc = out.float()
