@@ -213,7 +213,7 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
             assert cached_data.shape[0] == num_recv, f"cached dispatch: {cached_data.shape[0]} rows, the handle's recv_src_idx {num_recv}"
             assert not bool(cached_data[got:].view(torch.uint8).any()), "cached dispatch: rows past the count are zero"
             exp2 = ref.expected_normal_dispatch(rank, WORLD, EXPERTS, all_idx, all_w, all_x2, all_scales2)
-            got_cached = (cached_x[0] if fp8 else cached_x)[: exp2.rows.shape[0]].contiguous()
+            got_cached = cached_data[: exp2.rows.shape[0]].contiguous()
             assert torch.equal(got_cached.view(torch.uint8).reshape(exp2.rows.shape).cpu(), exp2.rows), "cached dispatch rows (the new tokens)"
             if fp8:
                 assert torch.equal(cached_x[1][: exp2.rows.shape[0]].cpu(), exp2.scales), "cached dispatch scales (the new tokens)"
