@@ -159,6 +159,37 @@ def test_zero_copy_calls_and_prefix_probe():
         assert c.stats() == before, "probes are not counted as reads"
 
 
+def test_embedded_buffers_of_every_kind_and_layout():
+    # numpy arrays, bytearrays and memoryviews go through the buffer protocol in Rust: the bytes
+    # land in the caller's memory whatever the dtype, and a buffer that cannot take them in place
+    # (non-contiguous, read-only) is refused rather than written through a copy.
+    value = np.random.default_rng(3).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    with Client(dram_bytes=1 << 20) as c:
+        assert c.put_from("ba", bytearray(value)) and c.put_from("mv", memoryview(value))
+        assert c.put_from("f32", np.frombuffer(value, dtype=np.float32).reshape(32, 32))
+        for key in ("ba", "mv", "f32"):
+            assert c.get(key) == value, key
+        into_ba = bytearray(b"\xee" * 5000)
+        assert c.get_into("ba", into_ba) == 4096 and bytes(into_ba[:4096]) == value and into_ba[4096:] == b"\xee" * 904
+        into_mv = bytearray(4096)
+        assert c.get_into("mv", memoryview(into_mv)) == 4096 and bytes(into_mv) == value
+        into_f32 = np.full((32, 32), -1.0, dtype=np.float32)
+        assert c.get_into("f32", into_f32) == 4096 and into_f32.tobytes() == value
+        wide = np.zeros((64, 128), dtype=np.uint8)
+        with pytest.raises(errors.InvalidArgumentError, match="C-contiguous"):
+            c.get_into("ba", wide[:, :64])  # every other half-row: no copy may stand in for it
+        assert not wide.any()
+        frozen = np.zeros(4096, dtype=np.uint8)
+        frozen.flags.writeable = False
+        with pytest.raises(errors.InvalidArgumentError, match="writable"):
+            c.get_into("ba", frozen)
+        with pytest.raises(errors.InvalidArgumentError, match="writable"):
+            c.get_into("ba", memoryview(value))  # bytes are read-only
+        with pytest.raises(errors.InvalidArgumentError, match="C-contiguous"):
+            c.put_from("x", np.zeros((64, 128), dtype=np.uint8)[:, ::2])
+        assert c.get("x") is None
+
+
 def test_bad_input_and_limits():
     with Client(dram_bytes=64 << 10) as c:
         with pytest.raises(errors.InvalidArgumentError):

@@ -82,6 +82,11 @@ def _current_cuda_device() -> int:
     return 0
 
 
+# Host buffers an embedded pool reads through the buffer protocol in Rust (no Python address
+# lookup; non-contiguous or read-only ones are refused there, where reshaping here would copy).
+_BUFFER_TYPES = (np.ndarray, bytearray, memoryview)
+
+
 def _host_buffer(obj: Any, writable: bool) -> np.ndarray:
     """A contiguous uint8 view of a host buffer (numpy, bytearray, memoryview, CPU tensor)."""
     torch = sys.modules.get("torch")
@@ -358,6 +363,8 @@ class Client:
         """``put`` without a bytes copy in Python: from a numpy array, bytearray, CPU tensor or
         (embedded pools) contiguous CUDA tensor. Work queued on torch streams other than the
         default stream must be synchronised first."""
+        if not self._remote and type(buffer) in _BUFFER_TYPES:
+            return self._pool.put_from_buffer(_key(key), buffer)
         cuda = self._cuda_buffer(buffer)
         if cuda is not None:
             return self._pool.put_from_device(_key(key), *cuda)
@@ -376,6 +383,8 @@ class Client:
         """Copies the value into ``buffer`` (writable host memory, or with an embedded pool a
         contiguous CUDA tensor); returns its length, or None if absent. A buffer smaller than
         the value raises. The bytes are in place when the call returns."""
+        if not self._remote and type(buffer) in _BUFFER_TYPES:
+            return self._pool.get_into_buffer(_key(key), buffer)
         cuda = self._cuda_buffer(buffer)
         if cuda is not None:
             return self._pool.get_into_device(_key(key), *cuda)

@@ -9,42 +9,11 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyBytes;
 
+use crate::buffer::host_buffer;
 use crate::errors::{Error, Result};
 
 fn location(device: i32) -> Location {
     Location::decode(device)
-}
-
-/// The buffer protocol, which pyo3 leaves out under `abi3-py310`: `Py_buffer` and
-/// `PyObject_GetBuffer` joined the stable ABI in Python 3.11, but CPython has exported both,
-/// with this layout, since 3.3 (what the 3.11 stable ABI froze).
-mod ffi {
-    use std::ffi::{c_char, c_int, c_void};
-
-    use pyo3::ffi::PyObject;
-
-    #[repr(C)]
-    pub struct Buffer {
-        pub buf: *mut c_void,
-        pub obj: *mut PyObject,
-        pub len: isize,
-        pub itemsize: isize,
-        pub readonly: c_int,
-        pub ndim: c_int,
-        pub format: *mut c_char,
-        pub shape: *mut isize,
-        pub strides: *mut isize,
-        pub suboffsets: *mut isize,
-        pub internal: *mut c_void,
-    }
-
-    /// `PyBUF_C_CONTIGUOUS | PyBUF_FORMAT`: C-contiguous, with shape, strides and format.
-    pub const C_CONTIGUOUS_WITH_FORMAT: c_int = 0x0038 | 0x0004;
-
-    unsafe extern "C" {
-        pub fn PyObject_GetBuffer(obj: *mut PyObject, view: *mut Buffer, flags: c_int) -> c_int;
-        pub fn PyBuffer_Release(view: *mut Buffer);
-    }
 }
 
 /// The address and length of `obj`'s data when it exports a one-dimensional, C-contiguous
@@ -52,34 +21,9 @@ mod ffi {
 /// (with no Python error left set). The buffer is released at once: the address stays valid
 /// while `obj` is alive and not resized (the caller keeps a reference).
 fn int64_buffer(obj: &Bound<'_, PyAny>) -> Option<(*const u64, usize)> {
-    let mut view = std::mem::MaybeUninit::<ffi::Buffer>::uninit();
-    // SAFETY: the GIL is held (`obj` is bound); `view` is written by a successful call.
-    let rc = unsafe {
-        ffi::PyObject_GetBuffer(
-            obj.as_ptr(),
-            view.as_mut_ptr(),
-            ffi::C_CONTIGUOUS_WITH_FORMAT,
-        )
-    };
-    if rc != 0 {
-        drop(PyErr::take(obj.py())); // not a usable buffer: the caller converts it
-        return None;
-    }
-    // SAFETY: filled in by the successful PyObject_GetBuffer above.
-    let view = unsafe { view.assume_init_mut() };
-    let format = if view.format.is_null() {
-        &b"B"[..]
-    } else {
-        // SAFETY: a non-null format is a NUL-terminated string owned by the view.
-        unsafe { std::ffi::CStr::from_ptr(view.format) }.to_bytes()
-    };
-    let native_int64 = matches!(format, b"l" | b"q" | b"@l" | b"@q" | b"=q")
-        || (cfg!(target_endian = "little") && format == b"<q");
-    let found = (native_int64 && view.itemsize == 8 && view.ndim == 1)
-        .then_some((view.buf as *const u64, (view.len / 8) as usize));
-    // SAFETY: releases the view obtained above, once, with the GIL held.
-    unsafe { ffi::PyBuffer_Release(view) };
-    found
+    let view = host_buffer(obj, false)?;
+    (view.native_int64 && view.itemsize() == 8 && view.ndim() == 1)
+        .then_some((view.ptr() as *const u64, view.len() / 8))
 }
 
 /// The address to listen on for `host`: an IP address as given, or a host name resolved to

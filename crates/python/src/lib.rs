@@ -2,6 +2,7 @@
 //! and mori-topology; every error crosses into Python through `errors.rs`.
 
 mod bootstrap;
+mod buffer;
 mod collective;
 mod errors;
 mod gpu;

@@ -11,6 +11,7 @@ use mori_umbpd::small_ops::Sink;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::buffer::host_buffer;
 use crate::errors::{Error, Result};
 
 /// The embedded KV-block pool (optional GPU tier, DRAM tier, optional SSD tier, in-process
@@ -297,6 +298,20 @@ impl UmbpPool {
         })
     }
 
+    /// `put_from` of a numpy array, bytearray, memoryview or bytes, its address read through
+    /// the buffer protocol.
+    fn put_from_buffer(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        buffer: &Bound<'_, PyAny>,
+    ) -> Result<bool> {
+        let view = host_buffer(buffer, false)
+            .ok_or_else(|| Error::InvalidArgument("buffers must be C-contiguous".into()))?;
+        // Held (exported) until the call returns: `buffer` can be neither freed nor resized.
+        self.put_from(py, key, view.ptr(), view.len())
+    }
+
     /// `put` from `len` bytes of CUDA memory at `ptr` on `device` (a tensor mori.umbp keeps
     /// alive for the call).
     fn put_from_device(
@@ -372,6 +387,21 @@ impl UmbpPool {
             let out = unsafe { raw_slice(ptr, len)? };
             self.with(|p| Ok(p.get_into(key, out)?))
         })
+    }
+
+    /// `get_into` of a numpy array, bytearray or memoryview, its address read through the
+    /// buffer protocol (mori.umbp's address lookup in Python cost more than the call at 4 KiB).
+    fn get_into_buffer(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        buffer: &Bound<'_, PyAny>,
+    ) -> Result<Option<usize>> {
+        let view = host_buffer(buffer, true).ok_or_else(|| {
+            Error::InvalidArgument("get_into needs a writable, C-contiguous buffer".into())
+        })?;
+        // Held (exported) until the call returns: `buffer` can be neither freed nor resized.
+        self.get_into(py, key, view.ptr(), view.len())
     }
 
     fn exists(&self, key: &[u8]) -> Result<bool> {
