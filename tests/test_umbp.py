@@ -188,6 +188,12 @@ def test_embedded_buffers_of_every_kind_and_layout():
         with pytest.raises(errors.InvalidArgumentError, match="C-contiguous"):
             c.put_from("x", np.zeros((64, 128), dtype=np.uint8)[:, ::2])
         assert c.get("x") is None
+        # The general path (batches, registration) refuses them as well.
+        with pytest.raises(errors.InvalidArgumentError, match="C-contiguous"):
+            c.batch_get_into(["ba"], wide[:, :64], [0], [4096])
+        with pytest.raises(errors.InvalidArgumentError, match="C-contiguous"):
+            c.register(wide[:, :64])
+        assert not wide.any()
 
 
 def test_bad_input_and_limits():

@@ -90,14 +90,20 @@ _BUFFER_TYPES = (np.ndarray, bytearray, memoryview)
 def _host_buffer(obj: Any, writable: bool) -> np.ndarray:
     """A contiguous uint8 view of a host buffer (numpy, bytearray, memoryview, CPU tensor)."""
     torch = sys.modules.get("torch")
+    # Contiguity is checked before flattening: reshaping (or .contiguous()) a strided buffer
+    # would copy it, and a get_into would then fill the copy instead of the caller's memory.
     if torch is not None and isinstance(obj, torch.Tensor):
         if obj.is_cuda:
             raise InvalidArgumentError(
                 "a CUDA tensor: only an embedded pool's put_from / get_into / batch_put_from / "
                 "batch_get_into take device memory; pass host memory here"
             )
-        obj = obj.detach().contiguous().view(torch.uint8).numpy()
+        if not obj.is_contiguous():
+            raise InvalidArgumentError("buffers must be C-contiguous")
+        obj = obj.detach().view(torch.uint8).numpy()
     if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise InvalidArgumentError("buffers must be C-contiguous")
         arr = obj.reshape(-1).view(np.uint8)
     else:
         try:
@@ -107,7 +113,7 @@ def _host_buffer(obj: Any, writable: bool) -> np.ndarray:
                 f"buffer must be a numpy array, bytearray, memoryview or tensor, got {type(obj).__name__}"
             ) from None
     if not arr.flags.c_contiguous:
-        raise InvalidArgumentError("buffers must be contiguous")
+        raise InvalidArgumentError("buffers must be C-contiguous")
     if writable and not arr.flags.writeable:
         raise InvalidArgumentError("get_into needs a writable buffer")
     return arr
