@@ -298,8 +298,8 @@ impl UmbpPool {
         })
     }
 
-    /// `put_from` of a numpy array, bytearray, memoryview or bytes, its address read through
-    /// the buffer protocol.
+    /// `put_from` of a numpy array, bytearray or memoryview, its address read through the
+    /// buffer protocol.
     fn put_from_buffer(
         &self,
         py: Python<'_>,

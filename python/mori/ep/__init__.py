@@ -419,10 +419,9 @@ class Buffer:
         scales = self._recv_scales.new_empty((rows, h // SCALE_BLOCK)) if fp8 else None
         idx = self._recv_idx.new_empty((rows, k)) if topk else None
         w = self._recv_w.new_empty((rows, k)) if topk else None
-        src = self._recv_src.new_empty(rows) if handle_parts else None
-        if handle_parts and prefix is None:
-            prefix = self._new_rank_prefix()
-        return x, scales, idx, w, src, prefix if handle_parts else None
+        if not handle_parts:
+            return x, scales, idx, w, None, None
+        return x, scales, idx, w, self._recv_src.new_empty(rows), prefix if prefix is not None else self._new_rank_prefix()
 
     def _new_rank_prefix(self) -> Any:
         """A new int32 [ranks, ranks] tensor for a dispatch's rank prefix matrix."""
@@ -436,8 +435,7 @@ class Buffer:
         dispatch's rank matrix summed over source ranks, when asked. mori.ep.deepep's outputs
         (DeepEP's are the caller's; the next dispatch reuses these buffers). A count left on the
         GPU (``got.num_recv`` -1) is read there (more than ``rows`` traps)."""
-        x, scales, _, _, _, _ = outputs
-        h = self.config.hidden
+        x, h = outputs[0], self.config.hidden
         self._rt.export_received(self._stream(None), h * x.element_size(), h // SCALE_BLOCK if got.fp8 else 0, k,
                                  got.num_recv if got.num_recv >= 0 else None, x.shape[0], tuple(_ptr(t) for t in outputs),
                                  (got.handle.meta.data_ptr(), got.handle.num_tokens))

@@ -264,6 +264,12 @@ class _NormalHandle(tuple):
         self.__dict__.update(attrs)
         return self
 
+    @property
+    def combine_rows(self) -> int:
+        """The rows combine reads: the received count, or when it stayed on the GPU the
+        dispatch's output rows (``num_worst_tokens``, which the count does not exceed)."""
+        return self.mori.num_recv if self.mori.num_recv >= 0 else self.rows
+
 
 class _LowLatencyHandle(tuple):
     """DeepEP's low-latency handle shape: (recv_src_info, recv_layout_range,
@@ -822,9 +828,6 @@ class Buffer:
             (rank_prefix, None, None, recv_src, in_rank, None),
             mori=mh, owner=self, generation=self._generation, topk_idx=routing[0],
             num_experts=num_experts, zero_weights=None, num_tokens=n, hidden=hidden, rows=rows,
-            # The rows combine reads: the count, or when it stayed on the GPU the dispatch's
-            # num_worst_tokens rows (which the count does not exceed).
-            combine_rows=num_recv if num_recv >= 0 else rows,
         )
         outputs = (recv_x, recv_idx, recv_w, mh.meta, *new_handle)
         return recv_x, recv_idx, recv_w, per_expert, new_handle, scope.finish(async_finish, inputs, outputs)
