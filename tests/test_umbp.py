@@ -194,6 +194,8 @@ def test_embedded_buffers_of_every_kind_and_layout():
         with pytest.raises(errors.InvalidArgumentError, match="C-contiguous"):
             c.register(wide[:, :64])
         assert not wide.any()
+        with pytest.raises(errors.InvalidArgumentError, match="C-contiguous"):
+            c.batch_get_into(["ba"], memoryview(bytearray(8192))[::2], [0], [4096])
 
 
 def test_bad_input_and_limits():

@@ -108,12 +108,12 @@ def _host_buffer(obj: Any, writable: bool) -> np.ndarray:
     else:
         try:
             arr = np.frombuffer(obj, dtype=np.uint8)
+        except BufferError:
+            raise InvalidArgumentError("buffers must be C-contiguous") from None  # a strided memoryview
         except (TypeError, ValueError):
             raise ArgumentTypeError(
                 f"buffer must be a numpy array, bytearray, memoryview or tensor, got {type(obj).__name__}"
             ) from None
-    if not arr.flags.c_contiguous:
-        raise InvalidArgumentError("buffers must be C-contiguous")
     if writable and not arr.flags.writeable:
         raise InvalidArgumentError("get_into needs a writable buffer")
     return arr
