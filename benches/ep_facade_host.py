@@ -2,7 +2,9 @@
 GPU): what the facade's Python adds per call, which the two-rank bench (`mori bench ep --api
 native,deepep`) can only show on GPUs the ranks time-slice. Each figure is the median over
 rounds of back-to-back calls timed on the host clock (the GPU drained between rounds, so launch
-queues never fill); normal dispatch includes its one host wait for the received count.
+queues never fill); normal dispatch includes its one host wait for the received count. The
+APIs' rounds of one row are interleaved (their order rotated each round), so drift of the host
+between rounds cannot pass for a difference between the APIs.
 
 Rows: low-latency dispatch (BF16; FP8 with column-major scales, as the facade asks) and combine
 (timed with a dispatch before each, whose time is then subtracted), get_dispatch_layout, the
@@ -32,6 +34,7 @@ import importlib.util
 import os
 import sys
 from functools import partial
+from typing import Any, Callable
 
 EXPERTS, HIDDEN, TOPK = 256, 7168, 8
 LL_TOKENS, NORMAL_TOKENS = 128, 1024
@@ -76,7 +79,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from mori import ep, shmem
-    from mori.bench._common import environment, host_us_per_call, write_record
+    from mori.bench._common import environment, host_us_interleaved, write_record
     from mori.ep import deepep
 
     torch.cuda.set_device(0)
@@ -93,10 +96,6 @@ def main() -> int:
     ll_idx, ll_w = routing(LL_TOKENS)
     x = torch.randn((NORMAL_TOKENS, HIDDEN), device="cuda", dtype=torch.bfloat16, generator=gen)
     idx, w = routing(NORMAL_TOKENS)
-    timed = lambda fn: host_us_per_call(fn, torch, args.calls, args.rounds)  # noqa: E731
-    results: dict[str, dict[str, float]] = {}
-
-    # Native first: the facade (below) reuses the initialised session.
     shmem.init_from_torch(group)
     nbuf = ep.Buffer(ep.EpConfig(num_experts=EXPERTS, hidden=HIDDEN, max_tokens_per_rank=NORMAL_TOKENS, topk=TOPK,
                                  low_latency_max_tokens=LL_TOKENS), group=group)
@@ -106,18 +105,20 @@ def main() -> int:
     ll_y = ll_y.contiguous()
     res = nbuf.dispatch(x, idx, w)
     y = res.recv_x * 2
-    native = {
-        "ll_dispatch_bf16": timed(lambda: nbuf.low_latency_dispatch(ll_x, ll_idx, use_fp8=False)),
-        "ll_dispatch_fp8": timed(lambda: nbuf.low_latency_dispatch(ll_x, ll_idx, scales_column_major=True)),
-        "ll_combine": timed(lambda: nbuf.low_latency_combine(ll_y, ll_idx, ll_w, nbuf.low_latency_dispatch(ll_x, ll_idx, use_fp8=False).handle)),
-        "ll_dispatch_bf16_then_combine_dispatch": timed(lambda: nbuf.low_latency_dispatch(ll_x, ll_idx, use_fp8=False)),
-        "layout": timed(lambda: nbuf.get_dispatch_layout(idx)),
-        "dispatch": timed(lambda: nbuf.dispatch(x, idx, w)),
-        "combine": timed(lambda: nbuf.combine(y, res.handle)),
+    # Every API's function per row, timed together (rounds interleaved): native mori.ep first.
+    rows: dict[str, dict[str, Callable[[], Any]]] = {
+        "ll_dispatch_bf16": {"native": lambda: nbuf.low_latency_dispatch(ll_x, ll_idx, use_fp8=False)},
+        "ll_dispatch_fp8": {"native": lambda: nbuf.low_latency_dispatch(ll_x, ll_idx, scales_column_major=True)},
+        "ll_dispatch_and_combine": {
+            "native": lambda: nbuf.low_latency_combine(ll_y, ll_idx, ll_w, nbuf.low_latency_dispatch(ll_x, ll_idx, use_fp8=False).handle)},
+        "layout": {"native": lambda: nbuf.get_dispatch_layout(idx)},
+        # mori's dispatch makes its layout itself and has no cached form: the one call stands
+        # beside each of the facade's forms.
+        "dispatch": {"native": lambda: nbuf.dispatch(x, idx, w)},
+        "dispatch_given_layout": {},
+        "cached_dispatch": {},
+        "combine": {"native": lambda: nbuf.combine(y, res.handle)},
     }
-    native["dispatch_given_layout"] = native["dispatch"]  # mori's dispatch makes its layout itself
-    native["cached_dispatch"] = native["dispatch"]  # mori's has no cached form: the same call
-    native["ll_combine"] -= native.pop("ll_dispatch_bf16_then_combine_dispatch")
     # What the facade's dispatch repeats of get_dispatch_layout's work: mori's dispatch computes
     # the layout again in its first kernel (the count exchange's).
     layout_kernel_us = _gpu_us(lambda: nbuf.get_dispatch_layout(idx), torch)
@@ -127,39 +128,46 @@ def main() -> int:
     # Other tokens for checking the facade's cached dispatch (timed with x): its rows must be these.
     x2 = torch.randn((NORMAL_TOKENS, HIDDEN), device="cuda", dtype=torch.bfloat16, generator=gen)
     want_rows2 = nbuf.dispatch(x2, idx, w).recv_x.clone()
-    results["native"] = native
-    nbuf.destroy()
 
     facades = {"facade": deepep}
     if args.facade_file:
         facades["facade_file"] = _load_facade(args.facade_file)
-    errors: list[str] = []
+    buffers = {}
     for name, module in facades.items():
-        fbuf = module.Buffer(group, explicitly_destroy=True, max_tokens_per_rank=NORMAL_TOKENS)
+        fbuf = buffers[name] = module.Buffer(group, explicitly_destroy=True, max_tokens_per_rank=NORMAL_TOKENS)
         cfg = module.Buffer.get_dispatch_config(1), module.Buffer.get_combine_config(1)
 
-        def ll_dispatch(fp8: bool):
+        def ll_dispatch(fp8: bool, fbuf=fbuf):
             return fbuf.low_latency_dispatch(ll_x, ll_idx, LL_TOKENS, EXPERTS, use_fp8=fp8)
 
-        def normal_dispatch(layout=None):
+        def normal_dispatch(layout=None, fbuf=fbuf, cfg=cfg):
             per_rank, _, per_expert, in_rank, _ = layout or fbuf.get_dispatch_layout(idx, EXPERTS)
             return fbuf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                                  topk_idx=idx, topk_weights=w, config=cfg[0])
 
         ll_dispatch(False)
         handle = normal_dispatch()[4]
-        row = {
-            "ll_dispatch_bf16": timed(lambda: ll_dispatch(False)),
-            "ll_dispatch_fp8": timed(lambda: ll_dispatch(True)),
-            "ll_combine": timed(lambda: fbuf.low_latency_combine(ll_y, ll_idx, ll_w, ll_dispatch(False)[2])),
-            "ll_dispatch_bf16_then_combine_dispatch": timed(lambda: ll_dispatch(False)),
-            "layout": timed(lambda: fbuf.get_dispatch_layout(idx, EXPERTS)),
-            "dispatch": timed(normal_dispatch),
-            "dispatch_given_layout": timed(partial(normal_dispatch, fbuf.get_dispatch_layout(idx, EXPERTS))),
-            "combine": timed(lambda: fbuf.combine(y, handle, config=cfg[1])),
-            "cached_dispatch": timed(lambda: fbuf.dispatch(x, handle=handle, config=cfg[0])),
-        }
-        row["ll_combine"] -= row.pop("ll_dispatch_bf16_then_combine_dispatch")
+        rows["ll_dispatch_bf16"][name] = partial(ll_dispatch, False)
+        rows["ll_dispatch_fp8"][name] = partial(ll_dispatch, True)
+        rows["ll_dispatch_and_combine"][name] = (
+            lambda fbuf=fbuf, ll_dispatch=ll_dispatch: fbuf.low_latency_combine(ll_y, ll_idx, ll_w, ll_dispatch(False)[2]))
+        rows["layout"][name] = partial(fbuf.get_dispatch_layout, idx, EXPERTS)
+        rows["dispatch"][name] = normal_dispatch
+        rows["dispatch_given_layout"][name] = partial(normal_dispatch, fbuf.get_dispatch_layout(idx, EXPERTS))
+        rows["combine"][name] = partial(fbuf.combine, y, handle, config=cfg[1])
+        rows["cached_dispatch"][name] = partial(fbuf.dispatch, x, handle=handle, config=cfg[0])
+        # Checked after the timed calls as well (below): the handle's buffer must still be live.
+        buffers[name] = (fbuf, ll_dispatch, handle, cfg)
+
+    timed = {row: host_us_interleaved(fns, torch, args.calls, args.rounds) for row, fns in rows.items()}
+    results: dict[str, dict[str, float]] = {}
+    for name in ["native", *facades]:
+        got = {row: t[name] for row, t in timed.items() if name in t}
+        got["ll_combine"] = got.pop("ll_dispatch_and_combine") - got["ll_dispatch_bf16"]
+        results[name] = got
+    results["native"]["dispatch_given_layout"] = results["native"]["cached_dispatch"] = results["native"]["dispatch"]
+    errors: list[str] = []
+    for name, (fbuf, ll_dispatch, handle, cfg) in buffers.items():
         got_ll = fbuf.low_latency_combine(ll_y, ll_idx, ll_w, ll_dispatch(False)[2])[0]
         got_combine = fbuf.combine(y, handle, config=cfg[1])[0]
         got_rows2 = fbuf.dispatch(x2, handle=handle, config=cfg[0])[0]
@@ -169,8 +177,9 @@ def main() -> int:
             errors.append(f"{name}: low-latency combine differs from native's")
         if not torch.equal(got_combine, want_combine):
             errors.append(f"{name}: normal combine differs from native's")
-        results[name] = row
         fbuf.destroy()
+    nbuf.destroy()
+    native = results["native"]
 
     keys = list(native)
     print(f"{'host µs per call':<20}" + "".join(f"{n:>14}" for n in results))

@@ -129,16 +129,28 @@ def preflight(bench: str, out_dir: str | os.PathLike, needs: Sequence[tuple[str,
 def host_us_per_call(fn: Callable[[], Any], torch: Any, calls: int = 200, rounds: int = 15) -> float:
     """Host µs per call of ``fn``: the median over ``rounds`` of ``calls`` calls back to back,
     the GPU drained between rounds so launch queues never fill (benches/*_host*.py)."""
-    fn()
+    return host_us_interleaved({"fn": fn}, torch, calls, rounds)["fn"]
+
+
+def host_us_interleaved(fns: dict[str, Callable[[], Any]], torch: Any, calls: int = 200, rounds: int = 15) -> dict[str, float]:
+    """:func:`host_us_per_call` of several functions at once, their rounds interleaved (each
+    round times every function in turn, the order rotated from round to round), so that drift
+    of the host (clocks, other tenants) between one function's rounds and the next's does not
+    show up as a difference between them."""
+    names = list(fns)
+    for name in names:
+        fns[name]()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = fns[name]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def write_record(kind: str, record: dict[str, Any], out_dir: str | os.PathLike) -> Path:
