@@ -450,6 +450,34 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         assert len(errors) == (1 if rank == 0 else 0), f"errors on rank {rank}: {errors}"
         assert all("outside [-1" in e for e in errors), errors
 
+    def host_tensors_refused():
+        # A tensor on the host is refused before anything launches (a kernel would read a host
+        # address as a GPU one); every rank raises alike, so no collective is left waiting.
+        from mori.errors import InvalidArgumentError
+
+        n = 64
+        idx, x = routing(n, "random", drop=0.0), tokens(n)
+        weights = torch.rand((n, TOPK), device="cuda", generator=gen, dtype=torch.float32)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
+        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        recv, _, _, _, handle, _ = buf.dispatch(x, **layout, topk_idx=idx, topk_weights=weights)
+        calls = {
+            "dispatch x": lambda: buf.dispatch(x.cpu(), **layout, topk_idx=idx, topk_weights=weights),
+            "dispatch topk_idx": lambda: buf.dispatch(x, **layout, topk_idx=idx.cpu(), topk_weights=weights),
+            "dispatch topk_weights": lambda: buf.dispatch(x, **layout, topk_idx=idx, topk_weights=weights.cpu()),
+            "combine x": lambda: buf.combine(recv.cpu(), handle),
+            "low_latency_dispatch x": lambda: buf.low_latency_dispatch(x.cpu(), idx, LL_MAX, EXPERTS, use_fp8=False),
+        }
+        accepted = []
+        for what, call in calls.items():
+            try:
+                call()
+                accepted.append(what)
+            except InvalidArgumentError as e:
+                assert "GPU" in str(e), f"{what}: {e}"
+        assert not accepted, f"host tensors accepted by: {accepted}"
+        buf.combine(recv, handle)  # the valid dispatch's combine still runs on every rank
+
     def no_all_reduce():
         assert not all_reduces, f"the facade called torch.distributed.all_reduce {len(all_reduces)} times"
 
@@ -495,6 +523,7 @@ def _suite(rank: int, store_path: str, nodes: int = 1) -> dict[str, str]:
         "clean_then_capture": clean_then_capture,
         "two_caller_streams": two_caller_streams,
         "unwaited_bad_ids": unwaited_bad_ids,
+        "host_tensors_refused": host_tensors_refused,
         "no_all_reduce": no_all_reduce,
     }
     if nodes > 1:
@@ -525,7 +554,7 @@ CASES = [
     "ll_max_tokens_fp8", "ll_repeated", "ll_hook", "ll_hook_fp8", "ll_zero_copy_out", "ll_one_expert", "ll_duplicate_ids",
     "ll_round_scale", "ll_ue8m0", "ll_ue8m0_hook", "ll_wait_times", "ll_graph", "ll_graph_fp8", "normal_graph_worst_tokens",
     "normal_graph_worst_tokens_fp8", "normal_after_ll", "hidden_4096",
-    "hidden_7168", "clean_then_capture", "two_caller_streams", "unwaited_bad_ids", "no_all_reduce", "destroy",
+    "hidden_7168", "clean_then_capture", "two_caller_streams", "unwaited_bad_ids", "host_tensors_refused", "no_all_reduce", "destroy",
 ]
 # Across nodes (tests/test_gpu_ep_deepep_nodes.py): every case but the normal mode's graph capture
 # (num_worst_tokens waits on the host across nodes, as DeepEP's is intranode only), and the window

@@ -254,8 +254,9 @@ class Buffer:
         (``limit`` None: no token limit here, the collective checks it on every rank)."""
         import torch
 
-        if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[1] != self.config.topk:
-            raise InvalidArgumentError(f"topk_idx must be int64 [tokens, {self.config.topk}], got {topk_idx.dtype} {tuple(topk_idx.shape)}")
+        if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[1] != self.config.topk or not topk_idx.is_cuda:
+            raise InvalidArgumentError(f"topk_idx must be an int64 GPU tensor [tokens, {self.config.topk}], got {topk_idx.dtype} "
+                                       f"{tuple(topk_idx.shape)} on {topk_idx.device}")
         n = topk_idx.shape[0]
         if limit is not None and n > limit:
             raise InvalidArgumentError(f"{n} tokens exceed the buffer's limit of {limit} per rank")
@@ -329,20 +330,30 @@ class Buffer:
         return self._received(*self._launch_dispatch(x, topk_idx, topk_weights, stream, num_sms, expert_counts, host_wait))
 
     def _launch_dispatch(self, x: Any, topk_idx: Any, topk_weights: Any, stream: Any, num_sms: int | None,
-                         expert_counts: Any, host_wait: bool = True, reuse: Handle | None = None) -> tuple:
+                         expert_counts: Any, host_wait: bool = True) -> tuple:
         """Checks and launches a dispatch; :meth:`_received` waits for it (the caller may work in
         between, while the GPU runs). Without ``host_wait`` (one node) nothing will wait: the count
         stays on the GPU, where the export and combine kernels read it, a rank over the capacity
         traps on every rank, and out-of-range ids count as -1, reported by this rank's next
-        dispatch (mori.ep.deepep's ``num_worst_tokens``, which a CUDA graph can capture).
-        ``reuse``: the handle of an earlier dispatch of the same tokens whose layout area this one
-        rewrites (mori.ep.deepep's cached dispatch) instead of a new one."""
+        dispatch (mori.ep.deepep's ``num_worst_tokens``, which a CUDA graph can capture)."""
         import torch
 
         cfg = self.config
-        if self.nodes > 1:
-            shmem.check()  # a failure of an earlier call's kernels across nodes surfaces here
         topk_idx, n = self._check_topk(topk_idx, None)
+        x, scales = self._check_rows(x, n)
+        if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, cfg.topk) or not topk_weights.is_cuda:
+            raise InvalidArgumentError(f"topk_weights must be a float32 GPU tensor [{n}, {cfg.topk}]")
+        if expert_counts is not None:
+            if expert_counts.dtype != torch.int32 or tuple(expert_counts.shape) != (cfg.num_experts,) or expert_counts.device != x.device:
+                raise InvalidArgumentError(f"expert_counts must be int32 [{cfg.num_experts}] on {x.device}")
+            expert_counts = expert_counts.contiguous()
+        return self._launch(x, scales, topk_idx, topk_weights.contiguous(), n, stream, num_sms, expert_counts, host_wait)
+
+    def _check_rows(self, x: Any, n: int) -> tuple[Any, Any]:
+        """(rows, FP8 scales or None) of a dispatch's ``x`` of ``n`` tokens, contiguous."""
+        import torch
+
+        cfg = self.config
         scales = None
         if isinstance(x, tuple):
             x, scales = x
@@ -351,17 +362,19 @@ class Buffer:
             scales = scales.contiguous()
         elif x.dtype != torch.bfloat16:
             raise InvalidArgumentError(f"x must be bfloat16 or an FP8 (data, scales) tuple, got {x.dtype}")
-        if tuple(x.shape) != (n, cfg.hidden):
-            raise InvalidArgumentError(f"x must be [{n}, {cfg.hidden}], got {tuple(x.shape)}")
-        if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, cfg.topk):
-            raise InvalidArgumentError(f"topk_weights must be float32 [{n}, {cfg.topk}]")
-        x, topk_weights = x.contiguous(), topk_weights.contiguous()
-        if expert_counts is not None:
-            if expert_counts.dtype != torch.int32 or tuple(expert_counts.shape) != (cfg.num_experts,) or expert_counts.device != x.device:
-                raise InvalidArgumentError(f"expert_counts must be int32 [{cfg.num_experts}] on {x.device}")
-            expert_counts = expert_counts.contiguous()
-        if reuse is not None and reuse.num_tokens != n:
-            raise InvalidArgumentError(f"the reused handle is of {reuse.num_tokens} tokens, this dispatch has {n}")
+        if tuple(x.shape) != (n, cfg.hidden) or not x.is_cuda or (scales is not None and not scales.is_cuda):
+            raise InvalidArgumentError(f"x must be [{n}, {cfg.hidden}] on the GPU, got {tuple(x.shape)} on {x.device}")
+        return x.contiguous(), scales
+
+    def _launch(self, x: Any, scales: Any, topk_idx: Any, topk_weights: Any, n: int, stream: Any, num_sms: int | None,
+                expert_counts: Any, host_wait: bool, reuse: Handle | None = None) -> tuple:
+        """:meth:`_launch_dispatch` after its checks (mori.ep.deepep checks its arguments, which
+        come to these, and calls this directly): contiguous tensors of this buffer's shapes.
+        ``reuse``: the handle of an earlier dispatch of the same ``n`` tokens whose layout area
+        this one rewrites (mori.ep.deepep's cached dispatch) instead of a new one."""
+        cfg = self.config
+        if self.nodes > 1:
+            shmem.check()  # a failure of an earlier call's kernels across nodes surfaces here
         marks = self._marks(stream)
         handle = reuse if reuse is not None else self._handle(n)
         # The layout (with the count exchange) and the dispatch, launched together: the dispatch
@@ -406,14 +419,14 @@ class Buffer:
         handle.num_recv = counts[0]
         return _Dispatched(fp8, counts[0], counts[1:], handle)
 
-    def _export_outputs(self, fp8: bool, rows: int, k: int, *, topk: bool, handle_parts: bool, prefix: Any = None) -> tuple:
+    def _export_outputs(self, fp8: bool, rows: int, k: int, *, topk: bool, handle_parts: bool) -> tuple:
         """New tensors for :meth:`_export_received` to fill: (rows [rows, hidden], FP8 scales
         or None, top-k ids [rows, k] and weights or None (without ``topk``), source indices
-        [rows] and rank prefix matrix [ranks, ranks] or None (without ``handle_parts``; a
-        ``prefix`` from :meth:`_new_rank_prefix` is used as it is)). Separate from the copy so
-        that they can be made while the dispatch runs when ``rows`` is known before its count.
-        ``new_empty`` of the receive buffers (same dtype and device) costs less host time than
-        ``torch.empty`` naming both."""
+        [rows] and rank prefix matrix [ranks, ranks] or None (without ``handle_parts``)).
+        Separate from the copy so that they can be made while the dispatch runs when ``rows``
+        is known before its count. ``new_empty`` of the receive buffers (same dtype and device)
+        costs less host time than ``torch.empty`` naming both (and no more than views of one
+        shared allocation would: a view costs about as much host time as an allocation)."""
         h = self.config.hidden
         x = self._recv_rows[fp8].new_empty((rows, h))
         scales = self._recv_scales.new_empty((rows, h // SCALE_BLOCK)) if fp8 else None
@@ -421,11 +434,7 @@ class Buffer:
         w = self._recv_w.new_empty((rows, k)) if topk else None
         if not handle_parts:
             return x, scales, idx, w, None, None
-        return x, scales, idx, w, self._recv_src.new_empty(rows), prefix if prefix is not None else self._new_rank_prefix()
-
-    def _new_rank_prefix(self) -> Any:
-        """A new int32 [ranks, ranks] tensor for a dispatch's rank prefix matrix."""
-        return self._recv_src.new_empty((self.num_ranks, self.num_ranks))
+        return x, scales, idx, w, self._recv_src.new_empty(rows), self._recv_src.new_empty((self.num_ranks, self.num_ranks))
 
     def _export_received(self, got: _Dispatched, outputs: tuple, k: int) -> tuple:
         """Fills ``outputs`` (:meth:`_export_outputs`' tensors, of ``rows`` rows) and returns
@@ -561,8 +570,8 @@ class _LowLatency:
         buf, cfg = self.buf, self.buf.config
         w, el, h, k, tm = buf.num_ranks, buf.experts_per_rank, cfg.hidden, cfg.topk, cfg.low_latency_max_tokens
         topk_idx, n = buf._check_topk(topk_idx, tm)
-        if x.dtype != torch.bfloat16 or tuple(x.shape) != (n, h):
-            raise InvalidArgumentError(f"x must be bfloat16 [{n}, {h}], got {x.dtype} {tuple(x.shape)}")
+        if x.dtype != torch.bfloat16 or tuple(x.shape) != (n, h) or not x.is_cuda:
+            raise InvalidArgumentError(f"x must be a bfloat16 GPU tensor [{n}, {h}], got {x.dtype} {tuple(x.shape)} on {x.device}")
         x = x.contiguous()
         use_fp8 = fp8 is not None
         if use_fp8 and (h // 8) % 32:
@@ -573,20 +582,20 @@ class _LowLatency:
             raise InvalidArgumentError(f"UE8M0 scales pack 4 per int32: hidden must be a multiple of {4 * SCALE_BLOCK}, got {h}")
         self._check_wait_stats(wait_stats)
         s = buf._stream(stream)
-        dev = x.device
-        recv_x = torch.empty((el, self.entries, h), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=dev)
+        # new_empty of tensors of the right dtype on this GPU: cheaper than torch.empty naming both.
+        recv_x = buf._recv_rows[use_fp8].new_empty((el, self.entries, h))
         recv_scales = None
         if use_fp8:
-            cols, dtype = (h // SCALE_BLOCK // 4, torch.int32) if fp8[1] else (h // SCALE_BLOCK, torch.float32)
+            cols, proto = (h // SCALE_BLOCK // 4, buf._recv_src) if fp8[1] else (h // SCALE_BLOCK, buf._recv_scales)
             if fp8[2]:
-                recv_scales = torch.empty((el, cols, self.entries), dtype=dtype, device=dev).transpose(1, 2)
+                recv_scales = proto.new_empty((el, cols, self.entries)).transpose(1, 2)
             else:
-                recv_scales = torch.empty((el, self.entries, cols), dtype=dtype, device=dev)
-        recv_count = torch.empty(el, dtype=torch.int32, device=dev)
-        src_info = torch.empty((el, self.entries), dtype=torch.int32, device=dev)
-        layout_range = torch.empty((el, w), dtype=torch.int64, device=dev)
+                recv_scales = proto.new_empty((el, self.entries, cols))
+        recv_count = buf._recv_src.new_empty(el)
+        src_info = buf._recv_src.new_empty((el, self.entries))
+        layout_range = buf._recv_idx.new_empty((el, w))
         # Local expert ids and positions [2, ranks, max tokens, topk], then records per source.
-        ids_pos = torch.empty(2 * w * tm * k + w, dtype=torch.int32, device=dev)
+        ids_pos = buf._recv_src.new_empty(2 * w * tm * k + w)
         rt = buf._rt
         rt.ll_dispatch_send(s, x.data_ptr(), topk_idx.data_ptr(), n, fp8)
         outputs = [recv_x.data_ptr(), _ptr(recv_scales), recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
@@ -626,7 +635,7 @@ class _LowLatency:
         self._check_wait_stats(wait_stats)
         y, topk_weights = y.contiguous(), topk_weights.contiguous()
         if out is None:
-            out = torch.empty((n, h), dtype=torch.bfloat16, device=y.device)
+            out = y.new_empty((n, h))
         elif out.dtype != torch.bfloat16 or tuple(out.shape) != (n, h) or not out.is_contiguous():
             raise InvalidArgumentError(f"out must be contiguous bfloat16 [{n}, {h}]")
         s = buf._stream(stream)

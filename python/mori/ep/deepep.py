@@ -614,8 +614,8 @@ class Buffer:
     def _check_topk_idx(topk_idx: Any, tokens: int | None = None) -> tuple[int, int]:
         import torch
 
-        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != torch.int64 or topk_idx.dim() != 2:
-            raise InvalidArgumentError("topk_idx must be an int64 tensor [num_tokens, num_topk]")
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or not topk_idx.is_cuda:
+            raise InvalidArgumentError("topk_idx must be an int64 GPU tensor [num_tokens, num_topk]")
         if tokens is not None and topk_idx.shape[0] != tokens:
             raise InvalidArgumentError(f"topk_idx has {topk_idx.shape[0]} rows, x has {tokens}")
         return int(topk_idx.shape[0]), int(topk_idx.shape[1])
@@ -736,8 +736,8 @@ class Buffer:
             elif topk_weights is None:
                 raise InvalidArgumentError("topk_idx without topk_weights")
         _, k = self._check_topk_idx(topk_idx, n)
-        if topk_weights is not None and (topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, k)):
-            raise InvalidArgumentError(f"topk_weights must be float32 [{n}, {k}]")
+        if topk_weights is not None and (topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (n, k) or not topk_weights.is_cuda):
+            raise InvalidArgumentError(f"topk_weights must be a float32 GPU tensor [{n}, {k}]")
         with self._stream_scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             if topk_weights is None:  # a cached dispatch: the handle's zero weights, made on its first use
                 handle.zero_weights = torch.zeros((n, k), dtype=torch.float32, device=topk_idx.device)
@@ -781,21 +781,23 @@ class Buffer:
         if capturing and n > capacity:
             raise InvalidArgumentError(f"{n} tokens do not fit the buffer's {capacity} per rank: run a dispatch of this size before capturing")
         num_sms = config.num_sms if config is not None else Buffer.num_sms  # the default config's, without building it
-        fp8 = x_scales is not None
-        xin = (x_data.contiguous(), x_scales.contiguous()) if fp8 else x_data.contiguous()
-        # By layout alone the routing is by rank: the exchange carries the caller's counts per
-        # expert instead, so the received counts per local expert are DeepEP's.
-        counts = num_tokens_per_expert.to(torch.int32).contiguous() if layout_only else None
+        xin, scales_in = self._mori._check_rows((x_data, x_scales) if x_scales is not None else x_data, n)
+        fp8 = scales_in is not None
+        counts = None
+        if layout_only:
+            # By layout alone the routing is by rank: the exchange carries the caller's counts per
+            # expert instead, so the received counts per local expert are DeepEP's.
+            if num_tokens_per_expert.device != x_data.device:
+                raise InvalidArgumentError(f"num_tokens_per_expert must be on {x_data.device}")
+            counts = num_tokens_per_expert.to(torch.int32).reshape(-1).contiguous()
         want_topk = handle is None and not layout_only
         routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
         reuse = handle.mori if handle is not None else None
-        launched = self._mori._launch_dispatch(xin, *routing, None, num_sms or None, counts, host_wait, reuse)
+        # Straight to mori.ep's launch: this method checked what its checks would.
+        launched = self._mori._launch(xin, scales_in, *routing, n, None, num_sms or None, counts, host_wait, reuse)
         # The caller's copies (the buffer's rows are overwritten by the next dispatch): made
-        # while the GPU runs when their size is known before the count (else the prefix matrix).
-        if rows is None:
-            outputs, prefix = None, self._mori._new_rank_prefix()
-        else:
-            outputs = self._mori._export_outputs(fp8, rows, k, topk=want_topk, handle_parts=handle is None)
+        # while the GPU runs when their size is known before the count.
+        outputs = None if rows is None else self._mori._export_outputs(fp8, rows, k, topk=want_topk, handle_parts=handle is None)
         try:
             got = self._mori._received(*launched)
         except CapacityError as e:
@@ -805,13 +807,13 @@ class Buffer:
                 raise
             self._ensure_normal(hidden, k, num_experts, needed=e.needed)
             routing = self._widened(topk_idx.contiguous(), topk_weights.contiguous())
-            got = self._mori._dispatch_rows(xin, *routing, None, num_sms or None, counts)
+            got = self._mori._received(*self._mori._launch(xin, scales_in, *routing, n, None, num_sms or None, counts, True))
         num_recv = got.num_recv  # -1 without the host wait
         if host_wait:
             self._sized = self._generation
         if outputs is None:
             rows = num_recv
-            outputs = self._mori._export_outputs(fp8, rows, k, topk=want_topk, handle_parts=True, prefix=prefix)
+            outputs = self._mori._export_outputs(fp8, rows, k, topk=want_topk, handle_parts=True)
         elif num_recv > rows:
             limit = f"num_worst_tokens={num_worst_tokens}" if handle is None else "the handle's dispatch (its routing changed in place?)"
             raise InvalidArgumentError(f"received {num_recv} tokens, more than {limit}")
@@ -878,8 +880,9 @@ class Buffer:
         self._check_alive()
         h = self._check_handle(handle, _NormalHandle)
         need = h.combine_rows
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] < need or x.shape[1] != h.hidden:
-            raise InvalidArgumentError(f"x must be bfloat16 [{need}, {h.hidden}] (the received rows)")
+        if (not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] < need or x.shape[1] != h.hidden
+                or not x.is_cuda):
+            raise InvalidArgumentError(f"x must be a bfloat16 GPU tensor [{need}, {h.hidden}] (the received rows)")
         biases = bias if isinstance(bias, tuple) else (bias,)
         for b in biases:
             if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (h.num_tokens, h.hidden)):
@@ -891,14 +894,15 @@ class Buffer:
         ):
             raise InvalidArgumentError(f"topk_weights must be float32 [{need}, top-k <= {k}] on {x.device}")
         with self._stream_scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
-            out, combined_w = self._run_combine(x, h, topk_weights, biases, config)
+            out, combined_w = self._run_combine(x, h, need, topk_weights, biases, config)
         return out, combined_w, scope.finish(async_finish, (x, topk_weights, *biases), (out, combined_w))
 
-    def _run_combine(self, x: Any, h: _NormalHandle, topk_weights: Any, biases: tuple, config: Optional[Config]) -> tuple[Any, Any]:
+    def _run_combine(self, x: Any, h: _NormalHandle, need: int, topk_weights: Any, biases: tuple,
+                     config: Optional[Config]) -> tuple[Any, Any]:
+        """combine() after its checks: ``need``, the rows mori's combine reads (h.combine_rows)."""
         import torch
 
         num_sms = config.num_sms if config is not None else Buffer.num_sms  # the default config's, without building it
-        need = h.combine_rows
         y = x if x.shape[0] == need else x[:need]
         y = y if y.is_contiguous() else y.contiguous()
         # Straight to mori.ep's combine after its checks: combine() checked what they come to.
@@ -973,10 +977,10 @@ class Buffer:
         hidden = int(x.shape[1])
         wait_stats = self._wait_stats_row(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
         self._ensure(num_experts=num_experts, hidden=hidden, topk=k, ll_tokens=num_max_dispatch_tokens_per_rank)
-        res = self._mori.low_latency_dispatch(
-            x, topk_idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-            scales_column_major=True, wait_stats=wait_stats, return_recv_hook=return_recv_hook,
-        )
+        # Straight to mori.ep's low-latency half (this method checked the FP8 options); scales
+        # column-major, as DeepEP's.
+        fp8 = (round_scale, use_ue8m0, True) if use_fp8 else None
+        res = self._mori._low_latency().dispatch(x, topk_idx, fp8, wait_stats, None, return_recv_hook)
         stats = cumulative_local_expert_recv_stats
         hook = res.hook
         if stats is not None and return_recv_hook:
@@ -1056,10 +1060,7 @@ class Buffer:
             if self._zero_copy is None:
                 raise InvalidArgumentError("zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled first")
             x = self._zero_copy
-        combined, hook = self._mori.low_latency_combine(
-            x, topk_idx, topk_weights, h.mori, return_recv_hook=return_recv_hook, out=out,
-            wait_stats=wait_stats,
-        )
+        combined, hook = self._mori._low_latency().combine(x, topk_idx, topk_weights, h.mori, None, return_recv_hook, out, wait_stats)
         event = self._event(async_finish, (x, topk_idx, topk_weights, h[0], h[1], combined))
         return combined, event, hook
 
