@@ -24,7 +24,9 @@ crossed from the other ranks.
 Low-latency mode: 128 tokens per rank, same model shape, timed by CUDA-graph replay (each rank
 replays a graph of `reps` calls; median over trials; all ranks start together) and without
 graphs (`*_eager_us`: `reps` Python calls back to back, one synchronisation at the end, per
-call; `*_eager_host_us`: host time per call). Bytes: "NVLink GB/s" counts the bytes that crossed
+call; `*_eager_host_us`: host time per call). FP8 dispatch returns its scales column-major
+(DeepEP's layout, which DeepGEMM reads; records before 2026-12-03T21:30Z: row-major for the
+native API, so its FP8 rows did a little less work than the facade's). Bytes: "NVLink GB/s" counts the bytes that crossed
 (one row per token and remote destination rank, + scales for FP8); "DeepEP-style GB/s" counts
 one row per received (token, expert) pair, as DeepEP's low-latency test does.
 
@@ -442,7 +444,8 @@ class _LowLatencyApi:
 
 def _native_low_latency(buf) -> _LowLatencyApi:
     return _LowLatencyApi("", "mori", ("graph", "eager"),
-                          dispatch=lambda x, idx, fp8: partial(buf.low_latency_dispatch, x, idx, use_fp8=fp8),
+                          # FP8 scales column-major, as the facade (and DeepEP) returns them: the same work.
+                          dispatch=lambda x, idx, fp8: partial(buf.low_latency_dispatch, x, idx, use_fp8=fp8, scales_column_major=fp8),
                           combine=lambda y, idx, w, handle: partial(buf.low_latency_combine, y, idx, w, handle),
                           received=lambda res: res)
 
