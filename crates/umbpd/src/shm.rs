@@ -30,6 +30,25 @@
 //! least the first), a status byte ([`MANY_ABSENT`], [`MANY_FOUND`], or [`MANY_TOO_LONG`]: the
 //! first key's value is longer than `cap`) and the value's length (`u64`). The client asks
 //! again for the keys after those.
+//!
+//! Doorbells: a client that sends [`HELLO_DOORBELL`] instead hands over its buffer with a
+//! control block of [`CONTROL_BYTES`] at the end; the daemon agrees by answering the data's
+//! length (the buffer less the block: no value ever lands in the block) followed by
+//! [`DOORBELL_ACK`] (a daemon that does not know doorbells closes the connection at the hello,
+//! and the client says [`HELLO`] instead). Then every request rings: the client increments the
+//! `u32` at [`RING_AT`]. A single get travels in the block: the request's bytes (as on the
+//! socket) at [`REQUEST_AT`], their length at [`REQUEST_LEN_AT`], and the ring's number at
+//! [`SHM_RING_AT`], all before the ring; the daemon copies the request out before reading it,
+//! answers at [`ANSWER_AT`] (length at [`ANSWER_LEN_AT`]) and stores the ring's number at
+//! [`ANSWERED_AT`]. Any other request (a batch) goes on the socket as above and rings with
+//! another number at [`SHM_RING_AT`]; its answer comes on the socket. Each side waiting on the
+//! other spins for [`spin_window`], then sleeps on the word as a futex with its asleep flag
+//! ([`DAEMON_ASLEEP_AT`], [`CLIENT_ASLEEP_AT`]) set, which the other checks after storing the
+//! word; asleep, it checks every 100 ms whether the other closed the socket (and the daemon
+//! whether the connection is idle). A round trip then needs no socket at all while both are
+//! awake: a system call and a scheduler wake-up fewer each way. The block is the client's
+//! memory: what it writes there is checked as any request (a length past its area closes the
+//! connection; a room that reaches into the block is `OUT_OF_RANGE`).
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -68,6 +87,37 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Same-host connections open at once (each has a thread); more are closed at once, and
 /// counted as refused.
 pub const MAX_CONNECTIONS: usize = 256;
+/// A hello that also asks for doorbells (module docs): single gets then travel through a
+/// control block at the end of the buffer instead of the socket.
+pub const HELLO_DOORBELL: &[u8; 8] = b"UMBSHMDB";
+/// What follows the data length in the answer to [`HELLO_DOORBELL`] when the daemon agrees.
+pub const DOORBELL_ACK: &[u8; 8] = b"DOORBELL";
+/// The control block's words (`u32`, each on its own cache line), from its start.
+pub const RING_AT: usize = 0;
+/// The ring number whose request is in the control block (else the socket carries it).
+pub const SHM_RING_AT: usize = 64;
+/// The ring number the control block's answer is for.
+pub const ANSWERED_AT: usize = 128;
+/// Non-zero while the daemon's thread waits in the kernel for a ring.
+pub const DAEMON_ASLEEP_AT: usize = 192;
+/// Non-zero while the client waits in the kernel for an answer.
+pub const CLIENT_ASLEEP_AT: usize = 256;
+/// The request's length, then its bytes at [`REQUEST_AT`].
+pub const REQUEST_LEN_AT: usize = 320;
+/// The answer's length, then its bytes at [`ANSWER_AT`].
+pub const ANSWER_LEN_AT: usize = 384;
+/// Where a request in the control block starts.
+pub const REQUEST_AT: usize = 4096;
+/// Its largest: a single get's head, key (up to `u16::MAX` bytes), offset and room.
+pub const REQUEST_MAX: usize = 3 + u16::MAX as usize + 16;
+/// An answer in the control block, in small ops' framing.
+pub const ANSWER_AT: usize = (REQUEST_AT + REQUEST_MAX).next_multiple_of(4096);
+/// Its largest (a found length, or a failure and its message).
+pub const ANSWER_MAX: usize = 4096;
+/// The control block's bytes, at the end of a buffer handed over with [`HELLO_DOORBELL`].
+pub const CONTROL_BYTES: usize = ANSWER_AT + ANSWER_MAX;
+/// How long a waiting side rechecks the other (its socket's end) while asleep in the kernel.
+const ASLEEP_CHECK: Duration = Duration::from_millis(100);
 
 fn os_error(call: &str) -> io::Error {
     let e = io::Error::last_os_error();
@@ -140,6 +190,195 @@ impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`, unmapped once.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// How long each side spins on the control block before it sleeps in the kernel
+/// (`MORI_UMBP_SPIN_US`, default 50 µs; `0` in a client: no doorbells, every request over the
+/// socket). Spinning keeps a sequence of gets off the scheduler's wake-up path, which on a
+/// loaded or virtual host costs tens of µs per round trip; it costs the CPU time spun.
+pub fn spin_window() -> Duration {
+    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let us = std::env::var("MORI_UMBP_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(50);
+        Duration::from_micros(us)
+    })
+}
+
+/// The control block of a doorbell buffer (module docs): words both processes read and write
+/// with atomics, and the request and answer areas.
+struct Control {
+    base: *mut u8,
+}
+
+impl Control {
+    /// The block at the end of `map` when the connection has `doorbells`.
+    fn of_doorbells(map: &Mapping, doorbells: bool) -> Option<Control> {
+        doorbells.then(|| Control::of(map))
+    }
+
+    /// The block at the end of `map` (which is longer than [`CONTROL_BYTES`]).
+    fn of(map: &Mapping) -> Control {
+        // SAFETY: map.len() > CONTROL_BYTES (checked by both sides before doorbells are used).
+        Control {
+            base: unsafe { map.as_ptr().add(map.len() - CONTROL_BYTES) },
+        }
+    }
+
+    fn word(&self, at: usize) -> &std::sync::atomic::AtomicU32 {
+        // SAFETY: `at` is one of the *_AT offsets (4-byte aligned, inside the block, which is
+        // page aligned in a live mapping that outlives `self`'s users); the other process
+        // only ever touches these words atomically, or not at all (a misbehaving one: its
+        // own connection).
+        unsafe { &*(self.base.add(at) as *const std::sync::atomic::AtomicU32) }
+    }
+
+    /// Copies `bytes` into the area at `at` (of `max` bytes) and sets its length word.
+    fn put(&self, len_at: usize, at: usize, bytes: &[u8]) {
+        // SAFETY: bytes.len() <= the area's size (callers check), inside the block.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.base.add(at), bytes.len()) };
+        self.word(len_at)
+            .store(bytes.len() as u32, Ordering::Relaxed);
+    }
+
+    /// A copy of the area at `at` (its length word first, at most `max`): copied out before it
+    /// is read, so the other process changing it meanwhile cannot change what is checked.
+    fn take(&self, len_at: usize, at: usize, max: usize) -> io::Result<Vec<u8>> {
+        let len = self.word(len_at).load(Ordering::Relaxed) as usize;
+        if len > max {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("a same-host control block holds {len} bytes, more than {max}"),
+            ));
+        }
+        let mut out = vec![0u8; len];
+        // SAFETY: len <= max bytes inside the block.
+        unsafe { std::ptr::copy_nonoverlapping(self.base.add(at), out.as_mut_ptr(), len) };
+        Ok(out)
+    }
+
+    /// Waits until the word at `at` differs from `seen`: spins for [`spin_window`], then
+    /// sleeps in the kernel with `asleep_at` set, waking every [`ASLEEP_CHECK`] to ask
+    /// `gone()` whether to give up (then `Ok(None)`). Returns the word's new value.
+    fn wait(
+        &self,
+        at: usize,
+        seen: u32,
+        asleep_at: usize,
+        mut gone: impl FnMut() -> io::Result<bool>,
+    ) -> io::Result<Option<u32>> {
+        let word = self.word(at);
+        let spin = spin_window();
+        let start = std::time::Instant::now();
+        let mut turns = 0u32;
+        loop {
+            let now = word.load(Ordering::Acquire);
+            if now != seen {
+                return Ok(Some(now));
+            }
+            if start.elapsed() >= spin {
+                break;
+            }
+            turns += 1;
+            if turns.is_multiple_of(64) {
+                std::thread::yield_now(); // other spinners on this CPU get their turn
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        let asleep = self.word(asleep_at);
+        asleep.store(1, Ordering::SeqCst);
+        let woke = loop {
+            // The other side stores the word, then reads `asleep`; this side stores `asleep`,
+            // then reads the word (both sequentially consistent): one of them sees the other.
+            let now = word.load(Ordering::SeqCst);
+            if now != seen {
+                break Some(now);
+            }
+            futex_wait(word, seen, ASLEEP_CHECK);
+            if word.load(Ordering::Acquire) == seen && gone()? {
+                break None;
+            }
+        };
+        asleep.store(0, Ordering::Relaxed);
+        Ok(woke)
+    }
+
+    /// Stores `value` into the word at `at` and wakes the other side if it sleeps on it.
+    fn ring(&self, at: usize, value: u32, asleep_at: usize) {
+        let word = self.word(at);
+        word.store(value, Ordering::SeqCst);
+        if self.word(asleep_at).load(Ordering::SeqCst) != 0 {
+            futex_wake(word);
+        }
+    }
+}
+
+/// Sleeps while `word` holds `expected`, at most `timeout` (a shared futex: the other process
+/// maps the same page).
+fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    };
+    // SAFETY: a futex wait on a live, aligned u32 of a shared mapping, with a valid timeout;
+    // the result (woken, timed out, interrupted, or the value already changed) is not needed:
+    // the caller reads the word again.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        )
+    };
+}
+
+/// Wakes whoever sleeps on `word` (a shared futex).
+fn futex_wake(word: &std::sync::atomic::AtomicU32) {
+    // SAFETY: a futex wake on a live, aligned u32 of a shared mapping; nothing to check.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        )
+    };
+}
+
+/// Whether the peer of `stream` closed it (read end at EOF), without waiting.
+fn closed(stream: &UnixStream) -> io::Result<bool> {
+    let mut byte = [0u8; 1];
+    // SAFETY: a non-blocking peek into a live one-byte buffer on an open socket.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            byte.as_mut_ptr().cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    match n {
+        0 => Ok(true),
+        n if n > 0 => Ok(false),
+        _ => {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::WouldBlock {
+                Ok(false)
+            } else {
+                Err(e)
+            }
+        }
     }
 }
 
@@ -418,17 +657,41 @@ fn length_of(body: Option<Vec<u8>>) -> Result<Option<u64>, Status> {
 }
 
 /// A connection to the daemon's socket `name`: the secret proven, the memfd `fd` of `len`
-/// bytes handed over and mapped by the daemon.
-fn handshake(name: &[u8], secret: &Secret, fd: &OwnedFd, len: usize) -> io::Result<UnixStream> {
+/// bytes handed over and mapped by the daemon; with `doorbells` asked for, whether the daemon
+/// agreed (its last [`CONTROL_BYTES`] are then the control block).
+fn connect_with_hello(
+    name: &[u8],
+    secret: &Secret,
+    fd: &OwnedFd,
+    len: usize,
+    doorbells: bool,
+) -> io::Result<Conn> {
     let mut stream = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name)?)?;
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
     mori_auth::connect(&mut stream, secret, PURPOSE)
         .map_err(|e| io::Error::other(e.to_string()))?;
-    send_with_fd(&stream, HELLO, fd.as_raw_fd())?;
+    send_with_fd(
+        &stream,
+        if doorbells { HELLO_DOORBELL } else { HELLO },
+        fd.as_raw_fd(),
+    )?;
     let mut body = Vec::new();
-    match read_answer(&mut stream, &mut body)?.map(|found| found.map(|_| body)) {
-        Ok(found) if length_of(found.clone()).ok().flatten() == Some(len as u64) => {}
+    let granted = match read_answer(&mut stream, &mut body)? {
+        Ok(Some(_))
+            if body.len() == 8
+                && length_of(Some(body.clone())).ok().flatten() == Some(len as u64) =>
+        {
+            false
+        }
+        Ok(Some(_))
+            if doorbells
+                && body.len() == 16
+                && &body[8..] == DOORBELL_ACK
+                && body[..8] == ((len - CONTROL_BYTES) as u64).to_le_bytes() =>
+        {
+            true
+        }
         Err(status) => {
             return Err(io::Error::other(format!(
                 "umbpd refused the shared buffer: {}",
@@ -441,10 +704,13 @@ fn handshake(name: &[u8], secret: &Secret, fd: &OwnedFd, len: usize) -> io::Resu
                 "the daemon answered the same-host hello wrongly",
             ));
         }
-    }
+    };
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(None)?;
-    Ok(stream)
+    Ok(Conn {
+        stream,
+        doorbells: granted,
+    })
 }
 
 fn serve(
@@ -463,68 +729,132 @@ fn serve(
     }
     let mut hello = [0u8; 8];
     let fd = recv_with_fd(&stream, &mut hello)?;
-    if &hello != HELLO {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "not a same-host hello",
-        ));
-    }
+    let doorbells = match &hello {
+        HELLO => false,
+        HELLO_DOORBELL => true,
+        _ => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "not a same-host hello",
+            ));
+        }
+    };
     let checked = fd
         .ok_or_else(|| "no buffer was attached to the hello".to_string())
         .and_then(|fd| sealed_len(&fd).map(|len| (fd, len)))
-        .and_then(|(fd, len)| Mapping::new(&fd, len).map_err(|e| e.to_string()));
-    let mut map = match checked {
+        .and_then(|(fd, len)| {
+            if doorbells && len <= CONTROL_BYTES {
+                return Err(format!(
+                    "a buffer with doorbells needs more than {CONTROL_BYTES} bytes, this one has {len}"
+                ));
+            }
+            Mapping::new(&fd, len).map_err(|e| e.to_string())
+        });
+    let map = match checked {
         Ok(map) => map,
         Err(why) => {
             answer(&mut stream, &Err(Status::invalid_argument(why)))?;
             return Ok(());
         }
     };
-    answer(&mut stream, &length(map.len() as u64))?;
+    // With doorbells the control block is not the client's data: no value lands there.
+    let data = map.len() - if doorbells { CONTROL_BYTES } else { 0 };
+    let mut hello_answer = (data as u64).to_le_bytes().to_vec();
+    if doorbells {
+        hello_answer.extend_from_slice(DOORBELL_ACK);
+    }
+    // Read before the answer: the client may ring as soon as it has it.
+    let rung =
+        Control::of_doorbells(&map, doorbells).map(|ctl| ctl.word(RING_AT).load(Ordering::Acquire));
+    answer(&mut stream, &Ok(Some(hello_answer)))?;
     stream.set_read_timeout(Some(idle_timeout))?;
+    let mut conn = Served {
+        map,
+        data,
+        pool,
+        stats,
+        link,
+    };
+    if let Some(rung) = rung {
+        return conn.doorbells(&mut stream, rung, idle_timeout);
+    }
     loop {
-        let mut head = [0u8; 3];
-        match stream.read_exact(&mut head) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                debug!("umbpd closed a same-host connection idle for {idle_timeout:?}");
-                return Ok(());
-            }
-            Err(e) => return Err(e),
+        let Some(head) = request_head(&mut stream, idle_timeout)? else {
+            return Ok(());
+        };
+        let (mut from, mut to) = (&stream, &stream);
+        if !conn.one(head, &mut from, &mut to)? {
+            return Ok(());
         }
+    }
+}
+
+/// The first three bytes of the next request on `stream`; None when the client closed the
+/// connection or left it idle for `idle_timeout`.
+fn request_head(stream: &mut UnixStream, idle_timeout: Duration) -> io::Result<Option<[u8; 3]>> {
+    let mut head = [0u8; 3];
+    match stream.read_exact(&mut head) {
+        Ok(()) => Ok(Some(head)),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(None),
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            debug!("umbpd closed a same-host connection idle for {idle_timeout:?}");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// One same-host connection's buffer, as the daemon serves it.
+struct Served<'a> {
+    map: Mapping,
+    /// The bytes of the client's data (the buffer less a doorbell control block).
+    data: usize,
+    pool: &'a SharedPool,
+    stats: &'a ListenerStats,
+    link: Option<&'a crate::peer::PeerLink>,
+}
+
+impl Served<'_> {
+    /// Serves the request whose `head` was read: the rest of it from `from`, its answer to
+    /// `to`. False when the connection is to be closed (an unknown op, or a request outside
+    /// the buffer: answered, then closed).
+    fn one(
+        &mut self,
+        head: [u8; 3],
+        from: &mut impl Read,
+        to: &mut impl Write,
+    ) -> io::Result<bool> {
         let key_len = u16::from_le_bytes([head[1], head[2]]) as usize;
         let mut key = vec![0u8; key_len];
-        stream.read_exact(&mut key)?;
+        from.read_exact(&mut key)?;
         let mut where_ = [0u8; 16];
-        stream.read_exact(&mut where_)?;
+        from.read_exact(&mut where_)?;
         if head[0] != GET_INTO && head[0] != GET_MANY_INTO {
-            answer(
-                &mut stream,
-                &Err(Status::unimplemented(format!(
-                    "unknown same-host op {}",
-                    head[0]
-                ))),
-            )?;
-            return Ok(());
+            let unknown = Status::unimplemented(format!("unknown same-host op {}", head[0]));
+            answer(to, &Err(unknown))?;
+            return Ok(false);
         }
         let offset = u64::from_le_bytes(where_[..8].try_into().expect("8 bytes"));
         let cap = u64::from_le_bytes(where_[8..].try_into().expect("8 bytes"));
-        let Some(out) = map.range_mut(offset, cap) else {
-            let len = map.len();
+        let data = self.data;
+        let inside = offset
+            .checked_add(cap)
+            .is_some_and(|end| end <= data as u64);
+        let Some(out) = self.map.range_mut(offset, cap).filter(|_| inside) else {
             answer(
-                &mut stream,
+                to,
                 &Err(Status::out_of_range(format!(
-                    "{cap} bytes at offset {offset} are outside the {len}-byte buffer"
+                    "{cap} bytes at offset {offset} are outside the {data}-byte buffer"
                 ))),
             )?;
-            return Ok(());
+            return Ok(false);
         };
+        let (stats, link) = (self.stats, self.link);
         let served = |key: &[u8]| {
             stats.same_host_served.fetch_add(1, Ordering::Relaxed);
             if let Some(link) = link {
@@ -532,15 +862,84 @@ fn serve(
             }
         };
         if head[0] == GET_MANY_INTO {
-            answer(&mut stream, &get_many_into(pool, &key, out, served))?;
-            continue;
+            answer(to, &get_many_into(self.pool, &key, out, served))?;
+            return Ok(true);
         }
         served(&key);
-        let got = pool.with_status(|p| p.get_into(&key, out).map_err(crate::service::status_of));
+        let got = self
+            .pool
+            .with_status(|p| p.get_into(&key, out).map_err(crate::service::status_of));
         answer(
-            &mut stream,
+            to,
             &got.and_then(|n| n.map_or(Ok(None), |n| length(n as u64))),
         )?;
+        Ok(true)
+    }
+
+    /// Serves a connection with doorbells from ring number `seen` on: each ring is one
+    /// request, in the control block (its ring number in [`SHM_RING_AT`]; answered there) or
+    /// else on the socket (answered there). Ends when the client closes the socket or rings
+    /// nothing for `idle_timeout`.
+    fn doorbells(
+        &mut self,
+        stream: &mut UnixStream,
+        mut seen: u32,
+        idle_timeout: Duration,
+    ) -> io::Result<()> {
+        let ctl = Control::of(&self.map);
+        loop {
+            let since = std::time::Instant::now();
+            let rung = ctl.wait(RING_AT, seen, DAEMON_ASLEEP_AT, || {
+                if since.elapsed() >= idle_timeout {
+                    debug!("umbpd closed a same-host connection idle for {idle_timeout:?}");
+                    return Ok(true);
+                }
+                closed(stream)
+            })?;
+            if rung.is_none() {
+                return Ok(());
+            }
+            let ring = seen.wrapping_add(1);
+            seen = ring;
+            if ctl.word(SHM_RING_AT).load(Ordering::Acquire) != ring {
+                // The request is on the socket (a batch): read and answered there.
+                let Some(head) = request_head(stream, idle_timeout)? else {
+                    return Ok(());
+                };
+                let (mut from, mut to) = (&*stream, &*stream);
+                if !self.one(head, &mut from, &mut to)? {
+                    return Ok(());
+                }
+                continue;
+            }
+            let request = ctl.take(REQUEST_LEN_AT, REQUEST_AT, REQUEST_MAX)?;
+            let mut from = request.as_slice();
+            let mut head = [0u8; 3];
+            from.read_exact(&mut head)?;
+            if head[0] != GET_INTO {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "only single gets travel in the control block",
+                ));
+            }
+            let mut reply = Vec::with_capacity(16);
+            let keep = self.one(head, &mut from, &mut reply)?;
+            if reply.len() > ANSWER_MAX {
+                // Only a failure's message can be this long: said shorter.
+                reply.clear();
+                answer(
+                    &mut reply,
+                    &Err(Status::internal(
+                        "a same-host answer too long for the control block",
+                    )),
+                )?;
+            }
+            ctl.put(ANSWER_LEN_AT, ANSWER_AT, &reply);
+            ctl.ring(ANSWERED_AT, ring, CLIENT_ASLEEP_AT);
+            if !keep {
+                return Ok(());
+            }
+        }
     }
 }
 
@@ -635,65 +1034,150 @@ impl From<Status> for BatchStop {
     }
 }
 
+/// A connection of a [`SharedBuffer`], and whether its requests ring doorbells.
+struct Conn {
+    stream: UnixStream,
+    doorbells: bool,
+}
+
+impl Conn {
+    /// Sends `req` over the socket; with doorbells, rings for it (not in the control block).
+    fn send(&mut self, map: &Mapping, req: &[u8]) -> io::Result<()> {
+        self.stream.write_all(req)?;
+        if self.doorbells {
+            let ctl = Control::of(map);
+            let ring = ctl.word(RING_AT).load(Ordering::Relaxed).wrapping_add(1);
+            // Any number but this ring's: the request is not in the control block.
+            ctl.word(SHM_RING_AT)
+                .store(ring.wrapping_add(1 << 31), Ordering::Relaxed);
+            ctl.ring(RING_AT, ring, DAEMON_ASLEEP_AT);
+        }
+        Ok(())
+    }
+
+    /// A single request and its answer through the control block (doorbells).
+    fn in_control_block(
+        &self,
+        map: &Mapping,
+        req: &[u8],
+    ) -> io::Result<Result<Option<Vec<u8>>, Status>> {
+        if req.len() > REQUEST_MAX {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a request too long for the control block",
+            ));
+        }
+        let ctl = Control::of(map);
+        let ring = ctl.word(RING_AT).load(Ordering::Relaxed).wrapping_add(1);
+        let mut seen = ctl.word(ANSWERED_AT).load(Ordering::Acquire);
+        ctl.put(REQUEST_LEN_AT, REQUEST_AT, req);
+        ctl.word(SHM_RING_AT).store(ring, Ordering::Relaxed);
+        ctl.ring(RING_AT, ring, DAEMON_ASLEEP_AT);
+        loop {
+            match ctl.wait(ANSWERED_AT, seen, CLIENT_ASLEEP_AT, || closed(&self.stream))? {
+                Some(answered) if answered == ring => break,
+                Some(answered) => seen = answered,
+                None => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the daemon closed the same-host connection",
+                    ));
+                }
+            }
+        }
+        let reply = ctl.take(ANSWER_LEN_AT, ANSWER_AT, ANSWER_MAX)?;
+        let mut body = Vec::new();
+        Ok(read_answer(&mut reply.as_slice(), &mut body)?.map(|found| found.map(|_| body)))
+    }
+}
+
 /// A client's shared buffer at the daemon: the memfd mapping and the connection its requests
 /// go over (one at a time). A connection that fails (the daemon closes idle ones, and one
-/// after a refused request) is made anew, the same memfd handed over again.
+/// after a refused request) is made anew, the same memfd handed over again. With doorbells
+/// (module docs) the mapping ends in the control block, past the data.
 pub struct SharedBuffer {
     map: Mapping,
+    /// The data's bytes: the mapping less the control block.
+    data: usize,
     /// The memfd, kept to hand over on a new connection.
     fd: OwnedFd,
     name: Vec<u8>,
     secret: Secret,
     /// None after a failed connection: the next request connects.
-    stream: std::sync::Mutex<Option<UnixStream>>,
+    stream: std::sync::Mutex<Option<Conn>>,
     /// Cleared once the daemon answered a batch `UNIMPLEMENTED` (a daemon older than
     /// [`GET_MANY_INTO`]): batches then take other paths without asking again.
     batches: std::sync::atomic::AtomicBool,
+    /// Whether connections ask for doorbells: cleared when a daemon closed the connection
+    /// at a [`HELLO_DOORBELL`] (one older than doorbells).
+    doorbells: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for SharedBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SharedBuffer")
-            .field("len", &self.map.len())
+            .field("len", &self.data)
             .finish_non_exhaustive()
     }
 }
 
 impl SharedBuffer {
     /// Connects to the daemon's socket `name`, proves the secret, and hands it a new sealed
-    /// memfd of `len` bytes.
+    /// memfd of `len` bytes (and a control block after them, unless `MORI_UMBP_SPIN_US=0`).
     pub fn connect(name: &[u8], secret: &Secret, len: usize) -> io::Result<SharedBuffer> {
-        let (fd, map) = sealed_memfd(len)?;
-        let stream = handshake(name, secret, &fd, len)?;
-        Ok(SharedBuffer {
+        let doorbells = !spin_window().is_zero();
+        let (fd, map) = sealed_memfd(len + if doorbells { CONTROL_BYTES } else { 0 })?;
+        let buf = SharedBuffer {
             map,
+            data: len,
             fd,
             name: name.to_vec(),
             secret: secret.clone(),
-            stream: std::sync::Mutex::new(Some(stream)),
+            stream: std::sync::Mutex::new(None),
             batches: std::sync::atomic::AtomicBool::new(true),
-        })
+            doorbells: std::sync::atomic::AtomicBool::new(doorbells),
+        };
+        let conn = buf.handshake()?;
+        *buf.stream
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(conn);
+        Ok(buf)
+    }
+
+    /// A new connection that hands the buffer over, with doorbells when this buffer has a
+    /// control block and the daemon knows them (one that does not closes the connection at
+    /// the hello: asked again without, and never again).
+    fn handshake(&self) -> io::Result<Conn> {
+        let total = self.map.len();
+        if !self.doorbells.load(Ordering::Relaxed) {
+            return connect_with_hello(&self.name, &self.secret, &self.fd, total, false);
+        }
+        match connect_with_hello(&self.name, &self.secret, &self.fd, total, true) {
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                debug!(
+                    "umbpd closed the connection at a same-host hello with doorbells; asking without"
+                );
+                self.doorbells.store(false, Ordering::Relaxed);
+                connect_with_hello(&self.name, &self.secret, &self.fd, total, false)
+            }
+            made => made,
+        }
     }
 
     /// The connection in `slot`, made (with the handshake that hands the buffer over) when
     /// there is none.
-    fn connected<'a>(
-        &self,
-        slot: &'a mut Option<UnixStream>,
-    ) -> Result<&'a mut UnixStream, Status> {
+    fn connected<'a>(&self, slot: &'a mut Option<Conn>) -> Result<&'a mut Conn, Status> {
         match slot {
-            Some(stream) => Ok(stream),
-            None => Ok(slot.insert(
-                handshake(&self.name, &self.secret, &self.fd, self.map.len())
-                    .map_err(unavailable)?,
-            )),
+            Some(conn) => Ok(conn),
+            None => Ok(slot.insert(self.handshake().map_err(unavailable)?)),
         }
     }
 
-    /// Sends `req` and returns its answer's found body. On a connection that served before and
-    /// now fails (closed while idle, or after a refused request) the request is sent once more
-    /// on a new one: a get only reads, so asking twice is safe. `UNAVAILABLE` when no
-    /// connection can be made or the new one fails too.
+    /// Sends `req` and returns its answer's found body (a single get through the control
+    /// block with doorbells). On a connection that served before and now fails (closed while
+    /// idle, or after a refused request) the request is sent once more on a new one: a get
+    /// only reads, so asking twice is safe. `UNAVAILABLE` when no connection can be made or
+    /// the new one fails too.
     fn call(&self, req: &[u8]) -> Result<Option<Vec<u8>>, Status> {
         let mut slot = self
             .stream
@@ -701,13 +1185,17 @@ impl SharedBuffer {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         loop {
             let fresh = slot.is_none();
-            let stream = self.connected(&mut slot)?;
-            let mut body = Vec::new();
-            match stream
-                .write_all(req)
-                .and_then(|()| read_answer(stream, &mut body))
-            {
-                Ok(answer) => return answer.map(|found| found.map(|_| body)),
+            let conn = self.connected(&mut slot)?;
+            let answer = if conn.doorbells && req.first() == Some(&GET_INTO) {
+                conn.in_control_block(&self.map, req)
+            } else {
+                let mut body = Vec::new();
+                conn.send(&self.map, req)
+                    .and_then(|()| read_answer(&mut conn.stream, &mut body))
+                    .map(|answer| answer.map(|found| found.map(|_| body)))
+            };
+            match answer {
+                Ok(answer) => return answer,
                 Err(e) => {
                     *slot = None;
                     if fresh {
@@ -719,14 +1207,14 @@ impl SharedBuffer {
         }
     }
 
-    /// Its bytes.
+    /// Its bytes (the data's: without a control block).
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.data
     }
 
     /// Never true (an empty buffer cannot be shared); for clippy's `len` rule.
     pub fn is_empty(&self) -> bool {
-        self.map.len() == 0
+        self.data == 0
     }
 
     /// The buffer's address in this process (the daemon writes values there).
@@ -740,7 +1228,7 @@ impl SharedBuffer {
     /// what one request frames (64 KiB of keys).
     pub fn get_many_into(&self, keys: &[&[u8]]) -> Result<Vec<Staged>, Status> {
         self.batches_known()?;
-        let room = (0, self.map.len());
+        let room = (0, self.data);
         let (req, sent) = many_request(keys, room)?;
         let body = self.call(&req).map_err(|s| self.old_daemon(s))?;
         self.placed(body, sent, room)
@@ -761,8 +1249,8 @@ impl SharedBuffer {
         mut each: impl FnMut(usize, &[u8]) -> Result<(), Status>,
     ) -> Result<Vec<Option<Option<usize>>>, Status> {
         self.batches_known()?;
-        let half = (self.map.len() / 2) / MANY_ALIGN as usize * MANY_ALIGN as usize;
-        let rooms = [(0, half), (half, self.map.len() - half)];
+        let half = (self.data / 2) / MANY_ALIGN as usize * MANY_ALIGN as usize;
+        let rooms = [(0, half), (half, self.data - half)];
         let mut out = vec![None; keys.len()];
         let mut longer = Vec::new();
         {
@@ -772,9 +1260,8 @@ impl SharedBuffer {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             let mut fresh = slot.is_none();
             loop {
-                let stream = self.connected(&mut slot)?;
-                let Err(stop) =
-                    self.pipelined(stream, keys, rooms, &mut out, &mut longer, &mut each)
+                let conn = self.connected(&mut slot)?;
+                let Err(stop) = self.pipelined(conn, keys, rooms, &mut out, &mut longer, &mut each)
                 else {
                     break;
                 };
@@ -802,11 +1289,11 @@ impl SharedBuffer {
         Ok(out)
     }
 
-    /// [`Self::get_many_with`]'s requests over `stream`, half of the buffer (`rooms`) at a time,
+    /// [`Self::get_many_with`]'s requests over `conn`, half of the buffer (`rooms`) at a time,
     /// one request ahead; each key's answer goes to `out`, a value longer than a half to `longer`.
     fn pipelined(
         &self,
-        stream: &mut UnixStream,
+        conn: &mut Conn,
         keys: &[&[u8]],
         rooms: [(usize, usize); 2],
         out: &mut [Option<Option<usize>>],
@@ -821,11 +1308,11 @@ impl SharedBuffer {
             }
         };
         let (req, mut sent) = many_request(keys, rooms[0])?;
-        stream.write_all(&req).map_err(lost(answered))?;
+        conn.send(&self.map, &req).map_err(lost(answered))?;
         let (mut next, mut room) = (0, 0);
         loop {
             let mut body = Vec::new();
-            let body = read_answer(stream, &mut body)
+            let body = read_answer(&mut conn.stream, &mut body)
                 .map_err(lost(answered))?
                 .map(|found| found.map(|_| body))
                 .map_err(|s| self.old_daemon(s))?;
@@ -836,7 +1323,7 @@ impl SharedBuffer {
             if next < keys.len() {
                 let (req, s) = many_request(&keys[next..], rooms[1 - room])?;
                 sent = s;
-                stream.write_all(&req).map_err(lost(answered))?;
+                conn.send(&self.map, &req).map_err(lost(answered))?;
             }
             for (i, staged) in (first..).zip(placed) {
                 match staged {
@@ -926,11 +1413,11 @@ impl SharedBuffer {
     pub fn get_into(&self, key: &[u8], offset: u64, cap: u64) -> Result<Option<usize>, Status> {
         let in_range = offset
             .checked_add(cap)
-            .is_some_and(|end| end <= self.map.len() as u64);
+            .is_some_and(|end| end <= self.data as u64);
         if !in_range {
             return Err(Status::out_of_range(format!(
                 "{cap} bytes at offset {offset} are outside the {}-byte shared buffer",
-                self.map.len()
+                self.data
             )));
         }
         let mut req =

@@ -15,7 +15,9 @@ use std::path::Path;
 use common::{Daemon, bytes, opts, secret_file};
 use mori_auth::Secret;
 use mori_umbpd::shm::{
-    GET_INTO, GET_MANY_INTO, HELLO, MANY_ALIGN, MANY_FOUND, PURPOSE, Staged, send_with_fd,
+    ANSWER_AT, ANSWER_LEN_AT, ANSWERED_AT, CONTROL_BYTES, DOORBELL_ACK, GET_INTO, GET_MANY_INTO,
+    HELLO, HELLO_DOORBELL, MANY_ALIGN, MANY_FOUND, PURPOSE, REQUEST_AT, REQUEST_LEN_AT, RING_AT,
+    SHM_RING_AT, Staged, send_with_fd,
 };
 use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND};
 use mori_umbpd::{Client, ClientError};
@@ -60,6 +62,23 @@ fn memfd(len: usize, seal: bool) -> OwnedFd {
         );
     }
     fd
+}
+
+/// The first `len` bytes of `fd`, mapped shared, readable and writable.
+fn map_shared(fd: &OwnedFd, len: usize) -> *mut u8 {
+    // SAFETY: a fresh shared mapping of an open descriptor; checked.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(map, libc::MAP_FAILED);
+    map.cast()
 }
 
 /// A raw connection to the daemon's same-host socket, authenticated with `secret`.
@@ -332,6 +351,164 @@ fn the_same_host_socket_refuses_strangers_bad_descriptors_and_requests_outside_t
     );
 }
 
+/// A raw connection with doorbells: the memfd of `data` bytes and a control block, mapped here.
+struct RawDoorbells {
+    s: UnixStream,
+    map: *mut u8,
+    data: usize,
+    ring: u32,
+}
+
+impl RawDoorbells {
+    /// Hands the daemon a sealed memfd of `data` bytes and a control block with
+    /// [`HELLO_DOORBELL`]; asserts the daemon agreed.
+    fn connect(name: &[u8], data: usize) -> RawDoorbells {
+        let total = data + CONTROL_BYTES;
+        let fd = memfd(total, true);
+        let mut s = raw(name, GOOD).unwrap();
+        send_with_fd(&s, HELLO_DOORBELL, fd.as_raw_fd()).unwrap();
+        let (status, body) = raw_answer(&mut s);
+        assert_eq!(status, FOUND, "{:?}", failed(&body));
+        assert_eq!(
+            (length(&body[..8]), &body[8..]),
+            (data as u64, &DOORBELL_ACK[..])
+        );
+        RawDoorbells {
+            s,
+            map: map_shared(&fd, total), // left mapped for the test's process
+            data,
+            ring: 0,
+        }
+    }
+
+    fn word(&self, at: usize) -> &std::sync::atomic::AtomicU32 {
+        // SAFETY: a control-block word (4-byte aligned, inside the live mapping).
+        unsafe { &*(self.map.add(self.data + at) as *const std::sync::atomic::AtomicU32) }
+    }
+
+    /// Puts `req` in the control block with `len` as its length word, rings, and waits up to
+    /// 5 s for the answer there: (status, body), or None without one.
+    fn request(&mut self, req: &[u8], len: u32) -> Option<(u8, Vec<u8>)> {
+        use std::sync::atomic::Ordering::SeqCst;
+        // SAFETY: req fits the request area (the tests' requests are small).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                req.as_ptr(),
+                self.map.add(self.data + REQUEST_AT),
+                req.len(),
+            )
+        };
+        self.word(REQUEST_LEN_AT).store(len, SeqCst);
+        self.ring += 1;
+        self.word(SHM_RING_AT).store(self.ring, SeqCst);
+        self.word(RING_AT).store(self.ring, SeqCst);
+        // SAFETY: a futex wake on the ring word of the shared mapping (the daemon may sleep on it).
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                self.word(RING_AT).as_ptr(),
+                libc::FUTEX_WAKE,
+                i32::MAX,
+                0usize,
+                0usize,
+                0u32,
+            )
+        };
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while self.word(ANSWERED_AT).load(SeqCst) != self.ring {
+            if std::time::Instant::now() > until {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let n = self.word(ANSWER_LEN_AT).load(SeqCst) as usize;
+        // SAFETY: the answer area of the mapping, n bytes the daemon wrote (at most 4 KiB).
+        let a =
+            unsafe { std::slice::from_raw_parts(self.map.add(self.data + ANSWER_AT), n) }.to_vec();
+        Some((a[0], a[5..].to_vec()))
+    }
+
+    /// The data area's bytes at `offset`.
+    fn data_at(&self, offset: usize, n: usize) -> Vec<u8> {
+        // SAFETY: inside the data area (the tests ask within it).
+        unsafe { std::slice::from_raw_parts(self.map.add(offset), n) }.to_vec()
+    }
+
+    /// Whether the daemon closed the socket (EOF within 5 s).
+    fn closed(&mut self) -> bool {
+        self.s
+            .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        let mut rest = [0u8; 1];
+        self.s.read(&mut rest).unwrap_or(1) == 0
+    }
+}
+
+/// Doorbells on the raw protocol from this process (the daemon another): single gets through
+/// the control block land byte-exact in the data area; a buffer too small for a control block,
+/// a request whose room reaches into the control block (answered OUT_OF_RANGE there, then
+/// closed) and a request length past the request area (closed, unanswered) are refused; the
+/// daemon serves on, and a client's shared buffer uses doorbells.
+#[test]
+fn doorbells_serve_gets_in_the_control_block_and_refuse_what_reaches_past_the_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let value = bytes(9, 4096);
+    assert!(c.put(b"k", &value).unwrap());
+    let name = c.same_host_socket().unwrap();
+
+    let mut s = raw(&name, GOOD).unwrap();
+    send_with_fd(&s, HELLO_DOORBELL, memfd(CONTROL_BYTES, true).as_raw_fd()).unwrap();
+    let (code, msg) = hello_answer(&mut s).unwrap_err();
+    assert_eq!(code, tonic::Code::InvalidArgument as i32, "{msg}");
+    assert!(msg.contains("doorbells"), "{msg}");
+
+    let mut db = RawDoorbells::connect(&name, 1 << 20);
+    let (status, body) = db
+        .request(&get_into_request(b"k", 4096, 8192), 3 + 1 + 16)
+        .unwrap();
+    assert_eq!((status, length(&body)), (FOUND, 4096));
+    assert_eq!(db.data_at(4096, 4096), value);
+    assert_eq!(
+        db.data_at(0, 4096),
+        vec![0u8; 4096],
+        "bytes before the offset were written"
+    );
+    let (status, _) = db
+        .request(&get_into_request(b"absent", 0, 10), 3 + 6 + 16)
+        .unwrap();
+    assert_eq!(status, ABSENT);
+    // A room that reaches into the control block: refused there, the connection closed.
+    let (status, body) = db
+        .request(&get_into_request(b"k", (1 << 20) - 100, 4096), 3 + 1 + 16)
+        .unwrap();
+    assert_eq!(status, FAILED);
+    assert_eq!(
+        failed(&body).0,
+        tonic::Code::OutOfRange as i32,
+        "{}",
+        failed(&body).1
+    );
+    assert!(db.closed(), "the connection stayed open");
+
+    // A request length past the request area: closed without an answer.
+    let mut db = RawDoorbells::connect(&name, 1 << 20);
+    assert_eq!(db.request(&get_into_request(b"k", 0, 4096), u32::MAX), None);
+    assert!(db.closed(), "the connection stayed open");
+
+    // Serving on: a client's shared buffer (doorbells by default) reads the value, counted.
+    let served = c.health().unwrap().same_host_served;
+    let buf = c.shared_buffer(8192).unwrap();
+    assert_eq!(buf.get_into(b"k", 0, 8192).unwrap(), Some(4096));
+    // SAFETY: the first 4096 bytes of the buffer's data, written by the daemon.
+    assert_eq!(
+        unsafe { std::slice::from_raw_parts(buf.as_ptr(), 4096) },
+        &value[..]
+    );
+    assert_eq!(c.health().unwrap().same_host_served, served + 1);
+}
+
 /// A batch request of `packed` keys (each a u16 length and its bytes) into `cap` bytes at
 /// `offset`.
 fn get_many_request(packed: &[u8], offset: u64, cap: u64) -> Vec<u8> {
@@ -582,15 +759,30 @@ struct FakeConnection {
     len: usize,
 }
 
+/// The connections of a fake daemon older than doorbells: a hello that asks for them is
+/// closed at once (as such a daemon closes a hello it does not know), and not counted.
+fn older_connections<'a>(
+    listener: &'a std::os::unix::net::UnixListener,
+    secret: &'a Secret,
+) -> impl Iterator<Item = FakeConnection> + 'a {
+    listener
+        .incoming()
+        .filter_map(move |s| FakeConnection::accept(s.unwrap(), secret))
+}
+
 impl FakeConnection {
-    /// Serves the handshake as the daemon does: the secret proven, the hello with the client's
-    /// memfd, mapped, and its length answered.
-    fn accept(mut s: UnixStream, secret: &Secret) -> FakeConnection {
+    /// Serves the handshake as a daemon older than doorbells does: the secret proven, the
+    /// hello with the client's memfd, mapped, and its length answered; None (the connection
+    /// closed) for a hello that asks for doorbells.
+    fn accept(mut s: UnixStream, secret: &Secret) -> Option<FakeConnection> {
         mori_auth::accept(&mut s, secret, PURPOSE).unwrap();
         let mut hello = [0u8; 8];
         let fd = mori_umbpd::shm::recv_with_fd(&s, &mut hello)
             .unwrap()
             .unwrap();
+        if &hello == HELLO_DOORBELL {
+            return None;
+        }
         assert_eq!(&hello, HELLO);
         // SAFETY: fstat into a zeroed struct; the memfd the client sent.
         let len = unsafe {
@@ -598,24 +790,9 @@ impl FakeConnection {
             assert_eq!(libc::fstat(fd.as_raw_fd(), &mut st), 0);
             st.st_size as usize
         };
-        // SAFETY: maps the whole memfd, shared; unmapped on drop.
-        let map = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(map, libc::MAP_FAILED);
+        let map = map_shared(&fd, len); // unmapped on drop
         raw_reply(&mut s, FOUND, &(len as u64).to_le_bytes());
-        FakeConnection {
-            s,
-            map: map.cast(),
-            len,
-        }
+        Some(FakeConnection { s, map, len })
     }
 
     /// The next request: its op, its key bytes (a batch's packed keys) and its 16 closing
@@ -655,8 +832,7 @@ fn fake_value(key: &[u8]) -> Vec<u8> {
 /// is closed), and answers `GET_MANY_INTO` `UNIMPLEMENTED` and closes, as a daemon that does not
 /// know the op does. Logs "<connection> <op>".
 fn older_daemon(listener: std::os::unix::net::UnixListener, secret: Secret, log: FakeLog) {
-    for (conn, stream) in listener.incoming().enumerate() {
-        let mut c = FakeConnection::accept(stream.unwrap(), &secret);
+    for (conn, mut c) in older_connections(&listener, &secret).enumerate() {
         while let Some((op, key, at)) = c.request() {
             log.lock().unwrap().push(format!("{conn} {op}"));
             if op != GET_INTO {
@@ -744,8 +920,7 @@ fn batch_then_close_daemon(
     secret: Secret,
     log: FakeLog,
 ) {
-    for (conn, stream) in listener.incoming().enumerate() {
-        let mut c = FakeConnection::accept(stream.unwrap(), &secret);
+    for (conn, mut c) in older_connections(&listener, &secret).enumerate() {
         let Some((op, mut packed, at)) = c.request() else {
             continue;
         };

@@ -615,7 +615,10 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
                               "extension_build": _core.build_profile(), "pinning": PINNING,
                               # glibc's malloc tuning (MALLOC_TRIM_THRESHOLD_ ...): it decides whether
                               # new bytes objects of large values fault their pages in again.
-                              "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}}
+                              "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")},
+                              # The same-host path's switches (MORI_UMBP_SHM, MORI_UMBP_SPIN_US), which
+                              # the daemons started here inherit.
+                              "umbp_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MORI_UMBP_")}}
     checks = Checks()
     with tempfile.TemporaryDirectory() as tmp:
         record["memcpy_gbps"] = _memcpy_gbps(checks)
