@@ -42,7 +42,8 @@
 //! answers at [`ANSWER_AT`] (length at [`ANSWER_LEN_AT`]) and stores the ring's number at
 //! [`ANSWERED_AT`]. Any other request (a batch) goes on the socket as above and rings with
 //! another number at [`SHM_RING_AT`]; its answer comes on the socket. Each side waiting on the
-//! other spins for [`spin_window`], then sleeps on the word as a futex with its asleep flag
+//! other spins for [`spin_window`] (not while its CPU is contended: see `Spin`), then sleeps
+//! on the word as a futex with its asleep flag
 //! ([`DAEMON_ASLEEP_AT`], [`CLIENT_ASLEEP_AT`]) set, which the other checks after storing the
 //! word; asleep, it checks every 100 ms whether the other closed the socket (and the daemon
 //! whether the connection is idle). A round trip then needs no socket at all while both are
@@ -208,6 +209,49 @@ pub fn spin_window() -> Duration {
     })
 }
 
+/// A gap this long between two turns of a spin means the spinner was off its CPU for another
+/// process's time slice (shorter gaps: interrupts, or this process's own threads, which a
+/// spinner's yield serves and which end soon).
+const PREEMPTED: Duration = Duration::from_micros(500);
+/// After a spinner was off its CPU, its side sleeps at once (woken by the other side, with the
+/// scheduler's wake-up preference) for this long before it spins again; doubled each time a
+/// spin is caught again, up to [`CONTENDED_MAX`].
+const CONTENDED_FOR: Duration = Duration::from_millis(20);
+const CONTENDED_MAX: Duration = Duration::from_secs(1);
+
+/// One side's spinning policy on a connection: spin (on an idle CPU the round trip then needs no
+/// wake-up), unless a spin was recently caught off its CPU (a loaded CPU: the spinner would wait
+/// for another process's time slice, where a sleeper is woken at once).
+#[derive(Debug, Default)]
+pub(crate) struct Spin {
+    quiet_until: Option<std::time::Instant>,
+    quiet_for: Duration,
+}
+
+impl Spin {
+    fn window(&self) -> Duration {
+        if self.is_contended(std::time::Instant::now()) {
+            Duration::ZERO
+        } else {
+            spin_window()
+        }
+    }
+
+    fn is_contended(&self, now: std::time::Instant) -> bool {
+        self.quiet_until.is_some_and(|t| now < t)
+    }
+
+    fn contended(&mut self, now: std::time::Instant) {
+        self.quiet_for = (self.quiet_for * 2).clamp(CONTENDED_FOR, CONTENDED_MAX);
+        self.quiet_until = Some(now + self.quiet_for);
+    }
+
+    /// A spin that kept its CPU to the end: the next contention starts from the shortest pause.
+    fn calm(&mut self) {
+        self.quiet_for = Duration::ZERO;
+    }
+}
+
 /// The control block of a doorbell buffer (module docs): words both processes read and write
 /// with atomics, and the request and answer areas.
 struct Control {
@@ -260,28 +304,43 @@ impl Control {
         Ok(out)
     }
 
-    /// Waits until the word at `at` differs from `seen`: spins for [`spin_window`], then
-    /// sleeps in the kernel with `asleep_at` set, waking every [`ASLEEP_CHECK`] to ask
-    /// `gone()` whether to give up (then `Ok(None)`). Returns the word's new value.
+    /// Waits until the word at `at` differs from `seen`: spins for [`spin_window`] (unless
+    /// `spin` says this CPU is contended), then sleeps in the kernel with `asleep_at` set,
+    /// waking every [`ASLEEP_CHECK`] to ask `gone()` whether to give up (then `Ok(None)`).
+    /// Returns the word's new value.
     fn wait(
         &self,
         at: usize,
         seen: u32,
         asleep_at: usize,
+        spin: &mut Spin,
         mut gone: impl FnMut() -> io::Result<bool>,
     ) -> io::Result<Option<u32>> {
         let word = self.word(at);
-        let spin = spin_window();
+        let window = spin.window();
         let start = std::time::Instant::now();
+        let mut last = start;
         let mut turns = 0u32;
+        let mut caught = false;
         loop {
-            let now = word.load(Ordering::Acquire);
-            if now != seen {
-                return Ok(Some(now));
+            let value = word.load(Ordering::Acquire);
+            let now = std::time::Instant::now();
+            if now - last > PREEMPTED && !window.is_zero() {
+                // Off the CPU meanwhile: another process wants it, and a spinner the other
+                // side does not wake (it is not asleep) waits out that process's time slice.
+                spin.contended(now);
+                caught = true;
             }
-            if start.elapsed() >= spin {
+            if value != seen {
+                if !caught && !window.is_zero() {
+                    spin.calm();
+                }
+                return Ok(Some(value));
+            }
+            if now - start >= window || spin.is_contended(now) {
                 break;
             }
+            last = now;
             turns += 1;
             if turns.is_multiple_of(64) {
                 std::thread::yield_now(); // other spinners on this CPU get their turn
@@ -710,6 +769,7 @@ fn connect_with_hello(
     Ok(Conn {
         stream,
         doorbells: granted,
+        spin: Spin::default(),
     })
 }
 
@@ -887,9 +947,10 @@ impl Served<'_> {
         idle_timeout: Duration,
     ) -> io::Result<()> {
         let ctl = Control::of(&self.map);
+        let mut spin = Spin::default();
         loop {
             let since = std::time::Instant::now();
-            let rung = ctl.wait(RING_AT, seen, DAEMON_ASLEEP_AT, || {
+            let rung = ctl.wait(RING_AT, seen, DAEMON_ASLEEP_AT, &mut spin, || {
                 if since.elapsed() >= idle_timeout {
                     debug!("umbpd closed a same-host connection idle for {idle_timeout:?}");
                     return Ok(true);
@@ -1038,6 +1099,7 @@ impl From<Status> for BatchStop {
 struct Conn {
     stream: UnixStream,
     doorbells: bool,
+    spin: Spin,
 }
 
 impl Conn {
@@ -1057,7 +1119,7 @@ impl Conn {
 
     /// A single request and its answer through the control block (doorbells).
     fn in_control_block(
-        &self,
+        &mut self,
         map: &Mapping,
         req: &[u8],
     ) -> io::Result<Result<Option<Vec<u8>>, Status>> {
@@ -1074,7 +1136,10 @@ impl Conn {
         ctl.word(SHM_RING_AT).store(ring, Ordering::Relaxed);
         ctl.ring(RING_AT, ring, DAEMON_ASLEEP_AT);
         loop {
-            match ctl.wait(ANSWERED_AT, seen, CLIENT_ASLEEP_AT, || closed(&self.stream))? {
+            let stream = &self.stream;
+            match ctl.wait(ANSWERED_AT, seen, CLIENT_ASLEEP_AT, &mut self.spin, || {
+                closed(stream)
+            })? {
                 Some(answered) if answered == ring => break,
                 Some(answered) => seen = answered,
                 None => {
