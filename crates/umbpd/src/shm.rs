@@ -1492,3 +1492,71 @@ impl SharedBuffer {
         Ok(self.call(&req).and_then(length_of)?.map(|n| n as usize))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A side whose spin was caught off its CPU sleeps at once for a pause that starts at
+    /// `CONTENDED_FOR`, doubles while contention repeats (capped at `CONTENDED_MAX`), ends when
+    /// its time is up, and starts short again after a spin that kept its CPU.
+    #[test]
+    fn a_spin_caught_off_its_cpu_pauses_spinning_for_a_doubling_while() {
+        let mut spin = Spin::default();
+        let t0 = std::time::Instant::now();
+        assert!(!spin.is_contended(t0));
+        spin.contended(t0);
+        assert!(spin.is_contended(t0 + CONTENDED_FOR - Duration::from_millis(1)));
+        assert!(!spin.is_contended(t0 + CONTENDED_FOR));
+        spin.contended(t0);
+        assert!(spin.is_contended(t0 + CONTENDED_FOR * 2 - Duration::from_millis(1)));
+        for _ in 0..20 {
+            spin.contended(t0);
+        }
+        assert!(spin.is_contended(t0 + CONTENDED_MAX - Duration::from_millis(1)));
+        assert!(!spin.is_contended(t0 + CONTENDED_MAX));
+        spin.calm();
+        spin.contended(t0);
+        assert!(!spin.is_contended(t0 + CONTENDED_FOR));
+    }
+
+    /// Waiting on a control block: a word already changed returns at once; a word another
+    /// thread changes while this one sleeps on it (past the spin) wakes it through the futex;
+    /// a word nobody changes gives up when `gone()` says so.
+    #[test]
+    fn a_control_block_waiter_wakes_on_a_ring_and_gives_up_when_told() {
+        let (_fd, map) = sealed_memfd(CONTROL_BYTES + 4096).unwrap();
+        let ctl = Control::of(&map);
+        let mut spin = Spin::default();
+        ctl.word(RING_AT).store(7, Ordering::SeqCst);
+        assert_eq!(
+            ctl.wait(RING_AT, 6, DAEMON_ASLEEP_AT, &mut spin, || Ok(false))
+                .unwrap(),
+            Some(7)
+        );
+        let base = map.as_ptr() as usize;
+        let ringer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30)); // past any spin: the waiter sleeps
+            let ctl = Control {
+                base: (base + 4096) as *mut u8,
+            };
+            let rang = std::time::Instant::now();
+            ctl.ring(RING_AT, 8, DAEMON_ASLEEP_AT);
+            rang
+        });
+        let woke = ctl.wait(RING_AT, 7, DAEMON_ASLEEP_AT, &mut spin, || Ok(false));
+        let after_ring = ringer.join().unwrap().elapsed();
+        assert_eq!(woke.unwrap(), Some(8));
+        // The timeout would wake it ASLEEP_CHECK after it slept, 70 ms after the ring.
+        assert!(
+            after_ring < Duration::from_millis(40),
+            "woken by the timeout, not the ring"
+        );
+        let mut asked = 0;
+        let gave_up = ctl.wait(RING_AT, 8, DAEMON_ASLEEP_AT, &mut spin, || {
+            asked += 1;
+            Ok(asked == 2)
+        });
+        assert_eq!((gave_up.unwrap(), asked), (None, 2));
+    }
+}
