@@ -175,10 +175,11 @@ impl Mapping {
         self.ptr
     }
 
-    /// `len` bytes at `offset`, if inside the mapping.
-    fn range_mut(&mut self, offset: u64, len: u64) -> Option<&mut [u8]> {
+    /// `len` bytes at `offset`, if inside the mapping's first `within` bytes (at most its
+    /// length: a doorbell buffer's control block is not data).
+    fn range_mut(&mut self, offset: u64, len: u64, within: usize) -> Option<&mut [u8]> {
         let end = offset.checked_add(len)?;
-        if end > self.len as u64 {
+        if end > within.min(self.len) as u64 {
             return None;
         }
         // SAFETY: [offset, end) lies inside the live mapping, borrowed mutably through self.
@@ -259,11 +260,6 @@ struct Control {
 }
 
 impl Control {
-    /// The block at the end of `map` when the connection has `doorbells`.
-    fn of_doorbells(map: &Mapping, doorbells: bool) -> Option<Control> {
-        doorbells.then(|| Control::of(map))
-    }
-
     /// The block at the end of `map` (which is longer than [`CONTROL_BYTES`]).
     fn of(map: &Mapping) -> Control {
         // SAFETY: map.len() > CONTROL_BYTES (checked by both sides before doorbells are used).
@@ -824,8 +820,7 @@ fn serve(
         hello_answer.extend_from_slice(DOORBELL_ACK);
     }
     // Read before the answer: the client may ring as soon as it has it.
-    let rung =
-        Control::of_doorbells(&map, doorbells).map(|ctl| ctl.word(RING_AT).load(Ordering::Acquire));
+    let rung = doorbells.then(|| Control::of(&map).word(RING_AT).load(Ordering::Acquire));
     answer(&mut stream, &Ok(Some(hello_answer)))?;
     stream.set_read_timeout(Some(idle_timeout))?;
     let mut conn = Served {
@@ -902,10 +897,7 @@ impl Served<'_> {
         let offset = u64::from_le_bytes(where_[..8].try_into().expect("8 bytes"));
         let cap = u64::from_le_bytes(where_[8..].try_into().expect("8 bytes"));
         let data = self.data;
-        let inside = offset
-            .checked_add(cap)
-            .is_some_and(|end| end <= data as u64);
-        let Some(out) = self.map.range_mut(offset, cap).filter(|_| inside) else {
+        let Some(out) = self.map.range_mut(offset, cap, data) else {
             answer(
                 to,
                 &Err(Status::out_of_range(format!(
