@@ -386,6 +386,29 @@ def test_a_shared_buffer_takes_values_from_a_daemon_on_this_host(daemon):
     assert buf[100 : 101].tobytes() == values["shm-1"], "the array outlives the client"
 
 
+def test_put_from_a_shared_buffer_slice_stores_those_bytes(daemon):
+    # The daemon stores the value straight from this client's shared memory (PUT_FROM; the Rust
+    # tests assert the route by the daemon's counters): byte-exact, read back by another client;
+    # a present key keeps its first value; bytes rewritten after the call do not change it.
+    rng = np.random.default_rng()
+    c = Client(master=daemon)
+    buf = c.shared_buffer(1 << 20)
+    values = {f"shm-put-{n}": rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 4096, 700 << 10)}
+    at = 64
+    for k, v in values.items():
+        buf[at : at + v.size] = v
+        assert c.put_from(k, buf[at : at + v.size])
+        at += v.size + 3
+    buf[:] = 0x5A
+    other = Client(master=daemon)
+    for k, v in values.items():
+        assert other.get(k) == v.tobytes(), k
+    assert not c.put_from("shm-put-1", buf[:1])
+    assert other.get("shm-put-1") == values["shm-put-1"].tobytes()
+    other.close()
+    c.close()
+
+
 def test_the_data_plane_proves_the_configured_secret(umbpd_bin, tmp_path, monkeypatch):
     """A daemon given --secret-file and a client given that secret move registered-buffer values
     over mori.io although each process's default secret (MORI_SECRET here) differs: both data

@@ -275,8 +275,8 @@ class Client:
 
     def shared_buffer(self, nbytes: int) -> np.ndarray:
         """A uint8 array of ``nbytes`` in memory shared with the daemon, which must run on this
-        host: ``get_into`` a slice of it has the daemon copy the value straight there (one copy,
-        no socket). The memory is this client's own (a sealed memfd the daemon maps); it stays
+        host: ``get_into`` a slice of it has the daemon copy the value straight there, and
+        ``put_from`` a slice has it store the value straight from there (one copy, no socket). The memory is this client's own (a sealed memfd the daemon maps); it stays
         valid while the array (or a view of it) lives, even after ``close``. Raises
         :class:`~mori.errors.TransportError` or another ``MoriError`` when the daemon is out of
         reach that way (another host), naming why."""
@@ -376,6 +376,9 @@ class Client:
             return self._pool.put_from_device(_key(key), *cuda)
         arr = _host_buffer(buffer, writable=False)
         if self._remote:
+            shared = self._shared_target(arr)
+            if shared is not None:
+                return shared[0].put_from(_key(key), shared[1], arr.size)
             region = self._region(arr) if arr.size > SMALL_CALL_BYTES else None
             if region is not None:
                 return self._pool.batch_put_from([_key(key)], region[0], [region[1]], [arr.size])[0]

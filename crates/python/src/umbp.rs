@@ -607,6 +607,13 @@ impl UmbpSharedBuffer {
         py.detach(|| self.inner.get_into(key, offset, cap))
             .map_err(|s| mori_umbpd::ClientError::Rpc(s).into())
     }
+
+    /// Has the daemon store the `len` bytes at `offset` under `key`: whether stored (False:
+    /// the key was present).
+    fn put_from(&self, py: Python<'_>, key: &[u8], offset: u64, len: u64) -> Result<bool> {
+        py.detach(|| self.inner.put_from(key, offset, len))
+            .map_err(|s| mori_umbpd::ClientError::Rpc(s).into())
+    }
 }
 
 #[pyclass(frozen, module = "mori._core")]

@@ -339,11 +339,14 @@ impl DramArena {
 const FUSED_CHUNK: usize = 24 << 10;
 
 /// Copies `src` into `dst` (equal lengths) and returns the CRC-32C of the bytes, in one pass.
+/// The checksum is of the copy, not the source: `src` may be memory another process writes
+/// to meanwhile (a client's shared buffer), and a value is then stored as it was copied, its
+/// checksum matching it.
 fn copy_with_crc(dst: &mut [u8], src: &[u8]) -> u32 {
     let mut crc = Crc32c::new();
     for (d, s) in dst.chunks_mut(FUSED_CHUNK).zip(src.chunks(FUSED_CHUNK)) {
-        crc.update(s);
         d.copy_from_slice(s);
+        crc.update(d);
     }
     crc.finish()
 }

@@ -744,6 +744,15 @@ impl LocalPool {
         inner.put_in_dram_at_once(&*self.meta, key, value)
     }
 
+    /// [`LocalPool::try_put_at_once`] that waits for the pool's lock: `None` only when the
+    /// value does not fit in DRAM without evicting (or there is a GPU tier). A DRAM store
+    /// checksums the bytes it copied, so `value` may be memory another process writes meanwhile
+    /// (the value is stored as it was read); the other tiers checksum their input before
+    /// writing it and must be given a private copy.
+    pub fn put_in_dram(&self, key: &[u8], value: &[u8]) -> Result<Option<PutOutcome>> {
+        self.lock().put_in_dram_at_once(&*self.meta, key, value)
+    }
+
     /// Puts each pair in order under one lock acquisition. Stops at the first error (the
     /// pairs before it stay stored).
     pub fn batch_put(&self, items: &[(&[u8], &[u8])]) -> Result<Vec<PutOutcome>> {

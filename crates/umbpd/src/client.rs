@@ -269,7 +269,8 @@ pub struct Health {
     /// Gets and existence checks the daemon answered over the small-ops protocol
     /// ([`crate::small_ops`]) since it started.
     pub small_ops_served: u64,
-    /// Gets the daemon answered into clients' shared memory on its host ([`crate::shm`]).
+    /// Gets the daemon answered into, and puts it stored from, clients' shared memory on its
+    /// host ([`crate::shm`]; per key).
     pub same_host_served: u64,
 }
 
@@ -490,6 +491,50 @@ fn staged_get(
         }
         Err(status) if status.code() == tonic::Code::InvalidArgument || other_path(&status) => None,
         Err(status) => Some(Err(status)),
+    }
+}
+
+/// A single put of `value` under `key` through `staging` (a buffer shared with a daemon on
+/// this host): whether stored. `None` to take another path: the buffer busy with another
+/// thread's call, the value longer than the buffer, no connection, or a daemon that takes no
+/// puts this way.
+fn staged_put(
+    staging: &Mutex<SharedBuffer>,
+    key: &[u8],
+    value: &[u8],
+) -> Option<std::result::Result<bool, tonic::Status>> {
+    let buf = staging.try_lock().ok()?;
+    if value.len() > buf.len() {
+        return None;
+    }
+    // SAFETY: the first value.len() bytes of the mapping (checked above); the lock keeps this
+    // client's other calls out of the buffer until the daemon has answered.
+    unsafe { std::ptr::copy_nonoverlapping(value.as_ptr(), buf.as_ptr(), value.len()) };
+    match buf.put_from(key, 0, value.len() as u64) {
+        Ok(stored) => Some(Ok(stored)),
+        Err(status) if status.code() == tonic::Code::InvalidArgument || other_path(&status) => None,
+        Err(status) => Some(Err(status)),
+    }
+}
+
+/// Puts of `items` through `staging` (a buffer shared with a daemon on this host), as many
+/// values per request as the buffer holds: whether each was stored. `None` to take another
+/// path when nothing was stored: the buffer busy with another thread's call, a value longer
+/// than the buffer, no connection, or a daemon that takes no puts this way.
+fn staged_batch_put(
+    staging: &Mutex<SharedBuffer>,
+    items: &[(&[u8], &[u8])],
+) -> Option<std::result::Result<Vec<bool>, tonic::Status>> {
+    let buf = staging.try_lock().ok()?;
+    match buf.put_many_from(items) {
+        (stored, Ok(())) => Some(Ok(stored)),
+        (stored, Err(status))
+            if stored.is_empty()
+                && (status.code() == tonic::Code::InvalidArgument || other_path(&status)) =>
+        {
+            None
+        }
+        (_, Err(status)) => Some(Err(status)),
     }
 }
 
@@ -1413,6 +1458,9 @@ impl Client {
                 .copied()
                 .unwrap_or(false));
         }
+        if let Some(stored) = self.shm_put(key, value) {
+            return stored;
+        }
         if let Some(answer) = self.small_op(small_ops::PUT, key, Some(value)) {
             return Ok(answer?.is_some());
         }
@@ -1484,6 +1532,13 @@ impl Client {
     /// value longer than the buffer.
     fn shm_get(&self, key: &[u8], sink: &mut dyn Sink) -> Option<Result<Option<usize>>> {
         staged_get(self.own_staging()?, key, sink).map(|r| r.map_err(Into::into))
+    }
+
+    /// A single put through the staging buffer shared with a daemon on this host: the value
+    /// is copied there and the daemon stores it from there. `None` to take another path, as
+    /// [`Client::shm_get`] (and from a daemon that takes no puts this way).
+    fn shm_put(&self, key: &[u8], value: &[u8]) -> Option<Result<bool>> {
+        staged_put(self.own_staging()?, key, value).map(|r| r.map_err(Into::into))
     }
 
     /// The staging buffer shared with this client's standalone daemon on this host, made at
@@ -1559,13 +1614,18 @@ impl Client {
 
     /// Puts each pair in order (one `stored` flag each, as [`Client::put`]). On an error the
     /// pairs before the failing one stay stored (against a master: any subset may be). To a
-    /// standalone daemon, a batch whose every value is at least [`SINGLY_FROM_BYTES`] long goes
+    /// standalone daemon on this host the values go through the buffer shared with it, as
+    /// many per request as it holds. To one elsewhere, a batch whose every value is at least
+    /// [`SINGLY_FROM_BYTES`] long goes
     /// as single puts (over small ops): a gRPC message carried such values at about half the
     /// rate of single puts.
     pub fn batch_put(&self, items: &[(&[u8], &[u8])]) -> Result<Vec<bool>> {
         check_value_sizes(items.iter().map(|(_, v)| *v))?;
         if let Some(c) = &self.cluster {
             return self.cluster_put(c, items);
+        }
+        if let Some(stored) = self.own_staging().and_then(|s| staged_batch_put(s, items)) {
+            return Ok(stored?);
         }
         if self.small_ops.is_some() && items.iter().all(|(_, v)| v.len() >= SINGLY_FROM_BYTES) {
             return items.iter().map(|(k, v)| self.put(k, v)).collect();

@@ -68,7 +68,8 @@ pub struct ListenerStats {
     pub open: AtomicUsize,
     /// Requests answered over the small-ops protocol ([`crate::small_ops`]).
     pub small_ops_served: AtomicU64,
-    /// Gets answered into clients' shared memory ([`crate::shm`]).
+    /// Gets answered into, and puts stored from, clients' shared memory ([`crate::shm`]; per
+    /// key).
     pub same_host_served: AtomicU64,
 }
 

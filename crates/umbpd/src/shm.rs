@@ -31,16 +31,27 @@
 //! first key's value is longer than `cap`) and the value's length (`u64`). The client asks
 //! again for the keys after those.
 //!
+//! [`PUT_FROM`] (a standalone daemon's): the same head and `offset`, then the value's length;
+//! the daemon stores the bytes there under the key and answers `FOUND` (empty: stored),
+//! `ABSENT` (the key was present; keys are immutable) or `FAILED`. [`PUT_MANY_FROM`]: the
+//! head's "key" is the batch's entries, each a `u16` key length, the key and the value's `u64`
+//! length, then `offset` and `cap`; the values lie one after another from `offset`, each at the
+//! next multiple of [`MANY_ALIGN`], all inside `cap` (else `OUT_OF_RANGE`, nothing stored); the
+//! answer is `FOUND` with a byte per key stored ([`MANY_FOUND`]) or present ([`MANY_ABSENT`]),
+//! possibly for fewer keys than sent (a put failed: the client asks again from there). The
+//! client's memory may change while the daemon reads it; see `put_from` for why a stored
+//! value still matches its checksum. A cluster peer answers both `UNIMPLEMENTED`.
+//!
 //! Doorbells: a client that sends [`HELLO_DOORBELL`] instead hands over its buffer with a
 //! control block of [`CONTROL_BYTES`] at the end; the daemon agrees by answering the data's
 //! length (the buffer less the block: no value ever lands in the block) followed by
 //! [`DOORBELL_ACK`] (a daemon that does not know doorbells closes the connection at the hello,
 //! and the client says [`HELLO`] instead). Then every request rings: the client increments the
-//! `u32` at [`RING_AT`]. A single get travels in the block: the request's bytes (as on the
+//! `u32` at [`RING_AT`]. A single get (or put) travels in the block: the request's bytes (as on the
 //! socket) at [`REQUEST_AT`], their length at [`REQUEST_LEN_AT`], and the ring's number at
 //! [`SHM_RING_AT`], all before the ring; the daemon copies the request out before reading it,
 //! answers at [`ANSWER_AT`] (length at [`ANSWER_LEN_AT`]) and stores the ring's number at
-//! [`ANSWERED_AT`]. Any other request (a batch) goes on the socket as above and rings with
+//! [`ANSWERED_AT`]. So does a batch of puts. A batch of gets goes on the socket as above and rings with
 //! another number at [`SHM_RING_AT`]; its answer comes on the socket. Each side waiting on the
 //! other spins for [`spin_window`] (not while its CPU is contended: see `Spin`), then sleeps
 //! on the word as a futex with its asleep flag
@@ -75,6 +86,12 @@ pub const HELLO: &[u8; 8] = b"UMBSHMEM";
 pub const GET_INTO: u8 = 1;
 /// Request: copy the values of several keys into the buffer, one after another.
 pub const GET_MANY_INTO: u8 = 2;
+/// Request: store the bytes at an offset of the buffer under a key (a standalone daemon's; a
+/// cluster peer answers `UNIMPLEMENTED`: its puts are published to the master over gRPC).
+pub const PUT_FROM: u8 = 3;
+/// Request: store several values that lie one after another in the buffer, each under its
+/// key (a standalone daemon's, as [`PUT_FROM`]).
+pub const PUT_MANY_FROM: u8 = 4;
 /// A batch's values start at multiples of this many bytes from the request's offset.
 pub const MANY_ALIGN: u64 = 64;
 /// Per key of a batch answer: absent.
@@ -83,6 +100,8 @@ pub const MANY_ABSENT: u8 = 0;
 pub const MANY_FOUND: u8 = 1;
 /// Per key of a batch answer: longer than the whole room asked for (read it another way).
 pub const MANY_TOO_LONG: u8 = 2;
+/// Keys of a [`PUT_MANY_FROM`] request at most (one answer byte each in the control block).
+const PUT_MANY_MAX_KEYS: usize = ANSWER_MAX - 64;
 /// The handshake and the hello must complete within this.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Same-host connections open at once (each has a thread); more are closed at once, and
@@ -889,7 +908,7 @@ impl Served<'_> {
         from.read_exact(&mut key)?;
         let mut where_ = [0u8; 16];
         from.read_exact(&mut where_)?;
-        if head[0] != GET_INTO && head[0] != GET_MANY_INTO {
+        if ![GET_INTO, GET_MANY_INTO, PUT_FROM, PUT_MANY_FROM].contains(&head[0]) {
             let unknown = Status::unimplemented(format!("unknown same-host op {}", head[0]));
             answer(to, &Err(unknown))?;
             return Ok(false);
@@ -915,6 +934,22 @@ impl Served<'_> {
         };
         if head[0] == GET_MANY_INTO {
             answer(to, &get_many_into(self.pool, &key, out, served))?;
+            return Ok(true);
+        }
+        if head[0] == PUT_FROM || head[0] == PUT_MANY_FROM {
+            let put = match link {
+                Some(_) => Err(Status::unimplemented(
+                    "a cluster peer takes puts over gRPC (it publishes them to the master)",
+                )),
+                None if head[0] == PUT_FROM => {
+                    stats.same_host_served.fetch_add(1, Ordering::Relaxed);
+                    put_from(self.pool, &key, out).map(|stored| stored.then(Vec::new))
+                }
+                None => put_many_from(self.pool, &key, out, || {
+                    stats.same_host_served.fetch_add(1, Ordering::Relaxed);
+                }),
+            };
+            answer(to, &put)?;
             return Ok(true);
         }
         served(&key);
@@ -969,10 +1004,10 @@ impl Served<'_> {
             let mut from = request.as_slice();
             let mut head = [0u8; 3];
             from.read_exact(&mut head)?;
-            if head[0] != GET_INTO {
+            if ![GET_INTO, PUT_FROM, PUT_MANY_FROM].contains(&head[0]) {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
-                    "only single gets travel in the control block",
+                    "only single gets and puts travel in the control block",
                 ));
             }
             let mut reply = Vec::with_capacity(16);
@@ -994,6 +1029,68 @@ impl Served<'_> {
             }
         }
     }
+}
+
+/// Stores `value` (in the client's buffer) under `key`: whether stored (false: the key was
+/// present). The client may write its buffer meanwhile: a DRAM store checksums what it
+/// copied; any other store (one that evicts first, or goes to SSD) is handed a private copy
+/// taken before anything is checksummed.
+fn put_from(pool: &SharedPool, key: &[u8], value: &[u8]) -> Result<bool, Status> {
+    let outcome = pool.with(|p| match p.put_in_dram(key, value)? {
+        Some(outcome) => Ok(outcome),
+        None => {
+            let private = value.to_vec();
+            p.put(key, &private)
+        }
+    })?;
+    Ok(outcome == mori_umbp::PutOutcome::Stored)
+}
+
+/// Serves a [`PUT_MANY_FROM`] whose entries are `packed` (each a `u16` key length, the key and
+/// the value's `u64` length) and whose values lie in `room` one after another, each at the
+/// next multiple of [`MANY_ALIGN`]: a byte per key stored ([`MANY_FOUND`], or [`MANY_ABSENT`]
+/// when the key was present). Every value is checked to lie in the room before any is stored;
+/// a failing put ends the batch there (answered for the keys before it: the client asks again
+/// from the failing one, which then fails alone).
+fn put_many_from(
+    pool: &SharedPool,
+    packed: &[u8],
+    room: &[u8],
+    served: impl Fn(),
+) -> Result<Option<Vec<u8>>, Status> {
+    let mut items = Vec::new();
+    let (mut rest, mut at) = (packed, 0usize);
+    while !rest.is_empty() {
+        let bad = || Status::invalid_argument("a malformed same-host batch of puts");
+        let key_len = rest.get(..2).ok_or_else(bad)?;
+        let key_len = usize::from(u16::from_le_bytes([key_len[0], key_len[1]]));
+        let key = rest.get(2..2 + key_len).ok_or_else(bad)?;
+        let len = rest.get(2 + key_len..10 + key_len).ok_or_else(bad)?;
+        let len = u64::from_le_bytes(len.try_into().expect("8 bytes"));
+        rest = &rest[10 + key_len..];
+        let value = usize::try_from(len)
+            .ok()
+            .and_then(|len| at.checked_add(len))
+            .and_then(|end| room.get(at..end))
+            .ok_or_else(|| {
+                Status::out_of_range(format!(
+                    "a value of {len} bytes at {at} of a {}-byte room",
+                    room.len()
+                ))
+            })?;
+        at = (at + value.len()).next_multiple_of(MANY_ALIGN as usize);
+        items.push((key, value));
+    }
+    let mut body = Vec::with_capacity(items.len());
+    for (key, value) in items {
+        match put_from(pool, key, value) {
+            Ok(stored) => body.push(if stored { MANY_FOUND } else { MANY_ABSENT }),
+            Err(s) if body.is_empty() => return Err(s),
+            Err(_) => break,
+        }
+        served();
+    }
+    Ok(Some(body))
 }
 
 /// The keys packed in a batch request: each a `u16` length and its bytes.
@@ -1165,6 +1262,9 @@ pub struct SharedBuffer {
     /// Cleared once the daemon answered a batch `UNIMPLEMENTED` (a daemon older than
     /// [`GET_MANY_INTO`]): batches then take other paths without asking again.
     batches: std::sync::atomic::AtomicBool,
+    /// Cleared once the daemon answered a put `UNIMPLEMENTED` (a cluster peer, or a daemon
+    /// older than [`PUT_FROM`]): puts then take other paths without asking again.
+    puts: std::sync::atomic::AtomicBool,
     /// Whether connections ask for doorbells: cleared when a daemon closed the connection
     /// at a [`HELLO_DOORBELL`] (one older than doorbells).
     doorbells: std::sync::atomic::AtomicBool,
@@ -1192,6 +1292,7 @@ impl SharedBuffer {
             secret: secret.clone(),
             stream: std::sync::Mutex::new(None),
             batches: std::sync::atomic::AtomicBool::new(true),
+            puts: std::sync::atomic::AtomicBool::new(true),
             doorbells: std::sync::atomic::AtomicBool::new(doorbells),
         };
         let conn = buf.handshake()?;
@@ -1230,20 +1331,28 @@ impl SharedBuffer {
         }
     }
 
-    /// Sends `req` and returns its answer's found body (a single get through the control
-    /// block with doorbells). On a connection that served before and now fails (closed while
-    /// idle, or after a refused request) the request is sent once more on a new one: a get
-    /// only reads, so asking twice is safe. `UNAVAILABLE` when no connection can be made or
-    /// the new one fails too.
+    /// Sends `req` and returns its answer's found body (single gets and puts through the
+    /// control block with doorbells). On a connection that served before and now fails
+    /// (closed while idle, or after a refused request) the request is sent once more on a new
+    /// one: the daemon closes a connection only between requests, so the failed one was not
+    /// carried out. `UNAVAILABLE` when no connection can be made or the new one fails too.
     fn call(&self, req: &[u8]) -> Result<Option<Vec<u8>>, Status> {
+        self.call_after(|| {}, req)
+    }
+
+    /// [`Self::call`] that first runs `write` (which writes the request's bytes into the
+    /// buffer) while holding the connection, so no other call of this buffer comes between.
+    fn call_after(&self, write: impl FnOnce(), req: &[u8]) -> Result<Option<Vec<u8>>, Status> {
         let mut slot = self
             .stream
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        write();
         loop {
             let fresh = slot.is_none();
             let conn = self.connected(&mut slot)?;
-            let answer = if conn.doorbells && req.first() == Some(&GET_INTO) {
+            let in_block = matches!(req.first(), Some(&(GET_INTO | PUT_FROM | PUT_MANY_FROM)));
+            let answer = if conn.doorbells && in_block {
                 conn.in_control_block(&self.map, req)
             } else {
                 let mut body = Vec::new();
@@ -1468,20 +1577,138 @@ impl SharedBuffer {
     /// Has the daemon copy the value of `key` to `offset` (at most `cap` bytes): its length,
     /// or None when absent. A value longer than `cap` fails `INVALID_ARGUMENT`.
     pub fn get_into(&self, key: &[u8], offset: u64, cap: u64) -> Result<Option<usize>, Status> {
-        let in_range = offset
-            .checked_add(cap)
-            .is_some_and(|end| end <= self.data as u64);
-        if !in_range {
-            return Err(Status::out_of_range(format!(
-                "{cap} bytes at offset {offset} are outside the {}-byte shared buffer",
+        let req = self.room_request(GET_INTO, key, offset, cap)?;
+        Ok(self.call(&req).and_then(length_of)?.map(|n| n as usize))
+    }
+
+    /// Has the daemon store the `len` bytes at `offset` under `key` ([`PUT_FROM`]): whether
+    /// it stored them (false: the key was present; keys are immutable). The bytes are read
+    /// during the call only. `UNIMPLEMENTED` from a daemon that takes no puts this way (a
+    /// cluster peer, or one older than them; then not asked again).
+    pub fn put_from(&self, key: &[u8], offset: u64, len: u64) -> Result<bool, Status> {
+        if !self.puts.load(Ordering::Relaxed) {
+            return Err(Status::unimplemented(
+                "umbpd takes no puts from shared memory",
+            ));
+        }
+        let req = self.room_request(PUT_FROM, key, offset, len)?;
+        match self.call(&req) {
+            Ok(stored) => Ok(stored.is_some()),
+            Err(s) if s.code() == tonic::Code::Unimplemented => {
+                self.puts.store(false, Ordering::Relaxed);
+                Err(s)
+            }
+            Err(s) => Err(s),
+        }
+    }
+
+    /// Stores `items` (keys and values) from the buffer's data, as many values per request as
+    /// it holds ([`PUT_MANY_FROM`]; the values are copied into the buffer first, overwriting
+    /// its data): whether each was stored (false: the key was present), for the items
+    /// answered, and `Err` with why it stopped before the end (the items answered stay
+    /// stored). A value longer than the buffer fails `INVALID_ARGUMENT` before anything is
+    /// sent; `UNIMPLEMENTED` as for [`Self::put_from`].
+    pub fn put_many_from(&self, items: &[(&[u8], &[u8])]) -> (Vec<bool>, Result<(), Status>) {
+        let mut stored = Vec::with_capacity(items.len());
+        let end = self.put_many_into(items, &mut stored);
+        (stored, end)
+    }
+
+    /// [`Self::put_many_from`], each answer pushed into `stored`.
+    fn put_many_into(
+        &self,
+        items: &[(&[u8], &[u8])],
+        stored: &mut Vec<bool>,
+    ) -> Result<(), Status> {
+        if let Some((k, v)) = items.iter().find(|(_, v)| v.len() > self.data) {
+            return Err(Status::invalid_argument(format!(
+                "the value of {} is {} bytes, longer than the {}-byte shared buffer",
+                String::from_utf8_lossy(k),
+                v.len(),
                 self.data
             )));
         }
-        let mut req =
-            request(GET_INTO, key).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if !self.puts.load(Ordering::Relaxed) {
+            return Err(Status::unimplemented(
+                "umbpd takes no puts from shared memory",
+            ));
+        }
+        while stored.len() < items.len() {
+            let next = &items[stored.len()..];
+            // Entries up to what one request frames and one answer holds, values up to the
+            // buffer (at least one: each fits alone).
+            let (mut packed, mut at, mut sent) = (Vec::new(), 0usize, 0usize);
+            for (key, value) in next.iter().take(PUT_MANY_MAX_KEYS) {
+                let key_len = u16::try_from(key.len()).map_err(|_| {
+                    Status::invalid_argument("a key too long for a same-host request")
+                })?;
+                if sent > 0
+                    && (packed.len() + 10 + key.len() > usize::from(u16::MAX)
+                        || at + value.len() > self.data)
+                {
+                    break;
+                }
+                packed.extend_from_slice(&key_len.to_le_bytes());
+                packed.extend_from_slice(key);
+                packed.extend_from_slice(&(value.len() as u64).to_le_bytes());
+                at = (at + value.len()).next_multiple_of(MANY_ALIGN as usize);
+                sent += 1;
+            }
+            let mut req = request(PUT_MANY_FROM, &packed)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            req.extend_from_slice(&0u64.to_le_bytes());
+            req.extend_from_slice(&(self.data as u64).to_le_bytes());
+            let write = || {
+                let mut at = 0usize;
+                for (_, value) in &next[..sent] {
+                    // SAFETY: value.len() bytes at `at`, inside the data (the packing above
+                    // stopped before a value that would reach past it); the connection's lock
+                    // is held, so no other call of this buffer uses its data meanwhile.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            value.as_ptr(),
+                            self.map.as_ptr().add(at),
+                            value.len(),
+                        )
+                    };
+                    at = (at + value.len()).next_multiple_of(MANY_ALIGN as usize);
+                }
+            };
+            let body = match self.call_after(write, &req) {
+                Ok(body) => body.unwrap_or_default(),
+                Err(s) if s.code() == tonic::Code::Unimplemented => {
+                    self.puts.store(false, Ordering::Relaxed);
+                    return Err(s);
+                }
+                Err(s) => return Err(s),
+            };
+            if body.is_empty() || body.len() > sent {
+                return Err(Status::internal(format!(
+                    "umbpd answered a batch of {sent} puts with {} statuses",
+                    body.len()
+                )));
+            }
+            stored.extend(body.iter().map(|&b| b == MANY_FOUND));
+        }
+        Ok(())
+    }
+
+    /// A request for `op` on `key` and a room of the data (`offset`, `len` bytes), checked to
+    /// lie inside it.
+    fn room_request(&self, op: u8, key: &[u8], offset: u64, len: u64) -> Result<Vec<u8>, Status> {
+        let in_range = offset
+            .checked_add(len)
+            .is_some_and(|end| end <= self.data as u64);
+        if !in_range {
+            return Err(Status::out_of_range(format!(
+                "{len} bytes at offset {offset} are outside the {}-byte shared buffer",
+                self.data
+            )));
+        }
+        let mut req = request(op, key).map_err(|e| Status::invalid_argument(e.to_string()))?;
         req.extend_from_slice(&offset.to_le_bytes());
-        req.extend_from_slice(&cap.to_le_bytes());
-        Ok(self.call(&req).and_then(length_of)?.map(|n| n as usize))
+        req.extend_from_slice(&len.to_le_bytes());
+        Ok(req)
     }
 }
 

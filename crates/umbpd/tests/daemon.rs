@@ -658,8 +658,9 @@ fn readers_of_a_killed_daemon_get_their_values_or_errors() {
     }
 }
 
-/// Two clients put different values under the same keys at once (small ops): for each key
-/// exactly one put stores, and both clients then read the winner's value.
+/// Two clients put different values under the same keys at once (through shared memory, the
+/// daemon being on this host): for each key exactly one put stores, and both clients then read
+/// the winner's value.
 #[test]
 fn racing_puts_on_one_key_have_one_winner() {
     const N: usize = 64;
@@ -686,7 +687,7 @@ fn racing_puts_on_one_key_have_one_winner() {
         let got = c.get(&key(i)).unwrap();
         assert_eq!(got, Some(bytes(winner * 1000 + i as u64, 4096)), "key {i}");
     }
-    assert!(c.health().unwrap().small_ops_served >= 2 * N as u64);
+    assert!(c.health().unwrap().same_host_served >= 2 * N as u64);
 }
 
 /// A bytes batch larger than one call carries (24 × 4 MiB = 96 MiB; calls carry 64 MiB of
@@ -847,9 +848,9 @@ fn byte_batch_gets_go_through_shared_memory_or_pipelined_over_small_ops_in_order
     let before = c.health().unwrap().small_ops_served;
     check_byte_batches(&c, |c| c.health().unwrap().same_host_served);
     assert_eq!(
-        c.health().unwrap().small_ops_served - before,
-        1,
-        "one small op: the socket's name"
+        c.health().unwrap().small_ops_served,
+        before,
+        "no small op (the staging buffer was made at the first put)"
     );
     mori_testutil::run_ignored_child(
         "byte_batch_child_over_small_ops",
@@ -882,16 +883,54 @@ fn byte_batch_child_over_small_ops() {
     assert!(again == got[..40], "the connection after a failed key");
 }
 
-/// A byte batch whose values are all large goes as single puts over small ops (the daemon
-/// counts each); a batch of small values goes in one gRPC call (it counts none). Both come
-/// back byte-exact, and a present key is not stored again either way.
+/// Byte batch puts to a standalone daemon on this host go through the client's staging
+/// buffer, large values and small (the daemon counts each key as same-host, no small op);
+/// with `MORI_UMBP_SHM=0` (the child below), as to a daemon elsewhere, a batch whose values
+/// are all large goes as single puts over small ops (the daemon counts each) and a batch of
+/// small values in one gRPC call (it counts none). All come back byte-exact, and a present key
+/// is not stored again either way.
 #[test]
-fn large_byte_batches_go_singly_over_small_ops_and_small_ones_in_one_message() {
+fn byte_batch_puts_go_through_shared_memory_or_by_size_over_small_ops_and_grpc() {
     let dir = tempfile::tempdir().unwrap();
     let d = Daemon::start(dir.path(), &["--dram-bytes", "64M"], &[]);
     let c = Client::connect(&d.addr).unwrap();
+    assert!(c.put(b"first", b"makes the staging buffer").unwrap());
+    let small_ops = c.health().unwrap().small_ops_served;
+    let counted = batch_puts(&c, "shm", &|c| c.health().unwrap().same_host_served);
+    assert_eq!(counted, (4, 4), "same-host puts of each batch");
+    assert_eq!(
+        c.health().unwrap().small_ops_served,
+        small_ops,
+        "a put took small ops"
+    );
+    mori_testutil::run_ignored_child(
+        "byte_batch_puts_child_by_size",
+        &[("MORI_UMBP_SHM", "0"), ("UMBP_TEST_ADDR", &d.addr)],
+    );
+}
+
+/// Run by the test above in a child process with `MORI_UMBP_SHM=0`.
+#[test]
+#[ignore = "run by byte_batch_puts_go_through_shared_memory_or_by_size_over_small_ops_and_grpc"]
+fn byte_batch_puts_child_by_size() {
+    let c = Client::connect(&std::env::var("UMBP_TEST_ADDR").unwrap()).unwrap();
+    let counted = batch_puts(&c, "sizes", &|c| c.health().unwrap().small_ops_served);
+    assert_eq!(
+        counted,
+        (4, 0),
+        "large: one small-ops put each; small: one gRPC call"
+    );
+}
+
+/// Puts a batch of four values of [`mori_umbpd::client::SINGLY_FROM_BYTES`], then a batch of
+/// four of 4 KiB, under keys starting with `prefix`; reads them back byte-exact and puts the
+/// first of each batch again (not stored). What `served` counted during each of the two
+/// batches.
+fn batch_puts(c: &Client, prefix: &str, served: &dyn Fn(&Client) -> u64) -> (u64, u64) {
     let large = mori_umbpd::client::SINGLY_FROM_BYTES;
-    let keys: Vec<Vec<u8>> = (0..8).map(key).collect();
+    let keys: Vec<Vec<u8>> = (0..8)
+        .map(|i| format!("{prefix}-{i}").into_bytes())
+        .collect();
     let values: Vec<Vec<u8>> = (0..8)
         .map(|i| bytes(i as u64 + 500, if i < 4 { large } else { 4096 }))
         .collect();
@@ -900,17 +939,12 @@ fn large_byte_batches_go_singly_over_small_ops_and_small_ones_in_one_message() {
         .zip(&values)
         .map(|(k, v)| (k.as_slice(), v.as_slice()))
         .collect();
-    let served = |c: &Client| c.health().unwrap().small_ops_served;
-    let before = served(&c);
+    let before = served(c);
     assert_eq!(c.batch_put(&items[..4]).unwrap(), vec![true; 4]);
-    assert_eq!(
-        served(&c) - before,
-        4,
-        "large values: one small-ops put each"
-    );
-    let before = served(&c);
+    let large_counted = served(c) - before;
+    let before = served(c);
     assert_eq!(c.batch_put(&items[4..]).unwrap(), vec![true; 4]);
-    assert_eq!(served(&c), before, "small values: one gRPC call");
+    let small_counted = served(c) - before;
     let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
     let got = c.batch_get(&refs).unwrap();
     for (i, g) in got.iter().enumerate() {
@@ -918,4 +952,5 @@ fn large_byte_batches_go_singly_over_small_ops_and_small_ones_in_one_message() {
     }
     assert_eq!(c.batch_put(&items[..1]).unwrap(), vec![false]);
     assert_eq!(c.batch_put(&items[4..5]).unwrap(), vec![false]);
+    (large_counted, small_counted)
 }

@@ -16,8 +16,8 @@ use common::{Daemon, bytes, opts, secret_file};
 use mori_auth::Secret;
 use mori_umbpd::shm::{
     ANSWER_AT, ANSWER_LEN_AT, ANSWERED_AT, CONTROL_BYTES, DOORBELL_ACK, GET_INTO, GET_MANY_INTO,
-    HELLO, HELLO_DOORBELL, MANY_ALIGN, MANY_FOUND, PURPOSE, REQUEST_AT, REQUEST_LEN_AT, RING_AT,
-    SHM_RING_AT, Staged, send_with_fd,
+    HELLO, HELLO_DOORBELL, MANY_ABSENT, MANY_ALIGN, MANY_FOUND, PURPOSE, PUT_FROM, PUT_MANY_FROM,
+    REQUEST_AT, REQUEST_LEN_AT, RING_AT, SHM_RING_AT, Staged, send_with_fd,
 };
 use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND};
 use mori_umbpd::{Client, ClientError};
@@ -125,13 +125,19 @@ fn hello_answer(s: &mut UnixStream) -> Result<u64, (i32, String)> {
     }
 }
 
-fn get_into_request(key: &[u8], offset: u64, cap: u64) -> Vec<u8> {
-    let mut r = vec![GET_INTO];
+/// A request for `op` on `key` (for a batch: its packed entries) and the room of `cap` bytes
+/// at `offset`.
+fn room_request(op: u8, key: &[u8], offset: u64, cap: u64) -> Vec<u8> {
+    let mut r = vec![op];
     r.extend_from_slice(&(key.len() as u16).to_le_bytes());
     r.extend_from_slice(key);
     r.extend_from_slice(&offset.to_le_bytes());
     r.extend_from_slice(&cap.to_le_bytes());
     r
+}
+
+fn get_into_request(key: &[u8], offset: u64, cap: u64) -> Vec<u8> {
+    room_request(GET_INTO, key, offset, cap)
 }
 
 /// Values of 1 B to 3 MiB land byte-exact at the offsets asked for, the bytes around them keep
@@ -261,6 +267,21 @@ fn a_cluster_peers_same_host_socket_refuses_strangers_and_bad_descriptors() {
     let (code, msg) = hello_answer(&mut s).unwrap_err();
     assert_eq!(code, tonic::Code::InvalidArgument as i32);
     assert!(msg.contains("not a memfd"), "{msg}");
+    // Puts through it are refused (a peer publishes its puts to the master over gRPC), and
+    // nothing is stored.
+    let db = RawDoorbells::connect(&name, 1 << 16);
+    db.write_at(0, &bytes(3, 100));
+    let mut db = db;
+    let (status, body) = db
+        .request(&room_request(PUT_FROM, b"peer-put", 0, 100), 3 + 8 + 16)
+        .unwrap();
+    assert_eq!(status, FAILED);
+    assert_eq!(
+        failed(&body).0,
+        tonic::Code::Unimplemented as i32,
+        "{}",
+        failed(&body).1
+    );
     // The cluster's own client still reads through it.
     let c = Client::connect_with(&master.addr, &opts(GOOD)).unwrap();
     let v = bytes(9, 3000);
@@ -268,6 +289,7 @@ fn a_cluster_peers_same_host_socket_refuses_strangers_and_bad_descriptors() {
     let served = direct.health().unwrap().same_host_served;
     assert_eq!(c.get(b"guarded").unwrap(), Some(v));
     assert_eq!(direct.health().unwrap().same_host_served, served + 1);
+    assert!(!c.exists(b"peer-put").unwrap(), "a refused put was stored");
 }
 
 /// The raw protocol from this process: without the secret nothing is served; with it, a
@@ -428,6 +450,13 @@ impl RawDoorbells {
         Some((a[0], a[5..].to_vec()))
     }
 
+    /// Writes `bytes` into the data area at `offset`.
+    fn write_at(&self, offset: usize, bytes: &[u8]) {
+        assert!(offset + bytes.len() <= self.data);
+        // SAFETY: inside the data area (checked).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.add(offset), bytes.len()) };
+    }
+
     /// The data area's bytes at `offset`.
     fn data_at(&self, offset: usize, n: usize) -> Vec<u8> {
         // SAFETY: inside the data area (the tests ask within it).
@@ -509,15 +538,189 @@ fn doorbells_serve_gets_in_the_control_block_and_refuse_what_reaches_past_the_da
     assert_eq!(c.health().unwrap().same_host_served, served + 1);
 }
 
+/// The entries of a batch of puts: each key's u16 length, the key, the value's u64 length.
+fn put_entries(items: &[(&[u8], usize)]) -> Vec<u8> {
+    let mut packed = Vec::new();
+    for (k, len) in items {
+        packed.extend_from_slice(&(k.len() as u16).to_le_bytes());
+        packed.extend_from_slice(k);
+        packed.extend_from_slice(&(*len as u64).to_le_bytes());
+    }
+    packed
+}
+
+/// Puts from shared memory on the raw protocol from this process (the daemon another, with
+/// doorbells): a value written in the data area is stored byte-exact under its key and read
+/// back by a client; a present key is answered ABSENT and keeps its value; a room reaching
+/// into the control block is refused OUT_OF_RANGE (nothing stored, the connection closed). A
+/// batch stores each value from its 64-byte-aligned place and answers a byte per key; one
+/// whose last value reaches past its room (OUT_OF_RANGE) or whose entries are cut short
+/// (INVALID_ARGUMENT) stores nothing, and the connection goes on. A client's own puts and
+/// batch puts take this path (each counted as same-host), byte-exact.
+#[test]
+fn puts_from_shared_memory_store_what_the_client_wrote_and_nothing_outside_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let name = c.same_host_socket().unwrap();
+    let data = 1 << 20;
+    let mut db = RawDoorbells::connect(&name, data);
+    let request = |db: &mut RawDoorbells, req: Vec<u8>| {
+        let len = req.len() as u32;
+        db.request(&req, len).expect("no answer")
+    };
+
+    let v1 = bytes(21, 100_000);
+    db.write_at(4096, &v1);
+    let (status, _) = request(
+        &mut db,
+        room_request(PUT_FROM, b"p1", 4096, v1.len() as u64),
+    );
+    assert_eq!(status, FOUND, "stored");
+    assert_eq!(c.get(b"p1").unwrap(), Some(v1.clone()));
+    db.write_at(4096, &bytes(22, 1000));
+    let (status, _) = request(&mut db, room_request(PUT_FROM, b"p1", 4096, 1000));
+    assert_eq!(status, ABSENT, "a present key");
+    assert_eq!(
+        c.get(b"p1").unwrap(),
+        Some(v1.clone()),
+        "a present key's value changed"
+    );
+
+    // A batch: values at 0, then at the next 64-byte boundaries; a present key answered so.
+    let (a, b) = (bytes(23, 5000), bytes(24, 70_000));
+    let b_at = 5000usize.next_multiple_of(MANY_ALIGN as usize);
+    let p_at = (b_at + b.len()).next_multiple_of(MANY_ALIGN as usize);
+    db.write_at(0, &a);
+    db.write_at(b_at, &b);
+    db.write_at(p_at, &[7u8; 10]);
+    let entries = put_entries(&[(b"m0", a.len()), (b"m1", b.len()), (b"p1", 10)]);
+    let (status, body) = request(
+        &mut db,
+        room_request(PUT_MANY_FROM, &entries, 0, data as u64),
+    );
+    assert_eq!(status, FOUND, "{:?}", failed(&body));
+    assert_eq!(body, vec![MANY_FOUND, MANY_FOUND, MANY_ABSENT]);
+    assert_eq!(c.get(b"m0").unwrap(), Some(a));
+    assert_eq!(c.get(b"m1").unwrap(), Some(b));
+    assert_eq!(c.get(b"p1").unwrap(), Some(v1));
+
+    // The last value reaches past the room: nothing of the batch stored, the connection goes on.
+    let entries = put_entries(&[(b"x0", 100), (b"x1", 1000)]);
+    let (status, body) = request(&mut db, room_request(PUT_MANY_FROM, &entries, 0, 1000));
+    assert_eq!(
+        (status, failed(&body).0),
+        (FAILED, tonic::Code::OutOfRange as i32)
+    );
+    // Entries cut short (inside the last value's length): refused, nothing stored.
+    let mut entries = put_entries(&[(b"y0", 100), (b"y1", 100)]);
+    entries.truncate(entries.len() - 3);
+    let (status, body) = request(&mut db, room_request(PUT_MANY_FROM, &entries, 0, 4096));
+    assert_eq!(
+        (status, failed(&body).0),
+        (FAILED, tonic::Code::InvalidArgument as i32)
+    );
+    for k in [&b"x0"[..], b"x1", b"y0", b"y1"] {
+        assert!(
+            !c.exists(k).unwrap(),
+            "{} stored",
+            String::from_utf8_lossy(k)
+        );
+    }
+
+    // A room that reaches into the control block: refused there, the connection closed.
+    let (status, body) = request(
+        &mut db,
+        room_request(PUT_FROM, b"out", data as u64 - 10, 100),
+    );
+    assert_eq!(
+        (status, failed(&body).0),
+        (FAILED, tonic::Code::OutOfRange as i32)
+    );
+    assert!(db.closed(), "the connection stayed open");
+    assert!(!c.exists(b"out").unwrap());
+
+    // The client's own puts and batch puts go this way, byte-exact and counted.
+    let h0 = c.health().unwrap();
+    let (keys, values) = put_sized(&c, "own", 700, &[1, 4096, 300_000]);
+    let batch: Vec<(Vec<u8>, Vec<u8>)> = (0..40)
+        .map(|i| {
+            (
+                format!("ob-{i}").into_bytes(),
+                bytes(800 + i, 1000 + 997 * i as usize),
+            )
+        })
+        .collect();
+    let items: Vec<(&[u8], &[u8])> = batch.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+    assert_eq!(c.batch_put(&items).unwrap(), vec![true; 40]);
+    let h1 = c.health().unwrap();
+    assert_eq!(h1.same_host_served - h0.same_host_served, 3 + 40);
+    assert_eq!(
+        h1.small_ops_served, h0.small_ops_served,
+        "a put took small ops"
+    );
+    for (k, v) in keys
+        .iter()
+        .zip(&values)
+        .chain(batch.iter().map(|(k, v)| (k, v)))
+    {
+        assert_eq!(c.get(k).unwrap().as_ref(), Some(v));
+    }
+}
+
+/// A client that keeps rewriting its buffer while the daemon stores from it cannot make the
+/// pool hold a value that fails its checksum: each racing put reads back whole (whatever bytes
+/// the daemon copied), never as a corrupt value; and a value stored while nothing raced reads
+/// back exact.
+#[test]
+fn a_put_racing_the_clients_own_writes_is_stored_with_a_matching_checksum() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let name = c.same_host_socket().unwrap();
+    let (data, len) = (4 << 20, 1 << 20);
+    let mut db = RawDoorbells::connect(&name, data);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let at = db.map as usize;
+    let scribbler = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut b = 0u8;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // SAFETY: the value's bytes at the start of the data area (mapped for the test).
+                unsafe { std::ptr::write_bytes(at as *mut u8, b, len) };
+                b = b.wrapping_add(1);
+            }
+        })
+    };
+    let keys: Vec<Vec<u8>> = (0..24).map(|i| format!("race-{i}").into_bytes()).collect();
+    for k in &keys {
+        let req = room_request(PUT_FROM, k, 0, len as u64);
+        let (status, body) = db.request(&req, req.len() as u32).expect("no answer");
+        assert_eq!(status, FOUND, "{:?}", failed(&body));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    scribbler.join().unwrap();
+    for k in &keys {
+        let got = c.get(k);
+        assert!(
+            matches!(&got, Ok(Some(v)) if v.len() == len),
+            "{}: {:?}",
+            String::from_utf8_lossy(k),
+            got.map(|v| v.map(|v| v.len()))
+        );
+    }
+    let calm = bytes(31, len);
+    db.write_at(0, &calm);
+    let req = room_request(PUT_FROM, b"calm", 0, len as u64);
+    assert_eq!(db.request(&req, req.len() as u32).unwrap().0, FOUND);
+    assert_eq!(c.get(b"calm").unwrap(), Some(calm));
+}
+
 /// A batch request of `packed` keys (each a u16 length and its bytes) into `cap` bytes at
 /// `offset`.
 fn get_many_request(packed: &[u8], offset: u64, cap: u64) -> Vec<u8> {
-    let mut r = vec![GET_MANY_INTO];
-    r.extend_from_slice(&(packed.len() as u16).to_le_bytes());
-    r.extend_from_slice(packed);
-    r.extend_from_slice(&offset.to_le_bytes());
-    r.extend_from_slice(&cap.to_le_bytes());
-    r
+    room_request(GET_MANY_INTO, packed, offset, cap)
 }
 
 fn packed(keys: &[&[u8]]) -> Vec<u8> {
@@ -662,8 +865,8 @@ fn single_gets_take_shared_memory_on_the_same_host_and_small_ops_beyond_it() {
     assert_eq!(c.get(b"nope").unwrap(), None);
     let h1 = c.health().unwrap();
     assert_eq!(h1.same_host_served - h0.same_host_served, 3);
-    // One small op: the first get asked the daemon for its socket's name.
-    assert_eq!(h1.small_ops_served - h0.small_ops_served, 1);
+    // No small op: the staging buffer was made at the first put.
+    assert_eq!(h1.small_ops_served, h0.small_ops_served);
     // Longer than the staging buffer: tried there (refused), then over small ops.
     assert_eq!(c.get(b"g-2").unwrap().as_deref(), Some(&values[2][..]));
     let h2 = c.health().unwrap();

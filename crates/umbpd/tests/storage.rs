@@ -118,12 +118,22 @@ fn set_fd_limit(pid: i32, soft: u64) {
     assert_eq!(rc, 0, "prlimit (write)");
 }
 
-/// Opens idle connections to the daemon until every descriptor number under `limit` is in
-/// use in process `pid` (its accept loop takes them). Returns the connections.
+/// Opens idle connections to the daemon until process `pid`'s descriptor table is full (its
+/// accept loop takes them): every number under `limit` in use but one when a thread waits in
+/// a blocking `accept` (the same-host socket's, once a client used it): Linux reserves the
+/// number that call will return before it waits, and /proc does not list it. Returns the
+/// connections.
 fn fill_fd_table(pid: i32, addr: &str, limit: u64) -> Vec<TcpStream> {
     let mut conns = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while (open_fds(pid).len() as u64) < limit {
+    let mut full_since: Option<Instant> = None;
+    // Full: every number, or all but one for 300 ms while connections wait to be accepted.
+    while (open_fds(pid).len() as u64) < limit
+        && full_since.is_none_or(|t| t.elapsed() < Duration::from_millis(300))
+    {
+        if full_since.is_none() && open_fds(pid).len() as u64 == limit - 1 {
+            full_since = Some(Instant::now());
+        }
         assert!(
             Instant::now() < deadline,
             "the fd table did not fill: {} of {limit} open",
@@ -180,7 +190,10 @@ fn sigterm_at_the_fd_limit_keeps_every_acknowledged_value() {
             Err(e) => panic!("put {i} failed at the fd limit: {e}"),
         }
     }
-    assert_eq!(open_fds(pid).len() as u64, limit, "the fd table is full");
+    assert!(
+        open_fds(pid).len() as u64 >= limit - 1,
+        "the fd table is full (but a number a blocked accept holds)"
+    );
     let s = c.stats().unwrap();
     assert!(s.demotions > 0, "{s:?}");
     drop(c);

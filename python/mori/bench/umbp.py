@@ -17,11 +17,12 @@ p50/p99 latency),
 and multi-client registered-buffer gets (1, 2, 4 client threads, each with its own client and
 engine, reading the same 1 MiB values; ``io_concurrent_gets``), and 4 KiB gets of bytes from the
 standalone daemon by 1 and 4 client threads, each with its own connection (``daemon_small_gets``:
-ops/s, p50/p99; the like-for-like of Redis's 4 clients). On the daemon's host single gets of the
-standalone daemon go through the client's shared staging buffer (``MORI_UMBP_SHM=0``: small
-ops, for comparison), and rows ``daemon-shm`` time get_into a slice of a buffer shared with the
-daemon, which copies each value straight there (not run with ``MORI_UMBP_SHM=0``; the memcpy bar
-is the ``daemon`` row's ``memcpy_into_gbps``). ``--only io`` runs just the
+ops/s, p50/p99; the like-for-like of Redis's 4 clients). On the daemon's host the standalone
+daemon's gets, puts and byte batches go through the client's shared staging buffer
+(``MORI_UMBP_SHM=0``: small ops and gRPC, for comparison), and rows ``daemon-shm`` time put_from
+and get_into a slice of a buffer shared with the daemon, which stores each value straight from
+there and copies it straight back (not run with ``MORI_UMBP_SHM=0``; the memcpy bar is the
+``daemon`` row's ``memcpy_into_gbps``). ``--only io`` runs just the
 cluster's mori.io rows and the multi-client gets.
 
 The daemon: ``--umbpd PATH``, else a release build of ``target/release/umbpd`` in this checkout
@@ -178,8 +179,10 @@ def _pool_rows(client, label: str, total_bytes: int, checks: Checks, reader=None
 
 
 def _shared_rows(client, label: str, total_bytes: int, checks: Checks) -> list[dict[str, Any]]:
-    """Single get_into of a slice of a buffer shared with a daemon on this host (the daemon
-    copies each value straight into it), by value size; the values as in _pool_rows."""
+    """Single put_from and get_into of a slice of a buffer shared with a daemon on this host
+    (the daemon stores each value straight from it, and copies it straight back), by value
+    size; the values as in _pool_rows (each put rewrites the 8 bytes of its index first), the
+    last one read back checks both."""
     rows = []
     rng = _rng()
     shared = client.shared_buffer(max(SIZES))
@@ -188,16 +191,24 @@ def _shared_rows(client, label: str, total_bytes: int, checks: Checks) -> list[d
         value = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
         keys = [f"{label}/{size}/{i}".encode() for i in range(n)]
         values = [i.to_bytes(8, "little") + value[8:] for i in range(n)]
-        client.batch_put(keys, values) if size < (512 << 10) else [client.put(k, v) for k, v in zip(keys, values)]
         out = shared[:size]
+        out[:] = np.frombuffer(value, np.uint8)
+        t0 = time.perf_counter()
+        for i, k in enumerate(keys):
+            out[:8] = np.frombuffer(i.to_bytes(8, "little"), np.uint8)
+            client.put_from(k, out)
+        t_put = time.perf_counter() - t0
+        out[:] = 0
         t_into = _timed_get_into(client, keys, out)
         ok = _same(checks, f"{label} {human_bytes(size)}: the last get_into", out.tobytes(), values[-1])
-        row = {"backend": label, "value_bytes": size, "batch": 1, "keys": n, "get_into_gbps": n * size / t_into / 1e9,
+        row = {"backend": label, "value_bytes": size, "batch": 1, "keys": n, "put_from_gbps": n * size / t_put / 1e9,
+               "put_from_ops": n / t_put, "get_into_gbps": n * size / t_into / 1e9,
                "get_into_ops": n / t_into, "verified": ok}
         for k in keys:
             client.remove(k)
         rows.append(row)
-        print(f"  {label:<10} {human_bytes(size):>8} ×1    get_into a shared slice {row['get_into_gbps']:6.2f} GB/s "
+        print(f"  {label:<10} {human_bytes(size):>8} ×1    put_from a shared slice {row['put_from_gbps']:6.2f} GB/s "
+              f"{row['put_from_ops']:9.0f}/s | get_into one {row['get_into_gbps']:6.2f} GB/s "
               f"{row['get_into_ops']:9.0f}/s", flush=True)
     return rows
 
@@ -635,7 +646,7 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         try:
             rows += _pool_rows(Client(master=addr), "daemon", 64 << 20, checks=checks)
             if os.environ.get("MORI_UMBP_SHM", "").strip() != "0":
-                print("  same host, a buffer shared with the daemon (get_into a slice of it):")
+                print("  same host, a buffer shared with the daemon (put_from and get_into a slice of it):")
                 rows += _shared_rows(Client(master=addr), "daemon-shm", 64 << 20, checks=checks)
             print("  small gets from several clients:")
             record["daemon_small_gets"] = _small_gets(addr, checks)
