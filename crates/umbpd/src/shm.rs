@@ -233,6 +233,12 @@ pub fn spin_window() -> Duration {
 /// process's time slice (shorter gaps: interrupts, or this process's own threads, which a
 /// spinner's yield serves and which end soon).
 const PREEMPTED: Duration = Duration::from_micros(500);
+/// A spinner yields its CPU every this many turns of its loop: several connections' threads
+/// spinning on one CPU (a daemon's, or a client's threads) then hand it to the one whose word
+/// just changed within a turn or two instead of spinning a while first. Every 64 turns, four
+/// client threads made about a third of the 4 KiB gets per second they make at every 4, for
+/// about 4 % more per get with one thread (benches/NOTES.md, "Spinners yield every few turns").
+const YIELD_EVERY: u32 = 4;
 /// After a spinner was off its CPU, its side sleeps at once (woken by the other side, with the
 /// scheduler's wake-up preference) for this long before it spins again; doubled each time a
 /// spin is caught again, up to [`CONTENDED_MAX`].
@@ -357,7 +363,7 @@ impl Control {
             }
             last = now;
             turns += 1;
-            if turns.is_multiple_of(64) {
+            if turns.is_multiple_of(YIELD_EVERY) {
                 std::thread::yield_now(); // other spinners on this CPU get their turn
             } else {
                 std::hint::spin_loop();
