@@ -243,6 +243,17 @@ impl DramArena {
     /// leaves zeros in `out`, never its bytes. `out` must be at least as long as the value
     /// ([`Error::InvalidArgument`] otherwise). Not a use.
     pub fn get_into(&self, key: &[u8], out: &mut [u8]) -> Result<Option<usize>> {
+        self.get_into_watched(key, out, None)
+    }
+
+    /// [`DramArena::get_into`] telling `progress(done, len)` after each chunk lands; on a
+    /// checksum failure (the bytes so far zeroed) it is told `(0, len)`.
+    pub fn get_into_watched(
+        &self,
+        key: &[u8],
+        out: &mut [u8],
+        mut progress: Option<&mut dyn FnMut(usize, usize)>,
+    ) -> Result<Option<usize>> {
         let Some((_, len)) = self.pages.locate(key) else {
             return Ok(None);
         };
@@ -256,9 +267,15 @@ impl DramArena {
         let read = self.read_chunks(key, |chunk| {
             dst[at..at + chunk.len()].copy_from_slice(chunk);
             at += chunk.len();
+            if let Some(p) = progress.as_deref_mut() {
+                p(at, len);
+            }
         });
         if read.is_err() {
             dst.fill(0);
+            if let Some(p) = progress {
+                p(0, len);
+            }
         }
         read
     }

@@ -60,7 +60,7 @@ pub use meta::{Location, MemoryStore, MetadataStore, Tier};
 pub use meta_redis::{RedisOptions, RedisStore};
 pub use pages::{PageTable, PinToken, Reserved};
 pub use pool::{
-    CloseReport, DramHolds, GpuTierConfig, LocalPool, PoolConfig, PoolStats, PutOutcome,
+    CloseReport, DramHolds, GpuTierConfig, LocalPool, PoolConfig, PoolStats, Progress, PutOutcome,
     PutReservation, ReadSlot, ReserveSlot, Residency, VerifyingReads,
 };
 pub use ssd::{CompactionReport, RecoveryReport, SsdConfig, SsdLog};

@@ -806,7 +806,21 @@ impl LocalPool {
     /// [`LocalPool::get`] otherwise. `out` must be at least as long as the value
     /// ([`Error::InvalidArgument`] otherwise; see [`LocalPool::location`] for the length).
     pub fn get_into(&self, key: &[u8], out: &mut [u8]) -> Result<Option<usize>> {
-        self.lock().read(&*self.meta, key, Out::Slice(out))
+        self.lock().read(&*self.meta, key, Out::Slice(out, None))
+    }
+
+    /// [`LocalPool::get_into`] that tells `progress(done, total)` as a DRAM value's bytes land
+    /// in `out` (at least every few tens of KiB, in order; the front `done` bytes are final
+    /// unless a later call says `done` 0: the value failed its checksum and is read again,
+    /// from its SSD copy, without progress). Values in other tiers land without progress.
+    pub fn get_into_watched(
+        &self,
+        key: &[u8],
+        out: &mut [u8],
+        progress: Progress<'_>,
+    ) -> Result<Option<usize>> {
+        self.lock()
+            .read(&*self.meta, key, Out::Slice(out, Some(progress)))
     }
 
     /// Stores `len` bytes of CUDA device memory at `src` (on device `device`) under `key`,
@@ -1294,10 +1308,14 @@ impl Drop for LocalPool {
 /// A value [`Inner::prefetch_ssd`] read from SSD (or why it could not).
 type Prefetched = Result<Option<Vec<u8>>>;
 
+/// Told `(done, total)` as a value's bytes land in a caller's slice ([`LocalPool::get_into_watched`]).
+pub type Progress<'a> = &'a mut dyn FnMut(usize, usize);
+
 /// Where a read puts the value.
 enum Out<'a> {
     Vec(&'a mut Vec<u8>),
-    Slice(&'a mut [u8]),
+    /// A caller's slice, and who is told as the bytes land (DRAM reads only).
+    Slice(&'a mut [u8], Option<Progress<'a>>),
     #[cfg(feature = "gpu")]
     Device(DeviceOut),
 }
@@ -1307,7 +1325,7 @@ impl Out<'_> {
     fn capacity(&self) -> Option<usize> {
         match self {
             Out::Vec(_) => None,
-            Out::Slice(s) => Some(s.len()),
+            Out::Slice(s, _) => Some(s.len()),
             #[cfg(feature = "gpu")]
             Out::Device(d) => Some(d.cap),
         }
@@ -1630,7 +1648,7 @@ impl Inner {
                         *v = bytes;
                         v.len()
                     }),
-                    Out::Slice(s) => gpu.read_into(key, s)?,
+                    Out::Slice(s, _) => gpu.read_into(key, s)?,
                     // SAFETY: `LocalPool::get_into_device`'s caller guarantees `cap` writable
                     // bytes at `ptr`.
                     #[cfg(feature = "gpu")]
@@ -1657,7 +1675,13 @@ impl Inner {
                         }
                         r
                     }
-                    Out::Slice(s) => self.dram.get_into(key, s),
+                    Out::Slice(s, progress) => {
+                        // Coerced one by one: an Option does not shorten the closure's lifetime.
+                        let progress = progress
+                            .as_deref_mut()
+                            .map(|p| p as &mut dyn FnMut(usize, usize));
+                        self.dram.get_into_watched(key, s, progress)
+                    }
                     #[cfg(feature = "gpu")]
                     Out::Device(d) => match self.dram.get(key) {
                         Ok(Some(bytes)) => d.write(bytes).map(|()| Some(bytes.len())),
@@ -1693,7 +1717,7 @@ impl Inner {
                 // A device buffer gets the value through host memory.
                 let mut staged = Vec::new();
                 let res = match &mut out {
-                    Out::Slice(s) => ssd.get_into(key, s),
+                    Out::Slice(s, _) => ssd.get_into(key, s),
                     other => {
                         let dst = match other {
                             Out::Vec(v) => &mut **v,
@@ -1724,7 +1748,7 @@ impl Inner {
                 self.counters.hits_ssd += 1;
                 let bytes = match &out {
                     Out::Vec(v) => v.as_slice(),
-                    Out::Slice(s) => s.get(..n).unwrap_or_default(),
+                    Out::Slice(s, _) => s.get(..n).unwrap_or_default(),
                     #[cfg(feature = "gpu")]
                     Out::Device(d) => {
                         d.write(&staged)?;

@@ -1462,3 +1462,50 @@ fn unsealed_puts_are_sealed_later() {
     assert_eq!(pool.stats().dram_checksum_errors, 1);
     ok(pool.check_consistency(), "consistency");
 }
+
+/// `get_into_watched` reports a DRAM value's landed bytes in order up to its length, each
+/// report's front bytes already final in the output; a value that fails its checksum is
+/// reported void (`done` 0 after more) and then served whole from its SSD copy.
+#[test]
+fn watched_gets_report_landed_bytes_and_void_them_on_a_checksum_failure() {
+    let dir = tempdir();
+    let cfg = PoolConfig::with_ssd(4 << 20, 4096, ssd_cfg(dir.path(), 4 << 20, 64 << 20));
+    let (pool, _) = open(&cfg);
+    let v = value(11, 2, 300_000);
+    put(&pool, b"w", &v);
+    let mut out = vec![0u8; v.len()];
+    let mut reports: Vec<(usize, usize)> = Vec::new();
+    let n = {
+        let out_at = out.as_ptr() as usize;
+        let mut progress = |done: usize, total: usize| {
+            // SAFETY: the front `done` bytes of `out`, final when reported (nothing else
+            // writes them meanwhile).
+            let landed = unsafe { std::slice::from_raw_parts(out_at as *const u8, done) };
+            assert_eq!(landed, &v[..done], "reported bytes not final");
+            reports.push((done, total));
+        };
+        ok(
+            pool.get_into_watched(b"w", &mut out, &mut progress),
+            "watched get",
+        )
+    };
+    assert_eq!((n, &out), (Some(v.len()), &v));
+    assert!(reports.len() > 1, "{reports:?}");
+    assert!(reports.windows(2).all(|w| w[0].0 < w[1].0), "{reports:?}");
+    assert_eq!(*reports.last().unwrap(), (v.len(), v.len()));
+
+    // An SSD copy, then a flipped byte in the DRAM copy: void, then the whole value.
+    ok(pool.evict(b"w"), "evict");
+    assert_eq!(get(&pool, b"w"), Some(v.clone()), "promoted");
+    let off = dram_offset(&pool, b"w");
+    flip_arena_byte(&pool, off + 250_000);
+    out.fill(0);
+    let mut reports: Vec<usize> = Vec::new();
+    let n = ok(
+        pool.get_into_watched(b"w", &mut out, &mut |done, _| reports.push(done)),
+        "watched get of a corrupt copy",
+    );
+    assert_eq!((n, &out), (Some(v.len()), &v), "served from the SSD copy");
+    assert_eq!(reports.last(), Some(&0), "not voided: {reports:?}");
+    assert!(reports.len() > 2, "{reports:?}");
+}

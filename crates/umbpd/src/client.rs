@@ -119,16 +119,19 @@ pub enum ClientError {
 /// Copies `value` into a buffer of its length from `sink`; returns the length.
 fn fill(sink: &mut dyn Sink, value: &[u8]) -> std::result::Result<usize, tonic::Status> {
     sink.buffer(value.len())
-        .map_err(|e| {
-            let what = format!("no buffer for a value of {} bytes: {e}", value.len());
-            // A buffer too small for the value is the caller's argument (as over small ops).
-            match e.kind() {
-                std::io::ErrorKind::InvalidInput => tonic::Status::invalid_argument(what),
-                _ => tonic::Status::resource_exhausted(what),
-            }
-        })?
+        .map_err(|e| no_buffer(value.len(), &e))?
         .copy_from_slice(value);
     Ok(value.len())
+}
+
+/// A sink that gave no buffer for a value of `len` bytes, as a status: a buffer too small for
+/// the value is the caller's argument (as over small ops).
+fn no_buffer(len: usize, e: &std::io::Error) -> tonic::Status {
+    let what = format!("no buffer for a value of {len} bytes: {e}");
+    match e.kind() {
+        std::io::ErrorKind::InvalidInput => tonic::Status::invalid_argument(what),
+        _ => tonic::Status::resource_exhausted(what),
+    }
 }
 
 /// An error and its sources, `: `-separated (tonic's transport error says only "transport
@@ -473,22 +476,17 @@ fn other_path(status: &tonic::Status) -> bool {
 }
 
 /// A single get through `staging` (a buffer shared with a daemon on this host): the daemon
-/// copies the value there, then it is copied into `sink`. `None` to take another path: the
-/// buffer busy with another thread's get, the value longer than the buffer, or no connection.
+/// copies the value there, and it is copied into `sink` (a large value while it lands,
+/// [`SharedBuffer::get_with`]). `None` to take another path: the buffer busy with another
+/// thread's get, the value longer than the buffer, or no connection.
 fn staged_get(
     staging: &Mutex<SharedBuffer>,
     key: &[u8],
     sink: &mut dyn Sink,
 ) -> Option<std::result::Result<Option<usize>, tonic::Status>> {
     let buf = staging.try_lock().ok()?;
-    match buf.get_into(key, 0, buf.len() as u64) {
-        Ok(None) => Some(Ok(None)),
-        Ok(Some(n)) => {
-            // SAFETY: the first n bytes of the mapping, which the daemon finished writing before
-            // it answered; the lock keeps other gets of this client out meanwhile.
-            let value = unsafe { std::slice::from_raw_parts(buf.as_ptr(), n) };
-            Some(fill(sink, value).map(Some))
-        }
+    match buf.get_with(key, sink) {
+        Ok(got) => Some(got.map_err(|(len, e)| no_buffer(len, &e))),
         Err(status) if status.code() == tonic::Code::InvalidArgument || other_path(&status) => None,
         Err(status) => Some(Err(status)),
     }

@@ -42,6 +42,15 @@
 //! client's memory may change while the daemon reads it; see `put_from` for why a stored
 //! value still matches its checksum. A cluster peer answers both `UNIMPLEMENTED`.
 //!
+//! [`GET_INTO_STREAMED`]: a [`GET_INTO`] whose answer is `FOUND` with the value's length and
+//! how many of its front bytes the published progress still describes (`u64` each). In the
+//! control block, for a value of at least [`STREAM_FROM`] bytes, the daemon publishes as the
+//! bytes land: the length at [`VALUE_LEN_AT`], the bytes landed at [`PROGRESS_AT`], then the
+//! request's ring number at [`PROGRESS_RING_AT`]; the client copies what landed while it waits
+//! for the answer, so the two copies overlap. A value that fails its checksum after progress
+//! was published is read again (from its SSD copy) and answered with 0 bytes holding: the
+//! client copies it again whole.
+//!
 //! Doorbells: a client that sends [`HELLO_DOORBELL`] instead hands over its buffer with a
 //! control block of [`CONTROL_BYTES`] at the end; the daemon agrees by answering the data's
 //! length (the buffer less the block: no value ever lands in the block) followed by
@@ -76,7 +85,7 @@ use tracing::debug;
 
 use crate::listener::ListenerStats;
 use crate::service::SharedPool;
-use crate::small_ops::{framed, read_answer, request};
+use crate::small_ops::{Sink, framed, read_answer, request};
 
 /// The handshake purpose of the same-host socket.
 pub const PURPOSE: &str = "umbpd-shm";
@@ -92,6 +101,13 @@ pub const PUT_FROM: u8 = 3;
 /// Request: store several values that lie one after another in the buffer, each under its
 /// key (a standalone daemon's, as [`PUT_FROM`]).
 pub const PUT_MANY_FROM: u8 = 4;
+/// Request: a [`GET_INTO`] whose value's bytes the client may copy out while they land: in the
+/// control block, the daemon publishes its progress on a value of at least [`STREAM_FROM`]
+/// bytes ([`PROGRESS_RING_AT`]); the answer adds how much of what it published still holds.
+pub const GET_INTO_STREAMED: u8 = 5;
+/// Values at least this long publish progress to a [`GET_INTO_STREAMED`] in the control block
+/// (shorter ones are copied out at once when answered).
+pub const STREAM_FROM: usize = 256 << 10;
 /// A batch's values start at multiples of this many bytes from the request's offset.
 pub const MANY_ALIGN: u64 = 64;
 /// Per key of a batch answer: absent.
@@ -126,6 +142,13 @@ pub const CLIENT_ASLEEP_AT: usize = 256;
 pub const REQUEST_LEN_AT: usize = 320;
 /// The answer's length, then its bytes at [`ANSWER_AT`].
 pub const ANSWER_LEN_AT: usize = 384;
+/// A streamed get's value length (`u32`, published before any progress).
+pub const VALUE_LEN_AT: usize = 448;
+/// A streamed get's bytes landed so far, from the data's start at the request's offset.
+pub const PROGRESS_AT: usize = 512;
+/// The ring number whose streamed get [`PROGRESS_AT`] and [`VALUE_LEN_AT`] describe; stored
+/// after them (release), so a client that reads its ring here reads them current.
+pub const PROGRESS_RING_AT: usize = 576;
 /// Where a request in the control block starts.
 pub const REQUEST_AT: usize = 4096;
 /// Its largest: a single get's head, key (up to `u16::MAX` bytes), offset and room.
@@ -335,11 +358,26 @@ impl Control {
         seen: u32,
         asleep_at: usize,
         spin: &mut Spin,
+        gone: impl FnMut() -> io::Result<bool>,
+    ) -> io::Result<Option<u32>> {
+        self.wait_watching(at, seen, asleep_at, spin, gone, &mut || false)
+    }
+
+    /// [`Control::wait`] that calls `turn()` at each turn of its spin: work to do while
+    /// waiting (a streamed get's copy); `true` when it did some, which starts the spin's
+    /// window again (the other side is busy for this request, not gone).
+    fn wait_watching(
+        &self,
+        at: usize,
+        seen: u32,
+        asleep_at: usize,
+        spin: &mut Spin,
         mut gone: impl FnMut() -> io::Result<bool>,
+        turn: &mut dyn FnMut() -> bool,
     ) -> io::Result<Option<u32>> {
         let word = self.word(at);
         let window = spin.window();
-        let start = std::time::Instant::now();
+        let mut start = std::time::Instant::now();
         let mut last = start;
         let mut turns = 0u32;
         let mut caught = false;
@@ -362,6 +400,9 @@ impl Control {
                 break;
             }
             last = now;
+            if turn() {
+                (start, last) = (now, std::time::Instant::now());
+            }
             turns += 1;
             if turns.is_multiple_of(YIELD_EVERY) {
                 std::thread::yield_now(); // other spinners on this CPU get their turn
@@ -854,6 +895,7 @@ fn serve(
         pool,
         stats,
         link,
+        in_block: None,
     };
     if let Some(rung) = rung {
         return conn.doorbells(&mut stream, rung, idle_timeout);
@@ -897,6 +939,9 @@ struct Served<'a> {
     pool: &'a SharedPool,
     stats: &'a ListenerStats,
     link: Option<&'a crate::peer::PeerLink>,
+    /// The ring number of the request being served from the control block (None: the
+    /// socket's).
+    in_block: Option<u32>,
 }
 
 impl Served<'_> {
@@ -914,7 +959,15 @@ impl Served<'_> {
         from.read_exact(&mut key)?;
         let mut where_ = [0u8; 16];
         from.read_exact(&mut where_)?;
-        if ![GET_INTO, GET_MANY_INTO, PUT_FROM, PUT_MANY_FROM].contains(&head[0]) {
+        if ![
+            GET_INTO,
+            GET_MANY_INTO,
+            PUT_FROM,
+            PUT_MANY_FROM,
+            GET_INTO_STREAMED,
+        ]
+        .contains(&head[0])
+        {
             let unknown = Status::unimplemented(format!("unknown same-host op {}", head[0]));
             answer(to, &Err(unknown))?;
             return Ok(false);
@@ -922,6 +975,8 @@ impl Served<'_> {
         let offset = u64::from_le_bytes(where_[..8].try_into().expect("8 bytes"));
         let cap = u64::from_le_bytes(where_[8..].try_into().expect("8 bytes"));
         let data = self.data;
+        // Raw words of the block (no borrow of the mapping): used with `out` below.
+        let ctl = Control::of(&self.map);
         let Some(out) = self.map.range_mut(offset, cap, data) else {
             answer(
                 to,
@@ -959,6 +1014,11 @@ impl Served<'_> {
             return Ok(true);
         }
         served(&key);
+        if head[0] == GET_INTO_STREAMED {
+            let got = streamed_get(self.pool, self.in_block.map(|ring| (ctl, ring)), &key, out);
+            answer(to, &got)?;
+            return Ok(true);
+        }
         let got = self
             .pool
             .with_status(|p| p.get_into(&key, out).map_err(crate::service::status_of));
@@ -1010,14 +1070,17 @@ impl Served<'_> {
             let mut from = request.as_slice();
             let mut head = [0u8; 3];
             from.read_exact(&mut head)?;
-            if ![GET_INTO, PUT_FROM, PUT_MANY_FROM].contains(&head[0]) {
+            if ![GET_INTO, GET_INTO_STREAMED, PUT_FROM, PUT_MANY_FROM].contains(&head[0]) {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
                     "only single gets and puts travel in the control block",
                 ));
             }
             let mut reply = Vec::with_capacity(16);
-            let keep = self.one(head, &mut from, &mut reply)?;
+            self.in_block = Some(ring);
+            let keep = self.one(head, &mut from, &mut reply);
+            self.in_block = None;
+            let keep = keep?;
             if reply.len() > ANSWER_MAX {
                 // Only a failure's message can be this long: said shorter.
                 reply.clear();
@@ -1035,6 +1098,47 @@ impl Served<'_> {
             }
         }
     }
+}
+
+/// Serves a [`GET_INTO_STREAMED`] of `key` into `out` (the request's room): `FOUND` with the
+/// value's length and how many of its front bytes the progress published in the control block
+/// (`block`: the control block and the request's ring; None on the socket: nothing published)
+/// still describes: the length, or 0 when the value failed its checksum after some progress
+/// was published and was read again (the client copies it again whole).
+fn streamed_get(
+    pool: &SharedPool,
+    block: Option<(Control, u32)>,
+    key: &[u8],
+    out: &mut [u8],
+) -> Result<Option<Vec<u8>>, Status> {
+    let (mut published, mut void) = (false, false);
+    let mut progress = |done: usize, total: usize| {
+        let Some((ctl, ring)) = &block else { return };
+        if void || total < STREAM_FROM || u32::try_from(total).is_err() {
+            return;
+        }
+        if done == 0 {
+            void = published; // read again: what was published no longer holds
+            return;
+        }
+        ctl.word(PROGRESS_AT).store(done as u32, Ordering::Release);
+        if !published {
+            ctl.word(VALUE_LEN_AT)
+                .store(total as u32, Ordering::Relaxed);
+            ctl.word(PROGRESS_RING_AT).store(*ring, Ordering::Release);
+            published = true;
+        }
+    };
+    let got = pool.with_status(|p| {
+        p.get_into_watched(key, out, &mut progress)
+            .map_err(crate::service::status_of)
+    })?;
+    Ok(got.map(|n| {
+        let holds = if void { 0 } else { n as u64 };
+        let mut body = (n as u64).to_le_bytes().to_vec();
+        body.extend_from_slice(&holds.to_le_bytes());
+        body
+    }))
 }
 
 /// Stores `value` (in the client's buffer) under `key`: whether stored (false: the key was
@@ -1212,11 +1316,14 @@ impl Conn {
         Ok(())
     }
 
-    /// A single request and its answer through the control block (doorbells).
+    /// A single request and its answer through the control block (doorbells), calling
+    /// `turn(ring)` (the request's ring number) at each turn of the wait for the answer, as
+    /// [`Control::wait_watching`].
     fn in_control_block(
         &mut self,
         map: &Mapping,
         req: &[u8],
+        turn: &mut dyn FnMut(u32) -> bool,
     ) -> io::Result<Result<Option<Vec<u8>>, Status>> {
         if req.len() > REQUEST_MAX {
             return Err(io::Error::new(
@@ -1232,9 +1339,16 @@ impl Conn {
         ctl.ring(RING_AT, ring, DAEMON_ASLEEP_AT);
         loop {
             let stream = &self.stream;
-            match ctl.wait(ANSWERED_AT, seen, CLIENT_ASLEEP_AT, &mut self.spin, || {
-                closed(stream)
-            })? {
+            let gone = || closed(stream);
+            let mut turn = || turn(ring);
+            match ctl.wait_watching(
+                ANSWERED_AT,
+                seen,
+                CLIENT_ASLEEP_AT,
+                &mut self.spin,
+                gone,
+                &mut turn,
+            )? {
                 Some(answered) if answered == ring => break,
                 Some(answered) => seen = answered,
                 None => {
@@ -1248,6 +1362,76 @@ impl Conn {
         let reply = ctl.take(ANSWER_LEN_AT, ANSWER_AT, ANSWER_MAX)?;
         let mut body = Vec::new();
         Ok(read_answer(&mut reply.as_slice(), &mut body)?.map(|found| found.map(|_| body)))
+    }
+}
+
+/// What a [`SharedBuffer::get_with`] put in its sink: the value's length (None: absent), or
+/// the sink's failure to give a buffer for a value of that many bytes.
+pub type SinkGot = Result<Option<usize>, (usize, io::Error)>;
+
+/// The client's side of a [`GET_INTO_STREAMED`]: copies what the daemon published as landed
+/// into the sink's buffer while it waits for the answer.
+struct Streamed<'s> {
+    /// Until its buffer is taken (at the first progress, or the answer).
+    sink: Option<&'s mut dyn Sink>,
+    dst: Option<&'s mut [u8]>,
+    /// The ring number the copy so far belongs to (a retry's new ring starts again).
+    ring: Option<u32>,
+    /// The front bytes of the value copied into `dst`.
+    copied: usize,
+}
+
+impl<'s> Streamed<'s> {
+    /// One turn of the wait for ring `ring`: copies what landed since the last turn from the
+    /// data at `data` (`data_len` bytes); whether it copied anything.
+    fn watch(&mut self, ctl: &Control, ring: u32, data: *const u8, data_len: usize) -> bool {
+        if ctl.word(PROGRESS_RING_AT).load(Ordering::Acquire) != ring {
+            return false;
+        }
+        if self.ring != Some(ring) {
+            (self.ring, self.copied) = (Some(ring), 0);
+        }
+        let len = ctl.word(VALUE_LEN_AT).load(Ordering::Relaxed) as usize;
+        let done = ctl.word(PROGRESS_AT).load(Ordering::Acquire) as usize;
+        let done = done.min(len).min(data_len);
+        if done <= self.copied || self.buffer(len).is_err() {
+            return false;
+        }
+        let Some(dst) = self.dst.as_deref_mut().filter(|d| d.len() >= done) else {
+            return false;
+        };
+        // SAFETY: bytes copied..done of the data, which the daemon wrote before it published
+        // `done` (release; read above with acquire) and does not write again for this ring.
+        let landed =
+            unsafe { std::slice::from_raw_parts(data.add(self.copied), done - self.copied) };
+        dst[self.copied..done].copy_from_slice(landed);
+        self.copied = done;
+        true
+    }
+
+    /// The sink's buffer for a value of `len` bytes, taken once.
+    fn buffer(&mut self, len: usize) -> io::Result<()> {
+        if let Some(sink) = self.sink.take() {
+            self.dst = Some(Sink::buffer(sink, len)?);
+        }
+        match &self.dst {
+            Some(d) if d.len() == len => Ok(()),
+            _ => Err(io::Error::other(format!(
+                "a value of {len} bytes after progress on another length"
+            ))),
+        }
+    }
+
+    /// Copies the rest of the `len`-byte value (answered) from the data at `data`.
+    fn finish(&mut self, data: *const u8, len: usize) -> io::Result<()> {
+        self.buffer(len)?;
+        let dst = self.dst.as_deref_mut().expect("taken by buffer");
+        // SAFETY: the first len bytes of the data (len <= its length, checked by the caller),
+        // which the daemon finished writing before it answered.
+        let value = unsafe { std::slice::from_raw_parts(data, len) };
+        dst[self.copied..].copy_from_slice(&value[self.copied..]);
+        self.copied = len;
+        Ok(())
     }
 }
 
@@ -1268,6 +1452,9 @@ pub struct SharedBuffer {
     /// Cleared once the daemon answered a batch `UNIMPLEMENTED` (a daemon older than
     /// [`GET_MANY_INTO`]): batches then take other paths without asking again.
     batches: std::sync::atomic::AtomicBool,
+    /// Cleared once the daemon answered [`GET_INTO_STREAMED`] `UNIMPLEMENTED` (older than
+    /// it): single gets are then copied out once answered, without asking again.
+    streams: std::sync::atomic::AtomicBool,
     /// Cleared once the daemon answered a put `UNIMPLEMENTED` (a cluster peer, or a daemon
     /// older than [`PUT_FROM`]): puts then take other paths without asking again.
     puts: std::sync::atomic::AtomicBool,
@@ -1299,6 +1486,7 @@ impl SharedBuffer {
             stream: std::sync::Mutex::new(None),
             batches: std::sync::atomic::AtomicBool::new(true),
             puts: std::sync::atomic::AtomicBool::new(true),
+            streams: std::sync::atomic::AtomicBool::new(true),
             doorbells: std::sync::atomic::AtomicBool::new(doorbells),
         };
         let conn = buf.handshake()?;
@@ -1349,6 +1537,17 @@ impl SharedBuffer {
     /// [`Self::call`] that first runs `write` (which writes the request's bytes into the
     /// buffer) while holding the connection, so no other call of this buffer comes between.
     fn call_after(&self, write: impl FnOnce(), req: &[u8]) -> Result<Option<Vec<u8>>, Status> {
+        self.call_watching(write, req, &mut |_| false)
+    }
+
+    /// [`Self::call_after`] calling `turn(ring)` while it waits for a control-block answer,
+    /// as [`Control::wait_watching`] (a retry on a new connection has a new ring number).
+    fn call_watching(
+        &self,
+        write: impl FnOnce(),
+        req: &[u8],
+        turn: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Option<Vec<u8>>, Status> {
         let mut slot = self
             .stream
             .lock()
@@ -1357,9 +1556,12 @@ impl SharedBuffer {
         loop {
             let fresh = slot.is_none();
             let conn = self.connected(&mut slot)?;
-            let in_block = matches!(req.first(), Some(&(GET_INTO | PUT_FROM | PUT_MANY_FROM)));
+            let in_block = matches!(
+                req.first(),
+                Some(&(GET_INTO | GET_INTO_STREAMED | PUT_FROM | PUT_MANY_FROM))
+            );
             let answer = if conn.doorbells && in_block {
-                conn.in_control_block(&self.map, req)
+                conn.in_control_block(&self.map, req, turn)
             } else {
                 let mut body = Vec::new();
                 conn.send(&self.map, req)
@@ -1585,6 +1787,80 @@ impl SharedBuffer {
     pub fn get_into(&self, key: &[u8], offset: u64, cap: u64) -> Result<Option<usize>, Status> {
         let req = self.room_request(GET_INTO, key, offset, cap)?;
         Ok(self.call(&req).and_then(length_of)?.map(|n| n as usize))
+    }
+
+    /// The value of `key` into `sink` through the buffer (the whole data as the room): its
+    /// length, None when absent. With doorbells a value of [`STREAM_FROM`] bytes or more is
+    /// copied into `sink` while the daemon copies it into the buffer ([`GET_INTO_STREAMED`]),
+    /// so the two copies overlap; otherwise, and from a daemon older than streamed gets (not
+    /// asked again), it is copied out once answered. A value longer than the buffer fails
+    /// `INVALID_ARGUMENT`. The inner error: the sink had no buffer for the value (its length,
+    /// and why). On any failure `sink` may hold part of a value (discard it).
+    pub fn get_with(&self, key: &[u8], sink: &mut dyn Sink) -> Result<SinkGot, Status> {
+        if !self.streams.load(Ordering::Relaxed) {
+            return self.get_then_copy(key, sink);
+        }
+        let req = self.room_request(GET_INTO_STREAMED, key, 0, self.data as u64)?;
+        let ctl = Control::of(&self.map);
+        let mut stream = Streamed {
+            sink: Some(sink),
+            dst: None,
+            ring: None,
+            copied: 0,
+        };
+        let answer = self.call_watching(|| {}, &req, &mut |ring| {
+            stream.watch(&ctl, ring, self.map.as_ptr(), self.data)
+        });
+        let body = match answer {
+            Ok(Some(body)) => body,
+            Ok(None) => return Ok(Ok(None)),
+            Err(s) if s.code() == tonic::Code::Unimplemented => {
+                self.streams.store(false, Ordering::Relaxed);
+                let Streamed {
+                    sink: Some(sink), ..
+                } = stream
+                else {
+                    return Err(s); // nothing is published without the op
+                };
+                return self.get_then_copy(key, sink);
+            }
+            Err(s) => return Err(s),
+        };
+        if body.len() != 16 {
+            return Err(Status::internal(format!(
+                "umbpd answered a streamed get with {} bytes",
+                body.len()
+            )));
+        }
+        let len = u64::from_le_bytes(body[..8].try_into().expect("8 bytes"));
+        let holds = u64::from_le_bytes(body[8..].try_into().expect("8 bytes"));
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&n| n <= self.data)
+            .ok_or_else(|| Status::internal(format!("umbpd answered a get of {len} bytes")))?;
+        if holds != len as u64 {
+            stream.copied = 0; // read again after a checksum failure: what was copied is void
+        }
+        Ok(stream
+            .finish(self.map.as_ptr(), len)
+            .map(|()| Some(len))
+            .map_err(|e| (len, e)))
+    }
+
+    /// [`Self::get_into`] the whole data, then the value copied into `sink`.
+    fn get_then_copy(&self, key: &[u8], sink: &mut dyn Sink) -> Result<SinkGot, Status> {
+        let Some(n) = self.get_into(key, 0, self.data as u64)? else {
+            return Ok(Ok(None));
+        };
+        Ok(match sink.buffer(n) {
+            Ok(dst) => {
+                // SAFETY: the first n bytes of the data, which the daemon finished writing
+                // before it answered; the caller holds this buffer for the call.
+                dst.copy_from_slice(unsafe { std::slice::from_raw_parts(self.map.as_ptr(), n) });
+                Ok(Some(n))
+            }
+            Err(e) => Err((n, e)),
+        })
     }
 
     /// Has the daemon store the `len` bytes at `offset` under `key` ([`PUT_FROM`]): whether

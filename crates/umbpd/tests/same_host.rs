@@ -15,9 +15,10 @@ use std::path::Path;
 use common::{Daemon, bytes, opts, secret_file};
 use mori_auth::Secret;
 use mori_umbpd::shm::{
-    ANSWER_AT, ANSWER_LEN_AT, ANSWERED_AT, CONTROL_BYTES, DOORBELL_ACK, GET_INTO, GET_MANY_INTO,
-    HELLO, HELLO_DOORBELL, MANY_ABSENT, MANY_ALIGN, MANY_FOUND, PURPOSE, PUT_FROM, PUT_MANY_FROM,
-    REQUEST_AT, REQUEST_LEN_AT, RING_AT, SHM_RING_AT, Staged, send_with_fd,
+    ANSWER_AT, ANSWER_LEN_AT, ANSWERED_AT, CONTROL_BYTES, DOORBELL_ACK, GET_INTO,
+    GET_INTO_STREAMED, GET_MANY_INTO, HELLO, HELLO_DOORBELL, MANY_ABSENT, MANY_ALIGN, MANY_FOUND,
+    PROGRESS_AT, PROGRESS_RING_AT, PURPOSE, PUT_FROM, PUT_MANY_FROM, REQUEST_AT, REQUEST_LEN_AT,
+    RING_AT, SHM_RING_AT, STREAM_FROM, Staged, VALUE_LEN_AT, send_with_fd,
 };
 use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND};
 use mori_umbpd::{Client, ClientError};
@@ -664,6 +665,48 @@ fn puts_from_shared_memory_store_what_the_client_wrote_and_nothing_outside_it() 
         .zip(&values)
         .chain(batch.iter().map(|(k, v)| (k, v)))
     {
+        assert_eq!(c.get(k).unwrap().as_ref(), Some(v));
+    }
+}
+
+/// Streamed gets on the raw protocol (the daemon another process): a value of at least
+/// `STREAM_FROM` bytes lands byte-exact and its progress words name this request's ring, the
+/// value's length and all of it landed, the answer its length twice (all of it holds); a
+/// shorter value publishes nothing (the words keep the earlier ring); an absent key answers
+/// ABSENT; a client's single gets of large values read back byte-exact through this path.
+#[test]
+fn streamed_gets_publish_their_progress_for_large_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let (keys, values) = put_sized(&c, "st", 40, &[STREAM_FROM, 3 << 20, 4096]);
+    let name = c.same_host_socket().unwrap();
+    let mut db = RawDoorbells::connect(&name, 4 << 20);
+    let load = |db: &RawDoorbells, at| db.word(at).load(std::sync::atomic::Ordering::SeqCst);
+    for (k, v) in keys.iter().zip(&values).take(2) {
+        let req = room_request(GET_INTO_STREAMED, k, 0, 4 << 20);
+        let (status, body) = db.request(&req, req.len() as u32).unwrap();
+        assert_eq!(status, FOUND, "{:?}", failed(&body));
+        let len = v.len() as u64;
+        assert_eq!((length(&body[..8]), length(&body[8..])), (len, len));
+        assert_eq!(db.data_at(0, v.len()), *v);
+        assert_eq!(load(&db, PROGRESS_RING_AT), db.ring);
+        assert_eq!(load(&db, VALUE_LEN_AT) as u64, len);
+        assert_eq!(load(&db, PROGRESS_AT) as u64, len);
+    }
+    let published = load(&db, PROGRESS_RING_AT);
+    let req = room_request(GET_INTO_STREAMED, &keys[2], 0, 4 << 20);
+    let (status, body) = db.request(&req, req.len() as u32).unwrap();
+    assert_eq!((status, length(&body[..8])), (FOUND, 4096));
+    assert_eq!(db.data_at(0, 4096), values[2]);
+    assert_eq!(
+        load(&db, PROGRESS_RING_AT),
+        published,
+        "a short value published progress"
+    );
+    let req = room_request(GET_INTO_STREAMED, b"absent", 0, 4 << 20);
+    assert_eq!(db.request(&req, req.len() as u32).unwrap().0, ABSENT);
+    for (k, v) in keys.iter().zip(&values) {
         assert_eq!(c.get(k).unwrap().as_ref(), Some(v));
     }
 }
