@@ -1379,6 +1379,8 @@ struct Streamed<'s> {
     ring: Option<u32>,
     /// The front bytes of the value copied into `dst`.
     copied: usize,
+    /// Why the sink gave no buffer (reported with the answer).
+    failed: Option<io::Error>,
 }
 
 impl<'s> Streamed<'s> {
@@ -1397,7 +1399,7 @@ impl<'s> Streamed<'s> {
         if done <= self.copied || self.buffer(len).is_err() {
             return false;
         }
-        let Some(dst) = self.dst.as_deref_mut().filter(|d| d.len() >= done) else {
+        let Some(dst) = self.dst.as_deref_mut().filter(|d| d.len() == len) else {
             return false;
         };
         // SAFETY: bytes copied..done of the data, which the daemon wrote before it published
@@ -1409,23 +1411,31 @@ impl<'s> Streamed<'s> {
         true
     }
 
-    /// The sink's buffer for a value of `len` bytes, taken once.
-    fn buffer(&mut self, len: usize) -> io::Result<()> {
+    /// The sink's buffer for a value of `len` bytes, asked for once (the length is checked
+    /// against the answer's before the last copy); a failure is kept for the answer.
+    fn buffer(&mut self, len: usize) -> Result<(), ()> {
         if let Some(sink) = self.sink.take() {
-            self.dst = Some(Sink::buffer(sink, len)?);
+            match Sink::buffer(sink, len) {
+                Ok(dst) => self.dst = Some(dst),
+                Err(e) => self.failed = Some(e),
+            }
         }
-        match &self.dst {
-            Some(d) if d.len() == len => Ok(()),
-            _ => Err(io::Error::other(format!(
-                "a value of {len} bytes after progress on another length"
-            ))),
+        if self.failed.is_some() {
+            Err(())
+        } else {
+            Ok(())
         }
     }
 
     /// Copies the rest of the `len`-byte value (answered) from the data at `data`.
     fn finish(&mut self, data: *const u8, len: usize) -> io::Result<()> {
-        self.buffer(len)?;
-        let dst = self.dst.as_deref_mut().expect("taken by buffer");
+        let _ = self.buffer(len);
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        let Some(dst) = self.dst.as_deref_mut() else {
+            return Err(io::Error::other("no buffer for the value"));
+        };
         // SAFETY: the first len bytes of the data (len <= its length, checked by the caller),
         // which the daemon finished writing before it answered.
         let value = unsafe { std::slice::from_raw_parts(data, len) };
@@ -1807,6 +1817,7 @@ impl SharedBuffer {
             dst: None,
             ring: None,
             copied: 0,
+            failed: None,
         };
         let answer = self.call_watching(|| {}, &req, &mut |ring| {
             stream.watch(&ctl, ring, self.map.as_ptr(), self.data)
@@ -1838,6 +1849,11 @@ impl SharedBuffer {
             .ok()
             .filter(|&n| n <= self.data)
             .ok_or_else(|| Status::internal(format!("umbpd answered a get of {len} bytes")))?;
+        if stream.dst.as_ref().is_some_and(|d| d.len() != len) {
+            return Err(Status::internal(format!(
+                "umbpd answered a get of {len} bytes after progress on another length"
+            )));
+        }
         if holds != len as u64 {
             stream.copied = 0; // read again after a checksum failure: what was copied is void
         }

@@ -709,6 +709,23 @@ fn streamed_gets_publish_their_progress_for_large_values() {
     for (k, v) in keys.iter().zip(&values) {
         assert_eq!(c.get(k).unwrap().as_ref(), Some(v));
     }
+    // A caller's buffer too small for a streamed value: the caller's argument, as before.
+    let err = c.get_with(&keys[1], &mut SmallSink(1 << 20)).unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::InvalidArgument), "{err}");
+    assert_eq!(c.get(&keys[1]).unwrap().as_ref(), Some(&values[1]));
+}
+
+/// A sink that refuses every value as too long for its buffer of `.0` bytes (as a caller's
+/// buffer refuses a longer value).
+struct SmallSink(usize);
+
+impl mori_umbpd::small_ops::Sink for SmallSink {
+    fn buffer(&mut self, len: usize) -> std::io::Result<&mut [u8]> {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{len} bytes for a buffer of {}", self.0),
+        ))
+    }
 }
 
 /// A client that keeps rewriting its buffer while the daemon stores from it cannot make the
