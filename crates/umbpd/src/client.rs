@@ -382,6 +382,9 @@ struct Cluster {
     small_peers: Mutex<HashMap<u64, (String, Arc<SmallOpsClient>)>>,
     /// Small ops to the master (a single get's route); `None` with `MORI_UMBP_SMALL_OPS=0`.
     master_small: Option<SmallOpsClient>,
+    /// Cleared once the master refused [`small_ops::ROUTE_GET_UNLEASED`] (older than it):
+    /// single gets then ask [`small_ops::ROUTE_GET`] and release its lease.
+    unleased_routes: std::sync::atomic::AtomicBool,
 }
 
 /// A staging buffer shared with a daemon on this host, for single gets.
@@ -829,6 +832,27 @@ impl Cluster {
     }
 
     /// Releases read lease `lease_id` (0: none) in the background.
+    /// A single get's route from the master over small ops: without a lease (the get reads
+    /// the value in one request its peer answers under its pool's lock), or, from a master
+    /// older than that (it answers `INVALID_ARGUMENT` and closes the connection; not asked
+    /// again), with one. `None` as [`SmallOpsClient::call`].
+    fn route_of_one(&self, m: &SmallOpsClient, key: &[u8]) -> Option<small_ops::Answer> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.unleased_routes.load(Relaxed) {
+            match m.call(small_ops::ROUTE_GET_UNLEASED, key, None)? {
+                Err(s)
+                    if s.code() == tonic::Code::InvalidArgument
+                        && s.message().starts_with(small_ops::UNKNOWN_REQUEST) =>
+                {
+                    tracing::debug!("the master routes no unleased gets; asking with leases");
+                    self.unleased_routes.store(false, Relaxed);
+                }
+                answer => return Some(answer),
+            }
+        }
+        m.call(small_ops::ROUTE_GET, key, None)
+    }
+
     fn release_lease(&self, lease_id: u64) {
         if lease_id != 0 {
             let mut m = self.master.clone();
@@ -1176,6 +1200,7 @@ impl Client {
                         call_timeout,
                     )
                 }),
+                unleased_routes: std::sync::atomic::AtomicBool::new(true),
             }
         });
         // A standalone daemon answers single gets, existence checks and puts over small ops (one
@@ -1390,10 +1415,7 @@ impl Client {
                 None => {} // the peer does not speak small ops: the master's route and gRPC
             }
         }
-        let small_route = c
-            .master_small
-            .as_ref()
-            .and_then(|m| m.call(small_ops::ROUTE_GET, key, None));
+        let small_route = c.master_small.as_ref().and_then(|m| c.route_of_one(m, key));
         let (route, lease_id) = match small_route {
             Some(answer) => match answer? {
                 Some(body) => {

@@ -614,6 +614,18 @@ impl MasterCore {
     /// Routes reads of `keys`: per key its peer (`None`: a miss), and one lease over the keys
     /// found (lease id 0 when none was). Renews each found key in the LRU order.
     pub fn route_get(&mut self, keys: &[&[u8]]) -> Result<(Vec<Option<Route>>, u64)> {
+        self.route_reads(keys, true)
+    }
+
+    /// [`MasterCore::route_get`] without a lease, for a reader that reads each value in one
+    /// request its peer answers under its pool's lock (a remove then comes before or after
+    /// that read, never during it): the same routes and LRU renewal.
+    pub fn route_get_unleased(&mut self, keys: &[&[u8]]) -> Result<Vec<Option<Route>>> {
+        Ok(self.route_reads(keys, false)?.0)
+    }
+
+    /// Routes reads of `keys`, with a lease over those found when `lease`.
+    fn route_reads(&mut self, keys: &[&[u8]], lease: bool) -> Result<(Vec<Option<Route>>, u64)> {
         self.sweep()?;
         let found = self.meta.batch_get(keys)?;
         let mut out = Vec::with_capacity(keys.len());
@@ -641,7 +653,7 @@ impl MasterCore {
             leased.push(key.to_vec());
             out.push(Some(route));
         }
-        let lease = if leased.is_empty() {
+        let lease = if leased.is_empty() || !lease {
             0
         } else {
             let id = self.next_lease;
@@ -986,9 +998,16 @@ mod tests {
         let a = m.register("127.0.0.1:1", load(1 << 20, 0, 0)).unwrap();
         put_one(&mut m, b"k", 4, "127.0.0.1");
         put_one(&mut m, b"j", 4, "127.0.0.1");
-        // exists never takes a lease: remove proceeds at once.
+        // exists never takes a lease, nor does an unleased route (the same route as a
+        // leased one): remove proceeds at once.
         assert_eq!(m.exists(&[b"j"]).unwrap(), vec![true]);
+        let unleased = m.route_get_unleased(&[b"j", b"nowhere"]).unwrap();
         assert_eq!(m.lease_count(), 0);
+        assert_eq!(unleased[0].as_ref().map(|r| r.peer), Some(a));
+        assert_eq!(unleased[1], None);
+        let (leased, lease) = m.route_get(&[b"j", b"nowhere"]).unwrap();
+        assert_eq!((leased, m.lease_count()), (unleased, 1));
+        assert!(m.release(lease).unwrap());
         assert!(
             matches!(m.remove_step(b"j").unwrap(), RemoveStep::Removed { peer, addr: Some(_) } if peer == a)
         );

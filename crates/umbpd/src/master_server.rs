@@ -166,6 +166,17 @@ impl MasterService {
             })
             .await
     }
+
+    /// Where `key` lives (`None`: a miss), without a read lease
+    /// ([`crate::master::MasterCore::route_get_unleased`]; small ops' `ROUTE_GET_UNLEASED`).
+    pub(crate) async fn route_unleased(
+        &self,
+        key: Vec<u8>,
+    ) -> Result<Option<crate::master::Route>, Status> {
+        self.state
+            .with(move |m| Ok(m.route_get_unleased(&[&key])?.pop().flatten()))
+            .await
+    }
 }
 
 fn load_of(report: Option<PeerReport>) -> PeerLoad {

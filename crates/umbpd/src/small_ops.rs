@@ -61,6 +61,14 @@ pub const ROUTE_GET: u8 = 4;
 /// Request to a daemon with a pool: its same-host socket's name ([`crate::shm`]; the key is
 /// empty, [`ABSENT`] when it serves none).
 pub const SHM_NAME: u8 = 5;
+/// Request to a master: [`ROUTE_GET`] without a read lease (the answer's lease id is 0), for a
+/// single get that reads the value in one request to its peer, which answers it under its
+/// pool's lock: nothing to release afterwards. A master older than it closes the connection
+/// after answering `INVALID_ARGUMENT`.
+pub const ROUTE_GET_UNLEASED: u8 = 6;
+/// How the message of the `INVALID_ARGUMENT` answer to a request a daemon does not serve
+/// starts (the daemon then closes the connection).
+pub const UNKNOWN_REQUEST: &str = "unknown request";
 /// Answer: the key is absent (for [`PUT`]: it was present, nothing stored).
 pub const ABSENT: u8 = 0;
 /// Answer: the key is present (and, for [`GET`], its value follows; for [`PUT`]: stored).
@@ -98,7 +106,7 @@ impl Responder {
     fn serves(&self, op: u8) -> bool {
         match self {
             Responder::Pool(_) => matches!(op, GET | EXISTS | PUT | SHM_NAME),
-            Responder::Master(_) => op == ROUTE_GET,
+            Responder::Master(_) => op == ROUTE_GET || op == ROUTE_GET_UNLEASED,
         }
     }
 
@@ -110,6 +118,10 @@ impl Responder {
             (Responder::Pool(svc), EXISTS) => svc.key_exists(key).await.map(found),
             (Responder::Pool(svc), SHM_NAME) => Ok(svc.shm_name()),
             (Responder::Pool(svc), _) => svc.put_one(key, value).await.map(found),
+            (Responder::Master(m), ROUTE_GET_UNLEASED) => Ok(m
+                .route_unleased(key)
+                .await?
+                .map(|r| route_bytes(r.peer, 0, &r.addr))),
             (Responder::Master(m), _) => {
                 let (mut routes, lease, _) = m.routes_of(vec![key]).await?;
                 Ok(routes
@@ -173,7 +185,7 @@ where
                 op,
                 "closing a small-ops connection that sent a request this daemon does not serve"
             );
-            let unknown = Status::invalid_argument(format!("unknown request {op}"));
+            let unknown = Status::invalid_argument(format!("{UNKNOWN_REQUEST} {op}"));
             let _ = send(&mut write, &Err(unknown)).await;
             let _ = write.flush().await;
             return;

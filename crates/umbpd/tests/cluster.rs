@@ -135,6 +135,8 @@ fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
             routes,
             "round {round}: routes asked"
         );
+        // Routes for single gets come without read leases (nothing to release).
+        assert_eq!(other.cluster_info().unwrap().unwrap().leases, 0);
     }
     // Without shared memory (MORI_UMBP_SHM=0, in a child to keep this process's environment)
     // the same gets go over small ops.
