@@ -13,7 +13,7 @@
 //! and the client goes back to gRPC). Then, one at a time (all integers little-endian):
 //!
 //! * request: `op: u8` ([`GET`], [`EXISTS`], [`PUT`] or [`SHM_NAME`] to a daemon with a pool; [`ROUTE_GET`]
-//!   to a master), `key_len: u16`, the key; for [`PUT`] then
+//!   or [`ROUTE_GET_UNLEASED`] to a master), `key_len: u16`, the key; for [`PUT`] then
 //!   `value_len: u32` and the value;
 //! * answer: `status: u8`, `len: u32`, `len` bytes: [`ABSENT`] (nothing; for `PUT`: the key was
 //!   present), [`FOUND`] (the value; for `EXISTS` and `PUT` nothing) or [`FAILED`] (a gRPC
