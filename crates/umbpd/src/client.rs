@@ -505,13 +505,7 @@ fn staged_put(
     value: &[u8],
 ) -> Option<std::result::Result<bool, tonic::Status>> {
     let buf = staging.try_lock().ok()?;
-    if value.len() > buf.len() {
-        return None;
-    }
-    // SAFETY: the first value.len() bytes of the mapping (checked above); the lock keeps this
-    // client's other calls out of the buffer until the daemon has answered.
-    unsafe { std::ptr::copy_nonoverlapping(value.as_ptr(), buf.as_ptr(), value.len()) };
-    match buf.put_from(key, 0, value.len() as u64) {
+    match buf.put(key, value) {
         Ok(stored) => Some(Ok(stored)),
         Err(status) if status.code() == tonic::Code::InvalidArgument || other_path(&status) => None,
         Err(status) => Some(Err(status)),

@@ -1884,20 +1884,51 @@ impl SharedBuffer {
     /// during the call only. `UNIMPLEMENTED` from a daemon that takes no puts this way (a
     /// cluster peer, or one older than them; then not asked again).
     pub fn put_from(&self, key: &[u8], offset: u64, len: u64) -> Result<bool, Status> {
+        let req = self.room_request(PUT_FROM, key, offset, len)?;
+        Ok(self.put_call(|| {}, &req)?.is_some())
+    }
+
+    /// [`Self::put_from`] of `value`, copied to the start of the buffer first (overwriting its
+    /// data) while the connection is held. A value longer than the buffer fails
+    /// `INVALID_ARGUMENT` before anything is sent.
+    pub fn put(&self, key: &[u8], value: &[u8]) -> Result<bool, Status> {
+        if value.len() > self.data {
+            return Err(Status::invalid_argument(format!(
+                "a value of {} bytes, longer than the {}-byte shared buffer",
+                value.len(),
+                self.data
+            )));
+        }
+        let req = self.room_request(PUT_FROM, key, 0, value.len() as u64)?;
+        Ok(self.put_call(|| self.write_at(0, value), &req)?.is_some())
+    }
+
+    /// A put request `req` after `write` (as [`Self::call_after`]); `UNIMPLEMENTED` without
+    /// asking once the daemon said it takes no puts this way, noted when it says so.
+    fn put_call(&self, write: impl FnOnce(), req: &[u8]) -> Result<Option<Vec<u8>>, Status> {
         if !self.puts.load(Ordering::Relaxed) {
             return Err(Status::unimplemented(
                 "umbpd takes no puts from shared memory",
             ));
         }
-        let req = self.room_request(PUT_FROM, key, offset, len)?;
-        match self.call(&req) {
-            Ok(stored) => Ok(stored.is_some()),
-            Err(s) if s.code() == tonic::Code::Unimplemented => {
+        self.call_after(write, req).inspect_err(|s| {
+            if s.code() == tonic::Code::Unimplemented {
                 self.puts.store(false, Ordering::Relaxed);
-                Err(s)
             }
-            Err(s) => Err(s),
-        }
+        })
+    }
+
+    /// Copies `bytes` into the data at `at`. Callers hold the connection (no other call of
+    /// this buffer uses its data meanwhile) and have checked the range.
+    fn write_at(&self, at: usize, bytes: &[u8]) {
+        assert!(
+            at.checked_add(bytes.len())
+                .is_some_and(|end| end <= self.data)
+        );
+        // SAFETY: bytes.len() bytes at `at`, inside the data (asserted above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.as_ptr().add(at), bytes.len())
+        };
     }
 
     /// Stores `items` (keys and values) from the buffer's data, as many values per request as
@@ -1926,21 +1957,16 @@ impl SharedBuffer {
                 self.data
             )));
         }
-        if !self.puts.load(Ordering::Relaxed) {
-            return Err(Status::unimplemented(
-                "umbpd takes no puts from shared memory",
-            ));
-        }
         while stored.len() < items.len() {
             let next = &items[stored.len()..];
             // Entries up to what one request frames and one answer holds, values up to the
             // buffer (at least one: each fits alone).
-            let (mut packed, mut at, mut sent) = (Vec::new(), 0usize, 0usize);
+            let (mut packed, mut at, mut places) = (Vec::new(), 0usize, Vec::new());
             for (key, value) in next.iter().take(PUT_MANY_MAX_KEYS) {
                 let key_len = u16::try_from(key.len()).map_err(|_| {
                     Status::invalid_argument("a key too long for a same-host request")
                 })?;
-                if sent > 0
+                if !places.is_empty()
                     && (packed.len() + 10 + key.len() > usize::from(u16::MAX)
                         || at + value.len() > self.data)
                 {
@@ -1949,37 +1975,21 @@ impl SharedBuffer {
                 packed.extend_from_slice(&key_len.to_le_bytes());
                 packed.extend_from_slice(key);
                 packed.extend_from_slice(&(value.len() as u64).to_le_bytes());
+                places.push(at);
                 at = (at + value.len()).next_multiple_of(MANY_ALIGN as usize);
-                sent += 1;
             }
+            let sent = places.len();
             let mut req = request(PUT_MANY_FROM, &packed)
                 .map_err(|e| Status::invalid_argument(e.to_string()))?;
             req.extend_from_slice(&0u64.to_le_bytes());
             req.extend_from_slice(&(self.data as u64).to_le_bytes());
+            // The packing above stopped before a value that would reach past the data.
             let write = || {
-                let mut at = 0usize;
-                for (_, value) in &next[..sent] {
-                    // SAFETY: value.len() bytes at `at`, inside the data (the packing above
-                    // stopped before a value that would reach past it); the connection's lock
-                    // is held, so no other call of this buffer uses its data meanwhile.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            value.as_ptr(),
-                            self.map.as_ptr().add(at),
-                            value.len(),
-                        )
-                    };
-                    at = (at + value.len()).next_multiple_of(MANY_ALIGN as usize);
+                for (&at, (_, value)) in places.iter().zip(next) {
+                    self.write_at(at, value);
                 }
             };
-            let body = match self.call_after(write, &req) {
-                Ok(body) => body.unwrap_or_default(),
-                Err(s) if s.code() == tonic::Code::Unimplemented => {
-                    self.puts.store(false, Ordering::Relaxed);
-                    return Err(s);
-                }
-                Err(s) => return Err(s),
-            };
+            let body = self.put_call(write, &req)?.unwrap_or_default();
             if body.is_empty() || body.len() > sent {
                 return Err(Status::internal(format!(
                     "umbpd answered a batch of {sent} puts with {} statuses",
