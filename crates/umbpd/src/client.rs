@@ -51,7 +51,7 @@ use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs, UdpSocket};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mori_auth::Secret;
 use mori_io::{EngineConfig, FabricMode, IoEngine, Location, MemoryDesc};
@@ -279,7 +279,7 @@ pub struct Health {
 
 /// Whether single gets and existence checks may use small ops: unless `MORI_UMBP_SMALL_OPS` is
 /// `0` (to compare with gRPC, or to rule the protocol out).
-fn small_ops_enabled() -> bool {
+pub(crate) fn small_ops_enabled() -> bool {
     std::env::var("MORI_UMBP_SMALL_OPS").map_or(true, |v| v.trim() != "0")
 }
 
@@ -385,6 +385,36 @@ struct Cluster {
     /// Cleared once the master refused [`small_ops::ROUTE_GET_UNLEASED`] (older than it):
     /// single gets then ask [`small_ops::ROUTE_GET`] and release its lease.
     unleased_routes: std::sync::atomic::AtomicBool,
+    /// Where single puts go without asking the master, while it lasts ([`PutGrant`]).
+    put_grant: Mutex<Option<PutGrant>>,
+    /// Cleared once the master refused [`small_ops::ROUTE_PUT`] (older than it): single puts
+    /// then take the batch path (route over gRPC, then the peer).
+    routed_puts: std::sync::atomic::AtomicBool,
+}
+
+/// Bytes a client asks the master to reserve at a peer for its next single puts
+/// ([`small_ops::ROUTE_PUT`]), and how long it puts there without asking again: until the bytes
+/// are used or the time is up, whichever comes first. A peer's report resets its reservations
+/// (every heartbeat, 1 s by default), so the master's placement sees the bytes put meanwhile.
+pub const PUT_GRANT_BYTES: u64 = 64 << 20;
+/// See [`PUT_GRANT_BYTES`].
+pub const PUT_GRANT_TIME: Duration = Duration::from_secs(1);
+
+/// A peer the master placed this client's puts at, with the bytes still reserved there.
+#[derive(Debug)]
+struct PutGrant {
+    peer: u64,
+    addr: String,
+    bytes_left: u64,
+    until: Instant,
+}
+
+/// Where the master routed a single put.
+enum PutRoute {
+    /// The key is present at a live peer: the put stores nothing.
+    Present,
+    /// To this peer (id, address).
+    To(u64, String),
 }
 
 /// A staging buffer shared with a daemon on this host, for single gets.
@@ -825,7 +855,6 @@ impl Cluster {
         fetched
     }
 
-    /// Releases read lease `lease_id` (0: none) in the background.
     /// A single get's route from the master over small ops: without a lease (the get reads
     /// the value in one request its peer answers under its pool's lock), or, from a master
     /// older than that (it answers `INVALID_ARGUMENT` and closes the connection; not asked
@@ -847,6 +876,79 @@ impl Cluster {
         m.call(small_ops::ROUTE_GET, key, None)
     }
 
+    /// The peer of this client's current [`PutGrant`] with `len` bytes taken from it; `None`
+    /// when there is none, it has run out or its time is up.
+    fn take_grant(&self, len: u64) -> Option<(u64, String)> {
+        let mut grant = self
+            .put_grant
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match grant.as_mut() {
+            Some(g) if g.bytes_left >= len && Instant::now() < g.until => {
+                g.bytes_left -= len;
+                Some((g.peer, g.addr.clone()))
+            }
+            _ => None,
+        }
+    }
+
+    /// Drops the grant at peer `id` (it failed a put).
+    fn drop_grant(&self, id: u64) {
+        let mut grant = self
+            .put_grant
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if grant.as_ref().is_some_and(|g| g.peer == id) {
+            *grant = None;
+        }
+    }
+
+    /// Asks the master over small ops where to put `key` (a value of `len` bytes), with
+    /// [`PUT_GRANT_BYTES`] reserved there for the next puts (kept as this client's grant).
+    /// `None` when the master is not asked that way (no small ops, or a master older than
+    /// [`small_ops::ROUTE_PUT`], which is then not asked again).
+    fn route_put_one(&self, key: &[u8], len: u64) -> Option<Result<PutRoute>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if !self.routed_puts.load(Relaxed) {
+            return None;
+        }
+        let lengths = small_ops::put_lengths_bytes(len, PUT_GRANT_BYTES.max(len));
+        let answer = self
+            .master_small
+            .as_ref()?
+            .call(small_ops::ROUTE_PUT, key, Some(&lengths))?;
+        let body = match answer {
+            Ok(Some(body)) => body,
+            Ok(None) => return Some(Ok(PutRoute::Present)),
+            Err(s)
+                if s.code() == tonic::Code::InvalidArgument
+                    && s.message().starts_with(small_ops::UNKNOWN_REQUEST) =>
+            {
+                tracing::debug!("the master routes no puts over small ops; routing over gRPC");
+                self.routed_puts.store(false, Relaxed);
+                return None;
+            }
+            Err(s) => return Some(Err(s.into())),
+        };
+        Some(
+            small_ops::route_of(&body)
+                .map_err(Into::into)
+                .map(|(peer, reserved, addr)| {
+                    *self
+                        .put_grant
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner) = Some(PutGrant {
+                        peer,
+                        addr: addr.clone(),
+                        bytes_left: reserved.saturating_sub(len),
+                        until: Instant::now() + PUT_GRANT_TIME,
+                    });
+                    PutRoute::To(peer, addr)
+                }),
+        )
+    }
+
+    /// Releases read lease `lease_id` (0: none) in the background.
     fn release_lease(&self, lease_id: u64) {
         if lease_id != 0 {
             let mut m = self.master.clone();
@@ -1195,6 +1297,8 @@ impl Client {
                     )
                 }),
                 unleased_routes: std::sync::atomic::AtomicBool::new(true),
+                put_grant: Mutex::new(None),
+                routed_puts: std::sync::atomic::AtomicBool::new(true),
             }
         });
         // A standalone daemon answers single gets, existence checks and puts over small ops (one
@@ -1265,6 +1369,52 @@ impl Client {
                 Ok(stored)
             })
         })
+    }
+
+    /// A single put in a cluster over small ops: straight to the peer of this client's
+    /// [`PutGrant`], or where the master routes it (one small op that also renews the grant);
+    /// the peer stores the value and publishes it to the master before answering, and a key
+    /// another peer holds is dropped there and reported as not stored (as a batch's). `None`
+    /// to take the batch path ([`Client::cluster_put`]): small ops not used with the master or
+    /// the peer, a value over the bytes API's largest, or a peer that failed the put (it is
+    /// then excluded there).
+    fn cluster_put_one(&self, c: &Cluster, key: &[u8], value: &[u8]) -> Result<Option<bool>> {
+        if value.len() > MAX_BYTES_VALUE || key.len() > usize::from(u16::MAX) {
+            return Ok(None);
+        }
+        let len = value.len() as u64;
+        let (peer, addr) = match c.take_grant(len) {
+            Some(grant) => grant,
+            None => match c.route_put_one(key, len) {
+                None => return Ok(None),
+                Some(route) => match route? {
+                    PutRoute::Present => return Ok(Some(false)),
+                    PutRoute::To(peer, addr) => (peer, addr),
+                },
+            },
+        };
+        match c
+            .small_peer(peer, &addr)?
+            .call(small_ops::PUT, key, Some(value))
+        {
+            Some(Ok(stored)) => {
+                if stored.is_some() {
+                    c.routes().learn(key, peer, &addr);
+                }
+                Ok(Some(stored.is_some()))
+            }
+            Some(Err(s)) if !is_transport(&s) && s.code() != tonic::Code::DeadlineExceeded => {
+                Err(s.into())
+            }
+            failed => {
+                if let Some(Err(s)) = failed {
+                    tracing::debug!(peer, error = %s, "a single put failed at its peer; routing it again");
+                }
+                c.drop_grant(peer);
+                c.forget(peer);
+                Ok(None)
+            }
+        }
     }
 
     /// Routes puts of `keys` (values of `lens` bytes); `send(peer, indices)` builds the call
@@ -1466,6 +1616,9 @@ impl Client {
     pub fn put(&self, key: &[u8], value: &[u8]) -> Result<bool> {
         check_value_sizes([value])?;
         if let Some(c) = &self.cluster {
+            if let Some(stored) = self.cluster_put_one(c, key, value)? {
+                return Ok(stored);
+            }
             return Ok(self
                 .cluster_put(c, &[(key, value)])?
                 .first()

@@ -301,7 +301,7 @@ async fn authenticate(
                 let served = || {
                     stats.small_ops_served.fetch_add(1, Ordering::Relaxed);
                 };
-                crate::small_ops::serve(conn, responder, served).await;
+                crate::small_ops::serve(conn, responder, Some(peer.ip()), served).await;
                 return;
             }
             let conn = AuthedStream {

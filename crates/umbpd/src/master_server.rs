@@ -177,6 +177,36 @@ impl MasterService {
             .with(move |m| Ok(m.route_get_unleased(&[&key])?.pop().flatten()))
             .await
     }
+
+    /// Peer `peer_id` publishes `(key, len, only on SSD)` entries
+    /// ([`crate::master::MasterCore::commit`]; gRPC's `Commit` and small ops' `COMMIT`).
+    pub(crate) async fn commit_entries(
+        &self,
+        peer_id: u64,
+        entries: Vec<(Vec<u8>, u64, bool)>,
+    ) -> Result<Option<Vec<bool>>, Status> {
+        self.state.with(move |m| m.commit(peer_id, &entries)).await
+    }
+
+    /// Where to put `key` (a value of `len` bytes) from a client at `client_ip`, reserving
+    /// `reserve` bytes (at least `len`) at that peer for this client's puts; `None` when the
+    /// key is present at a live peer ([`crate::master::MasterCore::route_put`]; small ops'
+    /// `ROUTE_PUT`). The route's `len` is the bytes reserved.
+    pub(crate) async fn route_put_one(
+        &self,
+        key: Vec<u8>,
+        len: u64,
+        reserve: u64,
+        client_ip: Option<IpAddr>,
+    ) -> Result<Option<crate::master::Route>, Status> {
+        self.state
+            .with(move |m| {
+                Ok(m.route_put(&[&key], &[len.max(reserve)], &[], client_ip)?
+                    .pop()
+                    .flatten())
+            })
+            .await
+    }
 }
 
 fn load_of(report: Option<PeerReport>) -> PeerLoad {
@@ -399,10 +429,7 @@ impl Master for MasterService {
             .into_iter()
             .map(|e| (e.key, e.len, e.on_ssd))
             .collect();
-        let published = self
-            .state
-            .with(move |m| m.commit(peer_id, &entries))
-            .await?;
+        let published = self.commit_entries(peer_id, entries).await?;
         Ok(Response::new(CommitResponse {
             known: published.is_some(),
             published: published.unwrap_or_default(),

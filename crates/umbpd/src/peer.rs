@@ -19,14 +19,14 @@
 //!   keeps use between the low and high watermarks otherwise.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use mori_auth::Secret;
 use mori_umbp::CloseReport;
 use tonic::Status;
 use tonic::transport::Channel;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::client::lazy_channel;
 use crate::config::Config;
@@ -37,6 +37,7 @@ use crate::server::{
     remove_port_file, start_serving, umbp_server,
 };
 use crate::service::{SharedPool, UmbpService, stats_response};
+use crate::small_ops::{self, SmallOpsClient};
 
 /// Keys per `Commit` when a peer publishes what it holds at registration.
 const ANNOUNCE_CHUNK: usize = 4096;
@@ -50,7 +51,16 @@ pub struct PeerLink {
     /// Keys single gets read here since the last heartbeat (at most
     /// [`crate::master::MAX_REPORTED_READS`]), reported so the master renews them.
     reads: std::sync::Mutex<Vec<Vec<u8>>>,
+    /// Small ops to the master, for commits of a few keys (a put's); `None` with
+    /// `MORI_UMBP_SMALL_OPS=0`. Cleared for good once the master refuses
+    /// [`small_ops::COMMIT`] (older than it).
+    small: Option<Arc<SmallOpsClient>>,
+    small_commits: AtomicBool,
 }
+
+/// A commit whose request is at most this long goes over small ops (when the master speaks
+/// them); a longer one (a registration's keys) over gRPC.
+const SMALL_COMMIT_BYTES: usize = 64 << 10;
 
 impl PeerLink {
     /// A link to the master at `addr` (connected lazily, authenticated with `secret`; calls
@@ -65,7 +75,7 @@ impl PeerLink {
             request_timeout: Some(timeout),
             ..crate::ClientOptions::default()
         };
-        let master = MasterClient::new(lazy_channel(addr, &opts, secret)?)
+        let master = MasterClient::new(lazy_channel(addr, &opts, Arc::clone(&secret))?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         Ok(PeerLink {
@@ -73,6 +83,9 @@ impl PeerLink {
             master_addr: addr.to_string(),
             id: AtomicU64::new(0),
             reads: std::sync::Mutex::new(Vec::new()),
+            small: crate::client::small_ops_enabled()
+                .then(|| Arc::new(SmallOpsClient::new(addr, secret, timeout, timeout))),
+            small_commits: AtomicBool::new(true),
         })
     }
 
@@ -132,6 +145,9 @@ impl PeerLink {
             ));
         }
         let n = entries.len();
+        if let Some(published) = self.commit_small(id, &entries).await {
+            return self.published(id, n, published?);
+        }
         let resp = self
             .master
             .clone()
@@ -142,22 +158,65 @@ impl PeerLink {
             .await
             .map_err(|e| self.unavailable("publish keys", &e))?
             .into_inner();
-        if !resp.known {
-            // Declared dead: the heartbeat task registers again.
+        self.published(id, n, resp.known.then_some(resp.published))
+    }
+
+    /// [`PeerLink::commit`] over small ops; `None` to take gRPC (no small ops with the
+    /// master, a master older than [`small_ops::COMMIT`], or a request over
+    /// [`SMALL_COMMIT_BYTES`]). `Ok(None)`: the master does not know this peer.
+    async fn commit_small(
+        &self,
+        id: u64,
+        entries: &[CommitEntry],
+    ) -> Option<Result<Option<Vec<bool>>, Status>> {
+        let small = Arc::clone(self.small.as_ref()?);
+        if !self.small_commits.load(Ordering::Relaxed) {
+            return None;
+        }
+        let tuples: Vec<(Vec<u8>, u64, bool)> = entries
+            .iter()
+            .map(|e| (e.key.clone(), e.len, e.on_ssd))
+            .collect();
+        let body = small_ops::commit_bytes(&tuples).filter(|b| b.len() <= SMALL_COMMIT_BYTES)?;
+        // The small-ops client blocks on its socket: off the runtime's workers.
+        let call = move || small.call(small_ops::COMMIT, &id.to_le_bytes(), Some(&body));
+        let answer = match tokio::task::spawn_blocking(call).await {
+            Ok(answer) => answer,
+            Err(e) => return Some(Err(Status::internal(format!("commit task failed: {e}")))),
+        };
+        match answer {
+            None => None,
+            Some(Err(s))
+                if s.code() == tonic::Code::InvalidArgument
+                    && s.message().starts_with(small_ops::UNKNOWN_REQUEST) =>
+            {
+                debug!("the master takes no commits over small ops; publishing over gRPC");
+                self.small_commits.store(false, Ordering::Relaxed);
+                None
+            }
+            Some(Err(s)) => Some(Err(self.unavailable("publish keys", &s))),
+            Some(Ok(flags)) => Some(Ok(flags.map(|f| f.iter().map(|&b| b == 1).collect()))),
+        }
+    }
+
+    /// The master's answer to a commit of `n` keys by peer `id`: its flags, or `None` when it
+    /// does not know the peer (declared dead: the heartbeat task registers again).
+    fn published(&self, id: u64, n: usize, flags: Option<Vec<bool>>) -> Result<Vec<bool>, Status> {
+        let Some(flags) = flags else {
             let _ = self
                 .id
                 .compare_exchange(id, 0, Ordering::AcqRel, Ordering::Acquire);
             return Err(Status::unavailable(
                 "the master does not know this peer (declared dead); registering again",
             ));
-        }
-        if resp.published.len() != n {
+        };
+        if flags.len() != n {
             return Err(Status::internal(format!(
                 "master answered {} flags for {n} keys",
-                resp.published.len()
+                flags.len()
             )));
         }
-        Ok(resp.published)
+        Ok(flags)
     }
 }
 

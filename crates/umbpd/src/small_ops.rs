@@ -12,9 +12,9 @@
 //! [`HELLO`] (one that does not takes it for a broken HTTP/2 preface and closes the connection,
 //! and the client goes back to gRPC). Then, one at a time (all integers little-endian):
 //!
-//! * request: `op: u8` ([`GET`], [`EXISTS`], [`PUT`] or [`SHM_NAME`] to a daemon with a pool; [`ROUTE_GET`]
-//!   or [`ROUTE_GET_UNLEASED`] to a master), `key_len: u16`, the key; for [`PUT`] then
-//!   `value_len: u32` and the value;
+//! * request: `op: u8` ([`GET`], [`EXISTS`], [`PUT`] or [`SHM_NAME`] to a daemon with a pool; [`ROUTE_GET`],
+//!   [`ROUTE_GET_UNLEASED`], [`ROUTE_PUT`] or [`COMMIT`] to a master), `key_len: u16`, the key;
+//!   for [`PUT`], [`ROUTE_PUT`] and [`COMMIT`] then `value_len: u32` and the value;
 //! * answer: `status: u8`, `len: u32`, `len` bytes: [`ABSENT`] (nothing; for `PUT`: the key was
 //!   present), [`FOUND`] (the value; for `EXISTS` and `PUT` nothing) or [`FAILED`] (a gRPC
 //!   status code as `i32`, then its message in UTF-8). After an op the daemon does not serve,
@@ -32,7 +32,7 @@
 //! A connection idle for [`IDLE_CLOSE`] is closed by the daemon; the client opens another.
 
 use std::io::{self, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -66,6 +66,18 @@ pub const SHM_NAME: u8 = 5;
 /// pool's lock: nothing to release afterwards. A master older than it closes the connection
 /// after answering `INVALID_ARGUMENT`.
 pub const ROUTE_GET_UNLEASED: u8 = 6;
+/// Request to a master: where to put `key`, its value's length and the bytes to reserve at
+/// that peer for this client's next puts (the request's value: both as `u64`). The answer's
+/// body is laid out as [`ROUTE_GET`]'s with the bytes reserved in place of the lease id;
+/// [`ABSENT`] when the key is present at a live peer. A master older than it closes the
+/// connection after answering `INVALID_ARGUMENT`.
+pub const ROUTE_PUT: u8 = 7;
+/// Request from a peer to its master: publish keys it stored (gRPC's `Commit`). The key is the
+/// peer's id (`u64`), the value the entries ([`commit_bytes`]). The answer's body holds one
+/// byte per entry (1: published at this peer, 0: another live peer holds the key); [`ABSENT`]
+/// when the master does not know the peer. A master older than it closes the connection after
+/// answering `INVALID_ARGUMENT`.
+pub const COMMIT: u8 = 8;
 /// How the message of the `INVALID_ARGUMENT` answer to a request a daemon does not serve
 /// starts (the daemon then closes the connection).
 pub const UNKNOWN_REQUEST: &str = "unknown request";
@@ -106,12 +118,21 @@ impl Responder {
     fn serves(&self, op: u8) -> bool {
         match self {
             Responder::Pool(_) => matches!(op, GET | EXISTS | PUT | SHM_NAME),
-            Responder::Master(_) => op == ROUTE_GET || op == ROUTE_GET_UNLEASED,
+            Responder::Master(_) => {
+                matches!(op, ROUTE_GET | ROUTE_GET_UNLEASED | ROUTE_PUT | COMMIT)
+            }
         }
     }
 
-    /// The answer to a request it [`Responder::serves`] (`value`: a put's).
-    async fn answer(&self, op: u8, key: Vec<u8>, value: Vec<u8>) -> Answer {
+    /// The answer to a request it [`Responder::serves`] (`value`: a put's, or a put route's
+    /// lengths) from a client at `client_ip`.
+    async fn answer(
+        &self,
+        op: u8,
+        key: Vec<u8>,
+        value: Vec<u8>,
+        client_ip: Option<IpAddr>,
+    ) -> Answer {
         let found = |yes: bool| yes.then(Vec::new);
         match (self, op) {
             (Responder::Pool(svc), GET) => svc.value_of_key(key).await.and_then(within_bytes_api),
@@ -122,6 +143,19 @@ impl Responder {
                 .route_unleased(key)
                 .await?
                 .map(|r| route_bytes(r.peer, 0, &r.addr))),
+            (Responder::Master(m), ROUTE_PUT) => {
+                let [len, reserve] = put_lengths(&value)?;
+                Ok(m.route_put_one(key, len, reserve, client_ip)
+                    .await?
+                    .map(|r| route_bytes(r.peer, r.len, &r.addr)))
+            }
+            (Responder::Master(m), COMMIT) => {
+                let bad = || Status::invalid_argument("a commit's key is the peer's id (u64)");
+                let id = u64::from_le_bytes(key.as_slice().try_into().map_err(|_| bad())?);
+                Ok(m.commit_entries(id, commit_entries(&value)?)
+                    .await?
+                    .map(|published| published.into_iter().map(u8::from).collect()))
+            }
             (Responder::Master(m), _) => {
                 let (mut routes, lease, _) = m.routes_of(vec![key]).await?;
                 Ok(routes
@@ -131,6 +165,59 @@ impl Responder {
             }
         }
     }
+}
+
+/// A [`ROUTE_PUT`] request's value: the value's length and the bytes to reserve.
+pub(crate) fn put_lengths_bytes(len: u64, reserve: u64) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&len.to_le_bytes());
+    b[8..].copy_from_slice(&reserve.to_le_bytes());
+    b
+}
+
+fn put_lengths(value: &[u8]) -> Result<[u64; 2], Status> {
+    let bad = || Status::invalid_argument("a put route's request carries two u64 lengths");
+    let b: &[u8; 16] = value.try_into().map_err(|_| bad())?;
+    let (len, reserve) = b.split_at(8);
+    Ok([
+        u64::from_le_bytes(len.try_into().map_err(|_| bad())?),
+        u64::from_le_bytes(reserve.try_into().map_err(|_| bad())?),
+    ])
+}
+
+/// A [`COMMIT`] request's value: per entry `key_len: u16`, the key, the value's `len: u64` and
+/// `on_ssd: u8` (1: only on SSD). `None` for a key too long to frame.
+pub(crate) fn commit_bytes(entries: &[(Vec<u8>, u64, bool)]) -> Option<Vec<u8>> {
+    let mut b = Vec::with_capacity(entries.iter().map(|(k, _, _)| k.len() + 11).sum());
+    for (key, len, on_ssd) in entries {
+        b.extend_from_slice(&u16::try_from(key.len()).ok()?.to_le_bytes());
+        b.extend_from_slice(key);
+        b.extend_from_slice(&len.to_le_bytes());
+        b.push(u8::from(*on_ssd));
+    }
+    Some(b)
+}
+
+fn commit_entries(mut b: &[u8]) -> Result<Vec<(Vec<u8>, u64, bool)>, Status> {
+    let bad = || Status::invalid_argument("a malformed commit request");
+    let take = |n: usize, b: &mut &[u8]| -> Result<Vec<u8>, Status> {
+        let (head, rest) = b.split_at_checked(n).ok_or_else(bad)?;
+        *b = rest;
+        Ok(head.to_vec())
+    };
+    let mut entries = Vec::new();
+    while !b.is_empty() {
+        let key_len = u16::from_le_bytes(take(2, &mut b)?.try_into().map_err(|_| bad())?);
+        let key = take(usize::from(key_len), &mut b)?;
+        let len = u64::from_le_bytes(take(8, &mut b)?.try_into().map_err(|_| bad())?);
+        let on_ssd = match take(1, &mut b)?[0] {
+            0 => false,
+            1 => true,
+            _ => return Err(bad()),
+        };
+        entries.push((key, len, on_ssd));
+    }
+    Ok(entries)
 }
 
 /// A [`ROUTE_GET`] answer's body: peer id, lease id, then the peer's address.
@@ -156,9 +243,14 @@ pub(crate) fn route_of(body: &[u8]) -> Result<(u64, u64, String), Status> {
 
 /// Serves one authenticated connection whose [`HELLO`] has been read: answers requests until
 /// the client closes, idles past [`IDLE_CLOSE`] or breaks the framing. `served` counts the
-/// requests answered.
-pub(crate) async fn serve<S>(stream: S, responder: Responder, served: impl Fn())
-where
+/// requests answered; `client_ip` is the connection's remote address (a put route prefers a
+/// peer on the client's host).
+pub(crate) async fn serve<S>(
+    stream: S,
+    responder: Responder,
+    client_ip: Option<IpAddr>,
+    served: impl Fn(),
+) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     let (read, write) = tokio::io::split(stream);
@@ -195,7 +287,7 @@ where
             return;
         }
         let mut value = Vec::new();
-        if op == PUT {
+        if matches!(op, PUT | ROUTE_PUT | COMMIT) {
             let mut len = [0u8; 4];
             if read.read_exact(&mut len).await.is_err() {
                 return;
@@ -215,7 +307,7 @@ where
                 return;
             }
         }
-        let answer = responder.answer(op, key, value).await;
+        let answer = responder.answer(op, key, value, client_ip).await;
         served();
         if send(&mut write, &answer).await.is_err() {
             return;
@@ -775,6 +867,34 @@ mod tests {
         let mut bad = body.clone();
         bad.push(0xff);
         assert!(route_of(&bad).is_err());
+    }
+
+    /// Commit entries and put lengths travel whole; anything cut short or with a bad flag is
+    /// an error, not entries.
+    #[test]
+    fn commits_and_put_lengths_round_trip_and_malformed_ones_are_refused() {
+        let entries = vec![
+            (b"a".to_vec(), 5, false),
+            (Vec::new(), 0, true),
+            (vec![7u8; 300], u64::MAX, false),
+        ];
+        let body = commit_bytes(&entries).unwrap();
+        assert_eq!(commit_entries(&body).unwrap(), entries);
+        assert_eq!(commit_entries(&[]).unwrap(), vec![]);
+        for cut in 1..body.len() {
+            if cut != 12 && cut != 23 {
+                assert!(commit_entries(&body[..cut]).is_err(), "cut at {cut}");
+            }
+        }
+        let mut flag = body.clone();
+        flag[11] = 2;
+        assert!(commit_entries(&flag).is_err());
+        assert!(commit_bytes(&[(vec![0u8; 1 << 16], 1, false)]).is_none());
+        assert_eq!(
+            put_lengths(&put_lengths_bytes(3, 1 << 40)).unwrap(),
+            [3, 1 << 40]
+        );
+        assert!(put_lengths(&[0u8; 15]).is_err() && put_lengths(&[0u8; 17]).is_err());
     }
 
     /// Statuses travel with their code and message.

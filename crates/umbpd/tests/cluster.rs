@@ -274,6 +274,72 @@ fn batches_read_known_keys_from_their_peers_without_the_master() {
     assert_eq!(sinks_data, values);
 }
 
+/// A cluster client's single puts go over small ops straight to the peer the master granted
+/// it (one route for many puts), and the peer publishes each over small ops; a key another
+/// peer holds is dropped by the loser and the first value stays; a killed granted peer's puts
+/// go elsewhere.
+#[test]
+fn single_puts_take_the_granted_peer_and_the_first_writer_still_wins() {
+    let cl = cluster(&["--dram-bytes", "8M"], false);
+    let c = Client::connect(&cl.master.addr).unwrap();
+    let direct: Vec<Client> = cl
+        .peers
+        .iter()
+        .map(|p| Client::connect(&p.addr).unwrap())
+        .collect();
+    let master_served = || c.health().unwrap().small_ops_served;
+    let n = 16;
+    let keys: Vec<Vec<u8>> = (0..n).map(|i| format!("gr-{i}").into_bytes()).collect();
+    let values: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 70, 5000 + i)).collect();
+    let before = master_served();
+    for (k, v) in keys.iter().zip(&values) {
+        assert!(c.put(k, v).unwrap());
+    }
+    assert_eq!(
+        master_served() - before,
+        1 + n as u64,
+        "one route for all the puts, one commit per put"
+    );
+    let held: Vec<usize> = direct.iter().map(|d| d.stats().unwrap().keys).collect();
+    assert!(
+        held.contains(&n) && held.contains(&0),
+        "all at the granted peer: {held:?}"
+    );
+    let granted = held.iter().position(|&k| k == n).unwrap();
+
+    // Another client's grant is at the other peer (the first one's reservation fills this
+    // one): its puts of the same keys lose there and leave no copy.
+    let other = Client::connect(&cl.master.addr).unwrap();
+    for (i, k) in keys.iter().enumerate() {
+        assert!(!other.put(k, &bytes(i as u64 + 500, 4000)).unwrap(), "{i}");
+        assert!(!c.put(k, b"again").unwrap(), "{i}");
+    }
+    assert_eq!(
+        direct[1 - granted].stats().unwrap().keys,
+        0,
+        "the losers' copies dropped"
+    );
+    for (k, v) in keys.iter().zip(&values) {
+        assert_eq!(other.get(k).unwrap().as_ref(), Some(v));
+        assert_eq!(c.get(k).unwrap().as_ref(), Some(v));
+    }
+    assert!(other.put(b"gr-other", b"y").unwrap());
+    assert!(
+        direct[1 - granted].exists(b"gr-other").unwrap(),
+        "at the other client's grant"
+    );
+
+    // The granted peer killed: the next puts are routed again, to the survivor.
+    let mut peers = cl.peers;
+    peers
+        .remove(granted)
+        .stop(libc::SIGKILL, Duration::from_secs(5));
+    let v = bytes(900, 3000);
+    assert!(c.put(b"gr-after", &v).unwrap());
+    assert!(direct[1 - granted].exists(b"gr-after").unwrap());
+    assert_eq!(other.get(b"gr-after").unwrap(), Some(v));
+}
+
 #[test]
 fn routes_across_peers_first_writer_wins_and_a_dead_peers_keys_become_misses() {
     let cl = cluster(&["--dram-bytes", "8M"], false);

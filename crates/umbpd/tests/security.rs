@@ -209,6 +209,112 @@ fn a_small_ops_connection_that_breaks_the_framing_is_closed() {
     assert_eq!(good.get(b"k").unwrap().as_deref(), Some(&b"the value"[..]));
 }
 
+/// A small-ops `COMMIT` request publishing `key` (5 bytes, in DRAM) for peer `peer_id`.
+fn small_ops_commit(peer_id: u64, key: &[u8]) -> Vec<u8> {
+    let mut entry = (key.len() as u16).to_le_bytes().to_vec();
+    entry.extend_from_slice(key);
+    entry.extend_from_slice(&5u64.to_le_bytes());
+    entry.push(0);
+    let mut request = vec![mori_umbpd::small_ops::COMMIT, 8, 0];
+    request.extend_from_slice(&peer_id.to_le_bytes());
+    request.extend_from_slice(&(entry.len() as u32).to_le_bytes());
+    request.extend_from_slice(&entry);
+    request
+}
+
+/// A master's small ops, from a client with the secret that is not a peer: a commit for an
+/// unknown peer id publishes nothing (answered absent); malformed commits and put routes are
+/// answered INVALID_ARGUMENT and change nothing; a peer's port takes neither.
+#[test]
+fn a_master_refuses_commits_of_unknown_peers_and_malformed_small_ops() {
+    use mori_umbpd::small_ops::{ABSENT, FAILED, HELLO, ROUTE_PUT};
+    let dirs: Vec<tempfile::TempDir> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+    let sf = secret_file(dirs[0].path(), "secret", GOOD);
+    let sf = sf.to_str().unwrap();
+    let master = Daemon::start(
+        dirs[0].path(),
+        &["--role", "master", "--secret-file", sf],
+        &[],
+    );
+    let peer = Daemon::start(
+        dirs[1].path(),
+        &[
+            "--role",
+            "peer",
+            "--master",
+            &master.addr,
+            "--secret-file",
+            sf,
+            "--dram-bytes",
+            "8M",
+        ],
+        &[],
+    );
+    let c = Client::connect_with(&master.addr, &opts(GOOD)).unwrap();
+    let secret = Secret::new(GOOD.as_bytes().to_vec()).unwrap();
+    let exchange = |addr: &str, request: &[u8]| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        mori_auth::connect(&mut s, &secret, mori_umbpd::auth::PURPOSE).unwrap();
+        s.write_all(HELLO).unwrap();
+        let mut echo = [0u8; 8];
+        s.read_exact(&mut echo).unwrap();
+        s.write_all(request).unwrap();
+        let mut head = [0u8; 5];
+        s.read_exact(&mut head).unwrap();
+        let mut body = vec![0u8; u32::from_le_bytes(head[1..].try_into().unwrap()) as usize];
+        s.read_exact(&mut body).unwrap();
+        (head[0], body)
+    };
+    let invalid = |(status, body): (u8, Vec<u8>)| {
+        status == FAILED
+            && i32::from_le_bytes(body[..4].try_into().unwrap())
+                == tonic::Code::InvalidArgument as i32
+    };
+    let known = c.cluster_info().unwrap().unwrap().peers[0].peer_id;
+    assert_eq!(
+        exchange(&master.addr, &small_ops_commit(known + 1000, b"forged")),
+        (ABSENT, vec![])
+    );
+    // Malformed: an id that is not 8 bytes, an entry cut short, an SSD flag that is not 0 or 1.
+    let mut short_id = small_ops_commit(known, b"forged");
+    short_id.drain(3..6);
+    short_id[1] = 5;
+    let mut cut = small_ops_commit(known, b"forged");
+    cut.pop();
+    let n = cut.len() - 15;
+    cut[11..15].copy_from_slice(&(n as u32).to_le_bytes());
+    let mut flag = small_ops_commit(known, b"forged");
+    *flag.last_mut().unwrap() = 7;
+    let mut route = vec![ROUTE_PUT, 1, 0, b'r'];
+    route.extend_from_slice(&5u32.to_le_bytes());
+    route.extend_from_slice(&[1, 2, 3, 4, 5]);
+    for (what, request) in [
+        ("id", short_id),
+        ("cut", cut),
+        ("flag", flag),
+        ("route", route),
+    ] {
+        assert!(invalid(exchange(&master.addr, &request)), "{what}");
+    }
+    assert!(
+        !c.exists(b"forged").unwrap(),
+        "a refused commit published a key"
+    );
+    // A peer's own port routes and publishes nothing.
+    let (status, body) = exchange(&peer.addr, &small_ops_commit(known, b"forged"));
+    assert_eq!(status, FAILED, "{body:?}");
+    // Commits of real puts still work (the peer publishes them over small ops).
+    let before = c.health().unwrap().small_ops_served;
+    assert!(c.put(b"real", b"value").unwrap());
+    assert_eq!(
+        c.health().unwrap().small_ops_served - before,
+        2,
+        "route and commit"
+    );
+    assert_eq!(c.get(b"real").unwrap().as_deref(), Some(&b"value"[..]));
+}
+
 /// A peer without the secret cannot join a cluster: neither a raw client calling
 /// Register / Heartbeat / Commit (impersonating the real peer's id) nor a real peer daemon
 /// started with another secret changes the master's peer list or index.
@@ -290,6 +396,19 @@ fn a_rogue_peer_cannot_register_heartbeat_or_commit() {
             assert_eq!(s.code(), tonic::Code::Unavailable, "{what}: {s:?}");
         }
     });
+
+    // Nor over small ops: the handshake with another secret fails, nothing is answered.
+    let commit = small_ops_commit(peer_id, b"stolen");
+    let mut s = TcpStream::connect(&master.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let bad = Secret::new(BAD.as_bytes().to_vec()).unwrap();
+    assert!(mori_auth::connect(&mut s, &bad, mori_umbpd::auth::PURPOSE).is_err());
+    let _ = s.write_all(mori_umbpd::small_ops::HELLO);
+    let _ = s.write_all(&commit);
+    assert!(
+        matches!(s.read(&mut [0u8; 8]), Ok(0) | Err(_)),
+        "answered without the secret"
+    );
 
     // A real peer daemon with another secret keeps failing to register.
     let bad_sf = secret_file(dirs[2].path(), "secret", BAD);
