@@ -393,9 +393,10 @@ struct Cluster {
 }
 
 /// Bytes a client asks the master to reserve at a peer for its next single puts
-/// ([`small_ops::ROUTE_PUT`]), and how long it puts there without asking again: until the bytes
-/// are used or the time is up, whichever comes first. A peer's report resets its reservations
-/// (every heartbeat, 1 s by default), so the master's placement sees the bytes put meanwhile.
+/// ([`small_ops::ROUTE_PUT`]; the master grants at most a quarter of the peer's free bytes),
+/// and how long it puts there without asking again: until the bytes granted are used or the
+/// time is up, whichever comes first. A peer's report resets its reservations (every
+/// heartbeat, 1 s by default), so the master's placement sees the bytes put meanwhile.
 pub const PUT_GRANT_BYTES: u64 = 64 << 20;
 /// See [`PUT_GRANT_BYTES`].
 pub const PUT_GRANT_TIME: Duration = Duration::from_secs(1);
@@ -1372,8 +1373,9 @@ impl Client {
     }
 
     /// A single put in a cluster over small ops: straight to the peer of this client's
-    /// [`PutGrant`], or where the master routes it (one small op that also renews the grant);
-    /// the peer stores the value and publishes it to the master before answering, and a key
+    /// [`PutGrant`], or where the master routes it (one small op that also renews the grant),
+    /// through the staging buffer shared with that peer when it is on this host (else a small
+    /// op); the peer stores the value and publishes it to the master before answering, and a key
     /// another peer holds is dropped there and reported as not stored (as a batch's). `None`
     /// to take the batch path ([`Client::cluster_put`]): small ops not used with the master or
     /// the peer, a value over the bytes API's largest, or a peer that failed the put (it is
@@ -1393,10 +1395,18 @@ impl Client {
                 },
             },
         };
-        match c
-            .small_peer(peer, &addr)?
-            .call(small_ops::PUT, key, Some(value))
-        {
+        let staged = match c.peer_staging(peer, &addr) {
+            Ok(staging) => staging.and_then(|b| staged_put(&b, key, value)),
+            Err(ClientError::Rpc(s)) => Some(Err(s)), // the peer did not answer
+            Err(e) => return Err(e),
+        };
+        let answer = match staged {
+            Some(answer) => Some(answer.map(|stored| stored.then(Vec::new))),
+            None => c
+                .small_peer(peer, &addr)?
+                .call(small_ops::PUT, key, Some(value)),
+        };
+        match answer {
             Some(Ok(stored)) => {
                 if stored.is_some() {
                     c.routes().learn(key, peer, &addr);

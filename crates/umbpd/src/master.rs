@@ -611,6 +611,33 @@ impl MasterCore {
         Ok(out)
     }
 
+    /// [`MasterCore::route_put`] of one key whose writer asks for `reserve` bytes at the peer
+    /// for its next puts (a grant): the peer is chosen for the value's `len` as any put's,
+    /// then up to a quarter of that peer's remaining free bytes more is reserved there, at most
+    /// `reserve` in all. The route's `len` is the bytes reserved (at least `len`).
+    pub fn route_put_granted(
+        &mut self,
+        key: &[u8],
+        len: u64,
+        reserve: u64,
+        client_ip: Option<IpAddr>,
+    ) -> Result<Option<Route>> {
+        let Some(mut route) = self
+            .route_put(&[key], &[len], &[], client_ip)?
+            .pop()
+            .flatten()
+        else {
+            return Ok(None);
+        };
+        if let Some(p) = self.peers.get_mut(&route.peer) {
+            let free = p.load.free_bytes().saturating_sub(p.reserved);
+            let more = (free / 4).min(reserve.saturating_sub(len));
+            p.reserved = p.reserved.saturating_add(more);
+            route.len = len + more;
+        }
+        Ok(Some(route))
+    }
+
     /// Routes reads of `keys`: per key its peer (`None`: a miss), and one lease over the keys
     /// found (lease id 0 when none was). Renews each found key in the LRU order.
     pub fn route_get(&mut self, keys: &[&[u8]]) -> Result<(Vec<Option<Route>>, u64)> {
@@ -852,6 +879,35 @@ mod tests {
             Some(vec![true])
         );
         peer
+    }
+
+    #[test]
+    fn a_put_grant_is_placed_by_the_value_and_reserves_a_quarter_of_the_rest_at_most() {
+        let (mut m, _) = master();
+        let a = m.register("10.0.0.1:7000", load(1000, 0, 0)).unwrap();
+        let b = m.register("10.0.0.2:7000", load(4000, 0, 0)).unwrap();
+        // Local first for the value; then a quarter of the 900 bytes left reserved too.
+        let r = m
+            .route_put_granted(b"g1", 100, 1 << 30, ip("10.0.0.1"))
+            .unwrap();
+        assert_eq!(r.map(|r| (r.peer, r.len)), Some((a, 100 + 225)));
+        // Never more than asked.
+        let r = m.route_put_granted(b"g2", 10, 50, ip("10.0.0.2")).unwrap();
+        assert_eq!(r.map(|r| (r.peer, r.len)), Some((b, 50)));
+        // The grant counts as used: a has 675 bytes left, a value of 700 goes to b.
+        let r = m
+            .route_put_granted(b"g3", 700, 700, ip("10.0.0.1"))
+            .unwrap();
+        assert_eq!(r.map(|r| r.peer), Some(b));
+        // A published key: no route, nothing reserved.
+        put_one(&mut m, b"pub", 10, "10.0.0.2");
+        let before = m.peers[&b].reserved;
+        assert!(
+            m.route_put_granted(b"pub", 10, 1000, None)
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!(m.peers[&b].reserved, before);
     }
 
     #[test]

@@ -188,9 +188,9 @@ impl MasterService {
         self.state.with(move |m| m.commit(peer_id, &entries)).await
     }
 
-    /// Where to put `key` (a value of `len` bytes) from a client at `client_ip`, reserving
-    /// `reserve` bytes (at least `len`) at that peer for this client's puts; `None` when the
-    /// key is present at a live peer ([`crate::master::MasterCore::route_put`]; small ops'
+    /// Where to put `key` (a value of `len` bytes) from a client at `client_ip`, with up to
+    /// `reserve` bytes reserved at that peer for this client's puts; `None` when the key is
+    /// present at a live peer ([`crate::master::MasterCore::route_put_granted`]; small ops'
     /// `ROUTE_PUT`). The route's `len` is the bytes reserved.
     pub(crate) async fn route_put_one(
         &self,
@@ -200,11 +200,7 @@ impl MasterService {
         client_ip: Option<IpAddr>,
     ) -> Result<Option<crate::master::Route>, Status> {
         self.state
-            .with(move |m| {
-                Ok(m.route_put(&[&key], &[len.max(reserve)], &[], client_ip)?
-                    .pop()
-                    .flatten())
-            })
+            .with(move |m| m.route_put_granted(&key, len, reserve, client_ip))
             .await
     }
 }

@@ -56,6 +56,8 @@ pub struct PeerLink {
     /// [`small_ops::COMMIT`] (older than it).
     small: Option<Arc<SmallOpsClient>>,
     small_commits: AtomicBool,
+    /// The runtime the link was made in, for gRPC commits from a blocking thread.
+    rt: Option<tokio::runtime::Handle>,
 }
 
 /// A commit whose request is at most this long goes over small ops (when the master speaks
@@ -86,6 +88,7 @@ impl PeerLink {
             small: crate::client::small_ops_enabled()
                 .then(|| Arc::new(SmallOpsClient::new(addr, secret, timeout, timeout))),
             small_commits: AtomicBool::new(true),
+            rt: tokio::runtime::Handle::try_current().ok(),
         })
     }
 
@@ -138,16 +141,52 @@ impl PeerLink {
         if entries.is_empty() {
             return Ok(Vec::new());
         }
-        let id = self.id();
-        if id == 0 {
-            return Err(Status::unavailable(
-                "peer is not registered with its master (yet)",
-            ));
-        }
+        let id = self.registered_id()?;
         let n = entries.len();
-        if let Some(published) = self.commit_small(id, &entries).await {
-            return self.published(id, n, published?);
+        if let Some((small, body)) = self.small_commit(&entries) {
+            // The small-ops client blocks on its socket: off the runtime's workers.
+            let call = move || small.call(small_ops::COMMIT, &id.to_le_bytes(), Some(&body));
+            let answer = tokio::task::spawn_blocking(call)
+                .await
+                .map_err(|e| Status::internal(format!("commit task failed: {e}")))?;
+            if let Some(published) = self.small_commit_answer(answer) {
+                return self.published(id, n, published?);
+            }
         }
+        self.commit_grpc(id, entries).await
+    }
+
+    /// [`PeerLink::commit`] from a thread that may block (a same-host connection's): over
+    /// small ops on this thread, or gRPC on the runtime the link was made in.
+    pub(crate) fn commit_blocking(&self, entries: Vec<CommitEntry>) -> Result<Vec<bool>, Status> {
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let id = self.registered_id()?;
+        let n = entries.len();
+        if let Some((small, body)) = self.small_commit(&entries) {
+            let answer = small.call(small_ops::COMMIT, &id.to_le_bytes(), Some(&body));
+            if let Some(published) = self.small_commit_answer(answer) {
+                return self.published(id, n, published?);
+            }
+        }
+        let rt = self.rt.as_ref().ok_or_else(|| {
+            Status::internal("the peer's link to its master was made outside a runtime")
+        })?;
+        rt.block_on(self.commit_grpc(id, entries))
+    }
+
+    fn registered_id(&self) -> Result<u64, Status> {
+        match self.id() {
+            0 => Err(Status::unavailable(
+                "peer is not registered with its master (yet)",
+            )),
+            id => Ok(id),
+        }
+    }
+
+    async fn commit_grpc(&self, id: u64, entries: Vec<CommitEntry>) -> Result<Vec<bool>, Status> {
+        let n = entries.len();
         let resp = self
             .master
             .clone()
@@ -161,14 +200,10 @@ impl PeerLink {
         self.published(id, n, resp.known.then_some(resp.published))
     }
 
-    /// [`PeerLink::commit`] over small ops; `None` to take gRPC (no small ops with the
-    /// master, a master older than [`small_ops::COMMIT`], or a request over
-    /// [`SMALL_COMMIT_BYTES`]). `Ok(None)`: the master does not know this peer.
-    async fn commit_small(
-        &self,
-        id: u64,
-        entries: &[CommitEntry],
-    ) -> Option<Result<Option<Vec<bool>>, Status>> {
+    /// The small-ops client and request of a commit of `entries`; `None` to take
+    /// gRPC (no small ops with the master, a master older than [`small_ops::COMMIT`], or a
+    /// request over [`SMALL_COMMIT_BYTES`]).
+    fn small_commit(&self, entries: &[CommitEntry]) -> Option<(Arc<SmallOpsClient>, Vec<u8>)> {
         let small = Arc::clone(self.small.as_ref()?);
         if !self.small_commits.load(Ordering::Relaxed) {
             return None;
@@ -178,15 +213,18 @@ impl PeerLink {
             .map(|e| (e.key.clone(), e.len, e.on_ssd))
             .collect();
         let body = small_ops::commit_bytes(&tuples).filter(|b| b.len() <= SMALL_COMMIT_BYTES)?;
-        // The small-ops client blocks on its socket: off the runtime's workers.
-        let call = move || small.call(small_ops::COMMIT, &id.to_le_bytes(), Some(&body));
-        let answer = match tokio::task::spawn_blocking(call).await {
-            Ok(answer) => answer,
-            Err(e) => return Some(Err(Status::internal(format!("commit task failed: {e}")))),
-        };
-        match answer {
-            None => None,
-            Some(Err(s))
+        Some((small, body))
+    }
+
+    /// What the master answered a small-ops commit: its flags (`Ok(None)`: it does not know
+    /// this peer); `None` to take gRPC (no small ops there, or a master older than
+    /// [`small_ops::COMMIT`], not asked again).
+    fn small_commit_answer(
+        &self,
+        answer: Option<small_ops::Answer>,
+    ) -> Option<Result<Option<Vec<bool>>, Status>> {
+        match answer? {
+            Err(s)
                 if s.code() == tonic::Code::InvalidArgument
                     && s.message().starts_with(small_ops::UNKNOWN_REQUEST) =>
             {
@@ -194,8 +232,8 @@ impl PeerLink {
                 self.small_commits.store(false, Ordering::Relaxed);
                 None
             }
-            Some(Err(s)) => Some(Err(self.unavailable("publish keys", &s))),
-            Some(Ok(flags)) => Some(Ok(flags.map(|f| f.iter().map(|&b| b == 1).collect()))),
+            Err(s) => Some(Err(self.unavailable("publish keys", &s))),
+            Ok(flags) => Some(Ok(flags.map(|f| f.iter().map(|&b| b == 1).collect()))),
         }
     }
 

@@ -868,11 +868,7 @@ impl UmbpService {
                 let outcomes = store(p, &keys)?;
                 let mut entries = Vec::with_capacity(keys.len());
                 for k in &keys {
-                    entries.push(p.location(k).map_err(status_of)?.map(|loc| CommitEntry {
-                        key: k.clone(),
-                        len: loc.len,
-                        on_ssd: loc.tier == mori_umbp::Tier::Ssd,
-                    }));
+                    entries.push(commit_entry(p, k)?);
                 }
                 let stored: Vec<bool> = outcomes.iter().map(|o| *o == PutOutcome::Stored).collect();
                 Ok((keys, stored, entries))
@@ -882,27 +878,10 @@ impl UmbpService {
             .filter(|&i| entries[i].is_some())
             .collect();
         let commit: Vec<CommitEntry> = entries.into_iter().flatten().collect();
-        let published = match link.commit(commit).await {
-            Ok(p) => p,
-            Err(e) => {
-                let undo: Vec<Vec<u8>> = (0..keys.len())
-                    .filter(|&i| stored[i])
-                    .map(|i| keys[i].clone())
-                    .collect();
-                self.remove_keys(undo).await;
-                return Err(e);
-            }
-        };
-        let mut result = stored;
-        let mut lost = Vec::new();
-        for (j, &i) in idx.iter().enumerate() {
-            if !published.get(j).copied().unwrap_or(false) {
-                result[i] = false;
-                lost.push(keys[i].clone());
-            }
-        }
-        self.remove_keys(lost).await;
-        Ok(result)
+        let published = link.commit(commit).await;
+        let (answer, dropped) = settle_commit(&keys, stored, &idx, published);
+        self.remove_keys(dropped).await;
+        answer
     }
 
     /// Removes keys from the pool, logging failures (best effort clean-up).
@@ -941,6 +920,48 @@ impl UmbpService {
             .await
             .map_err(|e| Status::internal(format!("pool worker failed: {e}")))?
     }
+}
+
+/// The commit entry of `key` where the pool holds it now; `None` when it does not.
+pub(crate) fn commit_entry(p: &LocalPool, key: &[u8]) -> Result<Option<CommitEntry>, Status> {
+    Ok(p.location(key).map_err(status_of)?.map(|loc| CommitEntry {
+        key: key.to_vec(),
+        len: loc.len,
+        on_ssd: loc.tier == mori_umbp::Tier::Ssd,
+    }))
+}
+
+/// What a peer answers for a put of `keys` (`stored`: per key, whether this call stored it)
+/// once the master answered the commit of the keys at `committed` (those the pool held; the
+/// answer: a flag per committed key): the call's answers, and the keys to drop from the pool.
+/// A failed commit fails the call and drops every key it stored (none is indexed); a key the
+/// master places at another peer (a concurrent writer won, or the key is present elsewhere) is
+/// answered not stored and dropped here.
+pub(crate) fn settle_commit(
+    keys: &[Vec<u8>],
+    stored: Vec<bool>,
+    committed: &[usize],
+    published: Result<Vec<bool>, Status>,
+) -> (Result<Vec<bool>, Status>, Vec<Vec<u8>>) {
+    let published = match published {
+        Ok(p) => p,
+        Err(e) => {
+            let undo = (0..keys.len())
+                .filter(|&i| stored[i])
+                .map(|i| keys[i].clone())
+                .collect();
+            return (Err(e), undo);
+        }
+    };
+    let mut result = stored;
+    let mut lost = Vec::new();
+    for (j, &i) in committed.iter().enumerate() {
+        if !published.get(j).copied().unwrap_or(false) {
+            result[i] = false;
+            lost.push(keys[i].clone());
+        }
+    }
+    (Ok(result), lost)
 }
 
 /// The `Stats` answer of a pool's counters.

@@ -31,7 +31,7 @@
 //! first key's value is longer than `cap`) and the value's length (`u64`). The client asks
 //! again for the keys after those.
 //!
-//! [`PUT_FROM`] (a standalone daemon's): the same head and `offset`, then the value's length;
+//! [`PUT_FROM`]: the same head and `offset`, then the value's length;
 //! the daemon stores the bytes there under the key and answers `FOUND` (empty: stored),
 //! `ABSENT` (the key was present; keys are immutable) or `FAILED`. [`PUT_MANY_FROM`]: the
 //! head's "key" is the batch's entries, each a `u16` key length, the key and the value's `u64`
@@ -40,7 +40,8 @@
 //! answer is `FOUND` with a byte per key stored ([`MANY_FOUND`]) or present ([`MANY_ABSENT`]),
 //! possibly for fewer keys than sent (a put failed: the client asks again from there). The
 //! client's memory may change while the daemon reads it; see `put_from` for why a stored
-//! value still matches its checksum. A cluster peer answers both `UNIMPLEMENTED`.
+//! value still matches its checksum. A cluster peer publishes a [`PUT_FROM`]'s key to its
+//! master before answering, and answers [`PUT_MANY_FROM`] `UNIMPLEMENTED`.
 //!
 //! [`GET_INTO_STREAMED`]: a [`GET_INTO`] whose answer is `FOUND` with the value's length and
 //! how many of its front bytes the published progress still describes (`u64` each). In the
@@ -95,11 +96,11 @@ pub const HELLO: &[u8; 8] = b"UMBSHMEM";
 pub const GET_INTO: u8 = 1;
 /// Request: copy the values of several keys into the buffer, one after another.
 pub const GET_MANY_INTO: u8 = 2;
-/// Request: store the bytes at an offset of the buffer under a key (a standalone daemon's; a
-/// cluster peer answers `UNIMPLEMENTED`: its puts are published to the master over gRPC).
+/// Request: store the bytes at an offset of the buffer under a key (a cluster peer publishes
+/// the key to its master before answering).
 pub const PUT_FROM: u8 = 3;
 /// Request: store several values that lie one after another in the buffer, each under its
-/// key (a standalone daemon's, as [`PUT_FROM`]).
+/// key (a standalone daemon's: a cluster peer answers `UNIMPLEMENTED`).
 pub const PUT_MANY_FROM: u8 = 4;
 /// Request: a [`GET_INTO`] whose value's bytes the client may copy out while they land: in the
 /// control block, the daemon publishes its progress on a value of at least [`STREAM_FROM`]
@@ -999,8 +1000,12 @@ impl Served<'_> {
         }
         if head[0] == PUT_FROM || head[0] == PUT_MANY_FROM {
             let put = match link {
+                Some(link) if head[0] == PUT_FROM => {
+                    stats.same_host_served.fetch_add(1, Ordering::Relaxed);
+                    put_and_publish(self.pool, link, &key, out).map(|stored| stored.then(Vec::new))
+                }
                 Some(_) => Err(Status::unimplemented(
-                    "a cluster peer takes puts over gRPC (it publishes them to the master)",
+                    "a cluster peer takes batches of puts over gRPC",
                 )),
                 None if head[0] == PUT_FROM => {
                     stats.same_host_served.fetch_add(1, Ordering::Relaxed);
@@ -1154,6 +1159,31 @@ fn put_from(pool: &SharedPool, key: &[u8], value: &[u8]) -> Result<bool, Status>
         }
     })?;
     Ok(outcome == mori_umbp::PutOutcome::Stored)
+}
+
+/// A cluster peer's [`PUT_FROM`]: stores `value` as [`put_from`] does, then publishes the key
+/// to the master before answering (as a put over gRPC or small ops does: a key another peer
+/// holds is dropped here and answered not stored; a failed commit drops what was stored and
+/// fails the put).
+fn put_and_publish(
+    pool: &SharedPool,
+    link: &crate::peer::PeerLink,
+    key: &[u8],
+    value: &[u8],
+) -> Result<bool, Status> {
+    let stored = put_from(pool, key, value)?;
+    let entry = pool.with_status(|p| crate::service::commit_entry(p, key))?;
+    let committed: Vec<usize> = entry.iter().map(|_| 0).collect();
+    let published = link.commit_blocking(entry.into_iter().collect());
+    let keys = [key.to_vec()];
+    let (answer, dropped) =
+        crate::service::settle_commit(&keys, vec![stored], &committed, published);
+    for key in dropped {
+        if let Err(e) = pool.with(|p| p.remove(&key).map(|_| ())) {
+            tracing::warn!(error = %e.message(), "could not drop an unpublished value");
+        }
+    }
+    Ok(answer?[0])
 }
 
 /// Serves a [`PUT_MANY_FROM`] whose entries are `packed` (each a `u16` key length, the key and

@@ -274,10 +274,10 @@ fn batches_read_known_keys_from_their_peers_without_the_master() {
     assert_eq!(sinks_data, values);
 }
 
-/// A cluster client's single puts go over small ops straight to the peer the master granted
-/// it (one route for many puts), and the peer publishes each over small ops; a key another
-/// peer holds is dropped by the loser and the first value stays; a killed granted peer's puts
-/// go elsewhere.
+/// A cluster client's single puts go straight to the peer the master granted it (one route
+/// for many puts), through shared memory on this host (over small ops without it: the child
+/// below), and the peer publishes each over small ops; a key another peer holds is dropped by
+/// the loser and the first value stays; a killed granted peer's puts go elsewhere.
 #[test]
 fn single_puts_take_the_granted_peer_and_the_first_writer_still_wins() {
     let cl = cluster(&["--dram-bytes", "8M"], false);
@@ -287,28 +287,52 @@ fn single_puts_take_the_granted_peer_and_the_first_writer_still_wins() {
         .iter()
         .map(|p| Client::connect(&p.addr).unwrap())
         .collect();
+    let peer_addrs: Vec<String> = cl.peers.iter().map(|p| p.addr.clone()).collect();
     let master_served = || c.health().unwrap().small_ops_served;
     let n = 16;
     let keys: Vec<Vec<u8>> = (0..n).map(|i| format!("gr-{i}").into_bytes()).collect();
     let values: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 70, 5000 + i)).collect();
-    let before = master_served();
+    let (before, at_peers) = (master_served(), served_at(&peer_addrs));
+    // A large value first: this peer then has less room than the other, where the other
+    // clients' grants below go.
+    let big = bytes(69, 6 << 20);
+    assert!(c.put(b"gr-big", &big).unwrap());
     for (k, v) in keys.iter().zip(&values) {
         assert!(c.put(k, v).unwrap());
     }
     assert_eq!(
         master_served() - before,
-        1 + n as u64,
+        2 + n as u64,
         "one route for all the puts, one commit per put"
+    );
+    let after = served_at(&peer_addrs);
+    assert_eq!(
+        after.1 - at_peers.1,
+        1 + n as u64,
+        "each put through shared memory"
+    );
+    assert!(
+        after.0 - at_peers.0 <= 1,
+        "small ops at the peers: the socket's name only"
     );
     let held: Vec<usize> = direct.iter().map(|d| d.stats().unwrap().keys).collect();
     assert!(
-        held.contains(&n) && held.contains(&0),
+        held.contains(&(n + 1)) && held.contains(&0),
         "all at the granted peer: {held:?}"
     );
-    let granted = held.iter().position(|&k| k == n).unwrap();
+    let granted = held.iter().position(|&k| k == n + 1).unwrap();
+    mori_testutil::run_ignored_child(
+        "single_puts_child_over_small_ops",
+        &[
+            ("MORI_UMBP_SHM", "0"),
+            ("UMBP_TEST_MASTER", &cl.master.addr),
+            ("UMBP_TEST_PEERS", &peer_addrs.join(",")),
+        ],
+    );
+    let other_held = direct[1 - granted].stats().unwrap().keys;
 
-    // Another client's grant is at the other peer (the first one's reservation fills this
-    // one): its puts of the same keys lose there and leave no copy.
+    // Another client's grant is at the other peer (more room there): its puts of the same
+    // keys lose there and leave no copy.
     let other = Client::connect(&cl.master.addr).unwrap();
     for (i, k) in keys.iter().enumerate() {
         assert!(!other.put(k, &bytes(i as u64 + 500, 4000)).unwrap(), "{i}");
@@ -316,7 +340,7 @@ fn single_puts_take_the_granted_peer_and_the_first_writer_still_wins() {
     }
     assert_eq!(
         direct[1 - granted].stats().unwrap().keys,
-        0,
+        other_held,
         "the losers' copies dropped"
     );
     for (k, v) in keys.iter().zip(&values) {
@@ -338,6 +362,72 @@ fn single_puts_take_the_granted_peer_and_the_first_writer_still_wins() {
     assert!(c.put(b"gr-after", &v).unwrap());
     assert!(direct[1 - granted].exists(b"gr-after").unwrap());
     assert_eq!(other.get(b"gr-after").unwrap(), Some(v));
+}
+
+/// A granted put whose peer cannot publish it (the master killed) fails, and the peer drops
+/// the value it stored: nothing unindexed stays behind; the value put before is intact.
+#[test]
+fn a_granted_put_the_master_cannot_index_fails_and_leaves_nothing() {
+    let Cluster {
+        _dirs,
+        master,
+        peers,
+    } = cluster(&["--dram-bytes", "8M"], false);
+    let c = Client::connect(&master.addr).unwrap();
+    let v = bytes(31, 7000);
+    assert!(c.put(b"gm-1", &v).unwrap());
+    let held: Vec<Client> = peers
+        .iter()
+        .map(|p| Client::connect(&p.addr).unwrap())
+        .filter(|d| d.exists(b"gm-1").unwrap())
+        .collect();
+    assert_eq!(held.len(), 1);
+    let served = held[0].health().unwrap().same_host_served;
+    master.stop(libc::SIGKILL, Duration::from_secs(5));
+    let err = c.put(b"gm-2", &bytes(32, 7000)).unwrap_err();
+    assert!(
+        err.to_string().to_lowercase().contains("unavailable"),
+        "{err}"
+    );
+    assert_eq!(
+        held[0].health().unwrap().same_host_served - served,
+        1,
+        "the put reached its granted peer"
+    );
+    assert!(
+        !held[0].exists(b"gm-2").unwrap(),
+        "an unindexed value stayed"
+    );
+    assert_eq!(held[0].get(b"gm-1").unwrap(), Some(v));
+}
+
+/// Run by the test above in a child process with `MORI_UMBP_SHM=0`: single puts go to the
+/// granted peer as small ops.
+#[test]
+#[ignore = "run by single_puts_take_the_granted_peer_and_the_first_writer_still_wins"]
+fn single_puts_child_over_small_ops() {
+    let master = std::env::var("UMBP_TEST_MASTER").unwrap();
+    let peers: Vec<String> = std::env::var("UMBP_TEST_PEERS")
+        .unwrap()
+        .split(',')
+        .map(String::from)
+        .collect();
+    let c = Client::connect(&master).unwrap();
+    let before = (served_at(&peers), c.health().unwrap().small_ops_served);
+    let values: Vec<Vec<u8>> = (0..4).map(|i| bytes(i + 40, 3000)).collect();
+    for (i, v) in values.iter().enumerate() {
+        assert!(c.put(format!("gr-child-{i}").as_bytes(), v).unwrap());
+    }
+    let after = (served_at(&peers), c.health().unwrap().small_ops_served);
+    assert_eq!(after.0.0 - before.0.0, 4, "one small op at a peer per put");
+    assert_eq!(after.0.1, before.0.1, "no shared memory");
+    assert_eq!(after.1 - before.1, 1 + 4, "one route, one commit per put");
+    for (i, v) in values.iter().enumerate() {
+        assert_eq!(
+            c.get(format!("gr-child-{i}").as_bytes()).unwrap().as_ref(),
+            Some(v)
+        );
+    }
 }
 
 #[test]

@@ -268,13 +268,17 @@ fn a_cluster_peers_same_host_socket_refuses_strangers_and_bad_descriptors() {
     let (code, msg) = hello_answer(&mut s).unwrap_err();
     assert_eq!(code, tonic::Code::InvalidArgument as i32);
     assert!(msg.contains("not a memfd"), "{msg}");
-    // Puts through it are refused (a peer publishes its puts to the master over gRPC), and
-    // nothing is stored.
+    // A batch of puts through it is refused (a peer takes those over gRPC), and nothing is
+    // stored; a single put is stored and published to the master before it is answered.
     let db = RawDoorbells::connect(&name, 1 << 16);
     db.write_at(0, &bytes(3, 100));
     let mut db = db;
+    let entries = put_entries(&[(b"peer-many", 100)]);
     let (status, body) = db
-        .request(&room_request(PUT_FROM, b"peer-put", 0, 100), 3 + 8 + 16)
+        .request(
+            &room_request(PUT_MANY_FROM, &entries, 0, 100),
+            3 + entries.len() as u32 + 16,
+        )
         .unwrap();
     assert_eq!(status, FAILED);
     assert_eq!(
@@ -283,6 +287,10 @@ fn a_cluster_peers_same_host_socket_refuses_strangers_and_bad_descriptors() {
         "{}",
         failed(&body).1
     );
+    let (status, _) = db
+        .request(&room_request(PUT_FROM, b"peer-put", 0, 100), 3 + 8 + 16)
+        .unwrap();
+    assert_eq!(status, FOUND);
     // The cluster's own client still reads through it.
     let c = Client::connect_with(&master.addr, &opts(GOOD)).unwrap();
     let v = bytes(9, 3000);
@@ -290,7 +298,12 @@ fn a_cluster_peers_same_host_socket_refuses_strangers_and_bad_descriptors() {
     let served = direct.health().unwrap().same_host_served;
     assert_eq!(c.get(b"guarded").unwrap(), Some(v));
     assert_eq!(direct.health().unwrap().same_host_served, served + 1);
-    assert!(!c.exists(b"peer-put").unwrap(), "a refused put was stored");
+    assert!(!c.exists(b"peer-many").unwrap(), "a refused put was stored");
+    assert_eq!(
+        c.get(b"peer-put").unwrap(),
+        Some(bytes(3, 100)),
+        "published"
+    );
 }
 
 /// The raw protocol from this process: without the secret nothing is served; with it, a
