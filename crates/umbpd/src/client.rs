@@ -414,8 +414,9 @@ struct PutGrant {
 enum PutRoute {
     /// The key is present at a live peer: the put stores nothing.
     Present,
-    /// To this peer (id, address).
-    To(u64, String),
+    /// To this peer (id, address), with this many bytes granted there (0: the master found no
+    /// peer with room for the put; it may still go there, as a routed put would).
+    To(u64, String, u64),
 }
 
 /// A staging buffer shared with a daemon on this host, for single gets.
@@ -904,6 +905,39 @@ impl Cluster {
         }
     }
 
+    /// The answer of granted puts of `keys` at peer `id` (`None`: the peer does not take them
+    /// that way): whether each was stored (their routes learnt); `None` to route them again
+    /// when the peer could not be reached or did not take them (its grant and connections are
+    /// dropped); an error the peer answered otherwise.
+    fn granted_answer(
+        &self,
+        id: u64,
+        addr: &str,
+        keys: &[&[u8]],
+        answer: Option<std::result::Result<Vec<bool>, tonic::Status>>,
+    ) -> Result<Option<Vec<bool>>> {
+        match answer {
+            Some(Ok(stored)) => {
+                let mut routes = self.routes();
+                for (key, _) in keys.iter().zip(&stored).filter(|(_, s)| **s) {
+                    routes.learn(key, id, addr);
+                }
+                Ok(Some(stored))
+            }
+            Some(Err(s)) if !is_transport(&s) && s.code() != tonic::Code::DeadlineExceeded => {
+                Err(s.into())
+            }
+            failed => {
+                if let Some(Err(s)) = failed {
+                    tracing::debug!(peer = id, error = %s, "puts failed at their granted peer; routing them again");
+                }
+                self.drop_grant(id);
+                self.forget(id);
+                Ok(None)
+            }
+        }
+    }
+
     /// Asks the master over small ops where to put `key` (a value of `len` bytes), with
     /// [`PUT_GRANT_BYTES`] reserved there for the next puts (kept as this client's grant).
     /// `None` when the master is not asked that way (no small ops, or a master older than
@@ -944,7 +978,7 @@ impl Cluster {
                         bytes_left: reserved.saturating_sub(len),
                         until: Instant::now() + PUT_GRANT_TIME,
                     });
-                    PutRoute::To(peer, addr)
+                    PutRoute::To(peer, addr, reserved)
                 }),
         )
     }
@@ -1346,6 +1380,9 @@ impl Client {
 
     /// Routed batch put (see the module docs).
     fn cluster_put(&self, c: &Cluster, items: &[(&[u8], &[u8])]) -> Result<Vec<bool>> {
+        if let Some(stored) = self.cluster_put_staged(c, items)? {
+            return Ok(stored);
+        }
         let keys: Vec<&[u8]> = items.iter().map(|(k, _)| *k).collect();
         let lens: Vec<u64> = items.iter().map(|(_, v)| v.len() as u64).collect();
         self.cluster_put_with(c, &keys, &lens, |mut pc, idxs| {
@@ -1375,25 +1412,19 @@ impl Client {
     /// A single put in a cluster over small ops: straight to the peer of this client's
     /// [`PutGrant`], or where the master routes it (one small op that also renews the grant),
     /// through the staging buffer shared with that peer when it is on this host (else a small
-    /// op); the peer stores the value and publishes it to the master before answering, and a key
-    /// another peer holds is dropped there and reported as not stored (as a batch's). `None`
-    /// to take the batch path ([`Client::cluster_put`]): small ops not used with the master or
-    /// the peer, a value over the bytes API's largest, or a peer that failed the put (it is
-    /// then excluded there).
+    /// op); the peer stores the value and publishes it to the master before answering, and a
+    /// key another peer holds is dropped there and reported as not stored (as a batch's).
+    /// `None` to take the batch path ([`Client::cluster_put`]): small ops not used with the
+    /// master or the peer, a value over the bytes API's largest, or a peer that failed the put
+    /// (it is then excluded there).
     fn cluster_put_one(&self, c: &Cluster, key: &[u8], value: &[u8]) -> Result<Option<bool>> {
         if value.len() > MAX_BYTES_VALUE || key.len() > usize::from(u16::MAX) {
             return Ok(None);
         }
-        let len = value.len() as u64;
-        let (peer, addr) = match c.take_grant(len) {
-            Some(grant) => grant,
-            None => match c.route_put_one(key, len) {
-                None => return Ok(None),
-                Some(route) => match route? {
-                    PutRoute::Present => return Ok(Some(false)),
-                    PutRoute::To(peer, addr) => (peer, addr),
-                },
-            },
+        let (peer, addr) = match self.put_target(c, key, value.len() as u64)? {
+            None => return Ok(None),
+            Some(PutRoute::Present) => return Ok(Some(false)),
+            Some(PutRoute::To(peer, addr, _)) => (peer, addr),
         };
         let staged = match c.peer_staging(peer, &addr) {
             Ok(staging) => staging.and_then(|b| staged_put(&b, key, value)),
@@ -1401,30 +1432,58 @@ impl Client {
             Err(e) => return Err(e),
         };
         let answer = match staged {
-            Some(answer) => Some(answer.map(|stored| stored.then(Vec::new))),
+            Some(answer) => Some(answer.map(|stored| vec![stored])),
             None => c
                 .small_peer(peer, &addr)?
-                .call(small_ops::PUT, key, Some(value)),
+                .call(small_ops::PUT, key, Some(value))
+                .map(|answer| answer.map(|stored| vec![stored.is_some()])),
         };
-        match answer {
-            Some(Ok(stored)) => {
-                if stored.is_some() {
-                    c.routes().learn(key, peer, &addr);
-                }
-                Ok(Some(stored.is_some()))
-            }
-            Some(Err(s)) if !is_transport(&s) && s.code() != tonic::Code::DeadlineExceeded => {
-                Err(s.into())
-            }
-            failed => {
-                if let Some(Err(s)) = failed {
-                    tracing::debug!(peer, error = %s, "a single put failed at its peer; routing it again");
-                }
-                c.drop_grant(peer);
-                c.forget(peer);
-                Ok(None)
-            }
+        Ok(c.granted_answer(peer, &addr, &[key], answer)?
+            .map(|stored| stored[0]))
+    }
+
+    /// A batch of byte puts in a cluster through the staging buffer shared with a peer on this
+    /// host that this client's [`PutGrant`] (or the master's route of the first key, renewing
+    /// it) has room at, as [`Client::cluster_put_one`]. `None` to take the routed path (which
+    /// places each key): no peer with room for the whole batch, a first key already present, a
+    /// peer on another host or one that failed the puts.
+    fn cluster_put_staged(
+        &self,
+        c: &Cluster,
+        items: &[(&[u8], &[u8])],
+    ) -> Result<Option<Vec<bool>>> {
+        let Some(&(first, _)) = items.first() else {
+            return Ok(Some(Vec::new()));
+        };
+        if first.len() > usize::from(u16::MAX) {
+            return Ok(None);
         }
+        let len = items.iter().map(|(_, v)| v.len() as u64).sum();
+        let (peer, addr) = match self.put_target(c, first, len)? {
+            Some(PutRoute::To(peer, addr, granted)) if granted >= len => (peer, addr),
+            _ => return Ok(None),
+        };
+        let staging = match c.peer_staging(peer, &addr) {
+            Ok(Some(staging)) => staging,
+            Ok(None) => return Ok(None),
+            Err(ClientError::Rpc(s)) => return c.granted_answer(peer, &addr, &[], Some(Err(s))),
+            Err(e) => return Err(e),
+        };
+        let Some(answer) = staged_batch_put(&staging, items) else {
+            return Ok(None);
+        };
+        let keys: Vec<&[u8]> = items.iter().map(|(k, _)| *k).collect();
+        c.granted_answer(peer, &addr, &keys, Some(answer))
+    }
+
+    /// Where puts of `len` bytes, the first of `key`, go without the routed path: this
+    /// client's grant's peer, or where the master routes `key` over small ops (renewing the
+    /// grant). `None`: take the routed path.
+    fn put_target(&self, c: &Cluster, key: &[u8], len: u64) -> Result<Option<PutRoute>> {
+        if let Some((peer, addr)) = c.take_grant(len) {
+            return Ok(Some(PutRoute::To(peer, addr, len)));
+        }
+        c.route_put_one(key, len).transpose()
     }
 
     /// Routes puts of `keys` (values of `lens` bytes); `send(peer, indices)` builds the call

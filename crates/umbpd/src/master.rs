@@ -614,7 +614,8 @@ impl MasterCore {
     /// [`MasterCore::route_put`] of one key whose writer asks for `reserve` bytes at the peer
     /// for its next puts (a grant): the peer is chosen for the value's `len` as any put's,
     /// then up to a quarter of that peer's remaining free bytes more is reserved there, at most
-    /// `reserve` in all. The route's `len` is the bytes reserved (at least `len`).
+    /// `reserve` in all. The route's `len` is the bytes granted: at least `len`, or 0 when no
+    /// live peer has room for `len` (the put may still go there, as any put's would).
     pub fn route_put_granted(
         &mut self,
         key: &[u8],
@@ -630,7 +631,12 @@ impl MasterCore {
             return Ok(None);
         };
         if let Some(p) = self.peers.get_mut(&route.peer) {
+            // `reserved` already counts `len`: a peer without room for it is granted nothing.
             let free = p.load.free_bytes().saturating_sub(p.reserved);
+            if p.load.free_bytes() < p.reserved {
+                route.len = 0;
+                return Ok(Some(route));
+            }
             let more = (free / 4).min(reserve.saturating_sub(len));
             p.reserved = p.reserved.saturating_add(more);
             route.len = len + more;
@@ -891,6 +897,10 @@ mod tests {
             .route_put_granted(b"g1", 100, 1 << 30, ip("10.0.0.1"))
             .unwrap();
         assert_eq!(r.map(|r| (r.peer, r.len)), Some((a, 100 + 225)));
+        // No room for the value anywhere: routed, nothing granted.
+        let r = m.route_put_granted(b"g0", 5000, 5000, None).unwrap();
+        assert_eq!(r.map(|r| (r.peer, r.len)), Some((b, 0)));
+        m.heartbeat(b, load(4000, 0, 0), &[], &[]).unwrap();
         // Never more than asked.
         let r = m.route_put_granted(b"g2", 10, 50, ip("10.0.0.2")).unwrap();
         assert_eq!(r.map(|r| (r.peer, r.len)), Some((b, 50)));

@@ -40,8 +40,8 @@
 //! answer is `FOUND` with a byte per key stored ([`MANY_FOUND`]) or present ([`MANY_ABSENT`]),
 //! possibly for fewer keys than sent (a put failed: the client asks again from there). The
 //! client's memory may change while the daemon reads it; see `put_from` for why a stored
-//! value still matches its checksum. A cluster peer publishes a [`PUT_FROM`]'s key to its
-//! master before answering, and answers [`PUT_MANY_FROM`] `UNIMPLEMENTED`.
+//! value still matches its checksum. A cluster peer publishes the keys to its master before
+//! answering.
 //!
 //! [`GET_INTO_STREAMED`]: a [`GET_INTO`] whose answer is `FOUND` with the value's length and
 //! how many of its front bytes the published progress still describes (`u64` each). In the
@@ -100,7 +100,7 @@ pub const GET_MANY_INTO: u8 = 2;
 /// the key to its master before answering).
 pub const PUT_FROM: u8 = 3;
 /// Request: store several values that lie one after another in the buffer, each under its
-/// key (a standalone daemon's: a cluster peer answers `UNIMPLEMENTED`).
+/// key (as [`PUT_FROM`]).
 pub const PUT_MANY_FROM: u8 = 4;
 /// Request: a [`GET_INTO`] whose value's bytes the client may copy out while they land: in the
 /// control block, the daemon publishes its progress on a value of at least [`STREAM_FROM`]
@@ -999,21 +999,15 @@ impl Served<'_> {
             return Ok(true);
         }
         if head[0] == PUT_FROM || head[0] == PUT_MANY_FROM {
-            let put = match link {
-                Some(link) if head[0] == PUT_FROM => {
+            let put = if head[0] == PUT_FROM {
+                stats.same_host_served.fetch_add(1, Ordering::Relaxed);
+                put_from(self.pool, &key, out)
+                    .and_then(|stored| published(self.pool, link, &[key.as_slice()], vec![stored]))
+                    .map(|stored| stored[0].then(Vec::new))
+            } else {
+                put_many_from(self.pool, link, &key, out, || {
                     stats.same_host_served.fetch_add(1, Ordering::Relaxed);
-                    put_and_publish(self.pool, link, &key, out).map(|stored| stored.then(Vec::new))
-                }
-                Some(_) => Err(Status::unimplemented(
-                    "a cluster peer takes batches of puts over gRPC",
-                )),
-                None if head[0] == PUT_FROM => {
-                    stats.same_host_served.fetch_add(1, Ordering::Relaxed);
-                    put_from(self.pool, &key, out).map(|stored| stored.then(Vec::new))
-                }
-                None => put_many_from(self.pool, &key, out, || {
-                    stats.same_host_served.fetch_add(1, Ordering::Relaxed);
-                }),
+                })
             };
             answer(to, &put)?;
             return Ok(true);
@@ -1161,29 +1155,39 @@ fn put_from(pool: &SharedPool, key: &[u8], value: &[u8]) -> Result<bool, Status>
     Ok(outcome == mori_umbp::PutOutcome::Stored)
 }
 
-/// A cluster peer's [`PUT_FROM`]: stores `value` as [`put_from`] does, then publishes the key
-/// to the master before answering (as a put over gRPC or small ops does: a key another peer
-/// holds is dropped here and answered not stored; a failed commit drops what was stored and
-/// fails the put).
-fn put_and_publish(
+/// What a put of `keys` answers once they are stored (`stored`: per key, whether this call
+/// stored it): on a cluster peer (`link`) the keys are published to the master first (as a put
+/// over gRPC or small ops is: a key another peer holds is dropped here and answered not
+/// stored; a failed commit drops what was stored and fails the put); on a standalone daemon,
+/// `stored` as it is.
+fn published(
     pool: &SharedPool,
-    link: &crate::peer::PeerLink,
-    key: &[u8],
-    value: &[u8],
-) -> Result<bool, Status> {
-    let stored = put_from(pool, key, value)?;
-    let entry = pool.with_status(|p| crate::service::commit_entry(p, key))?;
-    let committed: Vec<usize> = entry.iter().map(|_| 0).collect();
-    let published = link.commit_blocking(entry.into_iter().collect());
-    let keys = [key.to_vec()];
+    link: Option<&crate::peer::PeerLink>,
+    keys: &[&[u8]],
+    stored: Vec<bool>,
+) -> Result<Vec<bool>, Status> {
+    let Some(link) = link else {
+        return Ok(stored);
+    };
+    let (entries, committed) = pool.with_status(|p| {
+        let (mut entries, mut committed) = (Vec::new(), Vec::new());
+        for (i, key) in keys.iter().enumerate() {
+            if let Some(entry) = crate::service::commit_entry(p, key)? {
+                entries.push(entry);
+                committed.push(i);
+            }
+        }
+        Ok((entries, committed))
+    })?;
+    let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
     let (answer, dropped) =
-        crate::service::settle_commit(&keys, vec![stored], &committed, published);
+        crate::service::settle_commit(&keys, stored, &committed, link.commit_blocking(entries));
     for key in dropped {
         if let Err(e) = pool.with(|p| p.remove(&key).map(|_| ())) {
             tracing::warn!(error = %e.message(), "could not drop an unpublished value");
         }
     }
-    Ok(answer?[0])
+    answer
 }
 
 /// Serves a [`PUT_MANY_FROM`] whose entries are `packed` (each a `u16` key length, the key and
@@ -1191,9 +1195,11 @@ fn put_and_publish(
 /// next multiple of [`MANY_ALIGN`]: a byte per key stored ([`MANY_FOUND`], or [`MANY_ABSENT`]
 /// when the key was present). Every value is checked to lie in the room before any is stored;
 /// a failing put ends the batch there (answered for the keys before it: the client asks again
-/// from the failing one, which then fails alone).
+/// from the failing one, which then fails alone). A cluster peer (`link`) publishes the keys
+/// stored before answering ([`published`]).
 fn put_many_from(
     pool: &SharedPool,
+    link: Option<&crate::peer::PeerLink>,
     packed: &[u8],
     room: &[u8],
     served: impl Fn(),
@@ -1221,16 +1227,23 @@ fn put_many_from(
         at = (at + value.len()).next_multiple_of(MANY_ALIGN as usize);
         items.push((key, value));
     }
-    let mut body = Vec::with_capacity(items.len());
-    for (key, value) in items {
+    let mut stored = Vec::with_capacity(items.len());
+    for (key, value) in &items {
         match put_from(pool, key, value) {
-            Ok(stored) => body.push(if stored { MANY_FOUND } else { MANY_ABSENT }),
-            Err(s) if body.is_empty() => return Err(s),
+            Ok(s) => stored.push(s),
+            Err(s) if stored.is_empty() => return Err(s),
             Err(_) => break,
         }
         served();
     }
-    Ok(Some(body))
+    let keys: Vec<&[u8]> = items[..stored.len()].iter().map(|(k, _)| *k).collect();
+    let stored = published(pool, link, &keys, stored)?;
+    Ok(Some(
+        stored
+            .iter()
+            .map(|&s| if s { MANY_FOUND } else { MANY_ABSENT })
+            .collect(),
+    ))
 }
 
 /// The keys packed in a batch request: each a `u16` length and its bytes.

@@ -305,11 +305,33 @@ fn single_puts_take_the_granted_peer_and_the_first_writer_still_wins() {
         2 + n as u64,
         "one route for all the puts, one commit per put"
     );
+    // A batch too, in one request (one commit), present keys answered so and unchanged.
+    let batch: Vec<(Vec<u8>, Vec<u8>)> = (0..8)
+        .map(|i| (format!("gr-b{i}").into_bytes(), bytes(i + 200, 3000)))
+        .collect();
+    let mut items: Vec<(&[u8], &[u8])> = batch
+        .iter()
+        .map(|(k, v)| (k.as_slice(), v.as_slice()))
+        .collect();
+    items.push((&keys[0], b"not stored"));
+    let served_before = master_served();
+    let mut expect = vec![true; 8];
+    expect.push(false);
+    assert_eq!(c.batch_put(&items).unwrap(), expect);
+    assert_eq!(
+        master_served() - served_before,
+        1,
+        "one commit for the batch"
+    );
+    for (k, v) in &batch {
+        assert_eq!(c.get(k).unwrap().as_ref(), Some(v));
+    }
+    assert_eq!(c.get(&keys[0]).unwrap().as_ref(), Some(&values[0]));
     let after = served_at(&peer_addrs);
     assert_eq!(
         after.1 - at_peers.1,
-        1 + n as u64,
-        "each put through shared memory"
+        1 + n as u64 + 9 + 9,
+        "each put and get through shared memory"
     );
     assert!(
         after.0 - at_peers.0 <= 1,
@@ -317,10 +339,10 @@ fn single_puts_take_the_granted_peer_and_the_first_writer_still_wins() {
     );
     let held: Vec<usize> = direct.iter().map(|d| d.stats().unwrap().keys).collect();
     assert!(
-        held.contains(&(n + 1)) && held.contains(&0),
+        held.contains(&(n + 9)) && held.contains(&0),
         "all at the granted peer: {held:?}"
     );
-    let granted = held.iter().position(|&k| k == n + 1).unwrap();
+    let granted = held.iter().position(|&k| k == n + 9).unwrap();
     mori_testutil::run_ignored_child(
         "single_puts_child_over_small_ops",
         &[
@@ -449,8 +471,10 @@ fn routes_across_peers_first_writer_wins_and_a_dead_peers_keys_become_misses() {
         .map(|(k, v)| (k.as_slice(), v.as_slice()))
         .collect();
     assert_eq!(c.batch_put(&items).unwrap(), vec![true; 150]);
+    // Another client's puts: granted at the other peer (more room there).
+    let c2 = Client::connect(&cl.master.addr).unwrap();
     for i in 150..n {
-        assert!(c.put(&keys[i], &values[i]).unwrap());
+        assert!(c2.put(&keys[i], &values[i]).unwrap());
     }
     assert!(!c.put(&keys[3], b"other").unwrap(), "first writer wins");
     for i in 0..n {
@@ -476,7 +500,8 @@ fn routes_across_peers_first_writer_wins_and_a_dead_peers_keys_become_misses() {
     assert!(c.exists(&keys[7]).unwrap());
     assert_eq!(c.stats().unwrap().keys, n);
 
-    // Both peers hold keys (capacity-aware routing spreads equal peers).
+    // Both peers hold keys: the batch went to one (a grant with room for it), the other
+    // client's puts to the peer with more room.
     let direct: Vec<Client> = cl
         .peers
         .iter()
@@ -484,7 +509,9 @@ fn routes_across_peers_first_writer_wins_and_a_dead_peers_keys_become_misses() {
         .collect();
     let per_peer: Vec<usize> = direct.iter().map(|d| d.stats().unwrap().keys).collect();
     assert_eq!(per_peer.iter().sum::<usize>(), n, "{per_peer:?}");
-    assert!(per_peer.iter().all(|&k| k > n / 4), "{per_peer:?}");
+    let mut sorted = per_peer.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, vec![n - 150, 150], "{per_peer:?}");
 
     // Remove frees the bytes at the peer.
     assert!(c.remove(&keys[0]).unwrap());
