@@ -867,22 +867,27 @@ def test_embedded_batch_calls_on_host_buffers_are_one_call_and_byte_exact(tmp_pa
     assert not c.exists("x")
 
 
-def test_registered_buffer_calls_choose_their_path_by_size(daemon):
+@pytest.mark.parametrize("same_host", [False, True], ids=["shm-off", "shm"])
+def test_registered_buffer_calls_choose_their_path_by_size(daemon, monkeypatch, same_host):
     """Calls on a registered buffer moving at most SMALL_CALL_BYTES go as bytes in the gRPC call,
-    larger ones over mori.io: told apart by who refuses a slot too small for its value (the client
-    after a bytes get, the daemon's data plane otherwise). Both paths land the same bytes."""
+    larger ones over mori.io (with MORI_UMBP_SHM=0, as from another host) or, on the daemon's
+    host, through the staging buffer shared with it: told apart by who refuses a slot too small
+    for its value (the client, after a bytes get or at the staging buffer; the daemon's data plane
+    otherwise). Every path lands the same bytes."""
     from mori import umbp
 
+    monkeypatch.setenv("MORI_UMBP_SHM", "1" if same_host else "0")
     c = Client(master=daemon)
     buf = np.zeros(1 << 20, dtype=np.uint8)
     c.register(buf)
     value = np.random.default_rng(5).integers(0, 256, 40_000, dtype=np.uint8)
-    assert c.put("path-small", value.tobytes())
+    c.put("path-small", value.tobytes())
     small = [1000]  # one slot of 1000 bytes: a bytes call
     with pytest.raises(errors.InvalidArgumentError, match="the buffer holds"):
         c.batch_get_into(["path-small"], buf, [0], small)
-    large = [1000, umbp.SMALL_CALL_BYTES]  # slots summing past the threshold: mori.io
-    with pytest.raises(errors.InvalidArgumentError, match="output buffer of 1000 bytes"):
+    large = [1000, umbp.SMALL_CALL_BYTES]  # slots summing past the threshold
+    refused = "the buffer holds 1000" if same_host else "output buffer of 1000 bytes"
+    with pytest.raises(errors.InvalidArgumentError, match=refused):
         c.batch_get_into(["path-small", "path-small"], buf, [0, 4096], large)
     for sizes in ([40_000], [40_000, umbp.SMALL_CALL_BYTES]):
         buf[:] = 0xEE

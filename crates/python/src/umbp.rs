@@ -7,7 +7,7 @@ use std::sync::{Mutex, MutexGuard};
 use mori_umbp::{
     GpuTierConfig, LocalPool, PoolConfig, PoolStats, PutOutcome, SsdConfig, SsdIoMode, Tier,
 };
-use mori_umbpd::small_ops::Sink;
+use mori_umbpd::small_ops::{MemorySink, Sink};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -142,23 +142,6 @@ impl Sink for BytesSink {
                 )))
             }
         }
-    }
-}
-
-/// A [`Sink`] over a caller's buffer of `cap` writable bytes at `at`.
-struct SliceSink {
-    at: usize,
-    cap: usize,
-}
-
-impl Sink for SliceSink {
-    fn buffer(&mut self, len: usize) -> std::io::Result<&mut [u8]> {
-        if len > self.cap {
-            let what = format!("the value has {len} bytes; the buffer holds {}", self.cap);
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, what));
-        }
-        // SAFETY: mori.umbp passes a live, writable contiguous buffer of `cap` bytes.
-        unsafe { raw_slice(self.at, len) }.map_err(|_| std::io::Error::other("a null buffer"))
     }
 }
 
@@ -759,7 +742,9 @@ impl UmbpRemote {
         ptr: usize,
         len: usize,
     ) -> Result<Option<usize>> {
-        let mut sink = SliceSink { at: ptr, cap: len };
+        // SAFETY: mori.umbp passes a live, writable contiguous buffer of `len` bytes, which it
+        // keeps during the call.
+        let mut sink = unsafe { MemorySink::new(ptr, len) };
         Ok(py.detach(|| self.inner.get_with(key, &mut sink))?)
     }
 

@@ -70,7 +70,7 @@ use crate::server::{
     H2_CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, H2_STREAM_WINDOW_BYTES, MAX_MESSAGE_BYTES,
 };
 use crate::shm::SharedBuffer;
-use crate::small_ops::{self, Sink, SmallOpsClient};
+use crate::small_ops::{self, MemorySink, Sink, SmallOpsClient};
 
 /// Errors of [`Client`].
 #[derive(Debug, thiserror::Error)]
@@ -2127,11 +2127,14 @@ impl Client {
 
     /// Reads `keys` into registered memory `mem`: key `i` at `offsets[i]`, at most
     /// `capacities[i]` bytes (a larger value fails the call with `INVALID_ARGUMENT`).
-    /// Returns each value's length (`None`: absent). DRAM values are written by the daemon
-    /// straight into the buffer over the IO engine; values read from SSD come back in the
-    /// answer and are copied here. A daemon without a data plane is served over the byte
-    /// path (then copied). Against a master, as [`Client::batch_get`]: routed under a
-    /// lease, a key whose peer cannot be reached is a miss.
+    /// Returns each value's length (`None`: absent). A daemon (or a cluster's peer) on this
+    /// host copies the values into the staging buffer shared with this client, and this
+    /// client copies them straight into the buffer (values longer than the staging buffer,
+    /// or a batch while another thread holds it, take the data plane). Otherwise DRAM values
+    /// are written by the daemon straight into the buffer over the IO engine; values read
+    /// from SSD come back in the answer and are copied here. A daemon without a data plane is
+    /// served over the byte path (then copied). Against a master, as [`Client::batch_get`]:
+    /// routed under a lease, a key whose peer cannot be reached is a miss.
     pub fn batch_get_into(
         &self,
         keys: &[&[u8]],
@@ -2140,25 +2143,69 @@ impl Client {
         capacities: &[u64],
     ) -> Result<Vec<Option<u64>>> {
         let (d, base) = self.check_ranges(keys.len(), mem, offsets, capacities)?;
+        let slots = Slots {
+            base,
+            offsets,
+            capacities,
+        };
+        let mut results: Vec<GetIntoResult> = vec![GetIntoResult::default(); keys.len()];
         let all: Vec<usize> = (0..keys.len()).collect();
         let Some(c) = &self.cluster else {
-            let res = self.rt.block_on(get_into_at(
-                self.inner.clone(),
-                &d,
-                mem,
-                keys,
-                offsets,
-                capacities,
-                &all,
-            ))?;
-            return Ok(place(base, offsets, res));
+            let rest = match self.own_staging() {
+                Some(staging) => staged_into(staging, keys, &all, &slots, &mut results)?,
+                None => all,
+            };
+            if !rest.is_empty() {
+                let res = self.rt.block_on(get_into_at(
+                    self.inner.clone(),
+                    &d,
+                    mem,
+                    keys,
+                    offsets,
+                    capacities,
+                    &rest,
+                ))?;
+                for (&i, r) in rest.iter().zip(res) {
+                    results[i] = r;
+                }
+            }
+            return Ok(place(base, offsets, results));
         };
+        let (groups, lease_id) = self.rt.block_on(c.route_get(keys))?;
+        let mut failure: Option<tonic::Status> = None;
+        // Peers on this host: through the staging buffer shared with them, straight into the
+        // caller's memory; the rest (and every key of a peer elsewhere) over the data plane.
+        let mut remote = Vec::new();
+        for (peer, (addr, idxs)) in groups {
+            let staging = match c.peer_staging(peer, &addr) {
+                Ok(staging) => staging,
+                // Not answered within the peer deadline: its keys are misses, as after a
+                // failed data-plane call.
+                Err(ClientError::Rpc(s))
+                    if is_transport(&s) || s.code() == tonic::Code::DeadlineExceeded =>
+                {
+                    c.unreachable(peer);
+                    continue;
+                }
+                Err(_) => None,
+            };
+            let rest = match staging {
+                Some(staging) => match staged_into(&staging, keys, &idxs, &slots, &mut results) {
+                    Ok(rest) => rest,
+                    Err(s) => {
+                        failure = failure.or(Some(s));
+                        Vec::new()
+                    }
+                },
+                None => idxs,
+            };
+            if !rest.is_empty() {
+                remote.push((peer, addr, rest));
+            }
+        }
         self.rt.block_on(async {
-            let (groups, lease_id) = c.route_get(keys).await?;
-            let mut results: Vec<GetIntoResult> = vec![GetIntoResult::default(); keys.len()];
-            let mut failure: Option<tonic::Status> = None;
             let mut calls = Vec::new();
-            for (peer, (addr, idxs)) in groups {
+            for (peer, addr, idxs) in remote {
                 let pc = c.peer(peer, &addr)?;
                 calls.push((peer, addr, idxs, pc));
             }
@@ -2325,6 +2372,57 @@ async fn get_into_at(
         }
     }
     Ok(results)
+}
+
+/// Where a registered-buffer batch's values go: key `i` at `base + offsets[i]`, at most
+/// `capacities[i]` bytes (ranges checked against the registered buffer by `check_ranges`).
+struct Slots<'a> {
+    base: u64,
+    offsets: &'a [u64],
+    capacities: &'a [u64],
+}
+
+/// Reads keys `idxs` of `keys` through `staging` (a buffer shared with a daemon on this host)
+/// straight into their slots, setting their `results` (not inline: the bytes are in place);
+/// returns the keys it did not take (values longer than the staging buffer, or all of them
+/// when another thread holds it or the connection failed), for the data plane.
+fn staged_into(
+    staging: &Mutex<SharedBuffer>,
+    keys: &[&[u8]],
+    idxs: &[usize],
+    slots: &Slots<'_>,
+    results: &mut [GetIntoResult],
+) -> std::result::Result<Vec<usize>, tonic::Status> {
+    let wanted: Vec<&[u8]> = idxs.iter().map(|&i| keys[i]).collect();
+    let mut sinks: Vec<MemorySink> = idxs
+        .iter()
+        .map(|&i| {
+            let at = (slots.base + slots.offsets[i]) as usize;
+            // SAFETY: `check_ranges` verified [offsets[i], + capacities[i]) lies in the
+            // registered buffer at `base`, which `Client::register`'s contract keeps valid,
+            // writable and left alone by the caller during the call.
+            unsafe { MemorySink::new(at, slots.capacities[i] as usize) }
+        })
+        .collect();
+    let mut dyns: Vec<&mut dyn Sink> = sinks.iter_mut().map(|s| s as &mut dyn Sink).collect();
+    let Some(answers) = staged_batch(staging, &wanted, &mut dyns) else {
+        return Ok(idxs.to_vec());
+    };
+    let mut rest = Vec::new();
+    for (&i, answer) in idxs.iter().zip(answers?) {
+        match answer {
+            Some(found) => {
+                results[i] = GetIntoResult {
+                    found: found.is_some(),
+                    len: found.unwrap_or(0) as u64,
+                    inline: false,
+                    value: Vec::new(),
+                }
+            }
+            None => rest.push(i),
+        }
+    }
+    Ok(rest)
 }
 
 /// Copies inline values into the registered buffer at `base` and returns the lengths.

@@ -402,6 +402,43 @@ impl Sink for Vec<u8> {
     }
 }
 
+/// A [`Sink`] over `cap` writable bytes of this process's memory at `at` (a caller's buffer):
+/// a value longer than that is refused (`InvalidInput`) before anything is written.
+#[derive(Debug)]
+pub struct MemorySink {
+    at: usize,
+    cap: usize,
+}
+
+impl MemorySink {
+    /// A sink over the `cap` bytes at address `at`.
+    ///
+    /// # Safety
+    /// `at` must address `cap` writable bytes (or be 0 with `cap` 0) that stay valid while the
+    /// sink is in use, and that nothing else reads or writes meanwhile.
+    pub unsafe fn new(at: usize, cap: usize) -> MemorySink {
+        MemorySink { at, cap }
+    }
+}
+
+impl Sink for MemorySink {
+    fn buffer(&mut self, len: usize) -> io::Result<&mut [u8]> {
+        if len > self.cap {
+            let what = format!("the value has {len} bytes; the buffer holds {}", self.cap);
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, what));
+        }
+        if len == 0 {
+            return Ok(&mut []);
+        }
+        if self.at == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a null buffer"));
+        }
+        // SAFETY: `MemorySink::new`'s contract: `at` addresses `cap` >= `len` writable bytes
+        // that only this sink touches while it is in use.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.at as *mut u8, len) })
+    }
+}
+
 /// An answer whose value went into a [`Sink`]: its length, `None` when absent.
 pub(crate) type SinkAnswer = Result<Option<usize>, Status>;
 

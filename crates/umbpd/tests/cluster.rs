@@ -712,7 +712,14 @@ fn data_plane_round_trips_and_a_peer_killed_mid_put() {
     o2.push(0);
     let mut c2 = caps.clone();
     c2.push(slot as u64);
+    let peer_addrs: Vec<String> = cl.peers.iter().map(|p| p.addr.clone()).collect();
+    let served = served_at(&peer_addrs).1;
     let got = c.batch_get_into(&want_refs, &dmem, &o2, &c2).unwrap();
+    assert_eq!(
+        served_at(&peer_addrs).1 - served,
+        n as u64,
+        "peers on this host: through shared memory"
+    );
     assert_eq!(got[n], None);
     for i in 0..n {
         assert_eq!(got[i], Some(lens[i]), "{i}");
@@ -736,6 +743,15 @@ fn data_plane_round_trips_and_a_peer_killed_mid_put() {
         .batch_get_into(&refs[..1], &dmem, &[0], &[100])
         .unwrap_err();
     assert_eq!(err.code(), Some(tonic::Code::InvalidArgument), "{err}");
+    // Without shared memory (a child with MORI_UMBP_SHM=0): the same reads over the data plane.
+    mori_testutil::run_ignored_child(
+        "registered_gets_child_over_the_data_plane",
+        &[
+            ("MORI_UMBP_SHM", "0"),
+            ("UMBP_TEST_MASTER", &cl.master.addr),
+            ("UMBP_TEST_N", &n.to_string()),
+        ],
+    );
     let err = c
         .batch_get_into(&refs[..1], &dmem, &[(n * slot) as u64], &[1])
         .unwrap_err();
@@ -903,6 +919,50 @@ fn register_fake_peer(master: &str, addr: &str, keys: &[&[u8]]) {
             std::thread::sleep(Duration::from_millis(200));
         }
     });
+}
+
+/// Run by the test above in a child process with `MORI_UMBP_SHM=0`: its registered-buffer
+/// gets go over the data plane (from DRAM and from SSD), byte-exact; a value longer than its
+/// slot fails the call.
+#[test]
+#[ignore = "run by data_plane_round_trips_and_a_peer_killed_mid_put"]
+fn registered_gets_child_over_the_data_plane() {
+    let c = Client::connect(&std::env::var("UMBP_TEST_MASTER").unwrap()).unwrap();
+    let n: usize = std::env::var("UMBP_TEST_N").unwrap().parse().unwrap();
+    let slot = 64 << 10;
+    let mut dst = vec![0u8; n * slot];
+    // SAFETY: `dst` outlives the registration (deregistered below) and is not otherwise used
+    // meanwhile.
+    let dmem = unsafe { c.register(dst.as_mut_ptr() as u64, dst.len() as u64) }.unwrap();
+    let keys: Vec<Vec<u8>> = (0..n).map(|i| format!("dp-{i}").into_bytes()).collect();
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let offs: Vec<u64> = (0..n).map(|i| (i * slot) as u64).collect();
+    let peers: Vec<String> = c
+        .cluster_info()
+        .unwrap()
+        .unwrap()
+        .peers
+        .into_iter()
+        .map(|p| p.addr)
+        .collect();
+    let served = served_at(&peers).1;
+    let got = c
+        .batch_get_into(&refs, &dmem, &offs, &vec![slot as u64; n])
+        .unwrap();
+    assert_eq!(served_at(&peers).1, served, "no shared memory");
+    for i in 0..n {
+        let len = 20_000 + 131 * i;
+        assert_eq!(got[i], Some(len as u64), "{i}");
+        assert!(
+            dst[i * slot..i * slot + len] == bytes(i as u64, len)[..],
+            "{i}"
+        );
+    }
+    let err = c
+        .batch_get_into(&refs[..1], &dmem, &[0], &[100])
+        .unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::InvalidArgument), "{err}");
+    c.deregister(&dmem).unwrap();
 }
 
 #[test]
