@@ -163,18 +163,24 @@ fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
     assert_eq!(found, keys.len(), "each key on exactly one peer");
 }
 
+/// In a child test: a client of the parent's master (`UMBP_TEST_MASTER`) and the peers'
+/// addresses (`UMBP_TEST_PEERS`).
+fn child_cluster() -> (Client, Vec<String>) {
+    let master = std::env::var("UMBP_TEST_MASTER").unwrap();
+    let peers = std::env::var("UMBP_TEST_PEERS")
+        .unwrap()
+        .split(',')
+        .map(String::from)
+        .collect();
+    (Client::connect(&master).unwrap(), peers)
+}
+
 /// Run by the test above in a child process with `MORI_UMBP_SHM=0`: a new client's single gets
 /// take the master's route once per key, then go straight to the peer, over small ops.
 #[test]
 #[ignore = "run by single_gets_in_a_cluster_read_the_peer_over_small_ops"]
 fn single_gets_child_read_over_small_ops() {
-    let master = std::env::var("UMBP_TEST_MASTER").unwrap();
-    let peers: Vec<String> = std::env::var("UMBP_TEST_PEERS")
-        .unwrap()
-        .split(',')
-        .map(String::from)
-        .collect();
-    let c = Client::connect(&master).unwrap();
+    let (c, peers) = child_cluster();
     let (keys, values) = single_get_pairs();
     for round in 0..2 {
         let before = (served_at(&peers), c.health().unwrap().small_ops_served);
@@ -428,13 +434,7 @@ fn a_granted_put_the_master_cannot_index_fails_and_leaves_nothing() {
 #[test]
 #[ignore = "run by single_puts_take_the_granted_peer_and_the_first_writer_still_wins"]
 fn single_puts_child_over_small_ops() {
-    let master = std::env::var("UMBP_TEST_MASTER").unwrap();
-    let peers: Vec<String> = std::env::var("UMBP_TEST_PEERS")
-        .unwrap()
-        .split(',')
-        .map(String::from)
-        .collect();
-    let c = Client::connect(&master).unwrap();
+    let (c, peers) = child_cluster();
     let before = (served_at(&peers), c.health().unwrap().small_ops_served);
     let values: Vec<Vec<u8>> = (0..4).map(|i| bytes(i + 40, 3000)).collect();
     for (i, v) in values.iter().enumerate() {

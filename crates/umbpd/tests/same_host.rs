@@ -230,29 +230,7 @@ fn shared_buffers_take_values_straight_from_the_pool_and_nowhere_else() {
 #[test]
 fn a_cluster_peers_same_host_socket_refuses_strangers_and_bad_descriptors() {
     let dirs: Vec<tempfile::TempDir> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
-    let sf = secret_file(dirs[0].path(), "secret", GOOD);
-    let secret = sf.to_str().unwrap();
-    let master = Daemon::start(
-        dirs[0].path(),
-        &["--role", "master", "--secret-file", secret],
-        &[],
-    );
-    let peer = Daemon::start(
-        dirs[1].path(),
-        &[
-            "--role",
-            "peer",
-            "--master",
-            &master.addr,
-            "--secret-file",
-            secret,
-            "--heartbeat-interval",
-            "100ms",
-            "--dram-bytes",
-            "16M",
-        ],
-        &[],
-    );
+    let (master, peer) = common::master_and_peer(&dirs, GOOD, "16M");
     let direct = Client::connect_with(&peer.addr, &opts(GOOD)).unwrap();
     let name = direct.same_host_socket().unwrap();
     let refused = direct.health().unwrap().connections_refused;

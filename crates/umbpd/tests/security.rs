@@ -229,27 +229,7 @@ fn small_ops_commit(peer_id: u64, key: &[u8]) -> Vec<u8> {
 fn a_master_refuses_commits_of_unknown_peers_and_malformed_small_ops() {
     use mori_umbpd::small_ops::{ABSENT, FAILED, HELLO, ROUTE_PUT};
     let dirs: Vec<tempfile::TempDir> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
-    let sf = secret_file(dirs[0].path(), "secret", GOOD);
-    let sf = sf.to_str().unwrap();
-    let master = Daemon::start(
-        dirs[0].path(),
-        &["--role", "master", "--secret-file", sf],
-        &[],
-    );
-    let peer = Daemon::start(
-        dirs[1].path(),
-        &[
-            "--role",
-            "peer",
-            "--master",
-            &master.addr,
-            "--secret-file",
-            sf,
-            "--dram-bytes",
-            "8M",
-        ],
-        &[],
-    );
+    let (master, peer) = common::master_and_peer(&dirs, GOOD, "8M");
     let c = Client::connect_with(&master.addr, &opts(GOOD)).unwrap();
     let secret = Secret::new(GOOD.as_bytes().to_vec()).unwrap();
     let exchange = |addr: &str, request: &[u8]| {
@@ -321,29 +301,7 @@ fn a_master_refuses_commits_of_unknown_peers_and_malformed_small_ops() {
 #[test]
 fn a_rogue_peer_cannot_register_heartbeat_or_commit() {
     let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let sf = secret_file(dirs[0].path(), "secret", GOOD);
-    let sf = sf.to_str().unwrap();
-    let master = Daemon::start(
-        dirs[0].path(),
-        &["--role", "master", "--secret-file", sf],
-        &[],
-    );
-    let peer = Daemon::start(
-        dirs[1].path(),
-        &[
-            "--role",
-            "peer",
-            "--master",
-            &master.addr,
-            "--secret-file",
-            sf,
-            "--heartbeat-interval",
-            "100ms",
-            "--dram-bytes",
-            "8M",
-        ],
-        &[],
-    );
+    let (master, peer) = common::master_and_peer(&dirs, GOOD, "8M");
     let c = Client::connect_with(&master.addr, &opts(GOOD)).unwrap();
     let peers = |c: &Client| {
         let info = c.cluster_info().unwrap().unwrap();

@@ -244,6 +244,35 @@ pub fn secret_file(dir: &Path, name: &str, text: &str) -> PathBuf {
     p
 }
 
+/// A master and one peer of `dram` bytes (heartbeat every 100 ms), both with a secret file
+/// holding `secret` in `dirs[0]`, each daemon in its own directory of `dirs`.
+pub fn master_and_peer(dirs: &[tempfile::TempDir], secret: &str, dram: &str) -> (Daemon, Daemon) {
+    let sf = secret_file(dirs[0].path(), "secret", secret);
+    let sf = sf.to_str().unwrap();
+    let master = Daemon::start(
+        dirs[0].path(),
+        &["--role", "master", "--secret-file", sf],
+        &[],
+    );
+    let peer = Daemon::start(
+        dirs[1].path(),
+        &[
+            "--role",
+            "peer",
+            "--master",
+            &master.addr,
+            "--secret-file",
+            sf,
+            "--heartbeat-interval",
+            "100ms",
+            "--dram-bytes",
+            dram,
+        ],
+        &[],
+    );
+    (master, peer)
+}
+
 /// Client options proving `secret`.
 pub fn opts(secret: &str) -> ClientOptions {
     ClientOptions {
