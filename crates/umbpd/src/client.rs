@@ -750,15 +750,17 @@ impl Cluster {
         (known, unknown)
     }
 
-    /// Reads each group's keys (indices into `keys`) from its peer, the groups in parallel.
-    /// Keys a peer did not have, and every key of a peer that could not be reached (its
-    /// connections and routes dropped), are `missed`; with `learn` the found keys' routes are
-    /// kept for later gets.
+    /// Reads each group's keys (indices into `keys`) from its peer, the groups in parallel,
+    /// through the staging buffer shared with a peer on this host unless `grpc_only` (the
+    /// caller found it does not fit them). Keys a peer did not have, and every key of a peer
+    /// that could not be reached (its connections and routes dropped), are `missed`; with
+    /// `learn` the found keys' routes are kept for later gets.
     async fn fetch_groups(
         &self,
         keys: &[&[u8]],
         groups: PeerGroups,
         learn: bool,
+        grpc_only: bool,
     ) -> Result<Fetched> {
         let mut tasks = tokio::task::JoinSet::new();
         let mut fetched = Fetched::default();
@@ -768,11 +770,15 @@ impl Cluster {
             let (map, secret) = (Arc::clone(&self.peer_staging), Arc::clone(&self.secret));
             let wanted: Vec<Vec<u8>> = idxs.iter().map(|&i| keys[i].to_vec()).collect();
             let deadline = self.peer_deadline;
-            let known = kept_at(
-                &map.lock().unwrap_or_else(PoisonError::into_inner),
-                peer,
-                &addr,
-            );
+            let known = if grpc_only {
+                Some(None)
+            } else {
+                kept_at(
+                    &map.lock().unwrap_or_else(PoisonError::into_inner),
+                    peer,
+                    &addr,
+                )
+            };
             tasks.spawn(async move {
                 // The first batch to a peer asks whether it shares memory: a blocking round
                 // trip, made off the runtime's threads (the other groups go on meanwhile).
@@ -852,7 +858,7 @@ impl Cluster {
             .into_iter()
             .map(|(peer, (addr, at))| (peer, (addr, at.into_iter().map(|j| idxs[j]).collect())))
             .collect();
-        let fetched = self.fetch_groups(keys, groups, true).await;
+        let fetched = self.fetch_groups(keys, groups, true, false).await;
         self.release_lease(lease_id);
         fetched
     }
@@ -1583,7 +1589,7 @@ impl Client {
         self.rt.block_on(async {
             let (known, unknown) = c.known_routes(keys);
             let (direct, routed) = tokio::join!(
-                c.fetch_groups(keys, known, false),
+                c.fetch_groups(keys, known, false, false),
                 c.routed_fetch(keys, unknown)
             );
             let (direct, routed) = (direct?, routed?);
@@ -1924,10 +1930,13 @@ impl Client {
                 keys.len()
             ))));
         }
-        if self.cluster.is_none()
-            && let Some(answers) = self.standalone_batch(keys, sinks)
-        {
-            return answers;
+        match &self.cluster {
+            Some(c) => return self.cluster_batch_with(c, keys, sinks),
+            None => {
+                if let Some(answers) = self.standalone_batch(keys, sinks) {
+                    return answers;
+                }
+            }
         }
         self.batch_get(keys)?
             .into_iter()
@@ -1937,6 +1946,120 @@ impl Client {
                 None => Ok(None),
             })
             .collect()
+    }
+
+    /// A cluster's batch into `sinks`: the keys whose peer is on this host (a route this
+    /// client knows, else the master's, under a read lease) are read through the staging
+    /// buffer shared with that peer straight into their sinks; the keys of peers elsewhere (and
+    /// values longer than the buffer) from their peers as [`Client::batch_get`] reads them,
+    /// then copied into their sinks; a known route that missed is asked of the master.
+    fn cluster_batch_with(
+        &self,
+        c: &Cluster,
+        keys: &[&[u8]],
+        sinks: &mut [&mut dyn Sink],
+    ) -> Result<Vec<Option<usize>>> {
+        let (mut groups, unknown) = c.known_routes(keys);
+        let mut routed = vec![false; keys.len()];
+        let mut lease_id = 0;
+        if !unknown.is_empty() {
+            let wanted: Vec<&[u8]> = unknown.iter().map(|&i| keys[i]).collect();
+            let (found, lease) = self.rt.block_on(c.route_get(&wanted))?;
+            lease_id = lease;
+            for (peer, (addr, at)) in found {
+                let group = groups.entry(peer).or_insert_with(|| (addr, Vec::new()));
+                for j in at {
+                    routed[unknown[j]] = true;
+                    group.1.push(unknown[j]);
+                }
+            }
+        }
+        let read = self.read_groups_into(c, keys, groups, &routed, sinks);
+        {
+            let _in_runtime = self.rt.enter();
+            c.release_lease(lease_id);
+        }
+        let (mut out, stale) = read?;
+        if !stale.is_empty() {
+            {
+                let mut routes = c.routes();
+                for &i in &stale {
+                    routes.drop_key(keys[i]);
+                }
+            }
+            let wanted: Vec<&[u8]> = stale.iter().map(|&i| keys[i]).collect();
+            for (i, v) in stale.into_iter().zip(self.batch_get(&wanted)?) {
+                if let Some(v) = v {
+                    out[i] = Some(fill(&mut *sinks[i], &v)?);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`Client::cluster_batch_with`]'s reads of `groups`: a group whose peer shares a staging
+    /// buffer with this client straight into the sinks, the others (and values longer than the
+    /// buffer) over gRPC from their peers ([`Cluster::fetch_groups`]), copied into the sinks.
+    /// The routes of found keys the master routed (`routed[i]`) are learnt. Returns the answers
+    /// and the known-route keys their peer did not have (stale routes).
+    fn read_groups_into(
+        &self,
+        c: &Cluster,
+        keys: &[&[u8]],
+        groups: PeerGroups,
+        routed: &[bool],
+        sinks: &mut [&mut dyn Sink],
+    ) -> Result<(Vec<Option<usize>>, Vec<usize>)> {
+        let mut out: Vec<Option<usize>> = vec![None; keys.len()];
+        let (mut elsewhere, mut stale) = (PeerGroups::new(), Vec::new());
+        for (peer, (addr, mut idxs)) in groups {
+            // A peer that does not answer the question is read the other way, which makes its
+            // keys misses within the peer deadline.
+            let Some(staging) = c.peer_staging(peer, &addr).ok().flatten() else {
+                elsewhere.insert(peer, (addr, idxs));
+                continue;
+            };
+            idxs.sort_unstable();
+            let wanted: Vec<&[u8]> = idxs.iter().map(|&i| keys[i]).collect();
+            let mut group_sinks: Vec<&mut dyn Sink> = sinks
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| idxs.binary_search(i).is_ok())
+                .map(|(_, s)| &mut **s as &mut dyn Sink)
+                .collect();
+            let Some(answers) = staged_batch(&staging, &wanted, &mut group_sinks) else {
+                elsewhere.insert(peer, (addr, idxs));
+                continue;
+            };
+            let mut longer = Vec::new();
+            let mut routes = c.routes();
+            for (&i, answer) in idxs.iter().zip(answers?) {
+                match answer {
+                    Some(Some(len)) => {
+                        out[i] = Some(len);
+                        if routed[i] {
+                            routes.learn(keys[i], peer, &addr);
+                        }
+                    }
+                    Some(None) if routed[i] => {} // gone from its peer since the master routed it
+                    Some(None) => stale.push(i),
+                    None => longer.push(i),
+                }
+            }
+            if !longer.is_empty() {
+                elsewhere.insert(peer, (addr, longer));
+            }
+        }
+        if !elsewhere.is_empty() {
+            let fetched = self
+                .rt
+                .block_on(c.fetch_groups(keys, elsewhere, true, true))?;
+            for (i, v) in fetched.found {
+                out[i] = Some(fill(&mut *sinks[i], &v)?);
+            }
+            stale.extend(fetched.missed.into_iter().filter(|&i| !routed[i]));
+        }
+        Ok((out, stale))
     }
 
     /// A standalone daemon's batch into `sinks`: through the staging buffer shared with it on

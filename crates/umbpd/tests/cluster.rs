@@ -1128,4 +1128,43 @@ fn cluster_batches_read_peers_on_this_host_through_shared_memory() {
     let lens = c.batch_get_with(&refs, &mut sinks).unwrap();
     assert_eq!(lens, sizes.iter().map(|&n| Some(n)).collect::<Vec<_>>());
     assert_eq!(outs, values);
+    // A client that knows no route: the master routes the batch, the values come through the
+    // staging buffer straight into the sinks (the 20 MiB one over gRPC), and the routes are
+    // learnt (a single get afterwards does not ask the master).
+    let other = Client::connect(&cl.master.addr).unwrap();
+    let mut want2 = refs.clone();
+    want2.push(b"cl-absent");
+    let mut outs2: Vec<Vec<u8>> = vec![Vec::new(); want2.len()];
+    let mut sinks2: Vec<&mut dyn mori_umbpd::small_ops::Sink> = outs2
+        .iter_mut()
+        .map(|o| o as &mut dyn mori_umbpd::small_ops::Sink)
+        .collect();
+    let before = served_at(&peers);
+    let lens = other.batch_get_with(&want2, &mut sinks2).unwrap();
+    let mut expect: Vec<Option<usize>> = sizes.iter().map(|&n| Some(n)).collect();
+    expect.push(None);
+    assert_eq!(lens, expect);
+    assert_eq!(&outs2[..keys.len()], &values[..]);
+    assert_eq!(
+        served_at(&peers).1 - before.1,
+        sizes.len() as u64 + 2,
+        "as batch_get: every value through the staging buffer"
+    );
+    let routed = other.health().unwrap().small_ops_served;
+    assert_eq!(other.get(&keys[1]).unwrap().as_ref(), Some(&values[1]));
+    assert_eq!(
+        other.health().unwrap().small_ops_served,
+        routed,
+        "the route was learnt"
+    );
+    // A known route whose key was removed since: asked of the master again, a miss.
+    assert!(c.remove(&keys[0]).unwrap());
+    let mut outs3: Vec<Vec<u8>> = vec![Vec::new(); 2];
+    let mut sinks3: Vec<&mut dyn mori_umbpd::small_ops::Sink> = outs3
+        .iter_mut()
+        .map(|o| o as &mut dyn mori_umbpd::small_ops::Sink)
+        .collect();
+    let lens = other.batch_get_with(&refs[..2], &mut sinks3).unwrap();
+    assert_eq!(lens, vec![None, Some(sizes[1])]);
+    assert_eq!(outs3[1], values[1]);
 }
