@@ -527,6 +527,16 @@ fn staged_get(
     }
 }
 
+/// The sinks at `idxs` (sorted) of `sinks`, in order.
+fn sinks_at<'a>(sinks: &'a mut [&mut dyn Sink], idxs: &[usize]) -> Vec<&'a mut dyn Sink> {
+    sinks
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| idxs.binary_search(i).is_ok())
+        .map(|(_, s)| &mut **s as &mut dyn Sink)
+        .collect()
+}
+
 /// A single put of `value` under `key` through `staging` (a buffer shared with a daemon on
 /// this host): whether stored. `None` to take another path: the buffer busy with another
 /// thread's call, the value longer than the buffer, no connection, or a daemon that takes no
@@ -2021,12 +2031,7 @@ impl Client {
             };
             idxs.sort_unstable();
             let wanted: Vec<&[u8]> = idxs.iter().map(|&i| keys[i]).collect();
-            let mut group_sinks: Vec<&mut dyn Sink> = sinks
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| idxs.binary_search(i).is_ok())
-                .map(|(_, s)| &mut **s as &mut dyn Sink)
-                .collect();
+            let mut group_sinks = sinks_at(sinks, &idxs);
             let Some(answers) = staged_batch(&staging, &wanted, &mut group_sinks) else {
                 elsewhere.insert(peer, (addr, idxs));
                 continue;
@@ -2084,12 +2089,7 @@ impl Client {
             return Some(Ok(out));
         }
         let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i]).collect();
-        let mut rest_sinks: Vec<&mut dyn Sink> = sinks
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| rest.binary_search(i).is_ok())
-            .map(|(_, s)| &mut **s as &mut dyn Sink)
-            .collect();
+        let mut rest_sinks = sinks_at(sinks, &rest);
         let answers = match self.small_gets(&rest_keys, &mut rest_sinks)? {
             Ok(answers) => answers,
             Err(e) => return Some(Err(e)),
