@@ -1969,21 +1969,7 @@ impl Client {
         keys: &[&[u8]],
         sinks: &mut [&mut dyn Sink],
     ) -> Result<Vec<Option<usize>>> {
-        let (mut groups, unknown) = c.known_routes(keys);
-        let mut routed = vec![false; keys.len()];
-        let mut lease_id = 0;
-        if !unknown.is_empty() {
-            let wanted: Vec<&[u8]> = unknown.iter().map(|&i| keys[i]).collect();
-            let (found, lease) = self.rt.block_on(c.route_get(&wanted))?;
-            lease_id = lease;
-            for (peer, (addr, at)) in found {
-                let group = groups.entry(peer).or_insert_with(|| (addr, Vec::new()));
-                for j in at {
-                    routed[unknown[j]] = true;
-                    group.1.push(unknown[j]);
-                }
-            }
-        }
+        let (groups, routed, lease_id) = self.batch_routes(c, keys)?;
         let read = self.read_groups_into(c, keys, groups, &routed, sinks);
         {
             let _in_runtime = self.rt.enter();
@@ -2005,6 +1991,29 @@ impl Client {
             }
         }
         Ok(out)
+    }
+
+    /// Where a batch's `keys` are: grouped by the peer this client knows for them, the rest by
+    /// the master's routes under a read lease (its id, 0 when none was asked); `routed[i]`
+    /// says the master routed key `i` (its route is learnt once found), the others' routes are
+    /// known (one that misses is stale).
+    fn batch_routes(&self, c: &Cluster, keys: &[&[u8]]) -> Result<(PeerGroups, Vec<bool>, u64)> {
+        let (mut groups, unknown) = c.known_routes(keys);
+        let mut routed = vec![false; keys.len()];
+        let mut lease_id = 0;
+        if !unknown.is_empty() {
+            let wanted: Vec<&[u8]> = unknown.iter().map(|&i| keys[i]).collect();
+            let (found, lease) = self.rt.block_on(c.route_get(&wanted))?;
+            lease_id = lease;
+            for (peer, (addr, at)) in found {
+                let group = groups.entry(peer).or_insert_with(|| (addr, Vec::new()));
+                for j in at {
+                    routed[unknown[j]] = true;
+                    group.1.push(unknown[j]);
+                }
+            }
+        }
+        Ok((groups, routed, lease_id))
     }
 
     /// [`Client::cluster_batch_with`]'s reads of `groups`: a group whose peer shares a staging
@@ -2294,10 +2303,67 @@ impl Client {
             }
             return Ok(place(base, offsets, results));
         };
-        let (groups, lease_id) = self.rt.block_on(c.route_get(keys))?;
+        // Known routes first, the master asked for the rest (as a byte batch).
+        let (groups, routed, lease_id) = self.batch_routes(c, keys)?;
+        let peers_of: Vec<(u64, String, Vec<usize>)> = groups
+            .iter()
+            .map(|(&peer, (addr, idxs))| (peer, addr.clone(), idxs.clone()))
+            .collect();
+        let read = self.cluster_read_into(c, (&d, mem), keys, groups, &slots, &mut results);
+        {
+            let _in_runtime = self.rt.enter();
+            c.release_lease(lease_id);
+        }
+        read?;
+        let mut stale = Vec::new();
+        {
+            let mut routes = c.routes();
+            for (peer, addr, idxs) in &peers_of {
+                for &i in idxs {
+                    match (results[i].found, routed[i]) {
+                        (true, true) => routes.learn(keys[i], *peer, addr),
+                        (false, false) => {
+                            // Gone from the peer this client knew for it: asked of the master.
+                            routes.drop_key(keys[i]);
+                            stale.push(i);
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        let mut out = place(base, offsets, results);
+        if !stale.is_empty() {
+            let wanted: Vec<&[u8]> = stale.iter().map(|&i| keys[i]).collect();
+            let at: Vec<u64> = stale.iter().map(|&i| offsets[i]).collect();
+            let caps: Vec<u64> = stale.iter().map(|&i| capacities[i]).collect();
+            for (i, got) in stale
+                .into_iter()
+                .zip(self.batch_get_into(&wanted, mem, &at, &caps)?)
+            {
+                out[i] = got;
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`Client::batch_get_into`]'s reads of a cluster's `groups` into their slots (`results`):
+    /// peers on this host through the staging buffer shared with them, straight into the
+    /// caller's memory; the rest (and every key of a peer elsewhere) over the data plane
+    /// (`dp`: this client's engine and the registered memory). A peer that does not answer
+    /// within the peer deadline leaves its keys misses.
+    fn cluster_read_into(
+        &self,
+        c: &Cluster,
+        dp: (&DataEngine, &MemoryDesc),
+        keys: &[&[u8]],
+        groups: PeerGroups,
+        slots: &Slots<'_>,
+        results: &mut [GetIntoResult],
+    ) -> Result<()> {
+        let (d, mem) = dp;
+        let (offsets, capacities) = (slots.offsets, slots.capacities);
         let mut failure: Option<tonic::Status> = None;
-        // Peers on this host: through the staging buffer shared with them, straight into the
-        // caller's memory; the rest (and every key of a peer elsewhere) over the data plane.
         let mut remote = Vec::new();
         for (peer, (addr, idxs)) in groups {
             let staging = match c.peer_staging(peer, &addr) {
@@ -2313,7 +2379,7 @@ impl Client {
                 Err(_) => None,
             };
             let rest = match staging {
-                Some(staging) => match staged_into(&staging, keys, &idxs, &slots, &mut results) {
+                Some(staging) => match staged_into(&staging, keys, &idxs, slots, results) {
                     Ok(rest) => rest,
                     Err(s) => {
                         failure = failure.or(Some(s));
@@ -2333,7 +2399,7 @@ impl Client {
                 calls.push((peer, addr, idxs, pc));
             }
             let futures = calls.iter().map(|(_, addr, idxs, pc)| {
-                let call = get_into_at(pc.clone(), &d, mem, keys, offsets, capacities, idxs);
+                let call = get_into_at(pc.clone(), d, mem, keys, offsets, capacities, idxs);
                 within(c.peer_deadline, addr, call)
             });
             let done = futures_join(futures).await;
@@ -2348,10 +2414,9 @@ impl Client {
                     Err(s) => failure = failure.or(Some(s)),
                 }
             }
-            c.release_lease(lease_id);
             match failure {
                 Some(s) => Err(s.into()),
-                None => Ok(place(base, offsets, results)),
+                None => Ok(()),
             }
         })
     }

@@ -31,6 +31,14 @@
 //! first key's value is longer than `cap`) and the value's length (`u64`). The client asks
 //! again for the keys after those.
 //!
+//! [`GET_MANY_STREAMED`]: a [`GET_MANY_INTO`] answered in frames while the values land, each
+//! `FOUND` with a first byte ([`MORE_FRAMES`] or, in the request's last frame,
+//! [`LAST_FRAME`]) and the entries (as above) of the keys placed since the previous frame: a
+//! frame goes once [`STREAM_FROM`] bytes were placed since the last one (every value of that
+//! size has its own), so the client copies values out while the daemon copies the next ones.
+//! The entries of all frames together are those of a [`GET_MANY_INTO`] answer; a key that
+//! fails otherwise ends the request with `FAILED` in place of the last frame.
+//!
 //! [`PUT_FROM`]: the same head and `offset`, then the value's length;
 //! the daemon stores the bytes there under the key and answers `FOUND` (empty: stored),
 //! `ABSENT` (the key was present; keys are immutable) or `FAILED`. [`PUT_MANY_FROM`]: the
@@ -111,6 +119,13 @@ pub const GET_INTO_STREAMED: u8 = 5;
 pub const STREAM_FROM: usize = 256 << 10;
 /// A batch's values start at multiples of this many bytes from the request's offset.
 pub const MANY_ALIGN: u64 = 64;
+/// Request: a [`GET_MANY_INTO`] answered in frames as the values land (module docs), so the
+/// client copies the first values out while the daemon copies the next.
+pub const GET_MANY_STREAMED: u8 = 6;
+/// A [`GET_MANY_STREAMED`] frame's first byte: more frames follow.
+pub const MORE_FRAMES: u8 = 0;
+/// A [`GET_MANY_STREAMED`] frame's first byte: the request's last frame.
+pub const LAST_FRAME: u8 = 1;
 /// Per key of a batch answer: absent.
 pub const MANY_ABSENT: u8 = 0;
 /// Per key of a batch answer: copied (its length follows).
@@ -740,9 +755,9 @@ fn older() -> Status {
     Status::unimplemented("this umbpd reads no batches into shared memory")
 }
 
-/// A [`GET_MANY_INTO`] request for the first of `keys` (up to 64 KiB of them) into `room`
-/// (offset and bytes of the buffer), and how many keys it sent.
-fn many_request(keys: &[&[u8]], room: (usize, usize)) -> Result<(Vec<u8>, usize), Status> {
+/// A [`GET_MANY_INTO`] (or, `op`, [`GET_MANY_STREAMED`]) request for the first of `keys` (up
+/// to 64 KiB of them) into `room` (offset and bytes of the buffer), and how many keys it sent.
+fn many_request(op: u8, keys: &[&[u8]], room: (usize, usize)) -> Result<(Vec<u8>, usize), Status> {
     let mut packed = Vec::new();
     let mut sent = 0;
     for key in keys {
@@ -755,8 +770,7 @@ fn many_request(keys: &[&[u8]], room: (usize, usize)) -> Result<(Vec<u8>, usize)
         packed.extend_from_slice(key);
         sent += 1;
     }
-    let mut req =
-        request(GET_MANY_INTO, &packed).map_err(|e| Status::invalid_argument(e.to_string()))?;
+    let mut req = request(op, &packed).map_err(|e| Status::invalid_argument(e.to_string()))?;
     req.extend_from_slice(&(room.0 as u64).to_le_bytes());
     req.extend_from_slice(&(room.1 as u64).to_le_bytes());
     Ok((req, sent))
@@ -963,6 +977,7 @@ impl Served<'_> {
         if ![
             GET_INTO,
             GET_MANY_INTO,
+            GET_MANY_STREAMED,
             PUT_FROM,
             PUT_MANY_FROM,
             GET_INTO_STREAMED,
@@ -996,6 +1011,10 @@ impl Served<'_> {
         };
         if head[0] == GET_MANY_INTO {
             answer(to, &get_many_into(self.pool, &key, out, served))?;
+            return Ok(true);
+        }
+        if head[0] == GET_MANY_STREAMED {
+            get_many_streamed(self.pool, &key, out, served, to)?;
             return Ok(true);
         }
         if head[0] == PUT_FROM || head[0] == PUT_MANY_FROM {
@@ -1267,6 +1286,73 @@ fn unpack_keys(packed: &[u8]) -> Result<Vec<&[u8]>, Status> {
     Ok(keys)
 }
 
+/// A batch request's keys placed one after another into its room: each value at the next
+/// [`MANY_ALIGN`] boundary, until one no longer fits the rest of the room.
+struct Placing<'k> {
+    keys: Vec<&'k [u8]>,
+    /// The next key's index.
+    next: usize,
+    /// Where the next value starts in the room.
+    at: usize,
+}
+
+impl<'k> Placing<'k> {
+    fn new(packed: &'k [u8]) -> Result<Placing<'k>, Status> {
+        Ok(Placing {
+            keys: unpack_keys(packed)?,
+            next: 0,
+            at: 0,
+        })
+    }
+
+    /// Copies the next key's value into its place in `out` (the room): the key, its answer's
+    /// status byte and length; None when every key was answered or the next one does not fit
+    /// (the client asks again for it); the failure of a key that failed other than by its
+    /// length.
+    #[allow(clippy::type_complexity)]
+    fn next(
+        &mut self,
+        pool: &SharedPool,
+        out: &mut [u8],
+    ) -> Option<Result<(&'k [u8], u8, u64), Status>> {
+        let key = *self.keys.get(self.next)?;
+        let got = pool.with_status(|p| {
+            p.get_into(key, &mut out[self.at..])
+                .map_err(crate::service::status_of)
+        });
+        let (status, len) = match got {
+            Ok(None) => (MANY_ABSENT, 0),
+            Ok(Some(n)) => {
+                // The next value's start: aligned, at most the end (then only absent keys fit).
+                self.at = (self.at + n)
+                    .next_multiple_of(MANY_ALIGN as usize)
+                    .min(out.len());
+                (MANY_FOUND, n as u64)
+            }
+            // Too long for the rest: with nothing placed yet the key had the whole room, so
+            // its value is read another way; otherwise it is asked for again.
+            Err(s) if s.code() == tonic::Code::InvalidArgument && self.at == 0 => {
+                (MANY_TOO_LONG, 0)
+            }
+            Err(s) if s.code() == tonic::Code::InvalidArgument => return None,
+            Err(s) => return Some(Err(s)),
+        };
+        self.next += 1;
+        Some(Ok((key, status, len)))
+    }
+
+    /// Whether every key was answered.
+    fn all_answered(&self) -> bool {
+        self.next == self.keys.len()
+    }
+}
+
+/// One key's entry in a batch answer: its status byte and length.
+fn many_entry(body: &mut Vec<u8>, status: u8, len: u64) {
+    body.push(status);
+    body.extend_from_slice(&len.to_le_bytes());
+}
+
 /// Serves a [`GET_MANY_INTO`] into `out` (the request's room in the client's buffer): the
 /// answer's body, or the failure of the first key that failed other than by its length.
 fn get_many_into(
@@ -1275,34 +1361,54 @@ fn get_many_into(
     out: &mut [u8],
     served: impl Fn(&[u8]),
 ) -> Result<Option<Vec<u8>>, Status> {
-    let keys = unpack_keys(packed)?;
-    let mut body = Vec::with_capacity(keys.len() * 9);
-    let mut at = 0usize;
-    for key in keys {
-        let got = pool.with_status(|p| {
-            p.get_into(key, &mut out[at..])
-                .map_err(crate::service::status_of)
-        });
-        let (status, len) = match got {
-            Ok(None) => (MANY_ABSENT, 0),
-            Ok(Some(n)) => {
-                // The next value's start: aligned, at most the end (then only absent keys fit).
-                at = (at + n)
-                    .next_multiple_of(MANY_ALIGN as usize)
-                    .min(out.len());
-                (MANY_FOUND, n as u64)
-            }
-            // Too long for the rest: with nothing placed yet the key had the whole room, so
-            // its value is read another way; otherwise it is asked for again.
-            Err(s) if s.code() == tonic::Code::InvalidArgument && at == 0 => (MANY_TOO_LONG, 0),
-            Err(s) if s.code() == tonic::Code::InvalidArgument => break,
-            Err(s) => return Err(s),
-        };
+    let mut placing = Placing::new(packed)?;
+    let mut body = Vec::with_capacity(placing.keys.len() * 9);
+    while let Some(got) = placing.next(pool, out) {
+        let (key, status, len) = got?;
         served(key);
-        body.push(status);
-        body.extend_from_slice(&len.to_le_bytes());
+        many_entry(&mut body, status, len);
     }
     Ok(Some(body))
+}
+
+/// Serves a [`GET_MANY_STREAMED`] into `out` (the request's room), its answers written to `to`
+/// as the values land: a frame once [`STREAM_FROM`] bytes were placed since the last one, the
+/// last frame flagged; a key that failed other than by its length ends the request with its
+/// failure instead.
+fn get_many_streamed(
+    pool: &SharedPool,
+    packed: &[u8],
+    out: &mut [u8],
+    served: impl Fn(&[u8]),
+    to: &mut impl Write,
+) -> io::Result<()> {
+    let mut placing = match Placing::new(packed) {
+        Ok(placing) => placing,
+        Err(s) => return answer(to, &Err(s)),
+    };
+    let mut frame = vec![MORE_FRAMES];
+    let mut unsent = 0usize;
+    while let Some(got) = placing.next(pool, out) {
+        let (key, status, len) = match got {
+            Ok(got) => got,
+            Err(s) => return answer(to, &Err(s)),
+        };
+        served(key);
+        many_entry(&mut frame, status, len);
+        unsent += len as usize;
+        if placing.all_answered() {
+            break;
+        }
+        if unsent >= STREAM_FROM {
+            answer(
+                to,
+                &Ok(Some(std::mem::replace(&mut frame, vec![MORE_FRAMES]))),
+            )?;
+            unsent = 0;
+        }
+    }
+    frame[0] = LAST_FRAME;
+    answer(to, &Ok(Some(frame)))
 }
 
 /// Where one key of a [`SharedBuffer::get_many_into`] went.
@@ -1334,6 +1440,83 @@ impl From<Status> for BatchStop {
             status,
             before_answer: false,
         }
+    }
+}
+
+/// Where a batch request's answers (to a request that sent `sent` keys into `room`: offset
+/// and bytes of the buffer) placed each key, checked to lie inside the room; taken a frame at a
+/// time for a [`GET_MANY_STREAMED`].
+struct Placer {
+    sent: usize,
+    answered: usize,
+    /// Where the next found value starts, and the room's end.
+    at: usize,
+    end: usize,
+}
+
+impl Placer {
+    fn new(sent: usize, room: (usize, usize)) -> Placer {
+        Placer {
+            sent,
+            answered: 0,
+            at: room.0,
+            end: room.0 + room.1,
+        }
+    }
+
+    /// The places of the keys whose entries are in `entries` (the next keys in order).
+    fn place(&mut self, entries: &[u8]) -> Result<Vec<Staged>, Status> {
+        let n = entries.len() / 9;
+        if !entries.len().is_multiple_of(9) || self.answered + n > self.sent {
+            return Err(Status::internal(format!(
+                "umbpd answered a batch of {} keys with {} more bytes after {} keys",
+                self.sent,
+                entries.len(),
+                self.answered
+            )));
+        }
+        self.answered += n;
+        let mut out = Vec::with_capacity(n);
+        for a in entries.chunks_exact(9) {
+            let len = u64::from_le_bytes(a[1..].try_into().expect("8 bytes"));
+            out.push(match a[0] {
+                MANY_ABSENT => Staged::Absent,
+                MANY_TOO_LONG => Staged::TooLong,
+                MANY_FOUND => {
+                    let len = usize::try_from(len)
+                        .ok()
+                        .filter(|&n| self.at.checked_add(n).is_some_and(|e| e <= self.end))
+                        .ok_or_else(|| {
+                            Status::internal(format!("umbpd placed {len} bytes outside the buffer"))
+                        })?;
+                    let found = Staged::Found {
+                        offset: self.at,
+                        len,
+                    };
+                    self.at = (self.at + len)
+                        .next_multiple_of(MANY_ALIGN as usize)
+                        .min(self.end);
+                    found
+                }
+                other => {
+                    return Err(Status::internal(format!(
+                        "umbpd answered a batch key with status {other}"
+                    )));
+                }
+            });
+        }
+        Ok(out)
+    }
+
+    /// Checks the request's answers are complete: at least one key answered.
+    fn finish(&self) -> Result<(), Status> {
+        if self.answered == 0 {
+            return Err(Status::internal(format!(
+                "umbpd answered a batch of {} keys with none",
+                self.sent
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -1505,6 +1688,9 @@ pub struct SharedBuffer {
     /// Cleared once the daemon answered a batch `UNIMPLEMENTED` (a daemon older than
     /// [`GET_MANY_INTO`]): batches then take other paths without asking again.
     batches: std::sync::atomic::AtomicBool,
+    /// Cleared once the daemon answered [`GET_MANY_STREAMED`] `UNIMPLEMENTED` (older than it):
+    /// batches are then asked [`GET_MANY_INTO`] without asking again.
+    many_streams: std::sync::atomic::AtomicBool,
     /// Cleared once the daemon answered [`GET_INTO_STREAMED`] `UNIMPLEMENTED` (older than
     /// it): single gets are then copied out once answered, without asking again.
     streams: std::sync::atomic::AtomicBool,
@@ -1538,6 +1724,7 @@ impl SharedBuffer {
             secret: secret.clone(),
             stream: std::sync::Mutex::new(None),
             batches: std::sync::atomic::AtomicBool::new(true),
+            many_streams: std::sync::atomic::AtomicBool::new(true),
             puts: std::sync::atomic::AtomicBool::new(true),
             streams: std::sync::atomic::AtomicBool::new(true),
             doorbells: std::sync::atomic::AtomicBool::new(doorbells),
@@ -1656,14 +1843,21 @@ impl SharedBuffer {
     pub fn get_many_into(&self, keys: &[&[u8]]) -> Result<Vec<Staged>, Status> {
         self.batches_known()?;
         let room = (0, self.data);
-        let (req, sent) = many_request(keys, room)?;
+        let (req, sent) = many_request(GET_MANY_INTO, keys, room)?;
         let body = self.call(&req).map_err(|s| self.old_daemon(s))?;
-        self.placed(body, sent, room)
+        let body = body.ok_or_else(|| Status::internal("umbpd answered a batch with nothing"))?;
+        let mut placer = Placer::new(sent, room);
+        let placed = placer.place(&body)?;
+        placer.finish()?;
+        Ok(placed)
     }
 
     /// Reads `keys` into the buffer half of it at a time, one request ahead: while `each(i,
     /// value)` takes the values in one half, the daemon copies the next keys' into the other,
-    /// so the two copies overlap and each half is read back while it is still in cache. Per
+    /// so the two copies overlap and each half is read back while it is still in cache. Within
+    /// a half the daemon answers as the values land ([`GET_MANY_STREAMED`]; a daemon older than
+    /// that is asked [`GET_MANY_INTO`], answered once the half is full), so `each` takes the
+    /// first values while the daemon copies the next. Per
     /// key: its length, `Some(None)` when absent, `None` when longer than the whole buffer (a
     /// value longer than a half is asked again alone, with the whole buffer). `each` failing
     /// ends the batch with its status. A connection that served before and fails before the
@@ -1687,13 +1881,26 @@ impl SharedBuffer {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             let mut fresh = slot.is_none();
             loop {
+                let streamed = self.many_streams.load(Ordering::Relaxed);
                 let conn = self.connected(&mut slot)?;
-                let Err(stop) = self.pipelined(conn, keys, rooms, &mut out, &mut longer, &mut each)
-                else {
+                let Err(stop) = self.pipelined(
+                    conn,
+                    streamed,
+                    keys,
+                    rooms,
+                    &mut out,
+                    &mut longer,
+                    &mut each,
+                ) else {
                     break;
                 };
                 // An answer may still be on its way: the connection is dropped, not reused.
                 *slot = None;
+                if streamed && !self.many_streams.load(Ordering::Relaxed) {
+                    // A daemon older than streamed batches refused it before anything was
+                    // handed out, and closed the connection: asked again the older way.
+                    continue;
+                }
                 if !stop.before_answer || fresh {
                     return Err(stop.status);
                 }
@@ -1716,11 +1923,14 @@ impl SharedBuffer {
         Ok(out)
     }
 
-    /// [`Self::get_many_with`]'s requests over `conn`, half of the buffer (`rooms`) at a time,
-    /// one request ahead; each key's answer goes to `out`, a value longer than a half to `longer`.
+    /// [`Self::get_many_with`]'s requests over `conn` ([`GET_MANY_STREAMED`] when `streamed`,
+    /// else [`GET_MANY_INTO`]), half of the buffer (`rooms`) at a time, one request ahead; each
+    /// key's answer goes to `out`, a value longer than a half to `longer`.
+    #[allow(clippy::too_many_arguments)]
     fn pipelined(
         &self,
         conn: &mut Conn,
+        streamed: bool,
         keys: &[&[u8]],
         rooms: [(usize, usize); 2],
         out: &mut [Option<Option<usize>>],
@@ -1734,31 +1944,57 @@ impl SharedBuffer {
                 before_answer: !answered,
             }
         };
-        let (req, mut sent) = many_request(keys, rooms[0])?;
+        let op = if streamed {
+            GET_MANY_STREAMED
+        } else {
+            GET_MANY_INTO
+        };
+        let (req, sent) = many_request(op, keys, rooms[0])?;
         conn.send(&self.map, &req).map_err(lost(answered))?;
         let (mut next, mut room) = (0, 0);
+        let mut placer = Placer::new(sent, rooms[0]);
         loop {
             let mut body = Vec::new();
-            let body = read_answer(&mut conn.stream, &mut body)
-                .map_err(lost(answered))?
-                .map(|found| found.map(|_| body))
-                .map_err(|s| self.old_daemon(s))?;
+            let found = read_answer(&mut conn.stream, &mut body).map_err(lost(answered))?;
+            let found = match found {
+                Err(s) if streamed && !answered && s.code() == tonic::Code::Unimplemented => {
+                    self.many_streams.store(false, Ordering::Relaxed);
+                    return Err(BatchStop {
+                        status: s,
+                        before_answer: true,
+                    });
+                }
+                found => found.map_err(|s| self.old_daemon(s))?,
+            };
+            if found.is_none() {
+                return Err(Status::internal("umbpd answered a batch with nothing").into());
+            }
             answered = true;
-            let placed = self.placed(body, sent, rooms[room])?;
+            let (last, entries) = match body.split_first() {
+                Some((&flag, entries)) if streamed => (flag == LAST_FRAME, entries),
+                _ => (true, body.as_slice()),
+            };
+            let placed = placer.place(entries)?;
             let first = next;
             next += placed.len();
-            if next < keys.len() {
-                let (req, s) = many_request(&keys[next..], rooms[1 - room])?;
-                sent = s;
-                conn.send(&self.map, &req).map_err(lost(answered))?;
+            if last {
+                placer.finish()?;
+                if next < keys.len() {
+                    // The next request fills the other half while this one's last values are
+                    // copied out.
+                    room = 1 - room;
+                    let (req, sent) = many_request(op, &keys[next..], rooms[room])?;
+                    placer = Placer::new(sent, rooms[room]);
+                    conn.send(&self.map, &req).map_err(lost(answered))?;
+                }
             }
             for (i, staged) in (first..).zip(placed) {
                 match staged {
                     Staged::Absent => out[i] = Some(None),
                     Staged::TooLong => longer.push(i),
                     Staged::Found { offset, len } => {
-                        // SAFETY: inside the mapping (`placed` checked it), written by the daemon
-                        // before it answered; its next request fills the other half.
+                        // SAFETY: inside the mapping (`place` checked it), written by the
+                        // daemon before it answered; its next request fills the other half.
                         each(i, unsafe {
                             std::slice::from_raw_parts(self.as_ptr().add(offset), len)
                         })?;
@@ -1766,10 +2002,9 @@ impl SharedBuffer {
                     }
                 }
             }
-            if next == keys.len() {
+            if last && next == keys.len() {
                 return Ok(());
             }
-            room = 1 - room;
         }
     }
 
@@ -1789,50 +2024,6 @@ impl SharedBuffer {
         }
         self.batches.store(false, Ordering::Relaxed);
         older()
-    }
-
-    /// Where a batch answer `body` (to a request that sent `sent` keys, into `room`: offset and
-    /// bytes) placed each key, checked to lie inside the room.
-    fn placed(
-        &self,
-        body: Option<Vec<u8>>,
-        sent: usize,
-        room: (usize, usize),
-    ) -> Result<Vec<Staged>, Status> {
-        let body = body.ok_or_else(|| Status::internal("umbpd answered a batch with nothing"))?;
-        let answered = body.len() / 9;
-        if body.len() % 9 != 0 || answered == 0 || answered > sent {
-            return Err(Status::internal(format!(
-                "umbpd answered a batch of {sent} keys with {} bytes",
-                body.len()
-            )));
-        }
-        let (mut at, end) = (room.0, room.0 + room.1);
-        let mut out = Vec::with_capacity(answered);
-        for a in body.chunks_exact(9) {
-            let len = u64::from_le_bytes(a[1..].try_into().expect("8 bytes"));
-            out.push(match a[0] {
-                MANY_ABSENT => Staged::Absent,
-                MANY_TOO_LONG => Staged::TooLong,
-                MANY_FOUND => {
-                    let len = usize::try_from(len)
-                        .ok()
-                        .filter(|&n| at.checked_add(n).is_some_and(|e| e <= end))
-                        .ok_or_else(|| {
-                            Status::internal(format!("umbpd placed {len} bytes outside the buffer"))
-                        })?;
-                    let found = Staged::Found { offset: at, len };
-                    at = (at + len).next_multiple_of(MANY_ALIGN as usize).min(end);
-                    found
-                }
-                other => {
-                    return Err(Status::internal(format!(
-                        "umbpd answered a batch key with status {other}"
-                    )));
-                }
-            });
-        }
-        Ok(out)
     }
 
     /// Has the daemon copy the value of `key` to `offset` (at most `cap` bytes): its length,

@@ -226,20 +226,33 @@ fn a_route_that_went_stale_falls_back_to_the_master() {
     assert_eq!(reader.get(&k).unwrap(), None);
 }
 
+/// Keys `key(first)`.. of `n` values (value `i`: `len(i)` bytes of seed `seed + i`) stored by
+/// `c` in one batch: the keys and the values.
+fn batch_stored(
+    c: &Client,
+    first: usize,
+    n: usize,
+    seed: u64,
+    len: impl Fn(usize) -> usize,
+) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let keys: Vec<Vec<u8>> = (0..n).map(|i| key(first + i)).collect();
+    let values: Vec<Vec<u8>> = (0..n).map(|i| bytes(seed + i as u64, len(i))).collect();
+    let items: Vec<(&[u8], &[u8])> = keys
+        .iter()
+        .zip(&values)
+        .map(|(k, v)| (k.as_slice(), v.as_slice()))
+        .collect();
+    assert_eq!(c.batch_put(&items).unwrap(), vec![true; n]);
+    (keys, values)
+}
+
 #[test]
 fn batches_read_known_keys_from_their_peers_without_the_master() {
     let cl = cluster(&["--dram-bytes", "16M"], false);
     let writer = Client::connect(&cl.master.addr).unwrap();
     let reader = Client::connect(&cl.master.addr).unwrap();
     let n = 120;
-    let keys: Vec<Vec<u8>> = (0..n).map(|i| key(5000 + i)).collect();
-    let mut values: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 11, 700 + 53 * i)).collect();
-    let items: Vec<(&[u8], &[u8])> = keys
-        .iter()
-        .zip(&values)
-        .map(|(k, v)| (k.as_slice(), v.as_slice()))
-        .collect();
-    assert_eq!(writer.batch_put(&items).unwrap(), vec![true; n]);
+    let (keys, mut values) = batch_stored(&writer, 5000, n, 11, |i| 700 + 53 * i);
     let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
     let expect = |values: &[Vec<u8>]| values.iter().map(|v| Some(v.clone())).collect::<Vec<_>>();
     // The reader learns every key's peer from the master's routes, with a key nobody stored.
@@ -278,6 +291,66 @@ fn batches_read_known_keys_from_their_peers_without_the_master() {
         values.iter().map(|v| Some(v.len())).collect::<Vec<_>>()
     );
     assert_eq!(sinks_data, values);
+}
+
+/// Registered-buffer batch gets take the routes a client knows as byte batches do: a reader
+/// learns them from the master's routes, a stale one (the key removed, or stored again with
+/// other bytes) gives the new bytes or a miss, never the old bytes; with the master gone the
+/// keys it knows still land in its buffer, and a batch with a key it knows no peer for fails.
+#[test]
+fn registered_batches_read_known_keys_from_their_peers_without_the_master() {
+    let cl = cluster(&["--dram-bytes", "16M"], false);
+    let writer = Client::connect(&cl.master.addr).unwrap();
+    let reader = Client::connect(&cl.master.addr).unwrap();
+    let (n, slot) = (40, 8192usize);
+    let (keys, mut values) = batch_stored(&writer, 7000, n, 31, |i| 900 + 97 * i);
+    let mut dst = vec![0u8; (n + 1) * slot];
+    // SAFETY: `dst` outlives the registration (deregistered below); only the reader's calls
+    // write it while registered, and it is read here between them.
+    let dmem = unsafe { reader.register(dst.as_mut_ptr() as u64, dst.len() as u64) }.unwrap();
+    let offs: Vec<u64> = (0..=n).map(|i| (i * slot) as u64).collect();
+    let caps = vec![slot as u64; n + 1];
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let read = |dst: &mut Vec<u8>, refs: &[&[u8]]| {
+        dst.fill(0xEE);
+        let got = reader
+            .batch_get_into(refs, &dmem, &offs[..refs.len()], &caps[..refs.len()])
+            .unwrap();
+        let held: Vec<Option<Vec<u8>>> = got
+            .iter()
+            .enumerate()
+            .map(|(i, len)| len.map(|len| dst[i * slot..i * slot + len as usize].to_vec()))
+            .collect();
+        held
+    };
+    let expect = |values: &[Vec<u8>]| values.iter().map(|v| Some(v.clone())).collect::<Vec<_>>();
+    let mut with_unknown = refs.clone();
+    with_unknown.push(b"cl-reg-nobody");
+    let mut want = expect(&values);
+    want.push(None);
+    assert_eq!(read(&mut dst, &with_unknown), want, "routed by the master");
+    assert!(writer.remove(&keys[3]).unwrap());
+    values[3] = bytes(77, 4321);
+    assert!(writer.put(&keys[3], &values[3]).unwrap());
+    assert!(writer.remove(&keys[4]).unwrap());
+    let mut want = expect(&values);
+    want[4] = None;
+    assert_eq!(read(&mut dst, &refs), want, "stale routes");
+    assert!(writer.put(&keys[4], &values[4]).unwrap());
+    assert_eq!(read(&mut dst, &refs), expect(&values));
+    cl.master.signal(libc::SIGKILL);
+    assert_eq!(
+        read(&mut dst, &refs),
+        expect(&values),
+        "known routes without the master"
+    );
+    assert!(
+        reader
+            .batch_get_into(&with_unknown, &dmem, &offs, &caps)
+            .is_err(),
+        "an unknown key was read without a master"
+    );
+    reader.deregister(&dmem).unwrap();
 }
 
 /// A cluster client's single puts go straight to the peer the master granted it (one route

@@ -16,9 +16,10 @@ use common::{Daemon, bytes, opts, secret_file};
 use mori_auth::Secret;
 use mori_umbpd::shm::{
     ANSWER_AT, ANSWER_LEN_AT, ANSWERED_AT, CONTROL_BYTES, DOORBELL_ACK, GET_INTO,
-    GET_INTO_STREAMED, GET_MANY_INTO, HELLO, HELLO_DOORBELL, MANY_ABSENT, MANY_ALIGN, MANY_FOUND,
-    PROGRESS_AT, PROGRESS_RING_AT, PURPOSE, PUT_FROM, PUT_MANY_FROM, REQUEST_AT, REQUEST_LEN_AT,
-    RING_AT, SHM_RING_AT, STREAM_FROM, Staged, VALUE_LEN_AT, send_with_fd,
+    GET_INTO_STREAMED, GET_MANY_INTO, GET_MANY_STREAMED, HELLO, HELLO_DOORBELL, LAST_FRAME,
+    MANY_ABSENT, MANY_ALIGN, MANY_FOUND, MANY_TOO_LONG, MORE_FRAMES, PROGRESS_AT, PROGRESS_RING_AT,
+    PURPOSE, PUT_FROM, PUT_MANY_FROM, REQUEST_AT, REQUEST_LEN_AT, RING_AT, SHM_RING_AT,
+    STREAM_FROM, Staged, VALUE_LEN_AT, send_with_fd,
 };
 use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND};
 use mori_umbpd::{Client, ClientError};
@@ -892,6 +893,158 @@ fn batches_fill_the_shared_buffer_with_what_fits_and_ask_again_for_the_rest() {
     );
 }
 
+/// A streamed batch's frames up to its last, on the raw protocol: each frame's flag and
+/// entries (status, length); `check(entries)` runs as each frame arrives, before the next is
+/// read.
+fn streamed_frames(
+    s: &mut UnixStream,
+    mut check: impl FnMut(&[(u8, u64)]),
+) -> Vec<(u8, Vec<(u8, u64)>)> {
+    let mut frames = Vec::new();
+    loop {
+        let (status, body) = raw_answer(s);
+        assert_eq!(status, FOUND, "{:?}", failed(&body));
+        let entries: Vec<(u8, u64)> = body[1..]
+            .chunks_exact(9)
+            .map(|e| (e[0], u64::from_le_bytes(e[1..].try_into().unwrap())))
+            .collect();
+        assert_eq!((body.len() - 1) % 9, 0);
+        check(&entries);
+        frames.push((body[0], entries));
+        if body[0] == LAST_FRAME {
+            return frames;
+        }
+        assert_eq!(body[0], MORE_FRAMES);
+    }
+}
+
+/// A streamed batch answers a frame once 256 KiB were placed since the last (each value
+/// already in place, byte-exact, when its frame arrives; the bytes between values untouched),
+/// and its last frame where a value no longer fits or every key was answered; together the
+/// entries are a plain batch's. A first value longer than the room is reported so; raw
+/// requests without keys fail INVALID_ARGUMENT and the connection goes on; one outside the
+/// buffer fails OUT_OF_RANGE and the connection is closed.
+#[test]
+fn streamed_batches_answer_a_frame_as_their_values_land() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let sizes = [300_000usize, 1, 400_000, 100_000, 2 << 20, 50_000];
+    let (keys, values) = put_sized(&c, "streamed", 1300, &sizes);
+    let name = c.same_host_socket().unwrap();
+    let len = 1usize << 20;
+    let fd = memfd(len, true);
+    let map = map_shared(&fd, len);
+    // SAFETY: the mapping of `len` bytes above; the daemon writes it only while a request is
+    // being answered, and this test reads the bytes a frame names only after that frame.
+    let mem = |at: usize, n: usize| unsafe { std::slice::from_raw_parts(map.add(at), n) }.to_vec();
+    // SAFETY: as above; nothing else writes the mapping meanwhile.
+    unsafe { std::ptr::write_bytes(map, 0xAB, len) };
+    let mut s = raw(&name, GOOD).unwrap();
+    send_with_fd(&s, HELLO, fd.as_raw_fd()).unwrap();
+    assert_eq!(hello_answer(&mut s).unwrap(), len as u64);
+
+    // From offset 64: 300000 B (a frame), the absent key and 1 B and 400000 B (a frame), then
+    // 100000 B; 2 MiB does not fit the rest (the last frame).
+    let ask = packed(&[
+        &keys[0],
+        b"streamed-absent",
+        &keys[1],
+        &keys[2],
+        &keys[3],
+        &keys[4],
+    ]);
+    s.write_all(&room_request(
+        GET_MANY_STREAMED,
+        &ask,
+        64,
+        (len - 64) as u64,
+    ))
+    .unwrap();
+    let mut at = 64usize;
+    let mut next_value = [0usize, 1, 2, 3].into_iter();
+    let frames = streamed_frames(&mut s, |entries| {
+        for &(status, n) in entries {
+            if status == MANY_ABSENT {
+                continue;
+            }
+            assert_eq!(status, MANY_FOUND);
+            let v = &values[next_value.next().unwrap()];
+            assert_eq!(n as usize, v.len());
+            assert_eq!(mem(at, v.len()), *v, "in place when its frame arrives");
+            let end = at + v.len();
+            at = end.next_multiple_of(MANY_ALIGN as usize);
+            assert!(mem(end, at - end).iter().all(|&b| b == 0xAB));
+        }
+    });
+    let (f, a) = (MANY_FOUND, MANY_ABSENT);
+    assert_eq!(
+        frames,
+        [
+            (MORE_FRAMES, vec![(f, 300_000)]),
+            (MORE_FRAMES, vec![(a, 0), (f, 1), (f, 400_000)]),
+            (LAST_FRAME, vec![(f, 100_000)]),
+        ]
+    );
+    assert!(
+        mem(at, len - at).iter().all(|&b| b == 0xAB),
+        "nothing past the last value"
+    );
+    // Every key answered: one last frame; a first value longer than the room: TOO_LONG.
+    s.write_all(&room_request(
+        GET_MANY_STREAMED,
+        &packed(&[&keys[5]]),
+        0,
+        len as u64,
+    ))
+    .unwrap();
+    assert_eq!(
+        streamed_frames(&mut s, |_| {}),
+        [(LAST_FRAME, vec![(f, 50_000)])]
+    );
+    assert_eq!(mem(0, 50_000), values[5]);
+    s.write_all(&room_request(
+        GET_MANY_STREAMED,
+        &packed(&[&keys[4], &keys[5]]),
+        0,
+        len as u64,
+    ))
+    .unwrap();
+    assert_eq!(
+        streamed_frames(&mut s, |_| {}),
+        [(LAST_FRAME, vec![(MANY_TOO_LONG, 0), (f, 50_000)])],
+        "the next key takes the whole room"
+    );
+    s.write_all(&room_request(GET_MANY_STREAMED, &[], 0, 4096))
+        .unwrap();
+    let (status, body) = raw_answer(&mut s);
+    assert_eq!(
+        (status, failed(&body).0),
+        (FAILED, tonic::Code::InvalidArgument as i32)
+    );
+    s.write_all(&room_request(
+        GET_MANY_STREAMED,
+        &packed(&[&keys[1]]),
+        len as u64 - 10,
+        4096,
+    ))
+    .unwrap();
+    let (status, body) = raw_answer(&mut s);
+    assert_eq!(
+        (status, failed(&body).0),
+        (FAILED, tonic::Code::OutOfRange as i32),
+        "the connection went on after the malformed batch"
+    );
+    let mut rest = [0u8; 1];
+    assert_eq!(
+        s.read(&mut rest).unwrap_or(0),
+        0,
+        "the connection stayed open"
+    );
+    // SAFETY: the mapping made above, no longer used.
+    unsafe { libc::munmap(map.cast(), len) };
+}
+
 /// A client's single gets from a daemon on its host go through its staging buffer (the daemon
 /// counts them as same-host), byte-exact for values up to the staging size; a longer value
 /// and every get with `MORI_UMBP_SHM=0` take small ops.
@@ -1158,35 +1311,105 @@ fn shared_buffers_connect_again_and_stop_asking_an_older_daemon_for_batches() {
 }
 
 /// A daemon that serves batches into shared memory on the raw protocol (every key found, its
-/// value [`fake_value`] at the next 64-byte boundary of the request's room) and closes each
-/// connection after one batch, as the daemon closes one left idle between a client's batches.
-/// Logs "<connection> <op> <keys>".
+/// value [`fake_value`] at the next 64-byte boundary of the request's room; a streamed batch
+/// answered in one last frame) and closes each connection after one batch, as the daemon
+/// closes one left idle between a client's batches. Logs "<connection> <op> <keys>".
 fn batch_then_close_daemon(
     listener: std::os::unix::net::UnixListener,
     secret: Secret,
     log: FakeLog,
 ) {
     for (conn, mut c) in older_connections(&listener, &secret).enumerate() {
-        let Some((op, mut packed, at)) = c.request() else {
+        let Some((op, packed, at)) = c.request() else {
             continue;
         };
-        let (mut offset, mut body, mut keys) = (
-            u64::from_le_bytes(at[..8].try_into().unwrap()) as usize,
-            Vec::new(),
-            0,
-        );
-        while !packed.is_empty() {
-            let len = u16::from_le_bytes([packed[0], packed[1]]) as usize;
-            let key: Vec<u8> = packed.drain(..2 + len).skip(2).collect();
-            c.write(offset, &fake_value(&key));
-            body.push(MANY_FOUND);
-            body.extend_from_slice(&100u64.to_le_bytes());
-            offset = (offset + 100).next_multiple_of(MANY_ALIGN as usize);
-            keys += 1;
-        }
+        let (keys, answer) = fake_batch(&mut c, op, packed, at);
         log.lock().unwrap().push(format!("{conn} {op} {keys}"));
-        raw_reply(&mut c.s, FOUND, &body);
+        raw_reply(&mut c.s, FOUND, &answer);
     } // each connection closed when its FakeConnection drops
+}
+
+/// Serves a fake batch (`op` [`GET_MANY_INTO`] or [`GET_MANY_STREAMED`], one answer or one
+/// last frame) of the `packed` keys into the room at `at`: every key found, its value
+/// [`fake_value`] at the next 64-byte boundary. Returns how many keys it answered and the
+/// answer's body (sent by the caller once it logged the request).
+fn fake_batch(
+    c: &mut FakeConnection,
+    op: u8,
+    mut packed: Vec<u8>,
+    at: [u8; 16],
+) -> (usize, Vec<u8>) {
+    let (mut offset, mut body, mut keys) = (
+        u64::from_le_bytes(at[..8].try_into().unwrap()) as usize,
+        Vec::new(),
+        0,
+    );
+    if op == GET_MANY_STREAMED {
+        body.push(LAST_FRAME);
+    }
+    while !packed.is_empty() {
+        let len = u16::from_le_bytes([packed[0], packed[1]]) as usize;
+        let key: Vec<u8> = packed.drain(..2 + len).skip(2).collect();
+        c.write(offset, &fake_value(&key));
+        body.push(MANY_FOUND);
+        body.extend_from_slice(&100u64.to_le_bytes());
+        offset = (offset + 100).next_multiple_of(MANY_ALIGN as usize);
+        keys += 1;
+    }
+    (keys, body)
+}
+
+/// A daemon older than streamed batches, on the raw protocol: it answers [`GET_MANY_STREAMED`]
+/// `UNIMPLEMENTED` and closes, as a daemon that does not know the op does, and serves
+/// [`GET_MANY_INTO`] ([`fake_batch`]). Logs "<connection> <op> <keys>".
+fn unstreamed_daemon(listener: std::os::unix::net::UnixListener, secret: Secret, log: FakeLog) {
+    for (conn, mut c) in older_connections(&listener, &secret).enumerate() {
+        while let Some((op, packed, at)) = c.request() {
+            if op != GET_MANY_INTO {
+                log.lock().unwrap().push(format!("{conn} {op}"));
+                let mut body = 12i32.to_le_bytes().to_vec(); // UNIMPLEMENTED
+                body.extend_from_slice(b"unknown same-host op");
+                raw_reply(&mut c.s, FAILED, &body);
+                break;
+            }
+            let (keys, answer) = fake_batch(&mut c, op, packed, at);
+            log.lock().unwrap().push(format!("{conn} {op} {keys}"));
+            raw_reply(&mut c.s, FOUND, &answer);
+        }
+    }
+}
+
+/// Reads `keys` through `buf` from a fake daemon: every value [`fake_value`], handed out in
+/// key order with its own index.
+fn read_fake_batch(buf: &mori_umbpd::shm::SharedBuffer, keys: &[&[u8]]) {
+    let mut seen = Vec::new();
+    let got = buf
+        .get_many_with(keys, |i, v| {
+            seen.push((i, v.to_vec()));
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(got, vec![Some(Some(100)); keys.len()]);
+    let want: Vec<(usize, Vec<u8>)> = keys.iter().map(|k| fake_value(k)).enumerate().collect();
+    assert_eq!(seen, want);
+}
+
+/// Against a daemon older than streamed batches, a batch is asked the older way on a new
+/// connection (nothing was handed out), byte-exact, and later batches do not ask for streams
+/// again.
+#[test]
+fn batches_ask_an_older_daemon_once_for_streams_then_the_older_way() {
+    let (buf, log) = fake_daemon("unstreamed", unstreamed_daemon);
+    let batches: [&[&[u8]]; 2] = [&[b"one", b"two", b"three"], &[b"four"]];
+    for keys in batches {
+        read_fake_batch(&buf, keys);
+    }
+    let (s, m) = (GET_MANY_STREAMED, GET_MANY_INTO);
+    assert_eq!(
+        *log.lock().unwrap(),
+        [format!("0 {s}"), format!("1 {m} 3"), format!("1 {m} 1")],
+        "streams asked once; both batches the older way over the new connection"
+    );
 }
 
 /// A connection the daemon closed between two batches (as it closes idle ones) is made anew and
@@ -1197,18 +1420,9 @@ fn a_batch_after_the_daemon_closed_the_connection_connects_again() {
     let (buf, log) = fake_daemon("closing", batch_then_close_daemon);
     let batches: [&[&[u8]]; 3] = [&[b"one", b"two", b"three"], &[b"four", b"five"], &[b"six"]];
     for keys in batches {
-        let mut seen = Vec::new();
-        let got = buf
-            .get_many_with(keys, |i, v| {
-                seen.push((i, v.to_vec()));
-                Ok(())
-            })
-            .unwrap();
-        assert_eq!(got, vec![Some(Some(100)); keys.len()]);
-        let want: Vec<(usize, Vec<u8>)> = keys.iter().map(|k| fake_value(k)).enumerate().collect();
-        assert_eq!(seen, want);
+        read_fake_batch(&buf, keys);
     }
-    let m = GET_MANY_INTO;
+    let m = GET_MANY_STREAMED;
     assert_eq!(
         *log.lock().unwrap(),
         [format!("0 {m} 3"), format!("1 {m} 2"), format!("2 {m} 1")],
