@@ -31,13 +31,19 @@
 //! first key's value is longer than `cap`) and the value's length (`u64`). The client asks
 //! again for the keys after those.
 //!
-//! [`GET_MANY_STREAMED`]: a [`GET_MANY_INTO`] answered in frames while the values land, each
-//! `FOUND` with a first byte ([`MORE_FRAMES`] or, in the request's last frame,
-//! [`LAST_FRAME`]) and the entries (as above) of the keys placed since the previous frame: a
-//! frame goes once [`STREAM_FROM`] bytes were placed since the last one (every value of that
-//! size has its own), so the client copies values out while the daemon copies the next ones.
-//! The entries of all frames together are those of a [`GET_MANY_INTO`] answer; a key that
-//! fails otherwise ends the request with `FAILED` in place of the last frame.
+//! [`GET_MANY_STREAMED`]: a [`GET_MANY_INTO`] answered in frames while the values land. When
+//! not all of its keys fit, the first frame, `FOUND` with [`PLANNED_FRAME`] and a `u64`, says
+//! how many keys the request answers: those whose values, at their lengths when it came, fit
+//! one after another (so the client sends its next request, for the keys after those, into the
+//! other half of its buffer at once, and the daemon finds it waiting; a request that takes all
+//! its keys has no plan, which would only cost the client a wake-up). Then frames `FOUND` with a first byte
+//! ([`MORE_FRAMES`] or, in the request's last frame, [`LAST_FRAME`]) and the entries (as
+//! above) of the keys placed since the previous frame: a frame goes once [`STREAM_FROM`] bytes
+//! were placed since the last one (every value of that size has its own), so the client copies
+//! values out while the daemon copies the next ones. The entries of all frames together are
+//! exactly the planned keys' (a planned value replaced since by one that no longer fits is
+//! [`MANY_TOO_LONG`]); a key that fails otherwise ends the request with `FAILED` in place of
+//! the last frame.
 //!
 //! [`PUT_FROM`]: the same head and `offset`, then the value's length;
 //! the daemon stores the bytes there under the key and answers `FOUND` (empty: stored),
@@ -126,6 +132,9 @@ pub const GET_MANY_STREAMED: u8 = 6;
 pub const MORE_FRAMES: u8 = 0;
 /// A [`GET_MANY_STREAMED`] frame's first byte: the request's last frame.
 pub const LAST_FRAME: u8 = 1;
+/// A [`GET_MANY_STREAMED`] answer's first frame: its first byte, then how many keys (`u64`)
+/// the request answers.
+pub const PLANNED_FRAME: u8 = 2;
 /// Per key of a batch answer: absent.
 pub const MANY_ABSENT: u8 = 0;
 /// Per key of a batch answer: copied (its length follows).
@@ -1294,6 +1303,9 @@ struct Placing<'k> {
     next: usize,
     /// Where the next value starts in the room.
     at: usize,
+    /// The keys promised an answer ([`Placing::plan`]): a value of one of them that no longer
+    /// fits (replaced since by a longer one) is answered [`MANY_TOO_LONG`], not left out.
+    planned: Option<usize>,
 }
 
 impl<'k> Placing<'k> {
@@ -1302,7 +1314,32 @@ impl<'k> Placing<'k> {
             keys: unpack_keys(packed)?,
             next: 0,
             at: 0,
+            planned: None,
         })
+    }
+
+    /// How many keys the values' lengths now (the metadata's) let into a room of `room`
+    /// bytes, as [`Placing::next`] places them; from then on exactly those are answered.
+    fn plan(&mut self, pool: &SharedPool, room: usize) -> usize {
+        let (mut at, mut n) = (0usize, 0);
+        for key in &self.keys {
+            // A key whose length cannot be read now is answered (its failure, or absent).
+            let len = pool
+                .with(|p| p.location(key))
+                .ok()
+                .flatten()
+                .map_or(0, |l| l.len as usize);
+            if at.saturating_add(len) > room {
+                if at > 0 {
+                    break;
+                }
+            } else if len > 0 {
+                at = (at + len).next_multiple_of(MANY_ALIGN as usize).min(room);
+            }
+            n += 1;
+        }
+        self.planned = Some(n);
+        n
     }
 
     /// Copies the next key's value into its place in `out` (the room): the key, its answer's
@@ -1315,6 +1352,9 @@ impl<'k> Placing<'k> {
         pool: &SharedPool,
         out: &mut [u8],
     ) -> Option<Result<(&'k [u8], u8, u64), Status>> {
+        if self.planned.is_some_and(|n| self.next >= n) {
+            return None;
+        }
         let key = *self.keys.get(self.next)?;
         let got = pool.with_status(|p| {
             p.get_into(key, &mut out[self.at..])
@@ -1331,7 +1371,10 @@ impl<'k> Placing<'k> {
             }
             // Too long for the rest: with nothing placed yet the key had the whole room, so
             // its value is read another way; otherwise it is asked for again.
-            Err(s) if s.code() == tonic::Code::InvalidArgument && self.at == 0 => {
+            Err(s)
+                if s.code() == tonic::Code::InvalidArgument
+                    && (self.at == 0 || self.planned.is_some()) =>
+            {
                 (MANY_TOO_LONG, 0)
             }
             Err(s) if s.code() == tonic::Code::InvalidArgument => return None,
@@ -1341,9 +1384,9 @@ impl<'k> Placing<'k> {
         Some(Ok((key, status, len)))
     }
 
-    /// Whether every key was answered.
+    /// Whether every key (every planned key) was answered.
     fn all_answered(&self) -> bool {
-        self.next == self.keys.len()
+        self.next == self.planned.unwrap_or(self.keys.len())
     }
 }
 
@@ -1386,6 +1429,13 @@ fn get_many_streamed(
         Ok(placing) => placing,
         Err(s) => return answer(to, &Err(s)),
     };
+    let planned = placing.plan(pool, out.len());
+    if planned < placing.keys.len() {
+        // Only a request that leaves keys over has a next one to send early.
+        let mut plan = vec![PLANNED_FRAME];
+        plan.extend_from_slice(&(planned as u64).to_le_bytes());
+        answer(to, &Ok(Some(plan)))?;
+    }
     let mut frame = vec![MORE_FRAMES];
     let mut unsent = 0usize;
     while let Some(got) = placing.next(pool, out) {
@@ -1953,6 +2003,10 @@ impl SharedBuffer {
         conn.send(&self.map, &req).map_err(lost(answered))?;
         let (mut next, mut room) = (0, 0);
         let mut placer = Placer::new(sent, rooms[0]);
+        // Streamed: how many keys the request being answered takes (its first frame says), and
+        // the next request, sent into the other half once that is known (its keys sent, room).
+        let mut planned: Option<usize> = None;
+        let mut queued: Option<(usize, usize)> = None;
         loop {
             let mut body = Vec::new();
             let found = read_answer(&mut conn.stream, &mut body).map_err(lost(answered))?;
@@ -1971,7 +2025,37 @@ impl SharedBuffer {
             }
             answered = true;
             let (last, entries) = match body.split_first() {
-                Some((&flag, entries)) if streamed => (flag == LAST_FRAME, entries),
+                Some((&PLANNED_FRAME, n))
+                    if streamed && planned.is_none() && placer.answered == 0 =>
+                {
+                    let n = <[u8; 8]>::try_from(n)
+                        .map(|n| u64::from_le_bytes(n) as usize)
+                        .ok()
+                        .filter(|&n| n >= 1 && n <= placer.sent)
+                        .ok_or_else(|| {
+                            Status::internal(format!(
+                                "umbpd planned a batch of {} keys with {} bytes",
+                                placer.sent,
+                                body.len()
+                            ))
+                        })?;
+                    planned = Some(n);
+                    let end = next + n;
+                    if end < keys.len() {
+                        // The next request now: the other half is free (its values were all
+                        // handed out before this answer began), so the daemon finds it waiting.
+                        let (req, sent) = many_request(op, &keys[end..], rooms[1 - room])?;
+                        conn.send(&self.map, &req).map_err(lost(answered))?;
+                        queued = Some((sent, 1 - room));
+                    }
+                    continue;
+                }
+                Some((&flag @ (MORE_FRAMES | LAST_FRAME), entries)) if streamed => {
+                    (flag == LAST_FRAME, entries)
+                }
+                Some(_) if streamed => {
+                    return Err(Status::internal("umbpd answered a batch out of order").into());
+                }
                 _ => (true, body.as_slice()),
             };
             let placed = placer.place(entries)?;
@@ -1979,13 +2063,27 @@ impl SharedBuffer {
             next += placed.len();
             if last {
                 placer.finish()?;
+                if planned.is_some_and(|n| n != placer.answered) {
+                    return Err(Status::internal(format!(
+                        "umbpd answered {} keys of a batch it planned {planned:?} for",
+                        placer.answered
+                    ))
+                    .into());
+                }
                 if next < keys.len() {
-                    // The next request fills the other half while this one's last values are
-                    // copied out.
-                    room = 1 - room;
-                    let (req, sent) = many_request(op, &keys[next..], rooms[room])?;
+                    let (sent, other) = match queued.take() {
+                        Some(queued) => queued,
+                        None => {
+                            // Not streamed: the next request fills the other half while this
+                            // one's values are copied out.
+                            let (req, sent) = many_request(op, &keys[next..], rooms[1 - room])?;
+                            conn.send(&self.map, &req).map_err(lost(answered))?;
+                            (sent, 1 - room)
+                        }
+                    };
+                    room = other;
                     placer = Placer::new(sent, rooms[room]);
-                    conn.send(&self.map, &req).map_err(lost(answered))?;
+                    planned = None;
                 }
             }
             for (i, staged) in (first..).zip(placed) {

@@ -17,9 +17,9 @@ use mori_auth::Secret;
 use mori_umbpd::shm::{
     ANSWER_AT, ANSWER_LEN_AT, ANSWERED_AT, CONTROL_BYTES, DOORBELL_ACK, GET_INTO,
     GET_INTO_STREAMED, GET_MANY_INTO, GET_MANY_STREAMED, HELLO, HELLO_DOORBELL, LAST_FRAME,
-    MANY_ABSENT, MANY_ALIGN, MANY_FOUND, MANY_TOO_LONG, MORE_FRAMES, PROGRESS_AT, PROGRESS_RING_AT,
-    PURPOSE, PUT_FROM, PUT_MANY_FROM, REQUEST_AT, REQUEST_LEN_AT, RING_AT, SHM_RING_AT,
-    STREAM_FROM, Staged, VALUE_LEN_AT, send_with_fd,
+    MANY_ABSENT, MANY_ALIGN, MANY_FOUND, MANY_TOO_LONG, MORE_FRAMES, PLANNED_FRAME, PROGRESS_AT,
+    PROGRESS_RING_AT, PURPOSE, PUT_FROM, PUT_MANY_FROM, REQUEST_AT, REQUEST_LEN_AT, RING_AT,
+    SHM_RING_AT, STREAM_FROM, Staged, VALUE_LEN_AT, send_with_fd,
 };
 use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND};
 use mori_umbpd::{Client, ClientError};
@@ -893,16 +893,28 @@ fn batches_fill_the_shared_buffer_with_what_fits_and_ask_again_for_the_rest() {
     );
 }
 
-/// A streamed batch's frames up to its last, on the raw protocol: each frame's flag and
-/// entries (status, length); `check(entries)` runs as each frame arrives, before the next is
-/// read.
+/// A streamed batch's frames up to its last, on the raw protocol: its plan (`Some(keys)` when
+/// its first frame has one), then each frame's flag and entries (status, length), asserted to
+/// answer the planned keys, or all `sent` keys without a plan; `check(entries)` runs as each
+/// frame arrives, before the next is read.
+#[allow(clippy::type_complexity)]
 fn streamed_frames(
     s: &mut UnixStream,
+    sent: usize,
     mut check: impl FnMut(&[(u8, u64)]),
-) -> Vec<(u8, Vec<(u8, u64)>)> {
+) -> (Option<usize>, Vec<(u8, Vec<(u8, u64)>)>) {
+    let mut first = Some(raw_answer(s));
+    let mut planned = None;
+    if let Some((FOUND, plan)) = &first
+        && plan[0] == PLANNED_FRAME
+    {
+        assert_eq!(plan.len(), 9);
+        planned = Some(u64::from_le_bytes(plan[1..].try_into().unwrap()) as usize);
+        first = None;
+    }
     let mut frames = Vec::new();
     loop {
-        let (status, body) = raw_answer(s);
+        let (status, body) = first.take().unwrap_or_else(|| raw_answer(s));
         assert_eq!(status, FOUND, "{:?}", failed(&body));
         let entries: Vec<(u8, u64)> = body[1..]
             .chunks_exact(9)
@@ -912,7 +924,13 @@ fn streamed_frames(
         check(&entries);
         frames.push((body[0], entries));
         if body[0] == LAST_FRAME {
-            return frames;
+            let answered: usize = frames.iter().map(|(_, e)| e.len()).sum();
+            assert_eq!(
+                answered,
+                planned.unwrap_or(sent),
+                "the planned keys answered"
+            );
+            return (planned, frames);
         }
         assert_eq!(body[0], MORE_FRAMES);
     }
@@ -963,7 +981,7 @@ fn streamed_batches_answer_a_frame_as_their_values_land() {
     .unwrap();
     let mut at = 64usize;
     let mut next_value = [0usize, 1, 2, 3].into_iter();
-    let frames = streamed_frames(&mut s, |entries| {
+    let (planned, frames) = streamed_frames(&mut s, 6, |entries| {
         for &(status, n) in entries {
             if status == MANY_ABSENT {
                 continue;
@@ -978,6 +996,7 @@ fn streamed_batches_answer_a_frame_as_their_values_land() {
         }
     });
     let (f, a) = (MANY_FOUND, MANY_ABSENT);
+    assert_eq!(planned, Some(5), "the 2 MiB value left out of the plan");
     assert_eq!(
         frames,
         [
@@ -999,8 +1018,9 @@ fn streamed_batches_answer_a_frame_as_their_values_land() {
     ))
     .unwrap();
     assert_eq!(
-        streamed_frames(&mut s, |_| {}),
-        [(LAST_FRAME, vec![(f, 50_000)])]
+        streamed_frames(&mut s, 1, |_| {}),
+        (None, vec![(LAST_FRAME, vec![(f, 50_000)])]),
+        "no plan when every key fits"
     );
     assert_eq!(mem(0, 50_000), values[5]);
     s.write_all(&room_request(
@@ -1011,8 +1031,11 @@ fn streamed_batches_answer_a_frame_as_their_values_land() {
     ))
     .unwrap();
     assert_eq!(
-        streamed_frames(&mut s, |_| {}),
-        [(LAST_FRAME, vec![(MANY_TOO_LONG, 0), (f, 50_000)])],
+        streamed_frames(&mut s, 2, |_| {}),
+        (
+            None,
+            vec![(LAST_FRAME, vec![(MANY_TOO_LONG, 0), (f, 50_000)])]
+        ),
         "the next key takes the whole room"
     );
     s.write_all(&room_request(GET_MANY_STREAMED, &[], 0, 4096))
@@ -1323,22 +1346,25 @@ fn batch_then_close_daemon(
         let Some((op, packed, at)) = c.request() else {
             continue;
         };
-        let (keys, answer) = fake_batch(&mut c, op, packed, at);
+        let (keys, frames) = fake_batch(&mut c, op, packed, at);
         log.lock().unwrap().push(format!("{conn} {op} {keys}"));
-        raw_reply(&mut c.s, FOUND, &answer);
+        for frame in frames {
+            raw_reply(&mut c.s, FOUND, &frame);
+        }
     } // each connection closed when its FakeConnection drops
 }
 
 /// Serves a fake batch (`op` [`GET_MANY_INTO`] or [`GET_MANY_STREAMED`], one answer or one
 /// last frame) of the `packed` keys into the room at `at`: every key found, its value
 /// [`fake_value`] at the next 64-byte boundary. Returns how many keys it answered and the
-/// answer's body (sent by the caller once it logged the request).
+/// answer's frames (sent by the caller once it logged the request: a streamed batch's plan,
+/// then its one last frame).
 fn fake_batch(
     c: &mut FakeConnection,
     op: u8,
     mut packed: Vec<u8>,
     at: [u8; 16],
-) -> (usize, Vec<u8>) {
+) -> (usize, Vec<Vec<u8>>) {
     let (mut offset, mut body, mut keys) = (
         u64::from_le_bytes(at[..8].try_into().unwrap()) as usize,
         Vec::new(),
@@ -1356,7 +1382,13 @@ fn fake_batch(
         offset = (offset + 100).next_multiple_of(MANY_ALIGN as usize);
         keys += 1;
     }
-    (keys, body)
+    if op != GET_MANY_STREAMED {
+        return (keys, vec![body]);
+    }
+    // Every key fits: no plan is needed, but one is allowed.
+    let mut plan = vec![PLANNED_FRAME];
+    plan.extend_from_slice(&(keys as u64).to_le_bytes());
+    (keys, vec![plan, body])
 }
 
 /// A daemon older than streamed batches, on the raw protocol: it answers [`GET_MANY_STREAMED`]
@@ -1372,9 +1404,11 @@ fn unstreamed_daemon(listener: std::os::unix::net::UnixListener, secret: Secret,
                 raw_reply(&mut c.s, FAILED, &body);
                 break;
             }
-            let (keys, answer) = fake_batch(&mut c, op, packed, at);
+            let (keys, frames) = fake_batch(&mut c, op, packed, at);
             log.lock().unwrap().push(format!("{conn} {op} {keys}"));
-            raw_reply(&mut c.s, FOUND, &answer);
+            for frame in frames {
+                raw_reply(&mut c.s, FOUND, &frame);
+            }
         }
     }
 }
