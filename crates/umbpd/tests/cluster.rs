@@ -6,7 +6,7 @@ mod common;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, bytes};
+use common::{Daemon, bytes, pairs};
 use mori_umbpd::Client;
 
 /// The master declares a peer dead after this long without a heartbeat.
@@ -237,11 +237,7 @@ fn batch_stored(
 ) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
     let keys: Vec<Vec<u8>> = (0..n).map(|i| key(first + i)).collect();
     let values: Vec<Vec<u8>> = (0..n).map(|i| bytes(seed + i as u64, len(i))).collect();
-    let items: Vec<(&[u8], &[u8])> = keys
-        .iter()
-        .zip(&values)
-        .map(|(k, v)| (k.as_slice(), v.as_slice()))
-        .collect();
+    let items = pairs(&keys, &values);
     assert_eq!(c.batch_put(&items).unwrap(), vec![true; n]);
     (keys, values)
 }
@@ -538,11 +534,7 @@ fn routes_across_peers_first_writer_wins_and_a_dead_peers_keys_become_misses() {
     let n = 200;
     let values: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64, 1000 + 37 * i)).collect();
     let keys: Vec<Vec<u8>> = (0..n).map(key).collect();
-    let items: Vec<(&[u8], &[u8])> = keys[..150]
-        .iter()
-        .zip(&values)
-        .map(|(k, v)| (k.as_slice(), v.as_slice()))
-        .collect();
+    let items = pairs(&keys[..150], &values);
     assert_eq!(c.batch_put(&items).unwrap(), vec![true; 150]);
     // Another client's puts: granted at the other peer (more room there).
     let c2 = Client::connect(&cl.master.addr).unwrap();
@@ -1120,11 +1112,7 @@ fn cluster_batches_beyond_one_message_are_split_both_ways() {
     let cl = cluster_with(&["--dram-bytes", "300M"], false, "20s");
     let c = Client::connect(&cl.master.addr).unwrap();
     let (keys, values) = split_batch_pairs();
-    let items: Vec<(&[u8], &[u8])> = keys
-        .iter()
-        .zip(&values)
-        .map(|(k, v)| (k.as_slice(), v.as_slice()))
-        .collect();
+    let items = pairs(&keys, &values);
     assert_eq!(c.batch_put(&items).unwrap(), vec![true; keys.len()]);
     // Batch gets from peers on this host go through shared memory; the gRPC replies are split
     // only without it (MORI_UMBP_SHM=0, in a child to keep this process's environment).

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, bytes, ssd_dir};
+use common::{Daemon, bytes, pairs, ssd_dir};
 use mori_umbpd::Client;
 
 const EXIT_WAIT: Duration = Duration::from_secs(30);
@@ -46,11 +46,7 @@ fn round_trip() {
     // Batches.
     let keys: Vec<Vec<u8>> = (0..10).map(key).collect();
     let values: Vec<Vec<u8>> = (0..10).map(|i| bytes(i as u64, 1000 + 777 * i)).collect();
-    let items: Vec<(&[u8], &[u8])> = keys
-        .iter()
-        .zip(&values)
-        .map(|(k, v)| (k.as_slice(), v.as_slice()))
-        .collect();
+    let items = pairs(&keys, &values);
     assert_eq!(c.batch_put(&items).unwrap(), vec![true; 10]);
     assert_eq!(c.batch_put(&items[..2]).unwrap(), vec![false; 2]);
     let mut want: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
@@ -702,11 +698,7 @@ fn batches_beyond_one_message_are_split_both_ways() {
     let n = 24;
     let keys: Vec<Vec<u8>> = (0..n).map(key).collect();
     let values: Vec<Vec<u8>> = (0..n).map(|i| bytes(i as u64 + 1000, 4 << 20)).collect();
-    let items: Vec<(&[u8], &[u8])> = keys
-        .iter()
-        .zip(&values)
-        .map(|(k, v)| (k.as_slice(), v.as_slice()))
-        .collect();
+    let items = pairs(&keys, &values);
     assert_eq!(c.batch_put(&items).unwrap(), vec![true; n]);
     let mut want: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
     want.insert(20, b"missing");
@@ -934,11 +926,7 @@ fn batch_puts(c: &Client, prefix: &str, served: &dyn Fn(&Client) -> u64) -> (u64
     let values: Vec<Vec<u8>> = (0..8)
         .map(|i| bytes(i as u64 + 500, if i < 4 { large } else { 4096 }))
         .collect();
-    let items: Vec<(&[u8], &[u8])> = keys
-        .iter()
-        .zip(&values)
-        .map(|(k, v)| (k.as_slice(), v.as_slice()))
-        .collect();
+    let items = pairs(&keys, &values);
     let before = served(c);
     assert_eq!(c.batch_put(&items[..4]).unwrap(), vec![true; 4]);
     let large_counted = served(c) - before;

@@ -236,6 +236,14 @@ pub fn bytes(seed: u64, len: usize) -> Vec<u8> {
 
 // ---- secrets and raw gRPC clients ------------------------------------------------------------
 
+/// `(key, value)` slices of `keys[i]` and `values[i]`, as batch puts take them.
+pub fn pairs<'a>(keys: &'a [Vec<u8>], values: &'a [Vec<u8>]) -> Vec<(&'a [u8], &'a [u8])> {
+    keys.iter()
+        .zip(values)
+        .map(|(k, v)| (k.as_slice(), v.as_slice()))
+        .collect()
+}
+
 /// A secret file (mode 0600) holding `text`.
 pub fn secret_file(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
