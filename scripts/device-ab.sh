@@ -12,7 +12,8 @@
 #   facade: benches/ep_facade_host.py (one rank; host time per call, native beside the DeepEP facade)
 # VARIANTS: which runs alternate (default "before after"); "after:VAR=value" runs the after
 # wheel with an environment variable set (e.g. after:MORI_CHECKSUM_THREADS=1).
-# SHAPES (umbp only): one run per shape, so the variants alternate shape by shape.
+# SHAPES (umbp only): one run per shape, so the variants alternate shape by shape; AB_ARGS:
+# more arguments of benches/umbp_ab.py (e.g. "--api bytes --pin").
 # Output: $OUT/$TAG.tgz (default ab; logs and JSON per round).
 # Usage: BUDGET=540 ROUNDS=2 WHAT="umbp io ipc" TAG=ab bash scripts/device-ab.sh
 set -uo pipefail
@@ -37,7 +38,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
         budget=$(left); [ "$budget" -gt 20 ] || { echo "out of time before $round $variant $what $shape"; break 4; }
         only=(); [ "$shape" != all ] && only=(--shapes "$shape")
         case $what in
-          umbp) cmd=(python3 "$repo/benches/umbp_ab.py" --bytes $((256 << 20)) --rounds 5 "${only[@]}" --out "$dir/umbp-$shape.json") ;;
+          umbp) cmd=(python3 "$repo/benches/umbp_ab.py" --bytes $((256 << 20)) --rounds 5 "${only[@]}" ${AB_ARGS:-} --out "$dir/umbp-$shape.json") ;;
           io) cmd=(python3 "$repo/benches/io_ab.py" --routes tcp,direct --trials "${TRIALS:-30}" --out "$dir/io.json") ;;
           ipc) cmd=(python3 "$repo/benches/io_ab.py" --routes cuda_ipc --trials "${TRIALS:-30}" --out "$dir/ipc.json") ;;
           ccl) cmd=(python3 -m mori bench ccl --world 2 --max-bytes 1M --trials "${TRIALS:-20}" --out "$dir") ;;

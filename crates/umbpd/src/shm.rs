@@ -2356,6 +2356,48 @@ impl SharedBuffer {
 mod tests {
     use super::*;
 
+    /// A request's plan promises its keys an answer: a planned value replaced, after the plan,
+    /// by one too long for the rest of the room is answered TOO_LONG (never left out, which
+    /// would make the client's next request skip it), and no key past the plan is answered.
+    #[test]
+    fn a_planned_value_replaced_by_a_longer_one_is_answered_too_long() {
+        let config = mori_umbp::PoolConfig::dram_only(4 << 20, 4096);
+        let pool = SharedPool::new(mori_umbp::LocalPool::open(config).unwrap().0);
+        let keys: [&[u8]; 3] = [b"p0", b"p1", b"p2"];
+        for (k, len) in keys.iter().zip([1000, 2000, 3000]) {
+            pool.with(|p| p.put(k, &vec![len as u8; len])).unwrap();
+        }
+        let packed: Vec<u8> = keys
+            .iter()
+            .flat_map(|k| {
+                (k.len() as u16)
+                    .to_le_bytes()
+                    .into_iter()
+                    .chain(k.iter().copied())
+            })
+            .collect();
+        let mut room = vec![0u8; 4096];
+        let mut placing = Placing::new(&packed).unwrap();
+        // 1000 and 2000 bytes fit (at 0 and 1024), 3000 more do not.
+        assert_eq!(placing.plan(&pool, room.len()), 2);
+        pool.with(|p| p.remove(b"p1")).unwrap();
+        pool.with(|p| p.put(b"p1", &[7u8; 3500])).unwrap();
+        let mut answered = Vec::new();
+        while let Some(got) = placing.next(&pool, &mut room) {
+            let (key, status, len) = got.unwrap();
+            answered.push((key.to_vec(), status, len));
+        }
+        assert_eq!(
+            answered,
+            [
+                (b"p0".to_vec(), MANY_FOUND, 1000),
+                (b"p1".to_vec(), MANY_TOO_LONG, 0)
+            ]
+        );
+        assert!(placing.all_answered());
+        assert!(room[..1000].iter().all(|&b| b == 1000u16 as u8));
+    }
+
     /// A side whose spin was caught off its CPU sleeps at once for a pause that starts at
     /// `CONTENDED_FOR`, doubles while contention repeats (capped at `CONTENDED_MAX`), ends when
     /// its time is up, and starts short again after a spin that kept its CPU.

@@ -349,6 +349,92 @@ fn registered_batches_read_known_keys_from_their_peers_without_the_master() {
     reader.deregister(&dmem).unwrap();
 }
 
+/// A batch whose keys lie at both peers on this host puts every value in its own result or
+/// slot: byte batches and registered-buffer batches of values of different lengths (a value in
+/// another key's place fails the comparison), each peer serving its own keys through shared
+/// memory, again and again, and from two threads of one client at once (one of them without
+/// the staging buffers, over gRPC). The values are put straight at each peer in turn (a client
+/// of the master would put a batch at the one peer it was granted).
+#[test]
+fn batches_across_both_peers_put_each_value_in_its_own_place() {
+    let cl = cluster(&["--dram-bytes", "64M"], false);
+    let writers: Vec<Client> = cl
+        .peers
+        .iter()
+        .map(|p| Client::connect(&p.addr).unwrap())
+        .collect();
+    let reader = Client::connect(&cl.master.addr).unwrap();
+    let n = 24;
+    let keys: Vec<Vec<u8>> = (0..n).map(|i| key(8000 + i)).collect();
+    let values: Vec<Vec<u8>> = (0..n)
+        .map(|i| bytes(61 + i as u64, 100_000 + 7919 * i))
+        .collect();
+    for (i, (k, v)) in keys.iter().zip(&values).enumerate() {
+        assert!(writers[i % 2].put(k, v).unwrap());
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let expect: Vec<Option<Vec<u8>>> = values.iter().map(|v| Some(v.clone())).collect();
+    let per_peer = |p: &Daemon| {
+        Client::connect(&p.addr)
+            .unwrap()
+            .health()
+            .unwrap()
+            .same_host_served
+    };
+    let before: Vec<u64> = cl.peers.iter().map(per_peer).collect();
+    for round in 0..3 {
+        assert_eq!(
+            reader.batch_get(&refs).unwrap(),
+            expect,
+            "byte batch {round}"
+        );
+    }
+    for (p, b) in cl.peers.iter().zip(&before) {
+        assert!(per_peer(p) > *b, "peer {} served none of its keys", p.addr);
+    }
+    assert_eq!(
+        cl.peers.iter().map(per_peer).sum::<u64>() - before.iter().sum::<u64>(),
+        3 * n as u64,
+        "every value through shared memory"
+    );
+    let slot = 300_000usize;
+    let mut dst = vec![0u8; n * slot];
+    // SAFETY: `dst` outlives the registration (deregistered below); only the reader's calls
+    // write it while registered, and it is read here between them.
+    let dmem = unsafe { reader.register(dst.as_mut_ptr() as u64, dst.len() as u64) }.unwrap();
+    let offs: Vec<u64> = (0..n).map(|i| (i * slot) as u64).collect();
+    for round in 0..3 {
+        dst.fill(0xEE);
+        let got = reader
+            .batch_get_into(&refs, &dmem, &offs, &vec![slot as u64; n])
+            .unwrap();
+        for (i, v) in values.iter().enumerate() {
+            assert_eq!(got[i], Some(v.len() as u64), "round {round}, value {i}");
+            let place = &dst[i * slot..(i + 1) * slot];
+            assert!(
+                place[..v.len()] == v[..],
+                "round {round}: value {i} in its slot"
+            );
+            assert!(
+                place[v.len()..].iter().all(|&b| b == 0xEE),
+                "round {round}: past {i}"
+            );
+        }
+    }
+    reader.deregister(&dmem).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..2 {
+            let (reader, refs, expect) = (&reader, &refs, &expect);
+            s.spawn(move || {
+                for round in 0..4 {
+                    let got = reader.batch_get(refs).unwrap();
+                    assert!(got == *expect, "thread {t}, batch {round}");
+                }
+            });
+        }
+    });
+}
+
 /// A cluster client's single puts go straight to the peer the master granted it (one route
 /// for many puts), through shared memory on this host (over small ops without it: the child
 /// below), and the peer publishes each over small ops; a key another peer holds is dropped by
