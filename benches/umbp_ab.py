@@ -5,7 +5,9 @@ before/after comparisons of whichever mori is importable, e.g.
     PYTHONPATH=/tmp/site-before python3 benches/umbp_ab.py --out before.json
     PYTHONPATH=/tmp/site-after  python3 benches/umbp_ab.py --out after.json
 
-With ``--pin`` the client runs on the first half of this process's CPUs and the daemons on the
+With ``--spread`` the values are put with ``batch_put_from`` whatever the API (the master
+routes each key, so a batch lies at both peers; a client's ``batch_put`` of bytes goes to the
+one peer it was granted), and the put figures are those calls'. With ``--pin`` the client runs on the first half of this process's CPUs and the daemons on the
 other half (as ``mori bench umbp`` pins them), and the record carries the fields of a ``mori
 bench`` record (``method``, ``env``) beside the pinning.
 
@@ -119,12 +121,12 @@ def main() -> None:
                         if args.api == "into":
                             got = client.batch_get_into(ks, dst, offs, sizes)
                         else:
-                            values = client.batch_get(ks)
+                            found = client.batch_get(ks)
                         if rnd:
                             gets.append(time.perf_counter() - t0)
                         if args.api == "bytes" and c == calls - 1:
-                            got = [None if v is None else len(v) for v in values]
-                            for o, v in zip(offs, values):
+                            got = [None if v is None else len(v) for v in found]
+                            for o, v in zip(offs, found):
                                 if v is not None:
                                     dst[o:o + len(v)] = np.frombuffer(v, dtype=np.uint8)
                     src[:8] = np.frombuffer((rnd * 1_000_003 + calls - 1).to_bytes(8, "little"), dtype=np.uint8)
