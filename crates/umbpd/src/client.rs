@@ -2305,11 +2305,7 @@ impl Client {
         };
         // Known routes first, the master asked for the rest (as a byte batch).
         let (groups, routed, lease_id) = self.batch_routes(c, keys)?;
-        let peers_of: Vec<(u64, String, Vec<usize>)> = groups
-            .iter()
-            .map(|(&peer, (addr, idxs))| (peer, addr.clone(), idxs.clone()))
-            .collect();
-        let read = self.cluster_read_into(c, (&d, mem), keys, groups, &slots, &mut results);
+        let read = self.cluster_read_into(c, (&d, mem), keys, &groups, &slots, &mut results);
         {
             let _in_runtime = self.rt.enter();
             c.release_lease(lease_id);
@@ -2318,7 +2314,7 @@ impl Client {
         let mut stale = Vec::new();
         {
             let mut routes = c.routes();
-            for (peer, addr, idxs) in &peers_of {
+            for (peer, (addr, idxs)) in &groups {
                 for &i in idxs {
                     match (results[i].found, routed[i]) {
                         (true, true) => routes.learn(keys[i], *peer, addr),
@@ -2357,7 +2353,7 @@ impl Client {
         c: &Cluster,
         dp: (&DataEngine, &MemoryDesc),
         keys: &[&[u8]],
-        groups: PeerGroups,
+        groups: &PeerGroups,
         slots: &Slots<'_>,
         results: &mut [GetIntoResult],
     ) -> Result<()> {
@@ -2365,8 +2361,8 @@ impl Client {
         let (offsets, capacities) = (slots.offsets, slots.capacities);
         let mut failure: Option<tonic::Status> = None;
         let mut remote = Vec::new();
-        for (peer, (addr, idxs)) in groups {
-            let staging = match c.peer_staging(peer, &addr) {
+        for (&peer, (addr, idxs)) in groups {
+            let staging = match c.peer_staging(peer, addr) {
                 Ok(staging) => staging,
                 // Not answered within the peer deadline: its keys are misses, as after a
                 // failed data-plane call.
@@ -2379,23 +2375,23 @@ impl Client {
                 Err(_) => None,
             };
             let rest = match staging {
-                Some(staging) => match staged_into(&staging, keys, &idxs, slots, results) {
+                Some(staging) => match staged_into(&staging, keys, idxs, slots, results) {
                     Ok(rest) => rest,
                     Err(s) => {
                         failure = failure.or(Some(s));
                         Vec::new()
                     }
                 },
-                None => idxs,
+                None => idxs.clone(),
             };
             if !rest.is_empty() {
-                remote.push((peer, addr, rest));
+                remote.push((peer, addr.as_str(), rest));
             }
         }
         self.rt.block_on(async {
             let mut calls = Vec::new();
             for (peer, addr, idxs) in remote {
-                let pc = c.peer(peer, &addr)?;
+                let pc = c.peer(peer, addr)?;
                 calls.push((peer, addr, idxs, pc));
             }
             let futures = calls.iter().map(|(_, addr, idxs, pc)| {

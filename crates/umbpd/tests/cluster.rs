@@ -242,6 +242,33 @@ fn batch_stored(
     (keys, values)
 }
 
+/// Every value of `values`, found.
+fn all_found(values: &[Vec<u8>]) -> Vec<Option<Vec<u8>>> {
+    values.iter().map(|v| Some(v.clone())).collect()
+}
+
+/// Makes routes a reader learnt stale and checks its batches through `read` (the values of
+/// `keys` it read): key 3 removed and stored again with other bytes (from `seed`), key 4
+/// removed (a miss, never its old bytes), then stored again (all found).
+fn stale_route_rounds(
+    writer: &Client,
+    keys: &[Vec<u8>],
+    values: &mut [Vec<u8>],
+    seed: u64,
+    mut read: impl FnMut(&[&[u8]]) -> Vec<Option<Vec<u8>>>,
+) {
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    assert!(writer.remove(&keys[3]).unwrap());
+    values[3] = bytes(seed, 4321);
+    assert!(writer.put(&keys[3], &values[3]).unwrap());
+    assert!(writer.remove(&keys[4]).unwrap());
+    let mut want = all_found(values);
+    want[4] = None;
+    assert_eq!(read(&refs), want, "stale routes");
+    assert!(writer.put(&keys[4], &values[4]).unwrap());
+    assert_eq!(read(&refs), all_found(values));
+}
+
 #[test]
 fn batches_read_known_keys_from_their_peers_without_the_master() {
     let cl = cluster(&["--dram-bytes", "16M"], false);
@@ -250,7 +277,7 @@ fn batches_read_known_keys_from_their_peers_without_the_master() {
     let n = 120;
     let (keys, mut values) = batch_stored(&writer, 5000, n, 11, |i| 700 + 53 * i);
     let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-    let expect = |values: &[Vec<u8>]| values.iter().map(|v| Some(v.clone())).collect::<Vec<_>>();
+    let expect = all_found;
     // The reader learns every key's peer from the master's routes, with a key nobody stored.
     let mut with_unknown = refs.clone();
     with_unknown.push(b"cl-nobody");
@@ -259,15 +286,9 @@ fn batches_read_known_keys_from_their_peers_without_the_master() {
     assert_eq!(reader.batch_get(&with_unknown).unwrap(), want);
     // A key removed and stored again with other bytes (on either peer): the stale route gives
     // the new bytes or a miss that the master then routes, never the old bytes.
-    assert!(writer.remove(&keys[3]).unwrap());
-    values[3] = bytes(99, 4321);
-    assert!(writer.put(&keys[3], &values[3]).unwrap());
-    assert!(writer.remove(&keys[4]).unwrap());
-    let mut want = expect(&values);
-    want[4] = None;
-    assert_eq!(reader.batch_get(&refs).unwrap(), want);
-    assert!(writer.put(&keys[4], &values[4]).unwrap());
-    assert_eq!(reader.batch_get(&refs).unwrap(), expect(&values));
+    stale_route_rounds(&writer, &keys, &mut values, 99, |refs| {
+        reader.batch_get(refs).unwrap()
+    });
     // The master gone: the keys the reader knows still come from their peers in one batch; a
     // key it knows no peer for needs the master, so that batch fails.
     cl.master.signal(libc::SIGKILL);
@@ -319,21 +340,13 @@ fn registered_batches_read_known_keys_from_their_peers_without_the_master() {
             .collect();
         held
     };
-    let expect = |values: &[Vec<u8>]| values.iter().map(|v| Some(v.clone())).collect::<Vec<_>>();
+    let expect = all_found;
     let mut with_unknown = refs.clone();
     with_unknown.push(b"cl-reg-nobody");
     let mut want = expect(&values);
     want.push(None);
     assert_eq!(read(&mut dst, &with_unknown), want, "routed by the master");
-    assert!(writer.remove(&keys[3]).unwrap());
-    values[3] = bytes(77, 4321);
-    assert!(writer.put(&keys[3], &values[3]).unwrap());
-    assert!(writer.remove(&keys[4]).unwrap());
-    let mut want = expect(&values);
-    want[4] = None;
-    assert_eq!(read(&mut dst, &refs), want, "stale routes");
-    assert!(writer.put(&keys[4], &values[4]).unwrap());
-    assert_eq!(read(&mut dst, &refs), expect(&values));
+    stale_route_rounds(&writer, &keys, &mut values, 77, |refs| read(&mut dst, refs));
     cl.master.signal(libc::SIGKILL);
     assert_eq!(
         read(&mut dst, &refs),
