@@ -8,6 +8,8 @@
 //! threads.
 
 /// Reflected Castagnoli polynomial.
+use std::sync::atomic::{AtomicU32, Ordering};
+
 const POLY: u32 = 0x82F6_3B78;
 
 #[cfg(test)]
@@ -97,7 +99,7 @@ pub fn crc32c(data: &[u8]) -> u32 {
 
 /// The CRC-32C of `A‖B` from `crc32c(A)`, `crc32c(B)` and `B`'s length (the pre- and
 /// post-inversions cancel), so parts of a value checksummed apart join into its checksum.
-fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: usize) -> u32 {
+pub(crate) fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: usize) -> u32 {
     match (crc_a, len_b) {
         (0, _) => crc_b, // 0·x^n = 0 (also the checksum of nothing)
         (_, CHUNK) => mul_mod(X_CHUNK, crc_a) ^ crc_b,
@@ -111,78 +113,48 @@ const X_CHUNK: u32 = x_pow_8n(CHUNK);
 /// Below this many bytes in all, [`crc32c_each`] stays on the calling thread.
 const PARALLEL_BYTES: usize = 2 << 20;
 
-/// Threads [`crc32c_each`] uses for large inputs: `MORI_CHECKSUM_THREADS` (1 to 64), else a
-/// quarter of the CPUs, 1 to 4.
-fn crc_threads() -> usize {
-    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *THREADS.get_or_init(|| {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let default = (cpus / 4).clamp(1, 4);
-        match std::env::var("MORI_CHECKSUM_THREADS") {
-            Ok(v) => match v.trim().parse::<usize>() {
-                Ok(n @ 1..=64) => n,
-                _ => {
-                    tracing::warn!(
-                        "MORI_CHECKSUM_THREADS={v:?} is not a thread count (1 to 64); using {default}"
-                    );
-                    default
-                }
-            },
-            Err(_) => default,
-        }
-    })
-}
-
 /// The CRC-32C of each of `inputs`. Large inputs (together at least 2 MiB) are cut into 1 MiB
-/// chunks checksummed on several threads (`MORI_CHECKSUM_THREADS`, default a quarter of the
-/// CPUs, at most 4), and each input's
-/// chunks are joined with [`crc32c_combine`]: a checksum pass over many megabytes then keeps
+/// chunks checksummed on several threads ([`crate::gang`]: `MORI_CHECKSUM_THREADS`, default half
+/// the CPUs, at most 4), and each input's chunks are joined with [`crc32c_combine`]: a checksum pass over many megabytes then keeps
 /// up with the transfer it overlaps.
 pub fn crc32c_each(inputs: &[&[u8]]) -> Vec<u32> {
-    each_on(inputs, crc_threads())
+    each_on(inputs, crate::gang::threads())
 }
 
-/// [`crc32c_each`] on up to `threads` threads.
+/// [`crc32c_each`] in up to `threads` parts (run on the gang's threads, [`crate::gang`]).
 fn each_on(inputs: &[&[u8]], threads: usize) -> Vec<u32> {
     let total: usize = inputs.iter().map(|b| b.len()).sum();
     let threads = threads.min(total.div_ceil(CHUNK));
     if threads <= 1 || total < PARALLEL_BYTES {
         return inputs.iter().map(|b| crc32c(b)).collect();
     }
-    // (input, chunk) in order; each thread takes a contiguous run of about total / threads bytes.
+    // (input, chunk) in order.
     let chunks: Vec<(usize, &[u8])> = inputs
         .iter()
         .enumerate()
         .flat_map(|(i, b)| b.chunks(CHUNK).map(move |c| (i, c)))
         .collect();
-    let mut crcs = vec![0u32; chunks.len()];
+    // Each part is a contiguous run of about total / threads bytes of chunks.
     let share = total.div_ceil(threads);
-    std::thread::scope(|scope| {
-        let (mut rest_chunks, mut rest_crcs) = (&chunks[..], &mut crcs[..]);
-        while !rest_chunks.is_empty() {
-            let mut n = 0;
-            let mut bytes = 0;
-            while n < rest_chunks.len() && bytes < share {
-                bytes += rest_chunks[n].1.len();
-                n += 1;
-            }
-            let (mine, more) = rest_chunks.split_at(n);
-            let (out, more_out) = std::mem::take(&mut rest_crcs).split_at_mut(n);
-            (rest_chunks, rest_crcs) = (more, more_out);
-            let work = move || {
-                for ((_, c), o) in mine.iter().zip(out) {
-                    *o = crc32c(c);
-                }
-            };
-            if rest_chunks.is_empty() {
-                work(); // the last share on this thread
-            } else {
-                scope.spawn(work);
-            }
+    let mut bounds = vec![0usize];
+    let mut bytes = 0;
+    for (n, (_, c)) in chunks.iter().enumerate() {
+        bytes += c.len();
+        if bytes >= share * bounds.len() && n + 1 < chunks.len() {
+            bounds.push(n + 1);
         }
-    });
+    }
+    bounds.push(chunks.len());
+    let crcs: Vec<AtomicU32> = chunks.iter().map(|_| AtomicU32::new(0)).collect();
+    let part = |p: usize| {
+        for n in bounds[p]..bounds[p + 1] {
+            crcs[n].store(crc32c(chunks[n].1), Ordering::Relaxed);
+        }
+    };
+    crate::gang::split(bounds.len() - 1, &part, || part(0));
+    let crcs = crcs.into_iter().map(AtomicU32::into_inner);
     let mut out = vec![0u32; inputs.len()];
-    for (&(i, c), &crc) in chunks.iter().zip(&crcs) {
+    for (&(i, c), crc) in chunks.iter().zip(crcs) {
         out[i] = crc32c_combine(out[i], crc, c.len());
     }
     out

@@ -39,8 +39,9 @@
 
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
+use std::sync::{Mutex, PoisonError};
 
-use crate::crc::{Crc32c, crc32c};
+use crate::crc::{Crc32c, crc32c, crc32c_combine};
 use crate::error::{Error, Result, key_display};
 use crate::pages::{PageTable, Reserved};
 
@@ -182,7 +183,8 @@ impl DramArena {
                 "allocated run outside the arena".into(),
             ));
         };
-        let crc = copy_with_crc(dst, value);
+        let parts = (value.len() / crate::gang::SPLIT_PART_BYTES).min(crate::gang::threads());
+        let crc = copy_checked_split(dst, value, Checked::Copy, parts, &mut |_, _| ());
         self.zero_slack(start, value.len());
         self.pages.set_checksum(key, crc);
         Ok(())
@@ -263,14 +265,22 @@ impl DramArena {
                 out.len()
             )));
         };
-        let mut at = 0;
-        let read = self.read_chunks(key, |chunk| {
-            dst[at..at + chunk.len()].copy_from_slice(chunk);
-            at += chunk.len();
+        let mut tell = |done: usize, of: usize| {
             if let Some(p) = progress.as_deref_mut() {
-                p(at, len);
+                p(done, of);
             }
-        });
+        };
+        let parts = (len / crate::gang::SPLIT_PART_BYTES).min(crate::gang::threads());
+        let read = if parts > 1 {
+            self.read_split(key, dst, parts, &mut tell)
+        } else {
+            let mut at = 0;
+            self.read_chunks(key, |chunk| {
+                dst[at..at + chunk.len()].copy_from_slice(chunk);
+                at += chunk.len();
+                tell(at, len);
+            })
+        };
         if read.is_err() {
             dst.fill(0);
             if let Some(p) = progress {
@@ -278,6 +288,29 @@ impl DramArena {
             }
         }
         read
+    }
+
+    /// [`DramArena::get_into_watched`] of a large value into `dst` (exactly its length), cut
+    /// into `parts` runs copied and checksummed at once on the gang's threads ([`crate::gang`]);
+    /// `progress` follows the first run as it lands, then hears of the whole value.
+    fn read_split(
+        &self,
+        key: &[u8],
+        dst: &mut [u8],
+        parts: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Option<usize>> {
+        let Some((start, len, bytes)) = self.stored(key)? else {
+            return Ok(None);
+        };
+        let crc = copy_checked_split(dst, bytes, Checked::Source, parts, progress);
+        match self.pages.checksum(key) {
+            Some(want) if crc != want => Err(checksum_mismatch(key, start, len)),
+            _ => {
+                progress(len, len);
+                Ok(Some(len))
+            }
+        }
     }
 
     /// Hands the value of `key` to `sink` in chunks while checksumming it (one pass over the
@@ -357,17 +390,71 @@ impl DramArena {
 /// copied while it is in the CPU's cache, so the value crosses the memory bus once.
 const FUSED_CHUNK: usize = 24 << 10;
 
-/// Copies `src` into `dst` (equal lengths) and returns the CRC-32C of the bytes, in one pass.
-/// The checksum is of the copy, not the source: `src` may be memory another process writes
-/// to meanwhile (a client's shared buffer), and a value is then stored as it was copied, its
-/// checksum matching it.
-fn copy_with_crc(dst: &mut [u8], src: &[u8]) -> u32 {
+/// Which side of a copy its checksum reads: the side no other process can write meanwhile.
+#[derive(Clone, Copy)]
+enum Checked {
+    /// The arena's bytes, copied out into memory another process may write (a client's shared
+    /// buffer), which must not make a stored value look corrupt.
+    Source,
+    /// The copy: the source may be such memory, and a value is stored as it was copied, its
+    /// checksum matching it.
+    Copy,
+}
+
+/// Copies `src` into `dst` (equal lengths) and returns the CRC-32C of the side `checked` says,
+/// in one pass: chunk by chunk, each chunk checksummed right after its copy (the memmove
+/// streams it from memory, the checksum then finds it in cache), `progress(done, of)` told
+/// after each (`done` counted within `dst`).
+fn copy_checked(
+    dst: &mut [u8],
+    src: &[u8],
+    checked: Checked,
+    progress: &mut dyn FnMut(usize, usize),
+    of: usize,
+) -> u32 {
     let mut crc = Crc32c::new();
+    let mut at = 0;
     for (d, s) in dst.chunks_mut(FUSED_CHUNK).zip(src.chunks(FUSED_CHUNK)) {
         d.copy_from_slice(s);
-        crc.update(d);
+        crc.update(match checked {
+            Checked::Source => s,
+            Checked::Copy => d,
+        });
+        at += s.len();
+        progress(at, of);
     }
     crc.finish()
+}
+
+/// [`copy_checked`] cut into `parts` runs copied at once on the gang's threads
+/// ([`crate::gang`]), their checksums joined; `progress` follows the first run.
+fn copy_checked_split(
+    dst: &mut [u8],
+    src: &[u8],
+    checked: Checked,
+    parts: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> u32 {
+    let len = src.len();
+    if parts <= 1 || len == 0 {
+        return copy_checked(dst, src, checked, progress, len);
+    }
+    let run = len.div_ceil(parts).next_multiple_of(4096);
+    // Each run's destination and checksum, taken by the one thread that copies it.
+    let runs: Vec<Mutex<(&mut [u8], u32)>> =
+        dst.chunks_mut(run).map(|d| Mutex::new((d, 0))).collect();
+    let copy_run = |i: usize, progress: &mut dyn FnMut(usize, usize)| {
+        let mut r = runs[i].lock().unwrap_or_else(PoisonError::into_inner);
+        let (d, crc) = &mut *r;
+        *crc = copy_checked(d, &src[i * run..][..d.len()], checked, progress, len);
+    };
+    crate::gang::split(runs.len(), &|i| copy_run(i, &mut |_, _| ()), || {
+        copy_run(0, progress)
+    });
+    runs.into_iter().fold(0, |crc, r| {
+        let (d, c) = r.into_inner().unwrap_or_else(PoisonError::into_inner);
+        crc32c_combine(crc, c, d.len())
+    })
 }
 
 /// The error of a DRAM value whose bytes no longer match its checksum.
@@ -377,5 +464,60 @@ pub(crate) fn checksum_mismatch(key: &[u8], offset: usize, len: usize) -> Error 
         detail: format!(
             "the DRAM value ({len} bytes at arena offset {offset}) fails its CRC-32C check"
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reads cut into runs (whatever this machine's CPU count makes of `get_into`) land every
+    /// byte in place, tell progress in order up to the whole value, and catch a flipped byte in
+    /// any run.
+    #[test]
+    fn a_value_read_in_runs_is_exact_and_still_checked() {
+        let page = 4096;
+        let len = 3 * (1 << 20) + 12_345;
+        let mut a = DramArena::new(4 << 20, page).unwrap();
+        let mut x = 7u64;
+        let value: Vec<u8> = (0..len)
+            .map(|_| {
+                x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                (x >> 40) as u8
+            })
+            .collect();
+        a.put(b"v", &value).unwrap();
+        for parts in [2, 3, 5, 13] {
+            let mut out = vec![0xEEu8; len];
+            let mut told = Vec::new();
+            let got = a.read_split(b"v", &mut out, parts, &mut |d, of| told.push((d, of)));
+            assert_eq!(got.unwrap(), Some(len), "{parts} runs");
+            assert!(out == value, "{parts} runs: the bytes differ");
+            assert!(told.windows(2).all(|w| w[0].0 < w[1].0), "in order");
+            assert_eq!(told.last(), Some(&(len, len)));
+        }
+        let (base, _) = a.region();
+        let off = a.value_offset(b"v").unwrap();
+        for at in [0, len / 2, len - 1] {
+            // SAFETY: inside the arena; no borrow of the arena's bytes is alive.
+            unsafe { *base.cast_mut().add(off + at) ^= 0x01 };
+            let mut out = vec![0u8; len];
+            let got = a.read_split(b"v", &mut out, 4, &mut |_, _| ());
+            assert!(matches!(got, Err(Error::Corrupt { .. })), "flip at {at}");
+            let mut out = vec![0xEEu8; len];
+            assert!(matches!(
+                a.get_into(b"v", &mut out),
+                Err(Error::Corrupt { .. })
+            ));
+            assert!(
+                out.iter().all(|&b| b == 0),
+                "nothing of the value copied out"
+            );
+            // SAFETY: as above.
+            unsafe { *base.cast_mut().add(off + at) ^= 0x01 };
+        }
+        let mut out = vec![0u8; len];
+        assert_eq!(a.get_into(b"v", &mut out).unwrap(), Some(len));
+        assert!(out == value);
     }
 }

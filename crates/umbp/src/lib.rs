@@ -39,6 +39,7 @@
 mod crc;
 pub mod dram;
 mod error;
+mod gang;
 pub mod gpu;
 pub mod meta;
 #[cfg(feature = "redis")]
@@ -54,6 +55,7 @@ mod uring;
 pub use crc::{crc32c, crc32c_each};
 pub use dram::DramArena;
 pub use error::{Error, Result};
+pub use gang::copy_split;
 pub use gpu::GpuArena;
 pub use meta::{Location, MemoryStore, MetadataStore, Tier};
 #[cfg(feature = "redis")]

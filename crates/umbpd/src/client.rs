@@ -118,9 +118,10 @@ pub enum ClientError {
 
 /// Copies `value` into a buffer of its length from `sink`; returns the length.
 fn fill(sink: &mut dyn Sink, value: &[u8]) -> std::result::Result<usize, tonic::Status> {
-    sink.buffer(value.len())
-        .map_err(|e| no_buffer(value.len(), &e))?
-        .copy_from_slice(value);
+    let dst = sink
+        .buffer(value.len())
+        .map_err(|e| no_buffer(value.len(), &e))?;
+    mori_umbp::copy_split(dst, value);
     Ok(value.len())
 }
 

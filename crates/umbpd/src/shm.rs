@@ -1682,7 +1682,7 @@ impl<'s> Streamed<'s> {
         // `done` (release; read above with acquire) and does not write again for this ring.
         let landed =
             unsafe { std::slice::from_raw_parts(data.add(self.copied), done - self.copied) };
-        dst[self.copied..done].copy_from_slice(landed);
+        mori_umbp::copy_split(&mut dst[self.copied..done], landed);
         self.copied = done;
         true
     }
@@ -1715,7 +1715,7 @@ impl<'s> Streamed<'s> {
         // SAFETY: the first len bytes of the data (len <= its length, checked by the caller),
         // which the daemon finished writing before it answered.
         let value = unsafe { std::slice::from_raw_parts(data, len) };
-        dst[self.copied..].copy_from_slice(&value[self.copied..]);
+        mori_umbp::copy_split(&mut dst[self.copied..], &value[self.copied..]);
         self.copied = len;
         Ok(())
     }
@@ -2257,10 +2257,10 @@ impl SharedBuffer {
             at.checked_add(bytes.len())
                 .is_some_and(|end| end <= self.data)
         );
-        // SAFETY: bytes.len() bytes at `at`, inside the data (asserted above).
-        unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.as_ptr().add(at), bytes.len())
-        };
+        // SAFETY: bytes.len() bytes at `at`, inside the data (asserted above), which the
+        // daemon does not touch until the request that names them is sent.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.map.as_ptr().add(at), bytes.len()) };
+        mori_umbp::copy_split(dst, bytes);
     }
 
     /// Stores `items` (keys and values) from the buffer's data, as many values per request as
