@@ -761,6 +761,59 @@ fn a_put_racing_the_clients_own_writes_is_stored_with_a_matching_checksum() {
     assert_eq!(c.get(b"calm").unwrap(), Some(calm));
 }
 
+/// A client that keeps rewriting its buffer while the daemon copies values into it cannot make
+/// the daemon take a stored value for corrupt and drop it: the daemon checksums the arena's
+/// side of each copy, not the buffer's (with its copies cut into runs on several threads and
+/// on one). Afterwards every value reads back exact and no checksum failed.
+#[test]
+fn a_get_racing_the_clients_own_writes_leaves_the_stored_value_intact() {
+    for threads in ["3", "1"] {
+        let dir = tempfile::tempdir().unwrap();
+        let d = standalone_with(
+            dir.path(),
+            &["--dram-bytes", "64M"],
+            &[("MORI_CHECKSUM_THREADS", threads)],
+        );
+        let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+        let len = 1 << 20;
+        let (keys, values) = put_sized(&c, "raced", 5, &[len; 6]);
+        let name = c.same_host_socket().unwrap();
+        let mut db = RawDoorbells::connect(&name, 4 << 20);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let at = db.map as usize;
+        let scribbler = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut b = 0u8;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    // SAFETY: the first value's room at the start of the data area (mapped
+                    // for the test).
+                    unsafe { std::ptr::write_bytes(at as *mut u8, b, len) };
+                    b = b.wrapping_add(1);
+                }
+            })
+        };
+        for _ in 0..24 {
+            for k in &keys {
+                let req = get_into_request(k, 0, len as u64);
+                let (status, body) = db.request(&req, req.len() as u32).expect("no answer");
+                assert_eq!(status, FOUND, "{threads} threads: {:?}", failed(&body));
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        scribbler.join().unwrap();
+        for (k, v) in keys.iter().zip(&values) {
+            assert_eq!(c.get(k).unwrap().as_ref(), Some(v), "{threads} threads");
+        }
+        let stats = c.stats().unwrap();
+        assert_eq!(
+            (stats.dram_checksum_errors, stats.corrupt_dropped),
+            (0, 0),
+            "{threads} threads"
+        );
+    }
+}
+
 /// A batch request of `packed` keys (each a u16 length and its bytes) into `cap` bytes at
 /// `offset`.
 fn get_many_request(packed: &[u8], offset: u64, cap: u64) -> Vec<u8> {
