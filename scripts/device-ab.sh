@@ -10,6 +10,8 @@
 #   ccl:   mori bench ccl --world 2 --max-bytes 1M (two ranks; host time per eager call)
 #   ep:    mori bench ep --world 2 --sms 24 (two ranks; host time per dispatch/combine call)
 #   facade: benches/ep_facade_host.py (one rank; host time per call, native beside the DeepEP facade)
+#   umbpbench: mori bench umbp (the whole side-by-side record; Redis's baseline when
+#          scripts/stage-redis-for-device.sh staged it into .device/redis/, put first on PATH)
 # VARIANTS: which runs alternate (default "before after"); "after:VAR=value" runs the after
 # wheel with an environment variable set (e.g. after:MORI_CHECKSUM_THREADS=1).
 # SHAPES (umbp only): one run per shape, so the variants alternate shape by shape; AB_ARGS:
@@ -20,6 +22,7 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 scratch=/tmp/dout-${TAG:-ab}; rm -rf "$scratch"; mkdir -p "$scratch"
 repo=$PWD
+[ -d "$repo/.device/redis/bin" ] && export PATH="$repo/.device/redis/bin:$PATH"
 deadline=$(( $(date +%s) + ${BUDGET:-540} ))
 for which in before after; do
   wheel=.device/wheels/mori-*.whl
@@ -44,6 +47,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
           ccl) cmd=(python3 -m mori bench ccl --world 2 --max-bytes 1M --trials "${TRIALS:-20}" --out "$dir") ;;
           ep) cmd=(python3 -m mori bench ep --world 2 --sms 24 --iters "${TRIALS:-10}" --out "$dir") ;;
           facade) cmd=(python3 "$repo/benches/ep_facade_host.py" --out "$dir") ;;
+          umbpbench) cmd=(python3 -m mori bench umbp --out "$dir") ;;
         esac
         (cd /tmp && env PYTHONPATH="/tmp/site-$which" MORI_JIT_CACHE_DIR="/tmp/jit-$which" $setting \
           timeout "$(( budget < 240 ? budget : 240 ))" "${cmd[@]}") > "$dir/$what-$shape.log" 2>&1
