@@ -7,9 +7,9 @@
 //! the data: `crc(s, A‖B) = crc(s, A)·x^(8|B|) ⊕ crc(0, B)`) and spreads large inputs over
 //! threads.
 
-/// Reflected Castagnoli polynomial.
 use std::sync::atomic::{AtomicU32, Ordering};
 
+/// Reflected Castagnoli polynomial.
 const POLY: u32 = 0x82F6_3B78;
 
 #[cfg(test)]
@@ -114,9 +114,9 @@ const X_CHUNK: u32 = x_pow_8n(CHUNK);
 const PARALLEL_BYTES: usize = 2 << 20;
 
 /// The CRC-32C of each of `inputs`. Large inputs (together at least 2 MiB) are cut into 1 MiB
-/// chunks checksummed on several threads ([`crate::gang`]: `MORI_CHECKSUM_THREADS`, default half
-/// the CPUs, at most 4), and each input's chunks are joined with [`crc32c_combine`]: a checksum pass over many megabytes then keeps
-/// up with the transfer it overlaps.
+/// chunks checksummed on several threads ([`crate::gang`]: `MORI_CHECKSUM_THREADS`, default
+/// half the CPUs, at most 4), and each input's chunks are joined with [`crc32c_combine`]: a
+/// checksum pass over many megabytes then keeps up with the transfer it overlaps.
 pub fn crc32c_each(inputs: &[&[u8]]) -> Vec<u32> {
     each_on(inputs, crate::gang::threads())
 }

@@ -39,7 +39,6 @@
 
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
-use std::sync::{Mutex, PoisonError};
 
 use crate::crc::{Crc32c, crc32c, crc32c_combine};
 use crate::error::{Error, Result, key_display};
@@ -183,7 +182,7 @@ impl DramArena {
                 "allocated run outside the arena".into(),
             ));
         };
-        let parts = (value.len() / crate::gang::SPLIT_PART_BYTES).min(crate::gang::threads());
+        let parts = crate::gang::parts_for(value.len());
         let crc = copy_checked_split(dst, value, Checked::Copy, parts, &mut |_, _| ());
         self.zero_slack(start, value.len());
         self.pages.set_checksum(key, crc);
@@ -270,7 +269,7 @@ impl DramArena {
                 p(done, of);
             }
         };
-        let parts = (len / crate::gang::SPLIT_PART_BYTES).min(crate::gang::threads());
+        let parts = crate::gang::parts_for(len);
         let read = if parts > 1 {
             self.read_split(key, dst, parts, &mut tell)
         } else {
@@ -439,22 +438,15 @@ fn copy_checked_split(
     if parts <= 1 || len == 0 {
         return copy_checked(dst, src, checked, progress, len);
     }
-    let run = len.div_ceil(parts).next_multiple_of(4096);
-    // Each run's destination and checksum, taken by the one thread that copies it.
-    let runs: Vec<Mutex<(&mut [u8], u32)>> =
-        dst.chunks_mut(run).map(|d| Mutex::new((d, 0))).collect();
-    let copy_run = |i: usize, progress: &mut dyn FnMut(usize, usize)| {
-        let mut r = runs[i].lock().unwrap_or_else(PoisonError::into_inner);
-        let (d, crc) = &mut *r;
-        *crc = copy_checked(d, &src[i * run..][..d.len()], checked, progress, len);
-    };
-    crate::gang::split(runs.len(), &|i| copy_run(i, &mut |_, _| ()), || {
-        copy_run(0, progress)
-    });
-    runs.into_iter().fold(0, |crc, r| {
-        let (d, c) = r.into_inner().unwrap_or_else(PoisonError::into_inner);
-        crc32c_combine(crc, c, d.len())
-    })
+    let runs = crate::gang::in_runs(
+        dst,
+        src,
+        parts,
+        &|d, s| copy_checked(d, s, checked, &mut |_, _| (), len),
+        |d, s| copy_checked(d, s, checked, progress, len),
+    );
+    runs.into_iter()
+        .fold(0, |crc, (n, c)| crc32c_combine(crc, c, n))
 }
 
 /// The error of a DRAM value whose bytes no longer match its checksum.

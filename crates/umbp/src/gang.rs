@@ -189,7 +189,59 @@ fn split_on<R>(
 
 /// Copies and checksums of at least twice this many bytes are cut into runs of at least this
 /// many for the gang: below, waking a thread costs about what it saves.
-pub(crate) const SPLIT_PART_BYTES: usize = 256 << 10;
+const SPLIT_PART_BYTES: usize = 256 << 10;
+
+/// Into how many runs [`in_runs`] cuts a pass over `len` bytes: one below 512 KiB or without a
+/// gang, else one per 256 KiB up to the gang's size.
+pub(crate) fn parts_for(len: usize) -> usize {
+    (len / SPLIT_PART_BYTES).clamp(1, threads())
+}
+
+/// Cuts `dst` and `src` (equal lengths) into `parts` runs at 4 KiB boundaries, runs
+/// `first(dst, src)` of the first run on this thread and `others` of the rest on the gang
+/// ([`split`]), and returns each run's length and result, in order.
+pub(crate) fn in_runs<R: Send>(
+    dst: &mut [u8],
+    src: &[u8],
+    parts: usize,
+    others: &(dyn Fn(&mut [u8], &[u8]) -> R + Sync),
+    first: impl FnOnce(&mut [u8], &[u8]) -> R,
+) -> Vec<(usize, R)> {
+    assert_eq!(
+        dst.len(),
+        src.len(),
+        "a pass over slices of different lengths"
+    );
+    let run = src
+        .len()
+        .div_ceil(parts.max(1))
+        .next_multiple_of(4096)
+        .max(4096);
+    // Each run's destination and result, taken by the one thread that works on it.
+    let runs: Vec<Mutex<(&mut [u8], Option<R>)>> =
+        dst.chunks_mut(run).map(|d| Mutex::new((d, None))).collect();
+    let work = |i: usize, f: &dyn Fn(&mut [u8], &[u8]) -> R| {
+        let mut r = runs[i].lock().unwrap_or_else(PoisonError::into_inner);
+        let (d, out) = &mut *r;
+        *out = Some(f(d, &src[i * run..][..d.len()]));
+    };
+    split(runs.len(), &|i| work(i, others), || {
+        if let Some(r) = runs.first() {
+            let mut r = r.lock().unwrap_or_else(PoisonError::into_inner);
+            let (d, out) = &mut *r;
+            *out = Some(first(d, &src[..d.len()]));
+        }
+    });
+    runs.into_iter()
+        .map(|r| {
+            let (d, out) = r.into_inner().unwrap_or_else(PoisonError::into_inner);
+            (
+                d.len(),
+                out.expect("split returns after every run has finished"),
+            )
+        })
+        .collect()
+}
 
 /// Copies `src` into `dst` (equal lengths), in runs on the gang's threads when it is large
 /// (at least 512 KiB) and the gang has more than the calling thread: one thread's memmove is
@@ -198,25 +250,14 @@ pub(crate) const SPLIT_PART_BYTES: usize = 256 << 10;
 /// # Panics
 /// When the lengths differ, as `<[u8]>::copy_from_slice`.
 pub fn copy_split(dst: &mut [u8], src: &[u8]) {
-    assert_eq!(
-        dst.len(),
-        src.len(),
-        "copy_split between slices of different lengths"
-    );
-    let parts = (src.len() / SPLIT_PART_BYTES).min(threads());
-    if parts <= 1 {
-        dst.copy_from_slice(src);
-        return;
+    match parts_for(src.len()) {
+        1 => dst.copy_from_slice(src),
+        parts => {
+            in_runs(dst, src, parts, &|d, s| d.copy_from_slice(s), |d, s| {
+                d.copy_from_slice(s)
+            });
+        }
     }
-    let run = src.len().div_ceil(parts).next_multiple_of(4096);
-    // Each run's destination, taken by the one thread that copies it.
-    let runs: Vec<Mutex<&mut [u8]>> = dst.chunks_mut(run).map(Mutex::new).collect();
-    let copy_run = |i: usize| {
-        let mut d = runs[i].lock().unwrap_or_else(PoisonError::into_inner);
-        let n = d.len();
-        d.copy_from_slice(&src[i * run..][..n]);
-    };
-    split(runs.len(), &copy_run, || copy_run(0));
 }
 
 #[cfg(test)]
