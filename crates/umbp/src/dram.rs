@@ -269,17 +269,7 @@ impl DramArena {
                 p(done, of);
             }
         };
-        let parts = crate::gang::parts_for(len);
-        let read = if parts > 1 {
-            self.read_split(key, dst, parts, &mut tell)
-        } else {
-            let mut at = 0;
-            self.read_chunks(key, |chunk| {
-                dst[at..at + chunk.len()].copy_from_slice(chunk);
-                at += chunk.len();
-                tell(at, len);
-            })
-        };
+        let read = self.read_split(key, dst, crate::gang::parts_for(len), &mut tell);
         if read.is_err() {
             dst.fill(0);
             if let Some(p) = progress {
@@ -289,9 +279,10 @@ impl DramArena {
         read
     }
 
-    /// [`DramArena::get_into_watched`] of a large value into `dst` (exactly its length), cut
-    /// into `parts` runs copied and checksummed at once on the gang's threads ([`crate::gang`]);
-    /// `progress` follows the first run as it lands, then hears of the whole value.
+    /// [`DramArena::get_into_watched`] into `dst` (exactly the value's length), cut into
+    /// `parts` runs copied and checksummed at once on the gang's threads ([`crate::gang`]; one
+    /// part: all on this thread); `progress` follows the first run as it lands, then hears of
+    /// the whole value.
     fn read_split(
         &self,
         key: &[u8],
@@ -306,7 +297,9 @@ impl DramArena {
         match self.pages.checksum(key) {
             Some(want) if crc != want => Err(checksum_mismatch(key, start, len)),
             _ => {
-                progress(len, len);
+                if parts > 1 {
+                    progress(len, len); // the first run's progress stopped short of the end
+                }
                 Ok(Some(len))
             }
         }
@@ -479,7 +472,7 @@ mod tests {
             })
             .collect();
         a.put(b"v", &value).unwrap();
-        for parts in [2, 3, 5, 13] {
+        for parts in [1, 2, 3, 5, 13] {
             let mut out = vec![0xEEu8; len];
             let mut told = Vec::new();
             let got = a.read_split(b"v", &mut out, parts, &mut |d, of| told.push((d, of)));

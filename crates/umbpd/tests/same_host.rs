@@ -712,6 +712,39 @@ impl mori_umbpd::small_ops::Sink for SmallSink {
     }
 }
 
+/// A thread of the test's process rewriting the first `len` bytes of a raw doorbell buffer's
+/// data (a new byte each pass) until stopped: the client's own writes racing the daemon.
+struct Scribbler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Scribbler {
+    fn start(db: &RawDoorbells, len: usize) -> Scribbler {
+        assert!(len <= db.data);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let at = db.map as usize;
+        let thread = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut b = 0u8;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    // SAFETY: the first len bytes of the data area (asserted above), mapped
+                    // for the rest of the test's process.
+                    unsafe { std::ptr::write_bytes(at as *mut u8, b, len) };
+                    b = b.wrapping_add(1);
+                }
+            })
+        };
+        Scribbler { stop, thread }
+    }
+
+    fn stop(self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap();
+    }
+}
+
 /// A client that keeps rewriting its buffer while the daemon stores from it cannot make the
 /// pool hold a value that fails its checksum: each racing put reads back whole (whatever bytes
 /// the daemon copied), never as a corrupt value; and a value stored while nothing raced reads
@@ -724,27 +757,14 @@ fn a_put_racing_the_clients_own_writes_is_stored_with_a_matching_checksum() {
     let name = c.same_host_socket().unwrap();
     let (data, len) = (4 << 20, 1 << 20);
     let mut db = RawDoorbells::connect(&name, data);
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let at = db.map as usize;
-    let scribbler = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            let mut b = 0u8;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                // SAFETY: the value's bytes at the start of the data area (mapped for the test).
-                unsafe { std::ptr::write_bytes(at as *mut u8, b, len) };
-                b = b.wrapping_add(1);
-            }
-        })
-    };
+    let scribbler = Scribbler::start(&db, len);
     let keys: Vec<Vec<u8>> = (0..24).map(|i| format!("race-{i}").into_bytes()).collect();
     for k in &keys {
         let req = room_request(PUT_FROM, k, 0, len as u64);
         let (status, body) = db.request(&req, req.len() as u32).expect("no answer");
         assert_eq!(status, FOUND, "{:?}", failed(&body));
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    scribbler.join().unwrap();
+    scribbler.stop();
     for k in &keys {
         let got = c.get(k);
         assert!(
@@ -779,20 +799,7 @@ fn a_get_racing_the_clients_own_writes_leaves_the_stored_value_intact() {
         let (keys, values) = put_sized(&c, "raced", 5, &[len; 6]);
         let name = c.same_host_socket().unwrap();
         let mut db = RawDoorbells::connect(&name, 4 << 20);
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let at = db.map as usize;
-        let scribbler = {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let mut b = 0u8;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    // SAFETY: the first value's room at the start of the data area (mapped
-                    // for the test).
-                    unsafe { std::ptr::write_bytes(at as *mut u8, b, len) };
-                    b = b.wrapping_add(1);
-                }
-            })
-        };
+        let scribbler = Scribbler::start(&db, len);
         for _ in 0..24 {
             for k in &keys {
                 let req = get_into_request(k, 0, len as u64);
@@ -800,8 +807,7 @@ fn a_get_racing_the_clients_own_writes_leaves_the_stored_value_intact() {
                 assert_eq!(status, FOUND, "{threads} threads: {:?}", failed(&body));
             }
         }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        scribbler.join().unwrap();
+        scribbler.stop();
         for (k, v) in keys.iter().zip(&values) {
             assert_eq!(c.get(k).unwrap().as_ref(), Some(v), "{threads} threads");
         }
