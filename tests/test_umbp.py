@@ -386,6 +386,83 @@ def test_a_shared_buffer_takes_values_from_a_daemon_on_this_host(daemon):
     assert buf[100 : 101].tobytes() == values["shm-1"], "the array outlives the client"
 
 
+def _wait_until_stopped(pid: int, timeout: float = 10) -> None:
+    """Until every thread of `pid` is stopped (a SIGSTOP takes effect after kill() returns)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()]
+        if all(s in "tT" for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.001)
+
+
+def test_gets_from_threads_keep_the_gil_only_while_the_daemon_answers(start_umbpd):
+    # A get through the staging buffer keeps the GIL while the daemon on this host answers in time
+    # (MORI_UMBP_HOLD_US, mori_umbpd::shm::hold_for) and lets it go when the answer is late. Eight threads
+    # (four sharing one Client, four with their own) read every value exact; then, with the
+    # daemon stopped, a get waits while this thread keeps running Python, and returns the value
+    # once the daemon goes on.
+    d = start_umbpd("held", "--dram-bytes", "16M")
+    rng = np.random.default_rng()
+    values = {f"t-{i}": rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+              for i, n in enumerate([1, 4096, 4096, 65536, 300 << 10])}
+    shared = Client(master=d.addr)
+    for k, v in values.items():
+        assert shared.put(k, v)
+    own = [Client(master=d.addr) for _ in range(4)]
+    wrong: list[str] = []
+
+    def reader(c: Client) -> None:
+        buf = np.zeros(300 << 10, dtype=np.uint8)
+        for _ in range(40):
+            for k, v in values.items():
+                if c.get(k) != v:
+                    wrong.append(f"get {k}")
+                buf[:] = 0
+                if c.get_into(k, buf) != len(v) or buf[: len(v)].tobytes() != v:
+                    wrong.append(f"get_into {k}")
+
+    threads = [threading.Thread(target=reader, args=(c,)) for c in [shared] * 4 + own]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "gets from several threads did not finish"
+    assert not wrong, wrong[:5]
+
+    pid = d.proc.pid
+    got: dict[str, object] = {}
+    # A get that kept the GIL would stop this thread too: a separate process resumes the daemon.
+    resume = subprocess.Popen(["sh", "-c", f"sleep 5; kill -CONT {pid}"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        _wait_until_stopped(pid)
+        def get() -> None:
+            try:
+                got["v"] = shared.get("t-1")
+            except Exception as e:  # noqa: BLE001 (reported below)
+                got["error"] = repr(e)
+
+        t = threading.Thread(target=get)
+        t0 = time.monotonic()
+        t.start()
+        turns = 0
+        while time.monotonic() - t0 < 0.5:
+            turns += 1
+            time.sleep(0.005)
+        ran_for = time.monotonic() - t0
+        waiting = t.is_alive()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        resume.kill()
+        resume.wait()
+    assert waiting, f"the get returned while the daemon was stopped ({got.get('error', 'the value')})"
+    assert ran_for < 3 and turns > 10, f"this thread ran {turns} turns in {ran_for:.1f} s beside the waiting get"
+    t.join(30)
+    assert got.get("v") == values["t-1"]
+
+
 def test_put_from_a_shared_buffer_slice_stores_those_bytes(daemon):
     # The daemon stores the value straight from this client's shared memory (PUT_FROM; the Rust
     # tests assert the route by the daemon's counters): byte-exact, read back by another client;

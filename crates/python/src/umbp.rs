@@ -7,7 +7,7 @@ use std::sync::{Mutex, MutexGuard};
 use mori_umbp::{
     GpuTierConfig, LocalPool, PoolConfig, PoolStats, PutOutcome, SsdConfig, SsdIoMode, Tier,
 };
-use mori_umbpd::small_ops::{MemorySink, Sink};
+use mori_umbpd::small_ops::{Held, MemorySink, Sink};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -117,19 +117,105 @@ fn uninit_bytes(py: Python<'_>, len: usize) -> PyResult<(Bound<'_, PyBytes>, usi
     Ok((bytes, at))
 }
 
-/// A [`Sink`] that reads a found value straight into a new bytes object.
+/// The GIL kept through a short same-host get (mori-umbpd's [`Held`]): the call lets it go
+/// where it may block or once the daemon is late, through the C API, and it is taken back by
+/// [`GilHeld::retake`] or on drop (a panic too). While it is let go, nothing of this thread
+/// touches Python but through [`GilHeld::attached`] (pyo3 still counts the GIL as held here).
+struct GilHeld<'py> {
+    py: Python<'py>,
+    /// This thread's state while the GIL is let go; null while it is kept.
+    saved: std::cell::Cell<*mut pyo3::ffi::PyThreadState>,
+}
+
+impl<'py> GilHeld<'py> {
+    fn new(py: Python<'py>) -> Self {
+        GilHeld {
+            py,
+            saved: std::cell::Cell::new(std::ptr::null_mut()),
+        }
+    }
+
+    /// Takes the GIL back if the call let it go.
+    fn retake(&self) {
+        let saved = self.saved.replace(std::ptr::null_mut());
+        if !saved.is_null() {
+            // SAFETY: `saved` is this thread's state, from the PyEval_SaveThread in `release`
+            // that let the GIL go; this thread has not taken it back since (`saved` was set).
+            unsafe { pyo3::ffi::PyEval_RestoreThread(saved) };
+        }
+    }
+
+    /// `f` with the GIL: taken back for it when let go, and let go again after.
+    fn attached<R>(&self, f: impl FnOnce(Python<'py>) -> R) -> R {
+        let was_released = !self.saved.get().is_null();
+        self.retake();
+        let out = f(self.py);
+        if was_released {
+            self.release();
+        }
+        out
+    }
+}
+
+impl Held for GilHeld<'_> {
+    fn release(&self) {
+        if self.saved.get().is_null() {
+            // SAFETY: this thread holds the GIL (`py`, not let go since: `saved` is null);
+            // until `retake` nothing of it touches Python (the type's contract).
+            self.saved.set(unsafe { pyo3::ffi::PyEval_SaveThread() });
+        }
+    }
+}
+
+impl Drop for GilHeld<'_> {
+    fn drop(&mut self) {
+        self.retake();
+    }
+}
+
+/// How a sink gets the GIL for a moment in the middle of a call.
+trait Attach {
+    fn attached<R>(&self, f: impl for<'py> FnOnce(Python<'py>) -> R) -> R;
+}
+
+/// From a call that let the GIL go (`py.detach`): taken as any thread takes it.
 #[derive(Default)]
-struct BytesSink {
+struct Detached;
+
+impl Attach for Detached {
+    fn attached<R>(&self, f: impl for<'py> FnOnce(Python<'py>) -> R) -> R {
+        Python::attach(f)
+    }
+}
+
+impl Attach for &GilHeld<'_> {
+    fn attached<R>(&self, f: impl for<'py> FnOnce(Python<'py>) -> R) -> R {
+        GilHeld::attached(self, f)
+    }
+}
+
+/// A [`Sink`] that reads a found value straight into a new bytes object, made with the GIL
+/// as `A` takes it.
+#[derive(Default)]
+struct BytesSink<A: Attach = Detached> {
+    attach: A,
     bytes: Option<Py<PyBytes>>,
     /// Why no bytes object could be made (raised instead of the call's own error).
     error: Option<PyErr>,
 }
 
-impl Sink for BytesSink {
+impl<A: Attach> Sink for BytesSink<A> {
     fn buffer(&mut self, len: usize) -> std::io::Result<&mut [u8]> {
-        match Python::attach(|py| uninit_bytes(py, len).map(|(b, at)| (b.unbind(), at))) {
-            Ok((bytes, at)) => {
-                self.bytes = Some(bytes);
+        // With the GIL: the object replaced (a get retried on another path) is dropped here.
+        let bytes = &mut self.bytes;
+        let made = self.attach.attached(|py| {
+            uninit_bytes(py, len).map(|(b, at)| {
+                *bytes = Some(b.unbind());
+                at
+            })
+        });
+        match made {
+            Ok(at) => {
                 // SAFETY: `at` addresses the `len` bytes of the object just made, which only
                 // `self` references until the caller returns it filled.
                 unsafe { raw_slice(at, len) }
@@ -145,7 +231,17 @@ impl Sink for BytesSink {
     }
 }
 
-impl BytesSink {
+impl<A: Attach> Drop for BytesSink<A> {
+    /// Its Python objects go with the GIL, also when a get unwinds while it is let go.
+    fn drop(&mut self) {
+        let (bytes, error) = (self.bytes.take(), self.error.take());
+        if bytes.is_some() || error.is_some() {
+            self.attach.attached(|_| drop((bytes, error)));
+        }
+    }
+}
+
+impl<A: Attach> BytesSink<A> {
     /// The call's outcome as Python sees it: the filled bytes object when `found`.
     fn finish<'py>(
         mut self,
@@ -714,9 +810,18 @@ impl UmbpRemote {
         Ok(py.detach(|| self.inner.put(key, value))?)
     }
 
+    /// Keeps the GIL while a same-host get is answered within mori-umbpd's `hold_for()`
+    /// (`GilHeld`): several Python threads' small gets then run one after another on the
+    /// thread that has the GIL, without a handoff between CPUs per get.
     fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let mut sink = BytesSink::default();
-        let found = py.detach(|| self.inner.get_with(key, &mut sink));
+        let held = GilHeld::new(py);
+        let mut sink = BytesSink {
+            attach: &held,
+            bytes: None,
+            error: None,
+        };
+        let found = self.inner.get_with_held(key, &mut sink, &held);
+        held.retake();
         sink.finish(py, found)
     }
 
@@ -745,7 +850,10 @@ impl UmbpRemote {
         // SAFETY: mori.umbp passes a live, writable contiguous buffer of `len` bytes, which it
         // keeps during the call.
         let mut sink = unsafe { MemorySink::new(ptr, len) };
-        Ok(py.detach(|| self.inner.get_with(key, &mut sink))?)
+        let held = GilHeld::new(py); // kept as in `get`
+        let found = self.inner.get_with_held(key, &mut sink, &held);
+        held.retake();
+        Ok(found?)
     }
 
     fn batch_put(

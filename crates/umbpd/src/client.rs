@@ -70,7 +70,7 @@ use crate::server::{
     H2_CONNECTION_WINDOW_BYTES, H2_MAX_FRAME_BYTES, H2_STREAM_WINDOW_BYTES, MAX_MESSAGE_BYTES,
 };
 use crate::shm::SharedBuffer;
-use crate::small_ops::{self, MemorySink, Sink, SmallOpsClient};
+use crate::small_ops::{self, Held, MemorySink, NothingHeld, Sink, SmallOpsClient};
 
 /// Errors of [`Client`].
 #[derive(Debug, thiserror::Error)]
@@ -513,15 +513,16 @@ fn other_path(status: &tonic::Status) -> bool {
 
 /// A single get through `staging` (a buffer shared with a daemon on this host): the daemon
 /// copies the value there, and it is copied into `sink` (a large value while it lands,
-/// [`SharedBuffer::get_with`]). `None` to take another path: the buffer busy with another
-/// thread's get, the value longer than the buffer, or no connection.
+/// [`SharedBuffer::get_with`]; `held` as there). `None` to take another path: the buffer busy
+/// with another thread's get, the value longer than the buffer, or no connection.
 fn staged_get(
     staging: &Mutex<SharedBuffer>,
     key: &[u8],
     sink: &mut dyn Sink,
+    held: &dyn Held,
 ) -> Option<std::result::Result<Option<usize>, tonic::Status>> {
     let buf = staging.try_lock().ok()?;
-    match buf.get_with(key, sink) {
+    match buf.get_with(key, sink, held) {
         Ok(got) => Some(got.map_err(|(len, e)| no_buffer(len, &e))),
         Err(status) if status.code() == tonic::Code::InvalidArgument || other_path(&status) => None,
         Err(status) => Some(Err(status)),
@@ -1040,7 +1041,7 @@ impl Cluster {
             Err(ClientError::Rpc(s)) => return Ok(Some(Err(s))), // the peer did not answer
             Err(e) => return Err(e),
         };
-        if let Some(answer) = staging.and_then(|b| staged_get(&b, key, sink)) {
+        if let Some(answer) = staging.and_then(|b| staged_get(&b, key, sink, &NothingHeld)) {
             return Ok(Some(answer));
         }
         Ok(self
@@ -1737,7 +1738,7 @@ impl Client {
         }
         if self.cluster.is_none() {
             let mut v = Vec::new();
-            if let Some(got) = self.shm_get(key, &mut v) {
+            if let Some(got) = self.shm_get(key, &mut v, &NothingHeld) {
                 return Ok(got?.map(|_| v));
             }
         }
@@ -1753,12 +1754,28 @@ impl Client {
     /// (a standalone daemon) the bytes go from the socket straight into the sink's buffer;
     /// otherwise they are copied there from the value [`Client::get`] returns.
     pub fn get_with(&self, key: &[u8], sink: &mut dyn Sink) -> Result<Option<usize>> {
+        self.get_with_held(key, sink, &NothingHeld)
+    }
+
+    /// [`Client::get_with`] called while the caller keeps a lock of its own runtime (Python's
+    /// GIL; [`Held`]): a get through the staging buffer shared with this host's daemon keeps
+    /// it while the answer comes within [`crate::shm::hold_for`]; every other path lets it
+    /// go first.
+    pub fn get_with_held(
+        &self,
+        key: &[u8],
+        sink: &mut dyn Sink,
+        held: &dyn Held,
+    ) -> Result<Option<usize>> {
+        if self.cluster.is_none()
+            && let Some(got) = self.shm_get(key, sink, held)
+        {
+            return got;
+        }
+        held.release();
         match &self.cluster {
             Some(c) if c.master_small.is_some() => return self.cluster_get_one(c, key, sink),
             None => {
-                if let Some(got) = self.shm_get(key, sink) {
-                    return got;
-                }
                 if let Some(s) = &self.small_ops
                     && let Some(answer) = s.call_into(small_ops::GET, key, None, sink)
                 {
@@ -1783,8 +1800,17 @@ impl Client {
     /// copies the value there, this copies it into `sink`. `None` to take another path: no
     /// such daemon (or `MORI_UMBP_SHM=0`), the buffer busy with another thread's get, or the
     /// value longer than the buffer.
-    fn shm_get(&self, key: &[u8], sink: &mut dyn Sink) -> Option<Result<Option<usize>>> {
-        staged_get(self.own_staging()?, key, sink).map(|r| r.map_err(Into::into))
+    /// (`held` as in [`Client::get_with_held`]; let go before the buffer is first made.)
+    fn shm_get(
+        &self,
+        key: &[u8],
+        sink: &mut dyn Sink,
+        held: &dyn Held,
+    ) -> Option<Result<Option<usize>>> {
+        if self.staging.get().is_none() {
+            held.release(); // making it connects to the daemon
+        }
+        staged_get(self.own_staging()?, key, sink, held).map(|r| r.map_err(Into::into))
     }
 
     /// A single put through the staging buffer shared with a daemon on this host: the value

@@ -100,7 +100,7 @@ use tracing::debug;
 
 use crate::listener::ListenerStats;
 use crate::service::SharedPool;
-use crate::small_ops::{Sink, framed, read_answer, request};
+use crate::small_ops::{Held, NothingHeld, Sink, framed, read_answer, request};
 
 /// The handshake purpose of the same-host socket.
 pub const PURPOSE: &str = "umbpd-shm";
@@ -268,13 +268,27 @@ impl Drop for Mapping {
 /// loaded or virtual host costs tens of µs per round trip; it costs the CPU time spun.
 pub fn spin_window() -> Duration {
     static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(|| {
-        let us = std::env::var("MORI_UMBP_SPIN_US")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(50);
-        Duration::from_micros(us)
-    })
+    *SPIN.get_or_init(|| micros_from_env("MORI_UMBP_SPIN_US", 50))
+}
+
+/// How long a client keeps the caller's own lock ([`Held`]: Python's GIL) while it waits for
+/// an answer in the control block before it lets it go (`MORI_UMBP_HOLD_US`, default 100 µs;
+/// `0`: at once). A spinning daemon answers a small get in a few µs, and one whose connection
+/// thread went to sleep in tens: kept through both, the caller's other threads wait for one get
+/// instead of handing the lock between CPUs twice per get. A daemon stalled or busy for longer
+/// (and any value large enough to stream its progress) lets the other threads run meanwhile.
+pub fn hold_for() -> Duration {
+    static HOLD: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *HOLD.get_or_init(|| micros_from_env("MORI_UMBP_HOLD_US", 100))
+}
+
+/// The environment variable `name` as µs, else `default` µs.
+fn micros_from_env(name: &str, default: u64) -> Duration {
+    let us = std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(default);
+    Duration::from_micros(us)
 }
 
 /// A gap this long between two turns of a spin means the spinner was off its CPU for another
@@ -385,12 +399,14 @@ impl Control {
         spin: &mut Spin,
         gone: impl FnMut() -> io::Result<bool>,
     ) -> io::Result<Option<u32>> {
-        self.wait_watching(at, seen, asleep_at, spin, gone, &mut || false)
+        self.wait_watching(at, seen, asleep_at, spin, gone, &mut || false, &NothingHeld)
     }
 
     /// [`Control::wait`] that calls `turn()` at each turn of its spin: work to do while
     /// waiting (a streamed get's copy); `true` when it did some, which starts the spin's
-    /// window again (the other side is busy for this request, not gone).
+    /// window again (the other side is busy for this request, not gone). `held` is let go
+    /// after [`hold_for`], and before any sleep.
+    #[allow(clippy::too_many_arguments)]
     fn wait_watching(
         &self,
         at: usize,
@@ -399,10 +415,14 @@ impl Control {
         spin: &mut Spin,
         mut gone: impl FnMut() -> io::Result<bool>,
         turn: &mut dyn FnMut() -> bool,
+        held: &dyn Held,
     ) -> io::Result<Option<u32>> {
         let word = self.word(at);
         let window = spin.window();
-        let mut start = std::time::Instant::now();
+        let began = std::time::Instant::now();
+        let hold = hold_for();
+        let mut holding = true;
+        let mut start = began;
         let mut last = start;
         let mut turns = 0u32;
         let mut caught = false;
@@ -424,6 +444,10 @@ impl Control {
             if now - start >= window || spin.is_contended(now) {
                 break;
             }
+            if holding && now - began >= hold {
+                held.release();
+                holding = false;
+            }
             last = now;
             if turn() {
                 (start, last) = (now, std::time::Instant::now());
@@ -435,6 +459,7 @@ impl Control {
                 std::hint::spin_loop();
             }
         }
+        held.release();
         let asleep = self.word(asleep_at);
         asleep.store(1, Ordering::SeqCst);
         let woke = loop {
@@ -1593,13 +1618,14 @@ impl Conn {
     }
 
     /// A single request and its answer through the control block (doorbells), calling
-    /// `turn(ring)` (the request's ring number) at each turn of the wait for the answer, as
-    /// [`Control::wait_watching`].
+    /// `turn(ring)` (the request's ring number) at each turn of the wait for the answer, and
+    /// letting `held` go, as [`Control::wait_watching`].
     fn in_control_block(
         &mut self,
         map: &Mapping,
         req: &[u8],
         turn: &mut dyn FnMut(u32) -> bool,
+        held: &dyn Held,
     ) -> io::Result<Result<Option<Vec<u8>>, Status>> {
         if req.len() > REQUEST_MAX {
             return Err(io::Error::new(
@@ -1624,6 +1650,7 @@ impl Conn {
                 &mut self.spin,
                 gone,
                 &mut turn,
+                held,
             )? {
                 Some(answered) if answered == ring => break,
                 Some(answered) => seen = answered,
@@ -1827,32 +1854,45 @@ impl SharedBuffer {
     /// [`Self::call`] that first runs `write` (which writes the request's bytes into the
     /// buffer) while holding the connection, so no other call of this buffer comes between.
     fn call_after(&self, write: impl FnOnce(), req: &[u8]) -> Result<Option<Vec<u8>>, Status> {
-        self.call_watching(write, req, &mut |_| false)
+        self.call_watching(write, req, &mut |_| false, &NothingHeld)
     }
 
     /// [`Self::call_after`] calling `turn(ring)` while it waits for a control-block answer,
     /// as [`Control::wait_watching`] (a retry on a new connection has a new ring number).
+    /// `held` is kept only on the way to a control-block request on a live connection (else
+    /// let go first), and let go as that wait says.
     fn call_watching(
         &self,
         write: impl FnOnce(),
         req: &[u8],
         turn: &mut dyn FnMut(u32) -> bool,
+        held: &dyn Held,
     ) -> Result<Option<Vec<u8>>, Status> {
-        let mut slot = self
-            .stream
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut slot = match self.stream.try_lock() {
+            Ok(slot) => slot,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                held.release();
+                self.stream
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+            }
+        };
         write();
+        let in_block = matches!(
+            req.first(),
+            Some(&(GET_INTO | GET_INTO_STREAMED | PUT_FROM | PUT_MANY_FROM))
+        );
         loop {
             let fresh = slot.is_none();
+            if fresh {
+                held.release(); // a connection and its handshake
+            }
             let conn = self.connected(&mut slot)?;
-            let in_block = matches!(
-                req.first(),
-                Some(&(GET_INTO | GET_INTO_STREAMED | PUT_FROM | PUT_MANY_FROM))
-            );
             let answer = if conn.doorbells && in_block {
-                conn.in_control_block(&self.map, req, turn)
+                conn.in_control_block(&self.map, req, turn, held)
             } else {
+                held.release();
                 let mut body = Vec::new();
                 conn.send(&self.map, req)
                     .and_then(|()| read_answer(&mut conn.stream, &mut body))
@@ -2137,9 +2177,17 @@ impl SharedBuffer {
     /// so the two copies overlap; otherwise, and from a daemon older than streamed gets (not
     /// asked again), it is copied out once answered. A value longer than the buffer fails
     /// `INVALID_ARGUMENT`. The inner error: the sink had no buffer for the value (its length,
-    /// and why). On any failure `sink` may hold part of a value (discard it).
-    pub fn get_with(&self, key: &[u8], sink: &mut dyn Sink) -> Result<SinkGot, Status> {
+    /// and why). On any failure `sink` may hold part of a value (discard it). `held` (the
+    /// caller's own lock) is kept while the answer comes within [`hold_for`] on a live
+    /// connection with doorbells, else let go ([`Held`]).
+    pub fn get_with(
+        &self,
+        key: &[u8],
+        sink: &mut dyn Sink,
+        held: &dyn Held,
+    ) -> Result<SinkGot, Status> {
         if !self.streams.load(Ordering::Relaxed) {
+            held.release();
             return self.get_then_copy(key, sink);
         }
         let req = self.room_request(GET_INTO_STREAMED, key, 0, self.data as u64)?;
@@ -2151,14 +2199,24 @@ impl SharedBuffer {
             copied: 0,
             failed: None,
         };
-        let answer = self.call_watching(|| {}, &req, &mut |ring| {
-            stream.watch(&ctl, ring, self.map.as_ptr(), self.data)
-        });
+        let answer = self.call_watching(
+            || {},
+            &req,
+            &mut |ring| {
+                let copied = stream.watch(&ctl, ring, self.map.as_ptr(), self.data);
+                if copied {
+                    held.release(); // a value long enough to stream: not a short get
+                }
+                copied
+            },
+            held,
+        );
         let body = match answer {
             Ok(Some(body)) => body,
             Ok(None) => return Ok(Ok(None)),
             Err(s) if s.code() == tonic::Code::Unimplemented => {
                 self.streams.store(false, Ordering::Relaxed);
+                held.release();
                 let Streamed {
                     sink: Some(sink), ..
                 } = stream

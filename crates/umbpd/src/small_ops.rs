@@ -394,6 +394,25 @@ pub trait Sink {
     fn buffer(&mut self, len: usize) -> io::Result<&mut [u8]>;
 }
 
+/// A lock of the caller's own runtime that a call keeps while it runs (Python's GIL: a short
+/// same-host get then needs no handoff between the caller's threads, which costs more than the
+/// get on a host with many CPUs). The call lets it go through [`Held::release`] before anything
+/// that may block (a busy lock, a connection, a socket, a sleep) and once it has waited
+/// [`crate::shm::hold_for`] for the daemon, so a stalled daemon never stops the caller's other
+/// threads; it is not taken back before the call returns.
+pub trait Held {
+    /// Lets the lock go (again: nothing).
+    fn release(&self);
+}
+
+/// Nothing held: a call made with the caller's lock already let go.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NothingHeld;
+
+impl Held for NothingHeld {
+    fn release(&self) {}
+}
+
 impl Sink for Vec<u8> {
     fn buffer(&mut self, len: usize) -> io::Result<&mut [u8]> {
         self.clear();

@@ -21,7 +21,7 @@ use mori_umbpd::shm::{
     PROGRESS_RING_AT, PURPOSE, PUT_FROM, PUT_MANY_FROM, REQUEST_AT, REQUEST_LEN_AT, RING_AT,
     SHM_RING_AT, STREAM_FROM, Staged, VALUE_LEN_AT, send_with_fd,
 };
-use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND};
+use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND, Held};
 use mori_umbpd::{Client, ClientError};
 
 const GOOD: &str = "the-deployment-secret-of-the-same-host-test";
@@ -1156,6 +1156,79 @@ fn single_gets_take_shared_memory_on_the_same_host_and_small_ops_beyond_it() {
         "same_host_child_reads_over_small_ops",
         &[("MORI_UMBP_SHM", "0"), ("UMBP_TEST_ADDR", &d.addr)],
     );
+}
+
+/// A lock of the caller's own that a get keeps ([`Held`]: the GIL in mori's bindings), noting
+/// whether the call let it go.
+#[derive(Default)]
+struct NotedHeld(std::sync::atomic::AtomicBool);
+
+impl Held for NotedHeld {
+    fn release(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl NotedHeld {
+    fn released(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A get through the staging buffer keeps the caller's lock when the real daemon answers in
+/// time (some of a run of gets do, even on a loaded machine; a get that let it go at the start
+/// would keep it in none), and lets it go while the daemon is stopped (SIGSTOP) before the
+/// answer comes; the value read after the daemon goes on is exact.
+#[test]
+fn a_get_keeps_the_callers_lock_only_while_the_daemon_answers_in_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    let (keys, values) = put_sized(&c, "held", 500, &[4096]);
+    let mut v = Vec::new();
+    assert_eq!(c.get_with(&keys[0], &mut v).unwrap(), Some(4096)); // connected
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut kept = 0;
+    let mut tries = 0;
+    while kept < 10 && std::time::Instant::now() < deadline {
+        tries += 1;
+        let held = NotedHeld::default();
+        v.clear();
+        assert_eq!(
+            c.get_with_held(&keys[0], &mut v, &held).unwrap(),
+            Some(4096)
+        );
+        assert_eq!(v, values[0]);
+        kept += usize::from(!held.released());
+    }
+    assert_eq!(
+        kept, 10,
+        "{tries} gets kept the caller's lock in {kept} (answered in time)"
+    );
+
+    d.pause();
+    let held = NotedHeld::default();
+    std::thread::scope(|s| {
+        let get = s.spawn(|| {
+            let mut v = Vec::new();
+            let got = c.get_with_held(&keys[0], &mut v, &held);
+            (got, v)
+        });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !held.released() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let waiting = !get.is_finished();
+        d.signal(libc::SIGCONT);
+        assert!(
+            held.released(),
+            "a get waiting on a stopped daemon kept the caller's lock"
+        );
+        assert!(waiting, "the get returned while the daemon was stopped");
+        let (got, v) = get.join().unwrap();
+        assert_eq!(got.unwrap(), Some(4096));
+        assert_eq!(v, values[0]);
+    });
 }
 
 /// The real daemon closing same-host connections idle for 1 s (`--same-host-idle-timeout`):

@@ -180,6 +180,31 @@ impl Daemon {
         assert_eq!(rc, 0, "kill failed");
     }
 
+    /// Stops the daemon (SIGSTOP) and waits until every thread of it is stopped (the signal
+    /// takes effect some time after kill() returns).
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let states: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", self.pid()))
+                .unwrap()
+                .map(|t| {
+                    let stat = std::fs::read_to_string(t.unwrap().path().join("stat")).unwrap();
+                    let after_name = &stat[stat.rfind(')').unwrap() + 1..];
+                    after_name.split_whitespace().next().unwrap().to_string()
+                })
+                .collect();
+            if states.iter().all(|s| s == "t" || s == "T") {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the daemon did not stop: {states:?}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// Sends `sig` and waits (at most `timeout`) for the process to exit.
     pub fn stop(mut self, sig: i32, timeout: Duration) -> Exited {
         self.signal(sig);
