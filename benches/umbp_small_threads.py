@@ -1,9 +1,11 @@
-"""4 KiB gets of bytes from 1 and 4 Python threads (each its own ``Client``, one connection each)
-against a standalone ``umbpd`` on the second half of this process's CPUs, with the client process
-on the first half and then on one CPU alone: how much of the multi-threaded rate the GIL's
-handoff between threads on different CPUs costs. Each answer is checked against its key's value
-(``mori.bench.umbp``'s small-get loop, 2 s per row). The record (``--out``, default
-benches/results/) holds ops/s, p50 and p99 per client placement and thread count.
+"""4 KiB gets and puts of bytes from 1 and 4 Python threads (each its own ``Client``, one
+connection each) against a standalone ``umbpd`` on the second half of this process's CPUs, with
+the client process on the first half and then on one CPU alone: how much of the multi-threaded
+rate the GIL's handoff between threads on different CPUs costs. Each get's answer is checked
+against its key's value (``mori.bench.umbp``'s small-get loop, 2 s per row); each put stores a
+new key whose value carries its number, and after the timed loop the last 64 keys of every
+thread are read back and compared. The record (``--out``, default benches/results/) holds ops/s,
+p50 and p99 per client placement, operation and thread count.
 
     python3 benches/umbp_small_threads.py --out benches/results
 """
@@ -18,8 +20,47 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 import mori.bench.umbp as umbp_bench
-from mori.bench._common import Checks, environment, write_record
+from mori.bench._common import Checks, environment, median, percentile, write_record
+
+
+def small_puts(addr: str, checks: Checks, run: str, size: int = 4096, seconds: float = 2.0) -> list[dict]:
+    """Single puts of new keys (``run`` keeps them apart between runs) from 1 and 4 threads."""
+    from mori.umbp import Client
+
+    base = np.random.default_rng().integers(0, 256, size, dtype=np.uint8).tobytes()
+    rows = []
+    for threads in (1, 4):
+        clients = [Client(master=addr) for _ in range(threads)]
+        done = [0] * threads
+        refused = [0] * threads
+
+        def value(i: int) -> bytes:
+            return i.to_bytes(8, "little") + base[8:]
+
+        def put(t: int) -> None:
+            i = done[t]
+            if not clients[t].put(f"{run}/{threads}/{t}/{i}", value(i)):
+                refused[t] += 1
+            done[t] = i + 1
+
+        elapsed, lat = umbp_bench._timed_threads(threads, seconds, put)
+        wrong = sum(refused)
+        for t, c in enumerate(clients):
+            for i in range(max(0, done[t] - 64), done[t]):
+                wrong += c.get(f"{run}/{threads}/{t}/{i}") != value(i)
+            c.close()
+        row = {"op": "put", "threads": threads, "value_bytes": size, "calls": len(lat),
+               "ops_per_s": len(lat) / elapsed, "p50_us": median(lat) * 1e6,
+               "p99_us": percentile(lat, 0.99) * 1e6,
+               "verified": checks.check(f"{threads} clients' small puts",
+                                        "" if not wrong else f"{wrong} puts refused or read back other bytes")}
+        rows.append(row)
+        print(f"  {threads} client(s) put {size} B: {row['ops_per_s']:.0f} ops/s, "
+              f"p50 {row['p50_us']:.0f} µs, p99 {row['p99_us']:.0f} µs", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -37,7 +78,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "mori.umbpd", "--port-file", str(port_file), "--dram-bytes", "512M"],
+            [sys.executable, "-m", "mori.umbpd", "--port-file", str(port_file), "--dram-bytes", "8G"],
             preexec_fn=lambda: os.sched_setaffinity(0, cpus[half:]),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -51,6 +92,8 @@ def main() -> None:
                 os.sched_setaffinity(0, mask)
                 print(f"{name} (CPUs {mask[0]}-{mask[-1]}):", flush=True)
                 for r in umbp_bench._small_gets(addr, checks, seconds=args.seconds):
+                    rows.append({"client": name, "client_cpus": mask, "op": "get"} | r)
+                for r in small_puts(addr, checks, name, seconds=args.seconds):
                     rows.append({"client": name, "client_cpus": mask} | r)
         finally:
             os.sched_setaffinity(0, cpus)

@@ -397,13 +397,13 @@ def _wait_until_stopped(pid: int, timeout: float = 10) -> None:
         time.sleep(0.001)
 
 
-def test_gets_from_threads_keep_the_gil_only_while_the_daemon_answers(start_umbpd):
-    # A get through the staging buffer keeps the GIL while the daemon on this host answers in time
-    # (MORI_UMBP_HOLD_US, mori_umbpd::shm::hold_for) and lets it go when the answer is late. Eight threads
-    # (four sharing one Client, four with their own) read every value exact; then, with the
-    # daemon stopped, a get waits while this thread keeps running Python, and returns the value
-    # once the daemon goes on.
-    d = start_umbpd("held", "--dram-bytes", "16M")
+def test_gets_and_puts_from_threads_keep_the_gil_only_while_the_daemon_answers(start_umbpd):
+    # A single get or put through the staging buffer keeps the GIL while the daemon on this host
+    # answers in time (MORI_UMBP_HOLD_US, mori_umbpd::shm::hold_for) and lets it go when the
+    # answer is late. Eight threads (four sharing one Client, four with their own) put values of
+    # their own and read every value exact; then, with the daemon stopped, a get and a put each
+    # wait while this thread keeps running Python, and finish exact once the daemon goes on.
+    d = start_umbpd("held", "--dram-bytes", "64M")
     rng = np.random.default_rng()
     values = {f"t-{i}": rng.integers(0, 256, n, dtype=np.uint8).tobytes()
               for i, n in enumerate([1, 4096, 4096, 65536, 300 << 10])}
@@ -413,17 +413,21 @@ def test_gets_from_threads_keep_the_gil_only_while_the_daemon_answers(start_umbp
     own = [Client(master=d.addr) for _ in range(4)]
     wrong: list[str] = []
 
-    def reader(c: Client) -> None:
+    def worker(n: int, c: Client) -> None:
         buf = np.zeros(300 << 10, dtype=np.uint8)
+        mine = {f"w{n}-{k}": v[::-1] for k, v in values.items()}
+        for k, v in mine.items():
+            if not c.put(k, v):
+                wrong.append(f"put {k}")
         for _ in range(40):
-            for k, v in values.items():
+            for k, v in (values | mine).items():
                 if c.get(k) != v:
                     wrong.append(f"get {k}")
                 buf[:] = 0
                 if c.get_into(k, buf) != len(v) or buf[: len(v)].tobytes() != v:
                     wrong.append(f"get_into {k}")
 
-    threads = [threading.Thread(target=reader, args=(c,)) for c in [shared] * 4 + own]
+    threads = [threading.Thread(target=worker, args=(n, c)) for n, c in enumerate([shared] * 4 + own)]
     for t in threads:
         t.start()
     for t in threads:
@@ -432,35 +436,38 @@ def test_gets_from_threads_keep_the_gil_only_while_the_daemon_answers(start_umbp
     assert not wrong, wrong[:5]
 
     pid = d.proc.pid
-    got: dict[str, object] = {}
-    # A get that kept the GIL would stop this thread too: a separate process resumes the daemon.
-    resume = subprocess.Popen(["sh", "-c", f"sleep 5; kill -CONT {pid}"])
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        _wait_until_stopped(pid)
-        def get() -> None:
+    for call in ("get", "put"):
+        got: dict[str, object] = {}
+
+        def run() -> None:
             try:
-                got["v"] = shared.get("t-1")
+                got["v"] = shared.get("t-1") if call == "get" else shared.put("stalled", values["t-1"])
             except Exception as e:  # noqa: BLE001 (reported below)
                 got["error"] = repr(e)
 
-        t = threading.Thread(target=get)
-        t0 = time.monotonic()
-        t.start()
-        turns = 0
-        while time.monotonic() - t0 < 0.5:
-            turns += 1
-            time.sleep(0.005)
-        ran_for = time.monotonic() - t0
-        waiting = t.is_alive()
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        resume.kill()
-        resume.wait()
-    assert waiting, f"the get returned while the daemon was stopped ({got.get('error', 'the value')})"
-    assert ran_for < 3 and turns > 10, f"this thread ran {turns} turns in {ran_for:.1f} s beside the waiting get"
-    t.join(30)
-    assert got.get("v") == values["t-1"]
+        # A call that kept the GIL would stop this thread too: a separate process resumes the daemon.
+        resume = subprocess.Popen(["sh", "-c", f"sleep 5; kill -CONT {pid}"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            _wait_until_stopped(pid)
+            t = threading.Thread(target=run)
+            t0 = time.monotonic()
+            t.start()
+            turns = 0
+            while time.monotonic() - t0 < 0.5:
+                turns += 1
+                time.sleep(0.005)
+            ran_for = time.monotonic() - t0
+            waiting = t.is_alive()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            resume.kill()
+            resume.wait()
+        assert waiting, f"the {call} returned while the daemon was stopped ({got.get('error', 'no error')})"
+        assert ran_for < 3 and turns > 10, f"this thread ran {turns} turns in {ran_for:.1f} s beside the waiting {call}"
+        t.join(30)
+        assert got.get("v") == (values["t-1"] if call == "get" else True), got.get("error")
+    assert shared.get("stalled") == values["t-1"]
 
 
 def test_put_from_a_shared_buffer_slice_stores_those_bytes(daemon):

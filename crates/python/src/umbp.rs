@@ -807,7 +807,10 @@ impl UmbpRemote {
     }
 
     fn put(&self, py: Python<'_>, key: &[u8], value: &[u8]) -> Result<bool> {
-        Ok(py.detach(|| self.inner.put(key, value))?)
+        let held = GilHeld::new(py); // kept as in `get`
+        let stored = self.inner.put_held(key, value, &held);
+        held.retake();
+        Ok(stored?)
     }
 
     /// Keeps the GIL while a same-host get is answered within mori-umbpd's `hold_for()`

@@ -547,9 +547,10 @@ fn staged_put(
     staging: &Mutex<SharedBuffer>,
     key: &[u8],
     value: &[u8],
+    held: &dyn Held,
 ) -> Option<std::result::Result<bool, tonic::Status>> {
     let buf = staging.try_lock().ok()?;
-    match buf.put(key, value) {
+    match buf.put(key, value, held) {
         Ok(stored) => Some(Ok(stored)),
         Err(status) if status.code() == tonic::Code::InvalidArgument || other_path(&status) => None,
         Err(status) => Some(Err(status)),
@@ -1445,7 +1446,7 @@ impl Client {
             Some(PutRoute::To(peer, addr, _)) => (peer, addr),
         };
         let staged = match c.peer_staging(peer, &addr) {
-            Ok(staging) => staging.and_then(|b| staged_put(&b, key, value)),
+            Ok(staging) => staging.and_then(|b| staged_put(&b, key, value, &NothingHeld)),
             Err(ClientError::Rpc(s)) => Some(Err(s)), // the peer did not answer
             Err(e) => return Err(e),
         };
@@ -1701,7 +1702,21 @@ impl Client {
     /// Stores `value` under `key`. Returns `false` when the key was already present (the
     /// stored value is unchanged; keys are immutable).
     pub fn put(&self, key: &[u8], value: &[u8]) -> Result<bool> {
+        self.put_held(key, value, &NothingHeld)
+    }
+
+    /// [`Client::put`] called while the caller keeps a lock of its own runtime ([`Held`], as
+    /// [`Client::get_with_held`]): a put of a value shorter than [`crate::shm::STREAM_FROM`]
+    /// through the staging buffer keeps it while the daemon answers in time; every other path
+    /// lets it go first.
+    pub fn put_held(&self, key: &[u8], value: &[u8], held: &dyn Held) -> Result<bool> {
         check_value_sizes([value])?;
+        if self.cluster.is_none()
+            && let Some(stored) = self.shm_put(key, value, held)
+        {
+            return stored;
+        }
+        held.release();
         if let Some(c) = &self.cluster {
             if let Some(stored) = self.cluster_put_one(c, key, value)? {
                 return Ok(stored);
@@ -1711,9 +1726,6 @@ impl Client {
                 .first()
                 .copied()
                 .unwrap_or(false));
-        }
-        if let Some(stored) = self.shm_put(key, value) {
-            return stored;
         }
         if let Some(answer) = self.small_op(small_ops::PUT, key, Some(value)) {
             return Ok(answer?.is_some());
@@ -1800,24 +1812,30 @@ impl Client {
     /// copies the value there, this copies it into `sink`. `None` to take another path: no
     /// such daemon (or `MORI_UMBP_SHM=0`), the buffer busy with another thread's get, or the
     /// value longer than the buffer.
-    /// (`held` as in [`Client::get_with_held`]; let go before the buffer is first made.)
+    /// (`held` as in [`Client::get_with_held`].)
     fn shm_get(
         &self,
         key: &[u8],
         sink: &mut dyn Sink,
         held: &dyn Held,
     ) -> Option<Result<Option<usize>>> {
-        if self.staging.get().is_none() {
-            held.release(); // making it connects to the daemon
-        }
-        staged_get(self.own_staging()?, key, sink, held).map(|r| r.map_err(Into::into))
+        staged_get(self.own_staging_held(held)?, key, sink, held).map(|r| r.map_err(Into::into))
     }
 
     /// A single put through the staging buffer shared with a daemon on this host: the value
     /// is copied there and the daemon stores it from there. `None` to take another path, as
     /// [`Client::shm_get`] (and from a daemon that takes no puts this way).
-    fn shm_put(&self, key: &[u8], value: &[u8]) -> Option<Result<bool>> {
-        staged_put(self.own_staging()?, key, value).map(|r| r.map_err(Into::into))
+    fn shm_put(&self, key: &[u8], value: &[u8], held: &dyn Held) -> Option<Result<bool>> {
+        staged_put(self.own_staging_held(held)?, key, value, held).map(|r| r.map_err(Into::into))
+    }
+
+    /// [`Client::own_staging`], with `held` let go first when the buffer is still to be made
+    /// (that connects to the daemon).
+    fn own_staging_held(&self, held: &dyn Held) -> Option<&Mutex<SharedBuffer>> {
+        if self.staging.get().is_none() {
+            held.release();
+        }
+        self.own_staging()
     }
 
     /// The staging buffer shared with this client's standalone daemon on this host, made at

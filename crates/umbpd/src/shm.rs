@@ -2275,13 +2275,14 @@ impl SharedBuffer {
     /// cluster peer, or one older than them; then not asked again).
     pub fn put_from(&self, key: &[u8], offset: u64, len: u64) -> Result<bool, Status> {
         let req = self.room_request(PUT_FROM, key, offset, len)?;
-        Ok(self.put_call(|| {}, &req)?.is_some())
+        Ok(self.put_call(|| {}, &req, &NothingHeld)?.is_some())
     }
 
     /// [`Self::put_from`] of `value`, copied to the start of the buffer first (overwriting its
     /// data) while the connection is held. A value longer than the buffer fails
-    /// `INVALID_ARGUMENT` before anything is sent.
-    pub fn put(&self, key: &[u8], value: &[u8]) -> Result<bool, Status> {
+    /// `INVALID_ARGUMENT` before anything is sent. `held` as in [`Self::get_with`] (let go
+    /// first for a value of [`STREAM_FROM`] bytes or more).
+    pub fn put(&self, key: &[u8], value: &[u8], held: &dyn Held) -> Result<bool, Status> {
         if value.len() > self.data {
             return Err(Status::invalid_argument(format!(
                 "a value of {} bytes, longer than the {}-byte shared buffer",
@@ -2290,22 +2291,33 @@ impl SharedBuffer {
             )));
         }
         let req = self.room_request(PUT_FROM, key, 0, value.len() as u64)?;
-        Ok(self.put_call(|| self.write_at(0, value), &req)?.is_some())
+        if value.len() >= STREAM_FROM {
+            held.release(); // its copy into the buffer is not a short wait
+        }
+        Ok(self
+            .put_call(|| self.write_at(0, value), &req, held)?
+            .is_some())
     }
 
     /// A put request `req` after `write` (as [`Self::call_after`]); `UNIMPLEMENTED` without
     /// asking once the daemon said it takes no puts this way, noted when it says so.
-    fn put_call(&self, write: impl FnOnce(), req: &[u8]) -> Result<Option<Vec<u8>>, Status> {
+    fn put_call(
+        &self,
+        write: impl FnOnce(),
+        req: &[u8],
+        held: &dyn Held,
+    ) -> Result<Option<Vec<u8>>, Status> {
         if !self.puts.load(Ordering::Relaxed) {
             return Err(Status::unimplemented(
                 "umbpd takes no puts from shared memory",
             ));
         }
-        self.call_after(write, req).inspect_err(|s| {
-            if s.code() == tonic::Code::Unimplemented {
-                self.puts.store(false, Ordering::Relaxed);
-            }
-        })
+        self.call_watching(write, req, &mut |_| false, held)
+            .inspect_err(|s| {
+                if s.code() == tonic::Code::Unimplemented {
+                    self.puts.store(false, Ordering::Relaxed);
+                }
+            })
     }
 
     /// Copies `bytes` into the data at `at`. Callers hold the connection (no other call of
@@ -2379,7 +2391,9 @@ impl SharedBuffer {
                     self.write_at(at, value);
                 }
             };
-            let body = self.put_call(write, &req)?.unwrap_or_default();
+            let body = self
+                .put_call(write, &req, &NothingHeld)?
+                .unwrap_or_default();
             if body.is_empty() || body.len() > sent {
                 return Err(Status::internal(format!(
                     "umbpd answered a batch of {sent} puts with {} statuses",

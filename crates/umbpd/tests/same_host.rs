@@ -1175,22 +1175,22 @@ impl NotedHeld {
     }
 }
 
-/// A get through the staging buffer keeps the caller's lock when the real daemon answers in
-/// time (some of a run of gets do, even on a loaded machine; a get that let it go at the start
-/// would keep it in none), and lets it go while the daemon is stopped (SIGSTOP) before the
-/// answer comes; the value read after the daemon goes on is exact.
+/// Single gets and puts through the staging buffer keep the caller's lock when the real daemon
+/// answers in time (some of a run do, even on a loaded machine; a call that let it go at the
+/// start would keep it in none), and let it go while the daemon is stopped (SIGSTOP) before the
+/// answer comes; what they read or stored once the daemon goes on is exact.
 #[test]
-fn a_get_keeps_the_callers_lock_only_while_the_daemon_answers_in_time() {
+fn single_gets_and_puts_keep_the_callers_lock_only_while_the_daemon_answers_in_time() {
     let dir = tempfile::tempdir().unwrap();
     let d = standalone(dir.path());
     let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
     let (keys, values) = put_sized(&c, "held", 500, &[4096]);
     let mut v = Vec::new();
     assert_eq!(c.get_with(&keys[0], &mut v).unwrap(), Some(4096)); // connected
+    let value = bytes(501, 4096);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    let mut kept = 0;
-    let mut tries = 0;
-    while kept < 10 && std::time::Instant::now() < deadline {
+    let (mut gets_kept, mut puts_kept, mut tries) = (0, 0, 0);
+    while (gets_kept < 10 || puts_kept < 10) && std::time::Instant::now() < deadline {
         tries += 1;
         let held = NotedHeld::default();
         v.clear();
@@ -1199,36 +1199,61 @@ fn a_get_keeps_the_callers_lock_only_while_the_daemon_answers_in_time() {
             Some(4096)
         );
         assert_eq!(v, values[0]);
-        kept += usize::from(!held.released());
+        gets_kept += usize::from(!held.released());
+        let held = NotedHeld::default();
+        assert!(
+            c.put_held(format!("put-{tries}").as_bytes(), &value, &held)
+                .unwrap()
+        );
+        puts_kept += usize::from(!held.released());
     }
+    assert!(
+        gets_kept >= 10 && puts_kept >= 10,
+        "of {tries} gets and puts, {gets_kept} and {puts_kept} kept the caller's lock"
+    );
     assert_eq!(
-        kept, 10,
-        "{tries} gets kept the caller's lock in {kept} (answered in time)"
+        c.get(format!("put-{tries}").as_bytes()).unwrap(),
+        Some(value.clone())
     );
 
-    d.pause();
-    let held = NotedHeld::default();
-    std::thread::scope(|s| {
-        let get = s.spawn(|| {
-            let mut v = Vec::new();
-            let got = c.get_with_held(&keys[0], &mut v, &held);
-            (got, v)
+    for put in [false, true] {
+        d.pause();
+        let held = NotedHeld::default();
+        std::thread::scope(|s| {
+            let call = s.spawn(|| {
+                let mut v = Vec::new();
+                let got = if put {
+                    c.put_held(b"put-stalled", &value, &held)
+                        .map(|stored| Some(usize::from(stored)))
+                } else {
+                    c.get_with_held(&keys[0], &mut v, &held)
+                };
+                (got, v)
+            });
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while !held.released() && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            let waiting = !call.is_finished();
+            d.signal(libc::SIGCONT);
+            assert!(
+                held.released(),
+                "a call waiting on a stopped daemon kept the caller's lock (put: {put})"
+            );
+            assert!(
+                waiting,
+                "the call returned while the daemon was stopped (put: {put})"
+            );
+            let (got, v) = call.join().unwrap();
+            if put {
+                assert_eq!(got.unwrap(), Some(1));
+                assert_eq!(c.get(b"put-stalled").unwrap(), Some(value.clone()));
+            } else {
+                assert_eq!(got.unwrap(), Some(4096));
+                assert_eq!(v, values[0]);
+            }
         });
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !held.released() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        let waiting = !get.is_finished();
-        d.signal(libc::SIGCONT);
-        assert!(
-            held.released(),
-            "a get waiting on a stopped daemon kept the caller's lock"
-        );
-        assert!(waiting, "the get returned while the daemon was stopped");
-        let (got, v) = get.join().unwrap();
-        assert_eq!(got.unwrap(), Some(4096));
-        assert_eq!(v, values[0]);
-    });
+    }
 }
 
 /// The real daemon closing same-host connections idle for 1 s (`--same-host-idle-timeout`):
