@@ -415,9 +415,13 @@ struct PutGrant {
 enum PutRoute {
     /// The key is present at a live peer: the put stores nothing.
     Present,
-    /// To this peer (id, address), with this many bytes granted there (0: the master found no
-    /// peer with room for the put; it may still go there, as a routed put would).
-    To(u64, String, u64),
+    /// To this peer, with `granted` bytes granted there (0: the master found no peer with room
+    /// for the put; it may still go there, as a routed put would).
+    To {
+        peer: u64,
+        addr: String,
+        granted: u64,
+    },
 }
 
 /// A staging buffer shared with a daemon on this host, for single gets.
@@ -997,7 +1001,11 @@ impl Cluster {
                         bytes_left: reserved.saturating_sub(len),
                         until: Instant::now() + PUT_GRANT_TIME,
                     });
-                    PutRoute::To(peer, addr, reserved)
+                    PutRoute::To {
+                        peer,
+                        addr,
+                        granted: reserved,
+                    }
                 }),
         )
     }
@@ -1443,7 +1451,7 @@ impl Client {
         let (peer, addr) = match self.put_target(c, key, value.len() as u64)? {
             None => return Ok(None),
             Some(PutRoute::Present) => return Ok(Some(false)),
-            Some(PutRoute::To(peer, addr, _)) => (peer, addr),
+            Some(PutRoute::To { peer, addr, .. }) => (peer, addr),
         };
         let staged = match c.peer_staging(peer, &addr) {
             Ok(staging) => staging.and_then(|b| staged_put(&b, key, value, &NothingHeld)),
@@ -1479,7 +1487,11 @@ impl Client {
         }
         let len = items.iter().map(|(_, v)| v.len() as u64).sum();
         let (peer, addr) = match self.put_target(c, first, len)? {
-            Some(PutRoute::To(peer, addr, granted)) if granted >= len => (peer, addr),
+            Some(PutRoute::To {
+                peer,
+                addr,
+                granted,
+            }) if granted >= len => (peer, addr),
             _ => return Ok(None),
         };
         let staging = match c.peer_staging(peer, &addr) {
@@ -1500,7 +1512,11 @@ impl Client {
     /// grant). `None`: take the routed path.
     fn put_target(&self, c: &Cluster, key: &[u8], len: u64) -> Result<Option<PutRoute>> {
         if let Some((peer, addr)) = c.take_grant(len) {
-            return Ok(Some(PutRoute::To(peer, addr, len)));
+            return Ok(Some(PutRoute::To {
+                peer,
+                addr,
+                granted: len,
+            }));
         }
         c.route_put_one(key, len).transpose()
     }

@@ -208,9 +208,9 @@ impl PeerLink {
         if !self.small_commits.load(Ordering::Relaxed) {
             return None;
         }
-        let tuples: Vec<(Vec<u8>, u64, bool)> = entries
+        let tuples: Vec<(&[u8], u64, bool)> = entries
             .iter()
-            .map(|e| (e.key.clone(), e.len, e.on_ssd))
+            .map(|e| (&e.key[..], e.len, e.on_ssd))
             .collect();
         let body = small_ops::commit_bytes(&tuples).filter(|b| b.len() <= SMALL_COMMIT_BYTES)?;
         Some((small, body))

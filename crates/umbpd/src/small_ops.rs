@@ -187,7 +187,7 @@ fn put_lengths(value: &[u8]) -> Result<[u64; 2], Status> {
 
 /// A [`COMMIT`] request's value: per entry `key_len: u16`, the key, the value's `len: u64` and
 /// `on_ssd: u8` (1: only on SSD). `None` for a key too long to frame.
-pub(crate) fn commit_bytes(entries: &[(Vec<u8>, u64, bool)]) -> Option<Vec<u8>> {
+pub(crate) fn commit_bytes(entries: &[(&[u8], u64, bool)]) -> Option<Vec<u8>> {
     let mut b = Vec::with_capacity(entries.iter().map(|(k, _, _)| k.len() + 11).sum());
     for (key, len, on_ssd) in entries {
         b.extend_from_slice(&u16::try_from(key.len()).ok()?.to_le_bytes());
@@ -934,7 +934,9 @@ mod tests {
             (Vec::new(), 0, true),
             (vec![7u8; 300], u64::MAX, false),
         ];
-        let body = commit_bytes(&entries).unwrap();
+        let refs: Vec<(&[u8], u64, bool)> =
+            entries.iter().map(|(k, l, s)| (&k[..], *l, *s)).collect();
+        let body = commit_bytes(&refs).unwrap();
         assert_eq!(commit_entries(&body).unwrap(), entries);
         assert_eq!(commit_entries(&[]).unwrap(), vec![]);
         for cut in 1..body.len() {
@@ -945,7 +947,7 @@ mod tests {
         let mut flag = body.clone();
         flag[11] = 2;
         assert!(commit_entries(&flag).is_err());
-        assert!(commit_bytes(&[(vec![0u8; 1 << 16], 1, false)]).is_none());
+        assert!(commit_bytes(&[(&[0u8; 1 << 16][..], 1, false)]).is_none());
         assert_eq!(
             put_lengths(&put_lengths_bytes(3, 1 << 40)).unwrap(),
             [3, 1 << 40]
