@@ -10,7 +10,8 @@
 #   ccl:   mori bench ccl --world 2 --max-bytes 1M (two ranks; host time per eager call)
 #   ep:    mori bench ep --world 2 --sms 24 (two ranks; host time per dispatch/combine call)
 #   facade: benches/ep_facade_host.py (one rank; host time per call, native beside the DeepEP facade)
-#   smallthreads: benches/umbp_small_threads.py (4 KiB gets from 1 and 4 Python threads)
+#   smallthreads: benches/umbp_small_threads.py (4 KiB gets and puts from 1 and 4 Python threads)
+#   singlelarge: benches/umbp_single_large.py (1 and 4 MiB single gets and puts, one thread)
 #   umbpbench: mori bench umbp (the whole side-by-side record; Redis's baseline when
 #          scripts/stage-redis-for-device.sh staged it into .device/redis/, put first on PATH)
 # VARIANTS: which runs alternate (default "before after"); "after:VAR=value" runs the after
@@ -48,6 +49,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
           ccl) cmd=(python3 -m mori bench ccl --world 2 --max-bytes 1M --trials "${TRIALS:-20}" --out "$dir") ;;
           ep) cmd=(python3 -m mori bench ep --world 2 --sms 24 --iters "${TRIALS:-10}" --out "$dir") ;;
           facade) cmd=(python3 "$repo/benches/ep_facade_host.py" --out "$dir") ;;
+          singlelarge) cmd=(python3 "$repo/benches/umbp_single_large.py" --out "$dir") ;;
           smallthreads) cmd=(python3 "$repo/benches/umbp_small_threads.py" --out "$dir") ;;
           umbpbench) cmd=(python3 -m mori bench umbp --out "$dir") ;;
         esac
