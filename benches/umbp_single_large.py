@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
+from _pinned_umbpd import pinned_umbpd
 from mori.bench._common import Checks, environment, median, write_record
 
 
@@ -39,54 +36,39 @@ def main() -> None:
     checks = Checks()
     rows = []
     rng = np.random.default_rng()
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "mori.umbpd", "--port-file", str(port_file), "--dram-bytes", "8G"],
-            preexec_fn=lambda: os.sched_setaffinity(0, daemon_cpus),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 30
-            while not port_file.exists():
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("umbpd did not start")
-                time.sleep(0.05)
-            os.sched_setaffinity(0, client_cpus)
-            c = Client(master=port_file.read_text().strip())
-            for size in (int(s) for s in args.sizes.split(",")):
-                keys = [f"v{size}/{i}" for i in range(32)]
-                values = [i.to_bytes(8, "little") + rng.integers(0, 256, size - 8, dtype=np.uint8).tobytes()
-                          for i in range(32)]
-                for k, v in zip(keys, values):
-                    c.put(k, v)
-                get_gbps, put_gbps = [], []
-                for r in range(args.rounds):
-                    t0 = time.perf_counter()
-                    for _ in range(4):
-                        for k in keys:
-                            c.get(k)
-                    get_s = time.perf_counter() - t0
-                    new = [f"p{size}/{r}/{i}" for i in range(32)]
-                    t0 = time.perf_counter()
-                    stored = [c.put(k, v) for k, v in zip(new, values)]
-                    put_s = time.perf_counter() - t0
-                    if r > 0:
-                        get_gbps.append(4 * 32 * size / get_s / 1e9)
-                        put_gbps.append(32 * size / put_s / 1e9)
-                wrong = sum(c.get(k) != v for k, v in zip(keys, values)) + stored.count(False)
-                wrong += sum(c.get(k) != v for k, v in zip(new, values))
-                row = {"value_bytes": size, "gets_per_loop": 128, "puts_per_loop": 32, "rounds": args.rounds - 1,
-                       "get_gbps": median(get_gbps), "put_gbps": median(put_gbps),
-                       "get_gbps_each": get_gbps, "put_gbps_each": put_gbps,
-                       "verified": checks.check(f"{size}-byte gets and puts",
-                                                "" if not wrong else f"{wrong} values read back other bytes")}
-                rows.append(row)
-                print(f"{size} B: get {row['get_gbps']:.2f} GB/s, put {row['put_gbps']:.2f} GB/s", flush=True)
-            c.close()
-        finally:
-            os.sched_setaffinity(0, cpus)
-            daemon.kill()
-            daemon.wait()
+    with pinned_umbpd(daemon_cpus) as addr:
+        os.sched_setaffinity(0, client_cpus)
+        c = Client(master=addr)
+        for size in (int(s) for s in args.sizes.split(",")):
+            keys = [f"v{size}/{i}" for i in range(32)]
+            values = [i.to_bytes(8, "little") + rng.integers(0, 256, size - 8, dtype=np.uint8).tobytes()
+                      for i in range(32)]
+            for k, v in zip(keys, values):
+                c.put(k, v)
+            get_gbps, put_gbps = [], []
+            for r in range(args.rounds):
+                t0 = time.perf_counter()
+                for _ in range(4):
+                    for k in keys:
+                        c.get(k)
+                get_s = time.perf_counter() - t0
+                new = [f"p{size}/{r}/{i}" for i in range(32)]
+                t0 = time.perf_counter()
+                stored = [c.put(k, v) for k, v in zip(new, values)]
+                put_s = time.perf_counter() - t0
+                if r > 0:
+                    get_gbps.append(4 * 32 * size / get_s / 1e9)
+                    put_gbps.append(32 * size / put_s / 1e9)
+            wrong = sum(c.get(k) != v for k, v in zip(keys, values)) + stored.count(False)
+            wrong += sum(c.get(k) != v for k, v in zip(new, values))
+            row = {"value_bytes": size, "gets_per_loop": 128, "puts_per_loop": 32, "rounds": args.rounds - 1,
+                   "get_gbps": median(get_gbps), "put_gbps": median(put_gbps),
+                   "get_gbps_each": get_gbps, "put_gbps_each": put_gbps,
+                   "verified": checks.check(f"{size}-byte gets and puts",
+                                            "" if not wrong else f"{wrong} values read back other bytes")}
+            rows.append(row)
+            print(f"{size} B: get {row['get_gbps']:.2f} GB/s, put {row['put_gbps']:.2f} GB/s", flush=True)
+        c.close()
     if checks.failed:
         raise SystemExit("a check failed, no record written: " + "; ".join(checks.failed))
     record = {"benchmark": "umbp_single_large", "method": __doc__.strip(), "env": environment(),

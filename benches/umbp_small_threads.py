@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 import numpy as np
 
 import mori.bench.umbp as umbp_bench
+from _pinned_umbpd import pinned_umbpd
 from mori.bench._common import Checks, environment, median, percentile, write_record
 
 
@@ -75,30 +71,14 @@ def main() -> None:
     placements = {"client_on_half": cpus[:half], "client_on_one_cpu": cpus[:1]}
     rows = []
     checks = Checks()
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "mori.umbpd", "--port-file", str(port_file), "--dram-bytes", "8G"],
-            preexec_fn=lambda: os.sched_setaffinity(0, cpus[half:]),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 30
-            while not port_file.exists():
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("umbpd did not start")
-                time.sleep(0.05)
-            addr = port_file.read_text().strip()
-            for name, mask in placements.items():
-                os.sched_setaffinity(0, mask)
-                print(f"{name} (CPUs {mask[0]}-{mask[-1]}):", flush=True)
-                for r in umbp_bench._small_gets(addr, checks, seconds=args.seconds):
-                    rows.append({"client": name, "client_cpus": mask, "op": "get"} | r)
-                for r in small_puts(addr, checks, name, seconds=args.seconds):
-                    rows.append({"client": name, "client_cpus": mask} | r)
-        finally:
-            os.sched_setaffinity(0, cpus)
-            daemon.kill()
-            daemon.wait()
+    with pinned_umbpd(cpus[half:]) as addr:
+        for name, mask in placements.items():
+            os.sched_setaffinity(0, mask)
+            print(f"{name} (CPUs {mask[0]}-{mask[-1]}):", flush=True)
+            for r in umbp_bench._small_gets(addr, checks, seconds=args.seconds):
+                rows.append({"client": name, "client_cpus": mask, "op": "get"} | r)
+            for r in small_puts(addr, checks, name, seconds=args.seconds):
+                rows.append({"client": name, "client_cpus": mask} | r)
     if checks.failed:
         raise SystemExit("a check failed, no record written: " + "; ".join(checks.failed))
     record = {"benchmark": "umbp_small_threads", "method": __doc__.strip(), "env": environment(),
