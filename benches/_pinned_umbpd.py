@@ -15,14 +15,15 @@ from pathlib import Path
 
 
 @contextlib.contextmanager
-def pinned_umbpd(cpus: list[int], dram: str = "8G") -> Iterator[str]:
+def pinned_umbpd(cpus: list[int], dram: str = "8G", args: tuple[str, ...] = ()) -> Iterator[str]:
     """Yields the address of a daemon running on ``cpus`` with ``dram`` of DRAM (committed as
-    values arrive); at the end the daemon is killed and this process's CPU mask restored."""
+    values arrive) and ``args`` (a role, say); at the end the daemon is killed and this
+    process's CPU mask restored."""
     own = sorted(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "mori.umbpd", "--port-file", str(port_file), "--dram-bytes", dram],
+            [sys.executable, "-m", "mori.umbpd", "--port-file", str(port_file), "--dram-bytes", dram, *args],
             preexec_fn=lambda: os.sched_setaffinity(0, cpus),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -36,3 +37,16 @@ def pinned_umbpd(cpus: list[int], dram: str = "8G") -> Iterator[str]:
             os.sched_setaffinity(0, own)
             daemon.kill()
             daemon.wait()
+
+
+@contextlib.contextmanager
+def pinned_cluster(cpus: list[int], peers: int = 2, dram: str = "4G") -> Iterator[str]:
+    """A master and ``peers`` peers (each ``dram``), all on ``cpus``; yields the master's
+    address once every peer has registered."""
+    with contextlib.ExitStack() as stack:
+        master = stack.enter_context(pinned_umbpd(cpus, "64M", ("--role", "master")))
+        for _ in range(peers):
+            stack.enter_context(pinned_umbpd(cpus, dram, ("--role", "peer", "--master", master,
+                                                          "--heartbeat-interval", "100ms")))
+        time.sleep(0.5)  # a heartbeat or more: the master knows every peer
+        yield master

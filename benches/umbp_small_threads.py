@@ -6,6 +6,7 @@ get's answer is checked against its key's value (``mori.bench.umbp``'s small-get
 row); each put stores a new key whose value carries its number, and after the timed loop the
 last 64 keys of every thread are read back and compared. The record (``--out``, default
 benches/results/) holds ops/s, p50 and p99 per client placement, operation and thread count.
+``--cluster``: a master and two peers on the daemon's CPUs instead (``servers`` in the record).
 
     python3 benches/umbp_small_threads.py --out benches/results
 """
@@ -18,7 +19,7 @@ import os
 import numpy as np
 
 import mori.bench.umbp as umbp_bench
-from _pinned_umbpd import pinned_umbpd
+from _pinned_umbpd import pinned_cluster, pinned_umbpd
 from mori.bench._common import Checks, environment, median, percentile, write_record
 
 
@@ -63,6 +64,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benches/results")
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--cluster", action="store_true",
+                    help="a master and two peers on the daemon's CPUs instead of a standalone daemon "
+                         "(the client's puts go to its granted peer, its gets to the routed one)")
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -73,7 +77,8 @@ def main() -> None:
         del placements["client_on_half"]  # the same CPU
     rows = []
     checks = Checks()
-    with pinned_umbpd(cpus[half:]) as addr:
+    servers = pinned_cluster(cpus[half:]) if args.cluster else pinned_umbpd(cpus[half:])
+    with servers as addr:
         for name, mask in placements.items():
             os.sched_setaffinity(0, mask)
             print(f"{name} (CPUs {mask[0]}-{mask[-1]}):", flush=True)
@@ -84,6 +89,7 @@ def main() -> None:
     if checks.failed:
         raise SystemExit("a check failed, no record written: " + "; ".join(checks.failed))
     record = {"benchmark": "umbp_small_threads", "method": __doc__.strip(), "env": environment(),
+              "servers": "a master and two peers" if args.cluster else "a standalone daemon",
               "pinning": {"daemon": cpus[half:], "clients": placements}, "rows": rows}
     print(f"record: {write_record('umbp-small-threads', record, args.out)}")
 

@@ -1037,22 +1037,32 @@ impl Cluster {
     }
 
     /// A single get from peer `id` at `addr`: through the staging buffer shared with it when it
-    /// is on this host, else over small ops; `None` when the peer speaks neither.
+    /// is on this host, else over small ops; `None` when the peer speaks neither. `held` as in
+    /// [`Client::get_with_held`]: kept only through a staging buffer already made.
     fn single_get(
         &self,
         id: u64,
         addr: &str,
         key: &[u8],
         sink: &mut dyn Sink,
+        held: &dyn Held,
     ) -> Result<Option<small_ops::SinkAnswer>> {
+        let made = self
+            .peer_staging
+            .try_lock()
+            .is_ok_and(|map| kept_at(&map, id, addr).is_some());
+        if !made {
+            held.release(); // asking the peer and connecting
+        }
         let staging = match self.peer_staging(id, addr) {
             Ok(staging) => staging,
             Err(ClientError::Rpc(s)) => return Ok(Some(Err(s))), // the peer did not answer
             Err(e) => return Err(e),
         };
-        if let Some(answer) = staging.and_then(|b| staged_get(&b, key, sink, &NothingHeld)) {
+        if let Some(answer) = staging.and_then(|b| staged_get(&b, key, sink, held)) {
             return Ok(Some(answer));
         }
+        held.release();
         Ok(self
             .small_peer(id, addr)?
             .call_into(small_ops::GET, key, None, sink))
@@ -1650,10 +1660,11 @@ impl Client {
         c: &Cluster,
         key: &[u8],
         sink: &mut dyn Sink,
+        held: &dyn Held,
     ) -> Result<Option<usize>> {
         let known = c.routes().get(key); // a statement of its own: the lock is not held below
         if let Some((peer, addr)) = known {
-            match c.single_get(peer, &addr, key, sink)? {
+            match c.single_get(peer, &addr, key, sink, held)? {
                 Some(Ok(Some(n))) => return Ok(Some(n)),
                 Some(Ok(None)) => c.routes().drop_key(key), // the key left that peer: ask the master
                 Some(Err(s)) if is_transport(&s) || s.code() == tonic::Code::DeadlineExceeded => {
@@ -1663,6 +1674,7 @@ impl Client {
                 None => {} // the peer does not speak small ops: the master's route and gRPC
             }
         }
+        held.release(); // the master's route
         let small_route = c.master_small.as_ref().and_then(|m| c.route_of_one(m, key));
         let (route, lease_id) = match small_route {
             Some(answer) => match answer? {
@@ -1680,7 +1692,7 @@ impl Client {
         let answer = match route {
             None => Ok(None), // the master does not know the key
             Some((peer, addr)) => {
-                let small = c.single_get(peer, &addr, key, sink)?;
+                let small = c.single_get(peer, &addr, key, sink, held)?;
                 if let Some(Ok(Some(_))) = &small {
                     c.routes().learn(key, peer, &addr);
                 }
@@ -1760,7 +1772,9 @@ impl Client {
             // Decided once, at connect (MORI_UMBP_SMALL_OPS).
             if c.master_small.is_some() {
                 let mut v = Vec::new();
-                return Ok(self.cluster_get_one(c, key, &mut v)?.map(|_| v));
+                return Ok(self
+                    .cluster_get_one(c, key, &mut v, &NothingHeld)?
+                    .map(|_| v));
             }
             return Ok(self.cluster_get(c, &[key])?.pop().flatten());
         }
@@ -1786,31 +1800,33 @@ impl Client {
     }
 
     /// [`Client::get_with`] called while the caller keeps a lock of its own runtime (Python's
-    /// GIL; [`Held`]): a get through the staging buffer shared with this host's daemon keeps
-    /// it while the answer comes within [`crate::shm::hold_for`]; every other path lets it
-    /// go first.
+    /// GIL; [`Held`]): a get through a staging buffer already shared with a daemon on this
+    /// host (a standalone one, or the cluster peer this client's route for the key names)
+    /// keeps it while the answer comes within [`crate::shm::hold_for`]; every other path lets
+    /// it go first.
     pub fn get_with_held(
         &self,
         key: &[u8],
         sink: &mut dyn Sink,
         held: &dyn Held,
     ) -> Result<Option<usize>> {
-        if self.cluster.is_none()
-            && let Some(got) = self.shm_get(key, sink, held)
-        {
-            return got;
-        }
-        held.release();
         match &self.cluster {
-            Some(c) if c.master_small.is_some() => return self.cluster_get_one(c, key, sink),
+            Some(c) if c.master_small.is_some() => {
+                return self.cluster_get_one(c, key, sink, held);
+            }
             None => {
-                if let Some(s) = &self.small_ops
-                    && let Some(answer) = s.call_into(small_ops::GET, key, None, sink)
-                {
-                    return Ok(answer?);
+                if let Some(got) = self.shm_get(key, sink, held) {
+                    return got;
                 }
             }
             Some(_) => {}
+        }
+        held.release();
+        if self.cluster.is_none()
+            && let Some(s) = &self.small_ops
+            && let Some(answer) = s.call_into(small_ops::GET, key, None, sink)
+        {
+            return Ok(answer?);
         }
         match self.get(key)? {
             Some(v) => Ok(Some(fill(sink, &v)?)),

@@ -6,7 +6,7 @@ mod common;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, bytes, pairs};
+use common::{Daemon, NotedHeld, bytes, pairs};
 use mori_umbpd::Client;
 
 /// The master declares a peer dead after this long without a heartbeat.
@@ -68,6 +68,77 @@ fn cluster_with(peer_args: &[&str], ssd: bool, peer_timeout: &str) -> Cluster {
         master,
         peers,
     }
+}
+
+/// A cluster get whose route the client knows keeps the caller's lock (`Held`) through the
+/// staging buffer shared with that peer on this host when it answers in time (a get that let it
+/// go first would keep it in none), and lets it go while the peers are stopped; a get that asks
+/// the master for the route lets it go. Every value read is exact.
+#[test]
+fn cluster_gets_keep_the_callers_lock_only_through_a_known_peers_buffer() {
+    let cl = cluster(&["--dram-bytes", "8M"], false);
+    let writer = Client::connect(&cl.master.addr).unwrap();
+    let (keys, values) = single_get_pairs();
+    for (k, v) in keys.iter().zip(&values) {
+        assert!(writer.put(k, v).unwrap());
+    }
+    let c = Client::connect(&cl.master.addr).unwrap();
+    let mut v = Vec::new();
+    let held = NotedHeld::default();
+    assert_eq!(
+        c.get_with_held(&keys[0], &mut v, &held).unwrap(),
+        Some(5000)
+    );
+    assert_eq!(v, values[0]);
+    assert!(
+        held.released(),
+        "a get that asked the master for its route kept the caller's lock"
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (mut kept, mut tries) = (0, 0);
+    while kept < 10 && Instant::now() < deadline {
+        tries += 1;
+        let held = NotedHeld::default();
+        v.clear();
+        assert_eq!(
+            c.get_with_held(&keys[0], &mut v, &held).unwrap(),
+            Some(5000)
+        );
+        assert_eq!(v, values[0]);
+        kept += usize::from(!held.released());
+    }
+    assert_eq!(
+        kept, 10,
+        "{tries} gets kept the caller's lock in {kept} (answered in time)"
+    );
+
+    for p in &cl.peers {
+        p.pause();
+    }
+    let held = NotedHeld::default();
+    std::thread::scope(|s| {
+        let get = s.spawn(|| {
+            let mut v = Vec::new();
+            (c.get_with_held(&keys[0], &mut v, &held), v)
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !held.released() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let waiting = !get.is_finished();
+        for p in &cl.peers {
+            p.signal(libc::SIGCONT);
+        }
+        assert!(
+            held.released(),
+            "a get waiting on a stopped peer kept the caller's lock"
+        );
+        assert!(waiting, "the get returned while the peers were stopped");
+        let (got, v) = get.join().unwrap();
+        assert_eq!(got.unwrap(), Some(5000));
+        assert_eq!(v, values[0]);
+    });
 }
 
 /// A cluster client's single gets are routed by the master and read from the peer, both over

@@ -12,7 +12,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
 use std::path::Path;
 
-use common::{Daemon, bytes, opts, secret_file};
+use common::{Daemon, NotedHeld, bytes, opts, secret_file};
 use mori_auth::Secret;
 use mori_umbpd::shm::{
     ANSWER_AT, ANSWER_LEN_AT, ANSWERED_AT, CONTROL_BYTES, DOORBELL_ACK, GET_INTO,
@@ -21,7 +21,7 @@ use mori_umbpd::shm::{
     PROGRESS_RING_AT, PURPOSE, PUT_FROM, PUT_MANY_FROM, REQUEST_AT, REQUEST_LEN_AT, RING_AT,
     SHM_RING_AT, STREAM_FROM, Staged, VALUE_LEN_AT, send_with_fd,
 };
-use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND, Held};
+use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND};
 use mori_umbpd::{Client, ClientError};
 
 const GOOD: &str = "the-deployment-secret-of-the-same-host-test";
@@ -1156,23 +1156,6 @@ fn single_gets_take_shared_memory_on_the_same_host_and_small_ops_beyond_it() {
         "same_host_child_reads_over_small_ops",
         &[("MORI_UMBP_SHM", "0"), ("UMBP_TEST_ADDR", &d.addr)],
     );
-}
-
-/// A lock of the caller's own that a get keeps ([`Held`]: the GIL in mori's bindings), noting
-/// whether the call let it go.
-#[derive(Default)]
-struct NotedHeld(std::sync::atomic::AtomicBool);
-
-impl Held for NotedHeld {
-    fn release(&self) {
-        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-impl NotedHeld {
-    fn released(&self) -> bool {
-        self.0.load(std::sync::atomic::Ordering::SeqCst)
-    }
 }
 
 /// Single gets and puts through the staging buffer keep the caller's lock when the real daemon

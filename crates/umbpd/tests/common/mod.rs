@@ -259,6 +259,23 @@ pub fn bytes(seed: u64, len: usize) -> Vec<u8> {
     out
 }
 
+/// A lock of the caller's own that a call keeps (`Held`: the GIL in mori's bindings), noting
+/// whether the call let it go.
+#[derive(Default)]
+pub struct NotedHeld(std::sync::atomic::AtomicBool);
+
+impl mori_umbpd::small_ops::Held for NotedHeld {
+    fn release(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl NotedHeld {
+    pub fn released(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 // ---- secrets and raw gRPC clients ------------------------------------------------------------
 
 /// `(key, value)` slices of `keys[i]` and `values[i]`, as batch puts take them.
