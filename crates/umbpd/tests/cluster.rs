@@ -6,7 +6,7 @@ mod common;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, NotedHeld, bytes, pairs};
+use common::{Daemon, NotedHeld, bytes, called_while_stopped, kept_in_time, pairs};
 use mori_umbpd::Client;
 
 /// The master declares a peer dead after this long without a heartbeat.
@@ -77,11 +77,8 @@ fn cluster_with(peer_args: &[&str], ssd: bool, peer_timeout: &str) -> Cluster {
 #[test]
 fn cluster_gets_keep_the_callers_lock_only_through_a_known_peers_buffer() {
     let cl = cluster(&["--dram-bytes", "8M"], false);
-    let writer = Client::connect(&cl.master.addr).unwrap();
     let (keys, values) = single_get_pairs();
-    for (k, v) in keys.iter().zip(&values) {
-        assert!(writer.put(k, v).unwrap());
-    }
+    put_single_get_pairs(&cl, &keys, &values);
     let c = Client::connect(&cl.master.addr).unwrap();
     let mut v = Vec::new();
     let held = NotedHeld::default();
@@ -94,51 +91,19 @@ fn cluster_gets_keep_the_callers_lock_only_through_a_known_peers_buffer() {
         held.released(),
         "a get that asked the master for its route kept the caller's lock"
     );
-
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let (mut kept, mut tries) = (0, 0);
-    while kept < 10 && Instant::now() < deadline {
-        tries += 1;
-        let held = NotedHeld::default();
+    let (kept, tries) = kept_in_time(|held| {
         v.clear();
-        assert_eq!(
-            c.get_with_held(&keys[0], &mut v, &held).unwrap(),
-            Some(5000)
-        );
-        assert_eq!(v, values[0]);
-        kept += usize::from(!held.released());
-    }
-    assert_eq!(
-        kept, 10,
-        "{tries} gets kept the caller's lock in {kept} (answered in time)"
-    );
-
-    for p in &cl.peers {
-        p.pause();
-    }
-    let held = NotedHeld::default();
-    std::thread::scope(|s| {
-        let get = s.spawn(|| {
-            let mut v = Vec::new();
-            (c.get_with_held(&keys[0], &mut v, &held), v)
-        });
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !held.released() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        let waiting = !get.is_finished();
-        for p in &cl.peers {
-            p.signal(libc::SIGCONT);
-        }
-        assert!(
-            held.released(),
-            "a get waiting on a stopped peer kept the caller's lock"
-        );
-        assert!(waiting, "the get returned while the peers were stopped");
-        let (got, v) = get.join().unwrap();
-        assert_eq!(got.unwrap(), Some(5000));
+        assert_eq!(c.get_with_held(&keys[0], &mut v, held).unwrap(), Some(5000));
         assert_eq!(v, values[0]);
     });
+    assert_eq!(kept, 10, "{tries} gets kept the caller's lock in {kept}");
+    let peers: Vec<&Daemon> = cl.peers.iter().collect();
+    let (got, v) = called_while_stopped(&peers, |held| {
+        let mut v = Vec::new();
+        (c.get_with_held(&keys[0], &mut v, held), v)
+    });
+    assert_eq!(got.unwrap(), Some(5000));
+    assert_eq!(v, values[0]);
 }
 
 /// A cluster client's single gets are routed by the master and read from the peer, both over
@@ -149,6 +114,15 @@ fn single_get_pairs() -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
     let keys = (0..8).map(key).collect();
     let values = (0..8).map(|i| bytes(i as u64 + 900, 5000)).collect();
     (keys, values)
+}
+
+/// A client of `cl`'s master that put `keys` with `values` (each stored).
+fn put_single_get_pairs(cl: &Cluster, keys: &[Vec<u8>], values: &[Vec<u8>]) -> Client {
+    let c = Client::connect(&cl.master.addr).unwrap();
+    for (k, v) in keys.iter().zip(values) {
+        assert!(c.put(k, v).unwrap());
+    }
+    c
 }
 
 /// Per path, the single gets the daemons at `addrs` answered: (over small ops, through shared
@@ -165,11 +139,8 @@ fn served_at(addrs: &[String]) -> (u64, u64) {
 #[test]
 fn single_gets_in_a_cluster_read_the_peer_over_small_ops() {
     let cl = cluster(&["--dram-bytes", "8M"], false);
-    let via_master = Client::connect(&cl.master.addr).unwrap();
     let (keys, values) = single_get_pairs();
-    for (k, v) in keys.iter().zip(&values) {
-        assert!(via_master.put(k, v).unwrap());
-    }
+    let via_master = put_single_get_pairs(&cl, &keys, &values);
     let peers: Vec<String> = cl.peers.iter().map(|p| p.addr.clone()).collect();
     let master_served = || via_master.health().unwrap().small_ops_served;
     let (before, routed_before) = (served_at(&peers), master_served());

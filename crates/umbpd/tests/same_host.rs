@@ -12,7 +12,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
 use std::path::Path;
 
-use common::{Daemon, NotedHeld, bytes, opts, secret_file};
+use common::{Daemon, bytes, called_while_stopped, kept_in_time, opts, secret_file};
 use mori_auth::Secret;
 use mori_umbpd::shm::{
     ANSWER_AT, ANSWER_LEN_AT, ANSWERED_AT, CONTROL_BYTES, DOORBELL_ACK, GET_INTO,
@@ -1171,72 +1171,35 @@ fn single_gets_and_puts_keep_the_callers_lock_only_while_the_daemon_answers_in_t
     let mut v = Vec::new();
     assert_eq!(c.get_with(&keys[0], &mut v).unwrap(), Some(4096)); // connected
     let value = bytes(501, 4096);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    let (mut gets_kept, mut puts_kept, mut tries) = (0, 0, 0);
-    while (gets_kept < 10 || puts_kept < 10) && std::time::Instant::now() < deadline {
-        tries += 1;
-        let held = NotedHeld::default();
+    let (kept, tries) = kept_in_time(|held| {
         v.clear();
-        assert_eq!(
-            c.get_with_held(&keys[0], &mut v, &held).unwrap(),
-            Some(4096)
-        );
+        assert_eq!(c.get_with_held(&keys[0], &mut v, held).unwrap(), Some(4096));
         assert_eq!(v, values[0]);
-        gets_kept += usize::from(!held.released());
-        let held = NotedHeld::default();
+    });
+    assert_eq!(kept, 10, "{tries} gets kept the caller's lock in {kept}");
+    let mut n = 0;
+    let (kept, tries) = kept_in_time(|held| {
+        n += 1;
         assert!(
-            c.put_held(format!("put-{tries}").as_bytes(), &value, &held)
+            c.put_held(format!("put-{n}").as_bytes(), &value, held)
                 .unwrap()
         );
-        puts_kept += usize::from(!held.released());
-    }
-    assert!(
-        gets_kept >= 10 && puts_kept >= 10,
-        "of {tries} gets and puts, {gets_kept} and {puts_kept} kept the caller's lock"
-    );
+    });
+    assert_eq!(kept, 10, "{tries} puts kept the caller's lock in {kept}");
     assert_eq!(
-        c.get(format!("put-{tries}").as_bytes()).unwrap(),
+        c.get(format!("put-{n}").as_bytes()).unwrap(),
         Some(value.clone())
     );
 
-    for put in [false, true] {
-        d.pause();
-        let held = NotedHeld::default();
-        std::thread::scope(|s| {
-            let call = s.spawn(|| {
-                let mut v = Vec::new();
-                let got = if put {
-                    c.put_held(b"put-stalled", &value, &held)
-                        .map(|stored| Some(usize::from(stored)))
-                } else {
-                    c.get_with_held(&keys[0], &mut v, &held)
-                };
-                (got, v)
-            });
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-            while !held.released() && std::time::Instant::now() < deadline {
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            let waiting = !call.is_finished();
-            d.signal(libc::SIGCONT);
-            assert!(
-                held.released(),
-                "a call waiting on a stopped daemon kept the caller's lock (put: {put})"
-            );
-            assert!(
-                waiting,
-                "the call returned while the daemon was stopped (put: {put})"
-            );
-            let (got, v) = call.join().unwrap();
-            if put {
-                assert_eq!(got.unwrap(), Some(1));
-                assert_eq!(c.get(b"put-stalled").unwrap(), Some(value.clone()));
-            } else {
-                assert_eq!(got.unwrap(), Some(4096));
-                assert_eq!(v, values[0]);
-            }
-        });
-    }
+    let (got, v) = called_while_stopped(&[&d], |held| {
+        let mut v = Vec::new();
+        (c.get_with_held(&keys[0], &mut v, held), v)
+    });
+    assert_eq!(got.unwrap(), Some(4096));
+    assert_eq!(v, values[0]);
+    let stored = called_while_stopped(&[&d], |held| c.put_held(b"put-stalled", &value, held));
+    assert!(stored.unwrap());
+    assert_eq!(c.get(b"put-stalled").unwrap(), Some(value));
 }
 
 /// The real daemon closing same-host connections idle for 1 s (`--same-host-idle-timeout`):

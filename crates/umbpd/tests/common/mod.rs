@@ -276,6 +276,50 @@ impl NotedHeld {
     }
 }
 
+/// Calls `call` with a fresh [`NotedHeld`] until 10 calls kept it or 5 s passed: (the calls
+/// that kept it, the calls made). A call's own checks are `call`'s.
+pub fn kept_in_time(mut call: impl FnMut(&NotedHeld)) -> (usize, usize) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (mut kept, mut tries) = (0, 0);
+    while kept < 10 && Instant::now() < deadline {
+        tries += 1;
+        let held = NotedHeld::default();
+        call(&held);
+        kept += usize::from(!held.released());
+    }
+    (kept, tries)
+}
+
+/// Runs `call(held)` on a thread of its own with `daemons` stopped ([`Daemon::pause`]): asserts
+/// that the call let `held` go while it still waited, then resumes them and returns what the
+/// call returned.
+pub fn called_while_stopped<R: Send>(
+    daemons: &[&Daemon],
+    call: impl FnOnce(&NotedHeld) -> R + Send,
+) -> R {
+    for d in daemons {
+        d.pause();
+    }
+    let held = NotedHeld::default();
+    std::thread::scope(|s| {
+        let running = s.spawn(|| call(&held));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !held.released() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let waiting = !running.is_finished();
+        for d in daemons {
+            d.signal(libc::SIGCONT);
+        }
+        assert!(
+            held.released(),
+            "a call waiting on a stopped daemon kept the caller's lock"
+        );
+        assert!(waiting, "the call returned while the daemon was stopped");
+        running.join().unwrap()
+    })
+}
+
 // ---- secrets and raw gRPC clients ------------------------------------------------------------
 
 /// `(key, value)` slices of `keys[i]` and `values[i]`, as batch puts take them.
