@@ -16,8 +16,10 @@ step "python environment for the tests ($VENV)"
 # NVRTC from PyPI lets CI compile every kernel without a GPU or a CUDA toolkit; Triton (no torch
 # needed, ptxas bundled) lets it compile the mori.ir Triton kernels to sm_90 PTX the same way.
 "$VENV/bin/python" -m pip install -q "maturin>=1.7,<2" "pytest>=7" "numpy>=1.24" "nvidia-cuda-nvrtc==13.0.*" "triton==3.6.*"
+# Mooncake Store (no CUDA build) for the tests of `mori bench umbp`'s Mooncake baseline.
+"$VENV/bin/python" -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
-step "system packages: redis-server, redis-tools, libfabric1"
+step "system packages: redis-server, redis-tools, libfabric1, and what Mooncake links"
 # The umbp metadata tests start their own redis-server processes on loopback ports (a single
 # server and a 3-node cluster); they fail instead of skipping when MORI_REQUIRE_REDIS=1.
 # mori-net's fabric tests load libfabric at run time (its tcp provider runs the RMA calls over
@@ -25,6 +27,10 @@ step "system packages: redis-server, redis-tools, libfabric1"
 missing=()
 command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || missing+=(redis-server redis-tools)
 ldconfig -p 2>/dev/null | grep -q 'libfabric\.so\.1 ' || missing+=(libfabric1)
+# Mooncake's store links these beyond its wheel's own libraries.
+for pkg in libcurl.so.4:libcurl4 libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1; do
+  ldconfig -p 2>/dev/null | grep -q "${pkg%%:*} " || missing+=("${pkg#*:}")
+done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "redis-server, redis-cli and libfabric found: nothing to install"
 elif [ "$(id -u)" -eq 0 ]; then
@@ -34,7 +40,7 @@ else
   echo "missing system packages: install them first (sudo apt-get install ${missing[*]})" >&2
   exit 1
 fi
-export MORI_REQUIRE_REDIS=1 MORI_REQUIRE_LIBFABRIC=1
+export MORI_REQUIRE_REDIS=1 MORI_REQUIRE_LIBFABRIC=1 MORI_REQUIRE_MOONCAKE=1
 # mori-net's two-host tests make their own network namespaces and veth pair: root only.
 if [ "$(id -u)" -eq 0 ]; then export MORI_REQUIRE_NETNS=1; fi
 

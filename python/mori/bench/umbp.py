@@ -14,6 +14,13 @@ multi-turn prefix-cache trace whose working set is larger than DRAM, and Redis S
 ``redis-benchmark`` with the same value sizes as a baseline (when redis-server is installed;
 4 clients one request at a time, and the same pipelined 16 deep; ops/s and redis-benchmark's own
 p50/p99 latency),
+Mooncake Store as a second baseline when it imports (``mori.bench._mooncake``: a
+``mooncake_master`` and one segment-holder process on the server CPUs, this process's clients
+mounting no memory, TCP over loopback) through the same loops, values and checks as umbpd's rows
+(record ``mooncake``: ``results`` rows ``mooncake``, bytes calls and get_into, and
+``mooncake-reg``, batch_put_from / batch_get_into of registered buffers; ``small_gets`` from 1
+and 4 clients; a Mooncake call that returns other bytes marks its part unverified instead of
+failing the run),
 and multi-client registered-buffer gets (1, 2, 4 client threads, each with its own client and
 engine, reading the same 1 MiB values; ``io_concurrent_gets``), and 4 KiB gets of bytes from the
 standalone daemon by 1 and 4 client threads, each with its own connection (``daemon_small_gets``:
@@ -33,7 +40,7 @@ GB/s counts value bytes moved per second; ops/s counts keys. Medians of repeated
 
 Pinning, the same for every system: with at least two CPUs, the clients (this process, its
 threads, ``redis-benchmark``) run on the first half of the CPUs this process may use and every
-server (``umbpd`` daemons, ``redis-server``) on the second half; the record's ``pinning`` says
+server (``umbpd`` daemons, ``redis-server``, Mooncake's master and segment holder) on the second half; the record's ``pinning`` says
 which (one CPU: nothing is pinned, and it says so).
 
 Verified: values are fresh random bytes per run, and each key's value carries its index (the
@@ -335,21 +342,19 @@ def _concurrent_gets(master: str, checks: Checks, size: int = 1 << 20, batch: in
     return rows
 
 
-def _small_gets(addr: str, checks: Checks, size: int = 4096, nkeys: int = 1024,
+def _small_gets(connect: Any, checks: Checks, label: str, size: int = 4096, nkeys: int = 1024,
                 seconds: float = 2.0) -> list[dict[str, Any]]:
     """Single gets of small values as bytes from 1 and 4 client threads, each with its own
-    Client (connection): the like-for-like of Redis's 4 clients. Every answer is compared with
-    its key's value."""
-    from mori.umbp import Client
-
-    writer = Client(master=addr)
+    client from ``connect()`` (its own connection): the like-for-like of Redis's 4 clients.
+    Every answer is compared with its key's value."""
+    writer = connect()
     vals = [_rng().integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(nkeys)]
     keys = [f"small/{i}".encode() for i in range(nkeys)]
     for i in range(0, nkeys, 256):
         writer.batch_put(keys[i : i + 256], vals[i : i + 256])
     rows = []
     for threads in (1, 4):
-        clients = [Client(master=addr) for _ in range(threads)]
+        clients = [connect() for _ in range(threads)]
         nxt = [t * 97 % nkeys for t in range(threads)]
         wrong = [0] * threads
 
@@ -364,10 +369,10 @@ def _small_gets(addr: str, checks: Checks, size: int = 4096, nkeys: int = 1024,
             c.close()
         row = {"threads": threads, "value_bytes": size, "calls": len(lat), "ops_per_s": len(lat) / elapsed,
                "p50_us": median(lat) * 1e6, "p99_us": percentile(lat, 0.99) * 1e6,
-               "verified": checks.check(f"{threads} clients' small gets",
+               "verified": checks.check(f"{label}: {threads} clients' small gets",
                                         "" if not any(wrong) else f"{sum(wrong)} gets returned other bytes")}
         rows.append(row)
-        print(f"  {threads} client(s) get {human_bytes(size)}: {row['ops_per_s']:.0f} ops/s, "
+        print(f"  {label}: {threads} client(s) get {human_bytes(size)}: {row['ops_per_s']:.0f} ops/s, "
               f"p50 {row['p50_us']:.0f} µs, p99 {row['p99_us']:.0f} µs", flush=True)
     for k in keys:
         writer.remove(k)
@@ -437,17 +442,32 @@ def _prefix_trace(ssd_dir: str) -> dict[str, Any]:
             "dram_hit_rate": st["hits_dram"] / max(reads, 1), "ssd_hit_rate": st["hits_ssd"] / max(reads, 1)}
 
 
-def _mooncake_missing() -> str:
-    """Why Mooncake Store is not measured in this run."""
-    import importlib.util
+def _mooncake_baseline(tmp: str) -> tuple[dict[str, Any] | None, str | None]:
+    """Mooncake Store through the same loops as umbpd's rows (bytes by size and batch,
+    get_into, registered-buffer batches, 4 KiB gets from 1 and 4 clients), against one
+    segment-holder process (mori.bench._mooncake): (its part of the record, None), or (None,
+    why it was not measured). Its checks are its own: a baseline that returns other bytes is
+    reported as unverified here instead of failing mori's run."""
+    from mori.bench import _mooncake
 
-    if importlib.util.find_spec("mooncake") is None:
-        return "not importable here (no module named 'mooncake'; pip install mooncake-transfer-engine)"
+    why = _mooncake.unavailable()
+    if why is not None:
+        return None, why
+    checks = Checks()
     try:
-        importlib.import_module("mooncake.store")
-    except Exception as e:  # e.g. 0.3.13's store needs libcuda.so.1, absent on a machine without a driver
-        return f"mooncake.store does not import here: {type(e).__name__}: {e}"
-    return "importable, but this benchmark does not drive Mooncake Store yet"
+        with _mooncake.Deployment(tmp, _on(PINNING["servers"])) as mc:
+            part: dict[str, Any] = {"deployment": mc.record()}
+            print(f"  {part['deployment']['version']}, one segment holder, TCP over loopback")
+            client = mc.connect()
+            part["results"] = _pool_rows(client, "mooncake", 64 << 20, checks)
+            print("  registered buffers (batch_put_from / batch_get_into):")
+            part["results"] += _dataplane_rows(client, "mooncake-reg", 256 << 20, checks)
+            print("  small gets from several clients:")
+            part["small_gets"] = _small_gets(mc.connect, checks, "mooncake")
+    except MoriError as e:
+        return None, f"failed while measured: {e}"
+    part["verified"] = not checks.failed
+    return part, None if part["verified"] else f"returned other bytes than were put: {checks.failed}"
 
 
 def _pinning() -> dict[str, list[int]]:
@@ -649,7 +669,7 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
                 print("  same host, a buffer shared with the daemon (put_from and get_into a slice of it):")
                 rows += _shared_rows(Client(master=addr), "daemon-shm", 64 << 20, checks=checks)
             print("  small gets from several clients:")
-            record["daemon_small_gets"] = _small_gets(addr, checks)
+            record["daemon_small_gets"] = _small_gets(lambda: Client(master=addr), checks, "umbpd")
         finally:
             _stop([proc])
         print("umbpd cluster, master + 2 peers over loopback (single gets over small ops, the rest over gRPC; data as bytes):")
@@ -673,8 +693,11 @@ def run(out_dir: str, only: str | None = None, daemon: Daemon | None = None) -> 
         record["results"] = rows
         print("Redis baseline (redis-benchmark, 4 clients):")
         record["redis"] = _redis_baseline(tmp)
-        record["mooncake"], record["baseline_errors"] = None, {"mooncake": _mooncake_missing()}
-        print(f"Mooncake Store baseline: not measured ({record['baseline_errors']['mooncake']})")
+        print("Mooncake Store baseline (the same calls and checks as umbpd's rows):")
+        record["mooncake"], why = _mooncake_baseline(tmp)
+        record["baseline_errors"] = {} if why is None else {"mooncake": why}
+        if why is not None:
+            print(f"  Mooncake Store: {'not measured' if record['mooncake'] is None else 'unverified'} ({why})")
         print("prefix-cache trace (working set ≈ 3× DRAM):")
         record["trace"] = _prefix_trace(os.path.join(tmp, "ssd"))
         t = record["trace"]
