@@ -1768,33 +1768,14 @@ impl Client {
 
     /// The value of `key`, if present.
     pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        if let Some(c) = &self.cluster {
-            // Decided once, at connect (MORI_UMBP_SMALL_OPS).
-            if c.master_small.is_some() {
-                let mut v = Vec::new();
-                return Ok(self
-                    .cluster_get_one(c, key, &mut v, &NothingHeld)?
-                    .map(|_| v));
-            }
-            return Ok(self.cluster_get(c, &[key])?.pop().flatten());
-        }
-        if self.cluster.is_none() {
-            let mut v = Vec::new();
-            if let Some(got) = self.shm_get(key, &mut v, &NothingHeld) {
-                return Ok(got?.map(|_| v));
-            }
-        }
-        if let Some(answer) = self.small_op(small_ops::GET, key, None) {
-            return Ok(answer?);
-        }
-        let req = GetRequest { key: key.to_vec() };
-        let mut c = self.inner.clone();
-        Ok(value_of(self.rt.block_on(c.get(req))?.into_inner()))
+        let mut v = Vec::new();
+        Ok(self.get_with(key, &mut v)?.map(|_| v))
     }
 
-    /// [`Client::get`] into `sink`: the value's length, `None` when absent. Over small ops
-    /// (a standalone daemon) the bytes go from the socket straight into the sink's buffer;
-    /// otherwise they are copied there from the value [`Client::get`] returns.
+    /// [`Client::get`] into `sink`: the value's length, `None` when absent. Through shared
+    /// memory or over small ops the bytes go straight into the sink's buffer; over gRPC
+    /// (a cluster without small ops, a daemon without them) they are copied there from the
+    /// reply.
     pub fn get_with(&self, key: &[u8], sink: &mut dyn Sink) -> Result<Option<usize>> {
         self.get_with_held(key, sink, &NothingHeld)
     }
@@ -1810,25 +1791,31 @@ impl Client {
         sink: &mut dyn Sink,
         held: &dyn Held,
     ) -> Result<Option<usize>> {
-        match &self.cluster {
+        let value = match &self.cluster {
+            // Decided once, at connect (MORI_UMBP_SMALL_OPS).
             Some(c) if c.master_small.is_some() => {
                 return self.cluster_get_one(c, key, sink, held);
+            }
+            Some(c) => {
+                held.release();
+                self.cluster_get(c, &[key])?.pop().flatten()
             }
             None => {
                 if let Some(got) = self.shm_get(key, sink, held) {
                     return got;
                 }
+                held.release();
+                if let Some(s) = &self.small_ops
+                    && let Some(answer) = s.call_into(small_ops::GET, key, None, sink)
+                {
+                    return Ok(answer?);
+                }
+                let req = GetRequest { key: key.to_vec() };
+                let mut c = self.inner.clone();
+                value_of(self.rt.block_on(c.get(req))?.into_inner())
             }
-            Some(_) => {}
-        }
-        held.release();
-        if self.cluster.is_none()
-            && let Some(s) = &self.small_ops
-            && let Some(answer) = s.call_into(small_ops::GET, key, None, sink)
-        {
-            return Ok(answer?);
-        }
-        match self.get(key)? {
+        };
+        match value {
             Some(v) => Ok(Some(fill(sink, &v)?)),
             None => Ok(None),
         }
