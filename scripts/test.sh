@@ -32,7 +32,7 @@ for pkg in libcurl.so.4:libcurl4 libibverbs.so.1:libibverbs1 libnuma.so.1:libnum
   ldconfig -p 2>/dev/null | grep -q "${pkg%%:*} " || missing+=("${pkg#*:}")
 done
 if [ ${#missing[@]} -eq 0 ]; then
-  echo "redis-server, redis-cli and libfabric found: nothing to install"
+  echo "redis-server, redis-cli, libfabric and the libraries Mooncake links found: nothing to install"
 elif [ "$(id -u)" -eq 0 ]; then
   echo "missing: installing the system packages ${missing[*]} (apt-get install)"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

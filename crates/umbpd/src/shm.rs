@@ -75,8 +75,15 @@
 //! socket) at [`REQUEST_AT`], their length at [`REQUEST_LEN_AT`], and the ring's number at
 //! [`SHM_RING_AT`], all before the ring; the daemon copies the request out before reading it,
 //! answers at [`ANSWER_AT`] (length at [`ANSWER_LEN_AT`]) and stores the ring's number at
-//! [`ANSWERED_AT`]. So does a batch of puts. A batch of gets goes on the socket as above and rings with
-//! another number at [`SHM_RING_AT`]; its answer comes on the socket. Each side waiting on the
+//! [`ANSWERED_AT`]. So does a batch of puts, and a [`GET_MANY_INTO`] where the daemon says it
+//! takes one there: before answering the doorbell hello it sets [`TAKES_GET_MANY`] at
+//! [`DAEMON_TAKES_AT`] (cleared by the client before its hello, so an older daemon leaves 0),
+//! and answers at most [`BLOCK_MANY_MAX_KEYS`] of its keys there (the client asks again for the
+//! rest). A client reads a batch's small values that way (a first request into a room of 96
+//! KiB, the next into 256 KiB) until a value longer than the room or a request whose values
+//! were longer than 16 KiB on average; the rest
+//! of the batch goes on the socket ([`GET_MANY_STREAMED`] as above), which rings with another
+//! number at [`SHM_RING_AT`] and is answered on the socket. Each side waiting on the
 //! other spins for [`spin_window`] (not while its CPU is contended: see `Spin`), then sleeps
 //! on the word as a futex with its asleep flag
 //! ([`DAEMON_ASLEEP_AT`], [`CLIENT_ASLEEP_AT`]) set, which the other checks after storing the
@@ -176,6 +183,28 @@ pub const PROGRESS_AT: usize = 512;
 pub const PROGRESS_RING_AT: usize = 576;
 /// Where a request in the control block starts.
 pub const REQUEST_AT: usize = 4096;
+/// What the daemon takes in the control block beyond single gets and puts and batches of
+/// puts: `u32` flags ([`TAKES_GET_MANY`]) it stores before answering a doorbell hello. The
+/// client clears the word before its hello, so a daemon older than the flags leaves 0.
+pub const DAEMON_TAKES_AT: usize = 640;
+/// A [`DAEMON_TAKES_AT`] flag: [`GET_MANY_INTO`] travels in the control block, answered for
+/// at most [`BLOCK_MANY_MAX_KEYS`] keys there (the client asks again for the rest, as for
+/// values that did not fit).
+pub const TAKES_GET_MANY: u32 = 1;
+/// The keys a [`GET_MANY_INTO`] in the control block answers at most: their entries (9 bytes
+/// each) fit [`ANSWER_MAX`].
+pub const BLOCK_MANY_MAX_KEYS: usize = (ANSWER_MAX - 64) / 9;
+/// The room of a batch's first request through the control block (`SharedBuffer`'s small
+/// values): 16 values of 4 KiB fit, and a batch of larger values, which then goes the streamed
+/// way, has had no more than this copied without overlap.
+const BLOCK_MANY_FIRST_ROOM: usize = 96 << 10;
+/// The room of its next requests there, while its values stay small: a value longer than this
+/// goes the streamed way.
+const BLOCK_MANY_ROOM: usize = 256 << 10;
+/// Values longer than this on average end a batch's requests through the control block: from
+/// there copying while they land (the streamed way) wins over a doorbell per request (on the
+/// 2-core machine, a batch of 16 values of 64 KiB).
+const BLOCK_MANY_SMALL: usize = 16 << 10;
 /// Its largest: a single get's head, key (up to `u16::MAX` bytes), offset and room.
 pub const REQUEST_MAX: usize = 3 + u16::MAX as usize + 16;
 /// An answer in the control block, in small ops' framing.
@@ -826,16 +855,25 @@ fn length_of(body: Option<Vec<u8>>) -> Result<Option<u64>, Status> {
     }
 }
 
-/// A connection to the daemon's socket `name`: the secret proven, the memfd `fd` of `len`
-/// bytes handed over and mapped by the daemon; with `doorbells` asked for, whether the daemon
-/// agreed (its last [`CONTROL_BYTES`] are then the control block).
+/// A connection to the daemon's socket `name`: the secret proven, the memfd `fd` (mapped here
+/// as `map`) handed over and mapped by the daemon; with `doorbells` asked for, whether the
+/// daemon agreed (its last [`CONTROL_BYTES`] are then the control block) and what it takes
+/// there ([`DAEMON_TAKES_AT`]).
 fn connect_with_hello(
     name: &[u8],
     secret: &Secret,
     fd: &OwnedFd,
-    len: usize,
+    map: &Mapping,
     doorbells: bool,
 ) -> io::Result<Conn> {
+    let len = map.len();
+    if doorbells {
+        // Cleared first: a daemon older than the flags leaves it so (this memfd may have been
+        // handed to a newer one before).
+        Control::of(map)
+            .word(DAEMON_TAKES_AT)
+            .store(0, Ordering::Relaxed);
+    }
     let mut stream = UnixStream::connect_addr(&SocketAddr::from_abstract_name(name)?)?;
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
@@ -877,9 +915,17 @@ fn connect_with_hello(
     };
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(None)?;
+    let takes = if granted {
+        Control::of(map)
+            .word(DAEMON_TAKES_AT)
+            .load(Ordering::Acquire)
+    } else {
+        0
+    };
     Ok(Conn {
         stream,
         doorbells: granted,
+        takes_get_many: takes & TAKES_GET_MANY != 0,
         spin: Spin::default(),
     })
 }
@@ -936,6 +982,11 @@ fn serve(
     }
     // Read before the answer: the client may ring as soon as it has it.
     let rung = doorbells.then(|| Control::of(&map).word(RING_AT).load(Ordering::Acquire));
+    if doorbells {
+        Control::of(&map)
+            .word(DAEMON_TAKES_AT)
+            .store(TAKES_GET_MANY, Ordering::Release);
+    }
     answer(&mut stream, &Ok(Some(hello_answer)))?;
     stream.set_read_timeout(Some(idle_timeout))?;
     let mut conn = Served {
@@ -1044,7 +1095,13 @@ impl Served<'_> {
             }
         };
         if head[0] == GET_MANY_INTO {
-            answer(to, &get_many_into(self.pool, &key, out, served))?;
+            // In the control block the answer's entries must fit it.
+            let most = if self.in_block.is_some() {
+                BLOCK_MANY_MAX_KEYS
+            } else {
+                usize::MAX
+            };
+            answer(to, &get_many_into(self.pool, &key, most, out, served))?;
             return Ok(true);
         }
         if head[0] == GET_MANY_STREAMED {
@@ -1122,10 +1179,18 @@ impl Served<'_> {
             let mut from = request.as_slice();
             let mut head = [0u8; 3];
             from.read_exact(&mut head)?;
-            if ![GET_INTO, GET_INTO_STREAMED, PUT_FROM, PUT_MANY_FROM].contains(&head[0]) {
+            if ![
+                GET_INTO,
+                GET_INTO_STREAMED,
+                PUT_FROM,
+                PUT_MANY_FROM,
+                GET_MANY_INTO,
+            ]
+            .contains(&head[0])
+            {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
-                    "only single gets and puts travel in the control block",
+                    "only single gets and puts and batches of them travel in the control block",
                 ));
             }
             let mut reply = Vec::with_capacity(16);
@@ -1421,19 +1486,24 @@ fn many_entry(body: &mut Vec<u8>, status: u8, len: u64) {
     body.extend_from_slice(&len.to_le_bytes());
 }
 
-/// Serves a [`GET_MANY_INTO`] into `out` (the request's room in the client's buffer): the
-/// answer's body, or the failure of the first key that failed other than by its length.
+/// Serves a [`GET_MANY_INTO`] of at most `most` of its keys into `out` (the request's room in
+/// the client's buffer): the answer's body, or the failure of the first key that failed
+/// other than by its length.
 fn get_many_into(
     pool: &SharedPool,
     packed: &[u8],
+    most: usize,
     out: &mut [u8],
     served: impl Fn(&[u8]),
 ) -> Result<Option<Vec<u8>>, Status> {
     let mut placing = Placing::new(packed)?;
+    placing.keys.truncate(most);
     let mut body = Vec::with_capacity(placing.keys.len() * 9);
     while let Some(got) = placing.next(pool, out) {
         let (key, status, len) = got?;
-        served(key);
+        if status != MANY_TOO_LONG {
+            served(key); // a value too long for the room is read again another way, counted there
+        }
         many_entry(&mut body, status, len);
     }
     Ok(Some(body))
@@ -1468,7 +1538,9 @@ fn get_many_streamed(
             Ok(got) => got,
             Err(s) => return answer(to, &Err(s)),
         };
-        served(key);
+        if status != MANY_TOO_LONG {
+            served(key); // as in get_many_into
+        }
         many_entry(&mut frame, status, len);
         unsent += len as usize;
         if placing.all_answered() {
@@ -1599,6 +1671,8 @@ impl Placer {
 struct Conn {
     stream: UnixStream,
     doorbells: bool,
+    /// With doorbells: [`GET_MANY_INTO`] travels in the control block ([`TAKES_GET_MANY`]).
+    takes_get_many: bool,
     spin: Spin,
 }
 
@@ -1817,17 +1891,16 @@ impl SharedBuffer {
     /// control block and the daemon knows them (one that does not closes the connection at
     /// the hello: asked again without, and never again).
     fn handshake(&self) -> io::Result<Conn> {
-        let total = self.map.len();
         if !self.doorbells.load(Ordering::Relaxed) {
-            return connect_with_hello(&self.name, &self.secret, &self.fd, total, false);
+            return connect_with_hello(&self.name, &self.secret, &self.fd, &self.map, false);
         }
-        match connect_with_hello(&self.name, &self.secret, &self.fd, total, true) {
+        match connect_with_hello(&self.name, &self.secret, &self.fd, &self.map, true) {
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
                 debug!(
                     "umbpd closed the connection at a same-host hello with doorbells; asking without"
                 );
                 self.doorbells.store(false, Ordering::Relaxed);
-                connect_with_hello(&self.name, &self.secret, &self.fd, total, false)
+                connect_with_hello(&self.name, &self.secret, &self.fd, &self.map, false)
             }
             made => made,
         }
@@ -1879,16 +1952,17 @@ impl SharedBuffer {
             }
         };
         write();
-        let in_block = matches!(
-            req.first(),
-            Some(&(GET_INTO | GET_INTO_STREAMED | PUT_FROM | PUT_MANY_FROM))
-        );
         loop {
             let fresh = slot.is_none();
             if fresh {
                 held.release(); // a connection and its handshake
             }
             let conn = self.connected(&mut slot)?;
+            let in_block = match req.first() {
+                Some(&(GET_INTO | GET_INTO_STREAMED | PUT_FROM | PUT_MANY_FROM)) => true,
+                Some(&GET_MANY_INTO) => conn.takes_get_many,
+                _ => false,
+            };
             let answer = if conn.doorbells && in_block {
                 conn.in_control_block(&self.map, req, turn, held)
             } else {
@@ -1960,9 +2034,20 @@ impl SharedBuffer {
         mut each: impl FnMut(usize, &[u8]) -> Result<(), Status>,
     ) -> Result<Vec<Option<Option<usize>>>, Status> {
         self.batches_known()?;
+        let mut all = vec![None; keys.len()];
+        let done = if self.takes_get_many()? {
+            self.small_values_in_block(keys, &mut all, &mut each)?
+        } else {
+            0
+        };
+        if done == keys.len() {
+            return Ok(all);
+        }
+        // The rest the streamed way.
+        let (keys, out) = (&keys[done..], &mut all[done..]);
+        let mut each = |i: usize, value: &[u8]| each(done + i, value);
         let half = (self.data / 2) / MANY_ALIGN as usize * MANY_ALIGN as usize;
         let rooms = [(0, half), (half, self.data - half)];
-        let mut out = vec![None; keys.len()];
         let mut longer = Vec::new();
         {
             let mut slot = self
@@ -1973,15 +2058,9 @@ impl SharedBuffer {
             loop {
                 let streamed = self.many_streams.load(Ordering::Relaxed);
                 let conn = self.connected(&mut slot)?;
-                let Err(stop) = self.pipelined(
-                    conn,
-                    streamed,
-                    keys,
-                    rooms,
-                    &mut out,
-                    &mut longer,
-                    &mut each,
-                ) else {
+                let Err(stop) =
+                    self.pipelined(conn, streamed, keys, rooms, out, &mut longer, &mut each)
+                else {
                     break;
                 };
                 // An answer may still be on its way: the connection is dropped, not reused.
@@ -2010,7 +2089,69 @@ impl SharedBuffer {
                 out[i] = Some(Some(*len));
             }
         }
-        Ok(out)
+        Ok(all)
+    }
+
+    /// Whether this buffer's connection (made now when there is none) takes batches of gets in
+    /// the control block ([`TAKES_GET_MANY`]).
+    fn takes_get_many(&self) -> Result<bool, Status> {
+        let mut slot = self
+            .stream
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let conn = self.connected(&mut slot)?;
+        Ok(conn.doorbells && conn.takes_get_many)
+    }
+
+    /// The first of `keys` through the control block, [`GET_MANY_INTO`] into a room of
+    /// [`BLOCK_MANY_FIRST_ROOM`], then [`BLOCK_MANY_ROOM`], bytes a request, while their values
+    /// are small: a doorbell per request, where the streamed way pays a socket round trip and
+    /// a wake-up a frame, which small values do not win back by copying while they land. Stops
+    /// at a value longer than the room, or after a request whose values were longer than
+    /// [`BLOCK_MANY_SMALL`] on average; how many keys it answered (into `out`, found values
+    /// handed to `each`, as [`Self::get_many_with`]); the rest go the streamed way.
+    fn small_values_in_block(
+        &self,
+        keys: &[&[u8]],
+        out: &mut [Option<Option<usize>>],
+        each: &mut impl FnMut(usize, &[u8]) -> Result<(), Status>,
+    ) -> Result<usize, Status> {
+        let mut room = (0, self.data.min(BLOCK_MANY_FIRST_ROOM));
+        let mut done = 0;
+        while done < keys.len() {
+            let ask = &keys[done..keys.len().min(done + BLOCK_MANY_MAX_KEYS)];
+            let (req, sent) = many_request(GET_MANY_INTO, ask, room)?;
+            let body = self.call(&req).map_err(|s| self.old_daemon(s))?;
+            let body =
+                body.ok_or_else(|| Status::internal("umbpd answered a batch with nothing"))?;
+            let mut placer = Placer::new(sent, room);
+            let placed = placer.place(&body)?;
+            placer.finish()?;
+            let (mut found, mut bytes) = (0, 0);
+            for staged in placed {
+                match staged {
+                    Staged::Absent => out[done] = Some(None),
+                    // Longer than the room: it and the rest are streamed.
+                    Staged::TooLong => return Ok(done),
+                    Staged::Found { offset, len } => {
+                        // SAFETY: inside the mapping (`place` checked it), written by the
+                        // daemon before it answered; nothing else uses the buffer meanwhile
+                        // (the caller holds it).
+                        each(done, unsafe {
+                            std::slice::from_raw_parts(self.as_ptr().add(offset), len)
+                        })?;
+                        out[done] = Some(Some(len));
+                        (found, bytes) = (found + 1, bytes + len);
+                    }
+                }
+                done += 1;
+            }
+            if found > 0 && bytes / found > BLOCK_MANY_SMALL {
+                break;
+            }
+            room = (0, self.data.min(BLOCK_MANY_ROOM));
+        }
+        Ok(done)
     }
 
     /// [`Self::get_many_with`]'s requests over `conn` ([`GET_MANY_STREAMED`] when `streamed`,

@@ -15,11 +15,12 @@ use std::path::Path;
 use common::{Daemon, bytes, called_while_stopped, kept_in_time, opts, secret_file};
 use mori_auth::Secret;
 use mori_umbpd::shm::{
-    ANSWER_AT, ANSWER_LEN_AT, ANSWERED_AT, CONTROL_BYTES, DOORBELL_ACK, GET_INTO,
-    GET_INTO_STREAMED, GET_MANY_INTO, GET_MANY_STREAMED, HELLO, HELLO_DOORBELL, LAST_FRAME,
-    MANY_ABSENT, MANY_ALIGN, MANY_FOUND, MANY_TOO_LONG, MORE_FRAMES, PLANNED_FRAME, PROGRESS_AT,
-    PROGRESS_RING_AT, PURPOSE, PUT_FROM, PUT_MANY_FROM, REQUEST_AT, REQUEST_LEN_AT, RING_AT,
-    SHM_RING_AT, STREAM_FROM, Staged, VALUE_LEN_AT, send_with_fd,
+    ANSWER_AT, ANSWER_LEN_AT, ANSWERED_AT, BLOCK_MANY_MAX_KEYS, CONTROL_BYTES, DAEMON_TAKES_AT,
+    DOORBELL_ACK, GET_INTO, GET_INTO_STREAMED, GET_MANY_INTO, GET_MANY_STREAMED, HELLO,
+    HELLO_DOORBELL, LAST_FRAME, MANY_ABSENT, MANY_ALIGN, MANY_FOUND, MANY_TOO_LONG, MORE_FRAMES,
+    PLANNED_FRAME, PROGRESS_AT, PROGRESS_RING_AT, PURPOSE, PUT_FROM, PUT_MANY_FROM, REQUEST_AT,
+    REQUEST_LEN_AT, RING_AT, SHM_RING_AT, STREAM_FROM, Staged, TAKES_GET_MANY, VALUE_LEN_AT,
+    send_with_fd,
 };
 use mori_umbpd::small_ops::{ABSENT, FAILED, FOUND};
 use mori_umbpd::{Client, ClientError};
@@ -835,6 +836,122 @@ fn packed(keys: &[&[u8]]) -> Vec<u8> {
                 .chain(k.iter().copied())
         })
         .collect()
+}
+
+/// Batches of gets in the control block. On the raw protocol from this process (the daemon
+/// another): the daemon says it takes them before its doorbell hello answer; a batch of more
+/// keys than the answer area holds is answered for the first [`BLOCK_MANY_MAX_KEYS`], each
+/// value byte-exact at its place, and asked again for the rest (an absent key absent); one
+/// whose room reaches into the control block is refused and the connection closed. A
+/// client's batch that begins with small values (taken in the control block, past what one
+/// request answers) and goes on to a value longer than its room (it and the rest then
+/// streamed), and one that begins with values whose size ends the control-block requests,
+/// hand every value to the key it belongs to.
+#[test]
+fn batches_of_gets_travel_in_the_control_block_answered_up_to_what_it_holds() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let dir = tempfile::tempdir().unwrap();
+    let d = standalone(dir.path());
+    let c = Client::connect_with(&d.addr, &opts(GOOD)).unwrap();
+    // Small values past what one answer holds, one longer than a control-block request's room,
+    // small ones again, then values of 32 KiB.
+    let mut sizes: Vec<usize> = (0..BLOCK_MANY_MAX_KEYS + 60)
+        .map(|i| 100 + i % 37)
+        .collect();
+    sizes.push(300 << 10);
+    sizes.extend((0..40).map(|i| 1000 + i));
+    sizes.extend([32 << 10; 20]);
+    let (keys, values) = put_sized(&c, "blk", 7, &sizes);
+    let name = c.same_host_socket().unwrap();
+
+    let mut db = RawDoorbells::connect(&name, 1 << 20);
+    assert_eq!(db.word(DAEMON_TAKES_AT).load(SeqCst), TAKES_GET_MANY);
+    let first: Vec<&[u8]> = keys[..BLOCK_MANY_MAX_KEYS + 60]
+        .iter()
+        .map(Vec::as_slice)
+        .collect();
+    let req = get_many_request(&packed(&first), 0, 1 << 20);
+    let (status, body) = db.request(&req, req.len() as u32).unwrap();
+    assert_eq!(status, FOUND, "{:?}", failed(&body));
+    assert_eq!(
+        body.len(),
+        BLOCK_MANY_MAX_KEYS * 9,
+        "more keys answered than the block holds"
+    );
+    let mut at = 0;
+    for (i, entry) in body.chunks(9).enumerate() {
+        assert_eq!(
+            (entry[0], length(&entry[1..])),
+            (MANY_FOUND, sizes[i] as u64),
+            "key {i}"
+        );
+        assert_eq!(db.data_at(at, sizes[i]), values[i], "key {i}");
+        at = (at + sizes[i]).next_multiple_of(MANY_ALIGN as usize);
+    }
+    let mut rest: Vec<&[u8]> = first[BLOCK_MANY_MAX_KEYS..].to_vec();
+    rest.push(b"blk/absent");
+    let req = get_many_request(&packed(&rest), 0, 1 << 20);
+    let (status, body) = db.request(&req, req.len() as u32).unwrap();
+    assert_eq!(status, FOUND, "{:?}", failed(&body));
+    assert_eq!(body.len(), rest.len() * 9);
+    assert_eq!(body[body.len() - 9], MANY_ABSENT);
+    let first_rest = &body[..9];
+    assert_eq!(length(&first_rest[1..]), sizes[BLOCK_MANY_MAX_KEYS] as u64);
+    assert_eq!(
+        db.data_at(0, sizes[BLOCK_MANY_MAX_KEYS]),
+        values[BLOCK_MANY_MAX_KEYS]
+    );
+    // A batch whose room reaches into the control block: refused there, the connection closed.
+    let req = get_many_request(&packed(&first[..2]), (1 << 20) - 100, 4096);
+    let (status, body) = db.request(&req, req.len() as u32).unwrap();
+    assert_eq!(
+        (status, failed(&body).0),
+        (FAILED, tonic::Code::OutOfRange as i32)
+    );
+    assert!(db.closed(), "the connection stayed open");
+
+    let buf = c.shared_buffer(1 << 20).unwrap();
+    let mut refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    refs.insert(3, b"blk/absent");
+    let mut got: Vec<Option<Vec<u8>>> = vec![None; refs.len()];
+    let lens = buf
+        .get_many_with(&refs, |i, v| {
+            got[i] = Some(v.to_vec());
+            Ok(())
+        })
+        .unwrap();
+    let mut want: Vec<Option<Vec<u8>>> = values.iter().cloned().map(Some).collect();
+    want.insert(3, None);
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            g == w,
+            "key {i} ({:?}) got other bytes",
+            String::from_utf8_lossy(refs[i])
+        );
+    }
+    let want_lens: Vec<Option<Option<usize>>> = want
+        .iter()
+        .map(|w| Some(w.as_ref().map(Vec::len)))
+        .collect();
+    assert_eq!(lens, want_lens);
+
+    // Values of 32 KiB first: their average ends the control-block requests after the first,
+    // the rest (small ones among them) streamed.
+    let order: Vec<usize> = (sizes.len() - 20..sizes.len()).chain(0..5).collect();
+    let refs: Vec<&[u8]> = order.iter().map(|&i| keys[i].as_slice()).collect();
+    let mut got: Vec<Option<Vec<u8>>> = vec![None; refs.len()];
+    buf.get_many_with(&refs, |i, v| {
+        got[i] = Some(v.to_vec());
+        Ok(())
+    })
+    .unwrap();
+    for (j, &i) in order.iter().enumerate() {
+        assert!(
+            got[j].as_ref() == Some(&values[i]),
+            "key {i} got other bytes"
+        );
+    }
 }
 
 /// A batch fills the buffer with as many values as fit, each at the next 64-byte boundary and
