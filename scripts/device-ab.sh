@@ -71,7 +71,10 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
           smallcluster) cmd=(python3 "$repo/benches/umbp_small_threads.py" --cluster --out "$dir") ;;
           umbpbench) cmd=(python3 -m mori bench umbp --out "$dir") ;;
         esac
-        extra=(); [ "$what" = umbpbench ] && extra=(PYTHONPATH="/tmp/site-$which$mooncake_path" LD_LIBRARY_PATH="$mooncake_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+        extra=()
+        if [ "$what" = umbpbench ] && [ -n "$mooncake_libs" ]; then
+          extra=(PYTHONPATH="/tmp/site-$which$mooncake_path" LD_LIBRARY_PATH="$mooncake_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+        fi
         (cd /tmp && env PYTHONPATH="/tmp/site-$which" "${extra[@]}" MORI_JIT_CACHE_DIR="/tmp/jit-$which" $setting \
           timeout "$(( budget < 240 ? budget : 240 ))" "${cmd[@]}") > "$dir/$what-$shape.log" 2>&1
         echo "$round $variant $what $shape rc=$?" | tee -a "$scratch/summary.txt"
