@@ -1,6 +1,7 @@
 """`mori bench umbp`'s Mooncake Store baseline (mori.bench._mooncake) against a real Mooncake
 master and segment holder on loopback: every call the benchmark times moves the bytes put, the
-processes end with the deployment, and a baseline that returns other bytes is reported as such.
+processes end with the deployment (also when it fails midway, which is reported, not raised),
+and a baseline that returns other bytes is reported as such.
 
 Skipped without Mooncake (`pip install mooncake-transfer-engine-non-cuda`), except where
 MORI_REQUIRE_MOONCAKE=1 (scripts/test.sh sets it after installing it), where that fails."""
@@ -75,3 +76,16 @@ def test_a_baseline_that_returns_other_bytes_is_reported_unverified(tmp_path, mo
     # the calls that do not go through get stayed exact
     assert all(r["verified"] for r in part["small_gets"])  # their keys are small/*, not flipped
     assert [r["verified"] for r in part["results"] if r["backend"] == "mooncake"] == [False, True]
+
+
+def test_a_baseline_that_fails_midway_is_reported_and_its_processes_end(tmp_path, monkeypatch):
+    procs: list = []
+
+    def connect(self):
+        procs.extend(self.procs)  # the master and the holder, started
+        raise RuntimeError("the store went away")
+
+    monkeypatch.setattr(_mooncake.Deployment, "connect", connect)
+    part, why = umbp._mooncake_baseline(str(tmp_path))
+    assert part is None and why == "failed while measured: RuntimeError: the store went away"
+    assert len(procs) == 2 and all(p.poll() is not None for p in procs), "the master or holder outlived the failure"
