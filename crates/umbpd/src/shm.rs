@@ -2081,15 +2081,32 @@ impl SharedBuffer {
             }
         }
         for i in longer {
-            if let Some(Staged::Found { offset, len }) = self.get_many_into(&[keys[i]])?.first() {
-                // SAFETY: as above, a whole-buffer request's placement.
-                each(i, unsafe {
-                    std::slice::from_raw_parts(self.as_ptr().add(*offset), *len)
-                })?;
-                out[i] = Some(Some(*len));
+            if let Some(&Staged::Found { offset, len }) = self.get_many_into(&[keys[i]])?.first() {
+                self.hand_out(i, offset, len, out, &mut each)?;
             }
         }
         Ok(all)
+    }
+
+    /// Hands key `i`'s value, placed by the daemon at `offset` (`len` bytes), to `each` and
+    /// notes its length in `out[i]`: the one place a batch's answered value is read.
+    fn hand_out(
+        &self,
+        i: usize,
+        offset: usize,
+        len: usize,
+        out: &mut [Option<Option<usize>>],
+        each: &mut impl FnMut(usize, &[u8]) -> Result<(), Status>,
+    ) -> Result<(), Status> {
+        // SAFETY: inside the data (`Placer::place` checked the placement against the request's
+        // room), written by the daemon before the answer or frame that placed it; the daemon
+        // writes there again only for a later request, sent after `each` returned (a streamed
+        // batch's next request fills the other half).
+        each(i, unsafe {
+            std::slice::from_raw_parts(self.as_ptr().add(offset), len)
+        })?;
+        out[i] = Some(Some(len));
+        Ok(())
     }
 
     /// Whether this buffer's connection (made now when there is none) takes batches of gets in
@@ -2134,13 +2151,7 @@ impl SharedBuffer {
                     // Longer than the room: it and the rest are streamed.
                     Staged::TooLong => return Ok(done),
                     Staged::Found { offset, len } => {
-                        // SAFETY: inside the mapping (`place` checked it), written by the
-                        // daemon before it answered; nothing else uses the buffer meanwhile
-                        // (the caller holds it).
-                        each(done, unsafe {
-                            std::slice::from_raw_parts(self.as_ptr().add(offset), len)
-                        })?;
-                        out[done] = Some(Some(len));
+                        self.hand_out(done, offset, len, out, each)?;
                         (found, bytes) = (found + 1, bytes + len);
                     }
                 }
@@ -2271,14 +2282,7 @@ impl SharedBuffer {
                 match staged {
                     Staged::Absent => out[i] = Some(None),
                     Staged::TooLong => longer.push(i),
-                    Staged::Found { offset, len } => {
-                        // SAFETY: inside the mapping (`place` checked it), written by the
-                        // daemon before it answered; its next request fills the other half.
-                        each(i, unsafe {
-                            std::slice::from_raw_parts(self.as_ptr().add(offset), len)
-                        })?;
-                        out[i] = Some(Some(len));
-                    }
+                    Staged::Found { offset, len } => self.hand_out(i, offset, len, out, each)?,
                 }
             }
             if last && next == keys.len() {
