@@ -108,6 +108,48 @@ print("opened")
 """
 
 
+def _huge_page_kib() -> int:
+    """AnonHugePages of this process (KiB)."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def _thp_offered() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        return False
+    return "[madvise]" in mode or "[always]" in mode
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="huge-page hints are Linux only")
+def test_large_values_read_into_new_bytes_are_exact_and_on_huge_pages(start_umbpd):
+    # get and batch_get hint the new bytes object of a value of 4 MiB or more onto huge pages
+    # before copying into it (mori_umbpd::pages): every byte still the value's (odd lengths,
+    # values alive together and dropped between rounds), embedded and from a daemon, and the
+    # objects held are backed by huge pages where the kernel offers them.
+    rng = np.random.default_rng()
+    sizes = [4 << 20, (4 << 20) + 1, (6 << 20) + 123, 12 << 20]
+    values = {f"big{i}": rng.integers(0, 256, n, dtype=np.uint8).tobytes() for i, n in enumerate(sizes)}
+    d = start_umbpd("standalone", "--dram-bytes", "64M")
+    with Client(dram_bytes=64 << 20) as embedded, Client(master=d.addr) as remote:
+        for c in (embedded, remote):
+            for k, v in values.items():
+                assert c.put(k, v)
+            for _ in range(3):
+                before_kib = _huge_page_kib()
+                got = c.batch_get([*values, "nope"])
+                assert got == [*values.values(), None]
+                held_kib = _huge_page_kib() - before_kib
+                del got
+                assert [c.get(k) for k in values] == list(values.values())
+            if _thp_offered():
+                # 12 MiB alone holds five whole aligned 2 MiB pages.
+                assert held_kib >= 8 << 10, f"{held_kib} KiB on huge pages while the batch was held"
+    d.stop()
+
+
 def test_a_second_pool_on_one_ssd_dir_is_refused_naming_the_holder(tmp_path):
     rng = np.random.default_rng()
     values = {f"blk-{i}": rng.integers(0, 256, int(n), dtype=np.uint8).tobytes()

@@ -7,6 +7,7 @@ use std::sync::{Mutex, MutexGuard};
 use mori_umbp::{
     GpuTierConfig, LocalPool, PoolConfig, PoolStats, PutOutcome, SsdConfig, SsdIoMode, Tier,
 };
+use mori_umbpd::pages::advise_huge_pages;
 use mori_umbpd::small_ops::{Held, MemorySink, Sink};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -97,7 +98,8 @@ unsafe fn raw_slice<'a>(ptr: usize, len: usize) -> Result<&'a mut [u8]> {
 
 /// A new bytes object of `len` bytes, not initialised, and the address of its contents: the
 /// caller fills every byte before the object is returned to Python (or drops it), so a value
-/// is read straight into the object Python gets.
+/// is read straight into the object Python gets. One large enough is hinted onto huge pages
+/// (mori_umbpd::pages) before it is written.
 fn uninit_bytes(py: Python<'_>, len: usize) -> PyResult<(Bound<'_, PyBytes>, usize)> {
     let size = pyo3::ffi::Py_ssize_t::try_from(len).map_err(|_| {
         pyo3::exceptions::PyOverflowError::new_err(format!("a value of {len} bytes"))
@@ -114,6 +116,7 @@ fn uninit_bytes(py: Python<'_>, len: usize) -> PyResult<(Bound<'_, PyBytes>, usi
     let bytes = obj.cast_into::<PyBytes>()?;
     // SAFETY: `bytes` is a bytes object; its buffer lives as long as the object.
     let at = unsafe { pyo3::ffi::PyBytes_AsString(bytes.as_ptr()) } as usize;
+    advise_huge_pages(at, len);
     Ok((bytes, at))
 }
 

@@ -12,6 +12,7 @@
 //! * [`peer`] — the `peer` role: a pool that registers, heartbeats and publishes its keys.
 //! * [`client`] — a blocking client with the same calls; against a master it routes puts
 //!   and gets to the peers.
+//! * [`pages`] — huge-page hints for the memory a large value is read into for the caller.
 //! * [`proto`] — the generated prost messages and tonic client/server.
 
 #![warn(missing_docs)]
@@ -23,6 +24,7 @@ pub mod config;
 pub mod listener;
 pub mod master;
 pub mod master_server;
+pub mod pages;
 pub mod peer;
 pub mod server;
 pub mod service;
