@@ -8,6 +8,7 @@
 # Usage: bash scripts/stage-mooncake-for-device.sh [python version, default 3.12]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/copy-linked-libs.sh
 py=${1:-3.12}
 out=.device/mooncake
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
@@ -24,10 +25,8 @@ rm -rf "$out"; mkdir -p "$out" "$work/lib"
 tar czf "$out/site.tgz" -C "$work/site" .
 # The system libraries store.so and mooncake_master link, with what those link (not glibc's own).
 for bin in "$work/site/mooncake/store.so" "$work/site/mooncake/mooncake_master"; do
-  LD_LIBRARY_PATH="$work/site/mooncake:$work/site/mooncake_transfer_engine_non_cuda.libs" ldd "$bin" \
-    | awk '/=> \// {print $3}' | grep -v "$work" \
-    | grep -Ev '/(libc|libm|libpthread|libdl|librt|libresolv|libstdc\+\+|libgcc_s|ld-linux[^/]*)\.so' \
-    | while read -r lib; do cp -Ln "$lib" "$work/lib/" 2>/dev/null || true; done
+  LD_LIBRARY_PATH="$work/site/mooncake:$work/site/mooncake_transfer_engine_non_cuda.libs" \
+    copy_linked_libs "$bin" "$work/lib" "$work"
 done
 tar czf "$out/lib.tgz" -C "$work/lib" .
 du -sh "$out"

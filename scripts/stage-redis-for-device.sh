@@ -6,13 +6,13 @@
 # when it exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/copy-linked-libs.sh
 out=.device/redis
 rm -rf "$out"; mkdir -p "$out/bin" "$out/libexec" "$out/lib"
 for tool in redis-server redis-benchmark; do
   real=$(command -v "$tool") || { echo "$tool is not installed here (apt-get install redis-server)"; exit 1; }
   cp -L "$real" "$out/libexec/$tool"
-  ldd "$real" | awk '/=> \// {print $3}' | grep -Ev '/(libc|libm|libpthread|libdl|librt|ld-linux[^/]*)\.so' \
-    | while read -r lib; do cp -Ln "$lib" "$out/lib/" 2>/dev/null || true; done
+  copy_linked_libs "$real" "$out/lib"
   cat > "$out/bin/$tool" <<WRAP
 #!/bin/sh
 here=\$(dirname "\$(readlink -f "\$0")")

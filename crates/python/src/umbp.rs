@@ -131,11 +131,16 @@ struct GilHeld<'py> {
 }
 
 impl<'py> GilHeld<'py> {
-    fn new(py: Python<'py>) -> Self {
-        GilHeld {
+    /// `f` with the GIL kept for it (the call lets it go where it may block), taken back when
+    /// `f` returns.
+    fn keep_through<R>(py: Python<'py>, f: impl FnOnce(&Self) -> R) -> R {
+        let held = GilHeld {
             py,
             saved: std::cell::Cell::new(std::ptr::null_mut()),
-        }
+        };
+        let out = f(&held);
+        held.retake();
+        out
     }
 
     /// Takes the GIL back if the call let it go.
@@ -810,25 +815,26 @@ impl UmbpRemote {
     }
 
     fn put(&self, py: Python<'_>, key: &[u8], value: &[u8]) -> Result<bool> {
-        let held = GilHeld::new(py); // kept as in `get`
-        let stored = self.inner.put_held(key, value, &held);
-        held.retake();
-        Ok(stored?)
+        // The GIL kept as in `get`.
+        Ok(GilHeld::keep_through(py, |held| {
+            self.inner.put_held(key, value, held)
+        })?)
     }
 
     /// Keeps the GIL while a same-host get is answered within mori-umbpd's `hold_for()`
     /// (`GilHeld`): several Python threads' small gets then run one after another on the
     /// thread that has the GIL, without a handoff between CPUs per get.
     fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let held = GilHeld::new(py);
-        let mut sink = BytesSink {
-            attach: &held,
-            bytes: None,
-            error: None,
-        };
-        let found = self.inner.get_with_held(key, &mut sink, &held);
-        held.retake();
-        sink.finish(py, found)
+        GilHeld::keep_through(py, |held| {
+            let mut sink = BytesSink {
+                attach: held,
+                bytes: None,
+                error: None,
+            };
+            let found = self.inner.get_with_held(key, &mut sink, held);
+            held.retake(); // before the sink's objects are handed to Python
+            sink.finish(py, found)
+        })
     }
 
     fn exists(&self, py: Python<'_>, key: &[u8]) -> Result<bool> {
@@ -856,10 +862,10 @@ impl UmbpRemote {
         // SAFETY: mori.umbp passes a live, writable contiguous buffer of `len` bytes, which it
         // keeps during the call.
         let mut sink = unsafe { MemorySink::new(ptr, len) };
-        let held = GilHeld::new(py); // kept as in `get`
-        let found = self.inner.get_with_held(key, &mut sink, &held);
-        held.retake();
-        Ok(found?)
+        // The GIL kept as in `get`.
+        Ok(GilHeld::keep_through(py, |held| {
+            self.inner.get_with_held(key, &mut sink, held)
+        })?)
     }
 
     fn batch_put(
