@@ -606,6 +606,52 @@ fn single_calls_take_small_ops_or_shared_memory_and_agree_with_grpc() {
     assert_eq!(served(c.health().unwrap()) - before, calls);
 }
 
+/// Two reader threads call `read(reader, round, client)` (each with its own client) for
+/// rounds 0, 1, … until it returns false (a call failed); once each has read and they have
+/// read 40 rounds in all, `check` runs, the daemon is killed -9 and the readers joined. `read`
+/// asserts what it got: a reader that panics (wrong bytes) fails the test at once.
+fn readers_until_killed(
+    d: Daemon,
+    read: impl Fn(usize, usize, &Client) -> bool + Clone + Send + 'static,
+    check: impl FnOnce(),
+) {
+    let (reads, read_done) = mpsc::channel::<usize>();
+    let readers: Vec<_> = (0..2)
+        .map(|t| {
+            let (addr, read, reads) = (d.addr.clone(), read.clone(), reads.clone());
+            std::thread::spawn(move || {
+                let c = Client::connect(&addr).unwrap();
+                (0..).find(|&r| {
+                    let ok = read(t, r, &c);
+                    if ok {
+                        let _ = reads.send(t);
+                    }
+                    !ok
+                })
+            })
+        })
+        .collect();
+    drop(reads); // a reader that panics then ends the wait below at once
+    let mut rounds = [0usize; 2];
+    while rounds.iter().sum::<usize>() < 40 || rounds.contains(&0) {
+        match read_done.recv_timeout(Duration::from_secs(30)) {
+            Ok(t) => rounds[t] += 1,
+            Err(_) => {
+                for r in readers {
+                    r.join().expect("a reader saw wrong bytes");
+                }
+                panic!("readers stalled ({rounds:?} rounds read)");
+            }
+        }
+    }
+    check();
+    d.stop(libc::SIGKILL, EXIT_WAIT);
+    for r in readers {
+        let failed_at = r.join().expect("a reader saw wrong bytes");
+        assert!(failed_at >= Some(1), "a reader failed at once");
+    }
+}
+
 /// Readers looping over single gets of 1 MiB values (small ops) while the daemon is killed -9:
 /// every answer is the key's own value until the calls fail — never another key's bytes, a
 /// short value or a miss.
@@ -619,39 +665,70 @@ fn readers_of_a_killed_daemon_get_their_values_or_errors() {
     for (i, v) in values.iter().enumerate() {
         assert!(c.put(&key(i), v).unwrap());
     }
-    let (reads, read) = mpsc::channel::<()>();
-    let readers: Vec<_> = (0..2)
-        .map(|t| {
-            let (addr, values, reads) = (d.addr.clone(), values.clone(), reads.clone());
-            std::thread::spawn(move || {
-                let c = Client::connect(&addr).unwrap();
-                for r in 0.. {
-                    let i = (t + r) % N;
-                    match c.get(&key(i)) {
-                        Ok(got) => assert!(got.as_ref() == Some(&values[i]), "read {r} of key {i}"),
-                        Err(_) => return r,
-                    }
-                    let _ = reads.send(());
-                }
-                unreachable!()
-            })
-        })
+    let read = move |t: usize, r: usize, c: &Client| {
+        let i = (t + r) % N;
+        match c.get(&key(i)) {
+            Ok(got) => {
+                assert!(got.as_ref() == Some(&values[i]), "read {r} of key {i}");
+                true
+            }
+            Err(_) => false,
+        }
+    };
+    readers_until_killed(d, read, || {
+        // On this host the reads go through shared memory (crate::shm), else small ops.
+        let h = c.health().unwrap();
+        assert!(
+            h.same_host_served >= 40,
+            "the reads took the same-host path ({h:?})"
+        );
+    });
+}
+
+/// Readers looping over byte batches whose small values travel in the shared buffer's control
+/// block and whose larger ones are streamed (crate::shm), with an absent key among them, while
+/// the daemon is killed -9: every batch answered is each key's own value in its place until the
+/// calls fail — never another key's bytes, a short value, or a miss for a stored key.
+#[test]
+fn batch_readers_of_a_killed_daemon_get_their_values_or_errors() {
+    const N: usize = 24;
+    const SIZES: [usize; 6] = [4096, 4096 + 7, 64 << 10, 4096, 1 << 20, 300 << 10];
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), &["--dram-bytes", "128M"], &[]);
+    let c = Client::connect(&d.addr).unwrap();
+    let values: Vec<Vec<u8>> = (0..N)
+        .map(|i| bytes(i as u64 + 7000, SIZES[i % SIZES.len()]))
         .collect();
-    for _ in 0..40 {
-        read.recv_timeout(Duration::from_secs(30))
-            .expect("readers stalled");
+    for (i, v) in values.iter().enumerate() {
+        assert!(c.put(&key(i), v).unwrap());
     }
-    // On this host the reads go through shared memory (crate::shm), else small ops.
-    let h = c.health().unwrap();
-    assert!(
-        h.same_host_served >= 40,
-        "the reads took the same-host path ({h:?})"
-    );
-    d.stop(libc::SIGKILL, EXIT_WAIT);
-    for r in readers {
-        let done = r.join().expect("a reader saw wrong bytes");
-        assert!(done >= 1);
-    }
+    let before = c.health().unwrap().same_host_served;
+    let read = move |t: usize, r: usize, c: &Client| {
+        // 12 keys from a moving start, the absent key in the middle.
+        let mut idx: Vec<Option<usize>> = (0..12).map(|j| Some((t * 5 + r + j) % N)).collect();
+        idx.insert(6, None);
+        let keys: Vec<Vec<u8>> = idx
+            .iter()
+            .map(|i| i.map_or_else(|| b"absent".to_vec(), key))
+            .collect();
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        match c.batch_get(&refs) {
+            Ok(got) => {
+                let want: Vec<Option<Vec<u8>>> =
+                    idx.iter().map(|i| i.map(|i| values[i].clone())).collect();
+                assert!(got == want, "batch {r} of reader {t}");
+                true
+            }
+            Err(_) => false,
+        }
+    };
+    readers_until_killed(d, read, || {
+        let h = c.health().unwrap();
+        assert!(
+            h.same_host_served >= before + 40 * 12,
+            "the batches took the same-host path ({h:?})"
+        );
+    });
 }
 
 /// Two clients put different values under the same keys at once (through shared memory, the
