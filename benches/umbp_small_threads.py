@@ -19,13 +19,13 @@ import os
 import numpy as np
 
 import mori.bench.umbp as umbp_bench
+from mori.umbp import Client
 from _pinned_umbpd import pinned_cluster, pinned_umbpd
 from mori.bench._common import Checks, environment, median, percentile, write_record
 
 
 def small_puts(addr: str, checks: Checks, run: str, size: int = 4096, seconds: float = 2.0) -> list[dict]:
     """Single puts of new keys (``run`` keeps them apart between runs) from 1 and 4 threads."""
-    from mori.umbp import Client
 
     base = np.random.default_rng().integers(0, 256, size, dtype=np.uint8).tobytes()
     rows = []
@@ -82,7 +82,7 @@ def main() -> None:
         for name, mask in placements.items():
             os.sched_setaffinity(0, mask)
             print(f"{name} (CPUs {mask[0]}-{mask[-1]}):", flush=True)
-            for r in umbp_bench._small_gets(addr, checks, seconds=args.seconds):
+            for r in umbp_bench._small_gets(lambda: Client(master=addr), checks, name, seconds=args.seconds):
                 rows.append({"client": name, "client_cpus": mask, "op": "get"} | r)
             for r in small_puts(addr, checks, name, seconds=args.seconds):
                 rows.append({"client": name, "client_cpus": mask} | r)

@@ -3,7 +3,10 @@
 Measured in one run: host memcpy bandwidth (numpy, 256 MiB streamed), the embedded pool
 (put / get by value size and batch, get_into for single values; beside each single-value row
 the bar for its gets: the same values copied by numpy into the one reused buffer,
-``memcpy_into_gbps``, as get_into, and into new bytes objects, ``memcpy_new_gbps``, as get),
+``memcpy_into_gbps``, as get_into, and into new bytes objects, ``memcpy_new_gbps``, as get;
+beside each batch row the same values got one by one and kept in a list per batch,
+``get_one_by_one_gbps``: the single-value row drops each value before the next get, so its
+get reuses memory the allocator keeps mapped, where a batch's values all land in new memory),
 a standalone ``umbpd`` daemon
 and a cluster (a master and 2 peers; the same calls, values as bytes — get_into of a buffer of at
 most 64 KiB over small ops, a larger one registered with the client's IO engine —, and batches
@@ -149,9 +152,18 @@ def _pool_rows(client, label: str, total_bytes: int, checks: Checks, reader=None
             t_get = time.perf_counter() - t0
             last = len(keys) - batch
             ok = _same(checks, f"{what}: the last get", got, values[last] if batch == 1 else values[last:])
+            t_one_by_one = None
+            if batch > 1:
+                t0 = time.perf_counter()
+                for i in range(0, len(keys), batch):
+                    kept = [client.get(k) for k in keys[i : i + batch]]
+                t_one_by_one = time.perf_counter() - t0
+                ok &= _same(checks, f"{what}: the last batch's values one by one", kept, values[last:])
             row = {"backend": label, "value_bytes": size, "batch": batch, "keys": len(keys),
                    "put_gbps": len(keys) * size / t_put / 1e9, "put_ops": len(keys) / t_put,
                    "get_gbps": len(keys) * size / t_get / 1e9, "get_ops": len(keys) / t_get}
+            if t_one_by_one is not None:
+                row["get_one_by_one_gbps"] = len(keys) * size / t_one_by_one / 1e9
             if t_new is not None:
                 row |= {"get_new_client_gbps": len(keys) * size / t_new / 1e9, "get_new_client_ops": len(keys) / t_new}
                 ok &= ok_new
@@ -180,6 +192,7 @@ def _pool_rows(client, label: str, total_bytes: int, checks: Checks, reader=None
                   f"get {row['get_gbps']:6.2f} GB/s {row['get_ops']:9.0f}/s"
                   + (f" | get_into {row['get_into_gbps']:6.2f} GB/s | memcpy into {row['memcpy_into_gbps']:6.2f}, new "
                      f"{row['memcpy_new_gbps']:6.2f} GB/s" if "get_into_gbps" in row else "")
+                  + (f" | one by one {row['get_one_by_one_gbps']:6.2f} GB/s" if "get_one_by_one_gbps" in row else "")
                   + (f" | another client's first gets {row['get_new_client_ops']:9.0f}/s" if "get_new_client_ops" in row else ""),
                   flush=True)
     return rows
