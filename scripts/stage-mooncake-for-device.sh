@@ -21,6 +21,11 @@ for f in __init__.py buffer_pool.py store.so mooncake_master libetcd_wrapper.so 
   cp "$work/all/mooncake/$f" "$work/site/mooncake/"
 done
 cp -r "$work"/all/mooncake_transfer_engine_non_cuda.libs "$work"/all/mooncake_transfer_engine_non_cuda-*.dist-info "$work/site/"
+# store.so loads libetcd_wrapper.so from its own folder, mooncake_master the wheel's repaired copy
+# of the same library under a hashed name: one copy (22 MB) and a link keep the staged tree
+# inside the device's carry limit.
+etcd=$(cd "$work/site/mooncake_transfer_engine_non_cuda.libs" && ls libetcd_wrapper-*.so)
+ln -sf "../mooncake_transfer_engine_non_cuda.libs/$etcd" "$work/site/mooncake/libetcd_wrapper.so"
 rm -rf "$out"; mkdir -p "$out" "$work/lib"
 tar czf "$out/site.tgz" -C "$work/site" .
 # The system libraries store.so and mooncake_master link, with what those link (not glibc's own).
