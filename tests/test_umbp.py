@@ -5,7 +5,9 @@ with its SSD directory)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -122,6 +124,23 @@ def _huge_page_kib_at(address: int) -> int:
     return 0
 
 
+def _hinted_control_huge_kib(size: int = 40 << 20) -> int:
+    """AnonHugePages (KiB) of a fresh anonymous mapping of ``size`` bytes hinted MADV_HUGEPAGE
+    and written, as mori hints a value's memory: what the kernel grants such memory now (on a
+    fragmented host it may grant none, whatever the hint)."""
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+        m.write(b"\x01" * size)
+        view = ctypes.c_char.from_buffer(m)
+        try:
+            return _huge_page_kib_at(ctypes.addressof(view) + size // 2)
+        finally:
+            del view
+    finally:
+        m.close()
+
+
 def _thp_offered() -> bool:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -139,7 +158,11 @@ def test_large_values_read_into_new_bytes_are_exact_and_on_huge_pages(start_umbp
     # objects held are backed by huge pages where the kernel offers them. A 40 MiB object is
     # above glibc's largest mmap threshold, so it is a fresh mapping each round (smaller ones
     # may reuse memory earlier tests already faulted in with 4 KiB pages, which no hint changes).
+    # Each round's check is against a hinted mapping of the same size made at the same moment:
+    # where the kernel grants that one no huge pages (memory too fragmented), the round says
+    # nothing (CI on fe0843a once saw 0 KiB here).
     rng = np.random.default_rng()
+    compared = 0
     sizes = [4 << 20, (4 << 20) + 1, (6 << 20) + 123, 40 << 20]
     values = {f"big{i}": rng.integers(0, 256, n, dtype=np.uint8).tobytes() for i, n in enumerate(sizes)}
     d = start_umbpd("standalone", "--dram-bytes", "128M")
@@ -155,10 +178,16 @@ def test_large_values_read_into_new_bytes_are_exact_and_on_huge_pages(start_umbp
                 largest_kib = _huge_page_kib_at(id(got[-2]) + (20 << 20))
                 del got
                 assert [c.get(k) for k in values] == list(values.values())
-                if _thp_offered() and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+                control_kib = _hinted_control_huge_kib()
+                if _thp_offered() and "MALLOC_MMAP_THRESHOLD_" not in os.environ and control_kib >= 16 << 10:
                     # 40 MiB holds 19 whole aligned 2 MiB pages; most are granted.
-                    assert largest_kib >= 16 << 10, f"{largest_kib} KiB of the 40 MiB value on huge pages"
+                    compared += 1
+                    assert largest_kib >= 16 << 10, (
+                        f"{largest_kib} KiB of the 40 MiB value on huge pages (a hinted control: {control_kib} KiB)")
     d.stop()
+    if compared == 0:
+        pytest.skip("the kernel granted a hinted 40 MiB mapping no huge pages in any round "
+                    f"(THP offered: {_thp_offered()}): nothing to compare with")
 
 
 def test_a_second_pool_on_one_ssd_dir_is_refused_naming_the_holder(tmp_path):
