@@ -4,6 +4,7 @@
 //!   client-side connector. [`listener`] — the authenticated, bounded accept loop.
 //! * [`cli`] — the `umbpd` command ([`run_cli`]), run by the binary and by the Python wheel.
 //! * [`config`] — settings from a TOML file, `UMBP_*` environment variables and flags.
+//! * [`claims`] — one put of a key at a time on a cluster peer, from store to publication.
 //! * [`service`] — the gRPC service `umbp.v1.Umbp` (see `proto/umbp.proto`) over a
 //!   [`mori_umbp::LocalPool`].
 //! * [`server`] — the `standalone` role: serve until SIGTERM/SIGINT, then close the pool.
@@ -18,6 +19,7 @@
 #![warn(missing_docs)]
 
 pub mod auth;
+pub mod claims;
 pub mod cli;
 pub mod client;
 pub mod config;

@@ -350,7 +350,10 @@ async fn heartbeat(
     let gathered = tokio::task::spawn_blocking(move || {
         let new = p.with(|p| Ok(p.take_dropped()))?;
         dropped.extend(new);
-        // A dropped key stored again since (by a later put) is live: do not report it.
+        // A dropped key stored again since (by a later put) is live: do not report it. Claimed
+        // until the master has the report, so no put stores and publishes one meanwhile (the
+        // report would make the master forget that value).
+        let claim = p.claim(dropped.iter().map(Vec::as_slice));
         let mut live = Vec::new();
         for k in &dropped {
             live.push(p.with(|p| p.exists(k))?);
@@ -361,10 +364,10 @@ async fn heartbeat(
             .filter(|(_, l)| !l)
             .map(|(k, _)| k)
             .collect();
-        Ok::<_, Status>((report(&p, ssd_capacity)?, dropped))
+        Ok::<_, Status>((report(&p, ssd_capacity)?, dropped, claim))
     })
     .await;
-    let (rep, dropped) = match gathered {
+    let (rep, dropped, claim) = match gathered {
         Ok(Ok(x)) => x,
         Ok(Err(e)) => return Err((e, Vec::new())),
         Err(e) => return Err((Status::internal(e.to_string()), Vec::new())),
@@ -379,6 +382,7 @@ async fn heartbeat(
         Ok(r) => r.into_inner(),
         Err(e) => return Err((link.unavailable("heartbeat", &e), dropped)),
     };
+    drop(claim);
     if !resp.known {
         link.id.store(0, Ordering::Release);
         return Ok(());

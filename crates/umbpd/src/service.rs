@@ -14,6 +14,7 @@ use mori_umbp::{
 use tonic::{Request, Response, Status};
 use tracing::warn;
 
+use crate::claims::{KeyClaim, PutClaims};
 use crate::listener::ListenerStats;
 use crate::peer::PeerLink;
 use crate::proto::umbp_server::Umbp;
@@ -44,6 +45,8 @@ pub fn status_of(e: mori_umbp::Error) -> Status {
 #[derive(Debug)]
 pub struct SharedPool {
     pool: RwLock<Option<LocalPool>>,
+    /// Keys a cluster peer's puts and heartbeats are working on ([`crate::claims`]).
+    claims: Arc<PutClaims>,
 }
 
 impl SharedPool {
@@ -51,7 +54,14 @@ impl SharedPool {
     pub fn new(pool: LocalPool) -> SharedPool {
         SharedPool {
             pool: RwLock::new(Some(pool)),
+            claims: Arc::default(),
         }
+    }
+
+    /// Claims `keys` for a put's store and publication, or a heartbeat's report of them as
+    /// dropped, waiting while another holds any of them ([`crate::claims`]).
+    pub fn claim<'k>(&self, keys: impl IntoIterator<Item = &'k [u8]>) -> KeyClaim {
+        self.claims.claim(keys)
     }
 
     /// Runs `f` on the pool, or fails with `UNAVAILABLE` once it is closed.
@@ -861,19 +871,26 @@ impl UmbpService {
                 })
                 .await;
         };
-        // Store, then read back where each key landed (a later value of the same batch may
-        // already have evicted an earlier one).
-        let (keys, stored, entries) = self
-            .call_status(move |p| {
+        // Claim the keys (before the pool's lock: a claim's holder takes that lock again to
+        // drop the losers' copies), store, then read back where each key landed (a later value
+        // of the same batch may already have evicted an earlier one). The claim is held until
+        // the losers' copies are dropped.
+        let pool = Arc::clone(&self.pool);
+        let (keys, stored, entries, claim) = tokio::task::spawn_blocking(move || {
+            let claim = pool.claim(keys.iter().map(Vec::as_slice));
+            pool.with_status(|p| {
                 let outcomes = store(p, &keys)?;
                 let mut entries = Vec::with_capacity(keys.len());
                 for k in &keys {
                     entries.push(commit_entry(p, k)?);
                 }
                 let stored: Vec<bool> = outcomes.iter().map(|o| *o == PutOutcome::Stored).collect();
-                Ok((keys, stored, entries))
+                Ok((stored, entries))
             })
-            .await?;
+            .map(|(stored, entries)| (keys, stored, entries, claim))
+        })
+        .await
+        .map_err(|e| Status::internal(format!("pool worker failed: {e}")))??;
         let idx: Vec<usize> = (0..entries.len())
             .filter(|&i| entries[i].is_some())
             .collect();
@@ -881,6 +898,7 @@ impl UmbpService {
         let published = link.commit(commit).await;
         let (answer, dropped) = settle_commit(&keys, stored, &idx, published);
         self.remove_keys(dropped).await;
+        drop(claim);
         answer
     }
 

@@ -1111,6 +1111,7 @@ impl Served<'_> {
         if head[0] == PUT_FROM || head[0] == PUT_MANY_FROM {
             let put = if head[0] == PUT_FROM {
                 stats.same_host_served.fetch_add(1, Ordering::Relaxed);
+                let _claim = link.map(|_| self.pool.claim([key.as_slice()]));
                 put_from(self.pool, &key, out)
                     .and_then(|stored| published(self.pool, link, &[key.as_slice()], vec![stored]))
                     .map(|stored| stored[0].then(Vec::new))
@@ -1277,7 +1278,8 @@ fn put_from(pool: &SharedPool, key: &[u8], value: &[u8]) -> Result<bool, Status>
 /// stored it): on a cluster peer (`link`) the keys are published to the master first (as a put
 /// over gRPC or small ops is: a key another peer holds is dropped here and answered not
 /// stored; a failed commit drops what was stored and fails the put); on a standalone daemon,
-/// `stored` as it is.
+/// `stored` as it is. On a peer the caller holds the keys' claim ([`SharedPool::claim`]) from
+/// before it stored them until this returns.
 fn published(
     pool: &SharedPool,
     link: Option<&crate::peer::PeerLink>,
@@ -1345,6 +1347,7 @@ fn put_many_from(
         at = (at + value.len()).next_multiple_of(MANY_ALIGN as usize);
         items.push((key, value));
     }
+    let _claim = link.map(|_| pool.claim(items.iter().map(|(k, _)| *k)));
     let mut stored = Vec::with_capacity(items.len());
     for (key, value) in &items {
         match put_from(pool, key, value) {
