@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """Reproduces the rare double win of tests/test_umbp.py::test_cluster_concurrent_processes_on_overlapping_keys_first_writer_wins
-(#20, open): rounds of PROCS racing processes putting the same KEYS 4 KiB values into a fresh
+(#20, fixed): rounds of PROCS racing processes putting the same KEYS 4 KiB values into a fresh
 master and two peers (the test's cluster), each racer in its own order; a round fails when a key
 is reported stored by other than exactly one racer. The racers are the test's own (`_RACER`). A failed
 round's daemon logs and each racer's stored keys are left in OUT/r<round>/, and the kept value's
 writer is printed.
 
-Seen on the 2-core CI machine with two busy loops beside it: about one round in 200 (4 racers,
-120 keys; debug umbpd as the test uses), each time two racers reported the same key stored, at
-different peers, both answers "stored" from the peer (no retry, no error; seen with a scratch
-build that printed each put's path and answer), with one value left in the pools: one peer's
-stored value was dropped after its put had been answered.
+Seen on the 2-core CI machine with two busy loops beside it before mori_umbpd::claims: about one
+round in 200 (4 racers, 120 keys; debug umbpd as the test uses), each time two racers reported the
+same key stored at different peers, with one value left in the pools. The cause was a losing put's
+drop taking the value a later put had just stored at the same peer (docs/umbp.md, "First writer
+wins"); crates/umbpd/tests/cluster.rs::racing_puts_of_the_same_keys_have_exactly_one_winner_each
+shows it in seconds. Kept as the reproducer of the Python test's own shape.
 
     python3 scripts/stress-first-writer.py target/debug/umbpd 300 /tmp/first-writer [PROCS KEYS]
 """
