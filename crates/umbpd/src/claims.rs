@@ -46,6 +46,29 @@ impl PutClaims {
             keys,
         }
     }
+
+    /// Claims those of `keys` no one holds, without waiting: their claim, and the keys held by
+    /// others (a put of each is under way). A heartbeat takes its keys this way, so puts of
+    /// dropped keys can never hold its report back (the master would declare the peer dead).
+    pub fn claim_free(self: &Arc<Self>, mut keys: Vec<Vec<u8>>) -> (KeyClaim, Vec<Vec<u8>>) {
+        keys.sort_unstable();
+        keys.dedup();
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let (free, busy): (Vec<_>, Vec<_>) = keys.into_iter().partition(|k| !held.contains(k));
+        held.extend(free.iter().cloned());
+        let claim = KeyClaim {
+            claims: Arc::clone(self),
+            keys: free,
+        };
+        (claim, busy)
+    }
+}
+
+impl KeyClaim {
+    /// The keys claimed (sorted, once each, for [`PutClaims::claim`]).
+    pub fn keys(&self) -> &[Vec<u8>] {
+        &self.keys
+    }
 }
 
 impl Drop for KeyClaim {
@@ -98,6 +121,18 @@ mod tests {
             drop(first);
         });
         assert_eq!(done.load(Ordering::SeqCst), 1);
+        // Without waiting: the free keys are claimed (once each), the held one is named.
+        let put = claims.claim([&b"p"[..]]);
+        let keys = |ks: &[&[u8]]| ks.iter().map(|k| k.to_vec()).collect::<Vec<_>>();
+        let (report, busy) = claims.claim_free(keys(&[b"d", b"p", b"d", b"e"]));
+        assert_eq!(report.keys(), keys(&[b"d", b"e"]).as_slice());
+        assert_eq!(busy, keys(&[b"p"]));
+        drop(claims.claim_free(keys(&[b"x"])));
+        assert!(
+            claims.claim_free(keys(&[b"d"])).1 == keys(&[b"d"]),
+            "d held by the report"
+        );
+        drop((report, put));
         assert!(
             claims.held.lock().unwrap().is_empty(),
             "every claim released"

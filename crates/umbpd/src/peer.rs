@@ -339,35 +339,32 @@ async fn register(
 }
 
 /// One heartbeat: report, then evict what the master names. Returns the keys to report as
-/// dropped next time (if the heartbeat failed).
+/// dropped next time: those a put held meanwhile, and on a failed heartbeat the reported ones.
 async fn heartbeat(
     link: &PeerLink,
     pool: &Arc<SharedPool>,
     ssd_capacity: u64,
     mut dropped: Vec<Vec<u8>>,
-) -> Result<(), (Status, Vec<Vec<u8>>)> {
+) -> Result<Vec<Vec<u8>>, (Status, Vec<Vec<u8>>)> {
     let p = Arc::clone(pool);
     let gathered = tokio::task::spawn_blocking(move || {
         let new = p.with(|p| Ok(p.take_dropped()))?;
         dropped.extend(new);
-        // A dropped key stored again since (by a later put) is live: do not report it. Claimed
-        // until the master has the report, so no put stores and publishes one meanwhile (the
-        // report would make the master forget that value).
-        let claim = p.claim(dropped.iter().map(Vec::as_slice));
-        let mut live = Vec::new();
-        for k in &dropped {
-            live.push(p.with(|p| p.exists(k))?);
+        // Claimed until the master has the report, so no put stores and publishes one of them
+        // meanwhile (the report would make the master forget that value); a key a put holds
+        // now waits for the next heartbeat.
+        let (claim, busy) = p.claim_free(dropped);
+        // A dropped key stored again since (by a later put) is live: do not report it.
+        let mut dropped = Vec::new();
+        for k in claim.keys() {
+            if !p.with(|p| p.exists(k))? {
+                dropped.push(k.clone());
+            }
         }
-        let dropped: Vec<Vec<u8>> = dropped
-            .into_iter()
-            .zip(live)
-            .filter(|(_, l)| !l)
-            .map(|(k, _)| k)
-            .collect();
-        Ok::<_, Status>((report(&p, ssd_capacity)?, dropped, claim))
+        Ok::<_, Status>((report(&p, ssd_capacity)?, dropped, busy, claim))
     })
     .await;
-    let (rep, dropped, claim) = match gathered {
+    let (rep, dropped, mut busy, claim) = match gathered {
         Ok(Ok(x)) => x,
         Ok(Err(e)) => return Err((e, Vec::new())),
         Err(e) => return Err((Status::internal(e.to_string()), Vec::new())),
@@ -380,12 +377,15 @@ async fn heartbeat(
     };
     let resp = match link.master.clone().heartbeat(req).await {
         Ok(r) => r.into_inner(),
-        Err(e) => return Err((link.unavailable("heartbeat", &e), dropped)),
+        Err(e) => {
+            busy.extend(dropped);
+            return Err((link.unavailable("heartbeat", &e), busy));
+        }
     };
     drop(claim);
     if !resp.known {
         link.id.store(0, Ordering::Release);
-        return Ok(());
+        return Ok(busy);
     }
     if !resp.evict.is_empty() {
         let p = Arc::clone(pool);
@@ -405,7 +405,7 @@ async fn heartbeat(
             Err(e) => warn!(error = %e, "directed eviction task failed"),
         }
     }
-    Ok(())
+    Ok(busy)
 }
 
 /// Registers (again) and heartbeats forever.
@@ -433,7 +433,8 @@ async fn heartbeat_loop(
             continue;
         }
         match heartbeat(&link, &pool, ssd_capacity, std::mem::take(&mut carry)).await {
-            Ok(()) => {
+            Ok(next) => {
+                carry = next;
                 if failing {
                     info!("heartbeats reach the master again");
                 }

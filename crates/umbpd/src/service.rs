@@ -64,6 +64,12 @@ impl SharedPool {
         self.claims.claim(keys)
     }
 
+    /// Claims those of `keys` no put holds, without waiting; the rest are returned
+    /// ([`PutClaims::claim_free`]).
+    pub fn claim_free(&self, keys: Vec<Vec<u8>>) -> (KeyClaim, Vec<Vec<u8>>) {
+        self.claims.claim_free(keys)
+    }
+
     /// Runs `f` on the pool, or fails with `UNAVAILABLE` once it is closed.
     pub fn with<R>(&self, f: impl FnOnce(&LocalPool) -> mori_umbp::Result<R>) -> Result<R, Status> {
         self.with_status(|p| f(p).map_err(status_of))
