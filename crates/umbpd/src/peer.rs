@@ -18,6 +18,7 @@
 //!   fit (high watermark 1.0), down to the configured high watermark; the master's direction
 //!   keeps use between the low and high watermarks otherwise.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -58,7 +59,16 @@ pub struct PeerLink {
     small_commits: AtomicBool,
     /// The runtime the link was made in, for gRPC commits from a blocking thread.
     rt: Option<tokio::runtime::Handle>,
+    /// Keys a failed commit may still publish, each with the heartbeats left to report it
+    /// ([`PeerLink::note_unsure`]).
+    unsure: std::sync::Mutex<HashMap<Vec<u8>, u32>>,
 }
+
+/// How many successful heartbeats report a key a failed commit may still publish: the master
+/// may read that commit after the peer gave up on it (it was stalled past the peer's deadline),
+/// and after the first report too (a request on another connection), but not a few heartbeat
+/// intervals after it answers again.
+const UNSURE_REPORTS: u32 = 3;
 
 /// A commit whose request is at most this long goes over small ops (when the master speaks
 /// them); a longer one (a registration's keys) over gRPC.
@@ -89,7 +99,52 @@ impl PeerLink {
                 .then(|| Arc::new(SmallOpsClient::new(addr, secret, timeout, timeout))),
             small_commits: AtomicBool::new(true),
             rt: tokio::runtime::Handle::try_current().ok(),
+            unsure: std::sync::Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Notes `keys` whose commit failed and whose values the peer dropped: the master may still
+    /// carry the commit out (it reads a request the peer gave up on once it runs again), which
+    /// would index each key here with no value behind it, every later put of it refused. The
+    /// next [`UNSURE_REPORTS`] heartbeats report them as dropped while they are absent.
+    pub(crate) fn note_unsure(&self, keys: &[Vec<u8>]) {
+        let mut unsure = self
+            .unsure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for k in keys {
+            unsure.insert(k.clone(), UNSURE_REPORTS);
+        }
+    }
+
+    fn unsure_keys(&self) -> Vec<Vec<u8>> {
+        let unsure = self
+            .unsure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        unsure.keys().cloned().collect()
+    }
+
+    /// After a heartbeat the master answered: of the unsure keys `asked`, those `reported` (still
+    /// absent) have one report less to go, those neither reported nor `busy` (a put holds them)
+    /// were stored again and are settled.
+    fn unsure_reported(&self, asked: &[Vec<u8>], reported: &[Vec<u8>], busy: &[Vec<u8>]) {
+        let mut unsure = self
+            .unsure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for k in asked {
+            if busy.contains(k) {
+                continue;
+            }
+            let left = unsure.get_mut(k).filter(|_| reported.contains(k));
+            match left {
+                Some(n) if *n > 1 => *n -= 1,
+                _ => {
+                    unsure.remove(k);
+                }
+            }
+        }
     }
 
     /// Notes gets of `keys` here, for the next heartbeat (clients that know where a key is read
@@ -347,6 +402,8 @@ async fn heartbeat(
     mut dropped: Vec<Vec<u8>>,
 ) -> Result<Vec<Vec<u8>>, (Status, Vec<Vec<u8>>)> {
     let p = Arc::clone(pool);
+    let unsure = link.unsure_keys();
+    dropped.extend(unsure.iter().cloned());
     let gathered = tokio::task::spawn_blocking(move || {
         let new = p.with(|p| Ok(p.take_dropped()))?;
         dropped.extend(new);
@@ -387,6 +444,7 @@ async fn heartbeat(
         link.id.store(0, Ordering::Release);
         return Ok(busy);
     }
+    link.unsure_reported(&unsure, &dropped, &busy);
     if !resp.evict.is_empty() {
         let p = Arc::clone(pool);
         let evict = resp.evict;

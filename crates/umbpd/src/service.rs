@@ -902,7 +902,7 @@ impl UmbpService {
             .collect();
         let commit: Vec<CommitEntry> = entries.into_iter().flatten().collect();
         let published = link.commit(commit).await;
-        let (answer, dropped) = settle_commit(&keys, stored, &idx, published);
+        let (answer, dropped) = settle_commit(&link, &keys, stored, &idx, published);
         self.remove_keys(dropped).await;
         drop(claim);
         answer
@@ -958,10 +958,12 @@ pub(crate) fn commit_entry(p: &LocalPool, key: &[u8]) -> Result<Option<CommitEnt
 /// What a peer answers for a put of `keys` (`stored`: per key, whether this call stored it)
 /// once the master answered the commit of the keys at `committed` (those the pool held; the
 /// answer: a flag per committed key): the call's answers, and the keys to drop from the pool.
-/// A failed commit fails the call and drops every key it stored (none is indexed); a key the
+/// A failed commit fails the call and drops every key it stored (the master may still carry the
+/// commit out: `link` reports those keys as dropped, [`PeerLink::note_unsure`]); a key the
 /// master places at another peer (a concurrent writer won, or the key is present elsewhere) is
 /// answered not stored and dropped here.
 pub(crate) fn settle_commit(
+    link: &PeerLink,
     keys: &[Vec<u8>],
     stored: Vec<bool>,
     committed: &[usize],
@@ -970,10 +972,11 @@ pub(crate) fn settle_commit(
     let published = match published {
         Ok(p) => p,
         Err(e) => {
-            let undo = (0..keys.len())
+            let undo: Vec<Vec<u8>> = (0..keys.len())
                 .filter(|&i| stored[i])
                 .map(|i| keys[i].clone())
                 .collect();
+            link.note_unsure(&undo);
             return (Err(e), undo);
         }
     };

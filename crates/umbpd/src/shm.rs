@@ -1300,8 +1300,13 @@ fn published(
         Ok((entries, committed))
     })?;
     let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
-    let (answer, dropped) =
-        crate::service::settle_commit(&keys, stored, &committed, link.commit_blocking(entries));
+    let (answer, dropped) = crate::service::settle_commit(
+        link,
+        &keys,
+        stored,
+        &committed,
+        link.commit_blocking(entries),
+    );
     for key in dropped {
         if let Err(e) = pool.with(|p| p.remove(&key).map(|_| ())) {
             tracing::warn!(error = %e.message(), "could not drop an unpublished value");

@@ -712,8 +712,60 @@ fn a_granted_put_the_master_cannot_index_fails_and_leaves_nothing() {
     assert_eq!(held[0].get(b"gm-1").unwrap(), Some(v));
 }
 
-/// Run by the test above in a child process with `MORI_UMBP_SHM=0`: single puts go to the
-/// granted peer as small ops.
+/// A put whose commit the master carries out after the peer gave up on it (the master stopped
+/// past the peer's deadline for its calls, then resumed) fails, the peer drops the value, and the
+/// master's entry for the key, pointing at a value that is gone, is dropped at the peer's next
+/// heartbeat: the key can be put again and read. Without that the key stayed "present" for good,
+/// every put of it refused and every get a miss.
+#[test]
+fn a_commit_the_master_carries_out_after_the_peer_gave_up_leaves_the_key_puttable() {
+    // Peers stay alive across the pause (10 s), while a peer's call to the master gives up after
+    // 1 s (twice the 500 ms floor of the heartbeat interval).
+    let cl = cluster_with(&["--dram-bytes", "8M"], false, "10s");
+    let c = Client::connect(&cl.master.addr).unwrap();
+    let direct = Client::connect(&cl.peers[0].addr).unwrap();
+    let (k, v) = (b"gave-up".as_slice(), bytes(41, 5000));
+    // A first put opens the peer's connection to the master, kept for its next commit.
+    assert!(direct.put(b"first", &bytes(40, 100)).unwrap());
+    cl.master.pause();
+    let started = Instant::now();
+    let err = direct.put(k, &v).unwrap_err();
+    assert!(
+        err.to_string().to_lowercase().contains("unavailable"),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the peer gave up on its commit"
+    );
+    assert!(
+        !direct.exists(k).unwrap(),
+        "the peer dropped the value it could not publish"
+    );
+    cl.master.signal(libc::SIGCONT);
+    // The master now reads the commit the peer sent before giving up, and places the key there.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let v2 = bytes(42, 6000);
+    loop {
+        if c.put(k, &v2).unwrap() {
+            break;
+        }
+        assert_eq!(
+            c.get(k).unwrap(),
+            None,
+            "nothing to read: the value was dropped"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the key stayed indexed at a peer that dropped its value"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(c.get(k).unwrap(), Some(v2));
+}
+
+/// Run by `single_puts_take_the_granted_peer_and_the_first_writer_still_wins` in a child
+/// process with `MORI_UMBP_SHM=0`: single puts go to the granted peer as small ops.
 #[test]
 #[ignore = "run by single_puts_take_the_granted_peer_and_the_first_writer_still_wins"]
 fn single_puts_child_over_small_ops() {
