@@ -18,7 +18,7 @@
 //!   fit (high watermark 1.0), down to the configured high watermark; the master's direction
 //!   keeps use between the low and high watermarks otherwise.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -129,15 +129,19 @@ impl PeerLink {
     /// absent) have one report less to go, those neither reported nor `busy` (a put holds them)
     /// were stored again and are settled.
     fn unsure_reported(&self, asked: &[Vec<u8>], reported: &[Vec<u8>], busy: &[Vec<u8>]) {
+        let reported: HashSet<&[u8]> = reported.iter().map(Vec::as_slice).collect();
+        let busy: HashSet<&[u8]> = busy.iter().map(Vec::as_slice).collect();
         let mut unsure = self
             .unsure
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         for k in asked {
-            if busy.contains(k) {
+            if busy.contains(k.as_slice()) {
                 continue;
             }
-            let left = unsure.get_mut(k).filter(|_| reported.contains(k));
+            let left = unsure
+                .get_mut(k)
+                .filter(|_| reported.contains(k.as_slice()));
             match left {
                 Some(n) if *n > 1 => *n -= 1,
                 _ => {
