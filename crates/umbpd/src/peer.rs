@@ -37,7 +37,7 @@ use crate::server::{
     DaemonError, MAX_MESSAGE_BYTES, Security, Signals, announce, bind, close_pool, open_pool,
     remove_port_file, start_serving, umbp_server,
 };
-use crate::service::{SharedPool, UmbpService, stats_response};
+use crate::service::{SharedPool, UmbpService, settle_commit, stats_response};
 use crate::small_ops::{self, SmallOpsClient};
 
 /// Keys per `Commit` when a peer publishes what it holds at registration.
@@ -346,55 +346,77 @@ async fn register(
         .into_inner();
     link.id.store(resp.peer_id, Ordering::Release);
     let p = Arc::clone(pool);
-    let entries = tokio::task::spawn_blocking(move || p.with(|p| p.entries()))
+    let keys: Vec<Vec<u8>> = tokio::task::spawn_blocking(move || p.with(|p| p.entries()))
         .await
-        .map_err(|e| Status::internal(e.to_string()))??;
-    let total = entries.len();
-    let mut duplicates = Vec::new();
-    for chunk in entries.chunks(ANNOUNCE_CHUNK) {
-        let commit: Vec<CommitEntry> = chunk
-            .iter()
-            .map(|(k, loc)| CommitEntry {
-                key: k.clone(),
-                len: loc.len,
-                on_ssd: loc.tier == mori_umbp::Tier::Ssd,
-            })
-            .collect();
-        let published = link.commit(commit).await?;
-        for ((k, _), ok) in chunk.iter().zip(published) {
-            if !ok {
-                duplicates.push(k.clone());
+        .map_err(|e| Status::internal(e.to_string()))??
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    let (mut published, mut dups) = (0, 0);
+    for chunk in keys.chunks(ANNOUNCE_CHUNK) {
+        match publish_held(link, pool, chunk.to_vec()).await {
+            Ok((p, d)) => (published, dups) = (published + p, dups + d),
+            Err(e) => {
+                // Not all published: register again (the heartbeat loop does when the id is 0).
+                let _ =
+                    link.id
+                        .compare_exchange(resp.peer_id, 0, Ordering::AcqRel, Ordering::Acquire);
+                return Err(e);
             }
         }
     }
-    let dups = duplicates.len();
-    if dups > 0 {
-        let p = Arc::clone(pool);
-        tokio::task::spawn_blocking(move || {
-            p.with(|p| {
-                for k in &duplicates {
-                    p.remove(k)?;
-                }
-                Ok(())
-            })
-        })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))??;
-    }
     info!(
         peer = resp.peer_id,
-        keys = total,
+        keys = published,
         duplicates_dropped = dups,
         "registered"
     );
     crate::server::say(&format!(
         "registered with master {} as peer {}: published {} keys ({} held elsewhere, dropped)",
-        link.master_addr,
-        resp.peer_id,
-        total - dups,
-        dups
+        link.master_addr, resp.peer_id, published, dups
     ));
     Ok(())
+}
+
+/// Publishes `keys` the pool held when the peer registered, claimed until the master has
+/// answered (as a put's): each read again under the claim, since a put may have dropped it
+/// meanwhile, and those another peer holds dropped here. Returns how many were published and
+/// how many dropped.
+async fn publish_held(
+    link: &PeerLink,
+    pool: &Arc<SharedPool>,
+    keys: Vec<Vec<u8>>,
+) -> Result<(usize, usize), Status> {
+    let p = Arc::clone(pool);
+    let (keys, entries, claim) = tokio::task::spawn_blocking(move || {
+        let claim = p.claim(keys.iter().map(Vec::as_slice));
+        let mut entries = Vec::with_capacity(keys.len());
+        for k in &keys {
+            entries.push(p.with_status(|pool| crate::service::commit_entry(pool, k))?);
+        }
+        Ok::<_, Status>((keys, entries, claim))
+    })
+    .await
+    .map_err(|e| Status::internal(e.to_string()))??;
+    let committed: Vec<usize> = (0..keys.len()).filter(|&i| entries[i].is_some()).collect();
+    let published = link.commit(entries.into_iter().flatten().collect()).await;
+    let stored = vec![false; keys.len()]; // nothing stored by this call: a failure drops nothing
+    let (answer, dropped) = settle_commit(link, &keys, stored, &committed, published);
+    answer?;
+    let counts = (committed.len() - dropped.len(), dropped.len());
+    let p = Arc::clone(pool);
+    tokio::task::spawn_blocking(move || {
+        p.with(|p| {
+            for k in &dropped {
+                p.remove(k)?;
+            }
+            Ok(())
+        })
+    })
+    .await
+    .map_err(|e| Status::internal(e.to_string()))??;
+    drop(claim);
+    Ok(counts)
 }
 
 /// One heartbeat: report, then evict what the master names. Returns the keys to report as
