@@ -390,16 +390,13 @@ async fn publish_held(
     let p = Arc::clone(pool);
     let (keys, entries, claim) = tokio::task::spawn_blocking(move || {
         let claim = p.claim(keys.iter().map(Vec::as_slice));
-        let mut entries = Vec::with_capacity(keys.len());
-        for k in &keys {
-            entries.push(p.with_status(|pool| crate::service::commit_entry(pool, k))?);
-        }
+        let entries = p.with_status(|pool| crate::service::commit_entries(pool, &keys))?;
         Ok::<_, Status>((keys, entries, claim))
     })
     .await
     .map_err(|e| Status::internal(e.to_string()))??;
-    let committed: Vec<usize> = (0..keys.len()).filter(|&i| entries[i].is_some()).collect();
-    let published = link.commit(entries.into_iter().flatten().collect()).await;
+    let (entries, committed) = entries;
+    let published = link.commit(entries).await;
     let stored = vec![false; keys.len()]; // nothing stored by this call: a failure drops nothing
     let (answer, dropped) = settle_commit(link, &keys, stored, &committed, published);
     answer?;

@@ -886,23 +886,16 @@ impl UmbpService {
             let claim = pool.claim(keys.iter().map(Vec::as_slice));
             pool.with_status(|p| {
                 let outcomes = store(p, &keys)?;
-                let mut entries = Vec::with_capacity(keys.len());
-                for k in &keys {
-                    entries.push(commit_entry(p, k)?);
-                }
                 let stored: Vec<bool> = outcomes.iter().map(|o| *o == PutOutcome::Stored).collect();
-                Ok((stored, entries))
+                Ok((stored, commit_entries(p, &keys)?))
             })
             .map(|(stored, entries)| (keys, stored, entries, claim))
         })
         .await
         .map_err(|e| Status::internal(format!("pool worker failed: {e}")))??;
-        let idx: Vec<usize> = (0..entries.len())
-            .filter(|&i| entries[i].is_some())
-            .collect();
-        let commit: Vec<CommitEntry> = entries.into_iter().flatten().collect();
-        let published = link.commit(commit).await;
-        let (answer, dropped) = settle_commit(&link, &keys, stored, &idx, published);
+        let (entries, committed) = entries;
+        let published = link.commit(entries).await;
+        let (answer, dropped) = settle_commit(&link, &keys, stored, &committed, published);
         self.remove_keys(dropped).await;
         drop(claim);
         answer
@@ -946,13 +939,24 @@ impl UmbpService {
     }
 }
 
-/// The commit entry of `key` where the pool holds it now; `None` when it does not.
-pub(crate) fn commit_entry(p: &LocalPool, key: &[u8]) -> Result<Option<CommitEntry>, Status> {
-    Ok(p.location(key).map_err(status_of)?.map(|loc| CommitEntry {
-        key: key.to_vec(),
-        len: loc.len,
-        on_ssd: loc.tier == mori_umbp::Tier::Ssd,
-    }))
+/// The commit entries of those of `keys` the pool holds now (where it holds them), and the
+/// index in `keys` of each: what a put or a registration publishes.
+pub(crate) fn commit_entries<K: AsRef<[u8]>>(
+    p: &LocalPool,
+    keys: &[K],
+) -> Result<(Vec<CommitEntry>, Vec<usize>), Status> {
+    let (mut entries, mut committed) = (Vec::new(), Vec::new());
+    for (i, key) in keys.iter().enumerate() {
+        if let Some(loc) = p.location(key.as_ref()).map_err(status_of)? {
+            entries.push(CommitEntry {
+                key: key.as_ref().to_vec(),
+                len: loc.len,
+                on_ssd: loc.tier == mori_umbp::Tier::Ssd,
+            });
+            committed.push(i);
+        }
+    }
+    Ok((entries, committed))
 }
 
 /// What a peer answers for a put of `keys` (`stored`: per key, whether this call stored it)

@@ -1289,16 +1289,7 @@ fn published(
     let Some(link) = link else {
         return Ok(stored);
     };
-    let (entries, committed) = pool.with_status(|p| {
-        let (mut entries, mut committed) = (Vec::new(), Vec::new());
-        for (i, key) in keys.iter().enumerate() {
-            if let Some(entry) = crate::service::commit_entry(p, key)? {
-                entries.push(entry);
-                committed.push(i);
-            }
-        }
-        Ok((entries, committed))
-    })?;
+    let (entries, committed) = pool.with_status(|p| crate::service::commit_entries(p, keys))?;
     let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
     let (answer, dropped) = crate::service::settle_commit(
         link,
